@@ -1,0 +1,32 @@
+# Two set-up commands for a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The exact pin takes the CPU wheel that lies on disk here; any other spec may pull a multi-GB CUDA
+# build. GPU users: TORCH_SPEC="torch" (or their own build) make install.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(BIN)/samestep demo
+
+test: install
+	$(BIN)/python -m pytest -q tests
+
+bench: install
+	$(BIN)/python bench/bench_foundation.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info

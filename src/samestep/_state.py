@@ -1,0 +1,90 @@
+"""Nested state (``state_dict()`` trees) as JSON plus named tensors, and its exact digest.
+
+A ``state_dict()`` mixes tensors with ints, floats, tuples, ``None`` and int-keyed dicts (an
+optimizer's). ``flatten`` turns it into a JSON-able tree, where tensors become references into a flat
+``{name: tensor}`` map (stored in safetensors), and ``unflatten`` rebuilds it exactly: floats travel as
+``float.hex`` so no bit is lost, tuples stay tuples, int keys stay ints. No pickle is involved.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import torch
+
+_TENSOR, _TUPLE, _DICT, _FLOAT = "__tensor__", "__tuple__", "__dict__", "__float__"
+
+
+def flatten(tree: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """Replaces every tensor in ``tree`` by a reference named under ``prefix``; returns the JSON tree."""
+    if isinstance(tree, torch.Tensor):
+        tensors[prefix] = tree.detach()
+        return {_TENSOR: prefix}
+    if isinstance(tree, bool) or tree is None or isinstance(tree, (int, str)):
+        return tree
+    if isinstance(tree, float):
+        return {_FLOAT: tree.hex()}
+    if isinstance(tree, tuple):
+        return {_TUPLE: [flatten(v, f"{prefix}.{i}", tensors) for i, v in enumerate(tree)]}
+    if isinstance(tree, list):
+        return [flatten(v, f"{prefix}.{i}", tensors) for i, v in enumerate(tree)]
+    if isinstance(tree, dict):
+        if all(isinstance(k, str) for k in tree) and not ({_TENSOR, _TUPLE, _DICT, _FLOAT} & tree.keys()):
+            return {k: flatten(v, f"{prefix}.{k}", tensors) for k, v in tree.items()}
+        for k in tree:
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise ValueError(f"state key {k!r} under {prefix!r} is not a str or int; cannot store it")
+        return {_DICT: [[k, flatten(v, f"{prefix}.{k}", tensors)] for k, v in tree.items()]}
+    raise ValueError(
+        f"state entry {prefix!r} has type {type(tree).__name__}, which samestep stores without pickle "
+        "only as tensors, numbers, strings, None, lists, tuples and dicts; convert it in state_dict()"
+    )
+
+
+def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Inverse of ``flatten``."""
+    if isinstance(tree, list):
+        return [unflatten(v, tensors) for v in tree]
+    if isinstance(tree, dict):
+        if _TENSOR in tree:
+            return tensors[tree[_TENSOR]]
+        if _FLOAT in tree:
+            return float.fromhex(tree[_FLOAT])
+        if _TUPLE in tree:
+            return tuple(unflatten(v, tensors) for v in tree[_TUPLE])
+        if _DICT in tree:
+            return {k: unflatten(v, tensors) for k, v in tree[_DICT]}
+        return {k: unflatten(v, tensors) for k, v in tree.items()}
+    return tree
+
+
+def canonical_json(obj: Any) -> bytes:
+    """Key-sorted, compact JSON bytes: the form that digests are taken over."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The raw little-endian bytes of a tensor, in row-major order."""
+    t = t.detach().to("cpu").contiguous()
+    if t.numel() == 0:
+        return b""
+    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def sha256_tensor(t: torch.Tensor) -> str:
+    """SHA-256 over a tensor's dtype, shape and bytes."""
+    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(tensor_bytes(t))
+    return h.hexdigest()
+
+
+def state_digest(tree: Any) -> str:
+    """SHA-256 over a state tree: its JSON structure and every tensor's dtype, shape and bytes."""
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = flatten(tree, "state", tensors)
+    h = hashlib.sha256(canonical_json(skeleton))
+    for name in sorted(tensors):
+        h.update(name.encode() + b"\0" + sha256_tensor(tensors[name]).encode())
+    return h.hexdigest()

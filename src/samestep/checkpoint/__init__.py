@@ -1,0 +1,8 @@
+"""Exact-resume checkpoints: safetensors plus a JSON manifest of digests, committed atomically."""
+
+from samestep.checkpoint._format import FORMAT, VERSION, CheckpointError
+from samestep.checkpoint.load import LoadedCheckpoint, load_checkpoint, verify_checkpoint
+from samestep.checkpoint.save import save_checkpoint
+
+__all__ = ["FORMAT", "VERSION", "CheckpointError", "LoadedCheckpoint", "load_checkpoint", "save_checkpoint",
+           "verify_checkpoint"]

@@ -1,0 +1,93 @@
+"""The checkpoint format ("samestep.checkpoint", version 1): names, manifest, and durable writes.
+
+    ROOT/                          e.g. RUN/checkpoints
+      step_000100/
+        manifest.json              format, version, step, world size, every file's size and SHA-256,
+                                   every tensor's SHA-256, and the manifest's own SHA-256
+        model.safetensors          model state (tied tensors stored once, aliases in the manifest)
+        optimizer.safetensors      optimizer tensors; their non-tensor entries live in state.json
+        state.json                 optimizer/scheduler/cursor skeletons, config, environment, extra
+        rank_00000.safetensors     per-rank RNG tensors (never deduplicated across ranks)
+        rank_00000.json            per-rank RNG metadata
+      latest                       names the newest committed checkpoint; written last
+
+A checkpoint directory appears under its final name only by an atomic rename, after every file and
+the manifest are fsync'ed, so a crash at any instant leaves only committed checkpoints named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from samestep._state import canonical_json
+
+FORMAT = "samestep.checkpoint"
+VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, corrupt, or does not fit what it is loaded into."""
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def rank_names(rank: int) -> tuple[str, str]:
+    return f"rank_{rank:05d}.safetensors", f"rank_{rank:05d}.json"
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def manifest_digest(manifest: dict[str, Any]) -> str:
+    """SHA-256 of the manifest without its own digest field."""
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    return sha256_bytes(canonical_json(body))
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_durable(path: Path, data: bytes) -> None:
+    """Writes ``data`` to ``path`` and fsyncs it (the directory is fsync'ed by the committer)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_json(path: Path, obj: Any) -> bytes:
+    data = json.dumps(obj, indent=1, sort_keys=True, allow_nan=False).encode("utf-8") + b"\n"
+    write_durable(path, data)
+    return data
+
+
+def replace_atomic(path: Path, data: bytes) -> None:
+    """Replaces ``path`` with ``data`` atomically: temp file, fsync, rename, fsync the directory."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    write_durable(tmp, data)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def committed_steps(root: Path) -> list[tuple[int, Path]]:
+    """Every committed checkpoint under ``root`` as ``(step, path)``, newest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))]
+    return sorted(found, reverse=True)

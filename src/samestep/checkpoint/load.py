@@ -1,0 +1,212 @@
+"""``load_checkpoint`` and ``verify_checkpoint``: every byte checked before any state is touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as safetensors_load
+
+from samestep import rng as _rng
+from samestep._state import sha256_tensor, unflatten
+from samestep.checkpoint._format import (
+    FORMAT, LATEST, MANIFEST, STEP_DIR, VERSION, CheckpointError, committed_steps, manifest_digest,
+    rank_names, sha256_bytes,
+)
+from samestep.env import compare_environments, environment
+
+__all__ = ["LoadedCheckpoint", "load_checkpoint", "verify_checkpoint"]
+
+
+@dataclass(slots=True)
+class LoadedCheckpoint:
+    """What ``load_checkpoint`` restored, and what it had to skip to get there."""
+
+    path: Path
+    step: int
+    world_size: int
+    config: dict[str, Any] | None
+    environment: dict[str, Any]
+    env_diff: dict[str, tuple[Any, Any]]
+    extra: Any = None
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Verified:
+    path: Path
+    manifest: dict[str, Any]
+    data: dict[str, bytes]  # file name -> bytes, each checked against the manifest
+
+
+def _tensor_problem(name: str, data: bytes, expected: dict[str, str]) -> str:
+    """Names the tensor(s) that differ in a safetensors file whose SHA-256 did not match."""
+    try:
+        tensors = safetensors_load(data)
+    except Exception as e:  # a damaged header: no tensor can be named
+        return f"its header does not parse ({e})"
+    bad = [k for k, digest in expected.items() if k not in tensors or sha256_tensor(tensors[k]) != digest]
+    extra = sorted(set(tensors) - set(expected))
+    if bad:
+        return "tensor(s) " + ", ".join(repr(k) for k in bad) + " differ from their manifest digest"
+    if extra:
+        return "tensor(s) not in the manifest: " + ", ".join(map(repr, extra))
+    return "its bytes differ from the manifest digest (header or padding)"
+
+
+def _verify(path: Path, only: set[str] | None = None) -> _Verified:
+    """Reads and checks one checkpoint directory; raises CheckpointError naming the first problem."""
+    mpath = path / MANIFEST
+    try:
+        manifest = json.loads(mpath.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(f"{mpath}: missing; {path} is not a committed samestep checkpoint") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{mpath}: not valid JSON ({e}); the manifest is corrupt") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{mpath}: format is {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
+                              f"expected {FORMAT!r}")
+    if manifest.get("version") != VERSION:
+        raise CheckpointError(f"{mpath}: version {manifest.get('version')!r} is not supported (this samestep "
+                              f"reads version {VERSION}); use the samestep release that wrote it")
+    if manifest.get("manifest_sha256") != manifest_digest(manifest):
+        raise CheckpointError(f"{mpath}: its contents do not match manifest_sha256; the manifest was edited "
+                              "or damaged")
+    data: dict[str, bytes] = {}
+    for name, entry in manifest["files"].items():
+        if only is not None and name not in only:
+            continue
+        fpath = path / name
+        try:
+            blob = fpath.read_bytes()
+        except FileNotFoundError:
+            raise CheckpointError(f"{fpath}: missing (listed in the manifest)") from None
+        if len(blob) != entry["size"]:
+            raise CheckpointError(f"{fpath}: {len(blob)} bytes, manifest says {entry['size']} (truncated or "
+                                  "overwritten)")
+        if sha256_bytes(blob) != entry["sha256"]:
+            why = _tensor_problem(name, blob, entry["tensors"]) if "tensors" in entry else "its SHA-256 differs"
+            raise CheckpointError(f"{fpath}: corrupt: {why}")
+        data[name] = blob
+    return _Verified(path, manifest, data)
+
+
+def _candidates(path: Path) -> list[Path]:
+    """The checkpoint directories to try, best first: ``latest``, then every committed one, newest first."""
+    if (path / MANIFEST).exists() or STEP_DIR.match(path.name):
+        return [path]
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint or checkpoints directory")
+    order: list[Path] = []
+    latest = path / LATEST
+    if latest.exists():
+        named = path / latest.read_text(encoding="utf-8").strip()
+        if STEP_DIR.match(named.name):
+            order.append(named)
+    order += [p for _, p in committed_steps(path) if p not in order]
+    if not order:
+        raise CheckpointError(f"{path}: holds no committed checkpoint (no step_NNNNNN directory)")
+    return order
+
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """Checks every file and tensor digest of a checkpoint (a step directory, or the newest in a root).
+
+    Returns:
+        The checkpoint directory that was verified.
+
+    Raises:
+        CheckpointError: the file, tensor and problem (missing, truncated, flipped bits, edited manifest).
+    """
+    return _verify(_candidates(Path(path))[0]).path
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    data_cursor: Any = None,
+    fallback: bool = False,
+    strict_env: bool = False,
+    restore_rng: bool = True,
+    generators: dict[str, torch.Generator] | None = None,
+) -> LoadedCheckpoint:
+    """Verifies a checkpoint, then restores it into the given objects.
+
+    Args:
+        path: a step directory, or a checkpoints root (its ``latest``, else its newest).
+        model, optimizer, scheduler, data_cursor: restored in place from their saved ``state_dict()``.
+        fallback: if the newest checkpoint is corrupt, warn and use the newest intact one.
+        strict_env: a different environment fingerprint is an error instead of a warning.
+        restore_rng: restore this rank's python/numpy/torch/CUDA/registered generator states.
+        generators: named generators to restore besides the registered ones.
+
+    Returns:
+        A ``LoadedCheckpoint`` with the step, config, environment differences and skipped checkpoints.
+
+    Raises:
+        CheckpointError: the checkpoint (every one, with ``fallback``) is corrupt or does not fit.
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    candidates = _candidates(Path(path))
+    skipped: list[tuple[Path, str]] = []
+    verified: _Verified | None = None
+    for cand in candidates if fallback else candidates[:1]:
+        try:
+            verified = _verify(cand)
+            break
+        except CheckpointError as e:
+            if not fallback:
+                raise
+            skipped.append((cand, str(e)))
+            warnings.warn(f"skipping corrupt checkpoint {cand}: {e}", RuntimeWarning, stacklevel=2)
+    if verified is None:
+        raise CheckpointError(f"{path}: no intact checkpoint; " + "; ".join(f"{p.name}: {w}" for p, w in skipped))
+
+    manifest, data = verified.manifest, verified.data
+    state = json.loads(data["state.json"])
+    saved_env = state["environment"]
+    diff = compare_environments(saved_env, environment())
+    if diff:
+        fields = ", ".join(f"{k} ({a!r} -> {b!r})" for k, (a, b) in diff.items())
+        msg = f"{verified.path} was written in another environment; differing fields: {fields}"
+        if strict_env:
+            raise CheckpointError(msg + ". Bits may differ; pass strict_env=False to load anyway")
+        warnings.warn(msg, RuntimeWarning, stacklevel=2)
+
+    opt_tensors = safetensors_load(data["optimizer.safetensors"])
+    if model is not None:
+        tensors = safetensors_load(data["model.safetensors"])
+        for alias, target in state["model_aliases"].items():
+            tensors[alias] = tensors[target]
+        try:
+            model.load_state_dict(tensors, strict=True)
+        except RuntimeError as e:
+            raise CheckpointError(f"{verified.path / 'model.safetensors'}: does not fit the model: {e}") from None
+    for obj, key in ((optimizer, "optimizer"), (scheduler, "scheduler"), (data_cursor, "data_cursor")):
+        if obj is None:
+            continue
+        if key not in state:
+            raise CheckpointError(f"{verified.path}: holds no {key} state, but a {key} was passed to load into")
+        obj.load_state_dict(unflatten(state[key], opt_tensors))
+    if restore_rng:
+        t_name, j_name = rank_names(rank)
+        if t_name not in data:
+            raise CheckpointError(
+                f"{verified.path}: has no RNG state for rank {rank} (written by {manifest['world_size']} "
+                "rank(s)); resume with the same world size, or pass restore_rng=False when all "
+                "randomness is counter-keyed (samestep train does this)")
+        _rng.restore_rng(json.loads(data[j_name]), safetensors_load(data[t_name]), generators)
+    extra = unflatten(state["extra"], opt_tensors) if "extra" in state else None
+    return LoadedCheckpoint(path=verified.path, step=manifest["step"], world_size=manifest["world_size"],
+                            config=state.get("config"), environment=saved_env, env_diff=diff, extra=extra,
+                            skipped=skipped)

@@ -1,0 +1,157 @@
+"""``save_checkpoint``: complete training state, written and committed atomically."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as safetensors_bytes
+
+from samestep import rng as _rng
+from samestep._state import flatten, sha256_tensor
+from samestep.checkpoint._format import (
+    FORMAT, LATEST, MANIFEST, VERSION, committed_steps, fsync_dir, manifest_digest, rank_names,
+    replace_atomic, sha256_bytes, step_dir_name, write_durable, write_json,
+)
+from samestep.env import environment
+
+__all__ = ["save_checkpoint"]
+
+
+def _dist() -> tuple[int, int, Any]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), dist.barrier
+    return 0, 1, lambda: None
+
+
+def _unique_tensors(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Stores each tensor once: safetensors refuses shared storage (e.g. tied embeddings)."""
+    seen: dict[tuple, str] = {}
+    unique: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, t in state.items():
+        t = t.detach()
+        ident = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if t.numel() and ident in seen:
+            aliases[name] = seen[ident]
+            continue
+        seen[ident] = name
+        unique[name] = t.to("cpu").contiguous()
+    return unique, aliases
+
+
+def _write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    data = safetensors_bytes(tensors, metadata={"format": FORMAT, "version": str(VERSION)})
+    write_durable(path, data)
+    return {"size": len(data), "sha256": sha256_bytes(data),
+            "tensors": {k: sha256_tensor(v) for k, v in sorted(tensors.items())}}
+
+
+def _file_entry(data: bytes) -> dict[str, Any]:
+    return {"size": len(data), "sha256": sha256_bytes(data)}
+
+
+def save_checkpoint(
+    root: str | os.PathLike[str],
+    step: int,
+    *,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    data_cursor: Any = None,
+    config: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+    generators: dict[str, torch.Generator] | None = None,
+    keep: int | None = None,
+) -> Path:
+    """Saves a checkpoint of everything a bit-exact resume needs, and commits it atomically.
+
+    Every rank of a process group calls it together (model and optimizer are written by rank 0;
+    each rank writes its own RNG state). The checkpoint becomes visible under ``ROOT/step_NNNNNN``
+    only once complete, then ``ROOT/latest`` is updated.
+
+    Args:
+        root: the checkpoints directory (``RUN/checkpoints``).
+        step: the number of optimizer steps completed.
+        model: its ``state_dict()`` is saved.
+        optimizer: its ``state_dict()``, non-tensor entries (step counts, betas) exactly.
+        scheduler: any object with ``state_dict()``/``load_state_dict()`` (an LR scheduler).
+        data_cursor: any object with ``state_dict()``/``load_state_dict()`` (where the data stands).
+        config: the run's configuration, stored for comparison on load.
+        extra: any further JSON-able or tensor state of the user's loop.
+        generators: named ``torch.Generator`` s to capture besides the registered ones.
+        keep: keep only this many newest checkpoints (``None`` keeps all).
+
+    Returns:
+        The committed checkpoint directory.
+    """
+    if not isinstance(step, int) or step < 0:
+        raise ValueError(f"save_checkpoint(step={step!r}): step must be a non-negative integer")
+    rank, world, barrier = _dist()
+    root = Path(root)
+    final = root / step_dir_name(step)
+    tmp = root / f".{final.name}.tmp"
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():  # left by a crash mid-save: never named, safe to discard
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier()
+
+    # Every rank writes its own RNG state: ranks' streams differ and are never deduplicated.
+    meta, rng_tensors = _rng.capture_rng(generators)
+    t_name, j_name = rank_names(rank)
+    _write_tensors(tmp / t_name, rng_tensors)
+    write_json(tmp / j_name, meta)
+
+    if rank == 0:
+        files: dict[str, Any] = {}
+        model_tensors, aliases = _unique_tensors(model.state_dict())
+        files["model.safetensors"] = _write_tensors(tmp / "model.safetensors", model_tensors)
+        state: dict[str, Any] = {"step": step, "model_aliases": aliases, "config": config,
+                                 "environment": environment()}
+        opt_tensors: dict[str, torch.Tensor] = {}
+        if optimizer is not None:
+            state["optimizer"] = flatten(optimizer.state_dict(), "optimizer", opt_tensors)
+        if scheduler is not None:
+            state["scheduler"] = flatten(scheduler.state_dict(), "scheduler", opt_tensors)
+        if data_cursor is not None:
+            state["data_cursor"] = flatten(data_cursor.state_dict(), "data_cursor", opt_tensors)
+        if extra is not None:
+            state["extra"] = flatten(extra, "extra", opt_tensors)
+        files["optimizer.safetensors"] = _write_tensors(tmp / "optimizer.safetensors", opt_tensors)
+        files["state.json"] = _file_entry(write_json(tmp / "state.json", state))
+    barrier()
+
+    if rank == 0:
+        for r in range(world):
+            for name in rank_names(r):
+                files[name] = _file_entry((tmp / name).read_bytes())
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
+                    "files": dict(sorted(files.items()))}
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+        write_json(tmp / MANIFEST, manifest)
+        fsync_dir(tmp)
+        old = None
+        if final.exists():  # re-saving a step after a resume from an earlier one
+            old = root / f".{final.name}.old"
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(final, old)
+        os.replace(tmp, final)  # the commit point
+        fsync_dir(root)
+        replace_atomic(root / LATEST, (final.name + "\n").encode())
+        if old is not None:
+            shutil.rmtree(old)
+        if keep is not None:
+            for _, path in committed_steps(root)[max(keep, 1):]:
+                shutil.rmtree(path)
+    barrier()
+    return final
+

@@ -1,0 +1,66 @@
+"""``samestep train``: the reference GPT pretraining run (single process, or torchrun with --nproc)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+from samestep.checkpoint import CheckpointError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="run (or resume) the reference GPT pretraining run",
+        description="Trains the reference GPT into a run directory (run.json, metrics.jsonl, checkpoints/, "
+                    "final.json).",
+        epilog="examples:\n"
+               "  samestep train --run-dir runs/a\n"
+               "  samestep train --run-dir runs/a --set train.steps=50 --set model.dropout=0.0\n"
+               "  samestep train --run-dir runs/a --resume\n"
+               "  samestep train --run-dir runs/b --nproc 2\n"
+               "  torchrun --standalone --nproc_per_node 2 -m samestep train --run-dir runs/b",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--run-dir", required=True, help="the run directory")
+    p.add_argument("--config", help="a TOML file with [train], [model], [data], [determinism] sections")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config value (repeatable)")
+    p.add_argument("--nproc", type=int, default=1, help="data-parallel processes (launches torchrun)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
+    p.add_argument("--json", action="store_true", help="print final.json as JSON at the end")
+    p.set_defaults(run=run, subparser=p)
+
+
+def _launch(args: argparse.Namespace, threads: int) -> int:
+    """Re-runs this command under torchrun with ``--nproc`` processes on this machine."""
+    rest = ["train", "--run-dir", args.run_dir, *(["--config", args.config] if args.config else []),
+            *[x for s in args.set for x in ("--set", s)], *(["--resume"] if args.resume else []),
+            *(["--json"] if args.json else [])]
+    # torchrun would otherwise set OMP_NUM_THREADS=1 with a warning; the run pins its own count.
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+           "-m", "samestep", *rest]
+    return subprocess.call(cmd, env=env)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from samestep.train import load_config, train
+
+    try:
+        cfg = load_config(args.config, args.set)
+    except ValueError as e:
+        parser.error(str(e))
+    if args.nproc < 1:
+        parser.error(f"--nproc={args.nproc} must be at least 1")
+    if args.nproc > 1:
+        return _launch(args, cfg.determinism.threads)
+    try:
+        final = train(cfg, args.run_dir, resume=args.resume)
+    except (ValueError, CheckpointError) as e:
+        print(f"samestep train: error: {e}", file=sys.stderr)
+        return 2
+    if args.json and int(os.environ.get("RANK", "0")) == 0:
+        print(json.dumps(final))
+    return 0

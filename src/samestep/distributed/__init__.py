@@ -1,0 +1,8 @@
+"""Layout-invariant data parallelism: the canonical gradient reduction and layout validation."""
+
+from samestep.distributed.reduce import (
+    AllReduceGradients, BinaryCounter, CanonicalGradients, canonical_sum, combine_across_ranks, validate_layout,
+)
+
+__all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalGradients", "canonical_sum", "combine_across_ranks",
+           "validate_layout"]

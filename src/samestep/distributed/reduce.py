@@ -1,0 +1,221 @@
+"""The canonical reduction: a step's gradient is one fixed binary tree over global microbatch indices.
+
+Floating-point addition is commutative but not associative, so the bits of a sum depend only on its
+bracketing. samestep fixes the bracketing by the *global* microbatch index 0..N-1, whatever the number
+of processes (DESIGN invariant 2):
+
+- the tree is the one a binary counter builds: leaves are pushed in index order and two equal-sized
+  subtrees merge as soon as both exist; whatever remains (when N is not a power of two) is combined
+  from the smallest block up. Over N = 8 that is ((m0+m1)+(m2+m3))+((m4+m5)+(m6+m7)).
+- each process owns an aligned range of K = 2^k microbatch indices, a subtree of that tree, and reduces
+  it locally as its microbatches finish, holding O(log K) buffers instead of K;
+- the processes then combine their subtree sums with the same counter over rank index, so the result
+  has the same bits as on one process. The combine moves the bytes of a ring all-reduce: an all-to-all
+  of 1/W chunks (a reduce-scatter whose summing order we choose), the fixed-order sum of the W chunks,
+  and an all-gather: 2(W-1)/W of the buffer sent per process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+__all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalGradients", "canonical_sum", "combine_across_ranks",
+           "validate_layout"]
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def validate_layout(world_size: int, microbatches_per_process: int) -> None:
+    """Refuses a layout whose per-process microbatch ranges are not aligned subtrees of the tree.
+
+    A layout (W, K) is supported when K is a power of two (any W: N = W*K decomposes into power-of-two
+    blocks of at least K, so every range [rK, (r+1)K) lies inside one block, aligned), or when W = 1.
+
+    Raises:
+        ValueError: names the layout and the nearest supported ones.
+    """
+    w, k = world_size, microbatches_per_process
+    if w < 1 or k < 1:
+        raise ValueError(f"layout (world size {w}, {k} microbatches per process) needs both at least 1")
+    if w == 1 or _is_pow2(k):
+        return
+    n = w * k
+    near = sorted({(w2, n // w2) for w2 in range(1, n + 1) if n % w2 == 0 and (w2 == 1 or _is_pow2(n // w2))},
+                  key=lambda wk: abs(wk[0] - w))[:3]
+    options = ", ".join(f"--nproc {w2} ({k2} microbatches per process)" for w2, k2 in near)
+    raise ValueError(
+        f"layout of {w} processes x {k} microbatches per process is not supported: each process must own "
+        f"an aligned, power-of-two range of the {n} global microbatches so that the canonical reduction "
+        f"tree does not depend on the layout. Same global batch, supported: {options}")
+
+
+class BinaryCounter:
+    """Sums tensors pushed in index order along the canonical tree, holding O(log n) partial sums."""
+
+    def __init__(self) -> None:
+        self._stack: list[tuple[int, torch.Tensor]] = []  # (leaves covered, partial sum)
+
+    def push(self, leaf: torch.Tensor, size: int = 1) -> None:
+        """Adds the next leaf (or an already-summed aligned block of ``size`` leaves). Takes ownership."""
+        while self._stack and self._stack[-1][0] == size:
+            left_size, left = self._stack.pop()
+            leaf = left.add_(leaf)
+            size += left_size
+        self._stack.append((size, leaf))
+
+    def result(self) -> torch.Tensor:
+        """The tree sum of everything pushed; resets the counter."""
+        if not self._stack:
+            raise RuntimeError("BinaryCounter.result() with nothing pushed")
+        _, acc = self._stack.pop()
+        while self._stack:  # leftover blocks, smallest (rightmost) first
+            _, left = self._stack.pop()
+            acc = left.add_(acc)
+        return acc
+
+
+def canonical_sum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The canonical-tree sum of ``tensors`` in order (inputs are not modified)."""
+    counter = BinaryCounter()
+    for t in tensors:
+        counter.push(t.clone())
+    return counter.result()
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: object) -> None:
+    import torch.distributed as dist
+
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, inp, group=group)
+
+
+def combine_across_ranks(local: torch.Tensor, world_size: int, group: object = None) -> torch.Tensor:
+    """Sums one equal-sized block per rank in rank order along the canonical tree; same bits on all ranks.
+
+    Moves 2(W-1)/W of ``local``'s bytes per process (all-to-all of chunks, then all-gather).
+    """
+    import torch.distributed as dist
+
+    if world_size == 1:
+        return local
+    n = local.numel()
+    chunk = -(-n // world_size)
+    padded = torch.zeros(chunk * world_size, dtype=local.dtype, device=local.device)
+    padded[:n] = local
+    received = torch.empty_like(padded)
+    dist.all_to_all_single(received, padded, group=group)  # row j = rank j's copy of my chunk
+    rows = received.view(world_size, chunk)
+    counter = BinaryCounter()
+    for j in range(world_size):
+        counter.push(rows[j].clone())
+    mine = counter.result()
+    gathered = torch.empty_like(padded)
+    _all_gather(gathered, mine, group)
+    return gathered[:n]
+
+
+class CanonicalGradients:
+    """Layout-invariant gradient accumulation and reduction for a data-parallel loop.
+
+    After each microbatch's ``backward()``, call ``accumulate(i)`` with its global index; after the
+    last one, ``reduce()`` leaves in every ``p.grad`` the canonical-tree sum over all microbatches of
+    all processes: the same bits on 1, 2, 4 or 8 processes.
+
+        grads = CanonicalGradients(model.parameters(), world_size=W, rank=r, microbatches_per_process=K)
+        for i in range(r * K, (r + 1) * K):
+            loss = model(batch(i)) / total_tokens
+            loss.backward()
+            grads.accumulate(i, extra=loss.detach())
+        loss_sum = grads.reduce()   # the canonical sum of the extras, same on every rank
+        optimizer.step()
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, microbatches_per_process: int,
+                 world_size: int = 1, rank: int = 0, group: object = None) -> None:
+        validate_layout(world_size, microbatches_per_process)
+        self.params = [p for p in params if p.requires_grad]
+        self.k, self.world_size, self.rank, self.group = microbatches_per_process, world_size, rank, group
+        self._counter = BinaryCounter()
+        self._next = rank * self.k
+        self._n_extra = 0
+
+    @property
+    def microbatches(self) -> range:
+        """The global microbatch indices this process owns."""
+        return range(self.rank * self.k, (self.rank + 1) * self.k)
+
+    def accumulate(self, microbatch: int, extra: torch.Tensor | None = None) -> None:
+        """Takes the current ``p.grad`` of every parameter as microbatch ``microbatch``'s leaf; clears them.
+
+        Args:
+            microbatch: the global index; must be the next one of this process's range.
+            extra: a small tensor (e.g. the loss) summed along the same tree, returned by ``reduce()``.
+        """
+        if microbatch != self._next or microbatch not in self.microbatches:
+            raise ValueError(f"accumulate(microbatch={microbatch}): rank {self.rank} expects global index "
+                             f"{self._next} next (it owns {self.microbatches.start}..{self.microbatches.stop - 1})")
+        parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                 for p in self.params]
+        extra_flat = extra.detach().reshape(-1).to(parts[0].dtype) if extra is not None else parts[0][:0]
+        self._n_extra = extra_flat.numel()
+        self._counter.push(torch.cat(parts + [extra_flat]))
+        for p in self.params:
+            p.grad = None
+        self._next += 1
+
+    def reduce(self) -> torch.Tensor:
+        """Combines across processes and writes the result into ``p.grad``; returns the summed extra."""
+        if self._next != self.microbatches.stop:
+            raise RuntimeError(f"reduce() after {self._next - self.microbatches.start} of {self.k} microbatches")
+        total = combine_across_ranks(self._counter.result(), self.world_size, self.group)
+        offset = 0
+        for p in self.params:
+            p.grad = total[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self._next = self.microbatches.start
+        return total[offset: offset + self._n_extra].clone()
+
+
+class AllReduceGradients:
+    """The usual path, for comparison: ``.grad`` accumulates in arrival order, then one all-reduce.
+
+    This is what DDP with ``no_sync()`` on all but the last microbatch does. Its bits depend on the
+    world size (the all-reduce sums in a topology-dependent order, and each process folds a
+    different number of microbatches), which is why the reference run uses it only with
+    ``determinism.enabled = false``. Same interface as ``CanonicalGradients``.
+    """
+
+    def __init__(self, params: Iterable[torch.nn.Parameter], *, microbatches_per_process: int,
+                 world_size: int = 1, rank: int = 0, group: object = None) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.k, self.world_size, self.rank, self.group = microbatches_per_process, world_size, rank, group
+        self._extra: torch.Tensor | None = None
+
+    @property
+    def microbatches(self) -> range:
+        return range(self.rank * self.k, (self.rank + 1) * self.k)
+
+    def accumulate(self, microbatch: int, extra: torch.Tensor | None = None) -> None:
+        if extra is not None:
+            flat = extra.detach().reshape(-1).clone()
+            self._extra = flat if self._extra is None else self._extra + flat
+
+    def reduce(self) -> torch.Tensor:
+        import torch.distributed as dist
+
+        parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                 for p in self.params]
+        extra = self._extra if self._extra is not None else parts[0][:0]
+        total = torch.cat(parts + [extra.to(parts[0].dtype)])
+        if self.world_size > 1:
+            dist.all_reduce(total, group=self.group)
+        offset = 0
+        for p in self.params:
+            p.grad = total[offset: offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self._extra = None
+        return total[offset:].clone()

@@ -1,0 +1,126 @@
+"""Randomness: counter-keyed draws, and complete capture/restore of every RNG a user loop may touch.
+
+DESIGN invariant 1: every random draw is a pure function of (seed, step, global microbatch index,
+purpose), never of the rank, the world size or how many draws another stream made before. Resume and
+re-layout then need no RNG replay:
+
+    g = samestep.rng.generator(seed, step, microbatch, "dropout")
+    mask = torch.rand(shape, generator=g) >= p
+
+A user loop that draws from the global generators all the same gets ``capture_rng()`` /
+``restore_rng()``: python, numpy, torch CPU, every CUDA device, and registered ``torch.Generator`` s
+(data loaders), per rank. The captured state is JSON plus tensors, so a checkpoint stores it without
+pickle.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import struct
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["capture_rng", "generator", "key", "register_generator", "restore_rng", "unregister_generator"]
+
+_MASK63 = (1 << 63) - 1
+_registered: dict[str, torch.Generator] = {}
+
+
+def key(seed: int, step: int, microbatch: int, purpose: str) -> int:
+    """The 63-bit seed of one random stream: a pure function of its four coordinates.
+
+    Args:
+        seed: the run's seed.
+        step: the optimizer step (or another counter the purpose defines, e.g. the epoch).
+        microbatch: the global microbatch index within the step (0..N-1), never a rank-local one.
+        purpose: what the draws are for ("dropout", "init", "data-order"...), so streams never overlap.
+
+    Returns:
+        A non-negative integer below 2**63, usable as ``torch.Generator().manual_seed(...)``.
+    """
+    for name, value in (("seed", seed), ("step", step), ("microbatch", microbatch)):
+        if not isinstance(value, int) or value < 0:
+            raise ValueError(f"rng.key: {name}={value!r} must be a non-negative integer")
+    h = hashlib.blake2b(digest_size=8, person=b"samestep.rng.v1")
+    h.update(struct.pack("<QQQ", seed, step, microbatch))
+    h.update(purpose.encode("utf-8"))
+    return int.from_bytes(h.digest(), "little") & _MASK63
+
+
+def generator(seed: int, step: int, microbatch: int, purpose: str,
+              device: str | torch.device = "cpu") -> torch.Generator:
+    """A fresh ``torch.Generator`` on ``device`` seeded with ``key(seed, step, microbatch, purpose)``."""
+    g = torch.Generator(device=device)
+    g.manual_seed(key(seed, step, microbatch, purpose))
+    return g
+
+
+def register_generator(name: str, gen: torch.Generator) -> None:
+    """Includes ``gen`` (e.g. a DataLoader's generator) in every ``capture_rng()`` under ``name``."""
+    _registered[name] = gen
+
+
+def unregister_generator(name: str) -> None:
+    """Stops capturing the generator registered as ``name``."""
+    _registered.pop(name, None)
+
+
+def capture_rng(generators: dict[str, torch.Generator] | None = None) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Captures every RNG state of this process.
+
+    Args:
+        generators: extra named generators, on top of the registered ones.
+
+    Returns:
+        ``(meta, tensors)``: JSON-able metadata and the state tensors, to be stored per rank.
+    """
+    gens = {**_registered, **(generators or {})}
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    meta: dict[str, Any] = {
+        "python": {"version": version, "state": list(internal), "gauss_next": gauss},
+        "numpy": {"kind": kind, "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached).hex()},
+        "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() and torch.cuda.is_initialized() else 0,
+        "generators": sorted(gens),
+    }
+    tensors: dict[str, torch.Tensor] = {
+        "torch.cpu": torch.get_rng_state(),
+        "numpy.keys": torch.from_numpy(np.asarray(keys, dtype=np.int64)),
+    }
+    for i in range(meta["cuda_devices"]):
+        tensors[f"torch.cuda.{i}"] = torch.cuda.get_rng_state(i)
+    for name, g in gens.items():
+        tensors[f"generator.{name}"] = g.get_state()
+    return meta, tensors
+
+
+def restore_rng(meta: dict[str, Any], tensors: dict[str, torch.Tensor],
+                generators: dict[str, torch.Generator] | None = None) -> None:
+    """Restores what ``capture_rng()`` captured.
+
+    Raises:
+        ValueError: a captured generator or CUDA device has no counterpart here (names it).
+    """
+    gens = {**_registered, **(generators or {})}
+    py = meta["python"]
+    random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
+    npm = meta["numpy"]
+    np.random.set_state((npm["kind"], tensors["numpy.keys"].numpy().astype(np.uint32), npm["pos"],
+                         npm["has_gauss"], float.fromhex(npm["cached_gaussian"])))
+    torch.set_rng_state(tensors["torch.cpu"])
+    n_cuda = meta["cuda_devices"]
+    if n_cuda:
+        if not torch.cuda.is_available() or torch.cuda.device_count() < n_cuda:
+            have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            raise ValueError(f"RNG state holds {n_cuda} CUDA device(s) but this process sees {have}; "
+                             "resume with the same CUDA_VISIBLE_DEVICES")
+        for i in range(n_cuda):
+            torch.cuda.set_rng_state(tensors[f"torch.cuda.{i}"], i)
+    for name in meta["generators"]:
+        if name not in gens:
+            raise ValueError(f"RNG state holds generator {name!r}, which is not registered here; "
+                             f"call samestep.rng.register_generator({name!r}, gen) before loading")
+        gens[name].set_state(tensors[f"generator.{name}"])

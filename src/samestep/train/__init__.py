@@ -1,0 +1,8 @@
+"""The reference GPT pretraining run: config, model, loop."""
+
+from samestep.train.config import Config, DataConfig, DeterminismConfig, ModelConfig, TrainConfig, load_config
+from samestep.train.loop import RESTORE_ALL, train
+from samestep.train.model import GPT
+
+__all__ = ["GPT", "RESTORE_ALL", "Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TrainConfig",
+           "load_config", "train"]

@@ -1,0 +1,226 @@
+"""The reference run's configuration: one dataclass per section, TOML files, ``--set`` overrides.
+
+    [train]
+    steps = 200
+    [model]
+    n_layer = 4
+
+``load_config("run.toml", ["train.steps=50", "model.dropout=0.0"])`` reads the file (if any), applies
+the overrides in order, and validates every field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from samestep.data import SOURCES
+
+__all__ = ["Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TrainConfig", "load_config"]
+
+
+def _positive(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value <= 0:
+            raise ValueError(f"{section}.{name}={value!r} must be positive")
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """The optimisation loop."""
+
+    steps: int = 200
+    """Optimizer steps in the run."""
+    seed: int = 1337
+    """Seed of every counter-keyed random stream (init, data order, dropout)."""
+    global_batch: int = 16
+    """Sequences per optimizer step, over all processes."""
+    micro_batch: int = 4
+    """Sequences per forward/backward; global_batch / micro_batch microbatches per step."""
+    lr: float = 3e-3
+    """Peak learning rate, reached after the warmup."""
+    min_lr: float = 3e-4
+    """Learning rate at the end of the cosine decay."""
+    warmup_steps: int = 20
+    """Linear warmup steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices (not on biases, norms or embeddings' positions)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this (0 disables clipping)."""
+    checkpoint_every: int = 50
+    """Steps between checkpoints (0: only at the end)."""
+    keep_checkpoints: int = 3
+    """Newest checkpoints kept; older ones are deleted after a commit."""
+    log_every: int = 10
+    """Steps between plain-text progress lines when not on a terminal."""
+    device: str = "auto"
+    """'auto' (CUDA if available, else CPU), 'cpu' or 'cuda'."""
+
+    def __post_init__(self) -> None:
+        _positive("train", self, "steps", "global_batch", "micro_batch", "lr", "keep_checkpoints", "log_every")
+        if self.global_batch % self.micro_batch:
+            raise ValueError(f"train.global_batch={self.global_batch} is not a multiple of "
+                             f"train.micro_batch={self.micro_batch}; make it one (e.g. "
+                             f"{self.global_batch - self.global_batch % self.micro_batch or self.micro_batch})")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"train.device={self.device!r} must be 'auto', 'cpu' or 'cuda'")
+        for name in ("seed", "warmup_steps", "checkpoint_every", "min_lr", "weight_decay", "grad_clip"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name}={getattr(self, name)!r} must not be negative")
+
+    @property
+    def microbatches(self) -> int:
+        """Global microbatches per step."""
+        return self.global_batch // self.micro_batch
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """The GPT."""
+
+    n_layer: int = 4
+    """Transformer blocks."""
+    n_head: int = 4
+    """Attention heads per block."""
+    n_embd: int = 128
+    """Embedding width."""
+    block_size: int = 64
+    """Context length in tokens."""
+    dropout: float = 0.1
+    """Dropout probability (counter-keyed masks)."""
+    vocab_size: int = 0
+    """Vocabulary size; 0 takes it from the data source (256 for bytes)."""
+    embedding: str = "module"
+    """Token-embedding lookup: 'module' (nn.Embedding) or 'index' (weight[idx], backward index_put_)."""
+
+    def __post_init__(self) -> None:
+        _positive("model", self, "n_layer", "n_head", "n_embd", "block_size")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model.dropout={self.dropout!r} must be in [0, 1)")
+        if self.vocab_size < 0:
+            raise ValueError(f"model.vocab_size={self.vocab_size} must be 0 (from data) or positive")
+        if self.embedding not in ("module", "index"):
+            raise ValueError(f"model.embedding={self.embedding!r} must be 'module' or 'index'")
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Where the tokens come from."""
+
+    source: str = "stdlib"
+    """'stdlib' (embedded default corpus), 'text' (a directory) or 'bin' (uint16 tokens)."""
+    path: str = ""
+    """The directory or file for 'text' and 'bin'."""
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"data.source={self.source!r} is unknown; use one of {', '.join(SOURCES)}")
+        if self.source != "stdlib" and not self.path:
+            raise ValueError(f"data.source={self.source!r} needs data.path")
+
+
+@dataclass(kw_only=True, slots=True)
+class DeterminismConfig:
+    """Deterministic mode (the knobs live together, as torchtitan's DebugConfig)."""
+
+    enabled: bool = True
+    """Turn on samestep.enable() and the canonical gradient reduction."""
+    threads: int = 1
+    """Intra-op threads per process; fixed (not taken from the machine) so that layouts agree."""
+    warn_only: bool = False
+    """Report settings that break determinism as warnings instead of errors."""
+
+    def __post_init__(self) -> None:
+        _positive("determinism", self, "threads")
+
+
+@dataclass(kw_only=True, slots=True)
+class Config:
+    """A whole run."""
+
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The optimisation loop."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The GPT."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """The token source."""
+    determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
+    """Deterministic mode."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], where: str = "config") -> Config:
+        sections = {f.name: f.default_factory for f in dataclasses.fields(cls)}  # type: ignore[misc]
+        unknown = set(raw) - set(sections)
+        if unknown:
+            raise ValueError(f"{where}: unknown section(s) {sorted(unknown)}; known: {sorted(sections)}")
+        built = {}
+        for name, factory in sections.items():
+            values = raw.get(name, {})
+            known = {f.name for f in dataclasses.fields(factory())}
+            if bad := set(values) - known:
+                raise ValueError(f"{where}: unknown key(s) {', '.join(f'{name}.{k}' for k in sorted(bad))}; "
+                                 f"known: {', '.join(sorted(known))}")
+            base = factory()
+            for key, value in values.items():
+                values[key] = _coerce(f"{where}: {name}.{key}", getattr(base, key), value)
+            built[name] = type(base)(**values)
+        return cls(**built)
+
+
+def _coerce(where: str, default: Any, value: Any) -> Any:
+    """Converts ``value`` (a TOML value or a ``--set`` string) to the type of the field's default."""
+    kind = type(default)
+    if isinstance(value, str) and kind is not str:
+        text = value.strip().lower()
+        try:
+            if kind is bool:
+                if text not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+                    raise ValueError
+                return text in ("true", "1", "yes", "on")
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"{where}={value!r} is not a {kind.__name__}") from None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ValueError(f"{where}={value!r} is a {type(value).__name__}, expected {kind.__name__}")
+    return value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Reads a TOML file (optional), applies ``section.key=value`` overrides, and validates.
+
+    Raises:
+        ValueError: an unreadable file, an unknown section or key, a value of the wrong type, or a
+            value that fails a field's check (each names the file or override and the field).
+    """
+    raw: dict[str, Any] = {}
+    where = "config"
+    if path is not None:
+        where = str(path)
+        try:
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise ValueError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {path} is not valid TOML: {e}") from None
+    for item in overrides:
+        name, sep, value = item.partition("=")
+        section, dot, key = name.strip().partition(".")
+        if not sep or not dot or not key:
+            raise ValueError(f"--set {item!r}: expected section.key=value, e.g. train.steps=50")
+        raw.setdefault(section, {})[key] = value
+    return Config.from_dict(raw, where if not overrides else f"{where} with --set")

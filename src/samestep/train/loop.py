@@ -1,0 +1,349 @@
+"""The reference pretraining loop: a user of samestep's public layers, single process or torchrun.
+
+    samestep train --run-dir runs/a --set train.steps=100
+    torchrun --standalone --nproc_per_node 2 -m samestep train --run-dir runs/b
+
+Each step: for every global microbatch this process owns, read its samples from the data cursor,
+forward with a dropout generator keyed by (seed, step, microbatch), backward, and push the gradient
+into the canonical reduction; then reduce across processes, clip, and take an AdamW step. Checkpoints
+hold everything a bit-exact resume needs; ``final.json`` holds the digest of the final state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import samestep
+from samestep import rng
+from samestep._state import state_digest
+from samestep.checkpoint import load_checkpoint, save_checkpoint
+from samestep.checkpoint._format import replace_atomic
+from samestep.data import DataCursor, load_corpus
+from samestep.distributed import AllReduceGradients, CanonicalGradients, validate_layout
+from samestep.train.config import Config
+from samestep.train.model import GPT
+
+__all__ = ["RESTORE_ALL", "RUN_FORMAT", "WarmupCosine", "train"]
+
+RUN_FORMAT, RUN_VERSION = "samestep.run", 1
+RESTORE_ALL = frozenset({"model", "optimizer", "data", "rng"})
+# Config fields that may change on --resume without changing a single bit of the steps already taken.
+RESUMABLE_CHANGES = {"train.steps", "train.checkpoint_every", "train.keep_checkpoints", "train.log_every"}
+
+
+@dataclass(slots=True)
+class WarmupCosine:
+    """Linear warmup to ``lr``, then cosine decay to ``min_lr`` at ``steps``: a pure function of the step."""
+
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    steps: int
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(self.steps - self.warmup_steps, 1)
+        progress = min((step - self.warmup_steps) / span, 1.0)
+        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - self.min_lr)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"lr": self.lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps, "steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # The schedule has no hidden state; a saved one that differs means a changed config.
+        if state != self.state_dict():
+            raise ValueError(f"LR schedule: saved {state} but this run has {self.state_dict()}")
+
+
+def _flatten_dict(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten_dict(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _check_resume_config(saved: dict[str, Any] | None, current: Config) -> None:
+    now = _flatten_dict(current.to_dict())
+    then = _flatten_dict(saved or {})
+    changed = {k for k in set(now) | set(then) if now.get(k) != then.get(k)} - RESUMABLE_CHANGES
+    if changed:
+        fields = ", ".join(f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in sorted(changed))
+        raise ValueError(f"--resume with a different config would change the run's bits ({fields}); resume with "
+                         "the original config, or start a new --run-dir")
+
+
+class _Distributed:
+    """torch.distributed set-up when launched by torchrun (WORLD_SIZE > 1), else a single process."""
+
+    def __init__(self, device_kind: str) -> None:
+        import torch.distributed as dist
+
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        self.device = torch.device(f"cuda:{local}" if device_kind == "cuda" else "cpu")
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.owned = False
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            self.owned = True
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        if self.world > 1:
+            dist.barrier()
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if self.owned and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _device_kind(cfg: Config) -> str:
+    if cfg.train.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("train.device='cuda' but no CUDA device is available; use train.device=cpu")
+    return cfg.train.device
+
+
+def _make_optimizer(model: GPT, cfg: Config) -> torch.optim.AdamW:
+    params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    t = cfg.train
+    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=t.lr, betas=(t.beta1, t.beta2), foreach=False)
+
+
+def _truncate_metrics(path: Path, last_step: int) -> None:
+    """Keeps the metric lines of steps <= last_step (a killed run may have written more, or a torn line)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            if line.endswith("\n") and json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError):
+            break
+    replace_atomic(path, "".join(kept).encode("utf-8"))
+
+
+class _Progress:
+    """A rich progress bar on a terminal, plain lines every ``log_every`` steps otherwise."""
+
+    def __init__(self, enabled: bool, start: int, total: int, log_every: int, out: Callable[[str], None]) -> None:
+        self.enabled, self.total, self.log_every, self.out = enabled, total, log_every, out
+        self.bar = None
+        if enabled and sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=True)
+            self.bar.start()
+            self.task = self.bar.add_task("train", total=total, completed=start, info="")
+
+    def update(self, step: int, loss: float, tok_s: float) -> None:
+        if not self.enabled:
+            return
+        info = f"loss {loss:.4f}  {tok_s:,.0f} tok/s"
+        if self.bar is not None:
+            self.bar.update(self.task, completed=step, info=info)
+        elif step % self.log_every == 0 or step == self.total:
+            self.out(f"step {step}/{self.total}  {info}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
+          restore: frozenset[str] = RESTORE_ALL, out: Callable[[str], None] = print) -> dict[str, Any]:
+    """Runs (or resumes) the reference pretraining run into ``run_dir``.
+
+    Args:
+        cfg: the run's configuration.
+        run_dir: the run directory (format "samestep.run", version 1).
+        resume: continue from the newest intact checkpoint in ``run_dir`` (from scratch if none).
+        restore: which parts of a checkpoint to restore; anything less than ``RESTORE_ALL`` is only
+            for negative controls, which show that a resume without them diverges.
+        out: where human-readable lines go (rank 0 only).
+
+    Returns:
+        The contents of ``final.json``.
+
+    Raises:
+        ValueError: a bad config, an unsupported layout, a run directory that already holds a run
+            (without ``resume``), or a resume under a config that would change the bits.
+    """
+    run_dir = Path(run_dir)
+    report = None
+    if cfg.determinism.enabled:
+        # Before any process group exists: NCCL reads NCCL_ALGO when its communicator starts.
+        report = samestep.enable(threads=cfg.determinism.threads, warn_only=cfg.determinism.warn_only)
+    dist_ = _Distributed(_device_kind(cfg))
+    try:
+        return _train(cfg, run_dir, resume, restore, out, dist_, report)
+    finally:
+        dist_.close()
+        if report is not None:
+            samestep.disable()
+
+
+def _train(cfg: Config, run_dir: Path, resume: bool, restore: frozenset[str], out: Callable[[str], None],
+           dist_: _Distributed, report: samestep.DeterminismReport | None) -> dict[str, Any]:
+    t, world, rank, device = cfg.train, dist_.world, dist_.rank, dist_.device
+    if t.microbatches % world:
+        raise ValueError(f"train.global_batch={t.global_batch} / train.micro_batch={t.micro_batch} = "
+                         f"{t.microbatches} microbatches do not split over {world} processes; use a process count "
+                         f"that divides {t.microbatches}")
+    k = t.microbatches // world
+    if cfg.determinism.enabled:
+        validate_layout(world, k)
+    say = out if rank == 0 else (lambda _msg: None)
+
+    corpus = load_corpus(cfg.data.source, cfg.data.path or None)
+    vocab = cfg.model.vocab_size or corpus.vocab_size
+    if vocab < corpus.vocab_size:
+        raise ValueError(f"model.vocab_size={vocab} is smaller than the data's largest token + 1 = "
+                         f"{corpus.vocab_size}; raise it or set 0")
+    model = GPT(cfg.model, vocab, t.seed).to(device)
+    optimizer = _make_optimizer(model, cfg)
+    schedule = WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps)
+    cursor = DataCursor(corpus, cfg.model.block_size, t.seed)
+    grads_cls = CanonicalGradients if cfg.determinism.enabled else AllReduceGradients
+    grads = grads_cls(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank)
+
+    ckpt_root = run_dir / "checkpoints"
+    run_json = run_dir / "run.json"
+    metrics_path = run_dir / "metrics.jsonl"
+    start = 0
+    loaded = None
+    if resume and any(ckpt_root.glob("step_*")):
+        loaded = load_checkpoint(
+            ckpt_root, model=model if "model" in restore else None,
+            optimizer=optimizer if "optimizer" in restore else None, scheduler=schedule,
+            data_cursor=cursor if "data" in restore else None, fallback=True,
+            # Training randomness is counter-keyed, so another world size needs no per-rank RNG state.
+            restore_rng="rng" in restore and _saved_world(ckpt_root) == world)
+        _check_resume_config(loaded.config, cfg)
+        start = loaded.step
+        for path, why in loaded.skipped:
+            say(f"skipped corrupt checkpoint {path.name}: {why}")
+        say(f"resumed from {loaded.path.name} (step {start}, {loaded.world_size} -> {world} processes)")
+    elif not resume and (run_json.exists() or metrics_path.exists()):
+        raise ValueError(f"--run-dir {run_dir} already holds a run; pass --resume to continue it, or choose a new "
+                         "--run-dir (nothing was overwritten)")
+
+    dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
+    if rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_run_json(run_json, cfg, corpus, world, k, report, start, loaded)
+        _truncate_metrics(metrics_path, start)
+    dist_.barrier()
+
+    tokens_per_step = t.global_batch * cfg.model.block_size
+    progress = _Progress(rank == 0, start, t.steps, t.log_every, out)
+    metrics = open(metrics_path, "a", encoding="utf-8") if rank == 0 else None
+    model.train()
+    t0, loss_value = time.perf_counter(), float("nan")
+    try:
+        for step in range(start, t.steps):
+            lr = schedule(step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            for i in grads.microbatches:
+                x, y = cursor.samples(cursor.position + i * t.micro_batch, t.micro_batch)
+                gen = rng.generator(t.seed, step, i, "dropout", device)
+                _, loss = model(x.to(device), y.to(device), gen)
+                loss = loss / tokens_per_step  # normalised by the global token count: layout-free
+                loss.backward()
+                grads.accumulate(i, extra=loss.detach())
+            loss_value = float(grads.reduce()[0])
+            max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(grads.params, max_norm, foreach=False))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            cursor.advance(t.global_batch)
+            done = step + 1
+            if metrics is not None:
+                metrics.write(json.dumps({"step": done, "loss": loss_value, "loss_hex": loss_value.hex(),
+                                          "grad_norm": grad_norm, "grad_norm_hex": grad_norm.hex(),
+                                          "lr": lr, "tokens": done * tokens_per_step}) + "\n")
+                metrics.flush()
+            elapsed = time.perf_counter() - t0
+            progress.update(done, loss_value, (done - start) * tokens_per_step / max(elapsed, 1e-9))
+            if done == t.steps or (t.checkpoint_every and done % t.checkpoint_every == 0):
+                save_checkpoint(ckpt_root, done, model=model, optimizer=optimizer, scheduler=schedule,
+                                data_cursor=cursor, config=cfg.to_dict(), keep=t.keep_checkpoints)
+    finally:
+        progress.close()
+        if metrics is not None:
+            metrics.close()
+
+    final = {"format": "samestep.final", "version": 1, "step": t.steps,
+             "state_digest": run_state_digest(model, optimizer, cursor, t.steps),
+             "loss_hex": loss_value.hex(), "world_size": world}
+    if rank == 0:
+        replace_atomic(run_dir / "final.json", (json.dumps(final, indent=1) + "\n").encode())
+        elapsed = time.perf_counter() - t0
+        say(f"done: {t.steps} steps ({t.steps - start} here, {elapsed:.1f}s, "
+            f"{(t.steps - start) * tokens_per_step / max(elapsed, 1e-9):,.0f} tok/s), final loss {loss_value:.4f}, "
+            f"state digest {final['state_digest'][:16]}")
+    dist_.barrier()
+    return final
+
+
+def run_state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cursor: DataCursor, step: int) -> str:
+    """The digest in ``final.json``: parameters, optimizer state, data cursor and step."""
+    return state_digest({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "data_cursor": cursor.state_dict(), "step": step})
+
+
+def _saved_world(ckpt_root: Path) -> int:
+    """The world size recorded by the newest committed checkpoint's manifest (0 if unreadable)."""
+    from samestep.checkpoint._format import MANIFEST, committed_steps
+
+    for _, path in committed_steps(ckpt_root):
+        try:
+            return int(json.loads((path / MANIFEST).read_text())["world_size"])
+        except (OSError, ValueError, KeyError):
+            continue
+    return 0
+
+
+def _write_run_json(path: Path, cfg: Config, corpus: Any, world: int, k: int,
+                    report: samestep.DeterminismReport | None, start: int, loaded: Any) -> None:
+    layout = {"world_size": world, "microbatches_per_process": k}
+    if path.exists():
+        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc.setdefault("resumes", []).append({
+            "step": start, **layout, "checkpoint": loaded.path.name if loaded else None,
+            "skipped": [p.name for p, _ in loaded.skipped] if loaded else [],
+            "env_diff": sorted(loaded.env_diff) if loaded else []})
+    else:
+        doc = {"format": RUN_FORMAT, "version": RUN_VERSION, "samestep_version": samestep.__version__,
+               "config": cfg.to_dict(), "environment": samestep.environment(), "layout": layout,
+               "data": {"source": corpus.description, "fingerprint": corpus.fingerprint,
+                        "tokens": int(corpus.tokens.size)},
+               "determinism": report.to_dict() if report is not None else None, "resumes": []}
+    replace_atomic(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())

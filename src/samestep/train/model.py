@@ -1,0 +1,130 @@
+"""The reference GPT: a nanoGPT-class decoder whose every random draw is counter-keyed.
+
+Run it through the trainer (``samestep train --run-dir runs/a``); this file reads top to bottom:
+config (``ModelConfig`` in config.py), dropout, attention, MLP, block, the model.
+
+Differences from nanoGPT, all for determinism:
+- dropout draws its masks from an explicit ``torch.Generator`` that the trainer seeds per microbatch
+  from (seed, step, global microbatch index), never from the global RNG;
+- attention is written out (no fused SDPA, whose dropout uses the global RNG);
+- initialisation draws from a generator keyed by (seed, "init");
+- ``embedding="index"`` looks tokens up as ``weight[idx]``, whose backward is
+  ``index_put_(accumulate=True)``: a real op that races on CPU when deterministic mode is off.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from samestep import rng as _rng
+from samestep.train.config import ModelConfig
+
+__all__ = ["GPT"]
+
+
+def dropout(x: torch.Tensor, p: float, gen: torch.Generator | None, training: bool) -> torch.Tensor:
+    """Inverted dropout with a mask drawn from ``gen`` (identity when not training or p == 0)."""
+    if not training or p == 0.0:
+        return x
+    if gen is None:
+        raise RuntimeError("GPT.forward(training) with dropout > 0 needs a counter-keyed generator")
+    keep = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p, generator=gen)
+    return x * keep / (1.0 - p)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_head, self.p = cfg.n_head, cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
+        mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
+        self.register_buffer("mask", mask.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
+
+    def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
+        att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf")).softmax(dim=-1)
+        att = dropout(att, self.p, gen, self.training)
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return dropout(self.c_proj(y), self.p, gen, self.training)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.p = cfg.dropout
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+
+    def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        return dropout(self.c_proj(F.gelu(self.c_fc(x))), self.p, gen, self.training)  # (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), gen)
+        return x + self.mlp(self.ln_2(x), gen)
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, ``n_layer`` blocks, a final norm, a tied language-model head."""
+
+    def __init__(self, cfg: ModelConfig, vocab_size: int, seed: int) -> None:
+        super().__init__()
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(vocab_size, cfg.n_embd),
+            "wpe": nn.Embedding(cfg.block_size, cfg.n_embd),
+            "h": nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+            "ln_f": nn.LayerNorm(cfg.n_embd),
+        })
+        self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # weight tying
+        self._init_weights(_rng.generator(seed, 0, 0, "init"))
+
+    @torch.no_grad()
+    def _init_weights(self, gen: torch.Generator) -> None:
+        # Parameters are visited in registration order, so the draws are a pure function of the seed.
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif ".ln_" in name or name.startswith("transformer.ln_f"):
+                p.fill_(1.0)
+            else:
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+                p.normal_(0.0, std, generator=gen)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits (B, T, vocab) and, with targets, the *summed* token cross-entropy (normalise outside)."""
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds model.block_size={self.cfg.block_size}")
+        wte = self.transformer.wte
+        tok = wte.weight[idx] if self.cfg.embedding == "index" else wte(idx)  # (B, T, C)
+        pos = self.transformer.wpe(torch.arange(T, device=idx.device))  # (T, C)
+        x = dropout(tok + pos, self.cfg.dropout, gen, self.training)
+        for block in self.transformer.h:
+            x = block(x, gen)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+        if targets is None:
+            return logits, None
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction="sum")
+        return logits, loss
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
