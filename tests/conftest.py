@@ -1,0 +1,55 @@
+"""Shared fixtures: global numerics state is restored after every test; helpers to run the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import samestep
+
+# A CPU-sized run that still exercises every part of the loop: 4 microbatches, dropout, checkpoints.
+TINY = ("train.steps=8", "train.global_batch=8", "train.micro_batch=2", "train.checkpoint_every=2",
+        "train.warmup_steps=2", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32")
+
+
+@pytest.fixture(autouse=True)
+def restore_global_state():
+    """Undoes deterministic mode, thread count and environment changes a test made."""
+    env = dict(os.environ)
+    threads = torch.get_num_threads()
+    det = torch.are_deterministic_algorithms_enabled()
+    yield
+    samestep.disable()
+    torch.use_deterministic_algorithms(det)
+    torch.set_num_threads(threads)
+    os.environ.clear()
+    os.environ.update(env)
+
+
+def train_cmd(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 1) -> list[str]:
+    cmd = [sys.executable, "-m", "samestep", "train", "--run-dir", str(run_dir)]
+    for s in settings:
+        cmd += ["--set", s]
+    if resume:
+        cmd.append("--resume")
+    if nproc > 1:
+        cmd += ["--nproc", str(nproc)]
+    return cmd
+
+
+def run_train(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 1) -> dict:
+    """Runs ``samestep train`` in a fresh process; returns final.json."""
+    proc = subprocess.run(train_cmd(run_dir, *settings, resume=resume, nproc=nproc), capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads((run_dir / "final.json").read_text())
+
+
+def metrics_bytes(run_dir: Path) -> bytes:
+    return (run_dir / "metrics.jsonl").read_bytes()

@@ -1,0 +1,215 @@
+"""Checkpoints: exact round trip, atomic commit, and refusal of every kind of corruption."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import samestep
+from samestep import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
+from samestep._state import state_digest
+from samestep.data import Corpus, DataCursor
+from samestep.train import GPT, ModelConfig
+
+CFG = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.1)
+
+
+def _corpus() -> Corpus:
+    import numpy as np
+
+    tokens = (np.arange(5000) * 7919 % 251).astype(np.uint8)
+    return Corpus(tokens=tokens, vocab_size=256, fingerprint="test-corpus", description="test")
+
+
+def _setup(seed: int = 0):
+    """A model initialised from ``seed``; the data cursor always uses seed 0 (a checkpoint must match it)."""
+    model = GPT(CFG, 256, seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    return model, opt, DataCursor(_corpus(), CFG.block_size, 0)
+
+
+def _steps(model, opt, cursor, start: int, n: int) -> None:
+    for step in range(start, start + n):
+        x, y = cursor.samples(cursor.position, 4)
+        _, loss = model(x, y, samestep.rng.generator(0, step, 0, "dropout"))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        cursor.advance(4)
+
+
+def _digest(model, opt, cursor) -> str:
+    return state_digest({"m": model.state_dict(), "o": opt.state_dict(), "c": cursor.state_dict()})
+
+
+def test_round_trip_then_continue_is_bit_identical(tmp_path):
+    """Train 3, save, train 3 == load in fresh objects, train 3. Negative control: no optimizer restore."""
+    model, opt, cursor = _setup()
+    _steps(model, opt, cursor, 0, 3)
+    path = save_checkpoint(tmp_path, 3, model=model, optimizer=opt, data_cursor=cursor, config={"a": 1})
+    assert path == tmp_path / "step_000003" and (tmp_path / "latest").read_text() == "step_000003\n"
+    _steps(model, opt, cursor, 3, 3)
+    reference = _digest(model, opt, cursor)
+
+    model2, opt2, cursor2 = _setup(seed=1)  # different init: everything must come from the checkpoint
+    loaded = load_checkpoint(tmp_path, model=model2, optimizer=opt2, data_cursor=cursor2)
+    assert loaded.step == 3 and loaded.config == {"a": 1} and loaded.env_diff == {}
+    assert isinstance(opt2.state_dict()["param_groups"][0]["betas"], tuple)
+    _steps(model2, opt2, cursor2, 3, 3)
+    assert _digest(model2, opt2, cursor2) == reference
+
+    model3, opt3, cursor3 = _setup(seed=1)
+    load_checkpoint(tmp_path, model=model3, data_cursor=cursor3)  # optimizer moments not restored
+    _steps(model3, opt3, cursor3, 3, 3)
+    assert _digest(model3, opt3, cursor3) != reference
+
+
+def test_user_loop_with_global_rng_needs_rng_restore(tmp_path):
+    """A loop drawing dropout from the global RNG resumes exactly with RNG restore; without it, it differs."""
+    def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def run(model: torch.nn.Module, opt: torch.optim.Optimizer, n: int) -> torch.Tensor:
+        for _ in range(n):
+            model(torch.ones(8, 8)).square().sum().backward()  # nn.Dropout: global generator
+            opt.step()
+            opt.zero_grad()
+        return model[0].weight.detach().clone()
+
+    torch.manual_seed(0)
+    model, opt = make()
+    run(model, opt, 2)
+    save_checkpoint(tmp_path, 2, model=model, optimizer=opt)
+    reference = run(model, opt, 2)
+    results = {}
+    for restore in (True, False):
+        torch.manual_seed(123)  # a new process: the global generator is elsewhere
+        model, opt = make()
+        load_checkpoint(tmp_path, model=model, optimizer=opt, restore_rng=restore)
+        results[restore] = run(model, opt, 2)
+    assert torch.equal(results[True].view(torch.int32), reference.view(torch.int32))
+    assert not torch.equal(results[False], reference)
+
+
+def _saved(tmp_path: Path, steps=(2, 4)) -> Path:
+    model, opt, cursor = _setup()
+    for s in steps:
+        _steps(model, opt, cursor, 0, 1)
+        save_checkpoint(tmp_path, s, model=model, optimizer=opt, data_cursor=cursor)
+    return tmp_path
+
+
+def _flip_bit(path: Path, offset_from_end: int = 10) -> None:
+    data = bytearray(path.read_bytes())
+    data[-offset_from_end] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_intact_checkpoint_verifies(tmp_path):
+    """An untouched checkpoint verifies (the negative side of the corruption tests)."""
+    root = _saved(tmp_path)
+    assert verify_checkpoint(root) == root / "step_000004"
+    assert verify_checkpoint(root / "step_000002") == root / "step_000002"
+
+
+def test_flipped_bit_names_file_and_tensor(tmp_path):
+    """One flipped bit in a tensor's bytes: the error names the file and the tensor."""
+    root = _saved(tmp_path)
+    _flip_bit(root / "step_000004" / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: corrupt: tensor\(s\) '[^']+' differ"):
+        verify_checkpoint(root)
+
+
+def test_truncated_and_missing_files_are_named(tmp_path):
+    """A truncated file and a missing file are refused with their names."""
+    root = _saved(tmp_path)
+    f = root / "step_000004" / "optimizer.safetensors"
+    f.write_bytes(f.read_bytes()[:-7])
+    with pytest.raises(CheckpointError, match=r"optimizer\.safetensors: \d+ bytes, manifest says"):
+        verify_checkpoint(root)
+    (root / "step_000002" / "rank_00000.json").unlink()
+    with pytest.raises(CheckpointError, match=r"rank_00000\.json: missing"):
+        verify_checkpoint(root / "step_000002")
+
+
+def test_tampered_manifest_is_refused(tmp_path):
+    """Editing a value in the manifest (here the step) breaks its self-digest."""
+    root = _saved(tmp_path)
+    m = root / "step_000004" / "manifest.json"
+    doc = json.loads(m.read_text())
+    doc["step"] = 5
+    m.write_text(json.dumps(doc))
+    with pytest.raises(CheckpointError, match="manifest.json: its contents do not match manifest_sha256"):
+        verify_checkpoint(root)
+    m.write_text("{not json")
+    with pytest.raises(CheckpointError, match="not valid JSON"):
+        verify_checkpoint(root)
+
+
+def test_fallback_skips_corrupt_newest_and_says_so(tmp_path):
+    """fallback=True loads the newest intact checkpoint and warns about the corrupt one; without it, refuses."""
+    root = _saved(tmp_path)
+    _flip_bit(root / "step_000004" / "model.safetensors")
+    model, opt, cursor = _setup()
+    with pytest.raises(CheckpointError):
+        load_checkpoint(root, model=model)
+    with pytest.warns(RuntimeWarning, match="skipping corrupt checkpoint .*step_000004"):
+        loaded = load_checkpoint(root, model=model, optimizer=opt, data_cursor=cursor, fallback=True)
+    assert loaded.step == 2 and [p.name for p, _ in loaded.skipped] == ["step_000004"]
+    _flip_bit(root / "step_000002" / "state.json", 3)
+    with pytest.raises(CheckpointError, match="no intact checkpoint"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        load_checkpoint(root, model=model, fallback=True)
+
+
+def test_uncommitted_leftovers_are_ignored(tmp_path):
+    """A temp directory left by a crash mid-save is never loaded; a later save of that step cleans it."""
+    root = _saved(tmp_path, steps=(2,))
+    shutil.copytree(root / "step_000002", root / ".step_000004.tmp")
+    (root / ".step_000004.tmp" / "manifest.json").unlink()
+    assert load_checkpoint(root, restore_rng=False).step == 2
+    model, opt, cursor = _setup()
+    save_checkpoint(root, 4, model=model, optimizer=opt, data_cursor=cursor)
+    assert not (root / ".step_000004.tmp").exists() and verify_checkpoint(root).name == "step_000004"
+
+
+def test_environment_mismatch_warns_or_refuses(tmp_path, monkeypatch):
+    """A different environment fingerprint warns with the fields; strict_env=True refuses."""
+    root = _saved(tmp_path, steps=(2,))
+    import samestep.checkpoint.load as load_mod
+
+    real = load_mod.environment
+    monkeypatch.setattr(load_mod, "environment", lambda: {**real(), "torch.version": "9.9.9"})
+    with pytest.warns(RuntimeWarning, match=r"torch\.version \('.*' -> '9\.9\.9'\)"):
+        loaded = load_checkpoint(root)
+    assert "torch.version" in loaded.env_diff
+    with pytest.raises(CheckpointError, match="torch.version"):
+        load_checkpoint(root, strict_env=True)
+
+
+def test_keep_deletes_old_checkpoints_and_tied_weights_load(tmp_path):
+    """keep=2 leaves the two newest; the tied lm_head/wte weight is stored once and restored into both."""
+    model, opt, cursor = _setup()
+    for s in (1, 2, 3):
+        save_checkpoint(tmp_path, s, model=model, optimizer=opt, keep=2)
+    assert sorted(p.name for p in tmp_path.glob("step_*")) == ["step_000002", "step_000003"]
+    stored = load_file(tmp_path / "step_000003" / "model.safetensors")
+    assert ("lm_head.weight" in stored) != ("transformer.wte.weight" in stored)
+    model2, _, _ = _setup(seed=5)
+    load_checkpoint(tmp_path, model=model2, restore_rng=False)
+    assert model2.lm_head.weight is model2.transformer.wte.weight
+    assert torch.equal(model2.lm_head.weight, model.lm_head.weight)
+
+
+def test_unstorable_state_is_refused_by_name(tmp_path):
+    """State that would need pickle (an arbitrary object) is refused, naming the entry."""
+    model, _, _ = _setup()
+    with pytest.raises(ValueError, match="extra.fn"):
+        save_checkpoint(tmp_path, 1, model=model, extra={"fn": object()})

@@ -1,0 +1,44 @@
+"""Configuration: TOML, --set overrides, and errors that name the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from samestep.train import load_config
+
+
+def test_defaults_toml_and_overrides(tmp_path):
+    """A TOML file sets values; --set overrides it, converted to the field's type."""
+    f = tmp_path / "run.toml"
+    f.write_text("[train]\nsteps = 7\nlr = 1\n[model]\nn_layer = 2\n")
+    cfg = load_config(f, ["train.steps=9", "determinism.enabled=false", "model.dropout=0.0"])
+    assert cfg.train.steps == 9 and cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.model.n_layer == 2 and cfg.determinism.enabled is False and cfg.model.dropout == 0.0
+    assert load_config().to_dict()["data"]["source"] == "stdlib"
+
+
+@pytest.mark.parametrize("override,needle", [
+    ("train.stepz=3", "unknown key(s) train.stepz"),
+    ("trian.steps=3", "unknown section(s) ['trian']"),
+    ("train.steps=many", "train.steps='many' is not a int"),
+    ("train.steps", "expected section.key=value"),
+    ("train.global_batch=10", "train.global_batch=10 is not a multiple of train.micro_batch=4"),
+    ("model.n_head=3", "model.n_embd=128 is not divisible by model.n_head=3"),
+    ("model.embedding=gather", "model.embedding='gather'"),
+    ("data.source=bin", "data.source='bin' needs data.path"),
+])
+def test_bad_values_name_the_field(override, needle):
+    """Each bad override is refused with the field and value."""
+    with pytest.raises(ValueError) as err:
+        load_config(None, [override])
+    assert needle in str(err.value)
+
+
+def test_bad_toml_file_is_named(tmp_path):
+    """A missing or malformed file is named."""
+    with pytest.raises(ValueError, match="does not exist"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(ValueError, match="bad.toml is not valid TOML"):
+        load_config(bad)

@@ -1,0 +1,39 @@
+"""The environment fingerprint and its comparison."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+import samestep
+
+
+def test_fingerprint_holds_the_contract_fields_and_is_json():
+    """The fingerprint names Python, torch, BLAS, CPU, threads, determinism settings and env vars."""
+    env = samestep.environment()
+    for key in ("python.version", "torch.version", "torch.blas", "torch.cpu_capability", "cpu.model",
+                "threads.intra_op", "determinism.algorithms", "env.NCCL_ALGO", "cuda.version", "platform.system"):
+        assert key in env, key
+    assert env["torch.version"] == torch.__version__
+    assert json.loads(json.dumps(env)) == env
+
+
+def test_fingerprint_is_stable_and_compare_finds_nothing():
+    """Two fingerprints of an unchanged process are equal (negative side of the comparison)."""
+    assert samestep.compare_environments(samestep.environment(), samestep.environment()) == {}
+
+
+def test_compare_names_every_differing_field():
+    """A thread-count change, a changed env var and a field present on one side only are all named."""
+    before = samestep.environment()
+    torch.set_num_threads(1 if torch.get_num_threads() != 1 else 2)
+    algo = "Ring" if before["env.NCCL_ALGO"] != "Ring" else "Tree"
+    os.environ["NCCL_ALGO"] = algo
+    after = samestep.environment()
+    after["gpu.extra"] = "H200"
+    diff = samestep.compare_environments(before, after)
+    assert set(diff) == {"threads.intra_op", "env.NCCL_ALGO", "gpu.extra"}
+    assert diff["env.NCCL_ALGO"] == (before["env.NCCL_ALGO"], algo)
+    assert diff["gpu.extra"] == (None, "H200")

@@ -1,0 +1,97 @@
+"""samestep.enable(): sets, validates and records every knob; fails closed; reversible."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import samestep
+
+
+def test_enable_sets_every_knob_and_disable_restores():
+    """enable() turns on deterministic algorithms and pins threads; disable() puts back what was there."""
+    os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    os.environ.pop("NCCL_ALGO", None)
+    torch.set_num_threads(2)
+    report = samestep.enable(threads=1)
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert torch.utils.deterministic.fill_uninitialized_memory is False
+    assert torch.get_num_threads() == 1
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and os.environ["NCCL_ALGO"] == "Ring"
+    names = {k.name for k in report.knobs}
+    assert {"torch.use_deterministic_algorithms", "torch.num_threads", "env.NCCL_ALGO",
+            "env.CUBLAS_WORKSPACE_CONFIG", "torch.utils.deterministic.fill_uninitialized_memory"} <= names
+    assert report.to_dict()["threads"] == 1 and "NCCL_ALGO" in str(report)
+    samestep.disable()
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert torch.get_num_threads() == 2
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and "NCCL_ALGO" not in os.environ
+    assert torch.utils.deterministic.fill_uninitialized_memory is True
+
+
+def test_context_manager_disables_on_exit():
+    """Leaving the with-block restores the previous settings."""
+    with samestep.enable(threads=1):
+        assert samestep.is_enabled()
+    assert not samestep.is_enabled() and not torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.mark.parametrize("name,value,needle", [
+    ("NCCL_ALGO", "Tree", "NCCL_ALGO='Tree'"),
+    ("NCCL_ALGO", "NVLS", "NCCL_ALGO='NVLS'"),
+    ("CUBLAS_WORKSPACE_CONFIG", ":0:0", "CUBLAS_WORKSPACE_CONFIG=':0:0'"),
+])
+def test_enable_fails_closed_on_bad_knob(name, value, needle):
+    """A setting that breaks determinism raises ValueError naming the variable, its value and the fix."""
+    os.environ[name] = value
+    with pytest.raises(ValueError) as err:
+        samestep.enable(threads=1)
+    assert needle in str(err.value) and "Fix:" in str(err.value)
+    assert not samestep.is_enabled() and not torch.are_deterministic_algorithms_enabled()
+
+
+def test_warn_only_turns_refusal_into_warning():
+    """warn_only=True enables the rest and reports the bad knob as a warning."""
+    os.environ["NCCL_ALGO"] = "Tree"
+    with pytest.warns(RuntimeWarning, match="NCCL_ALGO='Tree'"):
+        report = samestep.enable(threads=1, warn_only=True)
+    assert report.warnings and torch.are_deterministic_algorithms_enabled()
+
+
+def test_ring_and_valid_workspace_accepted():
+    """User values that are already deterministic are kept as they are."""
+    os.environ["NCCL_ALGO"] = "ring"
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":16:8"
+    samestep.enable(threads=1)
+    assert os.environ["NCCL_ALGO"] == "ring" and os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
+
+
+@pytest.mark.parametrize("threads", [0, -1, 1.5, True])
+def test_bad_thread_count_refused(threads):
+    """The thread count must be a positive integer."""
+    with pytest.raises(ValueError, match="threads"):
+        samestep.enable(threads=threads)
+
+
+def _layer_norm_grad_and_sum(threads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, 512, generator=g, requires_grad=True)
+    ln = torch.nn.LayerNorm(512)
+    ln(x).pow(2).sum().backward()
+    return ln.weight.grad.clone(), x.detach().sum()
+
+
+def test_pinned_thread_count_is_what_makes_sums_repeat():
+    """Same pinned thread count: identical bits. Negative control: 1 vs 2 threads differ (real, unplanted)."""
+    with samestep.enable(threads=2):
+        a = _layer_norm_grad_and_sum(torch.get_num_threads())
+        b = _layer_norm_grad_and_sum(torch.get_num_threads())
+    assert torch.equal(a[0].view(torch.int32), b[0].view(torch.int32))
+    assert torch.equal(a[1].view(torch.int32), b[1].view(torch.int32))
+    one = _layer_norm_grad_and_sum(1)
+    assert not torch.equal(one[0].view(torch.int32), a[0].view(torch.int32))
+    assert not torch.equal(one[1].view(torch.int32), a[1].view(torch.int32))

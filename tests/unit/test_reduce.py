@@ -1,0 +1,91 @@
+"""The canonical reduction tree (single process; the multi-process combine is in tests/integration)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from samestep.distributed import BinaryCounter, CanonicalGradients, canonical_sum, validate_layout
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+def _leaves(n: int, seed: int, size: int = 257) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    # A wide dynamic range makes every bracketing produce different bits somewhere.
+    return [torch.randn(size, generator=g) * torch.exp(torch.randn(size, generator=g) * 6) for _ in range(n)]
+
+
+def _layout_sum(leaves: list[torch.Tensor], world: int) -> torch.Tensor:
+    """What `world` processes compute: per-rank counters over aligned ranges, then a counter over ranks."""
+    k = len(leaves) // world
+    blocks = [canonical_sum(leaves[r * k:(r + 1) * k]) for r in range(world)]
+    counter = BinaryCounter()
+    for b in blocks:
+        counter.push(b, size=k)
+    return counter.result()
+
+
+def test_tree_over_eight_is_the_documented_bracketing():
+    """N=8 sums as ((m0+m1)+(m2+m3))+((m4+m5)+(m6+m7)); a left fold differs (negative control)."""
+    m = _leaves(8, 0)
+    tree = ((m[0] + m[1]) + (m[2] + m[3])) + ((m[4] + m[5]) + (m[6] + m[7]))
+    assert torch.equal(_bits(canonical_sum(m)), _bits(tree))
+    fold = m[0].clone()
+    for t in m[1:]:
+        fold = fold + t
+    assert not torch.equal(_bits(fold), _bits(tree))
+
+
+def test_non_power_of_two_count_combines_leftover_blocks():
+    """N=6 is (block 0..3) + (block 4..5); N=7 is (0..3) + ((4..5) + 6)."""
+    m = _leaves(7, 1)
+    six = ((m[0] + m[1]) + (m[2] + m[3])) + (m[4] + m[5])
+    seven = ((m[0] + m[1]) + (m[2] + m[3])) + ((m[4] + m[5]) + m[6])
+    assert torch.equal(_bits(canonical_sum(m[:6])), _bits(six))
+    assert torch.equal(_bits(canonical_sum(m)), _bits(seven))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), log_n=st.integers(0, 4))
+def test_every_aligned_layout_gives_the_same_bits(seed, log_n):
+    """(1 x N), (2 x N/2), ... (N x 1) all give the single-process bits."""
+    n = 2 ** log_n
+    leaves = _leaves(n, seed, size=33)
+    reference = canonical_sum(leaves)
+    for world in (w for w in (1, 2, 4, 8, 16) if n % w == 0):
+        assert torch.equal(_bits(_layout_sum(leaves, world)), _bits(reference)), world
+
+
+def test_three_processes_of_two_match_one_process():
+    """A non-power-of-two world size with power-of-two ranges is still a subtree decomposition."""
+    leaves = _leaves(6, 2)
+    assert torch.equal(_bits(_layout_sum(leaves, 3)), _bits(canonical_sum(leaves)))
+
+
+def test_unsupported_layout_is_refused_with_alternatives():
+    """3 processes x 3 microbatches is not aligned; the error names supported layouts of the same batch."""
+    validate_layout(4, 2)
+    validate_layout(1, 3)
+    validate_layout(3, 2)
+    with pytest.raises(ValueError) as err:
+        validate_layout(3, 3)
+    msg = str(err.value)
+    assert "3 processes x 3 microbatches" in msg and "--nproc 1 (9 microbatches per process)" in msg
+
+
+def test_accumulate_checks_the_microbatch_order():
+    """Gradients must arrive in this rank's global index order; reduce() needs all of them."""
+    p = torch.nn.Parameter(torch.zeros(3))
+    grads = CanonicalGradients([p], microbatches_per_process=2, world_size=2, rank=1)
+    assert list(grads.microbatches) == [2, 3]
+    p.grad = torch.ones(3)
+    with pytest.raises(ValueError, match="expects global index 2"):
+        grads.accumulate(0)
+    grads.accumulate(2, extra=torch.tensor(1.5))
+    with pytest.raises(RuntimeError, match="after 1 of 2"):
+        grads.reduce()
