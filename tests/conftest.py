@@ -32,7 +32,8 @@ def restore_global_state():
     os.environ.update(env)
 
 
-def train_cmd(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 1) -> list[str]:
+def train_cmd(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 1,
+              stop_after: int | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "samestep", "train", "--run-dir", str(run_dir)]
     for s in settings:
         cmd += ["--set", s]
@@ -40,15 +41,19 @@ def train_cmd(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 
         cmd.append("--resume")
     if nproc > 1:
         cmd += ["--nproc", str(nproc)]
+    if stop_after:
+        cmd += ["--stop-after", str(stop_after)]
     return cmd
 
 
-def run_train(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 1) -> dict:
-    """Runs ``samestep train`` in a fresh process; returns final.json."""
-    proc = subprocess.run(train_cmd(run_dir, *settings, resume=resume, nproc=nproc), capture_output=True, text=True,
-                          timeout=600)
+def run_train(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 1,
+              stop_after: int | None = None) -> dict | None:
+    """Runs ``samestep train`` in a fresh process; returns final.json (None if it stopped early)."""
+    proc = subprocess.run(train_cmd(run_dir, *settings, resume=resume, nproc=nproc, stop_after=stop_after),
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads((run_dir / "final.json").read_text())
+    final = run_dir / "final.json"
+    return json.loads(final.read_text()) if final.exists() else None
 
 
 def metrics_bytes(run_dir: Path) -> bytes:

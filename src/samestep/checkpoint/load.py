@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,7 @@ def load_checkpoint(
     strict_env: bool = False,
     restore_rng: bool = True,
     generators: dict[str, torch.Generator] | None = None,
+    check_config: Callable[[dict[str, Any] | None], None] | None = None,
 ) -> LoadedCheckpoint:
     """Verifies a checkpoint, then restores it into the given objects.
 
@@ -147,6 +149,8 @@ def load_checkpoint(
         strict_env: a different environment fingerprint is an error instead of a warning.
         restore_rng: restore this rank's python/numpy/torch/CUDA/registered generator states.
         generators: named generators to restore besides the registered ones.
+        check_config: called with the saved config once the checkpoint is verified, before anything
+            is restored; it raises to refuse a checkpoint written under another configuration.
 
     Returns:
         A ``LoadedCheckpoint`` with the step, config, environment differences and skipped checkpoints.
@@ -174,6 +178,8 @@ def load_checkpoint(
 
     manifest, data = verified.manifest, verified.data
     state = json.loads(data["state.json"])
+    if check_config is not None:
+        check_config(state.get("config"))
     saved_env = state["environment"]
     diff = compare_environments(saved_env, environment())
     if diff:

@@ -29,6 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="override one config value (repeatable)")
     p.add_argument("--nproc", type=int, default=1, help="data-parallel processes (launches torchrun)")
     p.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
+    p.add_argument("--stop-after", type=int, metavar="STEPS",
+                   help="leave after this many steps (with a checkpoint); continue later with --resume")
     p.add_argument("--json", action="store_true", help="print final.json as JSON at the end")
     p.set_defaults(run=run, subparser=p)
 
@@ -37,6 +39,7 @@ def _launch(args: argparse.Namespace, threads: int) -> int:
     """Re-runs this command under torchrun with ``--nproc`` processes on this machine."""
     rest = ["train", "--run-dir", args.run_dir, *(["--config", args.config] if args.config else []),
             *[x for s in args.set for x in ("--set", s)], *(["--resume"] if args.resume else []),
+            *(["--stop-after", str(args.stop_after)] if args.stop_after else []),
             *(["--json"] if args.json else [])]
     # torchrun would otherwise set OMP_NUM_THREADS=1 with a warning; the run pins its own count.
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -54,13 +57,15 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(str(e))
     if args.nproc < 1:
         parser.error(f"--nproc={args.nproc} must be at least 1")
+    if args.stop_after is not None and args.stop_after < 1:
+        parser.error(f"--stop-after={args.stop_after} must be at least 1")
     if args.nproc > 1:
         return _launch(args, cfg.determinism.threads)
     try:
-        final = train(cfg, args.run_dir, resume=args.resume)
+        final = train(cfg, args.run_dir, resume=args.resume, stop_after=args.stop_after)
     except (ValueError, CheckpointError) as e:
         print(f"samestep train: error: {e}", file=sys.stderr)
         return 2
-    if args.json and int(os.environ.get("RANK", "0")) == 0:
+    if args.json and final is not None and int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(final))
     return 0

@@ -33,12 +33,12 @@ from samestep.distributed import AllReduceGradients, CanonicalGradients, validat
 from samestep.train.config import Config
 from samestep.train.model import GPT
 
-__all__ = ["RESTORE_ALL", "RUN_FORMAT", "WarmupCosine", "train"]
+__all__ = ["RESTORE_ALL", "RUN_FORMAT", "Parts", "WarmupCosine", "build", "train"]
 
 RUN_FORMAT, RUN_VERSION = "samestep.run", 1
 RESTORE_ALL = frozenset({"model", "optimizer", "data", "rng"})
 # Config fields that may change on --resume without changing a single bit of the steps already taken.
-RESUMABLE_CHANGES = {"train.steps", "train.checkpoint_every", "train.keep_checkpoints", "train.log_every"}
+RESUMABLE_CHANGES = {"train.checkpoint_every", "train.keep_checkpoints", "train.log_every"}
 
 
 @dataclass(slots=True)
@@ -176,20 +176,81 @@ class _Progress:
             self.bar.stop()
 
 
-def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
-          restore: frozenset[str] = RESTORE_ALL, out: Callable[[str], None] = print) -> dict[str, Any]:
+@dataclass(slots=True)
+class Parts:
+    """Everything one process of the run holds, and one optimizer step over it."""
+
+    cfg: Config
+    corpus: Any
+    model: GPT
+    optimizer: torch.optim.AdamW
+    schedule: WarmupCosine
+    cursor: DataCursor
+    grads: CanonicalGradients | AllReduceGradients
+    device: torch.device
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch * self.cfg.model.block_size
+
+    def step(self, step: int) -> tuple[float, float, float]:
+        """Runs optimizer step ``step`` (0-based); returns (loss, grad norm before clipping, lr)."""
+        t = self.cfg.train
+        lr = self.schedule(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        for i in self.grads.microbatches:
+            x, y = self.cursor.samples(self.cursor.position + i * t.micro_batch, t.micro_batch)
+            gen = rng.generator(t.seed, step, i, "dropout", self.device)
+            _, loss = self.model(x.to(self.device), y.to(self.device), gen)
+            loss = loss / self.tokens_per_step  # normalised by the global token count: layout-free
+            loss.backward()
+            self.grads.accumulate(i, extra=loss.detach())
+        loss_value = float(self.grads.reduce()[0])
+        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.grads.params, max_norm, foreach=False))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.cursor.advance(t.global_batch)
+        return loss_value, grad_norm, lr
+
+
+def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | str = "cpu",
+          corpus: Any = None) -> Parts:
+    """Builds the data cursor, model, optimizer, schedule and gradient reduction of one process."""
+    t = cfg.train
+    corpus = corpus if corpus is not None else load_corpus(cfg.data.source, cfg.data.path or None)
+    vocab = cfg.model.vocab_size or corpus.vocab_size
+    if vocab < corpus.vocab_size:
+        raise ValueError(f"model.vocab_size={vocab} is smaller than the data's largest token + 1 = "
+                         f"{corpus.vocab_size}; raise it or set 0")
+    device = torch.device(device)
+    model = GPT(cfg.model, vocab, t.seed).to(device)
+    grads_cls = CanonicalGradients if cfg.determinism.enabled else AllReduceGradients
+    return Parts(cfg=cfg, corpus=corpus, model=model, optimizer=_make_optimizer(model, cfg),
+                 schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
+                 cursor=DataCursor(corpus, cfg.model.block_size, t.seed),
+                 grads=grads_cls(model.parameters(), microbatches_per_process=t.microbatches // world,
+                                 world_size=world, rank=rank),
+                 device=device)
+
+
+def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False, stop_after: int | None = None,
+          restore: frozenset[str] = RESTORE_ALL, out: Callable[[str], None] = print) -> dict[str, Any] | None:
     """Runs (or resumes) the reference pretraining run into ``run_dir``.
 
     Args:
         cfg: the run's configuration.
         run_dir: the run directory (format "samestep.run", version 1).
         resume: continue from the newest intact checkpoint in ``run_dir`` (from scratch if none).
+        stop_after: leave after this many steps of this invocation, with a checkpoint, so that a
+            scheduler can pre-empt the job and ``--resume`` it later (Megatron's exit interval).
         restore: which parts of a checkpoint to restore; anything less than ``RESTORE_ALL`` is only
             for negative controls, which show that a resume without them diverges.
         out: where human-readable lines go (rank 0 only).
 
     Returns:
-        The contents of ``final.json``.
+        The contents of ``final.json``; ``None`` when ``stop_after`` ended the invocation early.
 
     Raises:
         ValueError: a bad config, an unsupported layout, a run directory that already holds a run
@@ -202,15 +263,16 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
         report = samestep.enable(threads=cfg.determinism.threads, warn_only=cfg.determinism.warn_only)
     dist_ = _Distributed(_device_kind(cfg))
     try:
-        return _train(cfg, run_dir, resume, restore, out, dist_, report)
+        return _train(cfg, run_dir, resume, stop_after, restore, out, dist_, report)
     finally:
         dist_.close()
         if report is not None:
             samestep.disable()
 
 
-def _train(cfg: Config, run_dir: Path, resume: bool, restore: frozenset[str], out: Callable[[str], None],
-           dist_: _Distributed, report: samestep.DeterminismReport | None) -> dict[str, Any]:
+def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, restore: frozenset[str],
+           out: Callable[[str], None], dist_: _Distributed,
+           report: samestep.DeterminismReport | None) -> dict[str, Any] | None:
     t, world, rank, device = cfg.train, dist_.world, dist_.rank, dist_.device
     if t.microbatches % world:
         raise ValueError(f"train.global_batch={t.global_batch} / train.micro_batch={t.micro_batch} = "
@@ -221,17 +283,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, restore: frozenset[str], ou
         validate_layout(world, k)
     say = out if rank == 0 else (lambda _msg: None)
 
-    corpus = load_corpus(cfg.data.source, cfg.data.path or None)
-    vocab = cfg.model.vocab_size or corpus.vocab_size
-    if vocab < corpus.vocab_size:
-        raise ValueError(f"model.vocab_size={vocab} is smaller than the data's largest token + 1 = "
-                         f"{corpus.vocab_size}; raise it or set 0")
-    model = GPT(cfg.model, vocab, t.seed).to(device)
-    optimizer = _make_optimizer(model, cfg)
-    schedule = WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps)
-    cursor = DataCursor(corpus, cfg.model.block_size, t.seed)
-    grads_cls = CanonicalGradients if cfg.determinism.enabled else AllReduceGradients
-    grads = grads_cls(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank)
+    parts = build(cfg, world=world, rank=rank, device=device)
+    model, optimizer, schedule, cursor = parts.model, parts.optimizer, parts.schedule, parts.cursor
 
     ckpt_root = run_dir / "checkpoints"
     run_json = run_dir / "run.json"
@@ -244,8 +297,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, restore: frozenset[str], ou
             optimizer=optimizer if "optimizer" in restore else None, scheduler=schedule,
             data_cursor=cursor if "data" in restore else None, fallback=True,
             # Training randomness is counter-keyed, so another world size needs no per-rank RNG state.
-            restore_rng="rng" in restore and _saved_world(ckpt_root) == world)
-        _check_resume_config(loaded.config, cfg)
+            restore_rng="rng" in restore and _saved_world(ckpt_root) == world,
+            check_config=lambda saved: _check_resume_config(saved, cfg))
         start = loaded.step
         for path, why in loaded.skipped:
             say(f"skipped corrupt checkpoint {path.name}: {why}")
@@ -257,33 +310,19 @@ def _train(cfg: Config, run_dir: Path, resume: bool, restore: frozenset[str], ou
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        _write_run_json(run_json, cfg, corpus, world, k, report, start, loaded)
+        _write_run_json(run_json, cfg, parts.corpus, world, k, report, start, loaded)
         _truncate_metrics(metrics_path, start)
     dist_.barrier()
 
-    tokens_per_step = t.global_batch * cfg.model.block_size
+    tokens_per_step = parts.tokens_per_step
     progress = _Progress(rank == 0, start, t.steps, t.log_every, out)
     metrics = open(metrics_path, "a", encoding="utf-8") if rank == 0 else None
     model.train()
     t0, loss_value = time.perf_counter(), float("nan")
+    end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     try:
-        for step in range(start, t.steps):
-            lr = schedule(step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            for i in grads.microbatches:
-                x, y = cursor.samples(cursor.position + i * t.micro_batch, t.micro_batch)
-                gen = rng.generator(t.seed, step, i, "dropout", device)
-                _, loss = model(x.to(device), y.to(device), gen)
-                loss = loss / tokens_per_step  # normalised by the global token count: layout-free
-                loss.backward()
-                grads.accumulate(i, extra=loss.detach())
-            loss_value = float(grads.reduce()[0])
-            max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(grads.params, max_norm, foreach=False))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            cursor.advance(t.global_batch)
+        for step in range(start, end):
+            loss_value, grad_norm, lr = parts.step(step)
             done = step + 1
             if metrics is not None:
                 metrics.write(json.dumps({"step": done, "loss": loss_value, "loss_hex": loss_value.hex(),
@@ -292,7 +331,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, restore: frozenset[str], ou
                 metrics.flush()
             elapsed = time.perf_counter() - t0
             progress.update(done, loss_value, (done - start) * tokens_per_step / max(elapsed, 1e-9))
-            if done == t.steps or (t.checkpoint_every and done % t.checkpoint_every == 0):
+            if done == end or (t.checkpoint_every and done % t.checkpoint_every == 0):
                 save_checkpoint(ckpt_root, done, model=model, optimizer=optimizer, scheduler=schedule,
                                 data_cursor=cursor, config=cfg.to_dict(), keep=t.keep_checkpoints)
     finally:
@@ -300,6 +339,9 @@ def _train(cfg: Config, run_dir: Path, resume: bool, restore: frozenset[str], ou
         if metrics is not None:
             metrics.close()
 
+    if end < t.steps:
+        say(f"stopped after step {end} of {t.steps} (--stop-after); continue with --resume")
+        return None
     final = {"format": "samestep.final", "version": 1, "step": t.steps,
              "state_digest": run_state_digest(model, optimizer, cursor, t.steps),
              "loss_hex": loss_value.hex(), "world_size": world}

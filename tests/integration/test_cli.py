@@ -1,0 +1,45 @@
+"""The command line: exit codes, --json, and the demo end to end (small settings)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.conftest import TINY
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "samestep", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_env_json_is_the_fingerprint():
+    """`samestep env --json` prints the fingerprint as JSON (exit 0)."""
+    proc = _cli("env", "--json")
+    assert proc.returncode == 0 and "torch.version" in json.loads(proc.stdout)
+
+
+def test_usage_errors_exit_2_without_traceback(tmp_path):
+    """A bad --set, a missing path and a bad --nproc are usage errors: exit 2, a message, no traceback."""
+    for args, needle in ((("train", "--run-dir", str(tmp_path / "r"), "--set", "train.steps=x"), "train.steps='x'"),
+                         (("checkpoint", "verify", str(tmp_path / "nope")), "does not exist"),
+                         (("train", "--run-dir", str(tmp_path / "r"), "--nproc", "0"), "--nproc=0")):
+        proc = _cli(*args)
+        assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, args
+
+
+def test_unsupported_layout_is_refused_at_start(tmp_path):
+    """3 processes over 4 microbatches is refused before training, naming supported process counts."""
+    proc = _cli("train", "--run-dir", str(tmp_path / "r"), "--nproc", "3", *[x for s in TINY for x in ("--set", s)])
+    assert proc.returncode != 0 and "do not split over 3 processes" in proc.stderr
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_demo_reports_bit_identical_resume(tmp_path):
+    """`samestep demo --json` on a small config: killed and resumed run B equals run A (exit 0)."""
+    settings = [x for s in TINY if not s.startswith("train.steps") for x in ("--set", s)]
+    proc = _cli("demo", "--workdir", str(tmp_path), "--json", "--set", "train.steps=10", *settings)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["identical"] and result["metrics_identical"]
+    assert result["state_digest_a"] == result["state_digest_b"] and 0 < result["resumed_from_step"] < 10

@@ -1,0 +1,193 @@
+"""The reference run end to end, in fresh processes: repeat, SIGKILL + resume, crash mid-save, torchrun."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY, metrics_bytes, run_train, train_cmd
+
+pytestmark = pytest.mark.slow
+
+# With deterministic mode off, the token-embedding lookup by indexing races in its backward
+# (index_put_ accumulate, 2 threads, >= 32768 elements): real nondeterminism on this CPU.
+RACY = ("train.steps=3", "train.global_batch=16", "train.micro_batch=8", "model.n_layer=1", "model.n_head=2",
+        "model.n_embd=64", "model.block_size=64", "model.embedding=index")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """One uninterrupted TINY run that the other tests compare against."""
+    d = tmp_path_factory.mktemp("ref") / "run"
+    run_train(d, *TINY)
+    return d
+
+
+def test_two_fresh_runs_are_bit_identical(reference, tmp_path):
+    """Two runs in fresh processes: identical final state digest and identical per-step metric bits."""
+    final = run_train(tmp_path / "b", *TINY)
+    assert final["state_digest"] == json.loads((reference / "final.json").read_text())["state_digest"]
+    assert metrics_bytes(tmp_path / "b") == metrics_bytes(reference)
+    lines = metrics_bytes(reference).decode().splitlines()
+    assert len(lines) == 8 and float.fromhex(json.loads(lines[-1])["loss_hex"]) > 0
+
+
+def test_nondeterministic_op_diverges_without_deterministic_mode(tmp_path):
+    """Negative control: determinism off, a racy index_put_ backward makes two runs differ; on, they agree."""
+    off = [run_train(tmp_path / f"off{i}", *RACY, "determinism.enabled=false")["state_digest"] for i in range(3)]
+    assert len(set(off)) > 1, "three runs with a racing index_put_ all agreed"
+    on = [run_train(tmp_path / f"on{i}", *RACY, "determinism.threads=2")["state_digest"] for i in range(2)]
+    assert on[0] == on[1]
+
+
+def _wait_for_step(proc: subprocess.Popen, metrics: Path, step: int) -> None:
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and sum(1 for ln in metrics.read_text().splitlines() if ln.endswith("}")) >= step:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"run ended (exit {proc.poll()}) or timed out before step {step}")
+
+
+def test_sigkill_at_a_random_step_then_resume_is_identical(reference, tmp_path):
+    """SIGKILL after a random step, --resume: the final digest and every metric line match the reference."""
+    kill_after = random.Random().randrange(1, 8)
+    d = tmp_path / "killed"
+    proc = subprocess.Popen(train_cmd(d, *TINY), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_step(proc, d / "metrics.jsonl", kill_after)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    final = run_train(d, *TINY, resume=True)
+    ref = json.loads((reference / "final.json").read_text())
+    assert final["state_digest"] == ref["state_digest"], f"killed after step {kill_after}"
+    assert metrics_bytes(d) == metrics_bytes(reference), f"killed after step {kill_after}"
+    resumes = json.loads((d / "run.json").read_text())["resumes"]
+    assert len(resumes) == 1 and resumes[0]["step"] % 2 == 0
+
+
+def _run_python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600)
+
+
+def test_resume_without_data_cursor_restore_diverges(reference, tmp_path):
+    """Negative control: the same kill and resume, but skipping the data-cursor restore, ends elsewhere."""
+    d = tmp_path / "run"
+    run_train(d, *TINY, stop_after=4)
+    proc = _run_python(f"""
+        from samestep.train import load_config, train
+        cfg = load_config(None, {list(TINY)!r})
+        train(cfg, {str(d)!r}, resume=True, restore=frozenset({{"model", "optimizer", "rng"}}))
+    """)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ref = json.loads((reference / "final.json").read_text())
+    assert json.loads((d / "final.json").read_text())["state_digest"] != ref["state_digest"]
+    # ...while the same resume with everything restored matches (the positive twin of this control).
+    d2 = tmp_path / "run2"
+    assert run_train(d2, *TINY, stop_after=4) is None
+    assert run_train(d2, *TINY, resume=True)["state_digest"] == ref["state_digest"]
+
+
+# Each crash point SIGKILLs the process inside save_checkpoint of step 4.
+CRASH_POINTS = {
+    "torn-tensor-file": """
+        real = save_mod.write_durable
+        def write_durable(path, data):
+            if path.name == "model.safetensors" and ".step_000004" in str(path):
+                with open(path, "wb") as f:
+                    f.write(data[: len(data) // 2])
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(path, data)
+        save_mod.write_durable = write_durable
+    """,
+    "before-commit-rename": """
+        real = os.replace
+        def replace(src, dst):
+            if str(dst).endswith("step_000004"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(src, dst)
+        os.replace = replace
+    """,
+    "before-latest": """
+        real = save_mod.replace_atomic
+        def replace_atomic(path, data):
+            if b"step_000004" in data:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(path, data)
+        save_mod.replace_atomic = replace_atomic
+    """,
+}
+
+
+@pytest.mark.parametrize("point", sorted(CRASH_POINTS))
+def test_sigkill_during_checkpoint_write_then_resume_is_identical(reference, tmp_path, point):
+    """A SIGKILL inside a checkpoint write leaves the previous one loadable; the resume matches the reference."""
+    d = tmp_path / "run"
+    args = ["train", "--run-dir", str(d)] + [x for s in TINY for x in ("--set", s)]
+    proc = _run_python(f"""
+        import os, signal
+        import samestep.checkpoint.save as save_mod
+        {textwrap.indent(textwrap.dedent(CRASH_POINTS[point]), "        ").strip()}
+        from samestep.cli import main
+        main({args!r})
+    """)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    latest = (d / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step_000002"
+    ok = subprocess.run([sys.executable, "-m", "samestep", "checkpoint", "verify", str(d / "checkpoints")],
+                        capture_output=True, text=True)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    final = run_train(d, *TINY, resume=True)
+    assert final["state_digest"] == json.loads((reference / "final.json").read_text())["state_digest"]
+    assert metrics_bytes(d) == metrics_bytes(reference)
+
+
+def test_corrupt_newest_checkpoint_falls_back_on_resume(reference, tmp_path):
+    """--resume skips a bit-flipped newest checkpoint, says so, and still ends bit-identical."""
+    d = tmp_path / "run"
+    run_train(d, *TINY, stop_after=6)
+    model = d / "checkpoints" / "step_000006" / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[-5] ^= 0x10
+    model.write_bytes(bytes(data))
+    verify = subprocess.run([sys.executable, "-m", "samestep", "checkpoint", "verify", str(d / "checkpoints")],
+                            capture_output=True, text=True)
+    assert verify.returncode == 1 and "model.safetensors" in verify.stdout
+    proc = subprocess.run(train_cmd(d, *TINY, resume=True), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "skipped corrupt checkpoint step_000006" in proc.stdout
+    assert json.loads((d / "final.json").read_text())["state_digest"] == \
+        json.loads((reference / "final.json").read_text())["state_digest"]
+
+
+def test_torchrun_two_processes_repeat_and_match_one_process(reference, tmp_path):
+    """A 2-process torchrun run is identical across two launches, and to the 1-process run."""
+    digests = [run_train(tmp_path / f"r{i}", *TINY, nproc=2)["state_digest"] for i in range(2)]
+    assert digests[0] == digests[1]
+    assert digests[0] == json.loads((reference / "final.json").read_text())["state_digest"]
+    assert metrics_bytes(tmp_path / "r0") == metrics_bytes(reference)
+    assert json.loads((tmp_path / "r0" / "run.json").read_text())["layout"] == \
+        {"world_size": 2, "microbatches_per_process": 2}
+
+
+def test_existing_run_dir_is_not_overwritten(reference, tmp_path):
+    """Training into a directory that holds a run without --resume is refused (exit 2); nothing changes."""
+    before = metrics_bytes(reference)
+    proc = subprocess.run(train_cmd(reference, *TINY), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr
+    assert metrics_bytes(reference) == before
+
+
+def test_resume_with_a_changed_config_is_refused(reference, tmp_path):
+    """--resume under a config that would change the bits names the fields (exit 2)."""
+    d = tmp_path / "run"
+    run_train(d, *TINY, stop_after=2)
+    proc = subprocess.run(train_cmd(d, *TINY, "train.lr=0.5", resume=True), capture_output=True, text=True)
+    assert proc.returncode == 2 and "train.lr: 0.003 -> 0.5" in proc.stderr
