@@ -1,8 +1,9 @@
 """Layout-invariant data parallelism: the canonical gradient reduction and layout validation."""
 
 from samestep.distributed.reduce import (
-    AllReduceGradients, BinaryCounter, CanonicalGradients, canonical_sum, combine_across_ranks, validate_layout,
+    AllReduceGradients, BinaryCounter, CanonicalGradients, canonical_sum, combine_across_ranks, ring_allreduce_bytes,
+    validate_layout,
 )
 
 __all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalGradients", "canonical_sum", "combine_across_ranks",
-           "validate_layout"]
+           "ring_allreduce_bytes", "validate_layout"]

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 import torch
 
 __all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalGradients", "canonical_sum", "combine_across_ranks",
-           "validate_layout"]
+           "ring_allreduce_bytes", "validate_layout"]
 
 
 def _is_pow2(n: int) -> bool:
@@ -86,36 +86,71 @@ def canonical_sum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     return counter.result()
 
 
-def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: object) -> None:
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: object):
     import torch.distributed as dist
 
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp, group=group)
+    return fn(out, inp, group=group, async_op=True)
 
 
-def combine_across_ranks(local: torch.Tensor, world_size: int, group: object = None) -> torch.Tensor:
+# Elements per bucket: big enough to amortise a collective's latency, small enough that the
+# fixed-order combine of one bucket overlaps the all-to-all of the next.
+BUCKET_ELEMENTS = 4 * 1024 * 1024
+
+
+def ring_allreduce_bytes(numel: int, element_size: int, world_size: int) -> int:
+    """Bytes one process sends in a ring all-reduce of ``numel`` elements: 2(W-1)/W of the buffer."""
+    return 2 * (world_size - 1) * -(-numel // world_size) * element_size
+
+
+def combine_across_ranks(local: torch.Tensor, world_size: int, group: object = None,
+                         bucket_elements: int = BUCKET_ELEMENTS) -> tuple[torch.Tensor, int]:
     """Sums one equal-sized block per rank in rank order along the canonical tree; same bits on all ranks.
 
-    Moves 2(W-1)/W of ``local``'s bytes per process (all-to-all of chunks, then all-gather).
+    Per bucket: an all-to-all hands rank j the j-th chunk of every rank's bucket (a reduce-scatter whose
+    summing order we choose), rank j sums the W chunks with the binary counter over rank index, and
+    an all-gather returns the summed chunks to everyone. Buckets are pipelined: bucket b+1's
+    all-to-all is in flight while bucket b is summed. Element-wise sums do not depend on the chunking,
+    so the bucket size changes no bit.
+
+    Returns:
+        The sum (``local``'s shape and dtype) and the bytes this process sent.
     """
     import torch.distributed as dist
 
     if world_size == 1:
-        return local
-    n = local.numel()
-    chunk = -(-n // world_size)
-    padded = torch.zeros(chunk * world_size, dtype=local.dtype, device=local.device)
-    padded[:n] = local
-    received = torch.empty_like(padded)
-    dist.all_to_all_single(received, padded, group=group)  # row j = rank j's copy of my chunk
-    rows = received.view(world_size, chunk)
-    counter = BinaryCounter()
-    for j in range(world_size):
-        counter.push(rows[j].clone())
-    mine = counter.result()
-    gathered = torch.empty_like(padded)
-    _all_gather(gathered, mine, group)
-    return gathered[:n]
+        return local, 0
+    n, sent = local.numel(), 0
+    out = torch.empty_like(local)
+    step = max(bucket_elements, world_size)
+    spans = [(a, min(a + step, n)) for a in range(0, n, step)]
+
+    def launch(a: int, b: int):
+        chunk = -(-(b - a) // world_size)
+        padded = torch.zeros(chunk * world_size, dtype=local.dtype, device=local.device)
+        padded[: b - a] = local[a:b]
+        received = torch.empty_like(padded)
+        work = dist.all_to_all_single(received, padded, group=group, async_op=True)
+        return work, received, chunk
+
+    gathers = []
+    pending = launch(*spans[0])
+    for idx, (a, b) in enumerate(spans):
+        work, received, chunk = pending
+        if idx + 1 < len(spans):
+            pending = launch(*spans[idx + 1])
+        work.wait()  # row j = rank j's copy of my chunk
+        counter = BinaryCounter()
+        for row in received.view(world_size, chunk):
+            counter.push(row.clone())
+        mine = counter.result()
+        gathered = torch.empty(chunk * world_size, dtype=local.dtype, device=local.device)
+        gathers.append((_all_gather(gathered, mine, group), gathered, a, b))
+        sent += 2 * (world_size - 1) * chunk * local.element_size()
+    for work, gathered, a, b in gathers:
+        work.wait()
+        out[a:b] = gathered[: b - a]
+    return out, sent
 
 
 class CanonicalGradients:
@@ -142,6 +177,7 @@ class CanonicalGradients:
         self._counter = BinaryCounter()
         self._next = rank * self.k
         self._n_extra = 0
+        self.bytes_sent = 0  # by collective semantics, summed over reduce() calls
 
     @property
     def microbatches(self) -> range:
@@ -171,7 +207,8 @@ class CanonicalGradients:
         """Combines across processes and writes the result into ``p.grad``; returns the summed extra."""
         if self._next != self.microbatches.stop:
             raise RuntimeError(f"reduce() after {self._next - self.microbatches.start} of {self.k} microbatches")
-        total = combine_across_ranks(self._counter.result(), self.world_size, self.group)
+        total, sent = combine_across_ranks(self._counter.result(), self.world_size, self.group)
+        self.bytes_sent += sent
         offset = 0
         for p in self.params:
             p.grad = total[offset: offset + p.numel()].view_as(p)
@@ -194,6 +231,7 @@ class AllReduceGradients:
         self.params = [p for p in params if p.requires_grad]
         self.k, self.world_size, self.rank, self.group = microbatches_per_process, world_size, rank, group
         self._extra: torch.Tensor | None = None
+        self.bytes_sent = 0
 
     @property
     def microbatches(self) -> range:
@@ -213,6 +251,7 @@ class AllReduceGradients:
         total = torch.cat(parts + [extra.to(parts[0].dtype)])
         if self.world_size > 1:
             dist.all_reduce(total, group=self.group)
+            self.bytes_sent += ring_allreduce_bytes(total.numel(), total.element_size(), self.world_size)
         offset = 0
         for p in self.params:
             p.grad = total[offset: offset + p.numel()].view_as(p)

@@ -1,0 +1,108 @@
+"""Layout benchmark: canonical reduction vs PyTorch DDP's all-reduce, 2 processes, side by side.
+
+    .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py [--pairs 15] [--steps 4] [--json]
+
+Both variants run the reference config's step in the same processes, alternately (so machine noise
+hits both alike): the canonical variant is the reference run's own step (samestep.enable +
+CanonicalGradients); the DDP variant wraps the same model in DistributedDataParallel, skips the
+all-reduce with no_sync() on all but the last microbatch (the usual gradient-accumulation idiom), and
+lets DDP's bucketed, backward-overlapped all-reduce run. Reported on rank 0: the median of per-pair
+step-time ratios, and bytes sent per process per step (by collective semantics) against a ring
+all-reduce of the same gradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import samestep
+from samestep import rng
+from samestep.data import load_corpus
+from samestep.distributed import ring_allreduce_bytes
+from samestep.train import load_config
+from samestep.train.loop import build
+
+
+def ddp_step(parts, ddp: DDP, step: int) -> None:
+    """One step the way a DDP user writes it: no_sync() for all but the last microbatch."""
+    t = parts.cfg.train
+    for group in parts.optimizer.param_groups:
+        group["lr"] = parts.schedule(step)
+    owned = list(parts.grads.microbatches)
+    for i in owned:
+        x, y = parts.cursor.samples(parts.cursor.position + i * t.micro_batch, t.micro_batch)
+        sync = contextlib.nullcontext() if i == owned[-1] else ddp.no_sync()
+        with sync:
+            _, loss = ddp(x, y, rng.generator(t.seed, step, i, "dropout"))
+            (loss / parts.tokens_per_step).backward()
+    torch.nn.utils.clip_grad_norm_(ddp.parameters(), t.grad_clip, foreach=False)
+    parts.optimizer.step()
+    parts.optimizer.zero_grad(set_to_none=True)
+    parts.cursor.advance(t.global_batch)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--pairs", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    samestep.enable(threads=1)  # before the process group: NCCL_ALGO and friends
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    corpus = load_corpus("stdlib")
+    cfg = load_config(None, ["determinism.threads=1"])
+    canon = build(cfg, world=world, rank=rank, corpus=corpus)
+    plain = build(load_config(None, ["determinism.enabled=false"]), world=world, rank=rank, corpus=corpus)
+    ddp = DDP(plain.model)
+    ratios, t_canon, t_ddp = [], [], []
+    for p in range(args.pairs + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for s in range(args.steps):
+            canon.step(p * args.steps + s)
+        dist.barrier()
+        t1 = time.perf_counter()
+        for s in range(args.steps):
+            ddp_step(plain, ddp, p * args.steps + s)
+        dist.barrier()
+        t2 = time.perf_counter()
+        if p:  # pair 0 warms up
+            t_canon.append((t1 - t0) / args.steps)
+            t_ddp.append((t2 - t1) / args.steps)
+            ratios.append((t1 - t0) / (t2 - t1))
+    numel = sum(p.numel() for p in canon.grads.params) + 1  # + the loss riding along
+    sent_per_step = canon.grads.bytes_sent / ((args.pairs + 1) * args.steps)
+    ring = ring_allreduce_bytes(numel, 4, world)
+    result = {"world_size": world, "pairs": args.pairs, "steps_per_side": args.steps,
+              "step_ms_canonical": round(1000 * statistics.median(t_canon), 2),
+              "step_ms_ddp": round(1000 * statistics.median(t_ddp), 2),
+              "time_ratio_median": round(statistics.median(ratios), 4),
+              "bytes_sent_per_step": int(sent_per_step), "ring_allreduce_bytes": ring,
+              "bytes_ratio": round(sent_per_step / ring, 4)}
+    if rank == 0:
+        if args.json:
+            print(json.dumps(result))
+        else:
+            print(f"{world} processes: canonical {result['step_ms_canonical']} ms/step vs DDP {result['step_ms_ddp']} "
+                  f"ms/step; ratio median of {args.pairs} pairs: {result['time_ratio_median']}")
+            print(f"bytes sent per process per step: {result['bytes_sent_per_step']:,} vs ring all-reduce "
+                  f"{ring:,} (ratio {result['bytes_ratio']})")
+    dist.destroy_process_group()
+    samestep.disable()
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
