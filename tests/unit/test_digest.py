@@ -1,0 +1,109 @@
+"""samestep.digest: the spec's test vectors, bit sensitivity, order sensitivity, exactness."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import pytest
+import torch
+
+from samestep.trace.digest import PRIMES, _weight_table, digest, digest_many
+
+VECTORS = [
+    (lambda: torch.tensor([], dtype=torch.float32), "508e9f911f0522e6a654cc11b9fc4100"),
+    (lambda: torch.tensor(0.0), "d471c7dcb1eb36271dc4bd790d20689f"),
+    (lambda: torch.tensor(-0.0), "2b5adc5da1f6fb34ece193cbe7e00be3"),
+    (lambda: torch.arange(10), "3472752f3744052ae9215548dc2b10de"),
+    (lambda: torch.arange(1000000, dtype=torch.float32), "4824aad8c7ecbf92b5942c03e6b24bcc"),
+    (lambda: torch.tensor([True, False]), "a96bf39411af1e22d35cd9b19272d0df"),
+    (lambda: torch.ones(3, dtype=torch.complex64), "7f51d7271bc1039f371eb5c15d20dfd3"),
+    (lambda: torch.zeros(2, dtype=torch.float8_e4m3fn), "e8d18b2ca6772c31419947276cf50cae"),
+    (lambda: torch.ones(2, 2, dtype=torch.bfloat16), "4e03f1a5ec7b8359b6e844de2c3b1a4b"),
+]
+
+
+@pytest.mark.parametrize("make,expected", VECTORS)
+def test_vectors_from_the_spec(make, expected):
+    """The digests pinned in docs/digest.md."""
+    assert digest(make()) == expected
+
+
+def _reference(t: torch.Tensor) -> str:
+    """docs/digest.md in plain Python integers: no floats, no torch reductions."""
+    flat = t.contiguous().reshape(-1)
+    if flat.dtype.is_complex:
+        flat = torch.view_as_real(flat).reshape(-1)
+    data = bytes(flat.view(torch.uint8).tolist())
+    nbytes = len(data)
+    if len(data) % 2:
+        data += b"\0"
+    words = list(struct.unpack(f"<{len(data) // 2}h", data))
+    table = _weight_table()
+    while True:
+        rows = max(1, -(-len(words) // 256))
+        words += [0] * (rows * 256 - len(words))
+        h = [[sum(words[r * 256 + j] * table[j][lane] for j in range(256)) % p for lane, p in enumerate(PRIMES)]
+             for r in range(rows)]
+        if rows == 1:
+            break
+        words = [v for row in h for lane in row for v in (lane & 0x3FFF, lane >> 14)]
+    d = hashlib.blake2b(digest_size=16, person=b"samestep.dgst.v1")
+    d.update(f"{str(t.dtype).removeprefix('torch.')}|{','.join(map(str, t.shape))}|{nbytes}|".encode())
+    d.update(struct.pack("<4I", *h[0]))
+    return d.hexdigest()
+
+
+@pytest.mark.parametrize("shape,dtype", [((3,), torch.float32), ((300, 300), torch.float32),
+                                         ((17, 5), torch.float16), ((7,), torch.uint8), ((0, 4), torch.int32)])
+def test_matches_the_integer_reference(shape, dtype):
+    """The float64-matmul implementation equals the spec computed with Python integers (multi-level too)."""
+    g = torch.Generator().manual_seed(1)
+    t = (torch.randn(shape, generator=g) * 1e4).to(dtype)
+    assert digest(t) == _reference(t)
+
+
+def test_every_bit_dtype_and_shape_matter():
+    """A flipped bit, a NaN payload, a dtype or a shape change the digest."""
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    base = digest(x)
+    for i in (0, 500, 999):
+        y = x.clone()
+        y.view(torch.int32)[i] ^= 1
+        assert digest(y) != base
+    nan1 = torch.tensor([0x7FC00000], dtype=torch.int32).view(torch.float32)
+    nan2 = torch.tensor([0x7FC00001], dtype=torch.int32).view(torch.float32)
+    assert digest(nan1) != digest(nan2)
+    assert digest(x.view(torch.int32)) != base
+    assert digest(x.view(10, 100)) != base
+
+
+def test_order_sensitive_and_no_cancellation():
+    """Permutations, repeated pairs and zeros of another length all differ. Negative control:
+    torch.hash_tensor (an XOR) is blind to the permutation and zero for a repeated pair."""
+    x = torch.arange(1, 65, dtype=torch.float32)
+    perm = x.flip(0)
+    assert digest(x) != digest(perm)
+    pair = torch.tensor([3.5, 3.5])
+    zeros = [digest(torch.zeros(n)) for n in (0, 1, 2, 512, 513)]
+    assert len(set(zeros)) == 5 and digest(pair) != digest(torch.zeros(2))
+    if hasattr(torch, "hash_tensor"):
+        assert torch.equal(torch.hash_tensor(x), torch.hash_tensor(perm))
+        assert int(torch.hash_tensor(pair)) == 0
+
+
+def test_layouts_and_thread_counts_do_not_matter():
+    """Non-contiguous views digest like their contiguous copy; 1 and 2 threads agree."""
+    x = torch.randn(64, 300, generator=torch.Generator().manual_seed(2))
+    assert digest(x.t()) == digest(x.t().contiguous()) and digest(x[:, ::3]) == digest(x[:, ::3].contiguous())
+    big = torch.randn(2_000_000, generator=torch.Generator().manual_seed(3))
+    torch.set_num_threads(1)
+    one = digest(big)
+    torch.set_num_threads(2)
+    assert digest(big) == one
+
+
+def test_digest_many_equals_one_by_one():
+    """Batched digests (one host copy) equal individual ones."""
+    ts = [torch.randn(5), torch.arange(3), torch.tensor(True), torch.empty(0)]
+    assert digest_many(ts) == [digest(t) for t in ts]
