@@ -38,7 +38,8 @@ def _run(world: int, tmp_path, bucket: int) -> dict[str, list[np.ndarray]]:
     out = tmp_path / f"w{world}"
     out.mkdir()
     mp.spawn(_worker, args=(world, str(tmp_path / f"init{world}"), str(out), bucket), nprocs=world, join=True)
-    return {kind: [np.load(out / f"{kind}_{r}.npy") for r in range(world)] for kind in ("canonical", "allreduce", "sent")}
+    kinds = ("canonical", "allreduce", "sent")
+    return {kind: [np.load(out / f"{kind}_{r}.npy") for r in range(world)] for kind in kinds}
 
 
 def test_combine_matches_one_process_on_2_and_4_ranks_and_allreduce_does_not(tmp_path):

@@ -16,8 +16,16 @@ from safetensors.torch import load as safetensors_load
 from samestep import rng as _rng
 from samestep._state import sha256_tensor, unflatten
 from samestep.checkpoint._format import (
-    FORMAT, LATEST, MANIFEST, STEP_DIR, VERSION, CheckpointError, committed_steps, manifest_digest,
-    rank_names, sha256_bytes,
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    STEP_DIR,
+    VERSION,
+    CheckpointError,
+    committed_steps,
+    manifest_digest,
+    rank_names,
+    sha256_bytes,
 )
 from samestep.env import compare_environments, environment
 

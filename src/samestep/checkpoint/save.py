@@ -13,8 +13,19 @@ from safetensors.torch import save as safetensors_bytes
 from samestep import rng as _rng
 from samestep._state import flatten, sha256_tensor
 from samestep.checkpoint._format import (
-    FORMAT, LATEST, MANIFEST, VERSION, committed_steps, fsync_dir, manifest_digest, rank_names,
-    replace_atomic, sha256_bytes, step_dir_name, write_durable, write_json,
+    FORMAT,
+    LATEST,
+    MANIFEST,
+    VERSION,
+    committed_steps,
+    fsync_dir,
+    manifest_digest,
+    rank_names,
+    replace_atomic,
+    sha256_bytes,
+    step_dir_name,
+    write_durable,
+    write_json,
 )
 from samestep.env import environment
 

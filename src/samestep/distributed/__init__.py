@@ -1,7 +1,12 @@
 """Layout-invariant data parallelism: the canonical gradient reduction and layout validation."""
 
 from samestep.distributed.reduce import (
-    AllReduceGradients, BinaryCounter, CanonicalGradients, canonical_sum, combine_across_ranks, ring_allreduce_bytes,
+    AllReduceGradients,
+    BinaryCounter,
+    CanonicalGradients,
+    canonical_sum,
+    combine_across_ranks,
+    ring_allreduce_bytes,
     validate_layout,
 )
 

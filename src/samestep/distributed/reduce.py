@@ -17,7 +17,7 @@ of processes (DESIGN invariant 2):
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -178,6 +178,8 @@ class CanonicalGradients:
         self._next = rank * self.k
         self._n_extra = 0
         self.bytes_sent = 0  # by collective semantics, summed over reduce() calls
+        # Called as observer(name, input, output) around each collective (a trace recorder, say).
+        self.observer: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
 
     @property
     def microbatches(self) -> range:
@@ -207,8 +209,11 @@ class CanonicalGradients:
         """Combines across processes and writes the result into ``p.grad``; returns the summed extra."""
         if self._next != self.microbatches.stop:
             raise RuntimeError(f"reduce() after {self._next - self.microbatches.start} of {self.k} microbatches")
-        total, sent = combine_across_ranks(self._counter.result(), self.world_size, self.group)
+        local = self._counter.result()
+        total, sent = combine_across_ranks(local, self.world_size, self.group)
         self.bytes_sent += sent
+        if self.observer is not None and self.world_size > 1:
+            self.observer("canonical_combine", local, total)
         offset = 0
         for p in self.params:
             p.grad = total[offset: offset + p.numel()].view_as(p)
@@ -232,6 +237,7 @@ class AllReduceGradients:
         self.k, self.world_size, self.rank, self.group = microbatches_per_process, world_size, rank, group
         self._extra: torch.Tensor | None = None
         self.bytes_sent = 0
+        self.observer: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
 
     @property
     def microbatches(self) -> range:
@@ -250,7 +256,10 @@ class AllReduceGradients:
         extra = self._extra if self._extra is not None else parts[0][:0]
         total = torch.cat(parts + [extra.to(parts[0].dtype)])
         if self.world_size > 1:
+            local = total.clone() if self.observer is not None else total
             dist.all_reduce(total, group=self.group)
+            if self.observer is not None:
+                self.observer("all_reduce", local, total)
             self.bytes_sent += ring_allreduce_bytes(total.numel(), total.element_size(), self.world_size)
         offset = 0
         for p in self.params:

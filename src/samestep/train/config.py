@@ -12,14 +12,15 @@ the overrides in order, and validates every field.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import tomllib
+
 from samestep.data import SOURCES
 
-__all__ = ["Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TrainConfig", "load_config"]
+__all__ = ["Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TraceConfig", "TrainConfig", "load_config"]
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -145,6 +146,31 @@ class DeterminismConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class TraceConfig:
+    """The trace recorder (observing never changes a bit of the run)."""
+
+    level: str = "off"
+    """'off', 'step', 'module' or 'op' (each includes the ones before)."""
+    steps: str = "all"
+    """Steps to record, 1-based: 'all' or ranges like '1-5,8'."""
+    ranks: str = "all"
+    """Ranks that record: 'all' or a list like '0,1'."""
+    perturb: str = ""
+    """Fault injection to validate `samestep diff`: 'rank=R,step=S,microbatch=M,op=OP,occurrence=K' adds
+    one ULP to that op's output (needs level 'op' on that step)."""
+
+    def __post_init__(self) -> None:
+        from samestep.trace import LEVELS, Perturb, parse_selection
+
+        if self.level not in LEVELS:
+            raise ValueError(f"trace.level={self.level!r} is unknown; use one of {', '.join(LEVELS)}")
+        parse_selection(self.steps, "trace.steps")
+        parse_selection(self.ranks, "trace.ranks")
+        if self.perturb:
+            Perturb.parse(self.perturb)
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     """A whole run."""
 
@@ -156,6 +182,8 @@ class Config:
     """The token source."""
     determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
     """Deterministic mode."""
+    trace: TraceConfig = field(default_factory=TraceConfig)
+    """The trace recorder."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -30,6 +30,7 @@ from samestep.checkpoint import load_checkpoint, save_checkpoint
 from samestep.checkpoint._format import replace_atomic
 from samestep.data import DataCursor, load_corpus
 from samestep.distributed import AllReduceGradients, CanonicalGradients, validate_layout
+from samestep.trace import Perturb, Recorder, parse_selection
 from samestep.train.config import Config
 from samestep.train.model import GPT
 
@@ -38,7 +39,8 @@ __all__ = ["RESTORE_ALL", "RUN_FORMAT", "Parts", "WarmupCosine", "build", "train
 RUN_FORMAT, RUN_VERSION = "samestep.run", 1
 RESTORE_ALL = frozenset({"model", "optimizer", "data", "rng"})
 # Config fields that may change on --resume without changing a single bit of the steps already taken.
-RESUMABLE_CHANGES = {"train.checkpoint_every", "train.keep_checkpoints", "train.log_every"}
+RESUMABLE_CHANGES = {"train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "trace.level",
+                     "trace.steps", "trace.ranks"}
 
 
 @dataclass(slots=True)
@@ -188,6 +190,7 @@ class Parts:
     cursor: DataCursor
     grads: CanonicalGradients | AllReduceGradients
     device: torch.device
+    recorder: Recorder
 
     @property
     def tokens_per_step(self) -> int:
@@ -195,29 +198,38 @@ class Parts:
 
     def step(self, step: int) -> tuple[float, float, float]:
         """Runs optimizer step ``step`` (0-based); returns (loss, grad norm before clipping, lr)."""
-        t = self.cfg.train
+        t, rec = self.cfg.train, self.recorder
         lr = self.schedule(step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        for i in self.grads.microbatches:
-            x, y = self.cursor.samples(self.cursor.position + i * t.micro_batch, t.micro_batch)
-            gen = rng.generator(t.seed, step, i, "dropout", self.device)
-            _, loss = self.model(x.to(self.device), y.to(self.device), gen)
-            loss = loss / self.tokens_per_step  # normalised by the global token count: layout-free
-            loss.backward()
-            self.grads.accumulate(i, extra=loss.detach())
-        loss_value = float(self.grads.reduce()[0])
-        max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.grads.params, max_norm, foreach=False))
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with rec.step(step + 1):  # traces and metrics number steps from 1
+            for i in self.grads.microbatches:
+                x, y = self.cursor.samples(self.cursor.position + i * t.micro_batch, t.micro_batch)
+                with rec.microbatch(i):
+                    gen = rng.generator(t.seed, step, i, "dropout", self.device)
+                    _, loss = self.model(x.to(self.device), y.to(self.device), gen)
+                    loss = loss / self.tokens_per_step  # normalised by the global token count: layout-free
+                    loss.backward()
+                self.grads.accumulate(i, extra=loss.detach())
+            loss_sum = self.grads.reduce()[0]
+            rec.grads(self.model.named_parameters())
+            max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.grads.params, max_norm, foreach=False)
+            rec.metric("loss", loss_sum)
+            rec.metric("grad_norm", grad_norm)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            rec.state(self.model, self.optimizer)
         self.cursor.advance(t.global_batch)
-        return loss_value, grad_norm, lr
+        return float(loss_sum), float(grad_norm), lr
 
 
 def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | str = "cpu",
-          corpus: Any = None) -> Parts:
-    """Builds the data cursor, model, optimizer, schedule and gradient reduction of one process."""
+          corpus: Any = None, run_dir: Path | None = None) -> Parts:
+    """Builds the data cursor, model, optimizer, schedule, gradient reduction and trace recorder of one process.
+
+    Without ``run_dir`` nothing is traced (there is nowhere to write).
+    """
     t = cfg.train
     corpus = corpus if corpus is not None else load_corpus(cfg.data.source, cfg.data.path or None)
     vocab = cfg.model.vocab_size or corpus.vocab_size
@@ -227,12 +239,18 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     device = torch.device(device)
     model = GPT(cfg.model, vocab, t.seed).to(device)
     grads_cls = CanonicalGradients if cfg.determinism.enabled else AllReduceGradients
+    grads = grads_cls(model.parameters(), microbatches_per_process=t.microbatches // world, world_size=world, rank=rank)
+    tc = cfg.trace
+    recorder = Recorder(run_dir if run_dir is not None else ".", level=tc.level if run_dir is not None else "off",
+                        steps=parse_selection(tc.steps, "trace.steps"), ranks=parse_selection(tc.ranks, "trace.ranks"),
+                        rank=rank, perturb=Perturb.parse(tc.perturb) if tc.perturb else None)
+    recorder.attach(model)
+    if recorder.enabled:
+        grads.observer = recorder.collective
     return Parts(cfg=cfg, corpus=corpus, model=model, optimizer=_make_optimizer(model, cfg),
                  schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
-                 cursor=DataCursor(corpus, cfg.model.block_size, t.seed),
-                 grads=grads_cls(model.parameters(), microbatches_per_process=t.microbatches // world,
-                                 world_size=world, rank=rank),
-                 device=device)
+                 cursor=DataCursor(corpus, cfg.model.block_size, t.seed), grads=grads, device=device,
+                 recorder=recorder)
 
 
 def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False, stop_after: int | None = None,
@@ -283,7 +301,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
         validate_layout(world, k)
     say = out if rank == 0 else (lambda _msg: None)
 
-    parts = build(cfg, world=world, rank=rank, device=device)
+    parts = build(cfg, world=world, rank=rank, device=device, run_dir=run_dir)
     model, optimizer, schedule, cursor = parts.model, parts.optimizer, parts.schedule, parts.cursor
 
     ckpt_root = run_dir / "checkpoints"
@@ -336,6 +354,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
                                 data_cursor=cursor, config=cfg.to_dict(), keep=t.keep_checkpoints)
     finally:
         progress.close()
+        parts.recorder.close()
         if metrics is not None:
             metrics.close()
 

@@ -80,6 +80,13 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x), gen)
 
 
+class IndexEmbedding(nn.Embedding):
+    """``weight[idx]``: the same lookup as nn.Embedding, whose backward is index_put_(accumulate=True)."""
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.weight[idx]
+
+
 class GPT(nn.Module):
     """Token and position embeddings, ``n_layer`` blocks, a final norm, a tied language-model head."""
 
@@ -87,7 +94,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
         self.transformer = nn.ModuleDict({
-            "wte": nn.Embedding(vocab_size, cfg.n_embd),
+            "wte": (IndexEmbedding if cfg.embedding == "index" else nn.Embedding)(vocab_size, cfg.n_embd),
             "wpe": nn.Embedding(cfg.block_size, cfg.n_embd),
             "h": nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
             "ln_f": nn.LayerNorm(cfg.n_embd),
@@ -114,8 +121,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds model.block_size={self.cfg.block_size}")
-        wte = self.transformer.wte
-        tok = wte.weight[idx] if self.cfg.embedding == "index" else wte(idx)  # (B, T, C)
+        tok = self.transformer.wte(idx)  # (B, T, C)
         pos = self.transformer.wpe(torch.arange(T, device=idx.device))  # (T, C)
         x = dropout(tok + pos, self.cfg.dropout, gen, self.training)
         for block in self.transformer.h:

@@ -1,0 +1,355 @@
+"""The recorder: the capture ladder (step, module, op) written as one ordered stream per rank.
+
+    rec = samestep.trace(run_dir, level="op", steps={1, 2, 3}, rank=rank)
+    rec.attach(model)
+    for step in ...:
+        with rec.step(step):
+            for i in my_microbatches:
+                with rec.microbatch(i):
+                    loss = model(...); loss.backward()
+            rec.grads(model.named_parameters())
+            optimizer.step()
+            rec.state(model, optimizer)
+    rec.close()
+
+Levels (each includes the ones before):
+- ``step``: loss and grad-norm bits, each parameter's gradient after reduction, parameters and
+  optimizer state after the update, each collective's input and output;
+- ``module``: every module's forward output and the gradient arriving at it in backward, by path;
+- ``op``: every ATen op's input and output digests (a TorchDispatchMode), scoped by module; the
+  scope follows the op into backward through hooks on module outputs.
+
+Observing never perturbs (DESIGN invariant 3): tensors are copied into a staging area and digested
+later in batches; nothing the model computes is changed, unless a ``Perturb`` is given on purpose.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves
+
+from samestep.trace.digest import digest_many
+from samestep.trace.stream import COLUMNS, StreamWriter, stream_path, stream_segments
+
+__all__ = ["LEVELS", "Perturb", "Recorder", "parse_selection", "trace"]
+
+LEVELS = ("off", "step", "module", "op")
+UNINIT = bytes(16)  # the digest recorded for uninitialised memory (torch.empty and friends)
+# Ops whose output is uninitialised memory: digesting it would report noise as divergence.
+_EMPTY_OPS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
+              "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out"}
+# Flush the staging area once it holds this many bytes (bounds the recorder's memory).
+FLUSH_BYTES = 256 * 1024 * 1024
+_scope: contextvars.ContextVar[str] = contextvars.ContextVar("samestep_scope", default="")
+
+
+def parse_selection(text: str | None, what: str) -> set[int] | None:
+    """``"all"``/``""`` -> None (everything); ``"1-5,8"`` -> {1, 2, 3, 4, 5, 8}.
+
+    Raises:
+        ValueError: names ``what`` and the bad text.
+    """
+    if text is None or text.strip() in ("", "all"):
+        return None
+    out: set[int] = set()
+    try:
+        for part in text.split(","):
+            lo, _, hi = part.strip().partition("-")
+            out.update(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise ValueError(f"{what}={text!r}: expected 'all' or numbers and ranges like '1-5,8'") from None
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Perturb:
+    """Fault injection for validating the diff: adds one ULP to element 0 of one op occurrence's output."""
+
+    rank: int
+    step: int
+    microbatch: int
+    op: str
+    occurrence: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Perturb:
+        """From ``"rank=0,step=2,microbatch=1,op=aten.mm.default,occurrence=3"``."""
+        try:
+            fields = dict(item.split("=", 1) for item in text.split(","))
+            return cls(rank=int(fields.get("rank", 0)), step=int(fields["step"]), microbatch=int(fields["microbatch"]),
+                       op=fields["op"], occurrence=int(fields.get("occurrence", 0)))
+        except (KeyError, ValueError):
+            raise ValueError(f"trace.perturb={text!r}: expected 'rank=R,step=S,microbatch=M,op=OP,occurrence=K'") \
+                from None
+
+
+class _OpMode(TorchDispatchMode):
+    """Records every ATen op's inputs (before it runs) and outputs (after)."""
+
+    def __init__(self, rec: Recorder) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        rec = self.rec
+        inputs = [rec._stage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        out = func(*args, **kwargs)
+        name = str(func)
+        phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
+        scope = rec._bwd_scope if phase == "backward" else _scope.get()
+        occurrence = rec._occurrence(phase, scope, name)
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        p = rec.perturb
+        if (p is not None and outs and p.rank == rec.rank and p.step == rec._step and p.microbatch == rec._mb
+                and p.op == name and p.occurrence == occurrence and outs[0].is_floating_point() and outs[0].numel()):
+            flat = outs[0].view(-1)
+            with torch.no_grad():
+                flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype, device=flat.device))
+        uninit = name in _EMPTY_OPS
+        rec._append(phase, scope, name, occurrence, inputs, [None if uninit else rec._stage(t) for t in outs])
+        return out
+
+
+class Recorder:
+    """Writes this rank's trace stream; see the module docstring for the protocol."""
+
+    def __init__(self, run_dir: str | Path, *, level: str = "op", steps: set[int] | None = None,
+                 ranks: set[int] | None = None, rank: int = 0, perturb: Perturb | None = None,
+                 meta: dict[str, Any] | None = None) -> None:
+        if level not in LEVELS:
+            raise ValueError(f"trace level {level!r} is unknown; use one of {', '.join(LEVELS)}")
+        self.level, self.steps, self.rank, self.perturb = level, steps, rank, perturb
+        self.enabled = level != "off" and (ranks is None or rank in ranks)
+        self._rank_level = LEVELS.index(level)
+        self._run_dir = Path(run_dir)
+        self._meta = {"rank": rank, "level": level, **(meta or {})}
+        self._writer: StreamWriter | None = None  # opened at the first flush: nothing is written before
+        self._step, self._mb = 0, -1
+        self._bwd_scope = ""
+        self._counts: dict[tuple, int] = {}
+        self._staged: list[torch.Tensor] = []
+        self._staged_bytes = 0
+        self._cache: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (tensor, version, slot)
+        self._records: list[tuple] = []
+        self._seq = 0
+        self._hooks: list[Any] = []
+
+    # -- selection -------------------------------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        """Whether the current step is recorded."""
+        return self.enabled and (self.steps is None or self._step in self.steps)
+
+    def _at(self, level: str) -> bool:
+        return self.active and self._rank_level >= LEVELS.index(level)
+
+    # -- staging and records ---------------------------------------------------------------------------
+    def _stage(self, t: torch.Tensor) -> int:
+        """Copies a tensor into the staging area (once per tensor version); returns its slot."""
+        key = id(t)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            return hit[2]
+        with torch.no_grad(), _disable_current_modes():  # the recorder's own copies are not model ops
+            copy = t.detach().clone()
+        self._staged.append(copy)
+        slot = len(self._staged) - 1
+        try:
+            self._cache[key] = (weakref.ref(t), t._version, slot)
+        except TypeError:  # a tensor subclass without weakref support: no caching
+            pass
+        self._staged_bytes += copy.numel() * copy.element_size()
+        return slot
+
+    def _occurrence(self, phase: str, scope: str, op: str) -> int:
+        key = (self._mb, phase, scope, op)
+        n = self._counts.get(key, 0)
+        self._counts[key] = n + 1
+        return n
+
+    def _append(self, phase: str, scope: str, op: str, occurrence: int, inputs: list, outputs: list) -> None:
+        self._records.append((self._seq, self._step, self._mb, phase, scope, op, occurrence, inputs, outputs))
+        self._seq += 1
+        if self._staged_bytes > FLUSH_BYTES:
+            self.flush()
+
+    def record(self, op: str, outputs: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor] = (),
+               scope: str = "", phase: str = "step") -> None:
+        """Records one named event with its tensors (used by the step level and by user code)."""
+        if not self.active:
+            return
+        occurrence = self._occurrence(phase, scope, op)
+        self._append(phase, scope, op, occurrence, [self._stage(t) for t in inputs], [self._stage(t) for t in outputs])
+
+    def flush(self) -> None:
+        """Digests everything staged (batched) and appends the records to the stream."""
+        if not self._records:
+            self._staged.clear()
+            return
+        digests = [bytes.fromhex(d) for d in digest_many(self._staged)]
+        cols: dict[str, list] = {c: [] for c in COLUMNS}
+        for seq, step, mb, phase, scope, op, occ, ins, outs in self._records:
+            cols["seq"].append(seq)
+            cols["step"].append(step)
+            cols["microbatch"].append(mb)
+            cols["phase"].append(phase)
+            cols["scope"].append(scope)
+            cols["op"].append(op)
+            cols["occurrence"].append(occ)
+            cols["inputs"].append(b"".join(digests[s] for s in ins))
+            cols["outputs"].append(b"".join(UNINIT if s is None else digests[s] for s in outs))
+        if self._writer is None:  # a new segment: a resumed run never overwrites the earlier stream
+            path = stream_path(self._run_dir, self.rank, len(stream_segments(self._run_dir, self.rank)))
+            self._writer = StreamWriter(path, self._meta)
+        self._writer.write(cols)
+        self._records.clear()
+        self._staged.clear()
+        self._cache.clear()
+        self._staged_bytes = 0
+
+    # -- the protocol ----------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator[None]:
+        """Everything inside belongs to optimizer step ``step`` (1-based); flushed at the end."""
+        self._step, self._mb = step, -1
+        self._counts.clear()
+        try:
+            yield
+        finally:
+            if self.active:
+                self.flush()
+
+    @contextlib.contextmanager
+    def microbatch(self, index: int) -> Iterator[None]:
+        """Everything inside belongs to global microbatch ``index``; at op level, ATen ops are recorded."""
+        self._mb, self._bwd_scope = index, ""
+        token = _scope.set("")
+        mode = _OpMode(self) if self._at("op") else None
+        try:
+            if mode is not None:
+                with mode:
+                    yield
+            else:
+                yield
+        finally:
+            _scope.reset(token)
+            self._mb = -1
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Module hooks: scopes for the op level, forward outputs and backward gradients for the module level."""
+        if not self.enabled or self._rank_level < LEVELS.index("module"):
+            return
+        for path, module in model.named_modules():
+            self._hooks.append(module.register_forward_pre_hook(self._pre_hook(path)))
+            self._hooks.append(module.register_forward_hook(self._post_hook(path)))
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _pre_hook(self, path: str):
+        def hook(module, args):
+            module._samestep_scope_token = _scope.set(path)
+        return hook
+
+    def _post_hook(self, path: str):
+        parent = path.rpartition(".")[0]
+
+        def enter_backward(grad: torch.Tensor) -> None:
+            if self._at("module"):
+                self.record("grad_output", [grad], scope=path, phase="backward")
+            self._bwd_scope = path
+
+        def leave_backward(grad: torch.Tensor) -> None:
+            self._bwd_scope = parent
+
+        def hook(module, args, output):
+            token = getattr(module, "_samestep_scope_token", None)
+            if token is not None:
+                _scope.reset(token)
+                module._samestep_scope_token = None
+            if not self._at("module"):
+                return
+            outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
+            self.record("output", outs, scope=path, phase="forward")
+            if torch.is_grad_enabled():
+                for t in outs:
+                    if t.requires_grad:
+                        t.register_hook(enter_backward)
+                for t in tree_leaves(args):
+                    if isinstance(t, torch.Tensor) and t.requires_grad:
+                        t.register_hook(leave_backward)
+        return hook
+
+    # -- step level ------------------------------------------------------------------------------------
+    def metric(self, name: str, value: float | torch.Tensor) -> None:
+        """A scalar of the step (loss, grad norm), recorded as its exact bits."""
+        t = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
+        self.record(name, [t])
+
+    def grads(self, named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
+        """Every parameter's gradient after the cross-process reduction."""
+        for name, p in named_params:
+            if p.grad is not None:
+                self.record("grad", [p.grad], scope=name)
+
+    def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Parameters and optimizer state after the update."""
+        if not self.active:
+            return
+        names = {}
+        for name, p in model.named_parameters():
+            names[id(p)] = name
+            self.record("param", [p], scope=name)
+        if optimizer is not None:
+            for p, st in optimizer.state.items():
+                for key in sorted(st):
+                    if isinstance(st[key], torch.Tensor):
+                        self.record(f"optim.{key}", [st[key]], scope=names.get(id(p), "?"))
+
+    def collective(self, name: str, inp: torch.Tensor, out: torch.Tensor) -> None:
+        """A collective's input and output (the canonical combine calls this as its observer)."""
+        self.record(name, [out], [inp], scope="collective")
+
+    def close(self) -> None:
+        """Flushes and closes the stream; removes hooks."""
+        self.detach()
+        if self.enabled:
+            self.flush()
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | None = None,
+          ranks: set[int] | str | None = None, rank: int | None = None, perturb: Perturb | None = None) -> Recorder:
+    """Starts recording this rank's trace stream into ``run_dir/trace``.
+
+    Args:
+        run_dir: the run directory.
+        level: ``"step"``, ``"module"`` or ``"op"`` (each includes the ones before), or ``"off"``.
+        steps: the 1-based steps to record (a set, or text like ``"1-5"``); ``None`` records all.
+        ranks: the ranks that record; ``None`` is all.
+        rank: this process's rank (default: torch.distributed's, else 0).
+        perturb: fault injection for validating ``samestep diff`` (see ``Perturb``).
+    """
+    if rank is None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if isinstance(steps, str):
+        steps = parse_selection(steps, "steps")
+    if isinstance(ranks, str):
+        ranks = parse_selection(ranks, "ranks")
+    return Recorder(run_dir, level=level, steps=steps, ranks=ranks, rank=rank, perturb=perturb)
