@@ -116,7 +116,7 @@ class _OpMode(TorchDispatchMode):
             with torch.no_grad():
                 flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype, device=flat.device))
         uninit = name in _EMPTY_OPS
-        rec._append(phase, scope, name, occurrence, inputs, [None if uninit else rec._stage(t) for t in outs])
+        rec._append(phase, scope, name, occurrence, inputs, [rec._stage(t, uninit) for t in outs])
         return out
 
 
@@ -154,21 +154,27 @@ class Recorder:
         return self.active and self._rank_level >= LEVELS.index(level)
 
     # -- staging and records ---------------------------------------------------------------------------
-    def _stage(self, t: torch.Tensor) -> int:
-        """Copies a tensor into the staging area (once per tensor version); returns its slot."""
+    def _stage(self, t: torch.Tensor, uninit: bool = False) -> int | None:
+        """Copies a tensor into the staging area (once per tensor version); returns its slot.
+
+        ``uninit`` marks fresh uninitialised memory: it gets no slot (its digest is ``UNINIT``), and
+        so does every later read of that tensor version, e.g. as the destination of ``bernoulli_``.
+        """
         key = id(t)
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is t and hit[1] == t._version:
             return hit[2]
-        with torch.no_grad(), _disable_current_modes():  # the recorder's own copies are not model ops
-            copy = t.detach().clone()
-        self._staged.append(copy)
-        slot = len(self._staged) - 1
+        slot = None
+        if not uninit:
+            with torch.no_grad(), _disable_current_modes():  # the recorder's own copies are not model ops
+                copy = t.detach().clone()
+            self._staged.append(copy)
+            slot = len(self._staged) - 1
+            self._staged_bytes += copy.numel() * copy.element_size()
         try:
             self._cache[key] = (weakref.ref(t), t._version, slot)
         except TypeError:  # a tensor subclass without weakref support: no caching
             pass
-        self._staged_bytes += copy.numel() * copy.element_size()
         return slot
 
     def _occurrence(self, phase: str, scope: str, op: str) -> int:
@@ -206,7 +212,7 @@ class Recorder:
             cols["scope"].append(scope)
             cols["op"].append(op)
             cols["occurrence"].append(occ)
-            cols["inputs"].append(b"".join(digests[s] for s in ins))
+            cols["inputs"].append(b"".join(UNINIT if s is None else digests[s] for s in ins))
             cols["outputs"].append(b"".join(UNINIT if s is None else digests[s] for s in outs))
         if self._writer is None:  # a new segment: a resumed run never overwrites the earlier stream
             path = stream_path(self._run_dir, self.rank, len(stream_segments(self._run_dir, self.rank)))

@@ -1,0 +1,88 @@
+"""``certify_trace``: is a run's trace complete enough to diff?"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from samestep.analysis.diff import DiffError, _load_run, _metrics
+from samestep.trace.recorder import parse_selection
+from samestep.trace.stream import iter_stream, stream_segments
+
+__all__ = ["certify_trace"]
+
+
+def certify_trace(run: str | Path) -> dict[str, Any]:
+    """Checks that every selected rank and step has records, each stream's sequence is contiguous, no
+    tail is torn, and deterministic mode was on.
+
+    Returns:
+        ``{"complete": bool, "problems": [...], "ranks": {rank: {"records", "steps"}}}``.
+
+    Raises:
+        DiffError: ``run`` is not a run directory.
+    """
+    run = Path(run)
+    doc = _load_run(run)
+    problems: list[str] = []
+    cfg = doc.get("config", {})
+    tcfg = cfg.get("trace", {})
+    if doc.get("determinism") is None:
+        problems.append("deterministic mode is not recorded in run.json (the run had determinism.enabled=false)")
+    if tcfg.get("level", "off") == "off":
+        problems.append("the run was not traced (trace.level=off)")
+    world = max([doc.get("layout", {}).get("world_size", 1)] + [r.get("world_size", 1) for r in doc.get("resumes", [])])
+    wanted_ranks = parse_selection(tcfg.get("ranks", "all"), "trace.ranks")
+    ranks = [r for r in range(world) if wanted_ranks is None or r in wanted_ranks]
+    last_step = max((m["step"] for m in _metrics(run)), default=0)
+    wanted_steps = parse_selection(tcfg.get("steps", "all"), "trace.steps")
+    steps = {s for s in range(1, last_step + 1) if wanted_steps is None or s in wanted_steps}
+    per_rank: dict[str, Any] = {}
+    for rank in ranks:
+        segments = stream_segments(run, rank)
+        if not segments:
+            problems.append(f"rank {rank}: no trace stream ({run / 'trace'})")
+            continue
+        seen: set[int] = set()
+        records = 0
+        for seg in segments:
+            try:
+                _, batches, torn = iter_stream(seg)
+                expected = 0
+                for batch in batches:
+                    seq = batch.column(0).to_numpy()
+                    if seq.size and not np.array_equal(seq, np.arange(expected, expected + seq.size)):
+                        bad = int(np.flatnonzero(seq != np.arange(expected, expected + seq.size))[0])
+                        problems.append(f"{seg.name}: sequence jumps from {expected + bad - 1} to {int(seq[bad])}")
+                        break
+                    expected += seq.size
+                    seen.update(np.unique(batch.column(1).to_numpy()).tolist())
+                records += expected
+                problems.extend(f"{seg.name}: {t}" for t in torn)
+            except ValueError as e:
+                raise DiffError(str(e)) from None
+        missing = sorted(steps - seen)
+        if missing:
+            problems.append(f"rank {rank}: no records for step(s) {_ranges(missing)}")
+        per_rank[str(rank)] = {"records": records, "steps": _ranges(sorted(seen)), "segments": len(segments)}
+    return {"complete": not problems, "problems": problems, "ranks": per_rank, "run": str(run),
+            "selected_steps": _ranges(sorted(steps)), "selected_ranks": ranks}
+
+
+def _ranges(values: list[int]) -> str:
+    out, start, prev = [], None, None
+    for v in values:
+        if start is None:
+            start = prev = v
+        elif v == prev + 1:
+            prev = v
+        else:
+            out.append(f"{start}-{prev}" if start != prev else str(start))
+            start = prev = v
+    if start is not None:
+        out.append(f"{start}-{prev}" if start != prev else str(start))
+    return ",".join(out)
+
+

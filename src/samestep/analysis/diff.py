@@ -1,0 +1,332 @@
+"""``diff_runs``: the first step whose metrics differ, and per rank the first op that diverged.
+
+Metrics bits are compared first. Then, per rank, the two streams are walked in lockstep, in bounded
+memory (fixed-size chunks compared with vectorised Arrow kernels). Each rank's first record whose
+identity differs is a *structural* divergence (the code paths differ) and is reported before any
+numeric claim; otherwise its first record whose outputs differ is the *origin* when all its inputs
+matched, else a *receiver* of damage done outside the traced window. Sequence numbers are never
+compared across ranks.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from samestep.env import compare_environments
+from samestep.trace.stream import KEY, SCHEMA, iter_stream, stream_segments, traced_ranks
+
+__all__ = ["DiffError", "Divergence", "diff_runs"]
+
+CHUNK = 65_536
+# Config fields that do not change the numerics (invariant 3 for trace.*; bookkeeping for the rest).
+IGNORED_CONFIG = ("trace.", "train.checkpoint_every", "train.keep_checkpoints", "train.log_every")
+# Ops that only move or reinterpret bytes: if one "diverges" with matching inputs, its input was
+# changed by something the dispatcher never saw.
+COPY_LIKE = ("aten.view", "aten._unsafe_view", "aten.reshape", "aten.clone", "aten.copy_", "aten._to_copy",
+             "aten.contiguous", "aten.detach", "aten.alias", "aten.t.", "aten.transpose", "aten.permute",
+             "aten.expand", "aten.slice", "aten.select", "aten.split", "aten.unsqueeze", "aten.squeeze",
+             "aten.as_strided", "aten.lift_fresh")
+
+
+class DiffError(ValueError):
+    """The runs cannot be compared (missing files, other schema, other config or environment)."""
+
+
+@dataclass(slots=True)
+class Divergence:
+    """The first differing record of one rank."""
+
+    rank: int
+    kind: str  # "origin", "receiver" or "structural"
+    step: int
+    microbatch: int
+    phase: str
+    scope: str
+    op: str
+    occurrence: int
+    inputs_matched: bool
+    other: dict[str, Any] | None = None  # run B's record at that position (structural only)
+    note: str = ""
+
+
+@dataclass(slots=True)
+class _RankResult:
+    rank: int
+    records: int = 0
+    divergence: Divergence | None = None
+    torn: list[str] = field(default_factory=list)
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def _load_run(path: Path) -> dict[str, Any]:
+    run_json = path / "run.json"
+    try:
+        doc = json.loads(run_json.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DiffError(f"{run_json}: missing; {path} is not a samestep run directory") from None
+    except json.JSONDecodeError as e:
+        raise DiffError(f"{run_json}: not valid JSON ({e})") from None
+    if doc.get("format") != "samestep.run":
+        raise DiffError(f"{run_json}: format {doc.get('format')!r} is not 'samestep.run'")
+    return doc
+
+
+def _metrics(path: Path) -> list[dict[str, Any]]:
+    rows = []
+    try:
+        text = (path / "metrics.jsonl").read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return rows
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a torn last line of a killed run
+    return rows
+
+
+def _first_metric_difference(a: list[dict], b: list[dict], steps: set[int] | None) -> dict[str, Any] | None:
+    for ra, rb in zip(a, b):
+        if steps is not None and ra["step"] not in steps:
+            continue
+        fields = [f for f in ("loss_hex", "grad_norm_hex") if ra.get(f) != rb.get(f)]
+        if fields or ra.get("step") != rb.get("step"):
+            return {"step": ra["step"], "fields": fields or ["step"],
+                    "a": {f: ra.get(f) for f in fields}, "b": {f: rb.get(f) for f in fields}}
+    if len(a) != len(b):
+        return {"step": min(len(a), len(b)) + 1, "fields": ["length"], "a": {"steps": len(a)}, "b": {"steps": len(b)}}
+    return None
+
+
+def _final_digest(run: Path) -> str | None:
+    try:
+        return json.loads((run / "final.json").read_text(encoding="utf-8"))["state_digest"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _records(run: Path, rank: int, steps: set[int] | None, torn: list[str]) -> Iterator[pa.RecordBatch]:
+    """A rank's records over all its segments; steps re-run after a resume come from the later segment."""
+    segments = stream_segments(run, rank)
+    firsts: list[int | None] = []
+    for seg in segments:
+        _, batches, _ = iter_stream(seg)
+        first = next(batches, None)
+        firsts.append(int(first.column(1)[0].as_py()) if first is not None and first.num_rows else None)
+    for i, seg in enumerate(segments):
+        later = [f for f in firsts[i + 1:] if f is not None]
+        cutoff = min(later) if later else None
+        _, batches, seg_torn = iter_stream(seg)
+        for batch in batches:
+            mask = None
+            if cutoff is not None:
+                mask = pc.less(batch.column(1), cutoff)
+            if steps is not None:
+                sel = pc.is_in(batch.column(1), value_set=pa.array(sorted(steps), pa.int32()))
+                mask = sel if mask is None else pc.and_(mask, sel)
+            yield batch if mask is None else batch.filter(mask)
+        torn.extend(f"{seg}: {t}" for t in seg_torn)
+
+
+def _chunks(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.Table]:
+    """Re-cuts a batch stream into tables of CHUNK rows (the last may be shorter)."""
+    pending: list[pa.RecordBatch] = []
+    n = 0
+    for b in batches:
+        if not b.num_rows:
+            continue
+        pending.append(b)
+        n += b.num_rows
+        while n >= CHUNK:
+            table = pa.Table.from_batches(pending, schema=SCHEMA).combine_chunks()
+            yield table.slice(0, CHUNK)
+            rest = table.slice(CHUNK)
+            pending, n = (rest.to_batches() if rest.num_rows else []), rest.num_rows
+    if n:
+        yield pa.Table.from_batches(pending, schema=SCHEMA).combine_chunks()
+
+
+def _first_false(mask: pa.ChunkedArray | pa.Array) -> int | None:
+    arr = mask.to_numpy(zero_copy_only=False) if hasattr(mask, "to_numpy") else np.asarray(mask)
+    idx = np.flatnonzero(~arr.astype(bool))
+    return int(idx[0]) if idx.size else None
+
+
+def _row(table: pa.Table, i: int) -> dict[str, Any]:
+    return {k: table.column(k)[i].as_py() for k in KEY}
+
+
+def _classify(rank: int, a: pa.Table, b: pa.Table, i: int) -> Divergence:
+    row = _row(a, i)
+    matched = a.column("inputs")[i].as_py() == b.column("inputs")[i].as_py()
+    op = row["op"]
+    note = ""
+    if matched and op.startswith(COPY_LIKE):
+        note = (f"{op} only moves bytes, yet its output differs while its inputs matched: the input was "
+                "probably written outside the dispatcher (a custom extension or raw-pointer kernel) in "
+                f"scope {row['scope']!r}, after the digest of its last recorded version")
+    elif not matched:
+        note = ("an input differs that no earlier traced record produced differently: it came from outside "
+                "the traced window (an earlier step, untraced data) or from a kernel outside the dispatcher; "
+                "widen trace.steps to earlier steps or use trace.level=op")
+    return Divergence(rank=rank, kind="origin" if matched else "receiver", inputs_matched=matched, note=note, **row)
+
+
+def _compare_rank(run_a: Path, run_b: Path, rank: int, steps: set[int] | None) -> _RankResult:
+    res = _RankResult(rank)
+    chunks_a = _chunks(_records(run_a, rank, steps, res.torn))
+    chunks_b = _chunks(_records(run_b, rank, steps, res.torn))
+    while True:
+        a, b = next(chunks_a, None), next(chunks_b, None)
+        if a is None or b is None:
+            if a is not None or b is not None:
+                longer, name = (a, "A") if a is not None else (b, "B")
+                row = _row(longer, 0)
+                res.divergence = Divergence(
+                    rank=rank, kind="structural", inputs_matched=False,
+                    note=f"run {name} has records the other run does not (its stream is longer)", **row)
+            return res
+        n = min(a.num_rows, b.num_rows)
+        a_n, b_n = a.slice(0, n), b.slice(0, n)
+        same_key = None
+        for col in KEY:
+            eq = pc.equal(a_n.column(col), b_n.column(col))
+            same_key = eq if same_key is None else pc.and_(same_key, eq)
+        first_key = _first_false(same_key)
+        same_out = pc.equal(a_n.column("outputs"), b_n.column("outputs"))
+        first_out = _first_false(same_out)
+        if first_key is not None and (first_out is None or first_key <= first_out):
+            res.records += first_key
+            res.divergence = Divergence(rank=rank, kind="structural", inputs_matched=False,
+                                        other=_row(b_n, first_key),
+                                        note="the two runs recorded different ops here: their code paths differ",
+                                        **_row(a_n, first_key))
+            return res
+        if first_out is not None:
+            res.records += first_out
+            res.divergence = _classify(rank, a_n, b_n, first_out)
+            return res
+        res.records += n
+        if a.num_rows != b.num_rows:  # different chunk lengths only happen at the end of a stream
+            rest = a.slice(n) if a.num_rows > n else b.slice(n)
+            res.divergence = Divergence(rank=rank, kind="structural", inputs_matched=False,
+                                        note="one run's stream is longer", **_row(rest, 0))
+            return res
+
+
+def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = None, steps: set[int] | None = None,
+              force: bool = False) -> dict[str, Any]:
+    """Compares two runs: metrics bits, then traces. See the module docstring.
+
+    Returns:
+        A JSON-able report: ``identical``, ``first_divergent_step``, ``origin``, ``per_rank``,
+        ``metrics``, ``summary`` and ``notes``.
+
+    Raises:
+        DiffError: a run directory is missing or malformed, or the runs' configs or environments
+            differ (unless ``force``), or their traces have other schema versions.
+    """
+    run_a, run_b = Path(run_a), Path(run_b)
+    doc_a, doc_b = _load_run(run_a), _load_run(run_b)
+    notes: list[str] = []
+    cfg_diff = {k: v for k, v in compare_environments(_flatten(doc_a.get("config", {})),
+                                                      _flatten(doc_b.get("config", {}))).items()
+                if not k.startswith(IGNORED_CONFIG)}
+    env_diff = compare_environments(doc_a.get("environment", {}), doc_b.get("environment", {}))
+    for what, d in (("config", cfg_diff), ("environment", env_diff)):
+        if d:
+            fields = ", ".join(f"{k} ({a!r} vs {b!r})" for k, (a, b) in d.items())
+            if not force:
+                raise DiffError(f"the runs' {what}s differ: {fields}; bitwise comparison only holds for the same "
+                                f"{what} (pass --force to compare anyway)")
+            notes.append(f"{what} differs (compared with --force): {fields}")
+
+    metric_diff = _first_metric_difference(_metrics(run_a), _metrics(run_b), steps)
+    finals = [_final_digest(run_a), _final_digest(run_b)]
+    final_differs = None not in finals and finals[0] != finals[1] and steps is None
+    ranks_a, ranks_b = set(traced_ranks(run_a)), set(traced_ranks(run_b))
+    if ranks_a != ranks_b:
+        notes.append(f"traced ranks differ: A has {sorted(ranks_a)}, B has {sorted(ranks_b)}")
+    common = sorted((ranks_a & ranks_b) if ranks is None else (ranks_a & ranks_b & ranks))
+    per_rank: dict[int, _RankResult] = {}
+    for r in common:
+        try:
+            per_rank[r] = _compare_rank(run_a, run_b, r, steps)
+        except ValueError as e:
+            raise DiffError(str(e)) from None
+    for res in per_rank.values():
+        notes.extend(res.torn)
+
+    divs = [res.divergence for res in per_rank.values() if res.divergence is not None]
+    structural = [d for d in divs if d.kind == "structural"]
+    origins = [d for d in divs if d.kind == "origin"]
+    first = min(divs, key=lambda d: (d.kind != "structural", d.step, d.rank)) if divs else None
+    origin = min(origins, key=lambda d: (d.step, d.microbatch, d.rank)) if origins and not structural else None
+    identical = metric_diff is None and not divs and not final_differs
+    first_step = min([d.step for d in divs] + ([metric_diff["step"]] if metric_diff else []), default=None)
+
+    summary = ""
+    if identical:
+        summary = "identical: every metric bit" + (f" and {sum(r.records for r in per_rank.values())} trace records "
+                                                   f"on {len(per_rank)} rank(s)" if per_rank else "") + " match"
+    elif structural:
+        d = structural[0]
+        summary = (f"structural divergence on rank {d.rank} at step {d.step}: {d.note} "
+                   f"(A: {d.phase} {d.scope!r} {d.op}#{d.occurrence}; B: {d.other})")
+    elif origin is not None:
+        o_ranks = sorted(d.rank for d in origins if (d.op, d.scope, d.phase) == (origin.op, origin.scope, origin.phase))
+        where = f"`{origin.op}` in `{origin.scope or '<root>'}` {origin.phase}"
+        summary = (f"first divergence: step {origin.step}, rank {origin.rank}, microbatch {origin.microbatch}, {where}"
+                   " — all inputs matched, output differs: this op is the origin")
+        if len(per_rank) > 1:
+            if o_ranks == sorted(per_rank):
+                summary += f"; the same origin on all {len(o_ranks)} ranks: a nondeterministic kernel"
+            else:
+                summary += (f"; origin on rank(s) {o_ranks} only, of {sorted(per_rank)}: look at reduction order or "
+                            "topology rather than a kernel")
+        if origin.note:
+            summary += f". {origin.note}"
+    elif divs:
+        d = first
+        summary = (f"no origin found: the first differing record (rank {d.rank}, step {d.step}, `{d.op}` in "
+                   f"`{d.scope}`) already had a differing input; {d.note}")
+    elif metric_diff is None:
+        summary = ("no origin found: every metric bit matches but the final state digests differ "
+                   f"({finals[0][:16]} vs {finals[1][:16]}); rerun both with --set trace.level=op to find the op")
+    else:
+        summary = (f"no origin found: metrics first differ at step {metric_diff['step']} "
+                   f"({', '.join(metric_diff['fields'])}) but " +
+                   ("no trace was recorded; rerun both with --set trace.level=op --set trace.steps="
+                    f"1-{metric_diff['step']}" if not per_rank else
+                    f"the traced records match; trace steps up to {metric_diff['step']} "
+                    f"(--set trace.steps=1-{metric_diff['step']}) or a finer trace.level"))
+    return {
+        "identical": identical,
+        "first_divergent_step": first_step,
+        "metrics": metric_diff,
+        "final_state_digests": finals,
+        "origin": asdict(origin) if origin is not None else None,
+        "first_difference": asdict(first) if first is not None else None,
+        "per_rank": {str(r): {"records_compared": res.records, "torn": res.torn,
+                              "divergence": asdict(res.divergence) if res.divergence else None}
+                     for r, res in per_rank.items()},
+        "summary": summary,
+        "notes": notes,
+    }

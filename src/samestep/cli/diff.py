@@ -1,0 +1,64 @@
+"""``samestep diff RUN_A RUN_B``: name the first op that diverged (exit 0 identical, 1 diverged, 2 error)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "diff", help="compare two runs: first differing step, then the op that diverged, per rank",
+        description="Compares metrics bits, then per-rank trace streams. Exit 0 identical, 1 diverged, 2 usage "
+                    "or input error.",
+        epilog="examples:\n  samestep diff runs/a runs/b\n  samestep diff runs/a runs/b --json --ranks 0,1 --steps 1-5",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_a")
+    p.add_argument("run_b")
+    p.add_argument("--ranks", help="ranks to compare, e.g. 0,2-3 (default: all traced)")
+    p.add_argument("--steps", help="steps to compare, e.g. 1-5 (default: all)")
+    p.add_argument("--force", action="store_true", help="compare even if configs or environments differ")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=run, subparser=p)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from samestep.analysis import DiffError, diff_runs
+    from samestep.trace import parse_selection
+
+    try:
+        ranks = parse_selection(args.ranks, "--ranks")
+        steps = parse_selection(args.steps, "--steps")
+        report = diff_runs(args.run_a, args.run_b, ranks=ranks, steps=steps, force=args.force)
+    except DiffError as e:
+        parser.exit(2, f"samestep diff: error: {e}\n")
+    except ValueError as e:
+        parser.error(str(e))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        _print(report)
+    return 0 if report["identical"] else 1
+
+
+def _print(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(highlight=False)
+    console.print(report["summary"])
+    if report["metrics"]:
+        m = report["metrics"]
+        console.print(f"metrics first differ at step {m['step']}: {', '.join(m['fields'])} (A {m['a']} vs B {m['b']})")
+    if report["per_rank"]:
+        table = Table("rank", "matched", "first difference", "step", "mb", "where", "op #occurrence")
+        for rank, r in report["per_rank"].items():
+            d = r["divergence"]
+            if d is None:
+                table.add_row(rank, str(r["records_compared"]), "none", "", "", "", "")
+            else:
+                table.add_row(rank, str(r["records_compared"]), d["kind"], str(d["step"]), str(d["microbatch"]),
+                              f"{d['scope'] or '<root>'} ({d['phase']})", f"{d['op']} #{d['occurrence']}")
+        console.print(table)
+    for note in report["notes"]:
+        console.print(f"note: {note}")
