@@ -178,6 +178,10 @@ def _classify(rank: int, a: pa.Table, b: pa.Table, i: int) -> Divergence:
     matched = a.column("inputs")[i].as_py() == b.column("inputs")[i].as_py()
     op = row["op"]
     note = ""
+    if matched and row["scope"] == "collective":
+        # Its output also depends on the other ranks' inputs, which this stream does not hold.
+        return Divergence(rank=rank, kind="receiver", inputs_matched=True, **row,
+                          note="a collective whose local input matched: the difference came from another rank")
     if matched and op.startswith(COPY_LIKE):
         note = (f"{op} only moves bytes, yet its output differs while its inputs matched: the input was "
                 "probably written outside the dispatcher (a custom extension or raw-pointer kernel) in "

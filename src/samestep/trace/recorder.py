@@ -272,10 +272,11 @@ class Recorder:
     def _post_hook(self, path: str):
         parent = path.rpartition(".")[0]
 
-        def enter_backward(grad: torch.Tensor) -> None:
+        def enter_backward(grad: torch.Tensor, innermost: bool) -> None:
             if self._at("module"):
                 self.record("grad_output", [grad], scope=path, phase="backward")
-            self._bwd_scope = path
+            if innermost:
+                self._bwd_scope = path
 
         def leave_backward(grad: torch.Tensor) -> None:
             self._bwd_scope = parent
@@ -289,13 +290,21 @@ class Recorder:
                 return
             outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
             self.record("output", outs, scope=path, phase="forward")
-            if torch.is_grad_enabled():
-                for t in outs:
-                    if t.requires_grad:
-                        t.register_hook(enter_backward)
-                for t in tree_leaves(args):
-                    if isinstance(t, torch.Tensor) and t.requires_grad:
-                        t.register_hook(leave_backward)
+            if not torch.is_grad_enabled():
+                return
+            for t in outs:
+                if t.requires_grad:
+                    # Hooks on one tensor fire in registration order, innermost module first; only the
+                    # innermost producer sets the backward scope.
+                    innermost = not hasattr(t, "_samestep_producer")
+                    if innermost:
+                        t._samestep_producer = path
+                    t.register_hook(lambda g, inner=innermost: enter_backward(g, inner))
+            for t in tree_leaves(args):
+                # An input made by another module gets that module's scope on entry; only inputs made
+                # by plain ops in the parent need the scope handed back to the parent.
+                if isinstance(t, torch.Tensor) and t.requires_grad and not hasattr(t, "_samestep_producer"):
+                    t.register_hook(leave_backward)
         return hook
 
     # -- step level ------------------------------------------------------------------------------------

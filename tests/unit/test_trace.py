@@ -1,0 +1,168 @@
+"""The recorder, the stream format, and diff/certify on hand-built traces."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import torch
+
+from samestep.analysis import DiffError, certify_trace, diff_runs
+from samestep.trace import Recorder, parse_selection, read_stream, stream_path
+from samestep.trace.stream import FORMAT, SCHEMA, StreamWriter
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh())
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.inner(x)).sum()
+
+
+def _record(run: Path, level: str, scale: float = 1.0) -> Recorder:
+    torch.manual_seed(0)
+    model = Tiny()
+    rec = Recorder(run, level=level)
+    rec.attach(model)
+    for step in (1, 2):
+        with rec.step(step):
+            for mb in (0, 1):
+                with rec.microbatch(mb):
+                    (model(torch.ones(2, 4) * scale * (mb + 1)) * 1.0).backward()
+            rec.grads(model.named_parameters())
+            rec.metric("loss", 1.5)
+    rec.close()
+    return rec
+
+
+def test_parse_selection():
+    """'all' selects everything; ranges and lists expand; junk is refused with the field name."""
+    assert parse_selection("all", "x") is None and parse_selection("", "x") is None
+    assert parse_selection("1-3,7", "x") == {1, 2, 3, 7}
+    with pytest.raises(ValueError, match="trace.steps='a-b'"):
+        parse_selection("a-b", "trace.steps")
+
+
+def test_op_level_stream_has_scoped_unique_records(tmp_path):
+    """Op records carry module scope in forward and backward; record identities are unique."""
+    _record(tmp_path, "op")
+    s = read_stream(stream_path(tmp_path, 0))
+    assert s.torn is None and s.meta["level"] == "op"
+    rows = s.table.to_pylist()
+    keys = [(r["step"], r["microbatch"], r["phase"], r["scope"], r["op"], r["occurrence"]) for r in rows]
+    assert len(keys) == len(set(keys))
+    assert [r["seq"] for r in rows] == list(range(len(rows)))
+    fwd = {(r["scope"], r["op"]) for r in rows if r["phase"] == "forward"}
+    bwd = {(r["scope"], r["op"]) for r in rows if r["phase"] == "backward"}
+    assert ("inner.0", "aten.addmm.default") in fwd and ("inner.1", "aten.tanh.default") in fwd
+    assert ("inner.1", "aten.tanh_backward.default") in bwd and ("head", "grad_output") in bwd
+    assert {r["op"] for r in rows if r["phase"] == "step"} == {"grad", "loss"}
+
+
+def test_levels_include_the_ones_before(tmp_path):
+    """step < module < op in what they record."""
+    counts = {}
+    for level in ("step", "module", "op"):
+        _record(tmp_path / level, level)
+        counts[level] = read_stream(stream_path(tmp_path / level, 0)).table.num_rows
+    assert 0 < counts["step"] < counts["module"] < counts["op"]
+
+
+def test_torn_tail_is_reported_not_fatal(tmp_path):
+    """Cutting the file mid-batch keeps every complete batch and reports the torn tail."""
+    _record(tmp_path, "op")
+    path = stream_path(tmp_path, 0)
+    full = read_stream(path).table.num_rows
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 100])
+    s = read_stream(path)
+    assert s.torn is not None and 0 < s.table.num_rows < full
+
+
+def _run_dir(root: Path, name: str, rows: list[dict], config: dict | None = None, version: int = 1) -> Path:
+    run = root / name
+    run.mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "config": config or {"train": {"seed": 1}, "trace": {"level": "op"}},
+                                              "environment": {"torch.version": "x"}, "determinism": {},
+                                              "layout": {"world_size": 1}}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss_hex": "0x1p+0", "grad_norm_hex": "0x1p+0"}) + "\n")
+    writer = StreamWriter(stream_path(run, 0), {"rank": 0})
+    if version != 1:
+        writer._writer.close()
+        writer._file.close()
+        with open(stream_path(run, 0), "wb") as f:
+            w = pa.ipc.new_stream(f, SCHEMA.with_metadata({"format": FORMAT, "version": str(version)}))
+            w.close()
+        return run
+    cols = {c: [r[c] for r in rows] for c in SCHEMA.names}
+    writer.write(cols)
+    writer.close()
+    return run
+
+
+def _rows(n: int = 5, **changes) -> list[dict]:
+    rows = [{"seq": i, "step": 1, "microbatch": 0, "phase": "forward", "scope": "m", "op": f"aten.op{i}.default",
+             "occurrence": 0, "inputs": bytes([i]) * 16, "outputs": bytes([i + 1]) * 16} for i in range(n)]
+    for idx, fields in changes.items():
+        rows[int(idx[1:])].update(fields)
+    return rows
+
+
+def test_diff_identical_origin_receiver_structural(tmp_path):
+    """Hand-built streams: identical; an output change with matched inputs (origin); a changed input
+    (receiver); a different op at the same position (structural, reported first)."""
+    a = _run_dir(tmp_path, "a", _rows())
+    assert diff_runs(a, _run_dir(tmp_path, "same", _rows()))["identical"]
+    origin = diff_runs(a, _run_dir(tmp_path, "o", _rows(r2={"outputs": b"x" * 16})))
+    assert not origin["identical"] and origin["origin"]["op"] == "aten.op2.default"
+    assert origin["origin"]["inputs_matched"] and "origin" in origin["summary"]
+    recv = diff_runs(a, _run_dir(tmp_path, "r", _rows(r3={"inputs": b"y" * 16, "outputs": b"y" * 16})))
+    assert recv["origin"] is None and recv["first_difference"]["kind"] == "receiver"
+    assert "no origin found" in recv["summary"] and "widen" in recv["summary"]
+    struct = diff_runs(a, _run_dir(tmp_path, "s", _rows(r1={"op": "aten.other.default"}, r2={"outputs": b"z" * 16})))
+    assert struct["first_difference"]["kind"] == "structural" and struct["origin"] is None
+    assert struct["first_difference"]["other"]["op"] == "aten.other.default"
+    short = diff_runs(a, _run_dir(tmp_path, "short", _rows(3)))
+    assert short["first_difference"]["kind"] == "structural"
+
+
+def test_copy_like_op_diverging_points_outside_the_dispatcher(tmp_path):
+    """A clone whose inputs matched but output differs: the note blames a write outside the dispatcher."""
+    rows = _rows()
+    rows[2]["op"] = "aten.clone.default"
+    b_rows = [dict(r) for r in rows]
+    b_rows[2]["outputs"] = b"q" * 16
+    report = diff_runs(_run_dir(tmp_path, "a", rows), _run_dir(tmp_path, "b", b_rows))
+    assert report["origin"]["op"] == "aten.clone.default" and "outside the dispatcher" in report["summary"]
+
+
+def test_diff_refuses_other_config_environment_or_schema(tmp_path):
+    """Different config or trace schema version: refused with the fields, unless --force (config)."""
+    a = _run_dir(tmp_path, "a", _rows())
+    b = _run_dir(tmp_path, "b", _rows(), config={"train": {"seed": 2}, "trace": {"level": "op"}})
+    with pytest.raises(DiffError, match=r"train\.seed \(1 vs 2\)"):
+        diff_runs(a, b)
+    assert "config differs" in diff_runs(a, b, force=True)["notes"][0]
+    v2 = _run_dir(tmp_path, "v2", [], version=2)
+    with pytest.raises(DiffError, match="trace schema version '2'"):
+        diff_runs(a, v2)
+    with pytest.raises(DiffError, match="run.json: missing"):
+        diff_runs(a, tmp_path / "nope")
+
+
+def test_certify_complete_and_gaps(tmp_path):
+    """A contiguous trace of every step certifies; a sequence gap and a missing step are named."""
+    good = _run_dir(tmp_path, "good", _rows())
+    assert certify_trace(good)["complete"]
+    bad_rows = _rows()
+    bad_rows[3]["seq"] = 9
+    bad = _run_dir(tmp_path, "bad", bad_rows)
+    (bad / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))
+    problems = certify_trace(bad)["problems"]
+    assert any("sequence jumps from 2 to 9" in p for p in problems)
+    assert any("no records for step(s) 2" in p for p in problems)
