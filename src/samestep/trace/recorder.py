@@ -77,19 +77,25 @@ class Perturb:
     rank: int
     step: int
     microbatch: int
+    phase: str
+    scope: str
     op: str
     occurrence: int = 0
 
     @classmethod
     def parse(cls, text: str) -> Perturb:
-        """From ``"rank=0,step=2,microbatch=1,op=aten.mm.default,occurrence=3"``."""
+        """From ``"rank=0,step=2,microbatch=1,phase=backward,scope=lm_head,op=aten.mm.default,occurrence=1"``
+        (the identity of a trace record; ``rank`` and ``occurrence`` default to 0, ``scope`` to the root)."""
         try:
             fields = dict(item.split("=", 1) for item in text.split(","))
+            if fields.get("phase", "forward") not in ("forward", "backward"):
+                raise ValueError
             return cls(rank=int(fields.get("rank", 0)), step=int(fields["step"]), microbatch=int(fields["microbatch"]),
-                       op=fields["op"], occurrence=int(fields.get("occurrence", 0)))
+                       phase=fields.get("phase", "forward"), scope=fields.get("scope", ""), op=fields["op"],
+                       occurrence=int(fields.get("occurrence", 0)))
         except (KeyError, ValueError):
-            raise ValueError(f"trace.perturb={text!r}: expected 'rank=R,step=S,microbatch=M,op=OP,occurrence=K'") \
-                from None
+            raise ValueError(f"trace.perturb={text!r}: expected 'rank=R,step=S,microbatch=M,phase=forward|backward,"
+                             "scope=MODULE.PATH,op=OP,occurrence=K'") from None
 
 
 class _OpMode(TorchDispatchMode):
@@ -110,8 +116,9 @@ class _OpMode(TorchDispatchMode):
         occurrence = rec._occurrence(phase, scope, name)
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         p = rec.perturb
-        if (p is not None and outs and p.rank == rec.rank and p.step == rec._step and p.microbatch == rec._mb
-                and p.op == name and p.occurrence == occurrence and outs[0].is_floating_point() and outs[0].numel()):
+        if (p is not None and outs and (p.rank, p.step, p.microbatch, p.phase, p.scope, p.op, p.occurrence)
+                == (rec.rank, rec._step, rec._mb, phase, scope, name, occurrence)
+                and outs[0].is_floating_point() and outs[0].numel()):
             flat = outs[0].view(-1)
             with torch.no_grad():
                 flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype, device=flat.device))

@@ -156,8 +156,8 @@ class TraceConfig:
     ranks: str = "all"
     """Ranks that record: 'all' or a list like '0,1'."""
     perturb: str = ""
-    """Fault injection to validate `samestep diff`: 'rank=R,step=S,microbatch=M,op=OP,occurrence=K' adds
-    one ULP to that op's output (needs level 'op' on that step)."""
+    """Fault injection to validate `samestep diff`: 'rank=R,step=S,microbatch=M,phase=P,scope=PATH,op=OP,
+    occurrence=K' adds one ULP to element 0 of that record's output (needs level 'op' on that step)."""
 
     def __post_init__(self) -> None:
         from samestep.trace import LEVELS, Perturb, parse_selection
