@@ -87,9 +87,9 @@ def test_torn_tail_is_reported_not_fatal(tmp_path):
 def _run_dir(root: Path, name: str, rows: list[dict], config: dict | None = None, version: int = 1) -> Path:
     run = root / name
     run.mkdir(parents=True)
-    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "config": config or {"train": {"seed": 1}, "trace": {"level": "op"}},
-                                              "environment": {"torch.version": "x"}, "determinism": {},
-                                              "layout": {"world_size": 1}}))
+    config = config or {"train": {"seed": 1}, "trace": {"level": "op"}}
+    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "config": config, "determinism": {},
+                                              "environment": {"torch.version": "x"}, "layout": {"world_size": 1}}))
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss_hex": "0x1p+0", "grad_norm_hex": "0x1p+0"}) + "\n")
     writer = StreamWriter(stream_path(run, 0), {"rank": 0})
     if version != 1:
