@@ -50,7 +50,8 @@ def determinism_overhead(pairs: int, steps: int, threads: int) -> dict:
         t_off.append(b / steps)
         ratios.append(a / b)
     return {"threads": threads, "pairs": pairs, "steps_per_side": steps,
-            "step_ms_on": round(1000 * statistics.median(t_on), 2), "step_ms_off": round(1000 * statistics.median(t_off), 2),
+            "step_ms_on": round(1000 * statistics.median(t_on), 2),
+            "step_ms_off": round(1000 * statistics.median(t_off), 2),
             "overhead_ratio_median": round(statistics.median(ratios), 4)}
 
 
@@ -72,7 +73,8 @@ def checkpoint_throughput(repeats: int) -> dict:
             verifies.append(time.perf_counter() - t0)
     mb = size / 1e6
     return {"params": sum(p.numel() for p in parts.model.parameters()), "checkpoint_mb": round(mb, 1),
-            "save_mb_s": round(mb / statistics.median(saves), 1), "verify_mb_s": round(mb / statistics.median(verifies), 1)}
+            "save_mb_s": round(mb / statistics.median(saves), 1),
+            "verify_mb_s": round(mb / statistics.median(verifies), 1)}
 
 
 def main() -> int:

@@ -43,3 +43,4 @@ def test_demo_reports_bit_identical_resume(tmp_path):
     result = json.loads(proc.stdout)
     assert result["identical"] and result["metrics_identical"]
     assert result["state_digest_a"] == result["state_digest_b"] and 0 < result["resumed_from_step"] < 10
+    assert "summary" in result["nondeterministic_pair"]

@@ -14,13 +14,19 @@ from pathlib import Path
 
 # Sized for about two minutes on a 2-core laptop CPU.
 DEMO_SETTINGS = ("train.steps=120", "train.checkpoint_every=20", "train.warmup_steps=10")
+# The second pair: deterministic mode off, the token lookup done by indexing (its backward,
+# index_put_ with accumulate, races between threads on CPU), the first step traced op by op.
+NONDET_SETTINGS = ("train.steps=2", "determinism.enabled=false", "model.embedding=index", "trace.level=op",
+                   "trace.steps=1")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo", help="prove exact resume in minutes on a laptop CPU",
         description="Trains run A; trains run B, kills it with SIGKILL partway, resumes it; compares the final "
-                    "state digests and every step's loss bits. Exit 0 if bit-identical, 1 if not.",
+                    "state digests and every step's loss bits. Then trains runs C and D with deterministic mode off "
+                    "and shows where `samestep diff` says they diverged. Exit 0 if A and B are bit-identical, 1 if "
+                    "not.",
         epilog="examples:\n  samestep demo\n  samestep demo --workdir runs/demo --json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", help="where the runs go (default: a new temporary directory)")
@@ -62,6 +68,23 @@ def _run_killed(run_dir: Path, settings: list[str], kill_at: int) -> int:
     return _last_step(run_dir / "metrics.jsonl")
 
 
+def _nondeterministic_pair(work: Path, settings: list[str], say) -> dict:
+    """Two runs with deterministic mode off, then `samestep diff` on them."""
+    from samestep.analysis import diff_runs
+
+    c, d = work / "run_c", work / "run_d"
+    nondet = [*settings, *NONDET_SETTINGS]
+    say("runs C and D: deterministic mode off, token embedding by indexing, step 1 traced op by op ...")
+    for run_dir in (c, d):
+        subprocess.run(_train_cmd(run_dir, nondet), check=True, stdout=subprocess.DEVNULL)
+    report = diff_runs(c, d)
+    say(f"samestep diff {c} {d}:")
+    say(f"  {report['summary']}")
+    if report["identical"]:
+        say("  (the race did not show this time: two nondeterministic runs can agree by chance)")
+    return {"diverged": not report["identical"], "summary": report["summary"], "origin": report["origin"]}
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from samestep.train import load_config
 
@@ -92,17 +115,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     resumed_from = json.loads((b / "run.json").read_text())["resumes"][-1]["step"]
     same_metrics = (a / "metrics.jsonl").read_bytes() == (b / "metrics.jsonl").read_bytes()
     identical = fa["state_digest"] == fb["state_digest"] and same_metrics
+    say(f"run A final state digest: {fa['state_digest']}")
+    say(f"run B final state digest: {fb['state_digest']}  (killed at step {killed}, resumed from checkpoint step "
+        f"{resumed_from})")
+    say(f"per-step loss and grad-norm bits: {'identical' if same_metrics else 'DIFFERENT'}")
+    say("BIT-IDENTICAL: the killed and resumed run followed the same numerical path."
+        if identical else "NOT IDENTICAL: the resumed run diverged.")
+    pair = _nondeterministic_pair(work, settings, say)
     result = {"identical": identical, "state_digest_a": fa["state_digest"], "state_digest_b": fb["state_digest"],
               "metrics_identical": same_metrics, "killed_at_step": killed, "resumed_from_step": resumed_from,
-              "seconds": round(time.perf_counter() - t0, 1), "workdir": str(work)}
+              "nondeterministic_pair": pair, "seconds": round(time.perf_counter() - t0, 1), "workdir": str(work)}
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"run A final state digest: {fa['state_digest']}")
-        print(f"run B final state digest: {fb['state_digest']}  (killed at step {killed}, resumed from "
-              f"checkpoint step {resumed_from})")
-        print(f"per-step loss and grad-norm bits: {'identical' if same_metrics else 'DIFFERENT'}")
-        print("BIT-IDENTICAL: the killed and resumed run followed the same numerical path."
-              if identical else "NOT IDENTICAL: the resumed run diverged.")
-        print(f"({result['seconds']}s)")
+        print(f"({result['seconds']}s; runs in {work})")
     return 0 if identical else 1

@@ -28,6 +28,8 @@ PRIMES = (268435399, 268435367, 268435361, 268435337)
 COLS = 256
 # Rows converted to float64 at a time: keeps the converted block in cache (about copy speed).
 BLOCK_ROWS = 4096
+# Sequences at least this long get their first level alone, without the batch's concatenation.
+BIG_WORDS = 16 * COLS
 _weights_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -52,7 +54,7 @@ def _weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as 1-D signed 16-bit words (a zero byte pads an odd count)."""
-    flat = t.detach().contiguous().reshape(-1)
+    flat = t.detach().reshape(-1).contiguous()
     if flat.dtype.is_complex:
         flat = torch.view_as_real(flat).reshape(-1)
     b = flat.view(torch.uint8)
@@ -62,19 +64,23 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def _level(words: torch.Tensor, w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Hashes rows of 256 words into (rows, 4) int64 lane values below 2**28."""
+    """Hashes rows of 256 words into (rows, 4) int64 lane values below 2**28 (a short last row is zero-padded)."""
     n = words.numel()
-    rows = max(1, -(-n // COLS))
-    if rows * COLS != n:
-        words = torch.cat([words, words.new_zeros(rows * COLS - n)])
-    x = words.view(rows, COLS)
+    full, rem = divmod(n, COLS)
+    rows = full + (1 if rem or not n else 0)
     out = torch.empty(rows, len(PRIMES), dtype=torch.float64, device=words.device)
-    block = min(rows, BLOCK_ROWS)
-    buf = torch.empty(block, COLS, dtype=torch.float64, device=words.device)
-    for a in range(0, rows, block):
-        b = min(a + block, rows)
-        buf[: b - a].copy_(x[a:b])
-        torch.mm(buf[: b - a], w, out=out[a:b])
+    if full:
+        x = words[: full * COLS].view(full, COLS)  # no copy of the input: only row blocks are converted
+        block = min(full, BLOCK_ROWS)
+        buf = torch.empty(block, COLS, dtype=torch.float64, device=words.device)
+        for a in range(0, full, block):
+            b = min(a + block, full)
+            buf[: b - a].copy_(x[a:b])
+            torch.mm(buf[: b - a], w, out=out[a:b])
+    if rows > full:
+        tail = torch.zeros(1, COLS, dtype=torch.float64, device=words.device)
+        tail[0, :rem].copy_(words[full * COLS:])
+        torch.mm(tail, w, out=out[full:])
     return torch.remainder(out.to(torch.int64), p)
 
 
@@ -94,20 +100,65 @@ def _finish(t: torch.Tensor, lanes: Sequence[int]) -> str:
     return h.hexdigest()
 
 
+def _lanes_batched(words: list[torch.Tensor], w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The final lanes of many word sequences on one device: (len(words), 4) int64.
+
+    Same result as ``_lanes`` for each, with one concatenation and one matrix product per level for
+    all of them: each sequence is zero-padded to whole rows and the rows of all sequences are stacked,
+    so a sequence's rows are a contiguous block, and so are its next-level words.
+    """
+    device = words[0].device
+    result = torch.empty(len(words), len(PRIMES), dtype=torch.int64, device=device)
+    active, level_words = [], []
+    for i, x in enumerate(words):
+        if x.numel() >= BIG_WORDS:  # hashed where it lies: concatenating would copy it once more
+            h = _level(x, w, p)
+            x = torch.stack((h & 0x3FFF, h >> 14), dim=-1).reshape(-1)
+        active.append(i)
+        level_words.append(x)
+    while active:
+        sizes = [x.numel() for x in level_words]
+        rows = [max(1, -(-n // COLS)) for n in sizes]
+        zeros = torch.zeros(COLS * 2, dtype=level_words[0].dtype, device=device)
+        pieces = []
+        for x, n, r in zip(level_words, sizes, rows):
+            pieces.append(x)
+            pad = r * COLS - n
+            while pad:  # at most two pieces: a pad is shorter than a row, except for an empty sequence
+                pieces.append(zeros[: min(pad, zeros.numel())])
+                pad -= pieces[-1].numel()
+        h = _level(torch.cat(pieces), w, p)  # (total rows, 4)
+        starts = torch.tensor(rows).cumsum(0).sub_(torch.tensor(rows)).tolist()
+        done_i, done_rows, next_active, next_words = [], [], [], []
+        split = None
+        for i, r, a in zip(active, rows, starts):
+            if r == 1:
+                done_i.append(i)
+                done_rows.append(a)
+            else:
+                if split is None:
+                    split = torch.stack((h & 0x3FFF, h >> 14), dim=-1).reshape(-1, 2 * len(PRIMES))
+                next_active.append(i)
+                next_words.append(split[a: a + r].reshape(-1))
+        if done_i:
+            result[torch.tensor(done_i, device=device)] = h[torch.tensor(done_rows, device=device)]
+        active, level_words = next_active, next_words
+    return result
+
+
 @torch.no_grad()
 def digest_many(tensors: Sequence[torch.Tensor]) -> list[str]:
-    """Digests of several tensors, with one device-to-host copy per device (not one per tensor)."""
-    lanes: list[torch.Tensor | None] = [None] * len(tensors)
+    """Digests of several tensors: one matrix product per level and one device-to-host copy per device."""
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         if t.is_sparse or t.layout != torch.strided:
             raise ValueError(f"digest: tensor {i} has layout {t.layout}; digest its dense form (.to_dense())")
-        lanes[i] = _lanes(t)
         by_device.setdefault(t.device, []).append(i)
     host: dict[int, list[int]] = {}
-    for idx in by_device.values():
-        for i, row in zip(idx, torch.stack([lanes[i] for i in idx]).cpu().tolist()):
-            host[i] = row
+    for device, idx in by_device.items():
+        w, p = _weights(device)
+        lanes = _lanes_batched([_words(tensors[i]) for i in idx], w, p).cpu().tolist()
+        host.update(zip(idx, lanes))
     return [_finish(t, host[i]) for i, t in enumerate(tensors)]
 
 

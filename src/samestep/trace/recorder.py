@@ -98,6 +98,20 @@ class Perturb:
                              "scope=MODULE.PATH,op=OP,occurrence=K'") from None
 
 
+def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
+    """The tensors among op arguments or results (ATen nests them at most one list deep)."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append(v)
+        elif isinstance(v, (list, tuple)):
+            out.extend(x for x in v if isinstance(x, torch.Tensor))
+    return out
+
+
+_names: dict[Any, str] = {}
+
+
 class _OpMode(TorchDispatchMode):
     """Records every ATen op's inputs (before it runs) and outputs (after)."""
 
@@ -108,13 +122,24 @@ class _OpMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         rec = self.rec
-        inputs = [rec._stage(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        rec._in_dispatch = True
+        try:
+            return self._record(rec, func, args, kwargs)
+        finally:
+            rec._in_dispatch = False
+
+    def _record(self, rec: Recorder, func, args, kwargs):
+        inputs = [rec._stage(t) for t in _tensors(args)]
+        if kwargs:
+            inputs += [rec._stage(t) for t in _tensors(kwargs.values())]
         out = func(*args, **kwargs)
-        name = str(func)
+        name = _names.get(func)
+        if name is None:
+            name = _names[func] = str(func)
         phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
         scope = rec._bwd_scope if phase == "backward" else _scope.get()
         occurrence = rec._occurrence(phase, scope, name)
-        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outs = _tensors(out if isinstance(out, (list, tuple)) else (out,))
         p = rec.perturb
         if (p is not None and outs and (p.rank, p.step, p.microbatch, p.phase, p.scope, p.op, p.occurrence)
                 == (rec.rank, rec._step, rec._mb, phase, scope, name, occurrence)
@@ -150,6 +175,7 @@ class Recorder:
         self._records: list[tuple] = []
         self._seq = 0
         self._hooks: list[Any] = []
+        self._in_dispatch = False
 
     # -- selection -------------------------------------------------------------------------------------
     @property
@@ -173,7 +199,9 @@ class Recorder:
             return hit[2]
         slot = None
         if not uninit:
-            with torch.no_grad(), _disable_current_modes():  # the recorder's own copies are not model ops
+            # The recorder's own copies are not model ops: outside __torch_dispatch__ (hooks, step level)
+            # the op mode must not see them; inside it, modes are already off.
+            with torch.no_grad(), (contextlib.nullcontext() if self._in_dispatch else _disable_current_modes()):
                 copy = t.detach().clone()
             self._staged.append(copy)
             slot = len(self._staged) - 1

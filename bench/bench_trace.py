@@ -1,0 +1,155 @@
+"""Trace benchmarks: digest throughput, tracing overhead per level, and diff at scale.
+
+    .venv/bin/python bench/bench_trace.py [--pairs 7] [--steps 3] [--records 10000000] [--ranks 1024] [--json]
+
+All ratios are measured side by side in one run: the digest against a same-size tensor copy, each
+trace level against the untraced step (alternating pairs, median of per-pair ratios), and the diff
+timings on synthetic traces written by this script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+import samestep
+from samestep.analysis import diff_runs
+from samestep.data import load_corpus
+from samestep.trace.digest import _lanes
+from samestep.trace.stream import FORMAT, SCHEMA, VERSION, stream_path
+from samestep.train import load_config
+from samestep.train.loop import build
+
+
+def digest_throughput(threads: int) -> dict:
+    torch.set_num_threads(threads)
+    out = {}
+    for n in (1 << 20, 1 << 24):
+        x = torch.randn(n)
+        _lanes(x)
+        ratios = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            x.clone()
+            t1 = time.perf_counter()
+            _lanes(x)
+            t2 = time.perf_counter()
+            ratios.append((t1 - t0) / (t2 - t1))
+        out[f"{n * 4 // (1 << 20)}MiB"] = round(statistics.median(ratios), 3)
+    return {"threads": threads, "digest_over_copy_throughput": out}
+
+
+def trace_overhead(pairs: int, steps: int) -> dict:
+    corpus = load_corpus("stdlib")
+    result = {}
+    with tempfile.TemporaryDirectory() as d, samestep.enable(threads=1):
+        base = build(load_config(None, []), corpus=corpus)
+        for level in ("step", "module", "op"):
+            traced = build(load_config(None, [f"trace.level={level}"]), corpus=corpus, run_dir=Path(d) / level)
+            ratios, t_off, t_on = [], [], []
+            for p in range(pairs + 1):
+                t0 = time.perf_counter()
+                for s in range(steps):
+                    base.step(p * steps + s)
+                t1 = time.perf_counter()
+                for s in range(steps):
+                    traced.step(p * steps + s)
+                t2 = time.perf_counter()
+                if p:
+                    ratios.append((t2 - t1) / (t1 - t0))
+                    t_off.append((t1 - t0) / steps)
+                    t_on.append((t2 - t1) / steps)
+            traced.recorder.close()
+            result[level] = {"ratio_median": round(statistics.median(ratios), 3),
+                             "step_ms_untraced": round(1000 * statistics.median(t_off), 1),
+                             "step_ms_traced": round(1000 * statistics.median(t_on), 1)}
+    return result
+
+
+def _write_synthetic(run: Path, rank: int, n: int, flip_last: bool) -> None:
+    """n records of one rank, written in 1M-record batches straight from numpy."""
+    path = stream_path(run, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    schema = SCHEMA.with_metadata({"format": FORMAT, "version": str(VERSION), "meta": "{}"})
+    rng = np.random.default_rng(rank)
+    ops = pa.array(["aten.mm.default", "aten.add.Tensor", "aten.gelu.default", "aten.native_layer_norm.default"])
+    scopes = pa.array([f"transformer.h.{i}.mlp" for i in range(8)])
+    with open(path, "wb") as f, pa.ipc.new_stream(f, schema) as w:
+        for a in range(0, n, 1 << 20):
+            m = min(1 << 20, n - a)
+            idx = np.arange(a, a + m)
+            dig_in = rng.integers(0, 256, size=(m, 16), dtype=np.uint8)
+            dig = rng.integers(0, 256, size=(m, 16), dtype=np.uint8)
+            if flip_last and a + m == n:
+                dig[-1, 0] ^= 1
+            binary = pa.FixedSizeBinaryArray.from_buffers(pa.binary(16), m, [None, pa.py_buffer(dig.tobytes())])
+            inputs = pa.FixedSizeBinaryArray.from_buffers(pa.binary(16), m, [None, pa.py_buffer(dig_in.tobytes())])
+            cols = [pa.array(idx, pa.int64()), pa.array(idx // 100_000 + 1, pa.int32()),
+                    pa.array((idx // 1000) % 8, pa.int32()),
+                    pa.DictionaryArray.from_arrays(pa.array((idx // 500) % 2, pa.int8()),
+                                                   pa.array(["forward", "backward"])).cast(pa.string()),
+                    pa.DictionaryArray.from_arrays(pa.array(idx % 8, pa.int8()), scopes).cast(pa.string()),
+                    pa.DictionaryArray.from_arrays(pa.array(idx % 4, pa.int8()), ops).cast(pa.string()),
+                    pa.array(idx // 32 % 1000, pa.int32()), inputs.cast(pa.binary()), binary.cast(pa.binary())]
+            w.write_batch(pa.record_batch(cols, schema=SCHEMA))
+
+
+def _run_json(run: Path, world: int) -> None:
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "config": {}, "environment": {},
+                                              "layout": {"world_size": world}}))
+
+
+def diff_scale(records: int, ranks: int, per_rank: int) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        a, b = Path(d) / "a", Path(d) / "b"
+        for run, flip in ((a, False), (b, True)):
+            _run_json(run, 1)
+            _write_synthetic(run, 0, records, flip)
+        t0 = time.perf_counter()
+        report = diff_runs(a, b)
+        single = time.perf_counter() - t0
+        assert report["origin"] is not None and report["per_rank"]["0"]["records_compared"] == records - 1
+    with tempfile.TemporaryDirectory() as d:
+        a, b = Path(d) / "a", Path(d) / "b"
+        for run, flip in ((a, False), (b, True)):
+            _run_json(run, ranks)
+            for r in range(ranks):
+                _write_synthetic(run, r, per_rank, flip and r == ranks - 1)
+        t0 = time.perf_counter()
+        report = diff_runs(a, b)
+        many = time.perf_counter() - t0
+        assert report["origin"]["rank"] == ranks - 1
+    return {"single_rank_records": records, "single_rank_seconds": round(single, 2),
+            "ranks": ranks, "records_per_rank": per_rank, "many_ranks_seconds": round(many, 2)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--records", type=int, default=10_000_000)
+    ap.add_argument("--ranks", type=int, default=1024)
+    ap.add_argument("--records-per-rank", type=int, default=10_000)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    result = {"digest": digest_throughput(2), "trace_overhead": trace_overhead(args.pairs, args.steps),
+              "diff": diff_scale(args.records, args.ranks, args.records_per_rank)}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
