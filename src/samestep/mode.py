@@ -142,13 +142,17 @@ def _check_env(problems: list[str], report: DeterminismReport, fixed: dict[str, 
     )
 
 
-def enable(*, threads: int | None = None, warn_only: bool = False) -> DeterminismReport:
+def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool = False) -> DeterminismReport:
     """Turns on deterministic mode for this process.
 
     Args:
         threads: the intra-op thread count to pin (sums and layer-norm weight gradients change with
             it). ``None`` takes the CPUs this process may use.
         warn_only: report settings that break determinism as warnings instead of raising.
+        kernels: route PyTorch's scatter-type ops (index_put accumulate, index_add, scatter_add,
+            embedding backward) to ``samestep.ops`` in this thread. Off by default: with deterministic
+            algorithms on, PyTorch already runs these deterministically on CPU (slower for index_put);
+            the routing is for speed, and for a definition that does not depend on the device.
 
     Returns:
         A report of every knob, its value before and after, and why it is set. It is also a context
@@ -209,6 +213,13 @@ def enable(*, threads: int | None = None, warn_only: bool = False) -> Determinis
     torch.set_num_threads(threads)
     report.knobs.append(Knob("torch.num_threads", saved["threads"], threads,
                              "sums and layer-norm grads depend on the thread count"))
+    if kernels and saved.get("kernel_mode") is None:
+        from samestep.ops.routing import KernelMode  # ops sits above core; imported only when asked for
+
+        saved["kernel_mode"] = KernelMode()
+        saved["kernel_mode"].__enter__()
+    report.knobs.append(Knob("samestep.kernels", False, bool(saved.get("kernel_mode")),
+                             "scatter-type ops routed to samestep.ops"))
     _saved = saved
     return report
 
@@ -219,6 +230,8 @@ def disable() -> None:
     if _saved is None:
         return
     saved, _saved = _saved, None
+    if saved.get("kernel_mode") is not None:
+        saved["kernel_mode"].__exit__(None, None, None)
     for name, value in saved["env"].items():
         if value is None:
             os.environ.pop(name, None)

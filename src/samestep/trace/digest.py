@@ -28,7 +28,8 @@ PRIMES = (268435399, 268435367, 268435361, 268435337)
 COLS = 256
 # Rows converted to float64 at a time: keeps the converted block in cache (about copy speed).
 BLOCK_ROWS = 4096
-# Sequences at least this long get their first level alone, without the batch's concatenation.
+# Sequences at least this long get their first level alone, without the batch's concatenation
+# (below it, one call per sequence would cost more than copying it into the batch).
 BIG_WORDS = 16 * COLS
 _weights_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -52,6 +53,36 @@ def _weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     return _weights_cache[device]
 
 
+# The int8 form of the same product, for torch._int_mm: a word x (int16) is stored as the bytes
+# (lo, hi); flipping bit 7 of lo makes both bytes signed int8 with x = 256*hi + lo' + 128. Byte column
+# 2j then carries weight W[j] and column 2j+1 weight 256*W[j]; each weight is cut into 6 base-128 digits,
+# so every int8 x int8 product sum stays below 2**23 in int32, and the digits recombine exactly in int64.
+_DIGITS = 6
+_int_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
+
+
+def _int_weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    if device not in _int_cache:
+        table = _weight_table()
+        digits = torch.zeros(2 * COLS, len(PRIMES) * _DIGITS, dtype=torch.int8)
+        for j in range(COLS):
+            for lane in range(len(PRIMES)):
+                for row, value in ((2 * j, table[j][lane]), (2 * j + 1, table[j][lane] << 8)):
+                    for q in range(_DIGITS):
+                        digits[row, lane * _DIGITS + q] = (value >> (7 * q)) & 0x7F
+        scale = torch.tensor([1 << (7 * q) for q in range(_DIGITS)], dtype=torch.int64)
+        const = torch.tensor([128 * sum(table[j][lane] for j in range(COLS)) for lane in range(len(PRIMES))],
+                             dtype=torch.int64)
+        entry = (digits.to(device), scale.to(device), const.to(device))
+        try:  # the int8 matrix product is missing on some builds and devices: then float64 does it
+            probe = torch._int_mm(torch.zeros(32, 2 * COLS, dtype=torch.int8, device=device), entry[0])
+            entry = entry if probe.dtype == torch.int32 else None
+        except (RuntimeError, AttributeError, NotImplementedError):
+            entry = None
+        _int_cache[device] = entry
+    return _int_cache[device]
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as 1-D signed 16-bit words (a zero byte pads an odd count)."""
     flat = t.detach().reshape(-1).contiguous()
@@ -68,20 +99,35 @@ def _level(words: torch.Tensor, w: torch.Tensor, p: torch.Tensor) -> torch.Tenso
     n = words.numel()
     full, rem = divmod(n, COLS)
     rows = full + (1 if rem or not n else 0)
-    out = torch.empty(rows, len(PRIMES), dtype=torch.float64, device=words.device)
+    out = torch.empty(rows, len(PRIMES), dtype=torch.int64, device=words.device)
     if full:
-        x = words[: full * COLS].view(full, COLS)  # no copy of the input: only row blocks are converted
-        block = min(full, BLOCK_ROWS)
-        buf = torch.empty(block, COLS, dtype=torch.float64, device=words.device)
-        for a in range(0, full, block):
-            b = min(a + block, full)
-            buf[: b - a].copy_(x[a:b])
-            torch.mm(buf[: b - a], w, out=out[a:b])
+        x = words[: full * COLS].view(full, COLS)
+        fast = _int_weights(words.device) if full >= 32 else None
+        if fast is not None:
+            digits, scale, const = fast
+            x = x.to(torch.int16)
+            for a in range(0, full, BLOCK_ROWS):  # blocks stay in cache between the three passes
+                b = min(a + BLOCK_ROWS, full)
+                signed = (x[a:b] ^ 0x80).view(torch.int8)  # (rows, 512): lo', hi per word
+                if b - a < 32:  # torch._int_mm wants at least 32 rows: pad with zero words
+                    signed = torch.cat([signed, torch.full((32 - (b - a), 2 * COLS), 0, dtype=torch.int8,
+                                                           device=signed.device)])[: max(32, b - a)]
+                acc = torch._int_mm(signed, digits)[: b - a]  # (rows, 24) int32, exact
+                out[a:b] = (acc.to(torch.int64).view(b - a, len(PRIMES), _DIGITS) * scale).sum(-1) + const
+        else:
+            block = min(full, BLOCK_ROWS)
+            buf = torch.empty(block, COLS, dtype=torch.float64, device=words.device)
+            res = torch.empty(block, len(PRIMES), dtype=torch.float64, device=words.device)
+            for a in range(0, full, block):
+                b = min(a + block, full)
+                buf[: b - a].copy_(x[a:b])
+                torch.mm(buf[: b - a], w, out=res[: b - a])
+                out[a:b] = res[: b - a].to(torch.int64)
     if rows > full:
         tail = torch.zeros(1, COLS, dtype=torch.float64, device=words.device)
         tail[0, :rem].copy_(words[full * COLS:])
-        torch.mm(tail, w, out=out[full:])
-    return torch.remainder(out.to(torch.int64), p)
+        out[full:] = torch.mm(tail, w).to(torch.int64)
+    return torch.remainder(out, p)
 
 
 def _lanes(t: torch.Tensor) -> torch.Tensor:

@@ -201,8 +201,11 @@ class Recorder:
         if not uninit:
             # The recorder's own copies are not model ops: outside __torch_dispatch__ (hooks, step level)
             # the op mode must not see them; inside it, modes are already off.
-            with torch.no_grad(), (contextlib.nullcontext() if self._in_dispatch else _disable_current_modes()):
+            if self._in_dispatch:
                 copy = t.detach().clone()
+            else:
+                with _disable_current_modes():
+                    copy = t.detach().clone()
             self._staged.append(copy)
             slot = len(self._staged) - 1
             self._staged_bytes += copy.numel() * copy.element_size()

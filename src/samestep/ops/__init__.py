@@ -1,0 +1,233 @@
+"""Deterministic scatter-type kernels, registered with ``torch.library`` (visible to the dispatcher,
+to samestep traces and to ``torch.compile``), with autograd.
+
+Each has the signature of the torch function it replaces, so swapping one in is a one-word change::
+
+    out = samestep.ops.index_add(x, 0, idx, src)        # was torch.index_add(x, 0, idx, src)
+
+Definition (docs/kernels.md): every output element is its input value followed by its contributions
+added one by one in ascending source order. ``samestep.enable(kernels=True)`` routes PyTorch's own
+ops to these (see ``samestep.ops.routing``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from samestep.ops import _impl
+
+__all__ = ["KERNELS", "bincount", "embedding_backward", "index_add", "index_put", "moe_combine", "scatter_add",
+           "scatter_reduce", "segment_sum"]
+
+_T = torch.Tensor
+
+
+# -- index_add ---------------------------------------------------------------------------------------
+@torch.library.custom_op("samestep::index_add", mutates_args=())
+def _index_add(input: _T, dim: int, index: _T, source: _T, alpha: float) -> _T:
+    return _impl.index_add(input, dim, index, source, alpha)
+
+
+@_index_add.register_fake
+def _(input, dim, index, source, alpha):
+    return torch.empty_like(input)
+
+
+def _index_add_setup(ctx, inputs, output):
+    _, ctx.dim, index, _, ctx.alpha = inputs
+    ctx.save_for_backward(index)
+
+
+def _index_add_bwd(ctx, grad):
+    (index,) = ctx.saved_tensors
+    return grad, None, None, grad.index_select(ctx.dim, index) * ctx.alpha, None
+
+
+_index_add.register_autograd(_index_add_bwd, setup_context=_index_add_setup)
+
+
+def index_add(input: _T, dim: int, index: _T, source: _T, *, alpha: float = 1) -> _T:
+    """Deterministic ``torch.index_add``."""
+    return _index_add(input, dim, index, source, float(alpha))
+
+
+# -- scatter_add / scatter_reduce ----------------------------------------------------------------------
+@torch.library.custom_op("samestep::scatter_add", mutates_args=())
+def _scatter_add(input: _T, dim: int, index: _T, src: _T) -> _T:
+    return _impl.scatter_add(input, dim, index, src)
+
+
+@_scatter_add.register_fake
+def _(input, dim, index, src):
+    return torch.empty_like(input)
+
+
+def _scatter_setup(ctx, inputs, output):
+    _, ctx.dim, index, src = inputs
+    ctx.src_shape = src.shape
+    ctx.save_for_backward(index)
+
+
+def _scatter_add_bwd(ctx, grad):
+    (index,) = ctx.saved_tensors
+    g = grad.gather(ctx.dim, index)
+    if tuple(g.shape) != tuple(ctx.src_shape):  # src larger than index: the rest received no gradient
+        full = g.new_zeros(ctx.src_shape)
+        full[tuple(slice(0, s) for s in g.shape)] = g
+        g = full
+    return grad, None, None, g
+
+
+_scatter_add.register_autograd(_scatter_add_bwd, setup_context=_scatter_setup)
+
+
+def scatter_add(input: _T, dim: int, index: _T, src: _T) -> _T:
+    """Deterministic ``torch.scatter_add``."""
+    return _scatter_add(input, dim, index, src)
+
+
+def scatter_reduce(input: _T, dim: int, index: _T, src: _T, reduce: str, *, include_self: bool = True) -> _T:
+    """Deterministic ``torch.scatter_reduce`` for ``reduce`` in ("sum", "mean"); differentiable through
+    ``scatter_add`` (sum) and elementwise ops (mean)."""
+    if reduce == "sum":
+        base = input if include_self else input.scatter(dim, index, 0)
+        return scatter_add(base, dim, index, src)
+    if reduce == "mean":
+        base = input if include_self else input.scatter(dim, index, 0)
+        total = scatter_add(base, dim, index, src)
+        ones = torch.ones_like(src[tuple(slice(0, s) for s in index.shape)])
+        count = _impl.scatter_add(torch.full_like(input, 1.0 if include_self else 0.0), dim, index, ones)
+        return total / count if include_self else torch.where(count > 0, total / count.clamp(min=1), input)
+    return _impl.scatter_reduce(input, dim, index, src, reduce, include_self)  # raises with the fix
+
+
+# -- index_put (accumulate) ------------------------------------------------------------------------------
+@torch.library.custom_op("samestep::index_put", mutates_args=())
+def _index_put(input: _T, indices: list[_T], values: _T, accumulate: bool) -> _T:
+    return _impl.index_put(input, tuple(indices), values, accumulate)
+
+
+@_index_put.register_fake
+def _(input, indices, values, accumulate):
+    return torch.empty_like(input)
+
+
+def _index_put_setup(ctx, inputs, output):
+    _, indices, values, ctx.accumulate = inputs
+    ctx.values_shape = values.shape
+    ctx.save_for_backward(*indices)
+
+
+def _index_put_bwd(ctx, grad):
+    indices = ctx.saved_tensors
+    g_values = grad[tuple(indices)]
+    while g_values.dim() > len(ctx.values_shape):  # values were broadcast: sum the broadcast dims
+        g_values = g_values.sum(0)
+    g_values = g_values.sum_to_size(ctx.values_shape)
+    g_input = grad if ctx.accumulate else grad.index_put(tuple(indices), torch.zeros_like(g_values))
+    return g_input, None, g_values, None
+
+
+_index_put.register_autograd(_index_put_bwd, setup_context=_index_put_setup)
+
+
+def index_put(input: _T, indices: tuple[_T, ...] | list[_T], values: _T, accumulate: bool = False) -> _T:
+    """Deterministic ``torch.index_put`` (the ``accumulate=True`` form is the backward of ``x[idx]``)."""
+    return _index_put(input, list(indices), values, accumulate)
+
+
+# -- embedding backward, bincount, segment sum, MoE combine ------------------------------------------
+@torch.library.custom_op("samestep::embedding_backward", mutates_args=())
+def _embedding_backward(grad_output: _T, indices: _T, num_weights: int, padding_idx: int) -> _T:
+    return _impl.embedding_backward(grad_output, indices, num_weights, padding_idx)
+
+
+@_embedding_backward.register_fake
+def _(grad_output, indices, num_weights, padding_idx):
+    return grad_output.new_empty(num_weights, grad_output.shape[-1])
+
+
+def embedding_backward(grad_output: _T, indices: _T, num_weights: int, padding_idx: int = -1) -> _T:
+    """Deterministic ``torch.ops.aten.embedding_dense_backward``."""
+    return _embedding_backward(grad_output, indices, num_weights, padding_idx)
+
+
+@torch.library.custom_op("samestep::segment_sum", mutates_args=())
+def _segment_sum(data: _T, segment_ids: _T, num_segments: int) -> _T:
+    return _impl.segment_sum(data, segment_ids, num_segments)
+
+
+@_segment_sum.register_fake
+def _(data, segment_ids, num_segments):
+    return data.new_empty(num_segments, *data.shape[1:])
+
+
+def _segment_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[1])
+
+
+_segment_sum.register_autograd(lambda ctx, g: (g.index_select(0, ctx.saved_tensors[0]), None, None),
+                               setup_context=_segment_setup)
+
+
+def segment_sum(data: _T, segment_ids: _T, num_segments: int) -> _T:
+    """Rows of ``data`` summed by ``segment_ids`` into ``num_segments`` rows, in row order."""
+    return _segment_sum(data, segment_ids, num_segments)
+
+
+def bincount(input: _T, weights: _T | None = None, minlength: int = 0) -> _T:
+    """Deterministic ``torch.bincount`` (weighted bins summed in input order; differentiable in weights)."""
+    if weights is None:
+        return torch.bincount(input, minlength=minlength)
+    n = max(int(input.max()) + 1 if input.numel() else 0, minlength)
+    w = weights if weights.is_floating_point() else weights.double()
+    return segment_sum(w, input, n)
+
+
+@torch.library.custom_op("samestep::moe_combine", mutates_args=())
+def _moe_combine(expert_out: _T, token_index: _T, weights: _T, num_tokens: int) -> _T:
+    return _impl.moe_combine(expert_out, token_index, weights, num_tokens)
+
+
+@_moe_combine.register_fake
+def _(expert_out, token_index, weights, num_tokens):
+    return expert_out.new_empty(num_tokens, expert_out.shape[-1])
+
+
+def _moe_setup(ctx, inputs, output):
+    expert_out, token_index, weights, _ = inputs
+    ctx.save_for_backward(expert_out, token_index, weights)
+
+
+def _moe_bwd(ctx, grad):
+    expert_out, token_index, weights = ctx.saved_tensors
+    g_rows = grad.index_select(0, token_index)  # (R, D)
+    return g_rows * weights.to(g_rows.dtype).unsqueeze(-1), None, (g_rows * expert_out).sum(-1).to(weights.dtype), None
+
+
+_moe_combine.register_autograd(_moe_bwd, setup_context=_moe_setup)
+
+
+def moe_combine(expert_out: _T, token_index: _T, weights: _T, num_tokens: int) -> _T:
+    """Top-k expert outputs (R, D), weighted and summed back into token order (num_tokens, D).
+
+    ``token_index[r]`` is the token of routed row ``r``; rows are combined in ascending ``r``.
+    """
+    return _moe_combine(expert_out, token_index, weights, num_tokens)
+
+
+# Every op and the byte-for-byte tests that guard it (tests/kernels); a test fails when one has none.
+KERNELS: dict[str, tuple[str, ...]] = {
+    "index_add": ("tests/kernels/test_ops.py::test_replays_bit_exact[index_add]",
+                  "tests/kernels/test_ops.py::test_matches_left_fold_reference[index_add]"),
+    "scatter_add": ("tests/kernels/test_ops.py::test_replays_bit_exact[scatter_add]",
+                    "tests/kernels/test_ops.py::test_matches_left_fold_reference[scatter_add]"),
+    "scatter_reduce": ("tests/kernels/test_ops.py::test_replays_bit_exact[scatter_reduce_mean]",),
+    "index_put": ("tests/kernels/test_ops.py::test_replays_bit_exact[index_put]",
+                  "tests/kernels/test_ops.py::test_index_put_is_the_backward_of_indexing"),
+    "embedding_backward": ("tests/kernels/test_ops.py::test_replays_bit_exact[embedding_backward]",),
+    "bincount": ("tests/kernels/test_ops.py::test_replays_bit_exact[bincount]",),
+    "segment_sum": ("tests/kernels/test_ops.py::test_replays_bit_exact[segment_sum]",),
+    "moe_combine": ("tests/kernels/test_ops.py::test_replays_bit_exact[moe_combine]",
+                    "tests/kernels/test_ops.py::test_moe_combine_gradients"),
+}

@@ -1,0 +1,124 @@
+"""The deterministic reductions behind ``samestep.ops``: definitions and the CPU implementation.
+
+Definition (docs/kernels.md): every output element is its input value followed by its
+contributions, added one by one in ascending source order (a left fold). The result is a function of
+the inputs alone: no atomics, no dependence on thread count, timing or device.
+
+CPU strategy: "stable sort, then segmented reduce" needs no explicit sort here, because PyTorch's CPU
+``index_add_`` and ``scatter_add_`` kernels already visit sources in ascending order for each output
+element and split work only across output elements (checked byte for byte at 1, 2 and 4 threads by
+tests/kernels). Every op is reduced to one of those two, on a flattened view.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
+              alpha: float = 1) -> torch.Tensor:
+    """``input.index_add(dim, index, source, alpha=alpha)``, deterministically."""
+    dim = dim % max(input.dim(), 1)
+    if alpha != 1:
+        source = source * alpha
+    moved_in = input.movedim(dim, 0)
+    moved_src = source.movedim(dim, 0)
+    out = moved_in.reshape(moved_in.shape[0], -1).clone()
+    out.index_add_(0, index.reshape(-1), moved_src.reshape(moved_src.shape[0], -1))
+    return out.view(moved_in.shape).movedim(0, dim).contiguous()
+
+
+def scatter_add(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``input.scatter_add(dim, index, src)``, deterministically (source order: row-major over ``index``)."""
+    dim = dim % max(input.dim(), 1)
+    # Each element of src goes to the input element with its coordinates, except along dim.
+    coords = torch.meshgrid(*[torch.arange(s, device=index.device) for s in index.shape], indexing="ij")
+    target = list(coords)
+    target[dim] = index
+    flat_target = torch.zeros_like(index)
+    for d, c in enumerate(target):
+        flat_target = flat_target * input.shape[d] + c
+    src_part = src[tuple(slice(0, s) for s in index.shape)]
+    out = input.reshape(-1).clone()
+    out.index_add_(0, flat_target.reshape(-1), src_part.reshape(-1))
+    return out.view(input.shape)
+
+
+def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, reduce: str,
+                   include_self: bool = True) -> torch.Tensor:
+    """``input.scatter_reduce(dim, index, src, reduce)`` for ``reduce`` in ("sum", "mean"), deterministically."""
+    if reduce not in ("sum", "mean"):
+        raise ValueError(f"samestep.ops.scatter_reduce(reduce={reduce!r}): only 'sum' and 'mean' reduce in an "
+                         "order-dependent way; use torch.scatter_reduce for 'amax', 'amin' and 'prod'")
+    base = input if include_self else input.scatter(dim, index, 0)
+    total = scatter_add(base, dim, index, src)
+    if reduce == "sum":
+        return total
+    ones = torch.ones_like(src[tuple(slice(0, s) for s in index.shape)])
+    count = scatter_add(torch.full_like(input, 1 if include_self else 0), dim, index, ones)
+    if include_self:
+        result = total / count
+    else:
+        result = torch.where(count > 0, total / count.clamp(min=1), input)
+    return result.to(input.dtype) if input.dtype not in _FLOAT_TYPES else result
+
+
+def index_put(input: torch.Tensor, indices: tuple[torch.Tensor | None, ...] | list, values: torch.Tensor,
+              accumulate: bool = False) -> torch.Tensor:
+    """``input.index_put(indices, values, accumulate)``; with ``accumulate=True``, deterministically.
+
+    Supports index tensors on the leading dimensions (the form ``x[idx]`` and ``x[i, j]`` produce).
+    """
+    if not accumulate:
+        return input.index_put(tuple(indices), values, accumulate=False)
+    idx = list(indices)
+    if any(i is None for i in idx) or not idx:
+        raise ValueError("samestep.ops.index_put(accumulate=True) takes index tensors for the leading dimensions "
+                         "only (no None/slices between them); index with x[idx] or x[i, j]")
+    idx = [i.nonzero().unbind(1)[0] if i.dtype == torch.bool else i for i in idx]
+    idx = list(torch.broadcast_tensors(*idx))
+    k = len(idx)
+    lead = input.shape[:k]
+    flat = torch.zeros_like(idx[0])
+    for d in range(k):
+        flat = flat * lead[d] + idx[d].remainder(lead[d])  # negative indices count from the end
+    rows = input.reshape(-1, *input.shape[k:])
+    vals = values.expand(*idx[0].shape, *input.shape[k:]).reshape(-1, *input.shape[k:]).to(input.dtype)
+    return index_add(rows, 0, flat.reshape(-1), vals).view(input.shape)
+
+
+def embedding_backward(grad_output: torch.Tensor, indices: torch.Tensor, num_weights: int,
+                       padding_idx: int = -1) -> torch.Tensor:
+    """The gradient of ``nn.Embedding`` weights: rows of ``grad_output`` summed by token, in token order."""
+    d = grad_output.shape[-1]
+    grad = grad_output.reshape(-1, d)
+    idx = indices.reshape(-1)
+    if padding_idx >= 0:
+        grad = grad * (idx != padding_idx).unsqueeze(1).to(grad.dtype)
+    return index_add(grad.new_zeros(num_weights, d), 0, idx, grad)
+
+
+def bincount(input: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
+    """``torch.bincount(input, weights, minlength)``; weighted bins summed in input order."""
+    n = max(int(input.max()) + 1 if input.numel() else 0, minlength)
+    if weights is None:
+        return torch.bincount(input, minlength=minlength)  # integer counts: exact in any order
+    dtype = weights.dtype if weights.dtype in _FLOAT_TYPES else torch.float64
+    return index_add(torch.zeros(n, dtype=dtype, device=input.device), 0, input, weights.to(dtype))
+
+
+def segment_sum(data: torch.Tensor, segment_ids: torch.Tensor, num_segments: int) -> torch.Tensor:
+    """Sums rows of ``data`` by ``segment_ids`` (any order) into ``num_segments`` rows, in row order."""
+    return index_add(data.new_zeros(num_segments, *data.shape[1:]), 0, segment_ids, data)
+
+
+def moe_combine(expert_out: torch.Tensor, token_index: torch.Tensor, weights: torch.Tensor,
+                num_tokens: int) -> torch.Tensor:
+    """Weights each routed row of ``expert_out`` (R, D) and sums it into its token (``token_index``, R).
+
+    Rows are combined in ascending routed-row order, whatever order the experts finished in.
+    """
+    weighted = expert_out * weights.to(expert_out.dtype).unsqueeze(-1)
+    return index_add(expert_out.new_zeros(num_tokens, expert_out.shape[-1]), 0, token_index, weighted)

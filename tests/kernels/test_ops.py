@@ -1,0 +1,150 @@
+"""samestep.ops byte for byte: replays under contention, thread counts, a left-fold reference,
+golden digests, the manifest, and the negative control that PyTorch's default path races."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import samestep
+import samestep.ops as ops
+from samestep.testing import assert_replays_bit_exact, count_differing_replays, first_difference
+from samestep.trace import digest_many
+
+G = torch.Generator().manual_seed(0)
+V, D, N = 256, 128, 2048  # N * D >= 32768: PyTorch's CPU index_put_ accumulate races at this size
+
+
+def _wide(*shape: int) -> torch.Tensor:
+    """Values over many magnitudes, so any change of summation order changes bits."""
+    return torch.randn(*shape, generator=G) * torch.exp(torch.randn(*shape, generator=G) * 4)
+
+
+IDX = torch.randint(0, V, (N,), generator=G)
+SRC = _wide(N, D)
+BASE = _wide(V, D)
+IDX2D = torch.randint(0, V, (N, D), generator=G)
+ROUTED_ROWS = torch.randint(0, N // 2, (N,), generator=G)  # MoE: 2 routed rows per token (top-2)
+
+CASES = {
+    "index_add": (lambda b, i, s: ops.index_add(b, 0, i, s), (BASE, IDX, SRC)),
+    "scatter_add": (lambda b, i, s: ops.scatter_add(b, 0, i, s), (BASE, IDX2D, SRC)),
+    "scatter_reduce_mean": (lambda b, i, s: ops.scatter_reduce(b, 0, i, s, "mean"), (BASE, IDX2D, SRC)),
+    "index_put": (lambda b, i, s: ops.index_put(b, (i,), s, accumulate=True), (BASE, IDX, SRC)),
+    "embedding_backward": (lambda i, s: ops.embedding_backward(s, i, V), (IDX, SRC)),
+    "bincount": (lambda i, w: ops.bincount(i, w, minlength=V), (IDX, SRC[:, 0].contiguous())),
+    "segment_sum": (lambda s, i: ops.segment_sum(s, i, V), (SRC, IDX)),
+    "moe_combine": (lambda e, t, w: ops.moe_combine(e, t, w, N // 2), (SRC, ROUTED_ROWS, torch.rand(N, generator=G))),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_replays_bit_exact(name):
+    """Replays under contention and at 1, 2 and 4 threads give the same bits."""
+    fn, inputs = CASES[name]
+    assert_replays_bit_exact(fn, *inputs, replays=6, contention=True)
+    threads = torch.get_num_threads()
+    try:
+        per_threads = set()
+        for t in (1, 2, 4):
+            torch.set_num_threads(t)
+            per_threads.add(tuple(digest_many([fn(*inputs)])))
+    finally:
+        torch.set_num_threads(threads)
+    assert len(per_threads) == 1
+
+
+def test_pytorch_default_index_put_races():
+    """Negative control: PyTorch's default index_put_(accumulate=True) differs between replays here."""
+    torch.use_deterministic_algorithms(False)
+    torch.set_num_threads(2)
+
+    def racy(b, i, s):
+        return b.clone().index_put_((i,), s, accumulate=True)
+
+    assert count_differing_replays(racy, BASE, IDX, SRC, replays=8) > 0
+    with pytest.raises(AssertionError, match=r"output 0 of replay \d+ differs from replay 0: \d+ of \d+ elements"):
+        assert_replays_bit_exact(racy, BASE, IDX, SRC, replays=8)
+
+
+def _left_fold(base: torch.Tensor, targets: list[tuple[int, ...]], values: list[torch.Tensor]) -> torch.Tensor:
+    out = base.clone()
+    for t, v in zip(targets, values):  # one addition at a time, in ascending source order
+        out[t] = out[t] + v
+    return out
+
+
+@pytest.mark.parametrize("name", ["index_add", "scatter_add"])
+def test_matches_left_fold_reference(name):
+    """The documented definition: input, then contributions added one by one in ascending source order."""
+    g = torch.Generator().manual_seed(5)
+    base, src = _wide(6, 3), _wide(40, 3)
+    if name == "index_add":
+        idx = torch.randint(0, 6, (40,), generator=g)
+        got = ops.index_add(base, 0, idx, src)
+        ref = _left_fold(base, [(int(i),) for i in idx], list(src))
+    else:
+        idx = torch.randint(0, 6, (40, 3), generator=g)
+        got = ops.scatter_add(base, 0, idx, src)
+        targets = [(int(idx[r, c]), c) for r in range(40) for c in range(3)]
+        ref = _left_fold(base, targets, [src[r, c] for r in range(40) for c in range(3)])
+    assert first_difference(got, ref) is None
+
+
+def test_index_put_is_the_backward_of_indexing():
+    """With kernels routed, the gradient of x[idx] is bit-identical to ops.index_put and repeats exactly."""
+    def grad_of_indexing(src):
+        w = torch.zeros(V, D, requires_grad=True)
+        (w[IDX] * src).sum().backward()
+        return w.grad
+
+    with samestep.enable(threads=2, kernels=True):
+        assert_replays_bit_exact(grad_of_indexing, SRC, replays=4)
+        routed = grad_of_indexing(SRC)
+    assert first_difference(routed, ops.index_put(torch.zeros(V, D), (IDX,), SRC, accumulate=True)) is None
+
+
+def test_routing_makes_a_racy_model_repeat():
+    """Deterministic algorithms off but kernels routed: the racing index_put_ now repeats (and without
+    routing it races: the negative control)."""
+    def step(src):
+        w = torch.zeros(V, D, requires_grad=True)
+        (w[IDX] * src).sum().backward()
+        return w.grad
+
+    torch.set_num_threads(2)
+    assert count_differing_replays(step, SRC, replays=8) > 0
+    from samestep.ops.routing import KernelMode
+
+    with KernelMode():
+        assert count_differing_replays(step, SRC, replays=8) == 0
+
+
+def test_moe_combine_gradients():
+    """moe_combine's gradients equal autograd through the composite definition, bit for bit."""
+    e = SRC[:64].clone().requires_grad_()
+    w = torch.rand(64, generator=G).requires_grad_()
+    t = torch.randint(0, 16, (64,), generator=G)
+    ops.moe_combine(e, t, w, 16).pow(2).sum().backward()
+    e2, w2 = e.detach().clone().requires_grad_(), w.detach().clone().requires_grad_()
+    torch.zeros(16, D).index_add(0, t, e2 * w2.unsqueeze(-1)).pow(2).sum().backward()
+    assert first_difference(e.grad, e2.grad) is None and first_difference(w.grad, w2.grad) is None
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_golden_digests(golden, name):
+    """Pinned per environment: a torch upgrade that moves these bits fails here."""
+    fn, inputs = CASES[name]
+    golden.check(name, fn(*inputs))
+
+
+def test_every_op_has_byte_for_byte_tests(request):
+    """The kernel manifest lists tests for every public op, and every listed test exists."""
+    public = {n for n in ops.__all__ if n != "KERNELS"}
+    assert public == set(ops.KERNELS), f"ops without a manifest entry: {sorted(public - set(ops.KERNELS))}"
+    collected = {item.nodeid for item in request.session.items}
+    for op, tests in ops.KERNELS.items():
+        assert tests, f"samestep.ops.{op} has no byte-for-byte test"
+        if any(i.startswith("tests/kernels/test_ops.py") for i in collected):
+            missing = [t for t in tests if t not in collected]
+            assert not missing, f"samestep.ops.{op}: manifest names tests that do not exist: {missing}"
