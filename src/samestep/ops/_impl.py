@@ -17,6 +17,12 @@ import torch
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def _add_rows_into(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Adds ``rows[i]`` into ``out[index[i]]`` in ascending i, in place on a buffer the caller owns."""
+    out.reshape(out.shape[0], -1).index_add_(0, index.reshape(-1), rows.reshape(rows.shape[0], -1))
+    return out
+
+
 def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
               alpha: float = 1) -> torch.Tensor:
     """``input.index_add(dim, index, source, alpha=alpha)``, deterministically."""
@@ -97,7 +103,7 @@ def embedding_backward(grad_output: torch.Tensor, indices: torch.Tensor, num_wei
     idx = indices.reshape(-1)
     if padding_idx >= 0:
         grad = grad * (idx != padding_idx).unsqueeze(1).to(grad.dtype)
-    return index_add(grad.new_zeros(num_weights, d), 0, idx, grad)
+    return _add_rows_into(grad.new_zeros(num_weights, d), idx, grad)
 
 
 def bincount(input: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
@@ -106,12 +112,12 @@ def bincount(input: torch.Tensor, weights: torch.Tensor | None = None, minlength
     if weights is None:
         return torch.bincount(input, minlength=minlength)  # integer counts: exact in any order
     dtype = weights.dtype if weights.dtype in _FLOAT_TYPES else torch.float64
-    return index_add(torch.zeros(n, dtype=dtype, device=input.device), 0, input, weights.to(dtype))
+    return _add_rows_into(torch.zeros(n, dtype=dtype, device=input.device), input, weights.to(dtype))
 
 
 def segment_sum(data: torch.Tensor, segment_ids: torch.Tensor, num_segments: int) -> torch.Tensor:
     """Sums rows of ``data`` by ``segment_ids`` (any order) into ``num_segments`` rows, in row order."""
-    return index_add(data.new_zeros(num_segments, *data.shape[1:]), 0, segment_ids, data)
+    return _add_rows_into(data.new_zeros(num_segments, *data.shape[1:]), segment_ids, data)
 
 
 def moe_combine(expert_out: torch.Tensor, token_index: torch.Tensor, weights: torch.Tensor,
@@ -121,4 +127,4 @@ def moe_combine(expert_out: torch.Tensor, token_index: torch.Tensor, weights: to
     Rows are combined in ascending routed-row order, whatever order the experts finished in.
     """
     weighted = expert_out * weights.to(expert_out.dtype).unsqueeze(-1)
-    return index_add(expert_out.new_zeros(num_tokens, expert_out.shape[-1]), 0, token_index, weighted)
+    return _add_rows_into(expert_out.new_zeros(num_tokens, expert_out.shape[-1]), token_index, weighted)

@@ -101,6 +101,10 @@ class ModelConfig:
     """Vocabulary size; 0 takes it from the data source (256 for bytes)."""
     embedding: str = "module"
     """Token-embedding lookup: 'module' (nn.Embedding) or 'index' (weight[idx], backward index_put_)."""
+    moe_experts: int = 0
+    """Experts per MoE layer; 0 keeps the dense MLP."""
+    moe_top_k: int = 2
+    """Experts each token is routed to."""
 
     def __post_init__(self) -> None:
         _positive("model", self, "n_layer", "n_head", "n_embd", "block_size")
@@ -110,6 +114,9 @@ class ModelConfig:
             raise ValueError(f"model.dropout={self.dropout!r} must be in [0, 1)")
         if self.vocab_size < 0:
             raise ValueError(f"model.vocab_size={self.vocab_size} must be 0 (from data) or positive")
+        if self.moe_experts < 0 or (self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts):
+            raise ValueError(f"model.moe_top_k={self.moe_top_k} must be between 1 and model.moe_experts="
+                             f"{self.moe_experts} (or set model.moe_experts=0 for a dense MLP)")
         if self.embedding not in ("module", "index"):
             raise ValueError(f"model.embedding={self.embedding!r} must be 'module' or 'index'")
 

@@ -237,7 +237,7 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
         raise ValueError(f"model.vocab_size={vocab} is smaller than the data's largest token + 1 = "
                          f"{corpus.vocab_size}; raise it or set 0")
     device = torch.device(device)
-    model = GPT(cfg.model, vocab, t.seed).to(device)
+    model = GPT(cfg.model, vocab, t.seed, deterministic=cfg.determinism.enabled).to(device)
     grads_cls = CanonicalGradients if cfg.determinism.enabled else AllReduceGradients
     grads = grads_cls(model.parameters(), microbatches_per_process=t.microbatches // world, world_size=world, rank=rank)
     tc = cfg.trace

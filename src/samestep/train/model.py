@@ -9,7 +9,9 @@ Differences from nanoGPT, all for determinism:
 - attention is written out (no fused SDPA, whose dropout uses the global RNG);
 - initialisation draws from a generator keyed by (seed, "init");
 - ``embedding="index"`` looks tokens up as ``weight[idx]``, whose backward is
-  ``index_put_(accumulate=True)``: a real op that races on CPU when deterministic mode is off.
+  ``index_put_(accumulate=True)``: a real op that races on CPU when deterministic mode is off;
+- ``moe_experts > 0`` replaces each MLP by top-k routed experts whose combine is
+  ``samestep.ops.moe_combine`` in deterministic mode and a racing ``index_put_`` otherwise.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from samestep import ops
 from samestep import rng as _rng
 from samestep.train.config import ModelConfig
 
@@ -67,13 +70,50 @@ class MLP(nn.Module):
         return dropout(self.c_proj(F.gelu(self.c_fc(x))), self.p, gen, self.training)  # (B, T, C)
 
 
+class MoE(nn.Module):
+    """Top-k routed experts, each an MLP. Routing gathers each token's rows for its experts; the
+    combine weights the expert outputs and sums them back into token order: the scatter-type op that
+    races in plain PyTorch (index_put_ accumulate on CPU, atomics on GPU) and that samestep.ops.moe_combine
+    makes deterministic."""
+
+    def __init__(self, cfg: ModelConfig, deterministic: bool) -> None:
+        super().__init__()
+        self.k, self.p, self.deterministic = cfg.moe_top_k, cfg.dropout, deterministic
+        self.router = nn.Linear(cfg.n_embd, cfg.moe_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.moe_experts))
+
+    def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        B, T, C = x.shape
+        xt = x.reshape(-1, C)  # (N, C)
+        n = xt.shape[0]
+        weight, expert = self.router(xt).softmax(-1).topk(self.k, dim=-1)  # (N, k) each
+        weight = weight / weight.sum(-1, keepdim=True)
+        flat_expert = expert.reshape(-1)  # (N*k,) routed rows in token order
+        order = torch.argsort(flat_expert, stable=True)  # grouped by expert, token order inside
+        token = torch.arange(n, device=x.device).repeat_interleave(self.k)[order]  # (N*k,)
+        counts = torch.bincount(flat_expert, minlength=len(self.experts)).tolist()
+        # Gather: index_select's backward is an ordered index_add; x[token]'s would be index_put_ accumulate.
+        rows = xt.index_select(0, token) if self.deterministic else xt[token]  # (N*k, C)
+        outs, start = [], 0
+        for e, count in enumerate(counts):
+            outs.append(self.experts[e](rows[start:start + count], gen))
+            start += count
+        expert_out = torch.cat(outs)  # (N*k, C)
+        w = weight.reshape(-1)[order]
+        if self.deterministic:
+            y = ops.moe_combine(expert_out, token, w, n)
+        else:  # what MoE code writes; on CPU this index_put_ accumulate races between threads
+            y = xt.new_zeros(n, C).index_put_((token,), expert_out * w.unsqueeze(-1), accumulate=True)
+        return y.view(B, T, C)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, deterministic: bool = True) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg, deterministic) if cfg.moe_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x), gen)
@@ -90,13 +130,13 @@ class IndexEmbedding(nn.Embedding):
 class GPT(nn.Module):
     """Token and position embeddings, ``n_layer`` blocks, a final norm, a tied language-model head."""
 
-    def __init__(self, cfg: ModelConfig, vocab_size: int, seed: int) -> None:
+    def __init__(self, cfg: ModelConfig, vocab_size: int, seed: int, deterministic: bool = True) -> None:
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
         self.transformer = nn.ModuleDict({
             "wte": (IndexEmbedding if cfg.embedding == "index" else nn.Embedding)(vocab_size, cfg.n_embd),
             "wpe": nn.Embedding(cfg.block_size, cfg.n_embd),
-            "h": nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
+            "h": nn.ModuleList(Block(cfg, deterministic) for _ in range(cfg.n_layer)),
             "ln_f": nn.LayerNorm(cfg.n_embd),
         })
         self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
