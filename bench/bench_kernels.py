@@ -40,7 +40,9 @@ def main() -> int:
     grad = torch.randn(N, D, generator=g)
     T, E, K = 16_384, 8, 2
     rows = torch.randn(T * K, D, generator=g)
-    tok = torch.arange(T).repeat_interleave(K)[torch.randperm(T * K, generator=g)]
+    # Routed rows arrive grouped by expert: each token's K rows sit in K of the E groups.
+    expert = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).reshape(-1)
+    tok = torch.arange(T).repeat_interleave(K)[torch.argsort(expert, stable=True)]
     w = torch.rand(T * K, generator=g)
 
     cases = {
