@@ -5,7 +5,7 @@ unchanged in meaning). Covered ATen ops:
 
 | ATen op | routed when | to |
 |---|---|---|
-| ``index_put``, ``index_put_``, ``_index_put_impl_`` | ``accumulate=True``, tensors index leading dims | ``index_put`` |
+| ``index_put``, ``index_put_``, ``_index_put_impl_`` | ``accumulate=True``, tensors on leading dims | ``index_put`` |
 | ``index_add``, ``index_add_`` | always | ``index_add`` |
 | ``scatter_add``, ``scatter_add_`` | always | ``scatter_add`` |
 | ``embedding_dense_backward`` | ``scale_grad_by_freq=False`` | ``embedding_backward`` |
