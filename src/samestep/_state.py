@@ -88,3 +88,14 @@ def state_digest(tree: Any) -> str:
     for name in sorted(tensors):
         h.update(name.encode() + b"\0" + sha256_tensor(tensors[name]).encode())
     return h.hexdigest()
+
+
+def dotted(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict (a config) as one level with dotted keys: {"train": {"lr": 1}} -> {"train.lr": 1}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(dotted(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out

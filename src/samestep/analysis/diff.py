@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from samestep._state import dotted
 from samestep.env import compare_environments
 from samestep.trace.stream import KEY, SCHEMA, iter_stream, stream_segments, traced_ranks
 
@@ -63,16 +64,6 @@ class _RankResult:
     records: int = 0
     divergence: Divergence | None = None
     torn: list[str] = field(default_factory=list)
-
-
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _load_run(path: Path) -> dict[str, Any]:
@@ -250,8 +241,8 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     run_a, run_b = Path(run_a), Path(run_b)
     doc_a, doc_b = _load_run(run_a), _load_run(run_b)
     notes: list[str] = []
-    cfg_diff = {k: v for k, v in compare_environments(_flatten(doc_a.get("config", {})),
-                                                      _flatten(doc_b.get("config", {}))).items()
+    cfg_diff = {k: v for k, v in compare_environments(dotted(doc_a.get("config", {})),
+                                                      dotted(doc_b.get("config", {}))).items()
                 if not k.startswith(IGNORED_CONFIG)}
     env_diff = compare_environments(doc_a.get("environment", {}), doc_b.get("environment", {}))
     for what, d in (("config", cfg_diff), ("environment", env_diff)):

@@ -25,7 +25,7 @@ import torch
 
 import samestep
 from samestep import rng
-from samestep._state import state_digest
+from samestep._state import dotted, state_digest
 from samestep.checkpoint import load_checkpoint, save_checkpoint
 from samestep.checkpoint._format import replace_atomic
 from samestep.data import DataCursor, load_corpus
@@ -68,19 +68,9 @@ class WarmupCosine:
             raise ValueError(f"LR schedule: saved {state} but this run has {self.state_dict()}")
 
 
-def _flatten_dict(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten_dict(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def _check_resume_config(saved: dict[str, Any] | None, current: Config) -> None:
-    now = _flatten_dict(current.to_dict())
-    then = _flatten_dict(saved or {})
+    now = dotted(current.to_dict())
+    then = dotted(saved or {})
     changed = {k for k in set(now) | set(then) if now.get(k) != then.get(k)} - RESUMABLE_CHANGES
     if changed:
         fields = ", ".join(f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in sorted(changed))
