@@ -217,17 +217,15 @@ def moe_combine(expert_out: _T, token_index: _T, weights: _T, num_tokens: int) -
 
 
 # Every op and the byte-for-byte tests that guard it (tests/kernels); a test fails when one has none.
+_CASE = {"scatter_reduce": "scatter_reduce_mean"}
 KERNELS: dict[str, tuple[str, ...]] = {
-    "index_add": ("tests/kernels/test_ops.py::test_replays_bit_exact[index_add]",
-                  "tests/kernels/test_ops.py::test_matches_left_fold_reference[index_add]"),
-    "scatter_add": ("tests/kernels/test_ops.py::test_replays_bit_exact[scatter_add]",
-                    "tests/kernels/test_ops.py::test_matches_left_fold_reference[scatter_add]"),
-    "scatter_reduce": ("tests/kernels/test_ops.py::test_replays_bit_exact[scatter_reduce_mean]",),
-    "index_put": ("tests/kernels/test_ops.py::test_replays_bit_exact[index_put]",
-                  "tests/kernels/test_ops.py::test_index_put_is_the_backward_of_indexing"),
-    "embedding_backward": ("tests/kernels/test_ops.py::test_replays_bit_exact[embedding_backward]",),
-    "bincount": ("tests/kernels/test_ops.py::test_replays_bit_exact[bincount]",),
-    "segment_sum": ("tests/kernels/test_ops.py::test_replays_bit_exact[segment_sum]",),
-    "moe_combine": ("tests/kernels/test_ops.py::test_replays_bit_exact[moe_combine]",
-                    "tests/kernels/test_ops.py::test_moe_combine_gradients"),
+    op: (f"tests/kernels/test_ops.py::test_replays_bit_exact[{_CASE.get(op, op)}]",
+         f"tests/kernels/test_ops.py::test_golden_digests[{_CASE.get(op, op)}]",
+         f"tests/kernels/test_triton.py::test_triton_matches_cpu_bit_for_bit[{_CASE.get(op, op)}]")
+    + {"index_add": ("tests/kernels/test_ops.py::test_matches_left_fold_reference[index_add]",),
+       "scatter_add": ("tests/kernels/test_ops.py::test_matches_left_fold_reference[scatter_add]",),
+       "index_put": ("tests/kernels/test_ops.py::test_index_put_is_the_backward_of_indexing",),
+       "moe_combine": ("tests/kernels/test_ops.py::test_moe_combine_gradients",)}.get(op, ())
+    for op in ("index_add", "scatter_add", "scatter_reduce", "index_put", "embedding_backward", "bincount",
+               "segment_sum", "moe_combine")
 }

@@ -4,10 +4,10 @@ Definition (docs/kernels.md): every output element is its input value followed b
 contributions, added one by one in ascending source order (a left fold). The result is a function of
 the inputs alone: no atomics, no dependence on thread count, timing or device.
 
-CPU strategy: "stable sort, then segmented reduce" needs no explicit sort here, because PyTorch's CPU
-``index_add_`` and ``scatter_add_`` kernels already visit sources in ascending order for each output
-element and split work only across output elements (checked byte for byte at 1, 2 and 4 threads by
-tests/kernels). Every op is reduced to one of those two, on a flattened view.
+Every op reduces to ``_add_rows_into`` (add source rows into output rows) on a flattened view:
+- CPU: PyTorch's CPU ``index_add_`` already visits the sources of each output row in ascending order
+  and splits work only across rows (checked byte for byte at 1, 2 and 4 threads by tests/kernels);
+- CUDA: the Triton kernel in ``triton_kernels`` (stable sort, then one program per row segment).
 """
 
 from __future__ import annotations
@@ -17,9 +17,35 @@ import torch
 _FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+# "auto": Triton on CUDA tensors when Triton is installed, PyTorch's ordered CPU kernel otherwise.
+# "triton" forces the Triton kernel (CPU tensors need TRITON_INTERPRET=1): tests compare the two.
+BACKEND = "auto"
+
+
+def _use_triton(t: torch.Tensor) -> bool:
+    if BACKEND == "torch":
+        return False
+    if BACKEND == "triton":
+        return True
+    if not t.is_cuda:
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def _add_rows_into(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Adds ``rows[i]`` into ``out[index[i]]`` in ascending i, in place on a buffer the caller owns."""
-    out.reshape(out.shape[0], -1).index_add_(0, index.reshape(-1), rows.reshape(rows.shape[0], -1))
+    """Adds ``rows[i]`` into ``out[index[i]]`` in ascending i, in place on a contiguous buffer the caller owns."""
+    flat = out.view(out.shape[0], -1)
+    src = rows.reshape(rows.shape[0], -1)
+    if _use_triton(out):
+        from samestep.ops.triton_kernels import add_rows_into
+
+        add_rows_into(flat, index, src)
+    else:
+        flat.index_add_(0, index.reshape(-1), src)
     return out
 
 
@@ -32,7 +58,7 @@ def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.
     moved_in = input.movedim(dim, 0)
     moved_src = source.movedim(dim, 0)
     out = moved_in.reshape(moved_in.shape[0], -1).clone()
-    out.index_add_(0, index.reshape(-1), moved_src.reshape(moved_src.shape[0], -1))
+    _add_rows_into(out, index, moved_src.reshape(moved_src.shape[0], -1))
     return out.view(moved_in.shape).movedim(0, dim).contiguous()
 
 
@@ -47,8 +73,8 @@ def scatter_add(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.T
     for d, c in enumerate(target):
         flat_target = flat_target * input.shape[d] + c
     src_part = src[tuple(slice(0, s) for s in index.shape)]
-    out = input.reshape(-1).clone()
-    out.index_add_(0, flat_target.reshape(-1), src_part.reshape(-1))
+    out = input.reshape(-1, 1).clone()
+    _add_rows_into(out, flat_target.reshape(-1), src_part.reshape(-1, 1))
     return out.view(input.shape)
 
 
