@@ -129,9 +129,8 @@ class _OpMode(TorchDispatchMode):
             rec._in_dispatch = False
 
     def _record(self, rec: Recorder, func, args, kwargs):
-        inputs = [rec._stage(t) for t in _tensors(args)]
-        if kwargs:
-            inputs += [rec._stage(t) for t in _tensors(kwargs.values())]
+        in_tensors = _tensors(args) + (_tensors(kwargs.values()) if kwargs else [])
+        inputs = [rec._stage(t) for t in in_tensors]
         out = func(*args, **kwargs)
         name = _names.get(func)
         if name is None:
@@ -148,8 +147,19 @@ class _OpMode(TorchDispatchMode):
             with torch.no_grad():
                 flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype, device=flat.device))
         uninit = name in _EMPTY_OPS
-        rec._append(phase, scope, name, occurrence, inputs, [rec._stage(t, uninit) for t in outs])
+        rec._append(phase, scope, name, occurrence, inputs,
+                    [rec._stage(t, uninit, _same_bytes(t, in_tensors, inputs)) for t in outs])
         return out
+
+
+def _same_bytes(t: torch.Tensor, inputs: list[torch.Tensor], slots: list[int | None]) -> int | None | bool:
+    """The slot of an input that ``t`` aliases exactly (detach, alias, a no-op view): same bytes, same
+    digest, no copy needed. False if there is none."""
+    for x, slot in zip(inputs, slots):
+        if (x is not t and x.dtype == t.dtype and x.shape == t.shape and x.stride() == t.stride()
+                and x.data_ptr() == t.data_ptr() and x._version == t._version):
+            return slot
+    return False
 
 
 class Recorder:
@@ -187,18 +197,21 @@ class Recorder:
         return self.active and self._rank_level >= LEVELS.index(level)
 
     # -- staging and records ---------------------------------------------------------------------------
-    def _stage(self, t: torch.Tensor, uninit: bool = False) -> int | None:
+    def _stage(self, t: torch.Tensor, uninit: bool = False, alias: int | None | bool = False) -> int | None:
         """Copies a tensor into the staging area (once per tensor version); returns its slot.
 
         ``uninit`` marks fresh uninitialised memory: it gets no slot (its digest is ``UNINIT``), and
         so does every later read of that tensor version, e.g. as the destination of ``bernoulli_``.
+        ``alias`` is the slot of an input with the very same bytes and layout (see ``_same_bytes``).
         """
         key = id(t)
         hit = self._cache.get(key)
         if hit is not None and hit[0]() is t and hit[1] == t._version:
             return hit[2]
         slot = None
-        if not uninit:
+        if alias is not False:
+            slot = alias
+        elif not uninit:
             # The recorder's own copies are not model ops: outside __torch_dispatch__ (hooks, step level)
             # the op mode must not see them; inside it, modes are already off.
             if self._in_dispatch:
