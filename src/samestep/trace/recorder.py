@@ -20,7 +20,8 @@ Levels (each includes the ones before):
   scope follows the op into backward through hooks on module outputs.
 
 Observing never perturbs (DESIGN invariant 3): tensors are copied into a staging area and digested
-later in batches; nothing the model computes is changed, unless a ``Perturb`` is given on purpose.
+later in batches, on a worker thread while training continues; nothing the model computes is
+changed, unless a ``Perturb`` is given on purpose.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import contextlib
 import contextvars
 import weakref
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -186,6 +188,8 @@ class Recorder:
         self._seq = 0
         self._hooks: list[Any] = []
         self._in_dispatch = False
+        self._worker: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
 
     # -- selection -------------------------------------------------------------------------------------
     @property
@@ -197,7 +201,8 @@ class Recorder:
         return self.active and self._rank_level >= LEVELS.index(level)
 
     # -- staging and records ---------------------------------------------------------------------------
-    def _stage(self, t: torch.Tensor, uninit: bool = False, alias: int | None | bool = False) -> int | None:
+    def _stage(self, t: torch.Tensor, uninit: bool = False, alias: int | None | bool = False,
+               copy: bool = True) -> int | None:
         """Copies a tensor into the staging area (once per tensor version); returns its slot.
 
         ``uninit`` marks fresh uninitialised memory: it gets no slot (its digest is ``UNINIT``), and
@@ -214,14 +219,16 @@ class Recorder:
         elif not uninit:
             # The recorder's own copies are not model ops: outside __torch_dispatch__ (hooks, step level)
             # the op mode must not see them; inside it, modes are already off.
-            if self._in_dispatch:
-                copy = t.detach().clone()
+            if not copy:
+                staged = t.detach()
+            elif self._in_dispatch:
+                staged = t.detach().clone()
             else:
                 with _disable_current_modes():
-                    copy = t.detach().clone()
-            self._staged.append(copy)
+                    staged = t.detach().clone()
+            self._staged.append(staged)
             slot = len(self._staged) - 1
-            self._staged_bytes += copy.numel() * copy.element_size()
+            self._staged_bytes += staged.numel() * staged.element_size() if copy else 0
         try:
             self._cache[key] = (weakref.ref(t), t._version, slot)
         except TypeError:  # a tensor subclass without weakref support: no caching
@@ -241,21 +248,49 @@ class Recorder:
             self.flush()
 
     def record(self, op: str, outputs: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor] = (),
-               scope: str = "", phase: str = "step") -> None:
-        """Records one named event with its tensors (used by the step level and by user code)."""
+               scope: str = "", phase: str = "step", copy: bool = True) -> None:
+        """Records one named event with its tensors (used by the step level and by user code).
+
+        ``copy=False`` digests the live tensors instead of copies: only for tensors that stay unchanged
+        until the next ``grads()`` call (see ``state``).
+        """
         if not self.active:
             return
         occurrence = self._occurrence(phase, scope, op)
-        self._append(phase, scope, op, occurrence, [self._stage(t) for t in inputs], [self._stage(t) for t in outputs])
+        self._append(phase, scope, op, occurrence, [self._stage(t, copy=copy) for t in inputs],
+                     [self._stage(t, copy=copy) for t in outputs])
 
     def flush(self) -> None:
-        """Digests everything staged (batched) and appends the records to the stream."""
+        """Hands everything staged to the digest worker, which digests it (batched) and appends the
+        records to the stream while training goes on. At most one batch is in flight: this waits for
+        the previous one first, so the staging memory stays bounded."""
+        self._wait()
         if not self._records:
             self._staged.clear()
+            self._cache.clear()
             return
-        digests = [bytes.fromhex(d) for d in digest_many(self._staged)]
+        if self._writer is None:  # a new segment: a resumed run never overwrites the earlier stream
+            path = stream_path(self._run_dir, self.rank, len(stream_segments(self._run_dir, self.rank)))
+            self._writer = StreamWriter(path, self._meta)
+        records, staged = self._records, self._staged
+        self._records, self._staged = [], []
+        self._cache.clear()
+        self._staged_bytes = 0
+        if self._worker is None:
+            # Staged copies are never written again, and digests are exact integer arithmetic, so a
+            # second thread can digest them while the training thread runs the next step.
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="samestep-trace")
+        self._pending = self._worker.submit(self._write, records, staged)
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()  # re-raises a failure of the worker here, in the training thread
+
+    def _write(self, records: list[tuple], staged: list[torch.Tensor]) -> None:
+        digests = [bytes.fromhex(d) for d in digest_many(staged)]
         cols: dict[str, list] = {c: [] for c in COLUMNS}
-        for seq, step, mb, phase, scope, op, occ, ins, outs in self._records:
+        for seq, step, mb, phase, scope, op, occ, ins, outs in records:
             cols["seq"].append(seq)
             cols["step"].append(step)
             cols["microbatch"].append(mb)
@@ -265,14 +300,7 @@ class Recorder:
             cols["occurrence"].append(occ)
             cols["inputs"].append(b"".join(UNINIT if s is None else digests[s] for s in ins))
             cols["outputs"].append(b"".join(UNINIT if s is None else digests[s] for s in outs))
-        if self._writer is None:  # a new segment: a resumed run never overwrites the earlier stream
-            path = stream_path(self._run_dir, self.rank, len(stream_segments(self._run_dir, self.rank)))
-            self._writer = StreamWriter(path, self._meta)
         self._writer.write(cols)
-        self._records.clear()
-        self._staged.clear()
-        self._cache.clear()
-        self._staged_bytes = 0
 
     # -- the protocol ----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -365,24 +393,33 @@ class Recorder:
         self.record(name, [t])
 
     def grads(self, named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
-        """Every parameter's gradient after the cross-process reduction."""
+        """Every parameter's gradient after the cross-process reduction (call it before the update).
+
+        It first waits for the previous step's digests, which read the parameters and optimizer state
+        that ``state`` recorded without copying: the update that follows may change them.
+        """
+        self._wait()
         for name, p in named_params:
             if p.grad is not None:
                 self.record("grad", [p.grad], scope=name)
 
     def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-        """Parameters and optimizer state after the update."""
+        """Parameters and optimizer state after the update.
+
+        They are digested in place, without a copy, so they must not change before the next
+        ``grads()`` call (a training loop changes them only in its next update, which comes after).
+        """
         if not self.active:
             return
         names = {}
         for name, p in model.named_parameters():
             names[id(p)] = name
-            self.record("param", [p], scope=name)
+            self.record("param", [p], scope=name, copy=False)
         if optimizer is not None:
             for p, st in optimizer.state.items():
                 for key in sorted(st):
                     if isinstance(st[key], torch.Tensor):
-                        self.record(f"optim.{key}", [st[key]], scope=names.get(id(p), "?"))
+                        self.record(f"optim.{key}", [st[key]], scope=names.get(id(p), "?"), copy=False)
 
     def collective(self, name: str, inp: torch.Tensor, out: torch.Tensor) -> None:
         """A collective's input and output (the canonical combine calls this as its observer)."""
@@ -393,6 +430,10 @@ class Recorder:
         self.detach()
         if self.enabled:
             self.flush()
+        self._wait()
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
         if self._writer is not None:
             self._writer.close()
             self._writer = None
