@@ -22,7 +22,7 @@ def test_defaults_toml_and_overrides(tmp_path):
     ("trian.steps=3", "unknown section(s) ['trian']"),
     ("train.steps=many", "train.steps='many' is not a int"),
     ("train.steps", "expected section.key=value"),
-    ("train.global_batch=10", "train.global_batch=10 is not a multiple of train.micro_batch=4"),
+    ("train.global_batch=9", "train.global_batch=9 is not a multiple of train.micro_batch=2"),
     ("model.n_head=3", "model.n_embd=128 is not divisible by model.n_head=3"),
     ("model.embedding=gather", "model.embedding='gather'"),
     ("data.source=bin", "data.source='bin' needs data.path"),

@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 
 # Sized for about two minutes on a 2-core laptop CPU.
-DEMO_SETTINGS = ("train.steps=120", "train.checkpoint_every=20", "train.warmup_steps=10")
+DEMO_SETTINGS = ("train.steps=200", "train.checkpoint_every=25", "train.warmup_steps=20")
 # The second pair: deterministic mode off, the token lookup done by indexing (its backward,
 # index_put_ with accumulate, races between threads on CPU), the first step traced op by op.
-NONDET_SETTINGS = ("train.steps=2", "determinism.enabled=false", "model.embedding=index", "trace.level=op",
-                   "trace.steps=1")
+# Microbatches of 8 x 64 tokens: the race needs at least 32768 gradient elements per index_put_.
+NONDET_SETTINGS = ("train.steps=2", "train.global_batch=16", "train.micro_batch=8", "determinism.enabled=false",
+                   "model.embedding=index", "trace.level=op", "trace.steps=1")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -53,28 +53,42 @@ def validate_layout(world_size: int, microbatches_per_process: int) -> None:
         f"tree does not depend on the layout. Same global batch, supported: {options}")
 
 
+Leaf = torch.Tensor | list[torch.Tensor]
+
+
+def _add_into(left: Leaf, right: Leaf) -> Leaf:
+    """``left += right`` elementwise (a tensor, or a list of tensors added pairwise in one foreach op)."""
+    if isinstance(left, torch.Tensor):
+        return left.add_(right)
+    torch._foreach_add_(left, right)
+    return left
+
+
 class BinaryCounter:
-    """Sums tensors pushed in index order along the canonical tree, holding O(log n) partial sums."""
+    """Sums leaves pushed in index order along the canonical tree, holding O(log n) partial sums.
+
+    A leaf is a tensor, or a list of tensors (e.g. one gradient per parameter) summed elementwise.
+    """
 
     def __init__(self) -> None:
-        self._stack: list[tuple[int, torch.Tensor]] = []  # (leaves covered, partial sum)
+        self._stack: list[tuple[int, Leaf]] = []  # (leaves covered, partial sum)
 
-    def push(self, leaf: torch.Tensor, size: int = 1) -> None:
+    def push(self, leaf: Leaf, size: int = 1) -> None:
         """Adds the next leaf (or an already-summed aligned block of ``size`` leaves). Takes ownership."""
         while self._stack and self._stack[-1][0] == size:
             left_size, left = self._stack.pop()
-            leaf = left.add_(leaf)
+            leaf = _add_into(left, leaf)
             size += left_size
         self._stack.append((size, leaf))
 
-    def result(self) -> torch.Tensor:
+    def result(self) -> Leaf:
         """The tree sum of everything pushed; resets the counter."""
         if not self._stack:
             raise RuntimeError("BinaryCounter.result() with nothing pushed")
         _, acc = self._stack.pop()
         while self._stack:  # leftover blocks, smallest (rightmost) first
             _, left = self._stack.pop()
-            acc = left.add_(acc)
+            acc = _add_into(left, acc)
         return acc
 
 
@@ -196,11 +210,13 @@ class CanonicalGradients:
         if microbatch != self._next or microbatch not in self.microbatches:
             raise ValueError(f"accumulate(microbatch={microbatch}): rank {self.rank} expects global index "
                              f"{self._next} next (it owns {self.microbatches.start}..{self.microbatches.stop - 1})")
+        # The leaf is the list of this microbatch's gradients themselves (autograd made them fresh and
+        # they are cleared below, so the counter owns them): no copy into a flat buffer per microbatch.
         parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
                  for p in self.params]
-        extra_flat = extra.detach().reshape(-1).to(parts[0].dtype) if extra is not None else parts[0][:0]
+        extra_flat = extra.detach().reshape(-1).to(parts[0].dtype).clone() if extra is not None else parts[0][:0]
         self._n_extra = extra_flat.numel()
-        self._counter.push(torch.cat(parts + [extra_flat]))
+        self._counter.push(parts + [extra_flat])
         for p in self.params:
             p.grad = None
         self._next += 1
@@ -209,7 +225,7 @@ class CanonicalGradients:
         """Combines across processes and writes the result into ``p.grad``; returns the summed extra."""
         if self._next != self.microbatches.stop:
             raise RuntimeError(f"reduce() after {self._next - self.microbatches.start} of {self.k} microbatches")
-        local = self._counter.result()
+        local = torch.cat(self._counter.result())  # one flat buffer per step, for the collectives
         total, sent = combine_across_ranks(local, self.world_size, self.group)
         self.bytes_sent += sent
         if self.observer is not None and self.world_size > 1:

@@ -38,9 +38,9 @@ class TrainConfig:
     """Optimizer steps in the run."""
     seed: int = 1337
     """Seed of every counter-keyed random stream (init, data order, dropout)."""
-    global_batch: int = 16
+    global_batch: int = 8
     """Sequences per optimizer step, over all processes."""
-    micro_batch: int = 4
+    micro_batch: int = 2
     """Sequences per forward/backward; global_batch / micro_batch microbatches per step."""
     lr: float = 3e-3
     """Peak learning rate, reached after the warmup."""
