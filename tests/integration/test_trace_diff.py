@@ -90,3 +90,23 @@ def test_diff_finds_exactly_the_injected_ulp(tmp_path, nproc, rank, microbatch):
         other = report["per_rank"]["0"]["divergence"]
         assert other["kind"] == "receiver" and other["scope"] == "collective" and other["step"] == 2
         assert "rank(s) [1] only" in report["summary"]
+
+
+def test_resumed_traced_run_diffs_clean_against_an_uninterrupted_one(tmp_path):
+    """A traced run stopped after step 3 whose step-3 checkpoint is lost resumes from step 2: its second
+    stream segment re-runs step 3, which replaces the first segment's step 3. The diff against an
+    uninterrupted traced run is identical, and certify sees every step."""
+    import shutil
+
+    traced = (*TINY, "trace.level=module", "trace.steps=1-6")
+    run_train(tmp_path / "a", *traced)
+    assert run_train(tmp_path / "b", *traced, stop_after=3) is None
+    shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_000003")
+    run_train(tmp_path / "b", *traced, resume=True)
+    assert json.loads((tmp_path / "b" / "run.json").read_text())["resumes"][0]["step"] == 2
+    assert (tmp_path / "b" / "trace" / "rank_00000.1.arrows").exists()
+    code, report = _diff(tmp_path / "a", tmp_path / "b")
+    assert code == 0 and report["identical"], report["summary"]
+    cert = subprocess.run([sys.executable, "-m", "samestep", "trace", "certify", str(tmp_path / "b"), "--json"],
+                          capture_output=True, text=True)
+    assert cert.returncode == 0 and json.loads(cert.stdout)["ranks"]["0"]["steps"] == "1-6"
