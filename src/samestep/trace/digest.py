@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["digest", "digest_many"]
+__all__ = ["digest", "digest_many", "finish", "header", "lanes_many"]
 
 VERSION = 1
 PRIMES = (268435399, 268435367, 268435361, 268435337)
@@ -138,12 +138,22 @@ def _lanes(t: torch.Tensor) -> torch.Tensor:
     return h[0]
 
 
-def _finish(t: torch.Tensor, lanes: Sequence[int]) -> str:
+def header(t: torch.Tensor) -> bytes:
+    """The part of the digest that is not the bytes: dtype, shape and byte count."""
+    return f"{str(t.dtype).removeprefix('torch.')}|{','.join(map(str, t.shape))}|{t.numel() * t.element_size()}|" \
+        .encode()
+
+
+def finish(head: bytes, lanes: Sequence[int]) -> bytes:
+    """The 16-byte digest from a ``header`` and the 4 final lanes of the tensor's bytes."""
     h = hashlib.blake2b(digest_size=16, person=b"samestep.dgst.v1")
-    h.update(f"{str(t.dtype).removeprefix('torch.')}|{','.join(map(str, t.shape))}|{t.numel() * t.element_size()}|"
-             .encode())
+    h.update(head)
     h.update(struct.pack("<4I", *lanes))
-    return h.hexdigest()
+    return h.digest()
+
+
+def _finish(t: torch.Tensor, lanes: Sequence[int]) -> str:
+    return finish(header(t), lanes).hex()
 
 
 def _lanes_batched(words: list[torch.Tensor], w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
@@ -193,8 +203,8 @@ def _lanes_batched(words: list[torch.Tensor], w: torch.Tensor, p: torch.Tensor) 
 
 
 @torch.no_grad()
-def digest_many(tensors: Sequence[torch.Tensor]) -> list[str]:
-    """Digests of several tensors: one matrix product per level and one device-to-host copy per device."""
+def lanes_many(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The 4 final lanes of each tensor's bytes: one matrix product per level, one host copy per device."""
     by_device: dict[torch.device, list[int]] = {}
     for i, t in enumerate(tensors):
         if t.is_sparse or t.layout != torch.strided:
@@ -205,7 +215,12 @@ def digest_many(tensors: Sequence[torch.Tensor]) -> list[str]:
         w, p = _weights(device)
         lanes = _lanes_batched([_words(tensors[i]) for i in idx], w, p).cpu().tolist()
         host.update(zip(idx, lanes))
-    return [_finish(t, host[i]) for i, t in enumerate(tensors)]
+    return [host[i] for i in range(len(tensors))]
+
+
+def digest_many(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """Digests of several tensors: one matrix product per level and one device-to-host copy per device."""
+    return [_finish(t, lanes) for t, lanes in zip(tensors, lanes_many(tensors))]
 
 
 def digest(t: torch.Tensor) -> str:

@@ -39,7 +39,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from samestep.trace.digest import digest_many
+from samestep.trace.digest import finish as digest_finish
+from samestep.trace.digest import header as digest_header
+from samestep.trace.digest import lanes_many
 from samestep.trace.stream import COLUMNS, StreamWriter, stream_path, stream_segments
 
 __all__ = ["LEVELS", "Perturb", "Recorder", "parse_selection", "trace"]
@@ -148,20 +150,47 @@ class _OpMode(TorchDispatchMode):
             flat = outs[0].view(-1)
             with torch.no_grad():
                 flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype, device=flat.device))
-        uninit = name in _EMPTY_OPS
-        rec._append(phase, scope, name, occurrence, inputs,
-                    [rec._stage(t, uninit, _same_bytes(t, in_tensors, inputs)) for t in outs])
+        if name in _EMPTY_OPS:
+            refs = [rec._stage(t, uninit=True) for t in outs]
+        elif func.is_view and len(outs) == 1:
+            # A view's bytes are a function of its input's bytes and the arguments: the same view of the
+            # same input version (t(weight) in every microbatch, say) is digested once.
+            key = (func, tuple(inputs), repr([a for a in args if not isinstance(a, torch.Tensor)]),
+                   repr(sorted((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor))))
+            ref = rec._memo.get(key)
+            if ref is None:
+                ref = rec._memo[key] = rec._stage(outs[0], share=_same_bytes(outs[0], in_tensors, inputs, rec, name))
+            else:
+                rec._remember(outs[0], ref)
+            refs = [ref]
+        else:
+            refs = [rec._stage(t, share=_same_bytes(t, in_tensors, inputs, rec, name)) for t in outs]
+        rec._append(phase, scope, name, occurrence, inputs, refs)
         return out
 
 
-def _same_bytes(t: torch.Tensor, inputs: list[torch.Tensor], slots: list[int | None]) -> int | None | bool:
-    """The slot of an input that ``t`` aliases exactly (detach, alias, a no-op view): same bytes, same
-    digest, no copy needed. False if there is none."""
-    for x, slot in zip(inputs, slots):
-        if (x is not t and x.dtype == t.dtype and x.shape == t.shape and x.stride() == t.stride()
-                and x.data_ptr() == t.data_ptr() and x._version == t._version):
-            return slot
-    return False
+# Ops whose output holds its first input's elements in the same logical (row-major) order.
+_SAME_ORDER = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.unsqueeze.default",
+               "aten.squeeze.dim", "aten.squeeze.default", "aten.squeeze.dims", "aten.flatten.using_ints",
+               "aten.alias.default", "aten.detach.default", "aten.clone.default", "aten.lift_fresh.default",
+               "aten.view_as.default", "aten.reshape_as.default"}
+
+
+def _same_bytes(t: torch.Tensor, inputs: list[torch.Tensor], refs: list[int | None], rec: Recorder,
+                name: str = "") -> int | None:
+    """The staged copy of an input whose bytes are ``t``'s bytes in the same order (a reshape, detach,
+    clone; or any output laid out exactly like a contiguous input): ``t`` needs no copy and no digest
+    of its own, only its own header. None if there is none."""
+    if name in _SAME_ORDER and inputs and refs[0] is not None and inputs[0].dtype == t.dtype \
+            and inputs[0].numel() == t.numel():
+        return rec._refs[refs[0]][0]
+    if not t.is_contiguous():
+        return None
+    for x, ref in zip(inputs, refs):
+        if (ref is not None and x.dtype == t.dtype and x.numel() == t.numel() and x.data_ptr() == t.data_ptr()
+                and x._version == t._version and x.is_contiguous()):
+            return rec._refs[ref][0]
+    return None
 
 
 class Recorder:
@@ -181,9 +210,11 @@ class Recorder:
         self._step, self._mb = 0, -1
         self._bwd_scope = ""
         self._counts: dict[tuple, int] = {}
-        self._staged: list[torch.Tensor] = []
+        self._staged: list[torch.Tensor] = []  # copies to digest
+        self._refs: list[tuple[int, bytes]] = []  # what records point at: (staged copy, digest header)
         self._staged_bytes = 0
-        self._cache: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (tensor, version, slot)
+        self._cache: dict[int, tuple[weakref.ref, int, int | None]] = {}  # id -> (tensor, version, ref)
+        self._memo: dict[tuple, int | None] = {}  # (view op, input refs, arguments) -> ref
         self._records: list[tuple] = []
         self._seq = 0
         self._hooks: list[Any] = []
@@ -201,39 +232,40 @@ class Recorder:
         return self.active and self._rank_level >= LEVELS.index(level)
 
     # -- staging and records ---------------------------------------------------------------------------
-    def _stage(self, t: torch.Tensor, uninit: bool = False, alias: int | None | bool = False,
-               copy: bool = True) -> int | None:
-        """Copies a tensor into the staging area (once per tensor version); returns its slot.
+    def _stage(self, t: torch.Tensor, uninit: bool = False, share: int | None = None, copy: bool = True) -> int | None:
+        """Stages a tensor for digesting (once per tensor version); returns its reference.
 
-        ``uninit`` marks fresh uninitialised memory: it gets no slot (its digest is ``UNINIT``), and
-        so does every later read of that tensor version, e.g. as the destination of ``bernoulli_``.
-        ``alias`` is the slot of an input with the very same bytes and layout (see ``_same_bytes``).
+        A reference is (staged copy, header): ``share`` names a staged copy that already holds ``t``'s
+        bytes (see ``_same_bytes``), so only the header is new. ``uninit`` marks fresh uninitialised
+        memory: no reference (its digest is ``UNINIT``), and so for every later read of that tensor
+        version, e.g. as the destination of ``bernoulli_``. ``copy=False`` keeps the live tensor.
         """
-        key = id(t)
-        hit = self._cache.get(key)
+        hit = self._cache.get(id(t))
         if hit is not None and hit[0]() is t and hit[1] == t._version:
             return hit[2]
-        slot = None
-        if alias is not False:
-            slot = alias
-        elif not uninit:
-            # The recorder's own copies are not model ops: outside __torch_dispatch__ (hooks, step level)
-            # the op mode must not see them; inside it, modes are already off.
-            if not copy:
-                staged = t.detach()
-            elif self._in_dispatch:
-                staged = t.detach().clone()
-            else:
-                with _disable_current_modes():
+        ref = None
+        if not uninit:
+            if share is None:
+                if not copy:
+                    staged = t.detach()
+                elif self._in_dispatch:
                     staged = t.detach().clone()
-            self._staged.append(staged)
-            slot = len(self._staged) - 1
-            self._staged_bytes += staged.numel() * staged.element_size() if copy else 0
+                else:
+                    with _disable_current_modes():
+                        staged = t.detach().clone()
+                self._staged.append(staged)
+                share = len(self._staged) - 1
+                self._staged_bytes += staged.numel() * staged.element_size() if copy else 0
+            self._refs.append((share, digest_header(t)))
+            ref = len(self._refs) - 1
+        self._remember(t, ref)
+        return ref
+
+    def _remember(self, t: torch.Tensor, ref: int | None) -> None:
         try:
-            self._cache[key] = (weakref.ref(t), t._version, slot)
+            self._cache[id(t)] = (weakref.ref(t), t._version, ref)
         except TypeError:  # a tensor subclass without weakref support: no caching
             pass
-        return slot
 
     def _occurrence(self, phase: str, scope: str, op: str) -> int:
         key = (self._mb, phase, scope, op)
@@ -267,28 +299,32 @@ class Recorder:
         self._wait()
         if not self._records:
             self._staged.clear()
+            self._refs.clear()
             self._cache.clear()
+            self._memo.clear()
             return
         if self._writer is None:  # a new segment: a resumed run never overwrites the earlier stream
             path = stream_path(self._run_dir, self.rank, len(stream_segments(self._run_dir, self.rank)))
             self._writer = StreamWriter(path, self._meta)
-        records, staged = self._records, self._staged
-        self._records, self._staged = [], []
+        records, staged, refs = self._records, self._staged, self._refs
+        self._records, self._staged, self._refs = [], [], []
         self._cache.clear()
+        self._memo.clear()
         self._staged_bytes = 0
         if self._worker is None:
             # Staged copies are never written again, and digests are exact integer arithmetic, so a
             # second thread can digest them while the training thread runs the next step.
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="samestep-trace")
-        self._pending = self._worker.submit(self._write, records, staged)
+        self._pending = self._worker.submit(self._write, records, staged, refs)
 
     def _wait(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()  # re-raises a failure of the worker here, in the training thread
 
-    def _write(self, records: list[tuple], staged: list[torch.Tensor]) -> None:
-        digests = [bytes.fromhex(d) for d in digest_many(staged)]
+    def _write(self, records: list[tuple], staged: list[torch.Tensor], refs: list[tuple[int, bytes]]) -> None:
+        lanes = lanes_many(staged)
+        digests = [digest_finish(head, lanes[copy]) for copy, head in refs]
         cols: dict[str, list] = {c: [] for c in COLUMNS}
         for seq, step, mb, phase, scope, op, occ, ins, outs in records:
             cols["seq"].append(seq)
