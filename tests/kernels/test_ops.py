@@ -10,32 +10,16 @@ import samestep
 import samestep.ops as ops
 from samestep.testing import assert_replays_bit_exact, count_differing_replays, first_difference
 from samestep.trace import digest_many
+from tests.kernels.cases import make_cases
 
-G = torch.Generator().manual_seed(0)
 V, D, N = 256, 128, 2048  # N * D >= 32768: PyTorch's CPU index_put_ accumulate races at this size
+CASES = make_cases(V, D, N, seed=0)
+BASE, IDX, SRC = CASES["index_add"][1]
+G = torch.Generator().manual_seed(1)
 
 
 def _wide(*shape: int) -> torch.Tensor:
-    """Values over many magnitudes, so any change of summation order changes bits."""
     return torch.randn(*shape, generator=G) * torch.exp(torch.randn(*shape, generator=G) * 4)
-
-
-IDX = torch.randint(0, V, (N,), generator=G)
-SRC = _wide(N, D)
-BASE = _wide(V, D)
-IDX2D = torch.randint(0, V, (N, D), generator=G)
-ROUTED_ROWS = torch.randint(0, N // 2, (N,), generator=G)  # MoE: 2 routed rows per token (top-2)
-
-CASES = {
-    "index_add": (lambda b, i, s: ops.index_add(b, 0, i, s), (BASE, IDX, SRC)),
-    "scatter_add": (lambda b, i, s: ops.scatter_add(b, 0, i, s), (BASE, IDX2D, SRC)),
-    "scatter_reduce_mean": (lambda b, i, s: ops.scatter_reduce(b, 0, i, s, "mean"), (BASE, IDX2D, SRC)),
-    "index_put": (lambda b, i, s: ops.index_put(b, (i,), s, accumulate=True), (BASE, IDX, SRC)),
-    "embedding_backward": (lambda i, s: ops.embedding_backward(s, i, V), (IDX, SRC)),
-    "bincount": (lambda i, w: ops.bincount(i, w, minlength=V), (IDX, SRC[:, 0].contiguous())),
-    "segment_sum": (lambda s, i: ops.segment_sum(s, i, V), (SRC, IDX)),
-    "moe_combine": (lambda e, t, w: ops.moe_combine(e, t, w, N // 2), (SRC, ROUTED_ROWS, torch.rand(N, generator=G))),
-}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -13,33 +13,12 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 triton = pytest.importorskip("triton")  # a test extra on Linux x86-64; no wheel elsewhere
 
-import samestep.ops as ops  # noqa: E402
 from samestep.ops import _impl  # noqa: E402
 from samestep.testing import assert_replays_bit_exact, first_difference  # noqa: E402
+from tests.kernels.cases import make_cases  # noqa: E402
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
-G = torch.Generator().manual_seed(3)
-V, D, N = 12, 40, 150
-
-
-def _wide(*shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=G) * torch.exp(torch.randn(*shape, generator=G) * 4)
-
-
-IDX = torch.randint(0, V, (N,), generator=G)
-IDX2D = torch.randint(0, V, (N, D), generator=G)
-SRC, BASE = _wide(N, D), _wide(V, D)
-TOK = torch.randint(0, N // 3, (N,), generator=G)
-CASES = {
-    "index_add": (lambda b, i, s: ops.index_add(b, 0, i, s), (BASE, IDX, SRC)),
-    "scatter_add": (lambda b, i, s: ops.scatter_add(b, 0, i, s), (BASE, IDX2D, SRC)),
-    "scatter_reduce_mean": (lambda b, i, s: ops.scatter_reduce(b, 0, i, s, "mean"), (BASE, IDX2D, SRC)),
-    "index_put": (lambda b, i, s: ops.index_put(b, (i,), s, accumulate=True), (BASE, IDX, SRC)),
-    "embedding_backward": (lambda i, s: ops.embedding_backward(s, i, V), (IDX, SRC)),
-    "bincount": (lambda i, w: ops.bincount(i, w, minlength=V), (IDX, SRC[:, 0].contiguous())),
-    "segment_sum": (lambda s, i: ops.segment_sum(s, i, V), (SRC, IDX)),
-    "moe_combine": (lambda e, t, w: ops.moe_combine(e, t, w, N // 3), (SRC, TOK, torch.rand(N, generator=G))),
-}
+CASES = make_cases(12, 40, 150, seed=3)  # small: the interpreter runs kernels in Python
 
 
 @pytest.fixture
