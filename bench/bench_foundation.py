@@ -33,10 +33,10 @@ def _time_steps(parts, start: int, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def determinism_overhead(pairs: int, steps: int, threads: int) -> dict:
+def determinism_overhead(pairs: int, steps: int, threads: int, settings: tuple[str, ...] = ()) -> dict:
     corpus = load_corpus("stdlib")
-    on = build(load_config(None, [f"determinism.threads={threads}"]), corpus=corpus)
-    off = build(load_config(None, ["determinism.enabled=false"]), corpus=corpus)
+    on = build(load_config(None, [*settings, f"determinism.threads={threads}"]), corpus=corpus)
+    off = build(load_config(None, [*settings, "determinism.enabled=false"]), corpus=corpus)
     torch.set_num_threads(threads)
     ratios, t_on, t_off = [], [], []
     for p in range(pairs + 1):
@@ -49,7 +49,7 @@ def determinism_overhead(pairs: int, steps: int, threads: int) -> dict:
         t_on.append(a / steps)
         t_off.append(b / steps)
         ratios.append(a / b)
-    return {"threads": threads, "pairs": pairs, "steps_per_side": steps,
+    return {"settings": list(settings), "threads": threads, "pairs": pairs, "steps_per_side": steps,
             "step_ms_on": round(1000 * statistics.median(t_on), 2),
             "step_ms_off": round(1000 * statistics.median(t_off), 2),
             "overhead_ratio_median": round(statistics.median(ratios), 4)}
@@ -85,14 +85,20 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    # The MoE variant puts the scatter-type combine (samestep.ops.moe_combine vs index_put_) in the step.
     result = {"determinism": determinism_overhead(args.pairs, args.steps, args.threads),
+              "determinism_moe": determinism_overhead(args.pairs, args.steps, args.threads,
+                                                      ("model.moe_experts=4", "model.moe_top_k=2")),
               "checkpoint": checkpoint_throughput(args.repeats)}
     if args.json:
         print(json.dumps(result))
     else:
-        d, c = result["determinism"], result["checkpoint"]
-        print(f"deterministic mode: {d['step_ms_on']} ms/step on vs {d['step_ms_off']} ms/step off "
-              f"({d['threads']} thread(s)); overhead ratio median of {d['pairs']} pairs: {d['overhead_ratio_median']}")
+        c = result["checkpoint"]
+        for name in ("determinism", "determinism_moe"):
+            d = result[name]
+            print(f"deterministic mode{' (MoE 4 experts, top-2)' if d['settings'] else ''}: {d['step_ms_on']} ms/step "
+                  f"on vs {d['step_ms_off']} ms/step off ({d['threads']} thread(s)); overhead ratio median of "
+                  f"{d['pairs']} pairs: {d['overhead_ratio_median']}")
         print(f"checkpoint ({c['checkpoint_mb']} MB, {c['params']:,} params): save {c['save_mb_s']} MB/s, "
               f"verify {c['verify_mb_s']} MB/s")
     return 0

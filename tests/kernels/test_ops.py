@@ -133,3 +133,36 @@ def test_every_op_has_byte_for_byte_tests(request):
         # Only files collected in this session can be checked (a run may select a subset).
         missing = [t for t in tests if t.partition("::")[0] in files and t not in collected]
         assert not missing, f"samestep.ops.{op}: manifest names tests that do not exist: {missing}"
+
+
+def _tile_tree_reference(base: torch.Tensor, idx: torch.Tensor, src: torch.Tensor, tile: int) -> torch.Tensor:
+    """docs/kernels.md's tile tree with numpy float32 row additions, one at a time."""
+    out = base.numpy().copy()
+    x, rows = src.numpy(), idx.tolist()
+    for a in range(0, len(rows), tile):
+        if a == 0:
+            for s in range(min(tile, len(rows))):
+                out[rows[s]] = out[rows[s]] + x[s]
+            continue
+        sums: dict[int, object] = {}
+        for s in range(a, min(a + tile, len(rows))):
+            r = rows[s]
+            sums[r] = x[s].copy() if r not in sums else sums[r] + x[s]
+        for r in sorted(sums):
+            out[r] = out[r] + sums[r]
+    return torch.from_numpy(out)
+
+
+def test_more_sources_than_a_tile_follow_the_tile_tree():
+    """Past TILE sources, later tiles are summed on their own first, then added in tile order (reference);
+    the plain left fold gives other bits here (so the test can tell the two apart)."""
+    from samestep.ops import _impl
+
+    g = torch.Generator().manual_seed(9)
+    n = _impl.TILE * 2 + 1000
+    idx = torch.randint(0, 7, (n,), generator=g)
+    src = torch.randn(n, 2, generator=g) * torch.exp(torch.randn(n, 2, generator=g) * 4)
+    base = torch.randn(7, 2, generator=g)
+    got = ops.index_add(base, 0, idx, src)
+    assert first_difference(got, _tile_tree_reference(base, idx, src, _impl.TILE)) is None
+    assert first_difference(got, base.clone().index_add_(0, idx, src)) is not None

@@ -13,6 +13,7 @@ if not HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 triton = pytest.importorskip("triton")  # a test extra on Linux x86-64; no wheel elsewhere
 
+import samestep.ops as ops  # noqa: E402
 from samestep.ops import _impl  # noqa: E402
 from samestep.testing import assert_replays_bit_exact, first_difference  # noqa: E402
 from tests.kernels.cases import make_cases  # noqa: E402
@@ -41,3 +42,23 @@ def test_triton_matches_cpu_bit_for_bit(backend, name):
     got = fn(*dev_inputs).cpu()
     assert first_difference(got, cpu) is None
     assert_replays_bit_exact(fn, *dev_inputs, replays=2, contention=False)
+
+
+@pytest.mark.parametrize("strategy", ["slots", "sorted"])
+def test_both_strategies_past_one_tile(backend, monkeypatch, strategy):
+    """Past TILE sources both Triton strategies (private slots per tile; sorted segments) give the CPU
+    path's tile-tree bits."""
+    from samestep.ops import triton_kernels
+
+    if strategy == "sorted":
+        monkeypatch.setattr(triton_kernels, "SLOT_LIMIT", 0)  # force the other strategy at this size
+    g = torch.Generator().manual_seed(11)
+    n = _impl.TILE + 3000
+    idx = torch.randint(0, 5, (n,), generator=g)
+    src = torch.randn(n, 2, generator=g) * torch.exp(torch.randn(n, 2, generator=g) * 4)
+    base = torch.randn(5, 2, generator=g)
+    backend("torch")
+    cpu = ops.index_add(base, 0, idx, src)
+    backend("triton")
+    got = ops.index_add(base.to(DEVICE), 0, idx.to(DEVICE), src.to(DEVICE)).cpu()
+    assert first_difference(got, cpu) is None

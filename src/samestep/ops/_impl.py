@@ -1,13 +1,18 @@
 """The deterministic reductions behind ``samestep.ops``: definitions and the CPU implementation.
 
-Definition (docs/kernels.md): every output element is its input value followed by its
-contributions, added one by one in ascending source order (a left fold). The result is a function of
-the inputs alone: no atomics, no dependence on thread count, timing or device.
+Definition (docs/kernels.md), a fixed tile tree with tile size ``TILE``: sources are cut into tiles
+of ``TILE`` consecutive source indices. For each output element, the contributions of tile 0 are
+added to the input value one by one in ascending source order; the contributions of every later tile
+are first summed the same way among themselves (starting from the tile's first contribution), and
+those tile sums are added to the result in ascending tile order. With at most ``TILE`` sources this is
+the plain left fold. The result is a function of the inputs alone: no atomics, no dependence on thread
+count, timing or device.
 
 Every op reduces to ``_add_rows_into`` (add source rows into output rows) on a flattened view:
-- CPU: PyTorch's CPU ``index_add_`` already visits the sources of each output row in ascending order
-  and splits work only across rows (checked byte for byte at 1, 2 and 4 threads by tests/kernels);
-- CUDA: the Triton kernel in ``triton_kernels`` (stable sort, then one program per row segment).
+- CPU: PyTorch's CPU ``index_add_`` visits the sources of each output row in ascending order and
+  splits work only across rows (checked byte for byte at 1, 2 and 4 threads by tests/kernels); later
+  tiles are folded into a compact per-tile buffer first;
+- CUDA: the Triton kernels in ``triton_kernels`` (sorted segments, or private slots per tile).
 """
 
 from __future__ import annotations
@@ -36,16 +41,27 @@ def _use_triton(t: torch.Tensor) -> bool:
     return True
 
 
+# The tile size of the definition. A constant: changing it changes results (beyond TILE sources).
+TILE = 1 << 16
+
+
 def _add_rows_into(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Adds ``rows[i]`` into ``out[index[i]]`` in ascending i, in place on a contiguous buffer the caller owns."""
+    """Adds ``rows[i]`` into ``out[index[i]]`` by the tile tree, in place on a contiguous buffer the caller owns."""
     flat = out.view(out.shape[0], -1)
     src = rows.reshape(rows.shape[0], -1)
+    index = index.reshape(-1)
     if _use_triton(out):
         from samestep.ops.triton_kernels import add_rows_into
 
-        add_rows_into(flat, index, src)
-    else:
-        flat.index_add_(0, index.reshape(-1), src)
+        add_rows_into(flat, index, src, TILE)
+        return out
+    flat.index_add_(0, index[:TILE], src[:TILE])  # tile 0: folded onto the input
+    for a in range(TILE, index.numel(), TILE):  # later tiles: each row's tile sum, then one add per row
+        rows_k, inverse = torch.unique(index[a:a + TILE], return_inverse=True)
+        # -0.0 is the exact identity of addition, so the first contribution starts the tile sum as is.
+        tile_sum = torch.full((rows_k.numel(), flat.shape[1]), -0.0, dtype=flat.dtype, device=flat.device)
+        tile_sum.index_add_(0, inverse, src[a:a + TILE])
+        flat.index_add_(0, rows_k, tile_sum)
     return out
 
 
