@@ -65,12 +65,12 @@ def canonical_json(obj: Any) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")
 
 
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The raw little-endian bytes of a tensor, in row-major order."""
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The raw little-endian bytes of a tensor, in row-major order (a view: no copy for CPU tensors)."""
     t = t.detach().to("cpu").contiguous()
     if t.numel() == 0:
-        return b""
-    return t.reshape(-1).view(torch.uint8).numpy().tobytes()
+        return memoryview(b"")
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
 def sha256_tensor(t: torch.Tensor) -> str:
