@@ -167,6 +167,12 @@ def combine_across_ranks(local: torch.Tensor, world_size: int, group: object = N
     return out, sent
 
 
+def _flat_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """Each parameter's gradient as a 1-D tensor (zeros for a parameter that received none)."""
+    return [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+            for p in params]
+
+
 class CanonicalGradients:
     """Layout-invariant gradient accumulation and reduction for a data-parallel loop.
 
@@ -212,8 +218,7 @@ class CanonicalGradients:
                              f"{self._next} next (it owns {self.microbatches.start}..{self.microbatches.stop - 1})")
         # The leaf is the list of this microbatch's gradients themselves (autograd made them fresh and
         # they are cleared below, so the counter owns them): no copy into a flat buffer per microbatch.
-        parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                 for p in self.params]
+        parts = _flat_grads(self.params)
         extra_flat = extra.detach().reshape(-1).to(parts[0].dtype).clone() if extra is not None else parts[0][:0]
         self._n_extra = extra_flat.numel()
         self._counter.push(parts + [extra_flat])
@@ -267,8 +272,7 @@ class AllReduceGradients:
     def reduce(self) -> torch.Tensor:
         import torch.distributed as dist
 
-        parts = [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                 for p in self.params]
+        parts = _flat_grads(self.params)
         extra = self._extra if self._extra is not None else parts[0][:0]
         total = torch.cat(parts + [extra.to(parts[0].dtype)])
         if self.world_size > 1:

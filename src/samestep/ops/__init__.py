@@ -89,16 +89,16 @@ def scatter_add(input: _T, dim: int, index: _T, src: _T) -> _T:
 def scatter_reduce(input: _T, dim: int, index: _T, src: _T, reduce: str, *, include_self: bool = True) -> _T:
     """Deterministic ``torch.scatter_reduce`` for ``reduce`` in ("sum", "mean"); differentiable through
     ``scatter_add`` (sum) and elementwise ops (mean)."""
+    if reduce not in ("sum", "mean"):
+        raise ValueError(f"samestep.ops.scatter_reduce(reduce={reduce!r}): only 'sum' and 'mean' reduce in an "
+                         "order-dependent way; use torch.scatter_reduce for 'amax', 'amin' and 'prod'")
+    base = input if include_self else input.scatter(dim, index, 0)
+    total = scatter_add(base, dim, index, src)
     if reduce == "sum":
-        base = input if include_self else input.scatter(dim, index, 0)
-        return scatter_add(base, dim, index, src)
-    if reduce == "mean":
-        base = input if include_self else input.scatter(dim, index, 0)
-        total = scatter_add(base, dim, index, src)
-        ones = torch.ones_like(src[tuple(slice(0, s) for s in index.shape)])
-        count = _impl.scatter_add(torch.full_like(input, 1.0 if include_self else 0.0), dim, index, ones)
-        return total / count if include_self else torch.where(count > 0, total / count.clamp(min=1), input)
-    return _impl.scatter_reduce(input, dim, index, src, reduce, include_self)  # raises with the fix
+        return total
+    ones = torch.ones_like(src[tuple(slice(0, s) for s in index.shape)])
+    count = _impl.scatter_add(torch.full_like(input, 1.0 if include_self else 0.0), dim, index, ones)
+    return total / count if include_self else torch.where(count > 0, total / count.clamp(min=1), input)
 
 
 # -- index_put (accumulate) ------------------------------------------------------------------------------

@@ -19,9 +19,6 @@ from __future__ import annotations
 
 import torch
 
-_FLOAT_TYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 # "auto": Triton on CUDA tensors when Triton is installed, PyTorch's ordered CPU kernel otherwise.
 # "triton" forces the Triton kernel (CPU tensors need TRITON_INTERPRET=1): tests compare the two.
 BACKEND = "auto"
@@ -94,25 +91,6 @@ def scatter_add(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.T
     return out.view(input.shape)
 
 
-def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, reduce: str,
-                   include_self: bool = True) -> torch.Tensor:
-    """``input.scatter_reduce(dim, index, src, reduce)`` for ``reduce`` in ("sum", "mean"), deterministically."""
-    if reduce not in ("sum", "mean"):
-        raise ValueError(f"samestep.ops.scatter_reduce(reduce={reduce!r}): only 'sum' and 'mean' reduce in an "
-                         "order-dependent way; use torch.scatter_reduce for 'amax', 'amin' and 'prod'")
-    base = input if include_self else input.scatter(dim, index, 0)
-    total = scatter_add(base, dim, index, src)
-    if reduce == "sum":
-        return total
-    ones = torch.ones_like(src[tuple(slice(0, s) for s in index.shape)])
-    count = scatter_add(torch.full_like(input, 1 if include_self else 0), dim, index, ones)
-    if include_self:
-        result = total / count
-    else:
-        result = torch.where(count > 0, total / count.clamp(min=1), input)
-    return result.to(input.dtype) if input.dtype not in _FLOAT_TYPES else result
-
-
 def index_put(input: torch.Tensor, indices: tuple[torch.Tensor | None, ...] | list, values: torch.Tensor,
               accumulate: bool = False) -> torch.Tensor:
     """``input.index_put(indices, values, accumulate)``; with ``accumulate=True``, deterministically.
@@ -146,15 +124,6 @@ def embedding_backward(grad_output: torch.Tensor, indices: torch.Tensor, num_wei
     if padding_idx >= 0:
         grad = grad * (idx != padding_idx).unsqueeze(1).to(grad.dtype)
     return _add_rows_into(grad.new_zeros(num_weights, d), idx, grad)
-
-
-def bincount(input: torch.Tensor, weights: torch.Tensor | None = None, minlength: int = 0) -> torch.Tensor:
-    """``torch.bincount(input, weights, minlength)``; weighted bins summed in input order."""
-    n = max(int(input.max()) + 1 if input.numel() else 0, minlength)
-    if weights is None:
-        return torch.bincount(input, minlength=minlength)  # integer counts: exact in any order
-    dtype = weights.dtype if weights.dtype in _FLOAT_TYPES else torch.float64
-    return _add_rows_into(torch.zeros(n, dtype=dtype, device=input.device), input, weights.to(dtype))
 
 
 def segment_sum(data: torch.Tensor, segment_ids: torch.Tensor, num_segments: int) -> torch.Tensor:
