@@ -213,3 +213,18 @@ def test_unstorable_state_is_refused_by_name(tmp_path):
     model, _, _ = _setup()
     with pytest.raises(ValueError, match="extra.fn"):
         save_checkpoint(tmp_path, 1, model=model, extra={"fn": object()})
+
+
+def test_same_world_size_restores_rng_when_the_layout_matches(tmp_path):
+    """restore_rng="same_world_size" restores RNG state written by as many ranks as now (here 1);
+    without any restore the next draw differs (negative control)."""
+    model, _, _ = _setup()
+    torch.manual_seed(4)
+    save_checkpoint(tmp_path, 1, model=model)
+    expected = torch.rand(3)
+    torch.manual_seed(99)
+    load_checkpoint(tmp_path, restore_rng=False)
+    assert not torch.equal(torch.rand(3), expected)
+    torch.manual_seed(99)
+    load_checkpoint(tmp_path, restore_rng="same_world_size")
+    assert torch.equal(torch.rand(3).view(torch.int32), expected.view(torch.int32))

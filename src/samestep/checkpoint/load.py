@@ -144,7 +144,7 @@ def load_checkpoint(
     data_cursor: Any = None,
     fallback: bool = False,
     strict_env: bool = False,
-    restore_rng: bool = True,
+    restore_rng: bool | str = True,
     generators: dict[str, torch.Generator] | None = None,
     check_config: Callable[[dict[str, Any] | None], None] | None = None,
 ) -> LoadedCheckpoint:
@@ -155,7 +155,9 @@ def load_checkpoint(
         model, optimizer, scheduler, data_cursor: restored in place from their saved ``state_dict()``.
         fallback: if the newest checkpoint is corrupt, warn and use the newest intact one.
         strict_env: a different environment fingerprint is an error instead of a warning.
-        restore_rng: restore this rank's python/numpy/torch/CUDA/registered generator states.
+        restore_rng: restore this rank's python/numpy/torch/CUDA/registered generator states;
+            ``"same_world_size"`` restores them only if the checkpoint was written by as many ranks as
+            there are now (for loops whose training randomness is counter-keyed, like samestep train).
         generators: named generators to restore besides the registered ones.
         check_config: called with the saved config once the checkpoint is verified, before anything
             is restored; it raises to refuse a checkpoint written under another configuration.
@@ -212,6 +214,9 @@ def load_checkpoint(
         if key not in state:
             raise CheckpointError(f"{verified.path}: holds no {key} state, but a {key} was passed to load into")
         obj.load_state_dict(unflatten(state[key], opt_tensors))
+    if restore_rng == "same_world_size":
+        restore_rng = manifest["world_size"] == (dist.get_world_size() if dist.is_available()
+                                                 and dist.is_initialized() else 1)
     if restore_rng:
         t_name, j_name = rank_names(rank)
         if t_name not in data:

@@ -305,7 +305,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
             optimizer=optimizer if "optimizer" in restore else None, scheduler=schedule,
             data_cursor=cursor if "data" in restore else None, fallback=True,
             # Training randomness is counter-keyed, so another world size needs no per-rank RNG state.
-            restore_rng="rng" in restore and _saved_world(ckpt_root) == world,
+            restore_rng="same_world_size" if "rng" in restore else False,
             check_config=lambda saved: _check_resume_config(saved, cfg))
         start = loaded.step
         for path, why in loaded.skipped:
@@ -368,18 +368,6 @@ def run_state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer, c
     """The digest in ``final.json``: parameters, optimizer state, data cursor and step."""
     return state_digest({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "data_cursor": cursor.state_dict(), "step": step})
-
-
-def _saved_world(ckpt_root: Path) -> int:
-    """The world size recorded by the newest committed checkpoint's manifest (0 if unreadable)."""
-    from samestep.checkpoint._format import MANIFEST, committed_steps
-
-    for _, path in committed_steps(ckpt_root):
-        try:
-            return int(json.loads((path / MANIFEST).read_text())["world_size"])
-        except (OSError, ValueError, KeyError):
-            continue
-    return 0
 
 
 def _write_run_json(path: Path, cfg: Config, corpus: Any, world: int, k: int,
