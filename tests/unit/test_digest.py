@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import hashlib
+import importlib
 import struct
 
 import pytest
 import torch
 
 from samestep.trace.digest import PRIMES, _weight_table, digest, digest_many
+
+digest_module = importlib.import_module("samestep.trace.digest")  # the module, not the function it exports
 
 VECTORS = [
     (lambda: torch.tensor([], dtype=torch.float32), "508e9f911f0522e6a654cc11b9fc4100"),
@@ -90,6 +93,24 @@ def test_order_sensitive_and_no_cancellation():
     if hasattr(torch, "hash_tensor"):
         assert torch.equal(torch.hash_tensor(x), torch.hash_tensor(perm))
         assert int(torch.hash_tensor(pair)) == 0
+
+
+def test_int8_and_float64_paths_agree_on_extreme_words(monkeypatch):
+    """The int8 product (with its digit split and recombination) equals the float64 product on every
+    word value, the extremes -32768 and 32767 included, across blocks and a short last block."""
+    g = torch.Generator().manual_seed(4)
+    rows = digest_module.BLOCK_ROWS + 40
+    data = torch.randint(0, 256, (rows * 512 + 3,), dtype=torch.uint8, generator=g)
+    data[:512] = 0x80  # words 0x8080 and
+    data[512:1024] = 0x7F  # 0x7F7F, then all-ones and all-zeros rows
+    data[1024:1536] = 0xFF
+    data[1536:2048] = 0x00
+    assert digest_module._int_weights(data.device) is not None  # this machine has the int8 product
+    fast = digest(data)
+    monkeypatch.setitem(digest_module._int_cache, data.device, None)
+    assert digest(data) == fast
+    data[5] ^= 1  # negative control: the comparison sees one flipped bit
+    assert digest(data) != fast
 
 
 def test_layouts_and_thread_counts_do_not_matter():

@@ -54,24 +54,26 @@ def _weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # The int8 form of the same product, for torch._int_mm: a word x (int16) is stored as the bytes
-# (lo, hi); flipping bit 7 of lo makes both bytes signed int8 with x = 256*hi + lo' + 128. Byte column
-# 2j then carries weight W[j] and column 2j+1 weight 256*W[j]; each weight is cut into 6 base-128 digits,
-# so every int8 x int8 product sum stays below 2**23 in int32, and the digits recombine exactly in int64.
-_DIGITS = 6
+# (lo, hi); flipping bit 7 of lo makes both bytes signed int8 with x = 256*hi + lo' + 128. Modulo p, byte
+# column 2j carries weight W[j] and column 2j+1 weight 256*W[j] mod p (both below 2**28); each weight is cut
+# into 4 base-128 digits, so every int8 x int8 product sum stays below 2**23 in int32. A float64 product
+# with the digit scales (every partial sum an integer below 2**46, so exact) recombines the digits.
+_DIGITS = 4
 _int_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None] = {}
 
 
 def _int_weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     if device not in _int_cache:
         table = _weight_table()
-        digits = torch.zeros(2 * COLS, len(PRIMES) * _DIGITS, dtype=torch.int8)
+        lanes = len(PRIMES)
+        digits = torch.zeros(2 * COLS, lanes * _DIGITS, dtype=torch.int8)
         for j in range(COLS):
-            for lane in range(len(PRIMES)):
-                for row, value in ((2 * j, table[j][lane]), (2 * j + 1, table[j][lane] << 8)):
+            for lane, p in enumerate(PRIMES):
+                for row, value in ((2 * j, table[j][lane]), (2 * j + 1, (table[j][lane] << 8) % p)):
                     for q in range(_DIGITS):
                         digits[row, lane * _DIGITS + q] = (value >> (7 * q)) & 0x7F
-        scale = torch.tensor([1 << (7 * q) for q in range(_DIGITS)], dtype=torch.int64)
-        const = torch.tensor([128 * sum(table[j][lane] for j in range(COLS)) for lane in range(len(PRIMES))],
+        scale = torch.tensor([float(1 << (7 * q)) for q in range(_DIGITS)], dtype=torch.float64)
+        const = torch.tensor([128 * sum(table[j][lane] for j in range(COLS)) % p for lane, p in enumerate(PRIMES)],
                              dtype=torch.int64)
         entry = (digits.to(device), scale.to(device), const.to(device))
         try:  # the int8 matrix product is missing on some builds and devices: then float64 does it
@@ -106,14 +108,16 @@ def _level(words: torch.Tensor, w: torch.Tensor, p: torch.Tensor) -> torch.Tenso
         if fast is not None:
             digits, scale, const = fast
             x = x.to(torch.int16)
+            lanes = torch.empty(full * len(PRIMES), dtype=torch.float64, device=words.device)
             for a in range(0, full, BLOCK_ROWS):  # blocks stay in cache between the three passes
                 b = min(a + BLOCK_ROWS, full)
                 signed = (x[a:b] ^ 0x80).view(torch.int8)  # (rows, 512): lo', hi per word
                 if b - a < 32:  # torch._int_mm wants at least 32 rows: pad with zero words
                     signed = torch.cat([signed, torch.full((32 - (b - a), 2 * COLS), 0, dtype=torch.int8,
                                                            device=signed.device)])[: max(32, b - a)]
-                acc = torch._int_mm(signed, digits)[: b - a]  # (rows, 24) int32, exact
-                out[a:b] = (acc.to(torch.int64).view(b - a, len(PRIMES), _DIGITS) * scale).sum(-1) + const
+                acc = torch._int_mm(signed, digits)[: b - a]  # (rows, 16) int32, exact
+                torch.mv(acc.to(torch.float64).view(-1, _DIGITS), scale, out=lanes[a * len(PRIMES): b * len(PRIMES)])
+            torch.add(lanes.view(full, len(PRIMES)).to(torch.int64), const, out=out[:full])
         else:
             block = min(full, BLOCK_ROWS)
             buf = torch.empty(block, COLS, dtype=torch.float64, device=words.device)
