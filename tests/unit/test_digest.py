@@ -128,3 +128,26 @@ def test_digest_many_equals_one_by_one():
     """Batched digests (one host copy) equal individual ones."""
     ts = [torch.randn(5), torch.arange(3), torch.tensor(True), torch.empty(0)]
     assert digest_many(ts) == [digest(t) for t in ts]
+
+
+def test_batched_levels_equal_the_per_tensor_recursion():
+    """The batched path (packing, pads, all segments' levels at once, tensors hashed in place) gives each
+    tensor the lanes of the plain per-tensor recursion, for sizes around row and level boundaries."""
+    g = torch.Generator().manual_seed(5)
+    sizes = [0, 1, 255, 256, 257, 511, 512, 513, 256 * 32, 256 * 32 + 1, 256 * 33, 256 * 1024 + 7]
+    ts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    ts += [torch.randn(300, 301, generator=g).t(), torch.randn(1_100_000, generator=g),  # a view; one hashed in place
+           torch.randn(3, generator=g).to(torch.complex64), torch.tensor(7, dtype=torch.int16)]
+    expected = [digest_module._lanes(t).tolist() for t in ts]
+    assert digest_module.lanes_many(ts) == expected
+    assert digest_module.lanes_many(ts[::-1]) == expected[::-1]
+    packed = digest_module.Packed(torch.full((sum(digest_module.rows_of(t.numel()) for t in ts[:12]) * 512,), 0xAB,
+                                             dtype=torch.uint8), [t.numel() for t in ts[:12]])
+    offset = 0
+    for t in ts[:12]:  # pads start dirty (0xAB): lanes_packed zeroes them
+        if t.numel():
+            digest_module.pack_into(packed.buf, offset, t)
+        offset += digest_module.rows_of(t.numel()) * 512
+    assert digest_module.lanes_packed([packed], ts[12:]) == expected
+    ts[9][-1] ^= 1  # negative control: one bit of one tensor
+    assert digest_module.lanes_many(ts) != expected

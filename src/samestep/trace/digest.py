@@ -18,19 +18,17 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-__all__ = ["digest", "digest_many", "finish", "header", "lanes_many"]
+__all__ = ["Packed", "digest", "digest_many", "finish", "header", "lanes_many", "lanes_packed", "pack_into", "rows_of"]
 
 VERSION = 1
 PRIMES = (268435399, 268435367, 268435361, 268435337)
 COLS = 256
 # Rows converted to float64 at a time: keeps the converted block in cache (about copy speed).
 BLOCK_ROWS = 4096
-# Sequences at least this long get their first level alone, without the batch's concatenation
-# (below it, one call per sequence would cost more than copying it into the batch).
-BIG_WORDS = 16 * COLS
 _weights_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -160,66 +158,138 @@ def _finish(t: torch.Tensor, lanes: Sequence[int]) -> str:
     return finish(header(t), lanes).hex()
 
 
-def _lanes_batched(words: list[torch.Tensor], w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """The final lanes of many word sequences on one device: (len(words), 4) int64.
+ROW_BYTES = 2 * COLS  # one row of words, in bytes
+# Tensors at least this large are hashed where they lie; smaller ones are packed into one buffer first
+# (one copy costs less than a dozen small operations per tensor).
+BIG_BYTES = 1 << 22
 
-    Same result as ``_lanes`` for each, with one concatenation and one matrix product per level for
-    all of them: each sequence is zero-padded to whole rows and the rows of all sequences are stacked,
-    so a sequence's rows are a contiguous block, and so are its next-level words.
+
+def rows_of(nbytes: int) -> int:
+    """The rows a tensor of ``nbytes`` bytes takes at the first level (an empty one takes one zero row)."""
+    return max(1, -(-nbytes // ROW_BYTES))
+
+
+@dataclass(slots=True)
+class Packed:
+    """Tensors' bytes laid out one after another at whole rows: entry ``i`` starts at the row after the
+    previous entry's last one, holds its ``nbytes[i]`` bytes, and the rest of its last row is padding
+    (zeroed before hashing). ``buf`` is 1-D uint8 with room for all the rows."""
+
+    buf: torch.Tensor
+    nbytes: list[int]
+
+
+def pack_into(buf: torch.Tensor, offset: int, t: torch.Tensor) -> None:
+    """Copies ``t``'s elements (row-major, from any layout) into ``buf`` (uint8) at byte ``offset`` (a
+    multiple of ``ROW_BYTES``): one strided copy, no intermediate."""
+    typed = buf.view(t.dtype) if t.dtype != torch.uint8 else buf
+    stride, acc = [], 1
+    for n in reversed(t.shape):
+        stride.append(acc)
+        acc *= n
+    typed.as_strided(t.shape, stride[::-1], offset // t.element_size()).copy_(t)
+
+
+def _zero_pads(buf: torch.Tensor, nbytes: list[int]) -> None:
+    """Zeroes every entry's padding (the bytes between its data and the end of its last row)."""
+    n = torch.tensor(nbytes, dtype=torch.int64)
+    rows = torch.clamp((n + ROW_BYTES - 1) // ROW_BYTES, min=1)
+    pad = rows * ROW_BYTES - n
+    total = int(pad.sum())
+    if not total:
+        return
+    starts = (rows.cumsum(0) - rows) * ROW_BYTES + n  # first padding byte of each entry
+    idx = torch.repeat_interleave(starts - (pad.cumsum(0) - pad), pad, output_size=total) + torch.arange(total)
+    buf.index_fill_(0, idx.to(buf.device), 0)
+
+
+def _reduce_segments(h: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """The final lanes of consecutive segments of first-level row hashes: ``h`` is (sum(rows), 4), segment
+    i holds ``rows[i]`` (>= 1; a CPU int64 tensor) rows. Returns (len(rows), 4) int64 on h's device.
+
+    Each level is computed for all segments at once: a segment's next-level words (8 per row: each lane's
+    low and high 14 bits) go to a zero-padded run of whole rows, so the number of operations depends on
+    the depth (log base 32 of the longest segment), not on the number of segments.
     """
-    device = words[0].device
-    result = torch.empty(len(words), len(PRIMES), dtype=torch.int64, device=device)
-    active, level_words = [], []
-    for i, x in enumerate(words):
-        if x.numel() >= BIG_WORDS:  # hashed where it lies: concatenating would copy it once more
-            h = _level(x, w, p)
-            x = torch.stack((h & 0x3FFF, h >> 14), dim=-1).reshape(-1)
-        active.append(i)
-        level_words.append(x)
-    while active:
-        sizes = [x.numel() for x in level_words]
-        rows = [max(1, -(-n // COLS)) for n in sizes]
-        zeros = torch.zeros(COLS * 2, dtype=level_words[0].dtype, device=device)
-        pieces = []
-        for x, n, r in zip(level_words, sizes, rows):
-            pieces.append(x)
-            pad = r * COLS - n
-            while pad:  # at most two pieces: a pad is shorter than a row, except for an empty sequence
-                pieces.append(zeros[: min(pad, zeros.numel())])
-                pad -= pieces[-1].numel()
-        h = _level(torch.cat(pieces), w, p)  # (total rows, 4)
-        starts = torch.tensor(rows).cumsum(0).sub_(torch.tensor(rows)).tolist()
-        done_i, done_rows, next_active, next_words = [], [], [], []
-        split = None
-        for i, r, a in zip(active, rows, starts):
-            if r == 1:
-                done_i.append(i)
-                done_rows.append(a)
-            else:
-                if split is None:
-                    split = torch.stack((h & 0x3FFF, h >> 14), dim=-1).reshape(-1, 2 * len(PRIMES))
-                next_active.append(i)
-                next_words.append(split[a: a + r].reshape(-1))
-        if done_i:
-            result[torch.tensor(done_i, device=device)] = h[torch.tensor(done_rows, device=device)]
-        active, level_words = next_active, next_words
-    return result
+    device = h.device
+    result = torch.empty(rows.numel(), len(PRIMES), dtype=torch.int64, device=device)
+    ids = torch.arange(rows.numel())
+    per_row = 2 * len(PRIMES)  # next-level words per row
+    group = COLS // per_row  # rows whose words fill one next-level row
+    while True:
+        starts = rows.cumsum(0) - rows
+        done = rows == 1
+        if bool(done.any()):
+            result[ids[done].to(device)] = h[starts[done].to(device)]
+            keep = ~done
+            ids, rows, starts = ids[keep], rows[keep], starts[keep]
+        if not ids.numel():
+            return result
+        nxt = (rows + group - 1) // group
+        total = int(rows.sum())
+        local = torch.arange(total) - torch.repeat_interleave(rows.cumsum(0) - rows, rows, output_size=total)
+        src = torch.repeat_interleave(starts, rows, output_size=total) + local
+        dst = torch.repeat_interleave((nxt.cumsum(0) - nxt) * group, rows, output_size=total) + local
+        words = torch.stack((h & 0x3FFF, h >> 14), dim=-1).reshape(-1, per_row).to(torch.int16)
+        buf = torch.zeros(int(nxt.sum()) * group, per_row, dtype=torch.int16, device=device)
+        buf[dst.to(device)] = words[src.to(device)]
+        h, rows = _level(buf.view(-1), w, p), nxt
 
 
 @torch.no_grad()
-def lanes_many(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
-    """The 4 final lanes of each tensor's bytes: one matrix product per level, one host copy per device."""
-    by_device: dict[torch.device, list[int]] = {}
+def lanes_packed(packs: Sequence[Packed], tensors: Sequence[torch.Tensor] = ()) -> list[list[int]]:
+    """The 4 final lanes of every entry of ``packs`` (in order), then of every tensor in ``tensors``.
+
+    Tensors below ``BIG_BYTES`` are packed into one buffer per device first; larger ones are hashed where
+    they lie. Each level is then one matrix product per buffer, plus one for all segments together, and
+    the lanes reach the host in one copy per device. The padding of ``packs`` is zeroed here, in place.
+    """
     for i, t in enumerate(tensors):
         if t.is_sparse or t.layout != torch.strided:
             raise ValueError(f"digest: tensor {i} has layout {t.layout}; digest its dense form (.to_dense())")
-        by_device.setdefault(t.device, []).append(i)
-    host: dict[int, list[int]] = {}
-    for device, idx in by_device.items():
+    # device -> blocks of (result indices, first-level hashes of their segments, rows per segment)
+    by_device: dict[torch.device, list[tuple[list[int], torch.Tensor, list[int]]]] = {}
+    index = 0
+    for pk in packs:
+        rows = [rows_of(n) for n in pk.nbytes]
+        if rows:
+            _zero_pads(pk.buf, pk.nbytes)
+            w, p = _weights(pk.buf.device)
+            h = _level(pk.buf[: sum(rows) * ROW_BYTES].view(torch.int16), w, p)
+            by_device.setdefault(pk.buf.device, []).append((list(range(index, index + len(rows))), h, rows))
+        index += len(rows)
+    small: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.numel() * t.element_size() >= BIG_BYTES:
+            w, p = _weights(t.device)
+            h = _level(_words(t), w, p)
+            by_device.setdefault(t.device, []).append(([index + i], h, [h.shape[0]]))
+        else:
+            small.setdefault(t.device, []).append(i)
+    for device, idx in small.items():
+        rows = [rows_of(tensors[i].numel() * tensors[i].element_size()) for i in idx]
+        buf = torch.zeros(sum(rows) * ROW_BYTES, dtype=torch.uint8, device=device)
+        offset = 0
+        for i, r in zip(idx, rows):
+            if tensors[i].numel():
+                pack_into(buf, offset, tensors[i].detach().resolve_conj().resolve_neg())
+            offset += r * ROW_BYTES
         w, p = _weights(device)
-        lanes = _lanes_batched([_words(tensors[i]) for i in idx], w, p).cpu().tolist()
-        host.update(zip(idx, lanes))
-    return [host[i] for i in range(len(tensors))]
+        by_device.setdefault(device, []).append(([index + i for i in idx], _level(buf.view(torch.int16), w, p), rows))
+    host: list[list[int]] = [[] for _ in range(index + len(tensors))]
+    for device, blocks in by_device.items():
+        w, p = _weights(device)
+        h = torch.cat([b[1] for b in blocks]) if len(blocks) > 1 else blocks[0][1]
+        rows = torch.tensor([r for _, _, rs in blocks for r in rs], dtype=torch.int64)
+        order = [i for ids, _, _ in blocks for i in ids]
+        for i, lanes in zip(order, _reduce_segments(h, rows, w, p).cpu().tolist()):
+            host[i] = lanes
+    return host
+
+
+def lanes_many(tensors: Sequence[torch.Tensor]) -> list[list[int]]:
+    """The 4 final lanes of each tensor's bytes (see ``lanes_packed``)."""
+    return lanes_packed((), tensors)
 
 
 def digest_many(tensors: Sequence[torch.Tensor]) -> list[str]:

@@ -39,9 +39,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
+from samestep.trace.digest import ROW_BYTES, Packed, lanes_packed, pack_into, rows_of
 from samestep.trace.digest import finish as digest_finish
 from samestep.trace.digest import header as digest_header
-from samestep.trace.digest import lanes_many
 from samestep.trace.stream import COLUMNS, StreamWriter, stream_path, stream_segments
 
 __all__ = ["LEVELS", "Perturb", "Recorder", "parse_selection", "trace"]
@@ -53,6 +53,8 @@ _EMPTY_OPS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty
               "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out"}
 # Flush the staging area once it holds this many bytes (bounds the recorder's memory).
 FLUSH_BYTES = 256 * 1024 * 1024
+# Staged copies are packed into reused chunks of this size (a larger tensor gets its own copy).
+CHUNK_BYTES = 32 * 1024 * 1024
 _scope: contextvars.ContextVar[str] = contextvars.ContextVar("samestep_scope", default="")
 
 
@@ -210,8 +212,16 @@ class Recorder:
         self._step, self._mb = 0, -1
         self._bwd_scope = ""
         self._counts: dict[tuple, int] = {}
-        self._staged: list[torch.Tensor] = []  # copies to digest
-        self._refs: list[tuple[int, bytes]] = []  # what records point at: (staged copy, digest header)
+        # What is staged for digesting: copies packed into chunks, and whole tensors (a copy too large for
+        # a chunk, or a live tensor). A slot is (chunk, entry) or (-1, index into _tensors).
+        self._packs: list[Packed] = []
+        self._open: dict[torch.device, tuple[int, int]] = {}  # device -> (chunk being filled, bytes used)
+        self._tensors: list[torch.Tensor] = []
+        self._slots: list[tuple[int, int]] = []
+        self._free: dict[torch.device, list[torch.Tensor]] = {}  # chunks digested and ready for reuse
+        self._inflight: list[Packed] = []
+        self._heads: dict[tuple, bytes] = {}
+        self._refs: list[tuple[int, bytes]] = []  # what records point at: (slot, digest header)
         self._staged_bytes = 0
         self._cache: dict[int, tuple[weakref.ref, int, int | None]] = {}  # id -> (tensor, version, ref)
         self._memo: dict[tuple, int | None] = {}  # (view op, input refs, arguments) -> ref
@@ -247,19 +257,46 @@ class Recorder:
         if not uninit:
             if share is None:
                 if not copy:
-                    staged = t.detach()
-                elif self._in_dispatch:
-                    staged = t.detach().clone()
+                    share = self._add_tensor(t.detach())
+                elif self._in_dispatch or not torch._C._len_torch_dispatch_stack():
+                    share = self._copy(t)
                 else:
                     with _disable_current_modes():
-                        staged = t.detach().clone()
-                self._staged.append(staged)
-                share = len(self._staged) - 1
-                self._staged_bytes += staged.numel() * staged.element_size() if copy else 0
-            self._refs.append((share, digest_header(t)))
+                        share = self._copy(t)
+            head = self._heads.get((t.dtype, t.shape))
+            if head is None:
+                head = self._heads[(t.dtype, t.shape)] = digest_header(t)
+            self._refs.append((share, head))
             ref = len(self._refs) - 1
         self._remember(t, ref)
         return ref
+
+    def _add_tensor(self, t: torch.Tensor) -> int:
+        self._tensors.append(t)
+        self._slots.append((-1, len(self._tensors) - 1))
+        return len(self._slots) - 1
+
+    def _copy(self, t: torch.Tensor) -> int:
+        """Copies ``t`` into the open chunk of its device (a new or reused chunk when it is full)."""
+        nbytes = t.numel() * t.element_size()
+        size = rows_of(nbytes) * ROW_BYTES
+        self._staged_bytes += size
+        if size > CHUNK_BYTES or t.layout != torch.strided:
+            return self._add_tensor(t.detach().clone())
+        device = t.device
+        chunk, used = self._open.get(device, (-1, CHUNK_BYTES))
+        if used + size > CHUNK_BYTES:
+            free = self._free.get(device)
+            buf = free.pop() if free else torch.empty(CHUNK_BYTES, dtype=torch.uint8, device=device)
+            self._packs.append(Packed(buf, []))
+            chunk, used = len(self._packs) - 1, 0
+        pack = self._packs[chunk]
+        if nbytes:
+            pack_into(pack.buf, used, t.detach())
+        pack.nbytes.append(nbytes)
+        self._open[device] = (chunk, used + size)
+        self._slots.append((chunk, len(pack.nbytes) - 1))
+        return len(self._slots) - 1
 
     def _remember(self, t: torch.Tensor, ref: int | None) -> None:
         try:
@@ -298,16 +335,19 @@ class Recorder:
         the previous one first, so the staging memory stays bounded."""
         self._wait()
         if not self._records:
-            self._staged.clear()
-            self._refs.clear()
+            self._free_chunks(self._packs)
+            self._packs, self._tensors, self._slots, self._refs = [], [], [], []
+            self._open.clear()
             self._cache.clear()
             self._memo.clear()
             return
         if self._writer is None:  # a new segment: a resumed run never overwrites the earlier stream
             path = stream_path(self._run_dir, self.rank, len(stream_segments(self._run_dir, self.rank)))
             self._writer = StreamWriter(path, self._meta)
-        records, staged, refs = self._records, self._staged, self._refs
-        self._records, self._staged, self._refs = [], [], []
+        batch = (self._records, self._packs, self._tensors, self._slots, self._refs)
+        self._inflight = self._packs
+        self._records, self._packs, self._tensors, self._slots, self._refs = [], [], [], [], []
+        self._open.clear()
         self._cache.clear()
         self._memo.clear()
         self._staged_bytes = 0
@@ -315,16 +355,30 @@ class Recorder:
             # Staged copies are never written again, and digests are exact integer arithmetic, so a
             # second thread can digest them while the training thread runs the next step.
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="samestep-trace")
-        self._pending = self._worker.submit(self._write, records, staged, refs)
+        self._pending = self._worker.submit(self._write, *batch)
 
     def _wait(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            pending.result()  # re-raises a failure of the worker here, in the training thread
+            try:
+                pending.result()  # re-raises a failure of the worker here, in the training thread
+            finally:
+                self._free_chunks(self._inflight)
+                self._inflight = []
 
-    def _write(self, records: list[tuple], staged: list[torch.Tensor], refs: list[tuple[int, bytes]]) -> None:
-        lanes = lanes_many(staged)
-        digests = [digest_finish(head, lanes[copy]) for copy, head in refs]
+    def _free_chunks(self, packs: list[Packed]) -> None:
+        for pack in packs:
+            self._free.setdefault(pack.buf.device, []).append(pack.buf)
+
+    def _write(self, records: list[tuple], packs: list[Packed], tensors: list[torch.Tensor],
+               slots: list[tuple[int, int]], refs: list[tuple[int, bytes]]) -> None:
+        lanes = lanes_packed(packs, tensors)
+        first, n = [], 0
+        for pack in packs:
+            first.append(n)
+            n += len(pack.nbytes)
+        at = [first[c] + e if c >= 0 else n + e for c, e in slots]
+        digests = [digest_finish(head, lanes[at[slot]]) for slot, head in refs]
         cols: dict[str, list] = {c: [] for c in COLUMNS}
         for seq, step, mb, phase, scope, op, occ, ins, outs in records:
             cols["seq"].append(seq)
@@ -470,6 +524,7 @@ class Recorder:
         if self._worker is not None:
             self._worker.shutdown()
             self._worker = None
+        self._free.clear()
         if self._writer is not None:
             self._writer.close()
             self._writer = None
