@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -64,12 +65,11 @@ def _int_weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torc
     if device not in _int_cache:
         table = _weight_table()
         lanes = len(PRIMES)
-        digits = torch.zeros(2 * COLS, lanes * _DIGITS, dtype=torch.int8)
-        for j in range(COLS):
-            for lane, p in enumerate(PRIMES):
-                for row, value in ((2 * j, table[j][lane]), (2 * j + 1, (table[j][lane] << 8) % p)):
-                    for q in range(_DIGITS):
-                        digits[row, lane * _DIGITS + q] = (value >> (7 * q)) & 0x7F
+        digits = torch.tensor([[(value >> (7 * q)) & 0x7F for value in values for q in range(_DIGITS)]
+                               for j in range(COLS)
+                               for values in ([table[j][lane] for lane in range(lanes)],  # low byte of word j
+                                              [(table[j][lane] << 8) % p for lane, p in enumerate(PRIMES)])],
+                              dtype=torch.int8)  # (512, 16): row 2j low byte, row 2j+1 high byte
         scale = torch.tensor([float(1 << (7 * q)) for q in range(_DIGITS)], dtype=torch.float64)
         const = torch.tensor([128 * sum(table[j][lane] for j in range(COLS)) % p for lane, p in enumerate(PRIMES)],
                              dtype=torch.int64)
@@ -190,6 +190,47 @@ def pack_into(buf: torch.Tensor, offset: int, t: torch.Tensor) -> None:
     typed.as_strided(t.shape, stride[::-1], offset // t.element_size()).copy_(t)
 
 
+_scratch = threading.local()  # per thread: device -> a reused packing buffer
+SCRATCH_KEEP = 1 << 26  # a thread keeps a packing buffer up to this size between calls
+
+
+def _pack(device: torch.device, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int], list[int]]:
+    """Packs tensors of one device at whole rows with one concatenation per dtype (each tensor flattened,
+    followed by a slice of zeros up to its row end). Returns the uint8 buffer, the order of the tensors
+    in it, and their rows."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for k, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(k)
+    order = [k for ks in by_dtype.values() for k in ks]
+    rows = [rows_of(tensors[k].numel() * tensors[k].element_size()) for k in order]
+    nbytes = sum(rows) * ROW_BYTES
+    cache = getattr(_scratch, "bufs", None)
+    if cache is None:
+        cache = _scratch.bufs = {}
+    buf = cache.get(device)
+    if buf is None or buf.numel() < nbytes:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if nbytes <= SCRATCH_KEEP:
+            cache[device] = buf
+    offset, at = 0, 0
+    for dtype, ks in by_dtype.items():
+        size = ROW_BYTES // dtype.itemsize  # elements per row
+        zeros = torch.zeros(size, dtype=dtype, device=device)
+        parts = []
+        for k in ks:
+            t = tensors[k]
+            if t.is_conj() or t.is_neg():
+                t = t.resolve_conj().resolve_neg()
+            n = t.numel()
+            parts.append(t.reshape(-1))
+            parts.append(zeros[: rows[at] * size - n])
+            at += 1
+        end = offset + sum(p.numel() for p in parts) * (ROW_BYTES // size)
+        torch.cat(parts, out=buf[offset:end].view(dtype))
+        offset = end
+    return buf[:nbytes], order, rows
+
+
 def _zero_pads(buf: torch.Tensor, nbytes: list[int]) -> None:
     """Zeroes every entry's padding (the bytes between its data and the end of its last row)."""
     n = torch.tensor(nbytes, dtype=torch.int64)
@@ -267,15 +308,10 @@ def lanes_packed(packs: Sequence[Packed], tensors: Sequence[torch.Tensor] = ()) 
         else:
             small.setdefault(t.device, []).append(i)
     for device, idx in small.items():
-        rows = [rows_of(tensors[i].numel() * tensors[i].element_size()) for i in idx]
-        buf = torch.zeros(sum(rows) * ROW_BYTES, dtype=torch.uint8, device=device)
-        offset = 0
-        for i, r in zip(idx, rows):
-            if tensors[i].numel():
-                pack_into(buf, offset, tensors[i].detach().resolve_conj().resolve_neg())
-            offset += r * ROW_BYTES
+        buf, order, rows = _pack(device, [tensors[i] for i in idx])
         w, p = _weights(device)
-        by_device.setdefault(device, []).append(([index + i for i in idx], _level(buf.view(torch.int16), w, p), rows))
+        by_device.setdefault(device, []).append(([index + idx[k] for k in order], _level(buf.view(torch.int16), w, p),
+                                                 rows))
     host: list[list[int]] = [[] for _ in range(index + len(tensors))]
     for device, blocks in by_device.items():
         w, p = _weights(device)

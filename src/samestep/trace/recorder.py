@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import pyarrow as pa
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
@@ -42,12 +44,13 @@ from torch.utils._pytree import tree_leaves
 from samestep.trace.digest import ROW_BYTES, Packed, lanes_packed, pack_into, rows_of
 from samestep.trace.digest import finish as digest_finish
 from samestep.trace.digest import header as digest_header
-from samestep.trace.stream import COLUMNS, StreamWriter, stream_path, stream_segments
+from samestep.trace.stream import StreamWriter, stream_path, stream_segments
 
 __all__ = ["LEVELS", "Perturb", "Recorder", "parse_selection", "trace"]
 
 LEVELS = ("off", "step", "module", "op")
 UNINIT = bytes(16)  # the digest recorded for uninitialised memory (torch.empty and friends)
+NO_REF = -1  # the reference of uninitialised memory: digest UNINIT
 # Ops whose output is uninitialised memory: digesting it would report noise as divergence.
 _EMPTY_OPS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
               "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out"}
@@ -102,6 +105,15 @@ class Perturb:
         except (KeyError, ValueError):
             raise ValueError(f"trace.perturb={text!r}: expected 'rank=R,step=S,microbatch=M,phase=forward|backward,"
                              "scope=MODULE.PATH,op=OP,occurrence=K'") from None
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    """The tensors in a module's arguments or output (a tensor or a flat tuple without the pytree walk)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) or v is None for v in value):
+        return [v for v in value if v is not None]
+    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
@@ -178,21 +190,56 @@ _SAME_ORDER = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.d
                "aten.view_as.default", "aten.reshape_as.default"}
 
 
-def _same_bytes(t: torch.Tensor, inputs: list[torch.Tensor], refs: list[int | None], rec: Recorder,
+def _same_bytes(t: torch.Tensor, inputs: list[torch.Tensor], refs: list[int], rec: Recorder,
                 name: str = "") -> int | None:
     """The staged copy of an input whose bytes are ``t``'s bytes in the same order (a reshape, detach,
     clone; or any output laid out exactly like a contiguous input): ``t`` needs no copy and no digest
     of its own, only its own header. None if there is none."""
-    if name in _SAME_ORDER and inputs and refs[0] is not None and inputs[0].dtype == t.dtype \
+    if name in _SAME_ORDER and inputs and refs[0] >= 0 and inputs[0].dtype == t.dtype \
             and inputs[0].numel() == t.numel():
-        return rec._refs[refs[0]][0]
+        return rec._b.ref_slot[refs[0]]
     if not t.is_contiguous():
         return None
     for x, ref in zip(inputs, refs):
-        if (ref is not None and x.dtype == t.dtype and x.numel() == t.numel() and x.data_ptr() == t.data_ptr()
+        if (ref >= 0 and x.dtype == t.dtype and x.numel() == t.numel() and x.data_ptr() == t.data_ptr()
                 and x._version == t._version and x.is_contiguous()):
-            return rec._refs[ref][0]
+            return rec._b.ref_slot[ref]
     return None
+
+
+class _Batch:
+    """The records of one flush and what they point at, in flat lists of numbers and strings: no container
+    object per record, so a long step gives Python's garbage collector nothing new to traverse.
+
+    Record ``i`` has inputs ``ins[in_end[i-1]:in_end[i]]`` and outputs likewise: references, each a
+    (slot, digest header) pair in ``ref_slot``/``ref_head`` (``NO_REF``: uninitialised memory). A slot is
+    an entry of a chunk in ``packs`` (``slot_chunk`` >= 0, ``slot_entry``) or a whole tensor in ``tensors``
+    (``slot_chunk`` -1): a tensor, or (copy, shape, stride, offset), a piece of a staged copy.
+    """
+
+    __slots__ = ("first_seq", "step", "mb", "phase", "scope", "op", "occ", "ins", "in_end", "outs", "out_end",
+                 "ref_slot", "ref_head", "slot_chunk", "slot_entry", "packs", "tensors", "checks")
+
+    def __init__(self, first_seq: int) -> None:
+        self.first_seq = first_seq
+        self.step: list[int] = []
+        self.mb: list[int] = []
+        self.phase: list[str] = []
+        self.scope: list[str] = []
+        self.op: list[str] = []
+        self.occ: list[int] = []
+        self.ins: list[int] = []
+        self.in_end: list[int] = []
+        self.outs: list[int] = []
+        self.out_end: list[int] = []
+        self.ref_slot: list[int] = []
+        self.ref_head: list[bytes] = []
+        self.slot_chunk: list[int] = []
+        self.slot_entry: list[int] = []
+        self.packs: list[Packed] = []
+        self.tensors: list[torch.Tensor | tuple] = []
+        # Tensors digested without a copy that must not change before: (tensor, version, record identity).
+        self.checks: list[tuple[torch.Tensor, int, tuple]] = []
 
 
 class Recorder:
@@ -200,10 +247,12 @@ class Recorder:
 
     def __init__(self, run_dir: str | Path, *, level: str = "op", steps: set[int] | None = None,
                  ranks: set[int] | None = None, rank: int = 0, perturb: Perturb | None = None,
-                 meta: dict[str, Any] | None = None) -> None:
+                 meta: dict[str, Any] | None = None, copy: bool = False) -> None:
         if level not in LEVELS:
             raise ValueError(f"trace level {level!r} is unknown; use one of {', '.join(LEVELS)}")
         self.level, self.steps, self.rank, self.perturb = level, steps, rank, perturb
+        # Module outputs and gradients: copied, or kept and checked unchanged until digested.
+        self._module_copy: bool | str = True if copy else "checked"
         self.enabled = level != "off" and (ranks is None or rank in ranks)
         self._rank_level = LEVELS.index(level)
         self._run_dir = Path(run_dir)
@@ -213,19 +262,16 @@ class Recorder:
         self._bwd_scope = ""
         self._counts: dict[tuple, int] = {}
         # What is staged for digesting: copies packed into chunks, and whole tensors (a copy too large for
-        # a chunk, or a live tensor). A slot is (chunk, entry) or (-1, index into _tensors).
-        self._packs: list[Packed] = []
+        # a chunk, or a live tensor); see _Batch.
+        self._b = _Batch(0)
         self._open: dict[torch.device, tuple[int, int]] = {}  # device -> (chunk being filled, bytes used)
-        self._tensors: list[torch.Tensor] = []
-        self._slots: list[tuple[int, int]] = []
         self._free: dict[torch.device, list[torch.Tensor]] = {}  # chunks digested and ready for reuse
-        self._inflight: list[Packed] = []
+        self._inflight: _Batch | None = None
+        self._tokens: list[contextvars.Token] = []  # forward scopes entered (pre hooks), innermost last
         self._heads: dict[tuple, bytes] = {}
-        self._refs: list[tuple[int, bytes]] = []  # what records point at: (slot, digest header)
         self._staged_bytes = 0
-        self._cache: dict[int, tuple[weakref.ref, int, int | None]] = {}  # id -> (tensor, version, ref)
-        self._memo: dict[tuple, int | None] = {}  # (view op, input refs, arguments) -> ref
-        self._records: list[tuple] = []
+        self._cache: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (tensor, version, ref)
+        self._memo: dict[tuple, int] = {}  # (view op, input refs, arguments) -> ref
         self._seq = 0
         self._hooks: list[Any] = []
         self._in_dispatch = False
@@ -242,21 +288,29 @@ class Recorder:
         return self.active and self._rank_level >= LEVELS.index(level)
 
     # -- staging and records ---------------------------------------------------------------------------
-    def _stage(self, t: torch.Tensor, uninit: bool = False, share: int | None = None, copy: bool = True) -> int | None:
+    def _stage(self, t: torch.Tensor, uninit: bool = False, share: int | None = None,
+               copy: bool | str = True, what: tuple = ()) -> int:
         """Stages a tensor for digesting (once per tensor version); returns its reference.
 
         A reference is (staged copy, header): ``share`` names a staged copy that already holds ``t``'s
         bytes (see ``_same_bytes``), so only the header is new. ``uninit`` marks fresh uninitialised
         memory: no reference (its digest is ``UNINIT``), and so for every later read of that tensor
-        version, e.g. as the destination of ``bernoulli_``. ``copy=False`` keeps the live tensor.
+        version, e.g. as the destination of ``bernoulli_``. ``copy=False`` keeps the live tensor;
+        ``copy="checked"`` too, and ``_verify`` checks that it did not change before it was digested
+        (``what`` names the record in that error).
         """
         hit = self._cache.get(id(t))
         if hit is not None and hit[0]() is t and hit[1] == t._version:
             return hit[2]
-        ref = None
+        ref = NO_REF
         if not uninit:
             if share is None:
-                if not copy:
+                if copy == "checked":
+                    live = t.detach()  # shares t's version counter
+                    share = self._add_tensor(live)
+                    self._b.checks.append((live, live._version, what))
+                    self._staged_bytes += live.numel() * live.element_size()  # kept alive: counts to the bound
+                elif not copy:
                     share = self._add_tensor(t.detach())
                 elif self._in_dispatch or not torch._C._len_torch_dispatch_stack():
                     share = self._copy(t)
@@ -266,15 +320,20 @@ class Recorder:
             head = self._heads.get((t.dtype, t.shape))
             if head is None:
                 head = self._heads[(t.dtype, t.shape)] = digest_header(t)
-            self._refs.append((share, head))
-            ref = len(self._refs) - 1
+            b = self._b
+            b.ref_slot.append(share)
+            b.ref_head.append(head)
+            ref = len(b.ref_slot) - 1
         self._remember(t, ref)
         return ref
 
-    def _add_tensor(self, t: torch.Tensor) -> int:
-        self._tensors.append(t)
-        self._slots.append((-1, len(self._tensors) - 1))
-        return len(self._slots) - 1
+    def _add_tensor(self, t: torch.Tensor | tuple) -> int:
+        """A whole tensor to digest, or (copy, shape, stride, offset): a piece of a staged copy."""
+        b = self._b
+        b.tensors.append(t)
+        b.slot_chunk.append(-1)
+        b.slot_entry.append(len(b.tensors) - 1)
+        return len(b.slot_chunk) - 1
 
     def _copy(self, t: torch.Tensor) -> int:
         """Copies ``t`` into the open chunk of its device (a new or reused chunk when it is full)."""
@@ -283,22 +342,23 @@ class Recorder:
         self._staged_bytes += size
         if size > CHUNK_BYTES or t.layout != torch.strided:
             return self._add_tensor(t.detach().clone())
-        device = t.device
+        device, b = t.device, self._b
         chunk, used = self._open.get(device, (-1, CHUNK_BYTES))
         if used + size > CHUNK_BYTES:
             free = self._free.get(device)
             buf = free.pop() if free else torch.empty(CHUNK_BYTES, dtype=torch.uint8, device=device)
-            self._packs.append(Packed(buf, []))
-            chunk, used = len(self._packs) - 1, 0
-        pack = self._packs[chunk]
+            b.packs.append(Packed(buf, []))
+            chunk, used = len(b.packs) - 1, 0
+        pack = b.packs[chunk]
         if nbytes:
             pack_into(pack.buf, used, t.detach())
         pack.nbytes.append(nbytes)
         self._open[device] = (chunk, used + size)
-        self._slots.append((chunk, len(pack.nbytes) - 1))
-        return len(self._slots) - 1
+        b.slot_chunk.append(chunk)
+        b.slot_entry.append(len(pack.nbytes) - 1)
+        return len(b.slot_chunk) - 1
 
-    def _remember(self, t: torch.Tensor, ref: int | None) -> None:
+    def _remember(self, t: torch.Tensor, ref: int) -> None:
         try:
             self._cache[id(t)] = (weakref.ref(t), t._version, ref)
         except TypeError:  # a tensor subclass without weakref support: no caching
@@ -311,43 +371,52 @@ class Recorder:
         return n
 
     def _append(self, phase: str, scope: str, op: str, occurrence: int, inputs: list, outputs: list) -> None:
-        self._records.append((self._seq, self._step, self._mb, phase, scope, op, occurrence, inputs, outputs))
+        b = self._b
+        b.step.append(self._step)
+        b.mb.append(self._mb)
+        b.phase.append(phase)
+        b.scope.append(scope)
+        b.op.append(op)
+        b.occ.append(occurrence)
+        b.ins.extend(inputs)
+        b.in_end.append(len(b.ins))
+        b.outs.extend(outputs)
+        b.out_end.append(len(b.outs))
         self._seq += 1
         if self._staged_bytes > FLUSH_BYTES:
             self.flush()
 
     def record(self, op: str, outputs: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor] = (),
-               scope: str = "", phase: str = "step", copy: bool = True) -> None:
+               scope: str = "", phase: str = "step", copy: bool | str = True) -> None:
         """Records one named event with its tensors (used by the step level and by user code).
 
         ``copy=False`` digests the live tensors instead of copies: only for tensors that stay unchanged
-        until the next ``grads()`` call (see ``state``).
+        until the next ``grads()`` call (see ``state``). ``copy="checked"`` digests the live tensors and
+        raises at the next ``grads()``, ``flush()`` or ``close()`` if one was changed in place before.
         """
         if not self.active:
             return
         occurrence = self._occurrence(phase, scope, op)
-        self._append(phase, scope, op, occurrence, [self._stage(t, copy=copy) for t in inputs],
-                     [self._stage(t, copy=copy) for t in outputs])
+        what = (self._step, self._mb, phase, scope, op, occurrence) if copy == "checked" else ()
+        self._append(phase, scope, op, occurrence, [self._stage(t, copy=copy, what=what) for t in inputs],
+                     [self._stage(t, copy=copy, what=what) for t in outputs])
 
     def flush(self) -> None:
         """Hands everything staged to the digest worker, which digests it (batched) and appends the
         records to the stream while training goes on. At most one batch is in flight: this waits for
         the previous one first, so the staging memory stays bounded."""
         self._wait()
-        if not self._records:
-            self._free_chunks(self._packs)
-            self._packs, self._tensors, self._slots, self._refs = [], [], [], []
-            self._open.clear()
+        batch, self._b = self._b, _Batch(self._seq)
+        self._open.clear()
+        if not batch.step:
+            self._free_chunks(batch.packs)
             self._cache.clear()
             self._memo.clear()
             return
         if self._writer is None:  # a new segment: a resumed run never overwrites the earlier stream
             path = stream_path(self._run_dir, self.rank, len(stream_segments(self._run_dir, self.rank)))
             self._writer = StreamWriter(path, self._meta)
-        batch = (self._records, self._packs, self._tensors, self._slots, self._refs)
-        self._inflight = self._packs
-        self._records, self._packs, self._tensors, self._slots, self._refs = [], [], [], [], []
-        self._open.clear()
+        self._inflight = batch
         self._cache.clear()
         self._memo.clear()
         self._staged_bytes = 0
@@ -355,41 +424,57 @@ class Recorder:
             # Staged copies are never written again, and digests are exact integer arithmetic, so a
             # second thread can digest them while the training thread runs the next step.
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="samestep-trace")
-        self._pending = self._worker.submit(self._write, *batch)
+        self._pending = self._worker.submit(self._write, batch)
 
     def _wait(self) -> None:
         if self._pending is not None:
             pending, self._pending = self._pending, None
+            batch, self._inflight = self._inflight, None
             try:
                 pending.result()  # re-raises a failure of the worker here, in the training thread
             finally:
-                self._free_chunks(self._inflight)
-                self._inflight = []
+                self._free_chunks(batch.packs)
+            self._verify(batch.checks)
+
+    @staticmethod
+    def _verify(checks: list[tuple[torch.Tensor, int, tuple]]) -> None:
+        """Raises if a tensor digested without a copy was changed in place before its digest was done.
+
+        The check runs on the training thread after the worker has finished, so whether it raises depends
+        only on what the training code did before this point, never on the worker's timing.
+        """
+        for live, version, (step, mb, phase, scope, op, occurrence) in checks:
+            if live._version != version:
+                raise RuntimeError(
+                    f"trace: the tensor of record step={step} microbatch={mb} phase={phase} scope={scope!r} "
+                    f"op={op!r} occurrence={occurrence} was changed in place after it was recorded (version "
+                    f"{version} -> {live._version}), so its digest may not be of the recorded value; record "
+                    "copies instead (trace.copy=true, or samestep.trace(..., copy=True))")
 
     def _free_chunks(self, packs: list[Packed]) -> None:
+        """Chunks whose digests are done: reused by the next copies."""
         for pack in packs:
             self._free.setdefault(pack.buf.device, []).append(pack.buf)
 
-    def _write(self, records: list[tuple], packs: list[Packed], tensors: list[torch.Tensor],
-               slots: list[tuple[int, int]], refs: list[tuple[int, bytes]]) -> None:
-        lanes = lanes_packed(packs, tensors)
+    def _write(self, b: _Batch) -> None:
+        tensors = [t if isinstance(t, torch.Tensor) else t[0].as_strided(*t[1:]) for t in b.tensors]
+        lanes = lanes_packed(b.packs, tensors)
         first, n = [], 0
-        for pack in packs:
+        for pack in b.packs:
             first.append(n)
             n += len(pack.nbytes)
-        at = [first[c] + e if c >= 0 else n + e for c, e in slots]
-        digests = [digest_finish(head, lanes[at[slot]]) for slot, head in refs]
-        cols: dict[str, list] = {c: [] for c in COLUMNS}
-        for seq, step, mb, phase, scope, op, occ, ins, outs in records:
-            cols["seq"].append(seq)
-            cols["step"].append(step)
-            cols["microbatch"].append(mb)
-            cols["phase"].append(phase)
-            cols["scope"].append(scope)
-            cols["op"].append(op)
-            cols["occurrence"].append(occ)
-            cols["inputs"].append(b"".join(UNINIT if s is None else digests[s] for s in ins))
-            cols["outputs"].append(b"".join(UNINIT if s is None else digests[s] for s in outs))
+        at = [first[c] + e if c >= 0 else n + e for c, e in zip(b.slot_chunk, b.slot_entry)]
+        # One row per reference, then a zero row: NO_REF (-1) picks it (UNINIT).
+        digests = np.frombuffer(b"".join([digest_finish(head, lanes[at[slot]]) for slot, head
+                                          in zip(b.ref_slot, b.ref_head)]) + UNINIT, dtype=np.uint8).reshape(-1, 16)
+        n = len(b.step)
+        cols = {"seq": pa.array(np.arange(b.first_seq, b.first_seq + n, dtype=np.int64)), "step": b.step,
+                "microbatch": b.mb, "phase": b.phase, "scope": b.scope, "op": b.op, "occurrence": b.occ}
+        for name, refs, ends in (("inputs", b.ins, b.in_end), ("outputs", b.outs, b.out_end)):
+            data = digests[np.asarray(refs, dtype=np.int64)].tobytes() if refs else b""
+            offsets = np.zeros(n + 1, dtype=np.int32)
+            offsets[1:] = np.asarray(ends, dtype=np.int32) * 16
+            cols[name] = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
         self._writer.write(cols)
 
     # -- the protocol ----------------------------------------------------------------------------------
@@ -417,6 +502,7 @@ class Recorder:
             else:
                 yield
         finally:
+            self._tokens.clear()  # a forward that raised leaves its pre hook's scope behind
             _scope.reset(token)
             self._mb = -1
 
@@ -434,8 +520,10 @@ class Recorder:
         self._hooks.clear()
 
     def _pre_hook(self, path: str):
+        tokens = self._tokens
+
         def hook(module, args):
-            module._samestep_scope_token = _scope.set(path)
+            tokens.append(_scope.set(path))
         return hook
 
     def _post_hook(self, path: str):
@@ -443,22 +531,22 @@ class Recorder:
 
         def enter_backward(grad: torch.Tensor, innermost: bool) -> None:
             if self._at("module"):
-                self.record("grad_output", [grad], scope=path, phase="backward")
+                self.record("grad_output", [grad], scope=path, phase="backward", copy=self._module_copy)
             if innermost:
                 self._bwd_scope = path
 
         def leave_backward(grad: torch.Tensor) -> None:
             self._bwd_scope = parent
 
+        tokens = self._tokens
+
         def hook(module, args, output):
-            token = getattr(module, "_samestep_scope_token", None)
-            if token is not None:
-                _scope.reset(token)
-                module._samestep_scope_token = None
+            if tokens:
+                _scope.reset(tokens.pop())
             if not self._at("module"):
                 return
-            outs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
-            self.record("output", outs, scope=path, phase="forward")
+            outs = _leaves(output)
+            self.record("output", outs, scope=path, phase="forward", copy=self._module_copy)
             if not torch.is_grad_enabled():
                 return
             for t in outs:
@@ -469,10 +557,10 @@ class Recorder:
                     if innermost:
                         t._samestep_producer = path
                     t.register_hook(lambda g, inner=innermost: enter_backward(g, inner))
-            for t in tree_leaves(args):
+            for t in _leaves(args):
                 # An input made by another module gets that module's scope on entry; only inputs made
                 # by plain ops in the parent need the scope handed back to the parent.
-                if isinstance(t, torch.Tensor) and t.requires_grad and not hasattr(t, "_samestep_producer"):
+                if t.requires_grad and not hasattr(t, "_samestep_producer"):
                     t.register_hook(leave_backward)
         return hook
 
@@ -489,9 +577,26 @@ class Recorder:
         that ``state`` recorded without copying: the update that follows may change them.
         """
         self._wait()
-        for name, p in named_params:
-            if p.grad is not None:
-                self.record("grad", [p.grad], scope=name)
+        if not self.active:
+            return
+        named = [(name, p.grad) for name, p in named_params if p.grad is not None]
+        # Gradients that are contiguous pieces of one buffer (as a gradient reducer leaves them) are
+        # staged with one copy of the buffer, each digested as its piece of that copy.
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for _, g in named:
+            if g.is_contiguous() and g.layout == torch.strided:
+                groups.setdefault((g.untyped_storage().data_ptr(), g.dtype, g.device), []).append(g)
+        slot: dict[int, int] = {}
+        for group in groups.values():
+            if len(group) < 2:
+                continue
+            lo = min(g.storage_offset() for g in group)
+            hi = max(g.storage_offset() + g.numel() for g in group)
+            flat = group[0].detach().as_strided((hi - lo,), (1,), lo).clone()
+            self._staged_bytes += flat.numel() * flat.element_size()
+            for g in group:
+                slot[id(g)] = self._add_tensor((flat, g.shape, g.stride(), g.storage_offset() - lo))
+        self._record_many([("grad", name, g) for name, g in named], slot)
 
     def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Parameters and optimizer state after the update.
@@ -502,14 +607,47 @@ class Recorder:
         if not self.active:
             return
         names = {}
+        items = []
         for name, p in model.named_parameters():
             names[id(p)] = name
-            self.record("param", [p], scope=name, copy=False)
+            items.append(("param", name, p))
         if optimizer is not None:
             for p, st in optimizer.state.items():
                 for key in sorted(st):
                     if isinstance(st[key], torch.Tensor):
-                        self.record(f"optim.{key}", [st[key]], scope=names.get(id(p), "?"), copy=False)
+                        items.append((f"optim.{key}", names.get(id(p), "?"), st[key]))
+        self._record_many(items, {id(t): None for _, _, t in items})
+
+    def _record_many(self, items: list[tuple[str, str, torch.Tensor]], slots: dict[int, int | None]) -> None:
+        """Step records (op, scope, tensor), one output each, without the per-tensor cache: a tensor whose
+        id maps to a slot uses it, to None is digested live (no copy), any other is copied."""
+        heads, counts, mb, step, b = self._heads, self._counts, self._mb, self._step, self._b
+        for op, scope, t in items:
+            key = (mb, "step", scope, op)
+            occurrence = counts.get(key, 0)
+            counts[key] = occurrence + 1
+            slot = slots.get(id(t), -1)
+            if slot is None:
+                slot = self._add_tensor(t)
+            elif slot < 0:
+                slot = self._copy(t)
+            head = heads.get((t.dtype, t.shape))
+            if head is None:
+                head = heads[(t.dtype, t.shape)] = digest_header(t)
+            b.ref_slot.append(slot)
+            b.ref_head.append(head)
+            b.step.append(step)
+            b.mb.append(mb)
+            b.phase.append("step")
+            b.scope.append(scope)
+            b.op.append(op)
+            b.occ.append(occurrence)
+            b.in_end.append(len(b.ins))
+            b.outs.append(len(b.ref_slot) - 1)
+            b.out_end.append(len(b.outs))
+        self._seq += len(items)
+        if self._staged_bytes > FLUSH_BYTES:
+            self.flush()
 
     def collective(self, name: str, inp: torch.Tensor, out: torch.Tensor) -> None:
         """A collective's input and output (the canonical combine calls this as its observer)."""
@@ -531,7 +669,8 @@ class Recorder:
 
 
 def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | None = None,
-          ranks: set[int] | str | None = None, rank: int | None = None, perturb: Perturb | None = None) -> Recorder:
+          ranks: set[int] | str | None = None, rank: int | None = None, perturb: Perturb | None = None,
+          copy: bool = False) -> Recorder:
     """Starts recording this rank's trace stream into ``run_dir/trace``.
 
     Args:
@@ -541,6 +680,8 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
         ranks: the ranks that record; ``None`` is all.
         rank: this process's rank (default: torch.distributed's, else 0).
         perturb: fault injection for validating ``samestep diff`` (see ``Perturb``).
+        copy: module level: digest copies of module outputs and gradients instead of the tensors
+            themselves (which are checked unchanged until digested; a change in place raises).
     """
     if rank is None:
         import torch.distributed as dist
@@ -550,4 +691,4 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
         steps = parse_selection(steps, "steps")
     if isinstance(ranks, str):
         ranks = parse_selection(ranks, "ranks")
-    return Recorder(run_dir, level=level, steps=steps, ranks=ranks, rank=rank, perturb=perturb)
+    return Recorder(run_dir, level=level, steps=steps, ranks=ranks, rank=rank, perturb=perturb, copy=copy)

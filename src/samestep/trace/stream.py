@@ -75,12 +75,14 @@ class StreamWriter:
         self._writer = pa.ipc.new_stream(self._file, schema)
         self.rows = 0
 
-    def write(self, columns: dict[str, list]) -> None:
+    def write(self, columns: dict[str, Any]) -> None:
+        """Appends one record batch: each column a list of values or an Arrow array of the schema's type."""
         n = len(columns["seq"])
         if not n:
             return
-        self._writer.write_batch(pa.record_batch([pa.array(columns[c], type=SCHEMA.field(c).type) for c in COLUMNS],
-                                                 schema=SCHEMA))
+        arrays = [columns[c] if isinstance(columns[c], pa.Array) else pa.array(columns[c], type=SCHEMA.field(c).type)
+                  for c in COLUMNS]
+        self._writer.write_batch(pa.record_batch(arrays, schema=SCHEMA))
         self._file.flush()  # in the OS after this: survives a SIGKILL of this process
         self.rows += n
 

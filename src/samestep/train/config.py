@@ -165,6 +165,9 @@ class TraceConfig:
     perturb: str = ""
     """Fault injection to validate `samestep diff`: 'rank=R,step=S,microbatch=M,phase=P,scope=PATH,op=OP,
     occurrence=K' adds one ULP to element 0 of that record's output (needs level 'op' on that step)."""
+    copy: bool = False
+    """Module level: digest copies of module outputs and gradients (true), or the tensors themselves,
+    checked unchanged until digested (false: cheaper; a change in place stops the run and names it)."""
 
     def __post_init__(self) -> None:
         from samestep.trace import LEVELS, Perturb, parse_selection
