@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from samestep.analysis import DiffError, certify_trace, diff_runs
-from samestep.trace import Recorder, parse_selection, read_stream, stream_path
+from samestep.trace import Recorder, digest, parse_selection, read_stream, stream_path
 from samestep.trace.stream import FORMAT, SCHEMA, StreamWriter
 
 
@@ -24,10 +24,10 @@ class Tiny(torch.nn.Module):
         return self.head(self.inner(x)).sum()
 
 
-def _record(run: Path, level: str, scale: float = 1.0) -> Recorder:
+def _record(run: Path, level: str, scale: float = 1.0, copy: bool = False) -> Recorder:
     torch.manual_seed(0)
     model = Tiny()
-    rec = Recorder(run, level=level)
+    rec = Recorder(run, level=level, copy=copy)
     rec.attach(model)
     for step in (1, 2):
         with rec.step(step):
@@ -71,6 +71,58 @@ def test_levels_include_the_ones_before(tmp_path):
         _record(tmp_path / level, level)
         counts[level] = read_stream(stream_path(tmp_path / level, 0)).table.num_rows
     assert 0 < counts["step"] < counts["module"] < counts["op"]
+
+
+def test_module_level_without_copies_records_the_same_digests(tmp_path):
+    """Module outputs and gradients digested in place (checked) give the bytes of recording copies."""
+    _record(tmp_path / "live", "module")
+    _record(tmp_path / "copy", "module", copy=True)
+    live, copied = (read_stream(stream_path(tmp_path / d, 0)).table for d in ("live", "copy"))
+    assert live.num_rows > 20 and live.equals(copied)
+    _record(tmp_path / "other", "module", scale=1.0 + 2**-20)  # negative control: another input shows
+    assert not read_stream(stream_path(tmp_path / "other", 0)).table.equals(copied)
+
+
+class ChangesAnOutput(torch.nn.Module):
+    """Changes a child module's output in place after the child returned (legal: Linear keeps no output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner, self.head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inner(x)
+        h.add_(1.0)
+        return self.head(h).sum()
+
+
+def test_in_place_change_of_a_recorded_output_is_refused_or_copied(tmp_path):
+    """Without copies, an output changed in place after it was recorded stops the run with the record's
+    identity and the fix; with copies, the recorded digest is that of the value the module returned."""
+    torch.manual_seed(0)
+    model, x = ChangesAnOutput(), torch.ones(2, 4)
+    with torch.no_grad():
+        returned = digest(model.inner(x))
+    for copy in (False, True):
+        rec = Recorder(tmp_path / str(copy), level="module", copy=copy)
+        rec.attach(model)
+        with rec.step(1):
+            with rec.microbatch(0):
+                model(x).backward()
+            rec.grads(model.named_parameters())
+        if copy:
+            rec.close()
+        else:  # checked when the digests are done: at the next grads(), flush() or close()
+            with pytest.raises(RuntimeError, match=r"scope='inner' op='output' occurrence=0 was changed in place.*"
+                                                   r"trace.copy=true"):
+                rec.close()
+            assert read_stream(stream_path(tmp_path / "False", 0)).table.num_rows == 0  # nothing wrong written
+        model.zero_grad(set_to_none=True)
+    rows = read_stream(stream_path(tmp_path / "True", 0)).table.to_pylist()
+    out = next(r for r in rows if r["scope"] == "inner" and r["op"] == "output")
+    assert out["outputs"].hex() == returned  # the value the module returned, not the changed one
+    with torch.no_grad():
+        assert digest(model.inner(x) + 1.0) != returned  # negative control: the change is visible
 
 
 def test_torn_tail_is_reported_not_fatal(tmp_path):
