@@ -138,6 +138,7 @@ def test_batched_levels_equal_the_per_tensor_recursion():
     ts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
     ts += [torch.randn(300, 301, generator=g).t(), torch.randn(1_100_000, generator=g),  # a view; one hashed in place
            torch.randn(3, generator=g).to(torch.complex64), torch.tensor(7, dtype=torch.int16)]
+    ts += [torch.randn(25_000 + k, generator=g) for k in range(30)]  # several packing groups
     expected = [digest_module._lanes(t).tolist() for t in ts]
     assert digest_module.lanes_many(ts) == expected
     assert digest_module.lanes_many(ts[::-1]) == expected[::-1]

@@ -83,6 +83,33 @@ def test_module_level_without_copies_records_the_same_digests(tmp_path):
     assert not read_stream(stream_path(tmp_path / "other", 0)).table.equals(copied)
 
 
+def test_gradients_in_one_buffer_digest_like_separate_ones(tmp_path):
+    """Gradients that are pieces of one buffer (one staged copy, split by the worker) get the digests
+    of the same gradients as separate tensors."""
+    torch.manual_seed(0)
+    model = Tiny()
+    grads = [torch.randn(p.shape) for p in model.parameters()]
+    flat = torch.cat([torch.randn(3)] + [g.reshape(-1) for g in grads])  # a gap before the first piece
+    tables = []
+    for layout in ("separate", "one buffer", "changed"):
+        offset = 3
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone() if layout == "separate" else flat[offset: offset + g.numel()].view_as(g)
+            offset += g.numel()
+        if layout == "changed":
+            flat[-1] += 1.0  # negative control: the last gradient's last element
+        rec = Recorder(tmp_path / layout, level="step")
+        with rec.step(1):
+            rec.grads(model.named_parameters())
+            flat.zero_()  # the buffer changes after grads(): the staged copy does not
+        rec.close()
+        tables.append(read_stream(stream_path(tmp_path / layout, 0)).table)
+        flat = torch.cat([torch.randn(3)] + [g.reshape(-1) for g in grads])
+    assert tables[0].num_rows == len(grads) and tables[0].equals(tables[1])
+    assert tables[2].column("outputs").to_pylist()[:-1] == tables[0].column("outputs").to_pylist()[:-1]
+    assert tables[2].column("outputs").to_pylist()[-1] != tables[0].column("outputs").to_pylist()[-1]
+
+
 class ChangesAnOutput(torch.nn.Module):
     """Changes a child module's output in place after the child returned (legal: Linear keeps no output)."""
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -159,9 +158,11 @@ def _finish(t: torch.Tensor, lanes: Sequence[int]) -> str:
 
 
 ROW_BYTES = 2 * COLS  # one row of words, in bytes
-# Tensors at least this large are hashed where they lie; smaller ones are packed into one buffer first
-# (one copy costs less than a dozen small operations per tensor).
+# Tensors at least this large are hashed where they lie; smaller ones are packed into buffers of about
+# PACK_BYTES first (one copy costs less than a dozen small operations per tensor, and a buffer this
+# size is reused by the allocator and still in cache when it is hashed).
 BIG_BYTES = 1 << 22
+PACK_BYTES = 1 << 21
 
 
 def rows_of(nbytes: int) -> int:
@@ -190,45 +191,30 @@ def pack_into(buf: torch.Tensor, offset: int, t: torch.Tensor) -> None:
     typed.as_strided(t.shape, stride[::-1], offset // t.element_size()).copy_(t)
 
 
-_scratch = threading.local()  # per thread: device -> a reused packing buffer
-SCRATCH_KEEP = 1 << 26  # a thread keeps a packing buffer up to this size between calls
+_pads: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
 
 
-def _pack(device: torch.device, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int], list[int]]:
-    """Packs tensors of one device at whole rows with one concatenation per dtype (each tensor flattened,
-    followed by a slice of zeros up to its row end). Returns the uint8 buffer, the order of the tensors
-    in it, and their rows."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for k, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(k)
-    order = [k for ks in by_dtype.values() for k in ks]
-    rows = [rows_of(tensors[k].numel() * tensors[k].element_size()) for k in order]
-    nbytes = sum(rows) * ROW_BYTES
-    cache = getattr(_scratch, "bufs", None)
-    if cache is None:
-        cache = _scratch.bufs = {}
-    buf = cache.get(device)
-    if buf is None or buf.numel() < nbytes:
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        if nbytes <= SCRATCH_KEEP:
-            cache[device] = buf
-    offset, at = 0, 0
-    for dtype, ks in by_dtype.items():
-        size = ROW_BYTES // dtype.itemsize  # elements per row
+def _pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """Packs tensors of one device and dtype at whole rows: one concatenation of each tensor followed by
+    zeros up to its row end (one operation, whatever the number of tensors). Returns the bytes (uint8)
+    and each tensor's rows."""
+    dtype, device = tensors[0].dtype, tensors[0].device
+    size = ROW_BYTES // dtype.itemsize  # elements per row
+    pads = _pads.get((device, dtype))
+    if pads is None:  # zero pads of every length below a row, and a whole zero row (an empty tensor's)
         zeros = torch.zeros(size, dtype=dtype, device=device)
-        parts = []
-        for k in ks:
-            t = tensors[k]
-            if t.is_conj() or t.is_neg():
-                t = t.resolve_conj().resolve_neg()
-            n = t.numel()
-            parts.append(t.reshape(-1))
-            parts.append(zeros[: rows[at] * size - n])
-            at += 1
-        end = offset + sum(p.numel() for p in parts) * (ROW_BYTES // size)
-        torch.cat(parts, out=buf[offset:end].view(dtype))
-        offset = end
-    return buf[:nbytes], order, rows
+        pads = _pads[(device, dtype)] = [zeros[:n] for n in range(size + 1)]
+    parts, rows = [], []
+    for t in tensors:
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        n = t.numel()
+        r = max(1, -(-n // size))
+        parts.append(t)
+        if r * size - n:
+            parts.append(pads[r * size - n])
+        rows.append(r)
+    return torch._C._nn.flatten_dense_tensors(parts).view(torch.uint8), rows
 
 
 def _zero_pads(buf: torch.Tensor, nbytes: list[int]) -> None:
@@ -281,8 +267,8 @@ def _reduce_segments(h: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, p: to
 def lanes_packed(packs: Sequence[Packed], tensors: Sequence[torch.Tensor] = ()) -> list[list[int]]:
     """The 4 final lanes of every entry of ``packs`` (in order), then of every tensor in ``tensors``.
 
-    Tensors below ``BIG_BYTES`` are packed into one buffer per device first; larger ones are hashed where
-    they lie. Each level is then one matrix product per buffer, plus one for all segments together, and
+    Tensors below ``BIG_BYTES`` are packed per device and dtype first (``_pack``); larger ones are
+    hashed where they lie. Each level is then one matrix product per buffer, plus one for all segments together, and
     the lanes reach the host in one copy per device. The padding of ``packs`` is zeroed here, in place.
     """
     for i, t in enumerate(tensors):
@@ -299,19 +285,26 @@ def lanes_packed(packs: Sequence[Packed], tensors: Sequence[torch.Tensor] = ()) 
             h = _level(pk.buf[: sum(rows) * ROW_BYTES].view(torch.int16), w, p)
             by_device.setdefault(pk.buf.device, []).append((list(range(index, index + len(rows))), h, rows))
         index += len(rows)
-    small: dict[torch.device, list[int]] = {}
+    small: dict[tuple[torch.device, torch.dtype], list[int]] = {}
     for i, t in enumerate(tensors):
         if t.numel() * t.element_size() >= BIG_BYTES:
             w, p = _weights(t.device)
             h = _level(_words(t), w, p)
             by_device.setdefault(t.device, []).append(([index + i], h, [h.shape[0]]))
         else:
-            small.setdefault(t.device, []).append(i)
-    for device, idx in small.items():
-        buf, order, rows = _pack(device, [tensors[i] for i in idx])
+            small.setdefault((t.device, t.dtype), []).append(i)
+    for (device, _), idx in small.items():
         w, p = _weights(device)
-        by_device.setdefault(device, []).append(([index + idx[k] for k in order], _level(buf.view(torch.int16), w, p),
-                                                 rows))
+        group: list[int] = []
+        size = 0
+        for k, i in enumerate(idx):
+            group.append(i)
+            size += tensors[i].numel() * tensors[i].element_size()
+            if size >= PACK_BYTES or k == len(idx) - 1:  # packed and hashed while the bytes are in cache
+                buf, rows = _pack([tensors[j] for j in group])
+                by_device.setdefault(device, []).append(([index + j for j in group],
+                                                         _level(buf.view(torch.int16), w, p), rows))
+                group, size = [], 0
     host: list[list[int]] = [[] for _ in range(index + len(tensors))]
     for device, blocks in by_device.items():
         w, p = _weights(device)

@@ -213,12 +213,13 @@ class _Batch:
 
     Record ``i`` has inputs ``ins[in_end[i-1]:in_end[i]]`` and outputs likewise: references, each a
     (slot, digest header) pair in ``ref_slot``/``ref_head`` (``NO_REF``: uninitialised memory). A slot is
-    an entry of a chunk in ``packs`` (``slot_chunk`` >= 0, ``slot_entry``) or a whole tensor in ``tensors``
-    (``slot_chunk`` -1): a tensor, or (copy, shape, stride, offset), a piece of a staged copy.
+    an entry of a chunk in ``packs`` (``slot_chunk`` >= 0, ``slot_entry``) or a tensor (``slot_chunk`` -1,
+    ``slot_entry`` counting the tensors that ``tensors`` expands to: each entry a tensor, or (copy, sizes,
+    keep): the pieces ``keep`` of ``copy.split(sizes)``).
     """
 
     __slots__ = ("first_seq", "step", "mb", "phase", "scope", "op", "occ", "ins", "in_end", "outs", "out_end",
-                 "ref_slot", "ref_head", "slot_chunk", "slot_entry", "packs", "tensors", "checks")
+                 "ref_slot", "ref_head", "slot_chunk", "slot_entry", "packs", "tensors", "expanded", "checks")
 
     def __init__(self, first_seq: int) -> None:
         self.first_seq = first_seq
@@ -238,6 +239,7 @@ class _Batch:
         self.slot_entry: list[int] = []
         self.packs: list[Packed] = []
         self.tensors: list[torch.Tensor | tuple] = []
+        self.expanded = 0
         # Tensors digested without a copy that must not change before: (tensor, version, record identity).
         self.checks: list[tuple[torch.Tensor, int, tuple]] = []
 
@@ -287,6 +289,11 @@ class Recorder:
     def _at(self, level: str) -> bool:
         return self.active and self._rank_level >= LEVELS.index(level)
 
+    @property
+    def _modules_on(self) -> bool:
+        """Whether module records are taken now (the hot check in every module hook)."""
+        return self._rank_level >= 2 and self.enabled and (self.steps is None or self._step in self.steps)
+
     # -- staging and records ---------------------------------------------------------------------------
     def _stage(self, t: torch.Tensor, uninit: bool = False, share: int | None = None,
                copy: bool | str = True, what: tuple = ()) -> int:
@@ -327,13 +334,24 @@ class Recorder:
         self._remember(t, ref)
         return ref
 
-    def _add_tensor(self, t: torch.Tensor | tuple) -> int:
-        """A whole tensor to digest, or (copy, shape, stride, offset): a piece of a staged copy."""
+    def _add_tensor(self, t: torch.Tensor) -> int:
+        """A whole tensor to digest as it is."""
         b = self._b
         b.tensors.append(t)
         b.slot_chunk.append(-1)
-        b.slot_entry.append(len(b.tensors) - 1)
+        b.slot_entry.append(b.expanded)
+        b.expanded += 1
         return len(b.slot_chunk) - 1
+
+    def _add_pieces(self, copy: torch.Tensor, sizes: list[int], keep: list[int]) -> list[int]:
+        """Pieces ``keep`` of ``copy.split(sizes)`` to digest (split by the worker: one operation)."""
+        b = self._b
+        b.tensors.append((copy, sizes, keep))
+        first = len(b.slot_chunk)
+        b.slot_chunk.extend([-1] * len(keep))
+        b.slot_entry.extend(range(b.expanded, b.expanded + len(keep)))
+        b.expanded += len(keep)
+        return list(range(first, first + len(keep)))
 
     def _copy(self, t: torch.Tensor) -> int:
         """Copies ``t`` into the open chunk of its device (a new or reused chunk when it is full)."""
@@ -457,7 +475,13 @@ class Recorder:
             self._free.setdefault(pack.buf.device, []).append(pack.buf)
 
     def _write(self, b: _Batch) -> None:
-        tensors = [t if isinstance(t, torch.Tensor) else t[0].as_strided(*t[1:]) for t in b.tensors]
+        tensors: list[torch.Tensor] = []
+        for t in b.tensors:
+            if isinstance(t, torch.Tensor):
+                tensors.append(t)
+            else:
+                pieces = t[0].split(t[1])
+                tensors.extend(pieces[k] for k in t[2])
         lanes = lanes_packed(b.packs, tensors)
         if any(live._version != version for live, version, _ in b.checks):
             return  # a digest may be of a changed value: nothing is written, and _verify raises
@@ -532,7 +556,7 @@ class Recorder:
         parent = path.rpartition(".")[0]
 
         def enter_backward(grad: torch.Tensor, innermost: bool) -> None:
-            if self._at("module"):
+            if self._modules_on:
                 self.record("grad_output", [grad], scope=path, phase="backward", copy=self._module_copy)
             if innermost:
                 self._bwd_scope = path
@@ -545,7 +569,7 @@ class Recorder:
         def hook(module, args, output):
             if tokens:
                 _scope.reset(tokens.pop())
-            if not self._at("module"):
+            if not self._modules_on:
                 return
             outs = _leaves(output)
             self.record("output", outs, scope=path, phase="forward", copy=self._module_copy)
@@ -590,14 +614,24 @@ class Recorder:
                 groups.setdefault((g.untyped_storage().data_ptr(), g.dtype, g.device), []).append(g)
         slot: dict[int, int] = {}
         for group in groups.values():
-            if len(group) < 2:
-                continue
-            lo = min(g.storage_offset() for g in group)
-            hi = max(g.storage_offset() + g.numel() for g in group)
-            flat = group[0].detach().as_strided((hi - lo,), (1,), lo).clone()
-            self._staged_bytes += flat.numel() * flat.element_size()
+            group.sort(key=lambda g: g.storage_offset())
+            sizes, keep, end = [], [], group[0].storage_offset()
             for g in group:
-                slot[id(g)] = self._add_tensor((flat, g.shape, g.stride(), g.storage_offset() - lo))
+                if g.storage_offset() < end:  # overlapping pieces: copied one by one
+                    break
+                if g.storage_offset() > end:
+                    sizes.append(g.storage_offset() - end)  # a gap, not digested
+                keep.append(len(sizes))
+                sizes.append(g.numel())
+                end = g.storage_offset() + g.numel()
+            else:
+                if len(group) < 2:
+                    continue
+                lo = group[0].storage_offset()
+                flat = group[0].detach().as_strided((end - lo,), (1,), lo).clone()
+                self._staged_bytes += flat.numel() * flat.element_size()
+                for g, k in zip(group, self._add_pieces(flat, sizes, keep)):
+                    slot[id(g)] = k
         self._record_many([("grad", name, g) for name, g in named], slot)
 
     def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
