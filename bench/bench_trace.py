@@ -1,6 +1,6 @@
 """Trace benchmarks: digest throughput, tracing overhead per level, and diff at scale.
 
-    .venv/bin/python bench/bench_trace.py [--pairs 7] [--steps 3] [--records 10000000] [--ranks 1024] [--json]
+    .venv/bin/python bench/bench_trace.py [--pairs 11] [--steps 3] [--records 10000000] [--ranks 1024] [--json]
 
 All ratios are measured side by side in one run: the digest against a same-size tensor copy, each
 trace level against the untraced step (alternating pairs, median of per-pair ratios), and the diff
@@ -135,7 +135,7 @@ def diff_scale(records: int, ranks: int, per_rank: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--pairs", type=int, default=11)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--records", type=int, default=10_000_000)
     ap.add_argument("--ranks", type=int, default=1024)

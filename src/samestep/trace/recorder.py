@@ -271,6 +271,7 @@ class Recorder:
         self._inflight: _Batch | None = None
         self._tokens: list[contextvars.Token] = []  # forward scopes entered (pre hooks), innermost last
         self._heads: dict[tuple, bytes] = {}
+        self._grad_bufs: dict[tuple, tuple[torch.Tensor, _Batch]] = {}  # (dtype, device) -> (buffer, its batch)
         self._staged_bytes = 0
         self._cache: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (tensor, version, ref)
         self._memo: dict[tuple, int] = {}  # (view op, input refs, arguments) -> ref
@@ -564,6 +565,12 @@ class Recorder:
         def leave_backward(grad: torch.Tensor) -> None:
             self._bwd_scope = parent
 
+        def enter_inner(grad: torch.Tensor) -> None:
+            enter_backward(grad, True)
+
+        def enter_outer(grad: torch.Tensor) -> None:
+            enter_backward(grad, False)
+
         tokens = self._tokens
 
         def hook(module, args, output):
@@ -579,10 +586,11 @@ class Recorder:
                 if t.requires_grad:
                     # Hooks on one tensor fire in registration order, innermost module first; only the
                     # innermost producer sets the backward scope.
-                    innermost = not hasattr(t, "_samestep_producer")
-                    if innermost:
+                    if hasattr(t, "_samestep_producer"):
+                        t.register_hook(enter_outer)
+                    else:
                         t._samestep_producer = path
-                    t.register_hook(lambda g, inner=innermost: enter_backward(g, inner))
+                        t.register_hook(enter_inner)
             for t in _leaves(args):
                 # An input made by another module gets that module's scope on entry; only inputs made
                 # by plain ops in the parent need the scope handed back to the parent.
@@ -628,11 +636,21 @@ class Recorder:
                 if len(group) < 2:
                     continue
                 lo = group[0].storage_offset()
-                flat = group[0].detach().as_strided((end - lo,), (1,), lo).clone()
+                flat = self._grad_copy(group[0].detach().as_strided((end - lo,), (1,), lo))
                 self._staged_bytes += flat.numel() * flat.element_size()
                 for g, k in zip(group, self._add_pieces(flat, sizes, keep)):
                     slot[id(g)] = k
         self._record_many([("grad", name, g) for name, g in named], slot)
+
+    def _grad_copy(self, flat: torch.Tensor) -> torch.Tensor:
+        """A copy of a gradient buffer, in a buffer reused from step to step: the batch that read the
+        last one is digested (``grads`` waits for it first), unless the current batch still holds it."""
+        key = (flat.dtype, flat.device)
+        buf, owner = self._grad_bufs.get(key, (None, None))
+        if buf is None or buf.numel() < flat.numel() or owner is self._b:
+            buf = torch.empty(flat.numel(), dtype=flat.dtype, device=flat.device)
+        self._grad_bufs[key] = (buf, self._b)
+        return buf[: flat.numel()].copy_(flat)
 
     def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Parameters and optimizer state after the update.
@@ -656,32 +674,45 @@ class Recorder:
 
     def _record_many(self, items: list[tuple[str, str, torch.Tensor]], slots: dict[int, int | None]) -> None:
         """Step records (op, scope, tensor), one output each, without the per-tensor cache: a tensor whose
-        id maps to a slot uses it, to None is digested live (no copy), any other is copied."""
-        heads, counts, mb, step, b = self._heads, self._counts, self._mb, self._step, self._b
-        for op, scope, t in items:
-            key = (mb, "step", scope, op)
-            occurrence = counts.get(key, 0)
-            counts[key] = occurrence + 1
+        id maps to a slot uses it, to None is digested live (no copy), any other is copied.
+
+        The columns grow by whole lists (a few list operations, not a dozen per record)."""
+        heads, counts, mb, b = self._heads, self._counts, self._mb, self._b
+        n = len(items)
+        keys = [(mb, "step", scope, op) for op, scope, _ in items]
+        if counts.keys().isdisjoint(keys) and len(set(keys)) == n:  # the usual case: every key is new
+            occurrences = [0] * n
+            counts.update(dict.fromkeys(keys, 1))
+        else:
+            occurrences = []
+            for key in keys:
+                occurrences.append(counts.get(key, 0))
+                counts[key] = occurrences[-1] + 1
+        refs = []
+        for _, _, t in items:
             slot = slots.get(id(t), -1)
             if slot is None:
                 slot = self._add_tensor(t)
             elif slot < 0:
                 slot = self._copy(t)
+            refs.append(slot)
+        first = len(b.ref_slot)
+        b.ref_slot.extend(refs)
+        for _, _, t in items:
             head = heads.get((t.dtype, t.shape))
             if head is None:
                 head = heads[(t.dtype, t.shape)] = digest_header(t)
-            b.ref_slot.append(slot)
             b.ref_head.append(head)
-            b.step.append(step)
-            b.mb.append(mb)
-            b.phase.append("step")
-            b.scope.append(scope)
-            b.op.append(op)
-            b.occ.append(occurrence)
-            b.in_end.append(len(b.ins))
-            b.outs.append(len(b.ref_slot) - 1)
-            b.out_end.append(len(b.outs))
-        self._seq += len(items)
+        b.step.extend([self._step] * n)
+        b.mb.extend([mb] * n)
+        b.phase.extend(["step"] * n)
+        b.scope.extend([scope for _, scope, _ in items])
+        b.op.extend([op for op, _, _ in items])
+        b.occ.extend(occurrences)
+        b.in_end.extend([len(b.ins)] * n)
+        b.out_end.extend(range(len(b.outs) + 1, len(b.outs) + n + 1))
+        b.outs.extend(range(first, first + n))
+        self._seq += n
         if self._staged_bytes > FLUSH_BYTES:
             self.flush()
 
