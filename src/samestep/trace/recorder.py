@@ -538,8 +538,11 @@ class Recorder:
         if not self.enabled or self._rank_level < LEVELS.index("module"):
             return
         for path, module in model.named_modules():
-            self._hooks.append(module.register_forward_pre_hook(self._pre_hook(path)))
-            self._hooks.append(module.register_forward_hook(self._post_hook(path)))
+            if self._rank_level >= LEVELS.index("op"):
+                self._hooks.append(module.register_forward_pre_hook(self._pre_hook(path)))
+                self._hooks.append(module.register_forward_hook(self._post_hook(path)))
+            else:  # module level: no scopes to follow (only ops use them), so fewer hooks
+                self._hooks.append(module.register_forward_hook(self._module_hook(path)))
 
     def detach(self) -> None:
         for h in self._hooks:
@@ -596,6 +599,23 @@ class Recorder:
                 # by plain ops in the parent need the scope handed back to the parent.
                 if t.requires_grad and not hasattr(t, "_samestep_producer"):
                     t.register_hook(leave_backward)
+        return hook
+
+    def _module_hook(self, path: str):
+        """Module level only: records the output, and the gradient arriving at it in backward."""
+        def grad_output(grad: torch.Tensor) -> None:
+            if self._modules_on:
+                self.record("grad_output", [grad], scope=path, phase="backward", copy=self._module_copy)
+
+        def hook(module, args, output):
+            if not self._modules_on:
+                return
+            outs = _leaves(output)
+            self.record("output", outs, scope=path, phase="forward", copy=self._module_copy)
+            if torch.is_grad_enabled():
+                for t in outs:
+                    if t.requires_grad:
+                        t.register_hook(grad_output)
         return hook
 
     # -- step level ------------------------------------------------------------------------------------
