@@ -116,6 +116,11 @@ def _leaves(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
+def _device(entry: torch.Tensor | tuple) -> torch.device:
+    """The device of a staged tensor entry (a tensor, or (copy, sizes, keep))."""
+    return entry.device if isinstance(entry, torch.Tensor) else entry[0].device
+
+
 def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
     """The tensors among op arguments or results (ATen nests them at most one list deep)."""
     out = []
@@ -443,7 +448,15 @@ class Recorder:
             # Staged copies are never written again, and digests are exact integer arithmetic, so a
             # second thread can digest them while the training thread runs the next step.
             self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="samestep-trace")
-        self._pending = self._worker.submit(self._write, batch)
+        # On a GPU, the worker's kernels run on its own thread's current stream: they start after
+        # everything the training thread has queued so far (the copies, the values recorded) is done.
+        events = []
+        for device in {x.buf.device for x in batch.packs} | {_device(t) for t in batch.tensors}:
+            if device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                events.append((device, event))
+        self._pending = self._worker.submit(self._write, batch, events)
 
     def _wait(self) -> None:
         if self._pending is not None:
@@ -475,7 +488,9 @@ class Recorder:
         for pack in packs:
             self._free.setdefault(pack.buf.device, []).append(pack.buf)
 
-    def _write(self, b: _Batch) -> None:
+    def _write(self, b: _Batch, events: list[tuple[torch.device, Any]] | None = None) -> None:
+        for device, event in events or ():
+            torch.cuda.current_stream(device).wait_event(event)
         tensors: list[torch.Tensor] = []
         for t in b.tensors:
             if isinstance(t, torch.Tensor):
