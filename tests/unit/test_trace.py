@@ -145,9 +145,17 @@ def test_in_place_change_of_a_recorded_output_is_refused_or_copied(tmp_path):
                 rec.close()
             assert read_stream(stream_path(tmp_path / "False", 0)).table.num_rows == 0  # nothing wrong written
         model.zero_grad(set_to_none=True)
-    rows = read_stream(stream_path(tmp_path / "True", 0)).table.to_pylist()
-    out = next(r for r in rows if r["scope"] == "inner" and r["op"] == "output")
-    assert out["outputs"].hex() == returned  # the value the module returned, not the changed one
+    rec = Recorder(tmp_path / "op", level="op")  # op level copies: the in-place add_ is an op of its own
+    rec.attach(model)
+    with rec.step(1):
+        with rec.microbatch(0):
+            model(x).backward()
+        rec.grads(model.named_parameters())
+    rec.close()
+    for run in ("True", "op"):
+        rows = read_stream(stream_path(tmp_path / run, 0)).table.to_pylist()
+        out = next(r for r in rows if r["scope"] == "inner" and r["op"] == "output")
+        assert out["outputs"].hex() == returned  # the value the module returned, not the changed one
     with torch.no_grad():
         assert digest(model.inner(x) + 1.0) != returned  # negative control: the change is visible
 

@@ -258,8 +258,9 @@ class Recorder:
         if level not in LEVELS:
             raise ValueError(f"trace level {level!r} is unknown; use one of {', '.join(LEVELS)}")
         self.level, self.steps, self.rank, self.perturb = level, steps, rank, perturb
-        # Module outputs and gradients: copied, or kept and checked unchanged until digested.
-        self._module_copy: bool | str = True if copy else "checked"
+        # Module outputs and gradients: copied, or kept and checked unchanged until digested (module level;
+        # at op level they are op outputs already staged, and a later in-place op must not trip a check).
+        self._module_copy: bool | str = True if copy or level == "op" else "checked"
         self.enabled = level != "off" and (ranks is None or rank in ranks)
         self._rank_level = LEVELS.index(level)
         self._run_dir = Path(run_dir)
