@@ -4,7 +4,9 @@ the thread count or the reduction order. Specified in docs/digest.md (with test 
 The tensor's bytes (row-major, little-endian) are read as signed 16-bit words, cut into rows of 256,
 and each row is hashed in 4 lanes: ``sum_j word_j * W[j, lane] mod p_lane``, with fixed pseudo-random
 weights ``W`` and four primes below 2**28. Every partial sum is an integer below 2**51, so computing
-the rows with a float64 matrix product is exact whatever order BLAS (or cuBLAS) adds in. The row
+the rows with a float64 matrix product is exact whatever order BLAS (or cuBLAS) adds in; where the
+device has an int8 matrix product (``torch._int_mm``), the same sums are computed from 7-bit digits of
+the weights in int32, exactly too, and faster. The row
 hashes (4 lanes of 28 bits) are split into 14-bit words and hashed again the same way, until one row
 is left. BLAKE2b of the dtype, shape, byte count and the 4 final lanes is the digest.
 
