@@ -210,24 +210,23 @@ def _pack(tensors: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
     for t in tensors:
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
-        n = t.numel()
-        r = max(1, -(-n // size))
+        r = rows_of(t.numel() * dtype.itemsize)
         parts.append(t)
-        if r * size - n:
-            parts.append(pads[r * size - n])
+        if r * size - t.numel():
+            parts.append(pads[r * size - t.numel()])
         rows.append(r)
     return torch._C._nn.flatten_dense_tensors(parts).view(torch.uint8), rows
 
 
-def _zero_pads(buf: torch.Tensor, nbytes: list[int]) -> None:
+def _zero_pads(buf: torch.Tensor, nbytes: list[int], rows: list[int]) -> None:
     """Zeroes every entry's padding (the bytes between its data and the end of its last row)."""
     n = torch.tensor(nbytes, dtype=torch.int64)
-    rows = torch.clamp((n + ROW_BYTES - 1) // ROW_BYTES, min=1)
-    pad = rows * ROW_BYTES - n
+    r = torch.tensor(rows, dtype=torch.int64)
+    pad = r * ROW_BYTES - n
     total = int(pad.sum())
     if not total:
         return
-    starts = (rows.cumsum(0) - rows) * ROW_BYTES + n  # first padding byte of each entry
+    starts = (r.cumsum(0) - r) * ROW_BYTES + n  # first padding byte of each entry
     idx = torch.repeat_interleave(starts - (pad.cumsum(0) - pad), pad, output_size=total) + torch.arange(total)
     buf.index_fill_(0, idx.to(buf.device), 0)
 
@@ -270,8 +269,8 @@ def lanes_packed(packs: Sequence[Packed], tensors: Sequence[torch.Tensor] = ()) 
     """The 4 final lanes of every entry of ``packs`` (in order), then of every tensor in ``tensors``.
 
     Tensors below ``BIG_BYTES`` are packed per device and dtype first (``_pack``); larger ones are
-    hashed where they lie. Each level is then one matrix product per buffer, plus one for all segments together, and
-    the lanes reach the host in one copy per device. The padding of ``packs`` is zeroed here, in place.
+    hashed where they lie. Each level is then one matrix product per buffer, plus one for all segments
+    together, and the lanes reach the host in one copy per device. The padding of ``packs`` is zeroed here, in place.
     """
     for i, t in enumerate(tensors):
         if t.is_sparse or t.layout != torch.strided:
@@ -282,7 +281,7 @@ def lanes_packed(packs: Sequence[Packed], tensors: Sequence[torch.Tensor] = ()) 
     for pk in packs:
         rows = [rows_of(n) for n in pk.nbytes]
         if rows:
-            _zero_pads(pk.buf, pk.nbytes)
+            _zero_pads(pk.buf, pk.nbytes, rows)
             w, p = _weights(pk.buf.device)
             h = _level(pk.buf[: sum(rows) * ROW_BYTES].view(torch.int16), w, p)
             by_device.setdefault(pk.buf.device, []).append((list(range(index, index + len(rows))), h, rows))
