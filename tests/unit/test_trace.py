@@ -84,9 +84,11 @@ def test_flushing_after_every_record_writes_the_same_stream(tmp_path, monkeypatc
     monkeypatch.setattr(recorder_module, "FLUSH_BYTES", 0)
     monkeypatch.setattr(recorder_module, "CHUNK_BYTES", 4096)  # and many small chunks
     _record(tmp_path / "cut", level)
-    whole, cut = (read_stream(stream_path(tmp_path / d, 0)) for d in ("whole", "cut"))
+    _record(tmp_path / "other", level, scale=1.0 + 2**-20)  # negative control: another input, also cut
+    whole, cut, other = (read_stream(stream_path(tmp_path / d, 0)) for d in ("whole", "cut", "other"))
     assert cut.table.num_rows == whole.table.num_rows > 20 and cut.table.equals(whole.table)
     assert cut.torn is None
+    assert other.table.num_rows == whole.table.num_rows and not other.table.equals(whole.table)
 
 
 def test_module_level_without_copies_records_the_same_digests(tmp_path):
