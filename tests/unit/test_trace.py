@@ -143,13 +143,14 @@ class ChangesAnOutput(torch.nn.Module):
 
 def test_in_place_change_of_a_recorded_output_is_refused_or_copied(tmp_path):
     """Without copies, an output changed in place after it was recorded stops the run with the record's
-    identity and the fix; with copies, the recorded digest is that of the value the module returned."""
+    identity and the fix (with a worker thread or process); with copies, the recorded digest is that of
+    the value the module returned."""
     torch.manual_seed(0)
     model, x = ChangesAnOutput(), torch.ones(2, 4)
     with torch.no_grad():
         returned = digest(model.inner(x))
-    for copy in (False, True):
-        rec = Recorder(tmp_path / str(copy), level="module", copy=copy)
+    for copy, worker in ((False, "thread"), (False, "process"), (True, "auto")):
+        rec = Recorder(tmp_path / f"{copy}{worker}", level="module", copy=copy, worker=worker)
         rec.attach(model)
         with rec.step(1):
             with rec.microbatch(0):
@@ -161,7 +162,7 @@ def test_in_place_change_of_a_recorded_output_is_refused_or_copied(tmp_path):
             with pytest.raises(RuntimeError, match=r"scope='inner' op='output' occurrence=0 was changed in place.*"
                                                    r"trace.copy=true"):
                 rec.close()
-            assert read_stream(stream_path(tmp_path / "False", 0)).table.num_rows == 0  # nothing wrong written
+            assert read_stream(stream_path(tmp_path / f"False{worker}", 0)).table.num_rows == 0  # none written
         model.zero_grad(set_to_none=True)
     rec = Recorder(tmp_path / "op", level="op")  # op level copies: the in-place add_ is an op of its own
     rec.attach(model)
@@ -170,7 +171,7 @@ def test_in_place_change_of_a_recorded_output_is_refused_or_copied(tmp_path):
             model(x).backward()
         rec.grads(model.named_parameters())
     rec.close()
-    for run in ("True", "op"):
+    for run in ("Trueauto", "op"):
         rows = read_stream(stream_path(tmp_path / run, 0)).table.to_pylist()
         out = next(r for r in rows if r["scope"] == "inner" and r["op"] == "output")
         assert out["outputs"].hex() == returned  # the value the module returned, not the changed one

@@ -33,29 +33,28 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
+import warnings
 import weakref
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import pyarrow as pa
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
-from samestep.trace.digest import ROW_BYTES, Packed, lanes_packed, pack_into, rows_of
-from samestep.trace.digest import finish as digest_finish
+from samestep.trace.digest import ROW_BYTES, Packed, pack_into, rows_of
 from samestep.trace.digest import header as digest_header
-from samestep.trace.stream import StreamWriter, stream_path, stream_segments
+from samestep.trace.stream import stream_path, stream_segments
+from samestep.trace.worker import ProcessWorker, ThreadWorker
 
-__all__ = ["LEVELS", "Perturb", "Recorder", "parse_selection", "trace"]
+__all__ = ["LEVELS", "Perturb", "Recorder", "WORKERS", "parse_selection", "trace"]
 
 LEVELS = ("off", "step", "module", "op")
+WORKERS = ("auto", "process", "thread")
 _MODULE = LEVELS.index("module")
-UNINIT = bytes(16)  # the digest recorded for uninitialised memory (torch.empty and friends)
 NO_REF = -1  # the reference of uninitialised memory: digest UNINIT
 # Ops whose output is uninitialised memory: digesting it would report noise as divergence.
 _EMPTY_OPS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
@@ -277,17 +276,25 @@ class Recorder:
 
     def __init__(self, run_dir: str | Path, *, level: str = "op", steps: set[int] | None = None,
                  ranks: set[int] | None = None, rank: int = 0, perturb: Perturb | None = None,
-                 meta: dict[str, Any] | None = None, copy: bool = False) -> None:
+                 meta: dict[str, Any] | None = None, copy: bool = False, worker: str = "auto") -> None:
         if level not in LEVELS:
             raise ValueError(f"trace level {level!r} is unknown; use one of {', '.join(LEVELS)}")
+        if worker not in WORKERS:
+            raise ValueError(f"trace worker {worker!r} is unknown; use one of {', '.join(WORKERS)}")
         self.level, self.steps, self.rank, self.perturb = level, steps, rank, perturb
+        # "auto": a child process on Linux without CUDA (see worker.py: it spares the training thread the
+        # interpreter lock), else a thread.
+        self._requested_worker = worker
+        if worker == "auto":
+            worker = "process" if sys.platform == "linux" and not torch.cuda.is_available() else "thread"
+        self.worker = worker  # falls back to "thread" if "auto" cannot start a process (a warning says why)
         # Module level: module outputs and gradients copied, or kept and checked unchanged until digested.
         self._module_copy: bool | str = True if copy else "checked"
         self.enabled = level != "off" and (ranks is None or rank in ranks)
         self._rank_level = LEVELS.index(level)
         self._run_dir = Path(run_dir)
         self._meta = {"rank": rank, "level": level, **(meta or {})}
-        self._writer: StreamWriter | None = None  # opened at the first flush: nothing is written before
+        self._writing = False  # the stream is opened at the first flush: nothing is written before
         self._step, self._mb = 0, -1
         self._bwd_scope = ""
         self._counts: dict[tuple, int] = {}
@@ -306,8 +313,7 @@ class Recorder:
         self._seq = 0
         self._hooks: list[Any] = []
         self._in_dispatch = False
-        self._worker: ThreadPoolExecutor | None = None
-        self._pending: Future | None = None
+        self._worker: ThreadWorker | ProcessWorker | None = None  # started at the first flush
 
     # -- selection -------------------------------------------------------------------------------------
     @property
@@ -417,7 +423,8 @@ class Recorder:
         self._counts[key] = n + 1
         return n
 
-    def _append(self, phase: str, scope: str, op: str, occurrence: int, inputs: list, outputs: list) -> None:
+    def _append(self, phase: str, scope: str, op: str, occurrence: int, inputs: Iterable[int],
+                outputs: list[int]) -> None:
         b = self._b
         b.step.append(self._step)
         b.mb.append(self._mb)
@@ -461,14 +468,15 @@ class Recorder:
         if not batch.step:
             self._free_chunks(batch.packs)
             return
-        if self._writer is None:  # a new segment: a resumed run never overwrites the earlier stream
-            path = stream_path(self._run_dir, self.rank, len(stream_segments(self._run_dir, self.rank)))
-            self._writer = StreamWriter(path, self._meta)
-        self._inflight = batch
         if self._worker is None:
-            # Staged copies are never written again, and digests are exact integer arithmetic, so a
-            # second thread can digest them while the training thread runs the next step.
-            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="samestep-trace")
+            # Staged copies are never written again, and digests are exact integer arithmetic, so a worker
+            # can digest them while the training thread runs the next step.
+            self._worker = self._start_worker()
+        if not self._writing:  # a new segment: a resumed run never overwrites the earlier stream
+            path = stream_path(self._run_dir, self.rank, len(stream_segments(self._run_dir, self.rank)))
+            self._worker.open(path, self._meta)
+            self._writing = True
+        self._inflight = batch
         # On a GPU, the worker's kernels run on its own thread's current stream: they start after
         # everything the training thread has queued so far (the copies, the values recorded) is done.
         events = []
@@ -477,14 +485,27 @@ class Recorder:
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(device))
                 events.append((device, event))
-        self._pending = self._worker.submit(self._write, batch, events)
+        self._worker.submit(batch, events)
+
+    def _start_worker(self) -> ThreadWorker | ProcessWorker:
+        if self.worker == "process":
+            try:
+                return ProcessWorker()
+            except OSError as e:
+                if self._requested_worker == "process":
+                    raise RuntimeError(f"trace.worker=process: {e}") from None
+                warnings.warn(f"samestep.trace: {e}; digesting on a thread instead", RuntimeWarning, stacklevel=3)
+                self.worker = "thread"
+        return ThreadWorker()
 
     def _wait(self) -> None:
-        if self._pending is not None:
-            pending, self._pending = self._pending, None
-            batch, self._inflight = self._inflight, None
+        batch, self._inflight = self._inflight, None
+        if batch is not None:
             try:
-                pending.result()  # re-raises a failure of the worker here, in the training thread
+                # Re-raises a failure of the worker here, in the training thread. A worker process writes
+                # a batch with live tensors only if they are unchanged now (else _verify raises).
+                unchanged = all(live._version == version for live, version, _ in batch.checks)
+                self._worker.wait(unchanged) if self.worker == "process" else self._worker.wait()
             finally:
                 self._free_chunks(batch.packs)
             self._verify(batch.checks)
@@ -508,37 +529,6 @@ class Recorder:
         """Chunks whose digests are done: reused by the next copies."""
         for pack in packs:
             self._free.setdefault(pack.buf.device, []).append(pack.buf)
-
-    def _write(self, b: _Batch, events: list[tuple[torch.device, Any]]) -> None:
-        for device, event in events:
-            torch.cuda.current_stream(device).wait_event(event)
-        tensors: list[torch.Tensor] = []
-        for t in b.tensors:
-            if isinstance(t, torch.Tensor):
-                tensors.append(t)
-            else:
-                pieces = t[0].split(t[1])
-                tensors.extend(pieces[k] for k in t[2])
-        lanes = lanes_packed(b.packs, tensors)
-        if any(live._version != version for live, version, _ in b.checks):
-            return  # a digest may be of a changed value: nothing is written, and _verify raises
-        first, in_packs = [], 0  # lanes come packs' entries first, then the tensors
-        for pack in b.packs:
-            first.append(in_packs)
-            in_packs += len(pack.nbytes)
-        at = [first[c] + e if c >= 0 else in_packs + e for c, e in zip(b.slot_chunk, b.slot_entry)]
-        # One row per reference, then a zero row: NO_REF (-1) picks it (UNINIT).
-        digests = np.frombuffer(b"".join([digest_finish(head, lanes[at[slot]]) for slot, head
-                                          in zip(b.ref_slot, b.ref_head)]) + UNINIT, dtype=np.uint8).reshape(-1, 16)
-        n = len(b.step)
-        cols = {"seq": pa.array(np.arange(b.first_seq, b.first_seq + n, dtype=np.int64)), "step": b.step,
-                "microbatch": b.mb, "phase": b.phase, "scope": b.scope, "op": b.op, "occurrence": b.occ}
-        for name, refs, ends in (("inputs", b.ins, b.in_end), ("outputs", b.outs, b.out_end)):
-            data = digests[np.asarray(refs, dtype=np.int64)].tobytes() if refs else b""
-            offsets = np.zeros(n + 1, dtype=np.int32)
-            offsets[1:] = np.asarray(ends, dtype=np.int32) * 16
-            cols[name] = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
-        self._writer.write(cols)
 
     # -- the protocol ----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -639,17 +629,53 @@ class Recorder:
                     t.register_hook(leave_backward)
         return hook
 
+    def _module_record(self, op: str, phase: str, scope: str, outs: list[torch.Tensor]) -> None:
+        """A module's output or incoming gradient at module level: ``record``, specialised for the hundreds
+        of these in a step (live tensors checked unchanged, or copies)."""
+        key = (self._mb, phase, scope, op)
+        occurrence = self._counts.get(key, 0)
+        self._counts[key] = occurrence + 1
+        if self._module_copy is True:
+            refs = [self._stage(t) for t in outs]
+        else:
+            what = (self._step, self._mb, phase, scope, op, occurrence)
+            refs = [self._stage_live(t, what) for t in outs]
+        self._append(phase, scope, op, occurrence, (), refs)
+
+    def _stage_live(self, t: torch.Tensor, what: tuple) -> int:
+        """``_stage(t, copy="checked", what=what)``, inlined."""
+        hit = self._cache.get(id(t))
+        if hit is not None and hit[0]() is t and hit[1] == t._version:
+            return hit[2]
+        live = t.detach()  # shares t's version counter, not its graph
+        b = self._b
+        b.tensors.append(live)
+        b.slot_chunk.append(-1)
+        b.slot_entry.append(b.expanded)
+        b.expanded += 1
+        b.checks.append((live, live._version, what))
+        self._staged_bytes += live.nbytes  # kept alive: counts to the bound
+        key = (t.dtype, t.shape)
+        head = self._heads.get(key)
+        if head is None:
+            head = self._heads[key] = digest_header(t)
+        b.ref_slot.append(len(b.slot_chunk) - 1)
+        b.ref_head.append(head)
+        ref = len(b.ref_slot) - 1
+        self._remember(t, ref)
+        return ref
+
     def _module_hook(self, path: str):
         """Module level only: records the output, and the gradient arriving at it in backward."""
         def grad_output(grad: torch.Tensor) -> None:
             if self._modules_on:
-                self.record("grad_output", [grad], scope=path, phase="backward", copy=self._module_copy)
+                self._module_record("grad_output", "backward", path, [grad])
 
         def hook(module, args, output):
             if not self._modules_on:
                 return
             outs = _leaves(output)
-            self.record("output", outs, scope=path, phase="forward", copy=self._module_copy)
+            self._module_record("output", "forward", path, outs)
             if torch.is_grad_enabled():
                 for t in outs:
                     if t.requires_grad:
@@ -689,7 +715,7 @@ class Recorder:
             self._staged_bytes += flat.numel() * flat.element_size()
             for g, k in zip(group, self._add_pieces(flat, sizes, keep)):
                 slot[id(g)] = k
-        self._record_many([("grad", name, g) for name, g in named], slot)
+        self._record_many(["grad"] * len(named), [name for name, _ in named], [g for _, g in named], slot)
 
     def _grad_copy(self, flat: torch.Tensor) -> torch.Tensor:
         """A copy of a gradient buffer, in a buffer reused from step to step: the batch that read the
@@ -711,44 +737,57 @@ class Recorder:
         if not self.active:
             return
         names = {}
-        items = []
+        ops, scopes, tensors = [], [], []
         for name, p in model.named_parameters():
             names[id(p)] = name
-            items.append(("param", name, p))
+            scopes.append(name)
+            tensors.append(p)
+        ops = ["param"] * len(tensors)
         if optimizer is not None:
             for p, st in optimizer.state.items():
                 for key in sorted(st):
                     if isinstance(st[key], torch.Tensor):
-                        items.append((f"optim.{key}", names.get(id(p), "?"), st[key]))
-        self._record_many(items, {id(t): None for _, _, t in items})
+                        ops.append(f"optim.{key}")
+                        scopes.append(names.get(id(p), "?"))
+                        tensors.append(st[key])
+        self._record_many(ops, scopes, tensors, None)
 
-    def _record_many(self, items: list[tuple[str, str, torch.Tensor]], slots: dict[int, int | None]) -> None:
-        """Step records (op, scope, tensor), one output each, without the per-tensor cache: a tensor whose
-        id maps to a slot uses it, to None is digested live (no copy), any other is copied.
+    def _record_many(self, ops: list[str], scopes: list[str], tensors: list[torch.Tensor],
+                     slots: dict[int, int] | None) -> None:
+        """Step records (op, scope, tensor), one output each, without the per-tensor cache: with ``slots``
+        None every tensor is digested live (no copy); else a tensor whose id maps to a slot uses it, any
+        other is copied.
 
         The columns grow by whole lists (a few list operations, not a dozen per record)."""
-        heads, b, n = self._heads, self._b, len(items)
-        occurrences = [self._occurrence("step", scope, op) for op, scope, _ in items]
-        refs = []
-        for _, _, t in items:
-            slot = slots.get(id(t), -1)
-            if slot is None:
-                slot = self._add_tensor(t)
-            elif slot < 0:
-                slot = self._copy(t)
-            refs.append(slot)
+        heads, b, n, counts, mb = self._heads, self._b, len(tensors), self._counts, self._mb
+        occurrences = []
+        for op, scope in zip(ops, scopes):  # _occurrence, inlined (a step holds hundreds of these)
+            key = (mb, "step", scope, op)
+            k = counts.get(key, 0)
+            counts[key] = k + 1
+            occurrences.append(k)
+        if slots is None:
+            first_slot = len(b.slot_chunk)
+            b.tensors.extend(tensors)
+            b.slot_chunk.extend([-1] * n)
+            b.slot_entry.extend(range(b.expanded, b.expanded + n))
+            b.expanded += n
+            refs: Iterable[int] = range(first_slot, first_slot + n)
+        else:
+            refs = [slots[id(t)] if id(t) in slots else self._copy(t) for t in tensors]
         first = len(b.ref_slot)
         b.ref_slot.extend(refs)
-        for _, _, t in items:
-            head = heads.get((t.dtype, t.shape))
+        for t in tensors:
+            key = (t.dtype, t.shape)
+            head = heads.get(key)
             if head is None:
-                head = heads[(t.dtype, t.shape)] = digest_header(t)
+                head = heads[key] = digest_header(t)
             b.ref_head.append(head)
         b.step.extend([self._step] * n)
-        b.mb.extend([self._mb] * n)
+        b.mb.extend([mb] * n)
         b.phase.extend(["step"] * n)
-        b.scope.extend([scope for _, scope, _ in items])
-        b.op.extend([op for op, _, _ in items])
+        b.scope.extend(scopes)
+        b.op.extend(ops)
         b.occ.extend(occurrences)
         b.in_end.extend([len(b.ins)] * n)
         b.out_end.extend(range(len(b.outs) + 1, len(b.outs) + n + 1))
@@ -769,19 +808,17 @@ class Recorder:
                 self.flush()
             self._wait()
         finally:
-            if self._worker is not None:
-                self._worker.shutdown()
-                self._worker = None
-            self._pending = None
+            self._inflight = None
+            worker, self._worker = self._worker, None
             self._free.clear()
-            if self._writer is not None:
-                self._writer.close()
-                self._writer = None
+            self._writing = False
+            if worker is not None:
+                worker.close()
 
 
 def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | None = None,
           ranks: set[int] | str | None = None, rank: int | None = None, perturb: Perturb | None = None,
-          copy: bool = False) -> Recorder:
+          copy: bool = False, worker: str = "auto") -> Recorder:
     """Starts recording this rank's trace stream into ``run_dir/trace``.
 
     Args:
@@ -793,6 +830,10 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
         perturb: fault injection for validating ``samestep diff`` (see ``Perturb``).
         copy: module level: digest copies of module outputs and gradients instead of the tensors
             themselves (which are checked unchanged until digested; a change in place raises).
+        worker: where digests are computed: ``"process"`` (a child process reading shared memory;
+            CPU tensors only; parameters' and optimizer state's storage moves there, see
+            ``Recorder.state``), ``"thread"`` (any device), or ``"auto"`` (process on Linux without
+            CUDA, else thread). Both write the same stream.
     """
     if rank is None:
         import torch.distributed as dist
@@ -802,4 +843,5 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
         steps = parse_selection(steps, "steps")
     if isinstance(ranks, str):
         ranks = parse_selection(ranks, "ranks")
-    return Recorder(run_dir, level=level, steps=steps, ranks=ranks, rank=rank, perturb=perturb, copy=copy)
+    return Recorder(run_dir, level=level, steps=steps, ranks=ranks, rank=rank, perturb=perturb, copy=copy,
+                    worker=worker)
