@@ -222,8 +222,22 @@ class ProcessWorker:
             raise OSError(f"the trace worker process cannot read this process's memory ({why}; process_vm_readv "
                           "needs the right to trace it): use trace.worker=thread")
 
+    def _gone(self) -> RuntimeError:
+        try:
+            status = self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            status = None
+        return RuntimeError(f"trace: the digest worker process exited (status {status}); its error, if any, is on "
+                            "stderr")
+
+    def _post(self, kind: bytes, payload: bytes = b"") -> None:
+        try:
+            _send(self._sock, kind, payload)
+        except OSError:
+            raise self._gone() from None
+
     def open(self, path: Path, meta: dict[str, Any]) -> None:
-        _send(self._sock, b"O", marshal.dumps((str(path), json.dumps(meta))))
+        self._post(b"O", marshal.dumps((str(path), json.dumps(meta))))
 
     def submit(self, b: Any, events: list) -> None:
         packs = [(p.buf.data_ptr(), rows_of_pack(p), p.nbytes) for p in b.packs]
@@ -237,15 +251,14 @@ class ProcessWorker:
         payload = marshal.dumps((packs, entries, b.first_seq, b.step, b.mb, b.phase, b.scope, b.op, b.occ,
                                  b.ins, b.in_end, b.outs, b.out_end, b.ref_slot, b.ref_head, b.slot_chunk,
                                  b.slot_entry, bool(b.checks)))
-        _send(self._sock, b"B", payload)
+        self._post(b"B", payload)
         self._pending, self._unwritten = True, bool(b.checks)
 
     def _reply(self) -> bytes:
         try:
             kind, payload = _recv(self._sock)
         except (EOFError, OSError):
-            raise RuntimeError(f"trace: the digest worker process exited (status {self._proc.poll()}); "
-                               "its error, if any, is on stderr") from None
+            raise self._gone() from None
         if kind == b"E":
             raise RuntimeError(f"trace: the digest worker failed:\n{payload.decode(errors='replace')}")
         return kind
@@ -258,12 +271,12 @@ class ProcessWorker:
             self._reply()
             if self._unwritten:
                 self._unwritten = False
-                _send(self._sock, b"W" if write else b"X")
+                self._post(b"W" if write else b"X")
 
     def close(self) -> None:
         try:
             self.wait()
-            _send(self._sock, b"C")
+            self._post(b"C")
             self._reply()
         finally:
             try:
@@ -300,18 +313,19 @@ class _Reader:
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._buf = torch.empty(0, dtype=torch.uint8)
 
-    def read(self, spans: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """The bytes at each (address, length), as uint8 tensors (each starting 64-byte aligned)."""
+    def read(self, spans: list[tuple[int, int]], rows: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """Reads the bytes at each (address, length) into the buffer: each at a 64-byte boundary, or with
+        ``rows`` at the start of its own whole rows (``digest.Packed``'s layout: the reads are the
+        packing). Returns the buffer (as far as used) and each span's offset in it."""
         lengths = np.array([n for _, n in spans], dtype=np.int64)
-        starts = np.zeros(len(spans), dtype=np.int64)
-        if len(spans) > 1:
-            starts[1:] = np.cumsum((lengths[:-1] + 63) // 64 * 64)
-        total = int(starts[-1] + lengths[-1]) if spans else 0
+        step = (np.maximum(lengths, 1) + ROW_BYTES - 1) // ROW_BYTES * ROW_BYTES if rows else (lengths + 63) // 64 * 64
+        ends = np.cumsum(step)
+        starts = ends - step
+        total = int(ends[-1]) if spans else 0
         if self._buf.numel() < total:
             self._buf = torch.empty(max(total, 2 * self._buf.numel()), dtype=torch.uint8)
-        base = self._buf.data_ptr()
         keep = lengths > 0
-        local = np.stack([base + starts[keep], lengths[keep]], axis=1).astype(np.uint64)
+        local = np.stack([self._buf.data_ptr() + starts[keep], lengths[keep]], axis=1).astype(np.uint64)
         remote = np.stack([np.array([a for a, _ in spans], dtype=np.int64)[keep], lengths[keep]],
                           axis=1).astype(np.uint64)
         for a in range(0, len(local), _IOV_MAX):
@@ -321,7 +335,47 @@ class _Reader:
                                               ctypes.c_void_p(re.ctypes.data), len(re), 0)
             if got != want:
                 raise OSError(f"process_vm_readv read {got} of {want} bytes (errno {ctypes.get_errno()})")
-        return [self._buf[s: s + n] for s, n in zip(starts.tolist(), lengths.tolist())]
+        return self._buf[:total], starts.tolist()
+
+
+def _digest(reader: _Reader, packs: list[tuple], entries: list[tuple]) -> list[list[int]]:
+    """The lanes of a batch as the training process described it (``ProcessWorker.submit``): the packs'
+    entries, then every tensor the entries expand to, in ``lanes_packed``'s order.
+
+    Every tensor whose bytes lie contiguously (the whole tensor, or a piece of a gradient copy) is read
+    straight into rows of one packed buffer; only strided ones are read as spans and viewed."""
+    lanes: list[list[int]] = []
+    for addr, used, nbytes in packs:
+        lanes += lanes_packed([Packed(reader.read([(addr, used)])[0], nbytes)])
+    spans: list[tuple[int, int]] = []  # contiguous tensors, in order
+    strided: list[tuple] = []  # the others' descriptions
+    order: list[int] = []  # per tensor: its index in spans, or ~its index in strided
+    for e in entries:
+        if not isinstance(e[0], int):  # pieces ``keep`` of a contiguous copy cut at byte ``sizes``
+            (addr, _), sizes, keep = e
+            offsets = np.cumsum([0, *sizes]).tolist()
+            for k in keep:
+                order.append(len(spans))
+                spans.append((addr + offsets[k], sizes[k]))
+        elif len(e) == 2:
+            order.append(len(spans))
+            spans.append(e)
+        else:
+            order.append(~len(strided))
+            strided.append(e)
+    flat: list[list[int]] = []
+    if spans:
+        buf, _ = reader.read(spans, rows=True)
+        flat = lanes_packed([Packed(buf, [n for _, n in spans])])
+    other: list[list[int]] = []
+    if strided:
+        buf, starts = reader.read([(d[0], d[1]) for d in strided])
+        views = []
+        for (_, span, dtype, shape, stride), at in zip(strided, starts):
+            typed = buf[at: at + span].view(getattr(torch, dtype))
+            views.append(typed.as_strided(shape, stride))
+        other = lanes_packed((), views)
+    return lanes + [flat[i] if i >= 0 else other[~i] for i in order]
 
 
 def _child(sock: socket.socket, pid: int) -> None:
@@ -330,13 +384,6 @@ def _child(sock: socket.socket, pid: int) -> None:
     writer: StreamWriter | None = None
     error: str | None = None  # of opening or writing the stream: reported with the next reply
     held: tuple | None = None  # a digested batch waiting for W or X
-
-    def view(raw: torch.Tensor, d: tuple) -> torch.Tensor:
-        if len(d) == 2:
-            return raw
-        _, _, dtype, shape, stride = d
-        typed = raw.view(getattr(torch, dtype)) if raw.numel() else torch.empty(0, dtype=getattr(torch, dtype))
-        return typed.as_strided(shape, stride)
 
     def write(b: _Columns, pack_sizes: list[int], lanes: list[list[int]]) -> None:
         nonlocal error
@@ -361,12 +408,8 @@ def _child(sock: socket.socket, pid: int) -> None:
                 if error is not None:
                     raise RuntimeError(error)
                 packs, entries, *fields, deferred = marshal.loads(payload)
-                flat = [e if isinstance(e[0], int) else e[0] for e in entries]
-                raws = reader.read([(addr, used) for addr, used, _ in packs] + [(d[0], d[1]) for d in flat])
-                packed = [Packed(raw, nbytes) for raw, (_, _, nbytes) in zip(raws, packs)]
-                views = [view(raw, d) for raw, d in zip(raws[len(packs):], flat)]
-                tensors = expand([v if isinstance(e[0], int) else (v, e[1], e[2]) for v, e in zip(views, entries)])
-                done = (_Columns(tuple(fields)), [len(p.nbytes) for p in packed], lanes_packed(packed, tensors))
+                done = (_Columns(tuple(fields)), [len(nbytes) for _, _, nbytes in packs],
+                        _digest(reader, packs, entries))
                 if deferred:  # live tensors: written once the training process saw them unchanged
                     held = done
                 else:

@@ -168,12 +168,17 @@ class TraceConfig:
     copy: bool = False
     """Module level: digest copies of module outputs and gradients (true), or the tensors themselves,
     checked unchanged until digested (false: cheaper; a change in place stops the run and names it)."""
+    worker: str = "auto"
+    """Where digests are computed: 'process' (a child process that reads this one's memory: CPU only),
+    'thread' (any device), or 'auto' (process on Linux without CUDA, else thread). Same stream either way."""
 
     def __post_init__(self) -> None:
-        from samestep.trace import LEVELS, Perturb, parse_selection
+        from samestep.trace import LEVELS, WORKERS, Perturb, parse_selection
 
         if self.level not in LEVELS:
             raise ValueError(f"trace.level={self.level!r} is unknown; use one of {', '.join(LEVELS)}")
+        if self.worker not in WORKERS:
+            raise ValueError(f"trace.worker={self.worker!r} is unknown; use one of {', '.join(WORKERS)}")
         parse_selection(self.steps, "trace.steps")
         parse_selection(self.ranks, "trace.ranks")
         if self.perturb:

@@ -40,7 +40,7 @@ RUN_FORMAT, RUN_VERSION = "samestep.run", 1
 RESTORE_ALL = frozenset({"model", "optimizer", "data", "rng"})
 # Config fields that may change on --resume without changing a single bit of the steps already taken.
 RESUMABLE_CHANGES = {"train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "trace.level",
-                     "trace.steps", "trace.ranks", "trace.copy"}
+                     "trace.steps", "trace.ranks", "trace.copy", "trace.worker"}
 
 
 @dataclass(slots=True)
@@ -233,7 +233,8 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     tc = cfg.trace
     recorder = Recorder(run_dir if run_dir is not None else ".", level=tc.level if run_dir is not None else "off",
                         steps=parse_selection(tc.steps, "trace.steps"), ranks=parse_selection(tc.ranks, "trace.ranks"),
-                        rank=rank, perturb=Perturb.parse(tc.perturb) if tc.perturb else None, copy=tc.copy)
+                        rank=rank, perturb=Perturb.parse(tc.perturb) if tc.perturb else None, copy=tc.copy,
+                        worker="thread" if device.type != "cpu" and tc.worker == "auto" else tc.worker)
     recorder.attach(model)
     if recorder.enabled:
         grads.observer = recorder.collective

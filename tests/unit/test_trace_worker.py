@@ -1,0 +1,109 @@
+"""The digest worker: a child process and a thread write the same stream; failures are reported."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from samestep.trace import Recorder, digest, read_stream, stream_path
+
+worker_module = importlib.import_module("samestep.trace.worker")
+
+
+class Mixed(torch.nn.Module):
+    """Outputs of several layouts: a transposed view (non-contiguous), a tuple, a plain tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 6), torch.nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x)).t()  # (6, B), not contiguous
+        return self.b(h.t()).sum()
+
+
+def _odd_tensors(scale: float) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    big = torch.randn(5 << 18, generator=g) * scale  # 5 MiB: hashed where it lies, not packed
+    return [torch.randn(3, 5, generator=g).t() * scale, (torch.randn(7, generator=g) * scale).to(torch.bfloat16),
+            torch.randn(4, dtype=torch.complex64, generator=g) * scale, torch.tensor([True, False, True]),
+            torch.arange(-3, 4, dtype=torch.int8), torch.tensor(scale), torch.empty(0, 3), big, big[1::3]]
+
+
+def _run(run: Path, level: str, worker: str, scale: float = 1.0) -> Recorder:
+    torch.manual_seed(0)
+    model = Mixed()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rec = Recorder(run, level=level, worker=worker)
+    rec.attach(model)
+    for step in (1, 2):
+        with rec.step(step):
+            for mb in (0, 1):
+                with rec.microbatch(mb):
+                    model(torch.ones(3, 4) * scale * (mb + 1)).backward()
+            rec.grads(model.named_parameters())
+            rec.record("odd", _odd_tensors(scale), scope="user")
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rec.state(model, opt)
+    rec.close()
+    return rec
+
+
+@pytest.mark.parametrize("level", ["step", "module", "op"])
+def test_process_and_thread_workers_write_the_same_stream(tmp_path, level):
+    """The same run traced with a worker process and a worker thread gives byte-identical streams; the
+    odd tensors' digests are those of samestep.digest. Negative control: other inputs, other stream."""
+    tables = {}
+    for worker, scale in (("process", 1.0), ("thread", 1.0), ("process", 2.0)):
+        rec = _run(tmp_path / f"{worker}{scale}", level, worker, scale)
+        assert rec.worker == worker
+        tables[worker, scale] = read_stream(stream_path(tmp_path / f"{worker}{scale}", 0)).table
+    assert tables["process", 1.0].num_rows > 0 and tables["process", 1.0].equals(tables["thread", 1.0])
+    assert tables["process", 1.0].column("outputs") != tables["process", 2.0].column("outputs")
+    odd = [r for r in tables["process", 1.0].to_pylist() if r["op"] == "odd"]
+    want = b"".join(bytes.fromhex(digest(t)) for t in _odd_tensors(1.0))
+    assert len(odd) == 2 and all(r["outputs"] == want for r in odd)
+
+
+def test_a_worker_that_cannot_read_this_process_falls_back_or_refuses(tmp_path, monkeypatch):
+    """If the child may not read the training process (process_vm_readv denied), 'auto' warns and uses a
+    thread (same stream), and an explicit 'process' stops with the reason and the fix."""
+    monkeypatch.setattr(worker_module, "_PROBE", "import socket, sys\n"
+                                                 "socket.socket(fileno=int(sys.argv[1])).sendall(b'errno 1')\n")
+    with pytest.warns(RuntimeWarning, match=r"cannot read this process's memory \(errno 1.*thread instead"):
+        rec = _run(tmp_path / "auto", "step", "auto")
+    assert rec.worker == "thread"
+    assert read_stream(stream_path(tmp_path / "auto", 0)).table.equals(
+        read_stream(stream_path(_run(tmp_path / "thread", "step", "thread")._run_dir, 0)).table)
+    with pytest.raises(RuntimeError, match=r"trace.worker=process: .*errno 1.*use trace.worker=thread"):
+        _run(tmp_path / "process", "step", "process")
+
+
+def test_a_dead_worker_process_is_reported_not_waited_for(tmp_path):
+    """A worker process that dies (killed) makes the next wait raise, naming it; nothing hangs."""
+    rec = Recorder(tmp_path, level="step", worker="process")
+    with rec.step(1):
+        rec.record("x", [torch.ones(3)])
+    rec._worker._proc.kill()
+    with pytest.raises(RuntimeError, match="digest worker process exited"):
+        rec.close()
+
+
+def test_worker_process_writes_what_it_got_and_exits_when_the_trainer_goes(tmp_path):
+    """When the training process's end of the socket closes (as at a SIGKILL), the child finishes the
+    stream and exits: every batch it acknowledged reads back, with no torn tail."""
+    rec = Recorder(tmp_path, level="step", worker="process")
+    for step in (1, 2):
+        with rec.step(step):
+            rec.record("x", [torch.full((3,), float(step))])
+    rec._wait()
+    proc = rec._worker._proc
+    rec._worker._sock.close()
+    assert proc.wait(timeout=30) == 0
+    s = read_stream(stream_path(tmp_path, 0))
+    assert s.torn is None and s.table.column("step").to_pylist() == [1, 2]
+    assert s.table.column("outputs").to_pylist()[1] == bytes.fromhex(digest(torch.full((3,), 2.0)))
