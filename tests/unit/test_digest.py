@@ -152,3 +152,17 @@ def test_batched_levels_equal_the_per_tensor_recursion():
     assert digest_module.lanes_packed([packed], ts[12:]) == expected
     ts[9][-1] ^= 1  # negative control: one bit of one tensor
     assert digest_module.lanes_many(ts) != expected
+
+
+def test_concurrent_digests_in_threads_match_serial_ones():
+    """Digests computed at once on several threads (a trace worker thread and user code) equal the serial
+    ones: each thread has its own scratch buffers. Negative control: another tensor, another digest."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(300_000 + 4096 * i, generator=g) for i in range(8)]
+    serial = [digest(x) for x in xs]
+    with ThreadPoolExecutor(4) as pool:
+        for _ in range(3):
+            assert list(pool.map(digest, xs)) == serial
+    assert len(set(serial)) == len(serial)

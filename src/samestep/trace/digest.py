@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -84,6 +85,20 @@ def _int_weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torc
     return _int_cache[device]
 
 
+_local = threading.local()
+
+
+def _scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-thread buffers for one block of the int8 path (reused: a fresh multi-MB buffer per block
+    costs its page faults every time)."""
+    cache = _local.__dict__.setdefault("scratch", {})
+    if device not in cache:
+        cache[device] = (torch.empty(BLOCK_ROWS, COLS, dtype=torch.int16, device=device),
+                         torch.empty(BLOCK_ROWS, 4 * _DIGITS, dtype=torch.int32, device=device),
+                         torch.empty(BLOCK_ROWS, 4 * _DIGITS, dtype=torch.float64, device=device))
+    return cache[device]
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as 1-D signed 16-bit words (a zero byte pads an odd count)."""
     flat = t.detach().reshape(-1).contiguous()
@@ -108,14 +123,16 @@ def _level(words: torch.Tensor, w: torch.Tensor, p: torch.Tensor) -> torch.Tenso
             digits, scale, const = fast
             x = x.to(torch.int16)
             lanes = torch.empty(full * len(PRIMES), dtype=torch.float64, device=words.device)
+            signed, acc, accf = _scratch(words.device)
             for a in range(0, full, BLOCK_ROWS):  # blocks stay in cache between the three passes
                 b = min(a + BLOCK_ROWS, full)
-                signed = (x[a:b] ^ 0x80).view(torch.int8)  # (rows, 512): lo', hi per word
-                if b - a < 32:  # torch._int_mm wants at least 32 rows: pad with zero words
-                    signed = torch.cat([signed, torch.full((32 - (b - a), 2 * COLS), 0, dtype=torch.int8,
-                                                           device=signed.device)])[: max(32, b - a)]
-                acc = torch._int_mm(signed, digits)[: b - a]  # (rows, 16) int32, exact
-                torch.mv(acc.to(torch.float64).view(-1, _DIGITS), scale, out=lanes[a * len(PRIMES): b * len(PRIMES)])
+                m = max(32, b - a)  # torch._int_mm wants at least 32 rows: zero words pad the rest
+                if b - a < 32:
+                    signed[b - a: 32].zero_()
+                torch.bitwise_xor(x[a:b], 0x80, out=signed[: b - a])  # lo', hi per word: 512 int8 per row
+                torch._int_mm(signed[:m].view(torch.int8), digits, out=acc[:m])  # (rows, 16) int32, exact
+                accf[: b - a].copy_(acc[: b - a])
+                torch.mv(accf[: b - a].view(-1, _DIGITS), scale, out=lanes[a * len(PRIMES): b * len(PRIMES)])
             torch.add(lanes.view(full, len(PRIMES)).to(torch.int64), const, out=out[:full])
         else:
             block = min(full, BLOCK_ROWS)

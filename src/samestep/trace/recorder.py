@@ -19,14 +19,14 @@ Levels (each includes the ones before):
 - ``op``: every ATen op's input and output digests (a TorchDispatchMode), scoped by module; the
   scope follows the op into backward through hooks on module outputs.
 
-Observing never perturbs (DESIGN invariant 3): what is recorded is digested later in batches, on a
-worker thread while training continues; nothing the model computes is changed, unless a ``Perturb``
-is given on purpose. Op outputs and gradients are copied into reused chunks; parameters and optimizer
-state are digested where they lie before the next update may change them; module outputs and their
-gradients too, and each is checked unchanged (its version counter) once its digest is done: a change
-in place raises, naming the record (``copy=True`` copies them instead). Records are kept in flat
-columns, digests are computed for a whole batch at once (``digest.lanes_packed``), and the stream
-gets one record batch per flush.
+Observing never perturbs (DESIGN invariant 3): what is recorded is digested later in batches, by a
+worker (``worker.py``: a child process on Linux CPU, else a thread) while training continues; nothing
+the model computes is changed, unless a ``Perturb`` is given on purpose. Op outputs and gradients are
+copied into reused chunks; parameters and optimizer state are digested where they lie before the
+next update may change them; module outputs and their gradients too, and each is checked unchanged
+(its version counter) once its digest is done: a change in place raises, naming the record
+(``copy=True`` copies them instead). Records are kept in flat columns, digests are computed for a
+whole batch at once (``digest.lanes_packed``), and the stream gets one record batch per flush.
 """
 
 from __future__ import annotations
