@@ -268,16 +268,21 @@ def _reduce_segments(h: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, p: to
             result[ids[done].to(device)] = h[starts[done].to(device)]
             keep = ~done
             ids, rows, starts = ids[keep], rows[keep], starts[keep]
-        if not ids.numel():
-            return result
+            if not ids.numel():
+                return result
+            total = int(rows.sum())
+            local = torch.arange(total) - torch.repeat_interleave(rows.cumsum(0) - rows, rows, output_size=total)
+            h = h.index_select(0, (torch.repeat_interleave(starts, rows, output_size=total) + local).to(device))
+        else:  # every row of h is in a segment still to reduce, in order
+            total = h.shape[0]
+            local = torch.arange(total) - torch.repeat_interleave(starts, rows, output_size=total)
         nxt = (rows + group - 1) // group
-        total = int(rows.sum())
-        local = torch.arange(total) - torch.repeat_interleave(rows.cumsum(0) - rows, rows, output_size=total)
-        src = torch.repeat_interleave(starts, rows, output_size=total) + local
         dst = torch.repeat_interleave((nxt.cumsum(0) - nxt) * group, rows, output_size=total) + local
-        words = torch.stack((h & 0x3FFF, h >> 14), dim=-1).reshape(-1, per_row).to(torch.int16)
+        words = torch.empty(total, len(PRIMES), 2, dtype=torch.int16, device=device)
+        words[:, :, 0] = h & 0x3FFF
+        words[:, :, 1] = h >> 14
         buf = torch.zeros(int(nxt.sum()) * group, per_row, dtype=torch.int16, device=device)
-        buf[dst.to(device)] = words[src.to(device)]
+        buf.index_copy_(0, dst.to(device), words.view(total, per_row))
         h, rows = _level(buf.view(-1), w, p), nxt
 
 

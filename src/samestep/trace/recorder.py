@@ -313,7 +313,11 @@ class Recorder:
         self._seq = 0
         self._hooks: list[Any] = []
         self._in_dispatch = False
-        self._worker: ThreadWorker | ProcessWorker | None = None  # started at the first flush
+        self._worker: ThreadWorker | ProcessWorker | None = None
+        if self.enabled and self.worker == "process":
+            # Started now: the child imports torch (about 1.5 s) while the model is built and the first
+            # step runs, instead of after the first flush, which would then wait for it.
+            self._worker = self._start_worker()
 
     # -- selection -------------------------------------------------------------------------------------
     @property
