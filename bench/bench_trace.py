@@ -1,7 +1,7 @@
 """Trace benchmarks: digest throughput, tracing overhead per level, and diff at scale.
 
-    .venv/bin/python bench/bench_trace.py [--pairs 9] [--steps 8] [--set KEY=VALUE] [--records 10000000]
-        [--ranks 1024] [--json]
+    .venv/bin/python bench/bench_trace.py [--pairs 9] [--steps 8] [--levels step,module,op] [--own-share]
+        [--set KEY=VALUE] [--records 10000000] [--ranks 1024] [--json]
 
 All ratios are measured side by side in one run: the digest against a same-size tensor copy, each
 trace level against the untraced step (alternating blocks of steps, median of per-pair ratios;
@@ -12,7 +12,9 @@ timings on synthetic traces written by this script.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import marshal
 import statistics
 import sys
 import tempfile
@@ -50,7 +52,21 @@ def digest_throughput(threads: int) -> dict:
     return {"threads": threads, "digest_over_copy_throughput": out}
 
 
-def trace_overhead(pairs: int, steps: int, overrides: list[str]) -> dict:
+def own_share() -> None:
+    """Makes the worker process drop every batch after the training thread has described and serialised
+    it: what is left of the overhead is the training thread's own share."""
+    worker = importlib.import_module("samestep.trace.worker")
+
+    def submit(self, b, events):
+        entries = [worker._describe(t) if isinstance(t, torch.Tensor) else (worker._describe(t[0]), t[1], t[2])
+                   for t in b.tensors]
+        marshal.dumps((entries, b.step, b.mb, b.phase, b.scope, b.op, b.occ, b.ins, b.in_end, b.outs, b.out_end,
+                       b.ref_slot, b.ref_head, b.slot_chunk, b.slot_entry))
+
+    worker.ProcessWorker.submit = submit
+
+
+def trace_overhead(pairs: int, steps: int, overrides: list[str], levels: list[str]) -> dict:
     """Blocks of ``steps`` untraced then ``steps`` traced steps, alternating. After a traced block the
     digest worker is drained outside the timing, so the next untraced block is clean. A traced block
     then holds its steps' own costs and the worker's contention for all but its last batch: ``ratio``
@@ -60,7 +76,7 @@ def trace_overhead(pairs: int, steps: int, overrides: list[str]) -> dict:
     result = {}
     with tempfile.TemporaryDirectory() as d, samestep.enable(threads=1):
         base = build(load_config(None, overrides), corpus=corpus)
-        for level in ("step", "module", "op"):
+        for level in levels:
             traced = build(load_config(None, [*overrides, f"trace.level={level}"]), corpus=corpus,
                            run_dir=Path(d) / level)
             ratios, drained, t_off, t_on = [], [], [], []
@@ -149,6 +165,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=9)
     ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--levels", default="step,module,op", help="trace levels to measure the overhead of")
+    ap.add_argument("--own-share", action="store_true",
+                    help="the worker process drops each batch unread: the training thread's own share")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config overrides for the overhead runs (as samestep train --set)")
     ap.add_argument("--records", type=int, default=10_000_000)
@@ -156,7 +175,10 @@ def main() -> int:
     ap.add_argument("--records-per-rank", type=int, default=10_000)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    result = {"digest": digest_throughput(2), "trace_overhead": trace_overhead(args.pairs, args.steps, args.set),
+    if args.own_share:
+        own_share()
+    result = {"digest": digest_throughput(2),
+              "trace_overhead": trace_overhead(args.pairs, args.steps, args.set, args.levels.split(",")),
               "diff": diff_scale(args.records, args.ranks, args.records_per_rank)}
     if args.json:
         print(json.dumps(result))
