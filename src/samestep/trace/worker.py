@@ -95,8 +95,6 @@ def write_lanes(writer: StreamWriter, b: Any, pack_sizes: list[int], lanes: list
 class ThreadWorker:
     """Digests on a second thread of this process (any device)."""
 
-    shares_memory = True  # reads the training process's tensors where they lie
-
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="samestep-trace")
         self._writer: StreamWriter | None = None
@@ -213,12 +211,12 @@ class ProcessWorker:
         self._unwritten = False  # a digested batch waits for W or X
         try:
             answer = parent.recv(64)
-        except EOFError:
-            answer = b"no answer"
+        except OSError:
+            answer = b""
         if answer != token:
             parent.close()
             self._proc.wait()
-            why = answer.decode(errors="replace")
+            why = answer.decode(errors="replace") or f"it exited with status {self._proc.returncode}"
             raise OSError(f"the trace worker process cannot read this process's memory ({why}; process_vm_readv "
                           "needs the right to trace it): use trace.worker=thread")
 
