@@ -342,7 +342,7 @@ class Recorder:
         bytes (see ``_same_bytes``), so only the header is new. ``uninit`` marks fresh uninitialised
         memory: no reference (its digest is ``UNINIT``), and so for every later read of that tensor
         version, e.g. as the destination of ``bernoulli_``. ``copy=False`` keeps the live tensor;
-        ``copy="checked"`` too, and ``_verify`` checks that it did not change before it was digested
+        ``copy="checked"`` too, and ``_wait`` checks that it did not change before it was digested
         (``what`` names the record in that error).
         """
         hit = self._cache.get(id(t))
@@ -363,24 +363,34 @@ class Recorder:
                 else:
                     with _disable_current_modes():
                         share = self._copy(t)
-            head = self._heads.get((t.dtype, t.shape))
-            if head is None:
-                head = self._heads[(t.dtype, t.shape)] = digest_header(t)
             b = self._b
             b.ref_slot.append(share)
-            b.ref_head.append(head)
+            b.ref_head.append(self._head(t))
             ref = len(b.ref_slot) - 1
         self._remember(t, ref)
         return ref
 
+    def _head(self, t: torch.Tensor) -> bytes:
+        """``t``'s digest header (dtype, shape, byte count), made once per dtype and shape."""
+        key = (t.dtype, t.shape)
+        head = self._heads.get(key)
+        if head is None:
+            head = self._heads[key] = digest_header(t)
+        return head
+
     def _add_tensor(self, t: torch.Tensor) -> int:
         """A whole tensor to digest as it is."""
-        b = self._b
-        b.tensors.append(t)
-        b.slot_chunk.append(-1)
-        b.slot_entry.append(b.expanded)
-        b.expanded += 1
-        return len(b.slot_chunk) - 1
+        return self._add_tensors([t])[0]
+
+    def _add_tensors(self, tensors: list[torch.Tensor]) -> range:
+        """Whole tensors to digest as they are; returns their slots."""
+        b, n = self._b, len(tensors)
+        first = len(b.slot_chunk)
+        b.tensors.extend(tensors)
+        b.slot_chunk.extend([-1] * n)
+        b.slot_entry.extend(range(b.expanded, b.expanded + n))
+        b.expanded += n
+        return range(first, first + n)
 
     def _add_pieces(self, copy: torch.Tensor, sizes: list[int], keep: list[int]) -> list[int]:
         """Pieces ``keep`` of ``copy.split(sizes)`` to digest (split by the worker: one operation)."""
@@ -506,28 +516,30 @@ class Recorder:
         batch, self._inflight = self._inflight, None
         if batch is not None:
             try:
-                # Re-raises a failure of the worker here, in the training thread. A worker process writes
-                # a batch with live tensors only if they are unchanged now (else _verify raises).
-                unchanged = all(live._version == version for live, version, _ in batch.checks)
-                self._worker.wait(unchanged) if self.worker == "process" else self._worker.wait()
+                # Re-raises a failure of the worker here, in the training thread. The batch is written only
+                # if no tensor digested without a copy was changed in place before its digest was done.
+                self._worker.wait()
+                changed = [c for c in batch.checks if c[0]._version != c[1]]
+                self._worker.commit(not changed)
             finally:
                 self._free_chunks(batch.packs)
-            self._verify(batch.checks)
+            self._refuse(changed)
 
     @staticmethod
-    def _verify(checks: list[tuple[torch.Tensor, int, tuple]]) -> None:
-        """Raises if a tensor digested without a copy was changed in place before its digest was done.
+    def _refuse(changed: list[tuple[torch.Tensor, int, tuple]]) -> None:
+        """Raises for the first tensor digested without a copy that was changed in place before its digest
+        was done.
 
         The check runs on the training thread after the worker has finished, so whether it raises depends
         only on what the training code did before this point, never on the worker's timing.
         """
-        for live, version, (step, mb, phase, scope, op, occurrence) in checks:
-            if live._version != version:
-                raise RuntimeError(
-                    f"trace: the tensor of record step={step} microbatch={mb} phase={phase} scope={scope!r} "
-                    f"op={op!r} occurrence={occurrence} was changed in place after it was recorded (version "
-                    f"{version} -> {live._version}), so its digest may not be of the recorded value; record "
-                    "copies instead (trace.copy=true, or samestep.trace(..., copy=True))")
+        if changed:
+            live, version, (step, mb, phase, scope, op, occurrence) = changed[0]
+            raise RuntimeError(
+                f"trace: the tensor of record step={step} microbatch={mb} phase={phase} scope={scope!r} "
+                f"op={op!r} occurrence={occurrence} was changed in place after it was recorded (version "
+                f"{version} -> {live._version}), so its digest may not be of the recorded value; record "
+                "copies instead (trace.copy=true, or samestep.trace(..., copy=True))")
 
     def _free_chunks(self, packs: list[Packed]) -> None:
         """Chunks whose digests are done: reused by the next copies."""
@@ -634,40 +646,12 @@ class Recorder:
         return hook
 
     def _module_record(self, op: str, phase: str, scope: str, outs: list[torch.Tensor]) -> None:
-        """A module's output or incoming gradient at module level: ``record``, specialised for the hundreds
-        of these in a step (live tensors checked unchanged, or copies)."""
-        key = (self._mb, phase, scope, op)
-        occurrence = self._counts.get(key, 0)
-        self._counts[key] = occurrence + 1
-        if self._module_copy is True:
-            refs = [self._stage(t) for t in outs]
-        else:
-            what = (self._step, self._mb, phase, scope, op, occurrence)
-            refs = [self._stage_live(t, what) for t in outs]
-        self._append(phase, scope, op, occurrence, (), refs)
-
-    def _stage_live(self, t: torch.Tensor, what: tuple) -> int:
-        """``_stage(t, copy="checked", what=what)``, inlined."""
-        hit = self._cache.get(id(t))
-        if hit is not None and hit[0]() is t and hit[1] == t._version:
-            return hit[2]
-        live = t.detach()  # shares t's version counter, not its graph
-        b = self._b
-        b.tensors.append(live)
-        b.slot_chunk.append(-1)
-        b.slot_entry.append(b.expanded)
-        b.expanded += 1
-        b.checks.append((live, live._version, what))
-        self._staged_bytes += live.nbytes  # kept alive: counts to the bound
-        key = (t.dtype, t.shape)
-        head = self._heads.get(key)
-        if head is None:
-            head = self._heads[key] = digest_header(t)
-        b.ref_slot.append(len(b.slot_chunk) - 1)
-        b.ref_head.append(head)
-        ref = len(b.ref_slot) - 1
-        self._remember(t, ref)
-        return ref
+        """A module's output or incoming gradient at module level (``record`` without its generic
+        arguments: hundreds of these per step)."""
+        occurrence = self._occurrence(phase, scope, op)
+        what = (self._step, self._mb, phase, scope, op, occurrence)
+        self._append(phase, scope, op, occurrence, (),
+                     [self._stage(t, copy=self._module_copy, what=what) for t in outs])
 
     def _module_hook(self, path: str):
         """Module level only: records the output, and the gradient arriving at it in backward."""
@@ -763,32 +747,17 @@ class Recorder:
         other is copied.
 
         The columns grow by whole lists (a few list operations, not a dozen per record)."""
-        heads, b, n, counts, mb = self._heads, self._b, len(tensors), self._counts, self._mb
-        occurrences = []
-        for op, scope in zip(ops, scopes):  # _occurrence, inlined (a step holds hundreds of these)
-            key = (mb, "step", scope, op)
-            k = counts.get(key, 0)
-            counts[key] = k + 1
-            occurrences.append(k)
+        b, n = self._b, len(tensors)
+        occurrences = [self._occurrence("step", scope, op) for op, scope in zip(ops, scopes)]
         if slots is None:
-            first_slot = len(b.slot_chunk)
-            b.tensors.extend(tensors)
-            b.slot_chunk.extend([-1] * n)
-            b.slot_entry.extend(range(b.expanded, b.expanded + n))
-            b.expanded += n
-            refs: Iterable[int] = range(first_slot, first_slot + n)
+            refs: Iterable[int] = self._add_tensors(tensors)
         else:
             refs = [slots[id(t)] if id(t) in slots else self._copy(t) for t in tensors]
         first = len(b.ref_slot)
         b.ref_slot.extend(refs)
-        for t in tensors:
-            key = (t.dtype, t.shape)
-            head = heads.get(key)
-            if head is None:
-                head = heads[key] = digest_header(t)
-            b.ref_head.append(head)
+        b.ref_head.extend([self._head(t) for t in tensors])
         b.step.extend([self._step] * n)
-        b.mb.extend([mb] * n)
+        b.mb.extend([self._mb] * n)
         b.phase.extend(["step"] * n)
         b.scope.extend(scopes)
         b.op.extend(ops)
@@ -834,10 +803,9 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
         perturb: fault injection for validating ``samestep diff`` (see ``Perturb``).
         copy: module level: digest copies of module outputs and gradients instead of the tensors
             themselves (which are checked unchanged until digested; a change in place raises).
-        worker: where digests are computed: ``"process"`` (a child process reading shared memory;
-            CPU tensors only; parameters' and optimizer state's storage moves there, see
-            ``Recorder.state``), ``"thread"`` (any device), or ``"auto"`` (process on Linux without
-            CUDA, else thread). Both write the same stream.
+        worker: where digests are computed: ``"process"`` (a child process that reads this process's
+            memory; CPU tensors only), ``"thread"`` (any device), or ``"auto"`` (process on Linux
+            without CUDA, else thread). Both write the same stream.
     """
     if rank is None:
         import torch.distributed as dist

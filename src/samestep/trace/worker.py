@@ -116,6 +116,9 @@ class ThreadWorker:
             pending, self._pending = self._pending, None
             pending.result()  # re-raises a failure of the worker here, in the training thread
 
+    def commit(self, write: bool) -> None:
+        """Nothing to do: this thread checked the live tensors itself before it wrote the batch."""
+
     def close(self) -> None:
         try:
             self.wait()
@@ -238,7 +241,13 @@ class ProcessWorker:
         self._post(b"O", marshal.dumps((str(path), json.dumps(meta))))
 
     def submit(self, b: Any, events: list) -> None:
-        packs = [(p.buf.data_ptr(), rows_of_pack(p), p.nbytes) for p in b.packs]
+        self._post(b"B", self._payload(b))
+        self._pending, self._unwritten = True, bool(b.checks)
+
+    @staticmethod
+    def _payload(b: Any) -> bytes:
+        """A batch as the child reads it: where each staged tensor lies, and the record columns."""
+        packs = [(p.buf.data_ptr(), sum(rows_of(n) for n in p.nbytes) * ROW_BYTES, p.nbytes) for p in b.packs]
         entries = []
         for t in b.tensors:
             if isinstance(t, torch.Tensor):
@@ -246,11 +255,9 @@ class ProcessWorker:
             else:
                 size = t[0].element_size()  # a contiguous copy, read as bytes: the pieces too
                 entries.append((_describe(t[0]), [n * size for n in t[1]], t[2]))
-        payload = marshal.dumps((packs, entries, b.first_seq, b.step, b.mb, b.phase, b.scope, b.op, b.occ,
-                                 b.ins, b.in_end, b.outs, b.out_end, b.ref_slot, b.ref_head, b.slot_chunk,
-                                 b.slot_entry, bool(b.checks)))
-        self._post(b"B", payload)
-        self._pending, self._unwritten = True, bool(b.checks)
+        return marshal.dumps((packs, entries, b.first_seq, b.step, b.mb, b.phase, b.scope, b.op, b.occ, b.ins,
+                              b.in_end, b.outs, b.out_end, b.ref_slot, b.ref_head, b.slot_chunk, b.slot_entry,
+                              bool(b.checks)))
 
     def _reply(self) -> bytes:
         try:
@@ -261,15 +268,18 @@ class ProcessWorker:
             raise RuntimeError(f"trace: the digest worker failed:\n{payload.decode(errors='replace')}")
         return kind
 
-    def wait(self, write: bool = True) -> None:
-        """Waits for the batch in flight; a batch holding live tensors is then written if ``write``
-        (they did not change before they were read), else discarded."""
+    def wait(self) -> None:
+        """Waits for the batch in flight to be read and digested."""
         if self._pending:
             self._pending = False
             self._reply()
-            if self._unwritten:
-                self._unwritten = False
-                self._post(b"W" if write else b"X")
+
+    def commit(self, write: bool) -> None:
+        """A digested batch holding live tensors is written if ``write`` (they did not change before they
+        were read), else discarded."""
+        if self._unwritten:
+            self._unwritten = False
+            self._post(b"W" if write else b"X")
 
     def close(self) -> None:
         try:
@@ -287,11 +297,6 @@ class ProcessWorker:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait()
-
-
-def rows_of_pack(p: Packed) -> int:
-    """The bytes a pack's entries take (whole rows each): what the child reads of its chunk."""
-    return sum(rows_of(n) for n in p.nbytes) * ROW_BYTES
 
 
 # -- the process worker: the child -----------------------------------------------------------------------
@@ -316,7 +321,10 @@ class _Reader:
         ``rows`` at the start of its own whole rows (``digest.Packed``'s layout: the reads are the
         packing). Returns the buffer (as far as used) and each span's offset in it."""
         lengths = np.array([n for _, n in spans], dtype=np.int64)
-        step = (np.maximum(lengths, 1) + ROW_BYTES - 1) // ROW_BYTES * ROW_BYTES if rows else (lengths + 63) // 64 * 64
+        if rows:
+            step = np.array([rows_of(n) * ROW_BYTES for _, n in spans], dtype=np.int64)
+        else:
+            step = (lengths + 63) // 64 * 64
         ends = np.cumsum(step)
         starts = ends - step
         total = int(ends[-1]) if spans else 0
