@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import marshal
 import statistics
 import sys
 import tempfile
@@ -55,15 +54,8 @@ def digest_throughput(threads: int) -> dict:
 def own_share() -> None:
     """Makes the worker process drop every batch after the training thread has described and serialised
     it: what is left of the overhead is the training thread's own share."""
-    worker = importlib.import_module("samestep.trace.worker")
-
-    def submit(self, b, events):
-        entries = [worker._describe(t) if isinstance(t, torch.Tensor) else (worker._describe(t[0]), t[1], t[2])
-                   for t in b.tensors]
-        marshal.dumps((entries, b.step, b.mb, b.phase, b.scope, b.op, b.occ, b.ins, b.in_end, b.outs, b.out_end,
-                       b.ref_slot, b.ref_head, b.slot_chunk, b.slot_entry))
-
-    worker.ProcessWorker.submit = submit
+    worker = importlib.import_module("samestep.trace.worker").ProcessWorker
+    worker.submit = lambda self, b, events: self._payload(b)
 
 
 def trace_overhead(pairs: int, steps: int, overrides: list[str], levels: list[str]) -> dict:

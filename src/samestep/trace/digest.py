@@ -94,8 +94,8 @@ def _scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     cache = _local.__dict__.setdefault("scratch", {})
     if device not in cache:
         cache[device] = (torch.empty(BLOCK_ROWS, COLS, dtype=torch.int16, device=device),
-                         torch.empty(BLOCK_ROWS, 4 * _DIGITS, dtype=torch.int32, device=device),
-                         torch.empty(BLOCK_ROWS, 4 * _DIGITS, dtype=torch.float64, device=device))
+                         torch.empty(BLOCK_ROWS, len(PRIMES) * _DIGITS, dtype=torch.int32, device=device),
+                         torch.empty(BLOCK_ROWS, len(PRIMES) * _DIGITS, dtype=torch.float64, device=device))
     return cache[device]
 
 

@@ -234,7 +234,7 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     recorder = Recorder(run_dir if run_dir is not None else ".", level=tc.level if run_dir is not None else "off",
                         steps=parse_selection(tc.steps, "trace.steps"), ranks=parse_selection(tc.ranks, "trace.ranks"),
                         rank=rank, perturb=Perturb.parse(tc.perturb) if tc.perturb else None, copy=tc.copy,
-                        worker="thread" if device.type != "cpu" and tc.worker == "auto" else tc.worker)
+                        worker=tc.worker)
     recorder.attach(model)
     if recorder.enabled:
         grads.observer = recorder.collective
