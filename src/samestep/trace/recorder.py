@@ -379,8 +379,13 @@ class Recorder:
         return head
 
     def _add_tensor(self, t: torch.Tensor) -> int:
-        """A whole tensor to digest as it is."""
-        return self._add_tensors([t])[0]
+        """A whole tensor to digest as it is (``_add_tensors`` of one, without the lists)."""
+        b = self._b
+        b.tensors.append(t)
+        b.slot_chunk.append(-1)
+        b.slot_entry.append(b.expanded)
+        b.expanded += 1
+        return len(b.slot_chunk) - 1
 
     def _add_tensors(self, tensors: list[torch.Tensor]) -> range:
         """Whole tensors to digest as they are; returns their slots."""
