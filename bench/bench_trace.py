@@ -1,12 +1,13 @@
 """Trace benchmarks: digest throughput, tracing overhead per level, and diff at scale.
 
     .venv/bin/python bench/bench_trace.py [--pairs 9] [--steps 8] [--levels step,module,op] [--own-share]
-        [--set KEY=VALUE] [--records 10000000] [--ranks 1024] [--json]
+        [--set KEY=VALUE] [--records 10000000] [--ranks 1024] [--device cpu|cuda] [--json]
 
 All ratios are measured side by side in one run: the digest against a same-size tensor copy, each
 trace level against the untraced step (alternating blocks of steps, median of per-pair ratios;
 see trace_overhead), and the diff
-timings on synthetic traces written by this script.
+timings on synthetic traces written by this script. With ``--device cuda`` the digest and the
+training steps run on the GPU (every timing waits for the device); the diff runs on the host either way.
 """
 
 from __future__ import annotations
@@ -33,22 +34,31 @@ from samestep.train import load_config
 from samestep.train.loop import build
 
 
-def digest_throughput(threads: int) -> dict:
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def digest_throughput(threads: int, device: str = "cpu") -> dict:
     torch.set_num_threads(threads)
     out = {}
-    for n in (1 << 20, 1 << 24):
-        x = torch.randn(n)
+    sizes = (1 << 20, 1 << 24) if device == "cpu" else (1 << 20, 1 << 24, 1 << 28)
+    for n in sizes:
+        x = torch.randn(n, device=device)
         _lanes(x)
         ratios = []
         for _ in range(5):
+            _sync(device)
             t0 = time.perf_counter()
             x.clone()
+            _sync(device)
             t1 = time.perf_counter()
             _lanes(x)
+            _sync(device)
             t2 = time.perf_counter()
             ratios.append((t1 - t0) / (t2 - t1))
         out[f"{n * 4 // (1 << 20)}MiB"] = round(statistics.median(ratios), 3)
-    return {"threads": threads, "digest_over_copy_throughput": out}
+    return {"device": device, "threads": threads, "digest_over_copy_throughput": out}
 
 
 def own_share() -> None:
@@ -58,7 +68,7 @@ def own_share() -> None:
     worker.submit = lambda self, b, events: self._payload(b)
 
 
-def trace_overhead(pairs: int, steps: int, overrides: list[str], levels: list[str]) -> dict:
+def trace_overhead(pairs: int, steps: int, overrides: list[str], levels: list[str], device: str = "cpu") -> dict:
     """Blocks of ``steps`` untraced then ``steps`` traced steps, alternating. After a traced block the
     digest worker is drained outside the timing, so the next untraced block is clean. A traced block
     then holds its steps' own costs and the worker's contention for all but its last batch: ``ratio``
@@ -67,18 +77,21 @@ def trace_overhead(pairs: int, steps: int, overrides: list[str], levels: list[st
     corpus = load_corpus("stdlib")
     result = {}
     with tempfile.TemporaryDirectory() as d, samestep.enable(threads=1):
-        base = build(load_config(None, overrides), corpus=corpus)
+        base = build(load_config(None, overrides), corpus=corpus, device=device)
         for level in levels:
             traced = build(load_config(None, [*overrides, f"trace.level={level}"]), corpus=corpus,
-                           run_dir=Path(d) / level)
+                           run_dir=Path(d) / level, device=device)
             ratios, drained, t_off, t_on = [], [], [], []
             for p in range(pairs + 1):
+                _sync(device)
                 t0 = time.perf_counter()
                 for s in range(steps):
                     base.step(p * steps + s)
+                _sync(device)
                 t1 = time.perf_counter()
                 for s in range(steps):
                     traced.step(p * steps + s)
+                _sync(device)
                 t2 = time.perf_counter()
                 traced.recorder.flush()  # waits for the last batch's digests
                 t3 = time.perf_counter()
@@ -165,12 +178,13 @@ def main() -> int:
     ap.add_argument("--records", type=int, default=10_000_000)
     ap.add_argument("--ranks", type=int, default=1024)
     ap.add_argument("--records-per-rank", type=int, default=10_000)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.own_share:
         own_share()
-    result = {"digest": digest_throughput(2),
-              "trace_overhead": trace_overhead(args.pairs, args.steps, args.set, args.levels.split(",")),
+    result = {"digest": digest_throughput(2, args.device),
+              "trace_overhead": trace_overhead(args.pairs, args.steps, args.set, args.levels.split(","), args.device),
               "diff": diff_scale(args.records, args.ranks, args.records_per_rank)}
     if args.json:
         print(json.dumps(result))
