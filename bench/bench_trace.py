@@ -183,8 +183,9 @@ def main() -> int:
     args = ap.parse_args()
     if args.own_share:
         own_share()
-    result = {"digest": digest_throughput(2, args.device),
-              "trace_overhead": trace_overhead(args.pairs, args.steps, args.set, args.levels.split(","), args.device),
+    # the overhead first: samestep.enable() must run before CUDA starts (the digest timing would start it)
+    overhead = trace_overhead(args.pairs, args.steps, args.set, args.levels.split(","), args.device)
+    result = {"digest": digest_throughput(2, args.device), "trace_overhead": overhead,
               "diff": diff_scale(args.records, args.ranks, args.records_per_rank)}
     if args.json:
         print(json.dumps(result))

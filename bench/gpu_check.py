@@ -218,7 +218,8 @@ def check_bench(log: Path) -> dict:
 
 def check_suite(log: Path, workers: int) -> dict:
     proc = _run([*_pytest(), "-n", str(workers), "--timeout", "120",
-                 "-p", "no:cacheprovider", "--tb=line", "tests"], 200, log)
+                 "-p", "no:cacheprovider", "--tb=short", "-rfE", "tests"], 240, log)
+    (log.parent / "suite.log").write_text(proc.stdout + proc.stderr)
     lines = [ln for ln in (proc.stdout + proc.stderr).splitlines()
              if ln.startswith(("FAILED", "ERROR")) or " passed" in ln or " failed" in ln]
     return {"exit": proc.returncode, "seconds": proc.seconds, "summary": lines[-40:]}

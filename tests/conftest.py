@@ -14,7 +14,9 @@ import torch
 import samestep
 
 # A CPU-sized run that still exercises every part of the loop: 4 microbatches, dropout, checkpoints.
-TINY = ("train.steps=8", "train.global_batch=8", "train.micro_batch=2", "train.checkpoint_every=2",
+# On CPU on every machine: the suite checks the CPU reference that CI runs (its world-size and race
+# claims are CPU ones); bench/gpu_check.py checks runs on CUDA.
+TINY = ("train.device=cpu", "train.steps=8", "train.global_batch=8", "train.micro_batch=2", "train.checkpoint_every=2",
         "train.warmup_steps=2", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32")
 
 

@@ -10,8 +10,8 @@ pytestmark = pytest.mark.slow
 
 # top-3: with two contributions per token into zeros, any order gives the same bits (a + b == b + a);
 # three contributions make the order visible.
-MOE = ("train.steps=3", "train.global_batch=16", "train.micro_batch=8", "model.n_layer=1", "model.n_head=2",
-       "model.n_embd=64", "model.block_size=64", "model.moe_experts=4", "model.moe_top_k=3")
+MOE = ("train.device=cpu", "train.steps=3", "train.global_batch=16", "train.micro_batch=8", "model.n_layer=1",
+       "model.n_head=2", "model.n_embd=64", "model.block_size=64", "model.moe_experts=4", "model.moe_top_k=3")
 
 
 def test_moe_plain_races_and_deterministic_mode_repeats(tmp_path):

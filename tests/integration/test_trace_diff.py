@@ -12,10 +12,10 @@ from tests.conftest import TINY, run_train
 
 pytestmark = pytest.mark.slow
 
-# Determinism off + the token lookup by indexing: index_put_ accumulate races in backward (real).
-RACY = ("train.steps=2", "train.global_batch=16", "train.micro_batch=8", "model.n_layer=1", "model.n_head=2",
-        "model.n_embd=64", "model.block_size=64", "model.embedding=index", "determinism.enabled=false",
-        "trace.level=op", "trace.steps=1")
+# Determinism off + the token lookup by indexing: index_put_ accumulate races in backward (real, on CPU).
+RACY = ("train.device=cpu", "train.steps=2", "train.global_batch=16", "train.micro_batch=8", "model.n_layer=1",
+        "model.n_head=2", "model.n_embd=64", "model.block_size=64", "model.embedding=index",
+        "determinism.enabled=false", "trace.level=op", "trace.steps=1")
 
 
 def _diff(a, b) -> tuple[int, dict]:
@@ -85,7 +85,8 @@ def test_diff_finds_exactly_the_injected_ulp(tmp_path, nproc, rank, microbatch):
     assert (o["rank"], o["step"], o["microbatch"], o["phase"], o["scope"], o["op"], o["occurrence"]) == \
         (rank, 2, microbatch, "forward", "transformer.ln_f", "aten.native_layer_norm.default", 0)
     assert o["inputs_matched"]
-    assert report["final_state_digests"][0] != report["final_state_digests"][1]
+    # Not asserted: that the final states differ. Here they do; on a 16-core host with torch 2.11 the
+    # ULP was rounded away by step 8 (same final digest) while the diff still found it as above.
     if nproc == 2:  # rank 0 computed nothing wrong: the damage reached it through the canonical combine
         other = report["per_rank"]["0"]["divergence"]
         assert other["kind"] == "receiver" and other["scope"] == "collective" and other["step"] == 2

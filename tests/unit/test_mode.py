@@ -8,6 +8,28 @@ import pytest
 import torch
 
 import samestep
+from samestep import mode
+
+
+@pytest.fixture(autouse=True)
+def cuda_not_started(monkeypatch):
+    """These tests describe a process in which CUDA has not started (on a GPU machine another test in
+    the same process may have started it, and then enable() rightly refuses to set cuBLAS's workspace)."""
+    monkeypatch.setattr(mode, "_cuda_initialized", lambda: False)
+
+
+def test_enable_refuses_a_cublas_workspace_it_can_no_longer_set(monkeypatch):
+    """Once CUDA has started, setting CUBLAS_WORKSPACE_CONFIG may not reach cuBLAS: enable() refuses and
+    says to export it first; with it exported, enable() accepts."""
+    monkeypatch.setattr(mode, "_cuda_initialized", lambda: True)
+    os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+    with pytest.raises(ValueError, match=r"CUBLAS_WORKSPACE_CONFIG is not set and CUDA is already initialised.*"
+                                         r"export CUBLAS_WORKSPACE_CONFIG=:4096:8"):
+        samestep.enable()
+    assert not torch.are_deterministic_algorithms_enabled()  # failed closed: nothing half-set
+    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+    samestep.enable()
+    assert torch.are_deterministic_algorithms_enabled()
 
 
 def test_enable_sets_every_knob_and_disable_restores():

@@ -72,6 +72,7 @@ def test_process_and_thread_workers_write_the_same_stream(tmp_path, level):
 def test_a_worker_that_cannot_read_this_process_falls_back_or_refuses(tmp_path, monkeypatch):
     """If the child may not read the training process (process_vm_readv denied), 'auto' warns and uses a
     thread (same stream), and an explicit 'process' stops with the reason and the fix."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # 'auto' means the process only without CUDA
     monkeypatch.setattr(worker_module, "_PROBE", "import socket, sys\n"
                                                  "socket.socket(fileno=int(sys.argv[1])).sendall(b'errno 1')\n")
     with pytest.warns(RuntimeWarning, match=r"cannot read this process's memory \(errno 1.*thread instead"):

@@ -34,7 +34,9 @@ def _fold_segments(out_ptr, src_ptr, perm_ptr, rows_ptr, starts_ptr, D, TILE, BL
     end = tl.load(starts_ptr + seg + 1)
     acc = tl.load(out_ptr + row * D + cols, mask=mask)
     part = tl.zeros([BLOCK], dtype=acc.dtype)
-    cur = 0  # the tile whose sum is being built in `part` (0: none; tile 0 folds into acc directly)
+    # the tile whose sum is being built in `part` (0: none; tile 0 folds into acc directly); int64 like
+    # `src_row // TILE` (the compiler refuses a loop-carried value whose type changes; the interpreter does not)
+    cur = tl.full([], 0, tl.int64)
     for s in range(start, end):  # ascending source order
         src_row = tl.load(perm_ptr + s)
         v = tl.load(src_ptr + src_row * D + cols, mask=mask)

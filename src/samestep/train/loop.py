@@ -88,6 +88,10 @@ class _Distributed:
         self.rank = int(os.environ.get("RANK", "0"))
         local = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device(f"cuda:{local}" if device_kind == "cuda" else "cpu")
+        if self.device.type == "cuda" and local >= torch.cuda.device_count():
+            raise ValueError(f"train.device=cuda: local rank {local} needs GPU {local}, but this machine has "
+                             f"{torch.cuda.device_count()} GPU(s). Fix: --nproc at most {torch.cuda.device_count()} "
+                             f"per machine, or train.device=cpu (gloo) for more processes than GPUs.")
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.owned = False
