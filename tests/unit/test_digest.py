@@ -113,6 +113,22 @@ def test_int8_and_float64_paths_agree_on_extreme_words(monkeypatch):
     assert digest(data) != fast
 
 
+def test_block_size_does_not_matter(monkeypatch):
+    """Blocks of 4096 rows (CPU), 65536 (GPU) or 37 give the same digest, by both paths, across a short
+    last block; a flipped bit still shows (negative control)."""
+    data = torch.randn(300_001, generator=torch.Generator().manual_seed(9))  # 4688 rows and a short one
+    ref = digest(data)
+    for rows in (37, digest_module.GPU_BLOCK_ROWS):
+        monkeypatch.setattr(digest_module, "BLOCK_ROWS", rows)
+        assert digest(data) == ref
+        with monkeypatch.context() as m:
+            m.setitem(digest_module._int_cache, data.device, None)
+            assert digest(data) == ref
+    flipped = data.clone()
+    flipped.view(torch.int32)[123_457] ^= 1
+    assert digest(flipped) != ref
+
+
 def test_layouts_and_thread_counts_do_not_matter():
     """Non-contiguous views digest like their contiguous copy; 1 and 2 threads agree."""
     x = torch.randn(64, 300, generator=torch.Generator().manual_seed(2))
