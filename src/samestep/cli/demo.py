@@ -69,6 +69,13 @@ def _run_killed(run_dir: Path, settings: list[str], kill_at: int) -> int:
     return _last_step(run_dir / "metrics.jsonl")
 
 
+def _on_cuda(settings: list[str]) -> bool:
+    import torch
+
+    device = next((s.split("=", 1)[1] for s in reversed(settings) if s.startswith("train.device=")), "auto")
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
 def _nondeterministic_pair(work: Path, settings: list[str], say) -> dict:
     """Two runs with deterministic mode off, then `samestep diff` on them."""
     from samestep.analysis import diff_runs
@@ -81,7 +88,10 @@ def _nondeterministic_pair(work: Path, settings: list[str], say) -> dict:
     report = diff_runs(c, d)
     say(f"samestep diff {c} {d}:")
     say(f"  {report['summary']}")
-    if report["identical"]:
+    if report["identical"] and _on_cuda(settings):
+        say("  (on CUDA, PyTorch's index_put_ accumulate sorts its indices: it agreed run to run on an H200."
+            " The race shows on a CPU with 2 or more threads: --set train.device=cpu)")
+    elif report["identical"]:
         say("  (the race did not show this time: two nondeterministic runs can agree by chance)")
     return {"diverged": not report["identical"], "summary": report["summary"], "origin": report["origin"]}
 
