@@ -42,3 +42,22 @@ def test_bad_toml_file_is_named(tmp_path):
     bad.write_text("[train\n")
     with pytest.raises(ValueError, match="bad.toml is not valid TOML"):
         load_config(bad)
+
+
+def test_more_local_ranks_than_gpus_is_refused_with_the_fix(monkeypatch):
+    """train.device=cuda with local rank 1 on a 1-GPU machine: a clear error naming the GPU count and the
+    fix (seen on an H200 machine, where torchrun --nproc 2 used to fail deep inside CUDA)."""
+    import torch
+
+    from samestep.train.loop import _Distributed
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(ValueError, match=r"local rank 1 needs GPU 1, but this machine has 1 GPU.*"
+                                         r"--nproc at most 1.*train.device=cpu"):
+        _Distributed("cuda")
+    monkeypatch.setenv("LOCAL_RANK", "0")  # negative control: rank 0 gets past the check
+    try:
+        _Distributed("cuda")
+    except Exception as err:  # without CUDA, set_device fails next: not this check
+        assert "needs GPU" not in str(err)
