@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,6 +166,17 @@ def test_corrupt_newest_checkpoint_falls_back_on_resume(reference, tmp_path):
     assert "skipped corrupt checkpoint step_000006" in proc.stdout
     assert json.loads((d / "final.json").read_text())["state_digest"] == \
         json.loads((reference / "final.json").read_text())["state_digest"]
+
+
+def test_resume_with_no_step_left_writes_the_same_final_json(reference, tmp_path):
+    """Killed after the last checkpoint but before final.json: --resume trains nothing and writes the
+    uninterrupted run's final.json byte for byte (the loss bits come from metrics.jsonl, not NaN)."""
+    d = tmp_path / "run"
+    shutil.copytree(reference, d)
+    (d / "final.json").unlink()
+    run_train(d, *TINY, resume=True)
+    assert (d / "final.json").read_bytes() == (reference / "final.json").read_bytes()
+    assert metrics_bytes(d) == metrics_bytes(reference)
 
 
 def test_torchrun_two_processes_repeat_and_match_one_process(reference, tmp_path):

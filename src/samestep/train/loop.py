@@ -144,6 +144,23 @@ def _truncate_metrics(path: Path, last_step: int) -> None:
     replace_atomic(path, "".join(kept).encode("utf-8"))
 
 
+def _logged_loss(path: Path, step: int) -> float:
+    """The loss bits that metrics.jsonl holds for ``step`` (NaN if it holds none): what final.json reports
+    when a resumed run has no step left to train."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return float("nan")
+    for line in reversed(lines):
+        try:
+            entry = json.loads(line)
+            if entry["step"] == step:
+                return float.fromhex(entry["loss_hex"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    return float("nan")
+
+
 class _Progress:
     """A rich progress bar on a terminal, plain lines every ``log_every`` steps otherwise."""
 
@@ -331,7 +348,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     progress = _Progress(rank == 0, start, t.steps, t.log_every, out)
     metrics = open(metrics_path, "a", encoding="utf-8") if rank == 0 else None
     model.train()
-    t0, loss_value = time.perf_counter(), float("nan")
+    # a resume from the last step trains nothing: the last loss is the one logged for it
+    t0, loss_value = time.perf_counter(), _logged_loss(metrics_path, start) if start else float("nan")
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     try:
         for step in range(start, end):
