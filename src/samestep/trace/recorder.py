@@ -499,7 +499,9 @@ class Recorder:
         # On a GPU, the worker's kernels run on its own thread's current stream: they start after
         # everything the training thread has queued so far (the copies, the values recorded) is done.
         events = []
-        for device in {x.buf.device for x in batch.packs} | {_device(t) for t in batch.tensors}:
+        devices = {x.buf.device for x in batch.packs} | {_device(t) for t in batch.tensors} \
+            if torch.cuda.is_initialized() else ()  # without CUDA started, no tensor is on a GPU (0.07 ms/step)
+        for device in devices:
             if device.type == "cuda":
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(device))
