@@ -83,16 +83,46 @@ def check_env() -> dict:
 def check_digest(dev: torch.device) -> dict:
     cases = _cases()
     cpu = {k: dg.digest(f("cpu")) for k, f in cases.items()}
-    out: dict = {"int8_path_on_cuda": dg._int_weights(dev) is not None, "cases": len(cases)}
+    out: dict = {"int8_path_on_cuda": dg._int_weights(dev) is not None, "cases": len(cases),
+                 "default_path_on_cuda": "triton" if dg._use_triton(dev) else "torch"}
     gpu = {k: dg.digest(f(dev)) for k, f in cases.items()}
-    out["mismatch_int8_path"] = [k for k in cases if gpu[k] != cpu[k]]
-    saved = dg._int_cache.get(dev)
-    dg._int_cache[dev] = None  # the float64 path
+    out["mismatch_default_path"] = [k for k in cases if gpu[k] != cpu[k]]
+    out["triton_fallback_warned"] = dev in dg._triton_failed
+    saved, mode = dg._int_cache.get(dev), dg.TRITON
     try:
+        dg.TRITON = "off"  # the int8 path
+        gpu8 = {k: dg.digest(f(dev)) for k, f in cases.items()}
+        out["mismatch_int8_path"] = [k for k in cases if gpu8[k] != cpu[k]]
+        dg._int_cache[dev] = None  # the float64 path
         gpu64 = {k: dg.digest(f(dev)) for k, f in cases.items()}
+        out["mismatch_float64_path"] = [k for k in cases if gpu64[k] != cpu[k]]
     finally:
-        dg._int_cache[dev] = saved
-    out["mismatch_float64_path"] = [k for k in cases if gpu64[k] != cpu[k]]
+        dg._int_cache[dev], dg.TRITON = saved, mode
+    # throughput of each path against a same-size copy (1 GiB and 64 MiB, medians of 5)
+    for n in (1 << 24, 1 << 28) if dev.type == "cuda" else ():
+        x = torch.randn(n, device=dev)
+        for path in ("on", "off"):
+            dg.TRITON = path
+            try:
+                dg._lanes(x)
+                ratios = []
+                for _ in range(5):
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    x.clone()
+                    torch.cuda.synchronize()
+                    t1 = time.perf_counter()
+                    dg._lanes(x)
+                    torch.cuda.synchronize()
+                    ratios.append(((t1 - t0) / (time.perf_counter() - t1), time.perf_counter() - t1))
+                ratios.sort()
+                out[f"digest_over_copy_{n * 4 >> 20}MiB_{'triton' if path == 'on' else 'torch'}"] = \
+                    {"ratio": round(ratios[2][0], 3), "digest_ms": round(1000 * ratios[2][1], 2)}
+            except Exception as e:
+                out[f"digest_over_copy_{n * 4 >> 20}MiB_{path}"] = repr(e)[:300]
+            finally:
+                dg.TRITON = mode
+        del x
     names = sorted(cases)
     many = dg.digest_many([cases[k](dev) for k in names])
     out["mismatch_digest_many"] = [k for k, d in zip(names, many) if d != cpu[k]]
@@ -101,8 +131,9 @@ def check_digest(dev: torch.device) -> dict:
     t.view(torch.int32)[1234, 67] ^= 1
     out["flipped_bit_detected"] = dg.digest(t) != cpu["big_20MiB"]
     out["distinct_digests"] = len(set(cpu.values()))
-    out["ok"] = (not out["mismatch_int8_path"] and not out["mismatch_float64_path"]
-                 and not out["mismatch_digest_many"] and out["flipped_bit_detected"])
+    out["ok"] = (not out["mismatch_default_path"] and not out["mismatch_int8_path"]
+                 and not out["mismatch_float64_path"] and not out["mismatch_digest_many"]
+                 and out["flipped_bit_detected"])
     if dev.type != "cuda":
         return out
 

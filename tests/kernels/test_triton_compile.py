@@ -29,6 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from samestep.ops import triton_kernels as tk
+from samestep.trace import digest_triton as dt
 
 
 @triton.jit
@@ -48,17 +49,24 @@ def signature(kernel, dtype):
     if kernel == "_fold_tile_into_slot":
         return {"slots_ptr": f"*{dtype}", "src_ptr": f"*{dtype}", "index_ptr": "*i64", "N": "i32", "R": "i32",
                 "D": "i32", "TILE": "i32", "BLOCK": "constexpr"}
+    if kernel == "_level_rows":
+        return {"words_ptr": "*i16", "w_ptr": "*i64", "p_ptr": "*i64", "c_ptr": "*i64", "out_ptr": "*i64",
+                "rows": "i32", "BLOCK": "constexpr", "COLS_": "constexpr", "LANES_": "constexpr"}
     return {"out_ptr": "*i64", "idx_ptr": "*i64", "n": "i32", "TILE": "i32", "BLOCK": "constexpr"}
+
+
+CONSTS = {"_level_rows": {"BLOCK": dt.BLOCK_ROWS, "COLS_": dt.COLS, "LANES_": dt.LANES}}
 
 
 result = {}
 for arch in (90, 80):
     for kernel, dtypes in (("_fold_segments", sys.argv[1:]), ("_fold_tile_into_slot", sys.argv[1:]),
-                           ("_retyped_loop_value", ["i64"])):
-        fn = getattr(tk, kernel, None) or globals()[kernel]
+                           ("_level_rows", ["i16"]), ("_retyped_loop_value", ["i64"])):
+        fn = getattr(tk, kernel, None) or getattr(dt, kernel, None) or globals()[kernel]
         for dtype in dtypes:
             try:
-                k = triton.compile(ASTSource(fn=fn, signature=signature(kernel, dtype), constexprs={"BLOCK": 128}),
+                consts = CONSTS.get(kernel, {"BLOCK": 128})
+                k = triton.compile(ASTSource(fn=fn, signature=signature(kernel, dtype), constexprs=consts),
                                    target=GPUTarget("cuda", arch, 32))
                 result[f"sm_{arch}/{kernel}/{dtype}"] = "cubin %d bytes" % len(k.asm["cubin"])
             except Exception as e:
@@ -68,7 +76,8 @@ print(json.dumps(result))
 
 
 def test_kernels_compile_for_hopper_and_ampere(tmp_path):
-    """Both kernels compile to cubin for sm_90 and sm_80 in every float dtype; the same compile refuses a
+    """The ops kernels compile to cubin for sm_90 and sm_80 in every float dtype, and so does the digest
+    kernel; the same compile refuses a
     kernel with the H200's compile error (negative control), which the interpreter runs happily."""
     script = tmp_path / "compile_kernels.py"
     script.write_text(textwrap.dedent(SCRIPT))
@@ -81,7 +90,7 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path):
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     bad = {k: v for k, v in result.items() if "_retyped_loop_value" not in k and not v.startswith("cubin")}
     assert not bad, bad
-    assert len(result) == 2 * (2 * len(DTYPES) + 1)
+    assert len(result) == 2 * (2 * len(DTYPES) + 2)
     for arch in (90, 80):
         control = result[f"sm_{arch}/_retyped_loop_value/i64"]
         assert control.startswith("error") and "cur" in control, control

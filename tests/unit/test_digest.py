@@ -182,3 +182,32 @@ def test_concurrent_digests_in_threads_match_serial_ones():
         for _ in range(3):
             assert list(pool.map(digest, xs)) == serial
     assert len(set(serial)) == len(serial)
+
+
+def test_a_triton_kernel_that_fails_falls_back_with_a_warning(monkeypatch):
+    """In "auto" mode a device where the fused kernel cannot run gets the PyTorch path (same digest) and
+    one warning; with the kernel forced ("on") the failure is raised, not hidden."""
+    import sys
+    import types
+    import warnings
+
+    data = torch.randn(20_000, generator=torch.Generator().manual_seed(6))
+    ref = digest(data)
+    broken = types.ModuleType("samestep.trace.digest_triton")
+
+    def level_rows(*args):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    broken.level_rows = level_rows
+    monkeypatch.setitem(sys.modules, "samestep.trace.digest_triton", broken)
+    monkeypatch.setattr(digest_module, "_triton_failed", set())
+    monkeypatch.setattr(digest_module, "_use_triton",
+                        lambda device: digest_module.TRITON == "on" or device not in digest_module._triton_failed)
+    with pytest.warns(RuntimeWarning, match=r"Triton kernel failed on cpu \(RuntimeError: no kernel.*same digests"):
+        assert digest(data) == ref
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per device
+        assert digest(data) == ref
+    monkeypatch.setattr(digest_module, "TRITON", "on")
+    with pytest.raises(RuntimeError, match="no kernel image"):
+        digest(data)

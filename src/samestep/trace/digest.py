@@ -18,8 +18,10 @@ unrelated data); there is no XOR to cancel repeated pairs, unlike ``torch.hash_t
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import struct
 import threading
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -88,6 +90,38 @@ def _int_weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torc
     return _int_cache[device]
 
 
+# "auto": the fused Triton kernel (digest_triton) hashes the rows of CUDA tensors when Triton is
+# installed; "off" never; "on" always (CPU tensors then need TRITON_INTERPRET=1: tests compare the paths).
+# Every path gives the same lanes, so a device where the kernel fails falls back with a warning.
+TRITON = "auto"
+_HAVE_TRITON = importlib.util.find_spec("triton") is not None
+_triton_failed: set[torch.device] = set()
+
+
+def _use_triton(device: torch.device) -> bool:
+    if TRITON == "auto":
+        return device.type == "cuda" and _HAVE_TRITON and device not in _triton_failed
+    return TRITON == "on"
+
+
+def _triton_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
+    """The fused kernel's lanes of the full rows ``x`` into ``out``; False (and a warning, once per
+    device) if it cannot run there, in "auto" mode."""
+    try:
+        from samestep.trace.digest_triton import level_rows
+
+        level_rows(x, w, PRIMES, out)
+        return True
+    except Exception as e:  # a Triton or driver that cannot build or run it: the other paths give the same lanes
+        if TRITON != "auto":
+            raise
+        _triton_failed.add(x.device)
+        warnings.warn(f"samestep.digest: the Triton kernel failed on {x.device} ({type(e).__name__}: "
+                      f"{str(e).strip()[:300]}); using the PyTorch path there (same digests, slower)",
+                      RuntimeWarning, stacklevel=2)
+        return False
+
+
 _local = threading.local()
 
 
@@ -126,37 +160,44 @@ def _level(words: torch.Tensor, w: torch.Tensor, p: torch.Tensor) -> torch.Tenso
     out = torch.empty(rows, len(PRIMES), dtype=torch.int64, device=words.device)
     if full:
         x = words[: full * COLS].view(full, COLS)
-        fast = _int_weights(words.device) if full >= 32 else None
-        if fast is not None:
-            digits, scale, const = fast
-            x = x.to(torch.int16)
-            lanes = torch.empty(full * len(PRIMES), dtype=torch.float64, device=words.device)
-            signed, acc, accf = _scratch(words.device)
-            step = _block_rows(words.device)
-            for a in range(0, full, step):  # on CPU, blocks stay in cache between the three passes
-                b = min(a + step, full)
-                m = max(32, b - a)  # torch._int_mm wants at least 32 rows: zero words pad the rest
-                if b - a < 32:
-                    signed[b - a: 32].zero_()
-                torch.bitwise_xor(x[a:b], 0x80, out=signed[: b - a])  # lo', hi per word: 512 int8 per row
-                torch._int_mm(signed[:m].view(torch.int8), digits, out=acc[:m])  # (rows, 16) int32, exact
-                accf[: b - a].copy_(acc[: b - a])
-                torch.mv(accf[: b - a].view(-1, _DIGITS), scale, out=lanes[a * len(PRIMES): b * len(PRIMES)])
-            torch.add(lanes.view(full, len(PRIMES)).to(torch.int64), const, out=out[:full])
-        else:
-            block = min(full, _block_rows(words.device))
-            buf = torch.empty(block, COLS, dtype=torch.float64, device=words.device)
-            res = torch.empty(block, len(PRIMES), dtype=torch.float64, device=words.device)
-            for a in range(0, full, block):
-                b = min(a + block, full)
-                buf[: b - a].copy_(x[a:b])
-                torch.mm(buf[: b - a], w, out=res[: b - a])
-                out[a:b] = res[: b - a].to(torch.int64)
+        if not (_use_triton(words.device) and _triton_rows(x, w, out[:full])):  # the kernel reduces mod p itself
+            _torch_rows(x, w, out[:full])
     if rows > full:
         tail = torch.zeros(1, COLS, dtype=torch.float64, device=words.device)
         tail[0, :rem].copy_(words[full * COLS:])
         out[full:] = torch.mm(tail, w).to(torch.int64)
     return torch.remainder(out, p)
+
+
+def _torch_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
+    """The lanes (before the remainder) of the full rows ``x`` ((rows, 256) int16) into ``out``, by the
+    int8 product where the device has one, else by float64 products."""
+    full = x.shape[0]
+    fast = _int_weights(x.device) if full >= 32 else None
+    if fast is not None:
+        digits, scale, const = fast
+        lanes = torch.empty(full * len(PRIMES), dtype=torch.float64, device=x.device)
+        signed, acc, accf = _scratch(x.device)
+        step = _block_rows(x.device)
+        for a in range(0, full, step):  # on CPU, blocks stay in cache between the three passes
+            b = min(a + step, full)
+            m = max(32, b - a)  # torch._int_mm wants at least 32 rows: zero words pad the rest
+            if b - a < 32:
+                signed[b - a: 32].zero_()
+            torch.bitwise_xor(x[a:b], 0x80, out=signed[: b - a])  # lo', hi per word: 512 int8 per row
+            torch._int_mm(signed[:m].view(torch.int8), digits, out=acc[:m])  # (rows, 16) int32, exact
+            accf[: b - a].copy_(acc[: b - a])
+            torch.mv(accf[: b - a].view(-1, _DIGITS), scale, out=lanes[a * len(PRIMES): b * len(PRIMES)])
+        torch.add(lanes.view(full, len(PRIMES)).to(torch.int64), const, out=out)
+    else:
+        block = min(full, _block_rows(x.device))
+        buf = torch.empty(block, COLS, dtype=torch.float64, device=x.device)
+        res = torch.empty(block, len(PRIMES), dtype=torch.float64, device=x.device)
+        for a in range(0, full, block):
+            b = min(a + block, full)
+            buf[: b - a].copy_(x[a:b])
+            torch.mm(buf[: b - a], w, out=res[: b - a])
+            out[a:b] = res[: b - a].to(torch.int64)
 
 
 def _lanes(t: torch.Tensor) -> torch.Tensor:
