@@ -141,6 +141,35 @@ class ChangesAnOutput(torch.nn.Module):
         return self.head(h).sum()
 
 
+def test_module_records_noted_by_hooks_keep_their_place_among_other_records(tmp_path):
+    """Module hooks only note outputs and gradients (their records are made later, by _drain), yet the
+    stream is the one made at once (copy=True records inside the hooks): a record made between forward
+    and backward, and one made from a gradient hook at the end of backward, stay where they happened."""
+    def run(name: str, copy: bool):
+        torch.manual_seed(0)
+        model = Tiny()
+        rec = Recorder(tmp_path / name, level="module", copy=copy)
+        rec.attach(model)
+        with rec.step(1):
+            with rec.microbatch(0):
+                x = torch.ones(2, 4, requires_grad=True)
+                x.register_hook(lambda g: rec.record("input_grad", [g]))  # the last gradient of backward
+                y = model(x)
+                rec.record("between", [y.detach()])
+                y.backward()
+            rec.grads(model.named_parameters())
+        rec.close()
+        return read_stream(stream_path(tmp_path / name, 0)).table
+
+    noted, at_once = run("noted", False), run("at_once", True)
+    assert noted.equals(at_once)
+    ops = noted.column("op").to_pylist()
+    outputs = [i for i, op in enumerate(ops) if op == "output"]
+    grads = [i for i, op in enumerate(ops) if op == "grad_output"]
+    assert len(outputs) == len(grads) == 5  # inner.0, inner.1, inner, head and the model itself ("")
+    assert max(outputs) < ops.index("between") < min(grads) and max(grads) < ops.index("input_grad")
+
+
 def test_in_place_change_of_a_recorded_output_is_refused_or_copied(tmp_path):
     """Without copies, an output changed in place after it was recorded stops the run with the record's
     identity and the fix (with a worker thread or process); with copies, the recorded digest is that of
