@@ -108,3 +108,38 @@ def test_worker_process_writes_what_it_got_and_exits_when_the_trainer_goes(tmp_p
     s = read_stream(stream_path(tmp_path, 0))
     assert s.torn is None and s.table.column("step").to_pylist() == [1, 2]
     assert s.table.column("outputs").to_pylist()[1] == bytes.fromhex(digest(torch.full((3,), 2.0)))
+
+
+@pytest.mark.parametrize("forget", [True, False])
+def test_a_forked_process_does_not_keep_the_worker_waiting(tmp_path, monkeypatch, forget):
+    """A process forked from the trainer (as DataLoader workers are) closes its copy of the worker's
+    socket, so the worker still sees the trainer's end at once. Negative control: without that, the
+    worker waits until the forked process exits too."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    if not forget:
+        monkeypatch.setattr(worker_module.os, "register_at_fork", lambda **kw: None)
+    rec = Recorder(tmp_path, level="step", worker="process")
+    with rec.step(1):
+        rec.record("x", [torch.ones(3)])
+    rec._wait()
+    pid = os.fork()
+    if pid == 0:  # the forked process: lives on, like a DataLoader worker, until killed
+        time.sleep(120)
+        os._exit(0)
+    try:
+        proc = rec._worker._proc
+        rec._worker._sock.close()  # the trainer's end closes, as at a SIGKILL
+        if forget:
+            assert proc.wait(timeout=30) == 0
+        else:
+            with pytest.raises(subprocess.TimeoutExpired):
+                proc.wait(timeout=3)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert proc.wait(timeout=30) == 0
+    assert read_stream(stream_path(tmp_path, 0)).table.column("step").to_pylist() == [1]

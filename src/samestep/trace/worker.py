@@ -29,6 +29,7 @@ import struct
 import subprocess
 import sys
 import traceback
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,15 @@ if got == n:
 """
 
 
+def _forget_in_child(ref: weakref.ref) -> None:
+    """In a process forked from the trainer (a DataLoader worker, say): close its copy of the socket, or
+    the digest worker would see the trainer's death only when that process ends too."""
+    worker = ref()
+    if worker is not None:
+        worker._sock.close()
+        worker._pending = worker._unwritten = False
+
+
 class ProcessWorker:
     """Digests in a child process, which reads the tensors from this process's memory (CPU only)."""
 
@@ -210,6 +220,7 @@ class ProcessWorker:
         finally:
             child.close()
         self._sock = parent
+        os.register_at_fork(after_in_child=lambda ref=weakref.ref(self): _forget_in_child(ref))
         self._pending = False  # a batch is being digested
         self._unwritten = False  # a digested batch waits for W or X
         try:
