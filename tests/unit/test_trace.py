@@ -79,9 +79,11 @@ def test_levels_include_the_ones_before(tmp_path):
 @pytest.mark.parametrize("level", ["module", "op"])
 def test_flushing_after_every_record_writes_the_same_stream(tmp_path, monkeypatch, level):
     """Batches cut anywhere (chunks reused while the worker digests, checks verified batch by batch,
-    sequence numbers carried over) give the same records as one batch per step."""
+    sequence numbers carried over, module records made as soon as the hooks note them) give the same
+    records as one batch per step."""
     _record(tmp_path / "whole", level)
     monkeypatch.setattr(recorder_module, "FLUSH_BYTES", 0)
+    monkeypatch.setattr(recorder_module, "PENDING_BYTES", 0)  # module records made as soon as noted
     monkeypatch.setattr(recorder_module, "CHUNK_BYTES", 4096)  # and many small chunks
     _record(tmp_path / "cut", level)
     _record(tmp_path / "other", level, scale=1.0 + 2**-20)  # negative control: another input, also cut
@@ -168,6 +170,25 @@ def test_module_records_noted_by_hooks_keep_their_place_among_other_records(tmp_
     grads = [i for i, op in enumerate(ops) if op == "grad_output"]
     assert len(outputs) == len(grads) == 5  # inner.0, inner.1, inner, head and the model itself ("")
     assert max(outputs) < ops.index("between") < min(grads) and max(grads) < ops.index("input_grad")
+
+
+@pytest.mark.parametrize("bound", [None, 0])
+def test_noted_module_records_keep_a_bounded_amount_alive(tmp_path, monkeypatch, bound):
+    """The notes keep their tensors alive until drained: past PENDING_BYTES a hook drains at once, so
+    a microbatch's activations are not all held (here: 0 bytes, nothing stays noted). Negative control:
+    under the default bound the five outputs of a forward stay noted until the microbatch ends."""
+    if bound is not None:
+        monkeypatch.setattr(recorder_module, "PENDING_BYTES", bound)
+    model = Tiny()
+    rec = Recorder(tmp_path, level="module")
+    rec.attach(model)
+    with rec.step(1):
+        with rec.microbatch(0):
+            model(torch.ones(2, 4))
+            assert len(rec._pending) == (5 if bound is None else 0)
+        assert not rec._pending  # the microbatch's end drains
+    rec.close()
+    assert read_stream(stream_path(tmp_path, 0)).table.num_rows == 5
 
 
 def test_in_place_change_of_a_recorded_output_is_refused_or_copied(tmp_path):
