@@ -1,0 +1,27 @@
+"""The GPU check script runs where CI does (no GPU): its CPU-capable sections work, so a session that
+is lent a GPU does not spend device time on a broken script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_gpu_check_runs_its_cpu_sections(tmp_path):
+    """`bench/gpu_check.py --sections env,digest` on CPU: the digest section compares every case's
+    digest by each path (here all on CPU) and finds no mismatch; an unknown section is reported, not
+    fatal to the others."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--out", str(tmp_path), "--sections",
+                           "env,digest,nonsense"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert result["env"]["torch"] == __import__("torch").__version__
+    d = result["digest"]
+    assert d["ok"] and d["cases"] >= 20 and d["distinct_digests"] == d["cases"] and d["flipped_bit_detected"]
+    assert "unknown section 'nonsense'" in result["nonsense"]["error"]
