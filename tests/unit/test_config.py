@@ -61,3 +61,16 @@ def test_more_local_ranks_than_gpus_is_refused_with_the_fix(monkeypatch):
         _Distributed("cuda")
     except Exception as err:  # without CUDA, set_device fails next: not this check
         assert "needs GPU" not in str(err)
+
+
+def test_every_trace_field_is_classified_for_resume_and_diff():
+    """A trace field either changes no bit (a resume may change it, diff ignores it) or is
+    trace.perturb; a new field must be put on one side (this fails until it is)."""
+    import dataclasses
+
+    from samestep.train.config import NUMERICS_NEUTRAL, TraceConfig
+
+    fields = {f"trace.{f.name}" for f in dataclasses.fields(TraceConfig)}
+    assert fields - NUMERICS_NEUTRAL == {"trace.perturb"}
+    assert {"train.checkpoint_every", "train.keep_checkpoints", "train.log_every"} <= NUMERICS_NEUTRAL
+    assert not {"train.device", "train.seed", "determinism.enabled"} & NUMERICS_NEUTRAL

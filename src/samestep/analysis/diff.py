@@ -23,12 +23,14 @@ import pyarrow.compute as pc
 from samestep._state import dotted
 from samestep.env import compare_environments
 from samestep.trace.stream import KEY, SCHEMA, iter_stream, stream_segments, traced_ranks
+from samestep.train.config import NUMERICS_NEUTRAL
 
 __all__ = ["DiffError", "Divergence", "diff_runs"]
 
 CHUNK = 65_536
-# Config fields that do not change the numerics (invariant 3 for trace.*; bookkeeping for the rest).
-IGNORED_CONFIG = ("trace.", "train.checkpoint_every", "train.keep_checkpoints", "train.log_every")
+# Config fields not compared: those that change no bit of the steps (invariant 3 for trace.*; bookkeeping for
+# the rest), and trace.perturb, since a planted perturbation is what a diff is run to find.
+IGNORED_CONFIG = NUMERICS_NEUTRAL | {"trace.perturb"}
 # Ops that only move or reinterpret bytes: if one "diverges" with matching inputs, its input was
 # changed by something the dispatcher never saw.
 COPY_LIKE = ("aten.view", "aten._unsafe_view", "aten.reshape", "aten.clone", "aten.copy_", "aten._to_copy",
@@ -243,7 +245,7 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     notes: list[str] = []
     cfg_diff = {k: v for k, v in compare_environments(dotted(doc_a.get("config", {})),
                                                       dotted(doc_b.get("config", {}))).items()
-                if not k.startswith(IGNORED_CONFIG)}
+                if k not in IGNORED_CONFIG}
     env_diff = compare_environments(doc_a.get("environment", {}), doc_b.get("environment", {}))
     for what, d in (("config", cfg_diff), ("environment", env_diff)):
         if d:

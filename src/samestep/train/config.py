@@ -20,7 +20,13 @@ import tomllib
 
 from samestep.data import SOURCES
 
-__all__ = ["Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TraceConfig", "TrainConfig", "load_config"]
+__all__ = ["NUMERICS_NEUTRAL", "Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TraceConfig", "TrainConfig",
+           "load_config"]
+
+# Config fields that change no bit of a run's steps (bookkeeping, and what is traced and how): a resume may
+# change them, and `samestep diff` does not compare them. (trace.perturb changes bits on purpose.)
+NUMERICS_NEUTRAL = frozenset({"train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "trace.level",
+                              "trace.steps", "trace.ranks", "trace.copy", "trace.worker"})
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:

@@ -31,7 +31,7 @@ from samestep.checkpoint._format import replace_atomic
 from samestep.data import DataCursor, load_corpus
 from samestep.distributed import AllReduceGradients, CanonicalGradients, validate_layout
 from samestep.trace import Perturb, Recorder, parse_selection
-from samestep.train.config import Config
+from samestep.train.config import NUMERICS_NEUTRAL, Config
 from samestep.train.model import GPT
 
 __all__ = ["RESTORE_ALL", "RUN_FORMAT", "Parts", "WarmupCosine", "build", "train"]
@@ -39,8 +39,7 @@ __all__ = ["RESTORE_ALL", "RUN_FORMAT", "Parts", "WarmupCosine", "build", "train
 RUN_FORMAT, RUN_VERSION = "samestep.run", 1
 RESTORE_ALL = frozenset({"model", "optimizer", "data", "rng"})
 # Config fields that may change on --resume without changing a single bit of the steps already taken.
-RESUMABLE_CHANGES = {"train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "trace.level",
-                     "trace.steps", "trace.ranks", "trace.copy", "trace.worker"}
+RESUMABLE_CHANGES = NUMERICS_NEUTRAL
 
 
 @dataclass(slots=True)
