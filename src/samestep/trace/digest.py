@@ -117,7 +117,7 @@ def _triton_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
             raise
         _triton_failed.add(x.device)
         warnings.warn(f"samestep.digest: the Triton kernel failed on {x.device} ({type(e).__name__}: "
-                      f"{str(e).strip()[:300]}); using the PyTorch path there (same digests, slower)",
+                      f"{str(e).strip()[:300]}); using the PyTorch path there (same digests)",
                       RuntimeWarning, stacklevel=2)
         return False
 

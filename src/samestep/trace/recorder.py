@@ -674,9 +674,8 @@ class Recorder:
         occurrence = self._occurrence(phase, scope, op)
         what = (self._step, self._mb, phase, scope, op, occurrence)
         copy = self._module_copy
-        self._append(phase, scope, op, occurrence, (),
-                     [self._stage(t, copy=copy, what=what) for t in outs] if versions is None else
-                     [self._stage(t, copy=copy, what=what, version=v) for t, v in zip(outs, versions)])
+        self._append(phase, scope, op, occurrence, (), [self._stage(t, copy=copy, what=what, version=v)
+                                                        for t, v in zip(outs, versions or [None] * len(outs))])
 
     def _drain(self) -> None:
         """Makes the records the module hooks noted, in the order noted. Called before any other record
