@@ -1,7 +1,8 @@
 """Trace benchmarks: digest throughput, tracing overhead per level, and diff at scale.
 
     .venv/bin/python bench/bench_trace.py [--pairs 9] [--steps 8] [--levels step,module,op] [--own-share]
-        [--set KEY=VALUE] [--records 10000000] [--ranks 1024] [--device cpu|cuda] [--json]
+        [--set KEY=VALUE] [--records 10000000] [--ranks 1024] [--device cpu|cuda] [--digest-triton auto|off]
+        [--json]
 
 All ratios are measured side by side in one run: the digest against a same-size tensor copy, each
 trace level against the untraced step (alternating blocks of steps, median of per-pair ratios;
@@ -179,10 +180,13 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=1024)
     ap.add_argument("--records-per-rank", type=int, default=10_000)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--digest-triton", default="auto", choices=("auto", "on", "off"),
+                    help="the digest's fused Triton kernel: auto (on CUDA tensors), or off to time the PyTorch path")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.own_share:
         own_share()
+    importlib.import_module("samestep.trace.digest").TRITON = args.digest_triton  # in this process
     # the overhead first: samestep.enable() must run before CUDA starts (the digest timing would start it)
     overhead = trace_overhead(args.pairs, args.steps, args.set, args.levels.split(","), args.device)
     result = {"digest": digest_throughput(2, args.device), "trace_overhead": overhead,

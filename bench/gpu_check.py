@@ -241,9 +241,11 @@ def check_bench(log: Path) -> dict:
     out = {}
     k = _run([sys.executable, "bench/bench_kernels.py", "--device", "cuda", "--repeats", "5", "--json"], 300, log)
     out["kernels"] = json.loads(k.stdout) if k.returncode == 0 else {"exit": k.returncode, "tail": _tail(k)}
-    t = _run([sys.executable, "bench/bench_trace.py", "--device", "cuda", "--pairs", "5", "--steps", "8",
-              "--records", "100000", "--ranks", "4", "--records-per-rank", "1000", "--json"], 400, log)
-    out["trace"] = json.loads(t.stdout) if t.returncode == 0 else {"exit": t.returncode, "tail": _tail(t)}
+    torch_path = ["--digest-triton", "off", "--levels", "step,module"]  # the same, digests by the PyTorch path
+    for name, extra in (("trace", []), ("trace_digest_torch_path", torch_path)):
+        t = _run([sys.executable, "bench/bench_trace.py", "--device", "cuda", "--pairs", "5", "--steps", "8",
+                  "--records", "100000", "--ranks", "4", "--records-per-rank", "1000", "--json", *extra], 400, log)
+        out[name] = json.loads(t.stdout) if t.returncode == 0 else {"exit": t.returncode, "tail": _tail(t)}
     return out
 
 
