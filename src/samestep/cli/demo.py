@@ -69,14 +69,7 @@ def _run_killed(run_dir: Path, settings: list[str], kill_at: int) -> int:
     return _last_step(run_dir / "metrics.jsonl")
 
 
-def _on_cuda(settings: list[str]) -> bool:
-    import torch
-
-    device = next((s.split("=", 1)[1] for s in reversed(settings) if s.startswith("train.device=")), "auto")
-    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
-
-
-def _nondeterministic_pair(work: Path, settings: list[str], say) -> dict:
+def _nondeterministic_pair(work: Path, settings: list[str], on_cuda: bool, say) -> dict:
     """Two runs with deterministic mode off, then `samestep diff` on them."""
     from samestep.analysis import diff_runs
 
@@ -88,7 +81,7 @@ def _nondeterministic_pair(work: Path, settings: list[str], say) -> dict:
     report = diff_runs(c, d)
     say(f"samestep diff {c} {d}:")
     say(f"  {report['summary']}")
-    if report["identical"] and _on_cuda(settings):
+    if report["identical"] and on_cuda:
         say("  (on CUDA, PyTorch's index_put_ accumulate sorts its indices: it agreed run to run on an H200."
             " The race shows on a CPU with 2 or more threads: --set train.device=cpu)")
     elif report["identical"]:
@@ -98,6 +91,7 @@ def _nondeterministic_pair(work: Path, settings: list[str], say) -> dict:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from samestep.train import load_config
+    from samestep.train.loop import _device_kind
 
     settings = [*DEMO_SETTINGS, *args.set]
     try:
@@ -132,7 +126,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     say(f"per-step loss and grad-norm bits: {'identical' if same_metrics else 'DIFFERENT'}")
     say("BIT-IDENTICAL: the killed and resumed run followed the same numerical path."
         if identical else "NOT IDENTICAL: the resumed run diverged.")
-    pair = _nondeterministic_pair(work, settings, say)
+    pair = _nondeterministic_pair(work, settings, _device_kind(cfg) == "cuda", say)
     result = {"identical": identical, "state_digest_a": fa["state_digest"], "state_digest_b": fb["state_digest"],
               "metrics_identical": same_metrics, "killed_at_step": killed, "resumed_from_step": resumed_from,
               "nondeterministic_pair": pair, "seconds": round(time.perf_counter() - t0, 1), "workdir": str(work)}

@@ -38,8 +38,6 @@ __all__ = ["RESTORE_ALL", "RUN_FORMAT", "Parts", "WarmupCosine", "build", "train
 
 RUN_FORMAT, RUN_VERSION = "samestep.run", 1
 RESTORE_ALL = frozenset({"model", "optimizer", "data", "rng"})
-# Config fields that may change on --resume without changing a single bit of the steps already taken.
-RESUMABLE_CHANGES = NUMERICS_NEUTRAL
 
 
 @dataclass(slots=True)
@@ -70,7 +68,7 @@ class WarmupCosine:
 def _check_resume_config(saved: dict[str, Any] | None, current: Config) -> None:
     now = dotted(current.to_dict())
     then = dotted(saved or {})
-    changed = {k for k in set(now) | set(then) if now.get(k) != then.get(k)} - RESUMABLE_CHANGES
+    changed = {k for k in set(now) | set(then) if now.get(k) != then.get(k)} - NUMERICS_NEUTRAL
     if changed:
         fields = ", ".join(f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in sorted(changed))
         raise ValueError(f"--resume with a different config would change the run's bits ({fields}); resume with "
