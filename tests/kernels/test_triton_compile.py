@@ -55,7 +55,7 @@ def signature(kernel, dtype):
     return {"out_ptr": "*i64", "idx_ptr": "*i64", "n": "i32", "TILE": "i32", "BLOCK": "constexpr"}
 
 
-CONSTS = {"_level_rows": {"BLOCK": dt.BLOCK_ROWS, "COLS_": dt.COLS, "LANES_": dt.LANES}}
+CONSTS = {"_level_rows": {"BLOCK": dt.PROGRAM_ROWS, "COLS_": dt.COLS, "LANES_": dt.LANES}}
 
 
 result = {}

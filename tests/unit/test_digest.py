@@ -201,8 +201,8 @@ def test_a_triton_kernel_that_fails_falls_back_with_a_warning(monkeypatch):
     broken.level_rows = level_rows
     monkeypatch.setitem(sys.modules, "samestep.trace.digest_triton", broken)
     monkeypatch.setattr(digest_module, "_triton_failed", set())
-    monkeypatch.setattr(digest_module, "_use_triton",
-                        lambda device: digest_module.TRITON == "on" or device not in digest_module._triton_failed)
+    monkeypatch.setattr(digest_module, "_TRITON_DEVICE_TYPES", ("cpu",))  # "auto" tries the kernel here
+    monkeypatch.setattr(digest_module, "_HAVE_TRITON", True)
     with pytest.warns(RuntimeWarning, match=r"Triton kernel failed on cpu \(RuntimeError: no kernel.*same digests"):
         assert digest(data) == ref
     with warnings.catch_warnings():

@@ -95,12 +95,13 @@ def _int_weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torc
 # Every path gives the same lanes, so a device where the kernel fails falls back with a warning.
 TRITON = "auto"
 _HAVE_TRITON = importlib.util.find_spec("triton") is not None
+_TRITON_DEVICE_TYPES = ("cuda",)  # where "auto" uses it (a test adds "cpu", with the kernel replaced)
 _triton_failed: set[torch.device] = set()
 
 
 def _use_triton(device: torch.device) -> bool:
     if TRITON == "auto":
-        return device.type == "cuda" and _HAVE_TRITON and device not in _triton_failed
+        return device.type in _TRITON_DEVICE_TYPES and _HAVE_TRITON and device not in _triton_failed
     return TRITON == "on"
 
 
@@ -110,7 +111,7 @@ def _triton_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
     try:
         from samestep.trace.digest_triton import level_rows
 
-        level_rows(x, w, PRIMES, out)
+        level_rows(x, w, out)
         return True
     except Exception as e:  # a Triton or driver that cannot build or run it: the other paths give the same lanes
         if TRITON != "auto":

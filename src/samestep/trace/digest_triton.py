@@ -16,11 +16,12 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["BLOCK_ROWS", "level_rows"]
+from samestep.trace.digest import COLS, PRIMES
 
-BLOCK_ROWS = 16  # rows per program: 16 x 256 int64 values in registers across 4 warps
-COLS = 256
-LANES = 4
+__all__ = ["PROGRAM_ROWS", "level_rows"]
+
+PROGRAM_ROWS = 16  # rows per program: 16 x 256 int64 values in registers across 4 warps
+LANES = len(PRIMES)
 
 
 @triton.jit
@@ -42,18 +43,19 @@ def _level_rows(words_ptr, w_ptr, p_ptr, c_ptr, out_ptr, rows, BLOCK: tl.constex
 _consts: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
 
-def level_rows(x: torch.Tensor, weights: torch.Tensor, primes: tuple[int, ...], out: torch.Tensor) -> None:
-    """Writes the lanes of the full rows ``x`` ((rows, 256) int16, contiguous) into ``out`` ((rows, 4) int64),
-    reduced modulo ``primes``; ``weights`` is the (256, 4) table (any dtype holding the integers)."""
+def level_rows(x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> None:
+    """Writes the lanes of the full rows ``x`` ((rows, COLS) int16, contiguous) into ``out`` ((rows, LANES)
+    int64), reduced modulo ``PRIMES``; ``weights`` is the digest's (COLS, LANES) table (any dtype holding
+    the integers)."""
     device = x.device
     if device not in _consts:
         w = weights.to(device=device, dtype=torch.int64).contiguous()
-        p = torch.tensor(primes, dtype=torch.int64, device=device)
+        p = torch.tensor(PRIMES, dtype=torch.int64, device=device)
         table = weights.to(torch.int64).cpu().sum(0).tolist()
-        c = torch.tensor([32768 * s % q for s, q in zip(table, primes)], dtype=torch.int64, device=device)
+        c = torch.tensor([32768 * s % q for s, q in zip(table, PRIMES)], dtype=torch.int64, device=device)
         _consts[device] = (w, p, c)
     w, p, c = _consts[device]
     rows = x.shape[0]
     if rows:
-        _level_rows[(triton.cdiv(rows, BLOCK_ROWS),)](x, w, p, c, out, rows, BLOCK=BLOCK_ROWS, COLS_=COLS,
-                                                      LANES_=LANES)
+        _level_rows[(triton.cdiv(rows, PROGRAM_ROWS),)](x, w, p, c, out, rows, BLOCK=PROGRAM_ROWS, COLS_=COLS,
+                                                        LANES_=LANES)
