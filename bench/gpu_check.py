@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bench_trace import digest_throughput  # bench/ is this script's directory
 
 dg = importlib.import_module("samestep.trace.digest")  # the module (samestep.trace.digest is also a function)
 
@@ -98,31 +99,15 @@ def check_digest(dev: torch.device) -> dict:
         out["mismatch_float64_path"] = [k for k in cases if gpu64[k] != cpu[k]]
     finally:
         dg._int_cache[dev], dg.TRITON = saved, mode
-    # throughput of each path against a same-size copy (1 GiB and 64 MiB, medians of 5)
-    for n in (1 << 24, 1 << 28) if dev.type == "cuda" else ():
-        x = torch.randn(n, device=dev)
-        for path in ("on", "off"):
-            dg.TRITON = path
-            try:
-                dg._lanes(x)
-                ratios = []
-                for _ in range(5):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    x.clone()
-                    torch.cuda.synchronize()
-                    t1 = time.perf_counter()
-                    dg._lanes(x)
-                    torch.cuda.synchronize()
-                    ratios.append(((t1 - t0) / (time.perf_counter() - t1), time.perf_counter() - t1))
-                ratios.sort()
-                out[f"digest_over_copy_{n * 4 >> 20}MiB_{'triton' if path == 'on' else 'torch'}"] = \
-                    {"ratio": round(ratios[2][0], 3), "digest_ms": round(1000 * ratios[2][1], 2)}
-            except Exception as e:
-                out[f"digest_over_copy_{n * 4 >> 20}MiB_{path}"] = repr(e)[:300]
-            finally:
-                dg.TRITON = mode
-        del x
+    # throughput of each path against a same-size copy (bench_trace's measurement: 4 MiB, 64 MiB, 1 GiB)
+    for path, name in (("on", "triton"), ("off", "torch")) if dev.type == "cuda" else ():
+        dg.TRITON = path
+        try:
+            out[f"digest_over_copy_{name}"] = digest_throughput(2, "cuda")["digest_over_copy_throughput"]
+        except Exception as e:
+            out[f"digest_over_copy_{name}"] = repr(e)[:300]
+        finally:
+            dg.TRITON = mode
     names = sorted(cases)
     many = dg.digest_many([cases[k](dev) for k in names])
     out["mismatch_digest_many"] = [k for k, d in zip(names, many) if d != cpu[k]]
