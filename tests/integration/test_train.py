@@ -177,6 +177,16 @@ def test_resume_with_no_step_left_writes_the_same_final_json(reference, tmp_path
     run_train(d, *TINY, resume=True)
     assert (d / "final.json").read_bytes() == (reference / "final.json").read_bytes()
     assert metrics_bytes(d) == metrics_bytes(reference)
+    # Negative control: without the last step's metrics line there are no loss bits to report, and the
+    # same byte comparison sees the difference.
+    e = tmp_path / "no_last_line"
+    shutil.copytree(reference, e)
+    (e / "final.json").unlink()
+    lines = metrics_bytes(e).splitlines(keepends=True)
+    (e / "metrics.jsonl").write_bytes(b"".join(lines[:-1]))
+    run_train(e, *TINY, resume=True)
+    assert (e / "final.json").read_bytes() != (reference / "final.json").read_bytes()
+    assert json.loads((e / "final.json").read_text())["loss_hex"] == "nan"
 
 
 def test_torchrun_two_processes_repeat_and_match_one_process(reference, tmp_path):
