@@ -130,6 +130,35 @@ def test_gradients_in_one_buffer_digest_like_separate_ones(tmp_path):
     assert tables[2].column("outputs").to_pylist()[-1] != tables[0].column("outputs").to_pylist()[-1]
 
 
+def test_step_records_made_twice_in_a_step_count_their_occurrences(tmp_path):
+    """A step record whose op and scope were already recorded in the step gets the next occurrence,
+    whether the earlier one came from state() (made in bulk) or from record() (one at a time); a list of
+    named parameters kept by the caller gives the records that state() finds itself."""
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(2, 4)).backward()
+    opt.step()
+    first = next(model.parameters())
+    rec = Recorder(tmp_path, level="step")
+    with rec.step(1):
+        rec.record("param", [first], scope="inner.0.weight")  # one at a time, then in bulk
+        rec.state(model, opt)
+        rec.state(model, opt, named_params=list(model.named_parameters()))
+        rec.record("param", [first], scope="inner.0.weight")
+    rec.close()
+    rows = read_stream(stream_path(tmp_path, 0)).table.to_pylist()
+    n = len(rows) // 2 - 1  # the records of one state() call
+    assert n == 4 * 4  # 4 parameters, each with its optimizer state: step, exp_avg, exp_avg_sq
+    keys = [(r["scope"], r["op"], r["occurrence"]) for r in rows]
+    assert len(set(keys)) == len(keys)  # no identity twice (it fails if the bulk path ignores earlier counts)
+    assert keys[0] == ("inner.0.weight", "param", 0) and keys[-1] == ("inner.0.weight", "param", 3)
+    once, twice = rows[1: 1 + n], rows[1 + n: 1 + 2 * n]
+    assert [r["occurrence"] for r in once] == [1] + [0] * (n - 1)
+    assert [r["occurrence"] for r in twice] == [2] + [1] * (n - 1)
+    assert [(r["scope"], r["op"], r["outputs"]) for r in once] == [(r["scope"], r["op"], r["outputs"]) for r in twice]
+
+
 class ChangesAnOutput(torch.nn.Module):
     """Changes a child module's output in place after the child returned (legal: Linear keeps no output)."""
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import operator
 import sys
 import warnings
 import weakref
@@ -124,21 +125,24 @@ def _leaves(value: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
-def _pieces(group: list[torch.Tensor]) -> tuple[list[int], list[int], int, int] | None:
-    """How contiguous tensors of one storage, sorted by offset, lie in the span [lo, hi) of it: the
-    sizes that split the span (gaps between them included) and which of the pieces are the tensors.
-    None if two of them overlap."""
-    lo = end = group[0].storage_offset()
+def _pieces(group: list[tuple[int, int, torch.Tensor]]) -> tuple[list[int], list[int], int, int] | None:
+    """How contiguous tensors of one storage, given as (storage offset, elements, tensor) sorted by offset,
+    lie in the span [lo, hi) of it: the sizes that split the span (gaps between them included) and which
+    of the pieces are the tensors. None if two of them overlap."""
+    lo = end = group[0][0]
     sizes, keep = [], []
-    for g in group:
-        if g.storage_offset() < end:
+    for offset, numel, _ in group:
+        if offset < end:
             return None
-        if g.storage_offset() > end:
-            sizes.append(g.storage_offset() - end)  # a gap, not digested
+        if offset > end:
+            sizes.append(offset - end)  # a gap, not digested
         keep.append(len(sizes))
-        sizes.append(g.numel())
-        end = g.storage_offset() + g.numel()
+        sizes.append(numel)
+        end = offset + numel
     return sizes, keep, lo, end
+
+
+_first = operator.itemgetter(0)
 
 
 def _device(entry: torch.Tensor | tuple) -> torch.device:
@@ -739,20 +743,21 @@ class Recorder:
         named = [(name, p.grad) for name, p in named_params if p.grad is not None]
         # Gradients that are contiguous pieces of one buffer (as a gradient reducer leaves them) are
         # staged with one copy of the buffer, each digested as its piece of that copy.
-        groups: dict[tuple, list[torch.Tensor]] = {}
+        groups: dict[tuple, list[tuple[int, int, torch.Tensor]]] = {}
         for _, g in named:
-            if g.is_contiguous() and g.layout == torch.strided:
-                groups.setdefault((g.untyped_storage().data_ptr(), g.dtype, g.device), []).append(g)
+            if g.layout == torch.strided and g.is_contiguous():
+                groups.setdefault((g.untyped_storage().data_ptr(), g.dtype, g.device), []).append(
+                    (g.storage_offset(), g.numel(), g))
         slot: dict[int, int] = {}
         for group in groups.values():
-            group.sort(key=lambda g: g.storage_offset())
+            group.sort(key=_first)
             split = _pieces(group) if len(group) > 1 else None
             if split is None:
                 continue  # copied one by one
             sizes, keep, lo, hi = split
-            flat = self._grad_copy(group[0].detach().as_strided((hi - lo,), (1,), lo))
+            flat = self._grad_copy(group[0][2].detach().as_strided((hi - lo,), (1,), lo))
             self._staged_bytes += flat.numel() * flat.element_size()
-            for g, k in zip(group, self._add_pieces(flat, sizes, keep)):
+            for (_, _, g), k in zip(group, self._add_pieces(flat, sizes, keep)):
                 slot[id(g)] = k
         self._record_many(["grad"] * len(named), [name for name, _ in named], [g for _, g in named], slot)
 
@@ -767,28 +772,31 @@ class Recorder:
         self._grad_bufs[key] = (buf, self._b)
         return buf[: flat.numel()].copy_(flat)
 
-    def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+              named_params: Iterable[tuple[str, torch.nn.Parameter]] | None = None) -> None:
         """Parameters and optimizer state after the update.
 
         They are digested in place, without a copy, so they must not change before the next
         ``grads()`` call (a training loop changes them only in its next update, which comes after).
+        ``named_params``: ``model.named_parameters()`` as the caller already has them (a list kept
+        from step to step spares walking the modules).
         """
         if not self.active:
             return
-        names = {}
-        ops, scopes, tensors = [], [], []
-        for name, p in model.named_parameters():
-            names[id(p)] = name
-            scopes.append(name)
-            tensors.append(p)
+        named = list(model.named_parameters() if named_params is None else named_params)
+        scopes = [name for name, _ in named]
+        tensors: list[torch.Tensor] = [p for _, p in named]
         ops = ["param"] * len(tensors)
         if optimizer is not None:
+            names = {id(p): name for name, p in named}
             for p, st in optimizer.state.items():
+                scope = names.get(id(p), "?")
                 for key in sorted(st):
-                    if isinstance(st[key], torch.Tensor):
+                    value = st[key]
+                    if isinstance(value, torch.Tensor):
                         ops.append(f"optim.{key}")
-                        scopes.append(names.get(id(p), "?"))
-                        tensors.append(st[key])
+                        scopes.append(scope)
+                        tensors.append(value)
         self._record_many(ops, scopes, tensors, None)
 
     def _record_many(self, ops: list[str], scopes: list[str], tensors: list[torch.Tensor],
@@ -800,14 +808,20 @@ class Recorder:
         The columns grow by whole lists (a few list operations, not a dozen per record)."""
         self._drain()
         b, n = self._b, len(tensors)
-        occurrences = [self._occurrence("step", scope, op) for op, scope in zip(ops, scopes)]
+        keys = [(self._mb, "step", scope, op) for op, scope in zip(ops, scopes)]
+        if self._counts.keys().isdisjoint(keys) and len(set(keys)) == n:  # as usual: each one once per step
+            occurrences = [0] * n
+            self._counts.update(dict.fromkeys(keys, 1))
+        else:
+            occurrences = [self._occurrence("step", scope, op) for op, scope in zip(ops, scopes)]
         if slots is None:
             refs: Iterable[int] = self._add_tensors(tensors)
         else:
             refs = [slots[id(t)] if id(t) in slots else self._copy(t) for t in tensors]
         first = len(b.ref_slot)
         b.ref_slot.extend(refs)
-        b.ref_head.extend([self._head(t) for t in tensors])
+        heads = self._heads
+        b.ref_head.extend([heads.get((t.dtype, t.shape)) or self._head(t) for t in tensors])
         b.step.extend([self._step] * n)
         b.mb.extend([self._mb] * n)
         b.phase.extend(["step"] * n)

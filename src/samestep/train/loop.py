@@ -199,6 +199,7 @@ class Parts:
     grads: CanonicalGradients | AllReduceGradients
     device: torch.device
     recorder: Recorder
+    named_params: list[tuple[str, torch.nn.Parameter]]  # the model's, once: it gains or loses none
 
     @property
     def tokens_per_step(self) -> int:
@@ -220,14 +221,14 @@ class Parts:
                     loss.backward()
                 self.grads.accumulate(i, extra=loss.detach())
             loss_sum = self.grads.reduce()[0]
-            rec.grads(self.model.named_parameters())
+            rec.grads(self.named_params)
             max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(self.grads.params, max_norm, foreach=False)
             rec.metric("loss", loss_sum)
             rec.metric("grad_norm", grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            rec.state(self.model, self.optimizer)
+            rec.state(self.model, self.optimizer, named_params=self.named_params)
         self.cursor.advance(t.global_batch)
         return float(loss_sum), float(grad_norm), lr
 
@@ -259,7 +260,7 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     return Parts(cfg=cfg, corpus=corpus, model=model, optimizer=_make_optimizer(model, cfg),
                  schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
                  cursor=DataCursor(corpus, cfg.model.block_size, t.seed), grads=grads, device=device,
-                 recorder=recorder)
+                 recorder=recorder, named_params=list(model.named_parameters()))
 
 
 def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False, stop_after: int | None = None,
