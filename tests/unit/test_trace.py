@@ -159,6 +159,23 @@ def test_step_records_made_twice_in_a_step_count_their_occurrences(tmp_path):
     assert [(r["scope"], r["op"], r["outputs"]) for r in once] == [(r["scope"], r["op"], r["outputs"]) for r in twice]
 
 
+def test_module_gradient_hooks_behave_like_register_hook():
+    """The module level's gradient hooks (registered without a handle) run in registration order among
+    the user's hooks, survive the removal of the user's, and replace none; a leaf gets the public call.
+    Negative control: a hook removed through its handle does not run."""
+    w = torch.ones(3, requires_grad=True)
+    for t in (w * 2.0, w):
+        ran = []
+        first = t.register_hook(lambda g: ran.append("user 1"))
+        recorder_module._grad_hook(t, lambda g: ran.append("samestep"))
+        t.register_hook(lambda g: ran.append("user 2"))
+        removed = t.register_hook(lambda g: ran.append("removed"))
+        removed.remove()
+        first.remove()
+        t.sum().backward()
+        assert ran == ["samestep", "user 2"]
+
+
 class ChangesAnOutput(torch.nn.Module):
     """Changes a child module's output in place after the child returned (legal: Linear keeps no output)."""
 
