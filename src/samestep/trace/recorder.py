@@ -273,7 +273,8 @@ class _Batch:
     """
 
     __slots__ = ("first_seq", "step", "mb", "phase", "scope", "op", "occ", "ins", "in_end", "outs", "out_end",
-                 "ref_slot", "ref_head", "slot_chunk", "slot_entry", "packs", "tensors", "expanded", "checks")
+                 "ref_slot", "ref_head", "slot_chunk", "slot_entry", "packs", "tensors", "expanded", "check_entry",
+                 "check_version", "check_record")
 
     def __init__(self, first_seq: int) -> None:
         self.first_seq = first_seq
@@ -294,8 +295,17 @@ class _Batch:
         self.packs: list[Packed] = []
         self.tensors: list[torch.Tensor | tuple] = []
         self.expanded = 0
-        # Tensors digested without a copy that must not change before: (tensor, version, record identity).
-        self.checks: list[tuple[torch.Tensor, int, tuple]] = []
+        # Live tensors digested without a copy that must not change before (``copy="checked"``): each one's
+        # entry in ``tensors``, its version when recorded and its record's index here. Plain numbers: a
+        # tuple per tensor would give the garbage collector hundreds of objects more per step to track.
+        self.check_entry: list[int] = []
+        self.check_version: list[int] = []
+        self.check_record: list[int] = []
+
+    def changed(self) -> list[int]:
+        """The checks (indices) whose live tensor was changed in place since it was recorded."""
+        tensors = self.tensors
+        return [k for k, (e, v) in enumerate(zip(self.check_entry, self.check_version)) if tensors[e]._version != v]
 
 
 class Recorder:
@@ -366,7 +376,7 @@ class Recorder:
 
     # -- staging and records ---------------------------------------------------------------------------
     def _stage(self, t: torch.Tensor, uninit: bool = False, share: int | None = None,
-               copy: bool | str = True, what: tuple = (), version: int | None = None) -> int:
+               copy: bool | str = True, version: int | None = None) -> int:
         """Stages a tensor for digesting (once per tensor version); returns its reference.
 
         A reference is (staged copy, header): ``share`` names a staged copy that already holds ``t``'s
@@ -374,8 +384,7 @@ class Recorder:
         memory: no reference (its digest is ``UNINIT``), and so for every later read of that tensor
         version, e.g. as the destination of ``bernoulli_``. ``copy=False`` keeps the live tensor;
         ``copy="checked"`` too, and ``_wait`` checks that it did not change before it was digested
-        (``what`` names the record in that error; ``version`` is ``t``'s version when it was noted, if
-        that was earlier: see ``_drain``).
+        (``version`` is ``t``'s version when it was noted, if that was earlier: see ``_drain``).
         """
         if version is None:
             version = t._version
@@ -383,7 +392,7 @@ class Recorder:
         if hit is not None and hit[0]() is t and hit[1] == version:
             return hit[2]
         if copy == "checked" and share is None and not uninit:
-            return self._stage_checked(t, version, what)
+            return self._stage_checked(t, version)
         ref = NO_REF
         if not uninit:
             if share is None:
@@ -401,11 +410,14 @@ class Recorder:
         self._remember(t, ref, version)
         return ref
 
-    def _stage_checked(self, t: torch.Tensor, version: int, what: tuple) -> int:
-        """``_stage`` of a live tensor checked unchanged until digested (not staged yet at ``version``)."""
+    def _stage_checked(self, t: torch.Tensor, version: int) -> int:
+        """``_stage`` of a live tensor checked unchanged until digested (not staged yet at ``version``), for
+        the record made next."""
         live = t.detach()  # shares t's version counter
         b = self._b
-        b.checks.append((live, version, what))
+        b.check_entry.append(len(b.tensors))
+        b.check_version.append(version)
+        b.check_record.append(len(b.step))
         self._staged_bytes += live.nbytes  # kept alive: counts to the bound
         b.ref_slot.append(self._add_tensor(live))
         b.ref_head.append(self._heads.get((t.dtype, t.shape)) or self._head(t))
@@ -514,9 +526,8 @@ class Recorder:
             return
         self._drain()
         occurrence = self._occurrence(phase, scope, op)
-        what = (self._step, self._mb, phase, scope, op, occurrence) if copy == "checked" else ()
-        self._append(phase, scope, op, occurrence, [self._stage(t, copy=copy, what=what) for t in inputs],
-                     [self._stage(t, copy=copy, what=what) for t in outputs])
+        self._append(phase, scope, op, occurrence, [self._stage(t, copy=copy) for t in inputs],
+                     [self._stage(t, copy=copy) for t in outputs])
 
     def flush(self) -> None:
         """Hands everything staged to the digest worker, which digests it (batched) and appends the
@@ -571,14 +582,14 @@ class Recorder:
                 # Re-raises a failure of the worker here, in the training thread. The batch is written only
                 # if no tensor digested without a copy was changed in place before its digest was done.
                 self._worker.wait()
-                changed = [c for c in batch.checks if c[0]._version != c[1]]
+                changed = batch.changed()
                 self._worker.commit(not changed)
             finally:
                 self._free_chunks(batch.packs)
-            self._refuse(changed)
+            self._refuse(batch, changed)
 
     @staticmethod
-    def _refuse(changed: list[tuple[torch.Tensor, int, tuple]]) -> None:
+    def _refuse(batch: _Batch, changed: list[int]) -> None:
         """Raises for the first tensor digested without a copy that was changed in place before its digest
         was done.
 
@@ -586,7 +597,10 @@ class Recorder:
         only on what the training code did before this point, never on the worker's timing.
         """
         if changed:
-            live, version, (step, mb, phase, scope, op, occurrence) = changed[0]
+            k = changed[0]
+            live, version, i = batch.tensors[batch.check_entry[k]], batch.check_version[k], batch.check_record[k]
+            step, mb, phase, scope, op, occurrence = (batch.step[i], batch.mb[i], batch.phase[i], batch.scope[i],
+                                                      batch.op[i], batch.occ[i])
             raise RuntimeError(
                 f"trace: the tensor of record step={step} microbatch={mb} phase={phase} scope={scope!r} "
                 f"op={op!r} occurrence={occurrence} was changed in place after it was recorded (version "
@@ -717,19 +731,18 @@ class Recorder:
         noted = list(self._pending)
         self._pending.clear()  # (a flush inside _append drains again: nothing left)
         self._pending_bytes = 0
-        counts, cache, step, mb = self._counts, self._cache, self._step, self._mb
+        counts, cache, mb = self._counts, self._cache, self._mb
         for op, phase, scope, outs, versions in noted:
             key = (mb, phase, scope, op)
             occurrence = counts.get(key, 0)
             counts[key] = occurrence + 1
-            what = (step, mb, phase, scope, op, occurrence)
             refs = []
             for t, version in zip(outs, versions):
                 hit = cache.get(id(t))
                 if hit is not None and hit[0]() is t and hit[1] == version:
                     refs.append(hit[2])
                 else:
-                    refs.append(self._stage_checked(t, version, what))
+                    refs.append(self._stage_checked(t, version))
             self._append(phase, scope, op, occurrence, (), refs)
 
     def _note(self, op: str, phase: str, scope: str, outs: list[torch.Tensor]) -> None:

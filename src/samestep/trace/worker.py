@@ -60,13 +60,12 @@ def expand(entries: list) -> list[torch.Tensor]:
     return out
 
 
-def write_batch(writer: StreamWriter, b: Any, packs: list[Packed], tensors: list[torch.Tensor],
-                checks: list[tuple[torch.Tensor, int, tuple]] = ()) -> None:
+def write_batch(writer: StreamWriter, b: Any, packs: list[Packed], tensors: list[torch.Tensor]) -> None:
     """Digests a batch's staged tensors and appends its records to the stream (see ``recorder._Batch``
-    for the columns ``b`` carries). Writes nothing if one of the live tensors in ``checks`` (tensor,
-    version when recorded, record) changed before its digest was done: the recorder then raises."""
+    for the columns ``b`` carries). Writes nothing if one of its checked live tensors changed before its
+    digest was done (``b.changed()``): the recorder then raises."""
     lanes = lanes_packed(packs, tensors)
-    if any(live._version != version for live, version, _ in checks):
+    if b.changed():
         return
     write_lanes(writer, b, [len(pack.nbytes) for pack in packs], lanes)
 
@@ -110,7 +109,7 @@ class ThreadWorker:
     def _run(self, b: Any, events: list[tuple[torch.device, Any]]) -> None:
         for device, event in events:  # kernels on this thread's stream start after the staged copies
             torch.cuda.current_stream(device).wait_event(event)
-        write_batch(self._writer, b, b.packs, expand(b.tensors), b.checks)
+        write_batch(self._writer, b, b.packs, expand(b.tensors))
 
     def wait(self) -> None:
         if self._pending is not None:
@@ -253,7 +252,7 @@ class ProcessWorker:
 
     def submit(self, b: Any, events: list) -> None:
         self._post(b"B", self._payload(b))
-        self._pending, self._unwritten = True, bool(b.checks)
+        self._pending, self._unwritten = True, bool(b.check_entry)
 
     @staticmethod
     def _payload(b: Any) -> bytes:
@@ -268,7 +267,7 @@ class ProcessWorker:
                 entries.append((_describe(t[0]), [n * size for n in t[1]], t[2]))
         return marshal.dumps((packs, entries, b.first_seq, b.step, b.mb, b.phase, b.scope, b.op, b.occ, b.ins,
                               b.in_end, b.outs, b.out_end, b.ref_slot, b.ref_head, b.slot_chunk, b.slot_entry,
-                              bool(b.checks)))
+                              bool(b.check_entry)))
 
     def _reply(self) -> bytes:
         try:
