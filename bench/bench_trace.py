@@ -16,7 +16,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +65,14 @@ def digest_throughput(threads: int, device: str = "cpu") -> dict:
     return {"device": device, "threads": threads, "digest_over_copy_throughput": out}
 
 
+def median_ci(ratios: list[float], rounds: int = 2000) -> list[float]:
+    """A 95% bootstrap interval of the median of per-pair ratios (pairs resampled with replacement, a
+    fixed seed): how far this machine's noise lets one run pin the median down."""
+    rng = np.random.default_rng(0)
+    medians = np.sort(np.median(rng.choice(np.asarray(ratios), size=(rounds, len(ratios))), axis=1))
+    return [round(float(medians[int(0.025 * rounds)]), 3), round(float(medians[int(0.975 * rounds) - 1]), 3)]
+
+
 def own_share() -> None:
     """Makes the worker process drop every batch after the training thread has described and serialised
     it: what is left of the overhead is the training thread's own share."""
@@ -102,11 +113,76 @@ def trace_overhead(pairs: int, steps: int, overrides: list[str], levels: list[st
                     t_off.append((t1 - t0) / steps)
                     t_on.append((t2 - t1) / steps)
             traced.recorder.close()
-            result[level] = {"ratio_median": round(statistics.median(ratios), 3),
+            result[level] = {"ratio_median": round(statistics.median(ratios), 3), "ratio_ci95": median_ci(ratios),
                              "ratio_with_drain_median": round(statistics.median(drained), 3),
                              "step_ms_untraced": round(1000 * statistics.median(t_off), 1),
                              "step_ms_traced": round(1000 * statistics.median(t_on), 1)}
     return result
+
+
+# A digest worker child that digests the given spans of its parent's memory nonstop, laid out as the
+# worker's child reads them (GROUP_BYTES, BLOCK_ROWS given; 0: the worker's own values).
+_NONSTOP = """
+import importlib, json, sys
+import torch
+torch.set_num_threads(1)
+worker = importlib.import_module("samestep.trace.worker")
+digest = importlib.import_module("samestep.trace.digest")
+pid, group, block, spans = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+worker.GROUP_BYTES = group or worker.GROUP_BYTES
+digest.BLOCK_ROWS = block or worker.GROUP_BYTES // digest.ROW_BYTES
+reader = worker._Reader(pid)
+spans = [tuple(s) for s in spans]
+while True:
+    worker._digest(reader, [], spans)
+"""
+
+
+def worker_contention(rounds: int, steps: int = 4) -> dict:
+    """How much a digest worker child slows the training steps through the memory they share: untraced
+    reference steps with the child stopped, then with it digesting the model's parameters and optimizer
+    state nonstop (SIGSTOP/SIGCONT, alternating, median of per-round ratios), for the child's layout (reads
+    in groups, hashed in blocks as small) and for reading each batch at once, hashed in blocks of 4096 rows.
+    Nonstop is the worst case: a real child is busy for a fraction of each step."""
+    layouts = {"in_groups": (0, 0), "all_at_once": (1 << 40, 4096)}
+    corpus = load_corpus("stdlib")
+    with samestep.enable(threads=1):
+        base = build(load_config(None, []), corpus=corpus)
+        for s in range(3):
+            base.step(s)
+        state = list(base.model.parameters()) + [v for st in base.optimizer.state.values() for v in st.values()]
+        spans = json.dumps([(t.data_ptr(), t.nbytes) for t in state])
+        children = {name: subprocess.Popen([sys.executable, "-c", _NONSTOP, str(os.getpid()), str(group), str(block),
+                                            spans]) for name, (group, block) in layouts.items()}
+        try:
+            time.sleep(5)  # torch imported, digesting
+            for child in children.values():
+                os.kill(child.pid, signal.SIGSTOP)
+            ratios: dict[str, list[float]] = {name: [] for name in layouts}
+            s = 3
+            for _ in range(rounds):
+                for name, child in children.items():
+                    t0 = time.perf_counter()
+                    for _ in range(steps):
+                        base.step(s)
+                        s += 1
+                    t1 = time.perf_counter()
+                    os.kill(child.pid, signal.SIGCONT)
+                    base.step(s)  # while the child gets going
+                    s += 1
+                    t2 = time.perf_counter()
+                    for _ in range(steps):
+                        base.step(s)
+                        s += 1
+                    t3 = time.perf_counter()
+                    os.kill(child.pid, signal.SIGSTOP)
+                    ratios[name].append((t3 - t2) / (t1 - t0))
+        finally:
+            for child in children.values():
+                child.kill()
+                child.wait()
+    return {"bytes": sum(t.nbytes for t in state), "rounds": rounds,
+            **{f"slowdown_{name}": round(statistics.median(r), 3) for name, r in ratios.items()}}
 
 
 def _write_synthetic(run: Path, rank: int, n: int, flip_last: bool) -> None:
@@ -182,6 +258,8 @@ def main() -> int:
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--digest-triton", default="auto", choices=("auto", "on", "off"),
                     help="the digest's fused Triton kernel: auto (on CUDA tensors), or off to time the PyTorch path")
+    ap.add_argument("--contention-rounds", type=int, default=10,
+                    help="rounds of worker_contention (CPU only; 0 skips it)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.own_share:
@@ -191,6 +269,8 @@ def main() -> int:
     overhead = trace_overhead(args.pairs, args.steps, args.set, args.levels.split(","), args.device)
     result = {"digest": digest_throughput(2, args.device), "trace_overhead": overhead,
               "diff": diff_scale(args.records, args.ranks, args.records_per_rank)}
+    if args.device == "cpu" and args.contention_rounds:
+        result["worker_contention"] = worker_contention(args.contention_rounds)
     if args.json:
         print(json.dumps(result))
     else:

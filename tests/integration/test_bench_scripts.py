@@ -1,5 +1,6 @@
-"""The GPU check script runs where CI does (no GPU): its CPU-capable sections work, so a session that
-is lent a GPU does not spend device time on a broken script."""
+"""The bench scripts run where CI does: the GPU check script's CPU-capable sections work (a session
+that is lent a GPU does not spend device time on a broken script), and so does the worker contention
+bench."""
 
 from __future__ import annotations
 
@@ -25,3 +26,16 @@ def test_gpu_check_runs_its_cpu_sections(tmp_path):
     d = result["digest"]
     assert d["ok"] and d["cases"] >= 20 and d["distinct_digests"] == d["cases"] and d["flipped_bit_detected"]
     assert "unknown section 'nonsense'" in result["nonsense"]["error"]
+
+
+def test_worker_contention_bench_runs_both_layouts():
+    """`bench_trace.worker_contention` (one round): a child digesting the reference model's state nonstop,
+    in both layouts, and the training steps timed beside it."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        bench_trace = __import__("bench_trace")
+        result = bench_trace.worker_contention(1, steps=1)
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    assert result["bytes"] > 1 << 20 and result["rounds"] == 1
+    assert result["slowdown_in_groups"] > 0 and result["slowdown_all_at_once"] > 0

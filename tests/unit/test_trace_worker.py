@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,22 @@ def test_a_forked_process_does_not_keep_the_worker_waiting(tmp_path, monkeypatch
         os.waitpid(pid, 0)
     assert proc.wait(timeout=30) == 0
     assert read_stream(stream_path(tmp_path, 0)).table.column("step").to_pylist() == [1]
+
+
+def test_the_child_reads_and_hashes_in_groups_with_the_lanes_of_the_whole(monkeypatch):
+    """The child reads a batch's contiguous tensors in groups (one small buffer, reused) and hashes each
+    in small blocks; at any group and block size the lanes are those of the tensors themselves. Negative
+    control: one changed element changes that tensor's lanes, and only those."""
+    lanes_many = importlib.import_module("samestep.trace.digest").lanes_many
+    g = torch.Generator().manual_seed(5)
+    tensors = [torch.randn(n, generator=g) for n in (1, 0, 300, 128, 5000, 7, 70000, 0, 129)]
+    entries = [(t.data_ptr(), t.nbytes) for t in tensors]
+    whole = lanes_many(tensors)
+    reader = worker_module._Reader(os.getpid())  # reading this process's own memory
+    for group, block in ((1 << 40, 4096), (1024, 2), (4096, 32), (600, 1)):
+        monkeypatch.setattr(worker_module, "GROUP_BYTES", group)
+        monkeypatch.setattr(importlib.import_module("samestep.trace.digest"), "BLOCK_ROWS", block)
+        assert worker_module._digest(reader, [], entries) == whole, (group, block)
+    tensors[6][40000] += 1.0
+    changed = worker_module._digest(reader, [], entries)
+    assert [i for i, (a, b) in enumerate(zip(changed, whole)) if a != b] == [6]

@@ -22,7 +22,7 @@ import importlib.util
 import struct
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -338,8 +338,11 @@ def _reduce_segments(h: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, p: to
 
 
 @torch.no_grad()
-def lanes_packed(packs: Sequence[Packed], tensors: Sequence[torch.Tensor] = ()) -> list[list[int]]:
+def lanes_packed(packs: Iterable[Packed], tensors: Sequence[torch.Tensor] = ()) -> list[list[int]]:
     """The 4 final lanes of every entry of ``packs`` (in order), then of every tensor in ``tensors``.
+
+    Each pack's first level is hashed before the next pack is taken, so ``packs`` may be an iterator
+    that reuses one buffer for all of them (the process worker's reads do).
 
     Tensors below ``BIG_BYTES`` are packed per device and dtype first (``_pack``); larger ones are
     hashed where they lie. Each level is then one matrix product per buffer, plus one for all segments
