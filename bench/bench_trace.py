@@ -159,24 +159,22 @@ def worker_contention(rounds: int, steps: int = 4) -> dict:
             for child in children.values():
                 os.kill(child.pid, signal.SIGSTOP)
             ratios: dict[str, list[float]] = {name: [] for name in layouts}
-            s = 3
+            step = iter(range(3, 1 << 30))
+
+            def timed(n: int) -> float:
+                t0 = time.perf_counter()
+                for _ in range(n):
+                    base.step(next(step))
+                return time.perf_counter() - t0
+
             for _ in range(rounds):
                 for name, child in children.items():
-                    t0 = time.perf_counter()
-                    for _ in range(steps):
-                        base.step(s)
-                        s += 1
-                    t1 = time.perf_counter()
+                    alone = timed(steps)
                     os.kill(child.pid, signal.SIGCONT)
-                    base.step(s)  # while the child gets going
-                    s += 1
-                    t2 = time.perf_counter()
-                    for _ in range(steps):
-                        base.step(s)
-                        s += 1
-                    t3 = time.perf_counter()
+                    timed(1)  # while the child gets going
+                    beside = timed(steps)
                     os.kill(child.pid, signal.SIGSTOP)
-                    ratios[name].append((t3 - t2) / (t1 - t0))
+                    ratios[name].append(beside / alone)
         finally:
             for child in children.values():
                 child.kill()
