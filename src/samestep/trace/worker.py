@@ -140,8 +140,8 @@ _HEAD = struct.Struct("<cQ")
 # The child reads the contiguous tensors of a batch in groups of about this many bytes, and hashes each in
 # blocks as small (digest.BLOCK_ROWS, set in the child) before it reads the next: its reads and scratch
 # then stay in its own core's cache. Read all at once, a batch streamed twice through the cache and memory
-# that the training process uses: a child digesting the reference model's 13 MB of parameters and
-# optimizer state nonstop slowed the training steps by 4-6%; in groups, 1.6-2.7% (bench_trace.py,
+# that the training process uses: a child digesting the reference model's 10 MB of parameters and
+# optimizer state nonstop slowed the training steps 1.05-1.08x; in groups, 1.01-1.02x (bench_trace.py,
 # "worker_contention"). It digests at about 0.7x the speed (14 ms instead of 10 for 16 MB), on its own core.
 GROUP_BYTES = 1 << 19
 _IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux's UIO_MAXIOV)
