@@ -120,17 +120,15 @@ def trace_overhead(pairs: int, steps: int, overrides: list[str], levels: list[st
     return result
 
 
-# A digest worker child that digests the given spans of its parent's memory nonstop, laid out as the
-# worker's child reads them (GROUP_BYTES, BLOCK_ROWS given; 0: the worker's own values).
+# A digest worker child that digests the given spans of its parent's memory nonstop, read in groups of
+# GROUP_BYTES as given (0: the worker's own value).
 _NONSTOP = """
 import importlib, json, sys
 import torch
 torch.set_num_threads(1)
 worker = importlib.import_module("samestep.trace.worker")
-digest = importlib.import_module("samestep.trace.digest")
-pid, group, block, spans = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4])
+pid, group, spans = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
 worker.GROUP_BYTES = group or worker.GROUP_BYTES
-digest.BLOCK_ROWS = block or worker.GROUP_BYTES // digest.ROW_BYTES
 reader = worker._Reader(pid)
 spans = [tuple(s) for s in spans]
 while True:
@@ -142,9 +140,9 @@ def worker_contention(rounds: int, steps: int = 4) -> dict:
     """How much a digest worker child slows the training steps through the memory they share: untraced
     reference steps with the child stopped, then with it digesting the model's parameters and optimizer
     state nonstop (SIGSTOP/SIGCONT, alternating, median of per-round ratios), for the child's layout (reads
-    in groups, hashed in blocks as small) and for reading each batch at once, hashed in blocks of 4096 rows.
+    in groups of GROUP_BYTES, each hashed before the next) and for reading each batch at once.
     Nonstop is the worst case: a real child is busy for a fraction of each step."""
-    layouts = {"in_groups": (0, 0), "all_at_once": (1 << 40, 4096)}
+    layouts = {"in_groups": 0, "all_at_once": 1 << 40}
     corpus = load_corpus("stdlib")
     with samestep.enable(threads=1):
         base = build(load_config(None, []), corpus=corpus)
@@ -152,8 +150,8 @@ def worker_contention(rounds: int, steps: int = 4) -> dict:
             base.step(s)
         state = list(base.model.parameters()) + [v for st in base.optimizer.state.values() for v in st.values()]
         spans = json.dumps([(t.data_ptr(), t.nbytes) for t in state])
-        children = {name: subprocess.Popen([sys.executable, "-c", _NONSTOP, str(os.getpid()), str(group), str(block),
-                                            spans]) for name, (group, block) in layouts.items()}
+        children = {name: subprocess.Popen([sys.executable, "-c", _NONSTOP, str(os.getpid()), str(group), spans])
+                    for name, group in layouts.items()}
         try:
             time.sleep(5)  # torch imported, digesting
             for child in children.values():

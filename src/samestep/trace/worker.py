@@ -21,7 +21,6 @@ with a thread, a batch in flight may be lost, and every batch written before it 
 from __future__ import annotations
 
 import ctypes
-import importlib
 import itertools
 import json
 import marshal
@@ -137,13 +136,15 @@ class ThreadWorker:
 # as JSON), B a batch (reply R when digested, or E and the error), W write the last batch / X discard it
 # (its live tensors changed), C close the stream (reply K, or E), Q quit.
 _HEAD = struct.Struct("<cQ")
-# The child reads the contiguous tensors of a batch in groups of about this many bytes, and hashes each in
-# blocks as small (digest.BLOCK_ROWS, set in the child) before it reads the next: its reads and scratch
-# then stay in its own core's cache. Read all at once, a batch streamed twice through the cache and memory
-# that the training process uses: a child digesting the reference model's 10 MB of parameters and
-# optimizer state nonstop slowed the training steps 1.05-1.08x; in groups, 1.01-1.02x (bench_trace.py,
-# "worker_contention"). It digests at about 0.7x the speed (14 ms instead of 10 for 16 MB), on its own core.
-GROUP_BYTES = 1 << 19
+# The child reads the contiguous tensors of a batch (live tensors, gradient pieces) in groups of about this
+# many bytes, each hashed before the next is read into the same buffer, which then stays in cache. Read all
+# at once, a batch streamed twice through the cache and memory that the training process uses: a child
+# digesting the reference model's 10 MB of parameters and optimizer state nonstop slowed the training
+# steps 1.05-1.08x; in groups of 512 KiB, 1.01-1.03x, and of 1 MiB, 1.025-1.028x (bench_trace.py,
+# "worker_contention"). Each group costs the child a few Python-level operations: 512 KiB groups took
+# 1.5x its CPU time at step level, 1 MiB about 1.1x. Chunks of copies (the op level's) are still read
+# whole: there, in groups, the child's CPU time (near a core at op level) grew by a third.
+GROUP_BYTES = 1 << 20
 _IOV_MAX = 1024  # iovecs per process_vm_readv call (Linux's UIO_MAXIOV)
 
 
@@ -336,15 +337,11 @@ class _Reader:
         self._libc = ctypes.CDLL(None, use_errno=True)
         self._buf = torch.empty(0, dtype=torch.uint8)
 
-    def read(self, spans: list[tuple[int, int]], rows: bool = False) -> tuple[torch.Tensor, list[int]]:
-        """Reads the bytes at each (address, length) into the buffer: each at a 64-byte boundary, or with
-        ``rows`` at the start of its own whole rows (``digest.Packed``'s layout: the reads are the
-        packing). Returns the buffer (as far as used) and each span's offset in it."""
+    def read(self, spans: list[tuple[int, int]]) -> tuple[torch.Tensor, list[int]]:
+        """Reads the bytes at each (address, length) into the buffer, each at a 64-byte boundary. Returns
+        the buffer (as far as used) and each span's offset in it."""
         lengths = np.array([n for _, n in spans], dtype=np.int64)
-        if rows:
-            step = np.array([rows_of(n) * ROW_BYTES for _, n in spans], dtype=np.int64)
-        else:
-            step = (lengths + 63) // 64 * 64
+        step = (lengths + 63) // 64 * 64
         ends = np.cumsum(step)
         starts = ends - step
         total = int(ends[-1]) if spans else 0
@@ -357,9 +354,10 @@ class _Reader:
         return self._buf[:total], starts.tolist()
 
     def packs(self, spans: list[tuple[int, int]], limit: int) -> Iterator[Packed]:
-        """The spans read into whole rows (as ``read(rows=True)``), as ``Packed`` groups of the spans that
-        start within each ``limit`` bytes of rows. Every group is read into the start of the buffer when
-        the next is asked for, so the one before must be hashed by then (``lanes_packed`` does that)."""
+        """The spans read as ``Packed`` groups: each span at the start of its own whole rows (the reads are
+        the packing), a group for the spans that start within each ``limit`` bytes of rows. Every group
+        is read into the start of the buffer when the next is asked for, so the one before must be
+        hashed by then (``lanes_packed`` does that)."""
         if not spans:
             return
         lengths = np.array([n for _, n in spans], dtype=np.int64)
@@ -397,8 +395,9 @@ def _digest(reader: _Reader, packs: list[tuple], entries: list[tuple]) -> list[l
     """The lanes of a batch as the training process described it (``ProcessWorker.submit``): the packs'
     entries, then every tensor the entries expand to, in ``lanes_packed``'s order.
 
-    Every tensor whose bytes lie contiguously (the whole tensor, or a piece of a gradient copy) is read
-    straight into rows of one packed buffer; only strided ones are read as spans and viewed."""
+    A chunk of copies is read whole. Every tensor whose bytes lie contiguously (the whole tensor, or a
+    piece of a gradient copy) is read straight into rows of packed buffers; only strided ones are read
+    as spans and viewed."""
     spans: list[tuple[int, int]] = []  # contiguous tensors, in order
     strided: list[tuple] = []  # the others' descriptions
     order: list[int] = []  # per tensor: its index in spans, or ~its index in strided
@@ -415,8 +414,8 @@ def _digest(reader: _Reader, packs: list[tuple], entries: list[tuple]) -> list[l
         else:
             order.append(~len(strided))
             strided.append(e)
-    # Each chunk, then the contiguous tensors in groups of about GROUP_BYTES, is read and hashed in turn
-    # through one small buffer that stays in this core's cache (see GROUP_BYTES).
+    # Each chunk is read whole; the contiguous tensors are read and hashed in groups of about GROUP_BYTES
+    # through one buffer that stays in this core's cache (see GROUP_BYTES).
     chunks = (Packed(reader.read([(addr, used)])[0], nbytes) for addr, used, nbytes in packs)
     lanes = lanes_packed(itertools.chain(chunks, reader.packs(spans, GROUP_BYTES)))
     flat, lanes = lanes[len(lanes) - len(spans):], lanes[: len(lanes) - len(spans)]
@@ -433,7 +432,6 @@ def _digest(reader: _Reader, packs: list[tuple], entries: list[tuple]) -> list[l
 
 def _child(sock: socket.socket, pid: int) -> None:
     torch.set_num_threads(1)  # one core: the training process has the others
-    importlib.import_module("samestep.trace.digest").BLOCK_ROWS = GROUP_BYTES // ROW_BYTES  # see GROUP_BYTES
     reader = _Reader(pid)
     writer: StreamWriter | None = None
     error: str | None = None  # of opening or writing the stream: reported with the next reply
