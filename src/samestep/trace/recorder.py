@@ -376,51 +376,54 @@ class Recorder:
 
     # -- staging and records ---------------------------------------------------------------------------
     def _stage(self, t: torch.Tensor, uninit: bool = False, share: int | None = None,
-               copy: bool | str = True, version: int | None = None) -> int:
+               copy: bool | str = True) -> int:
         """Stages a tensor for digesting (once per tensor version); returns its reference.
 
         A reference is (staged copy, header): ``share`` names a staged copy that already holds ``t``'s
         bytes (see ``_same_bytes``), so only the header is new. ``uninit`` marks fresh uninitialised
         memory: no reference (its digest is ``UNINIT``), and so for every later read of that tensor
         version, e.g. as the destination of ``bernoulli_``. ``copy=False`` keeps the live tensor;
-        ``copy="checked"`` too, and ``_wait`` checks that it did not change before it was digested
-        (``version`` is ``t``'s version when it was noted, if that was earlier: see ``_drain``).
+        ``copy="checked"`` too, and ``_wait`` checks that it did not change before it was digested.
         """
-        if version is None:
-            version = t._version
-        hit = self._cache.get(id(t))
-        if hit is not None and hit[0]() is t and hit[1] == version:
-            return hit[2]
-        if copy == "checked" and share is None and not uninit:
-            return self._stage_checked(t, version)
-        ref = NO_REF
-        if not uninit:
-            if share is None:
-                if not copy:
-                    share = self._add_tensor(t.detach())
-                elif self._in_dispatch or not torch._C._len_torch_dispatch_stack():
+        version = t._version
+        ref = self._cached(t, version)
+        if ref is not None:
+            return ref
+        if uninit:
+            self._remember(t, NO_REF, version)
+            return NO_REF
+        if share is None:
+            if copy == "checked":
+                share = self._checked_slot(t, version)
+            elif not copy:
+                share = self._add_tensor(t.detach())
+            elif self._in_dispatch or not torch._C._len_torch_dispatch_stack():
+                share = self._copy(t)
+            else:
+                with _disable_current_modes():
                     share = self._copy(t)
-                else:
-                    with _disable_current_modes():
-                        share = self._copy(t)
-            b = self._b
-            b.ref_slot.append(share)
-            b.ref_head.append(self._head(t))
-            ref = len(b.ref_slot) - 1
-        self._remember(t, ref, version)
-        return ref
+        return self._reference(t, share, version)
 
-    def _stage_checked(self, t: torch.Tensor, version: int) -> int:
-        """``_stage`` of a live tensor checked unchanged until digested (not staged yet at ``version``), for
-        the record made next."""
+    def _cached(self, t: torch.Tensor, version: int) -> int | None:
+        """The reference ``t`` was staged under at ``version`` in this batch, if it was."""
+        hit = self._cache.get(id(t))
+        return hit[2] if hit is not None and hit[0]() is t and hit[1] == version else None
+
+    def _checked_slot(self, t: torch.Tensor, version: int) -> int:
+        """A slot for live ``t``, which ``_wait`` checks is still at ``version`` (for the record made next)."""
         live = t.detach()  # shares t's version counter
         b = self._b
         b.check_entry.append(len(b.tensors))
         b.check_version.append(version)
         b.check_record.append(len(b.step))
         self._staged_bytes += live.nbytes  # kept alive: counts to the bound
-        b.ref_slot.append(self._add_tensor(live))
-        b.ref_head.append(self._heads.get((t.dtype, t.shape)) or self._head(t))
+        return self._add_tensor(live)
+
+    def _reference(self, t: torch.Tensor, share: int, version: int) -> int:
+        """A new reference, slot ``share`` with ``t``'s header, remembered for ``t`` at ``version``."""
+        b = self._b
+        b.ref_slot.append(share)
+        b.ref_head.append(self._head(t))
         ref = len(b.ref_slot) - 1
         self._remember(t, ref, version)
         return ref
@@ -725,24 +728,21 @@ class Recorder:
         would give; a tensor changed in place since it was noted is caught by its noted version.
 
         One loop over hundreds of records per step: ``record`` with its arguments bound (the occurrence
-        count and ``_stage``'s cache look-up inline), about 1 us less per record."""
+        count inline, the staging at the noted versions), about 1 us less per record."""
         if not self._pending:
             return
         noted = list(self._pending)
         self._pending.clear()  # (a flush inside _append drains again: nothing left)
         self._pending_bytes = 0
-        counts, cache, mb = self._counts, self._cache, self._mb
+        counts, mb = self._counts, self._mb
         for op, phase, scope, outs, versions in noted:
             key = (mb, phase, scope, op)
             occurrence = counts.get(key, 0)
             counts[key] = occurrence + 1
             refs = []
             for t, version in zip(outs, versions):
-                hit = cache.get(id(t))
-                if hit is not None and hit[0]() is t and hit[1] == version:
-                    refs.append(hit[2])
-                else:
-                    refs.append(self._stage_checked(t, version))
+                ref = self._cached(t, version)
+                refs.append(self._reference(t, self._checked_slot(t, version), version) if ref is None else ref)
             self._append(phase, scope, op, occurrence, (), refs)
 
     def _note(self, op: str, phase: str, scope: str, outs: list[torch.Tensor]) -> None:
