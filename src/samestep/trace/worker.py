@@ -340,17 +340,11 @@ class _Reader:
     def read(self, spans: list[tuple[int, int]]) -> tuple[torch.Tensor, list[int]]:
         """Reads the bytes at each (address, length) into the buffer, each at a 64-byte boundary. Returns
         the buffer (as far as used) and each span's offset in it."""
-        lengths = np.array([n for _, n in spans], dtype=np.int64)
-        step = (lengths + 63) // 64 * 64
-        ends = np.cumsum(step)
-        starts = ends - step
-        total = int(ends[-1]) if spans else 0
+        step = (np.array([n for _, n in spans], dtype=np.int64) + 63) // 64 * 64
+        starts = np.cumsum(step) - step
+        total = int(step.sum())
         self._room(total)
-        keep = lengths > 0
-        local = np.stack([self._buf.data_ptr() + starts[keep], lengths[keep]], axis=1).astype(np.uint64)
-        remote = np.stack([np.array([a for a, _ in spans], dtype=np.int64)[keep], lengths[keep]],
-                          axis=1).astype(np.uint64)
-        self._readv(local, remote)
+        self._read_at(spans, starts)
         return self._buf[:total], starts.tolist()
 
     def packs(self, spans: list[tuple[int, int]], limit: int) -> Iterator[Packed]:
@@ -360,28 +354,28 @@ class _Reader:
         hashed by then (``lanes_packed`` does that)."""
         if not spans:
             return
-        lengths = np.array([n for _, n in spans], dtype=np.int64)
-        step = np.maximum(1, -(-lengths // ROW_BYTES)) * ROW_BYTES  # rows_of(n) * ROW_BYTES
+        nbytes = [n for _, n in spans]
+        step = np.array([rows_of(n) * ROW_BYTES for n in nbytes], dtype=np.int64)
         ends = np.cumsum(step)
         starts = ends - step
         bounds = [0, *(np.flatnonzero(np.diff(starts // limit)) + 1).tolist(), len(spans)]
-        base = np.repeat(starts[bounds[:-1]], np.diff(bounds))  # each span's group's first byte
-        self._room(int((ends - base).max()))
-        local = np.stack([self._buf.data_ptr() + starts - base, lengths], axis=1).astype(np.uint64)
-        remote = np.stack([np.array([a for a, _ in spans], dtype=np.int64), lengths], axis=1).astype(np.uint64)
-        keep = lengths > 0
-        nbytes = lengths.tolist()
-        for lo, hi in zip(bounds, bounds[1:]):
-            k = keep[lo:hi]
-            self._readv(local[lo:hi][k], remote[lo:hi][k])
+        groups = list(zip(bounds, bounds[1:]))
+        self._room(max(int(ends[hi - 1] - starts[lo]) for lo, hi in groups))
+        for lo, hi in groups:
+            self._read_at(spans[lo:hi], starts[lo:hi] - starts[lo])
             yield Packed(self._buf[: int(ends[hi - 1] - starts[lo])], nbytes[lo:hi])
 
     def _room(self, total: int) -> None:
         if self._buf.numel() < total:
             self._buf = torch.empty(max(total, 2 * self._buf.numel()), dtype=torch.uint8)
 
-    def _readv(self, local: np.ndarray, remote: np.ndarray) -> None:
-        """Reads the (address, length) rows of ``remote`` into those of ``local`` (uint64, (n, 2))."""
+    def _read_at(self, spans: list[tuple[int, int]], offsets: np.ndarray) -> None:
+        """Reads each (address, length) span into the buffer at its offset (empty spans read nothing)."""
+        lengths = np.array([n for _, n in spans], dtype=np.int64)
+        keep = lengths > 0
+        local = np.stack([self._buf.data_ptr() + offsets[keep], lengths[keep]], axis=1).astype(np.uint64)
+        remote = np.stack([np.array([a for a, _ in spans], dtype=np.int64)[keep], lengths[keep]],
+                          axis=1).astype(np.uint64)
         for a in range(0, len(local), _IOV_MAX):
             lo, re = np.ascontiguousarray(local[a:a + _IOV_MAX]), np.ascontiguousarray(remote[a:a + _IOV_MAX])
             want = int(lo[:, 1].sum())
