@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -66,6 +67,14 @@ def test_diff_names_the_real_nondeterministic_op(tmp_path):
     assert o["op"].startswith("aten.index_put") and o["scope"] == "transformer.wte" and o["phase"] == "backward"
     assert o["step"] == 1 and o["rank"] == 0 and o["inputs_matched"]
     assert report["first_divergent_step"] == 1
+    # The human report, piped (as into a log): its table names the op and the scope in full, not cut at 80
+    # columns ("aten.index_p…" before), and exits 1 too
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    human = subprocess.run([sys.executable, "-m", "samestep", "diff", str(tmp_path / "a"), str(b)],
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert human.returncode == 1, human.stderr
+    row = next(line for line in human.stdout.splitlines() if "origin" in line and "│" in line)
+    assert "transformer.wte (backward)" in row and f"{o['op']} #{o['occurrence']}" in row, human.stdout
 
 
 @pytest.mark.parametrize("nproc,rank,microbatch", [(1, 0, 2), (2, 1, 2)])
@@ -90,7 +99,7 @@ def test_diff_finds_exactly_the_injected_ulp(tmp_path, nproc, rank, microbatch):
     if nproc == 2:  # rank 0 computed nothing wrong: the damage reached it through the canonical combine
         other = report["per_rank"]["0"]["divergence"]
         assert other["kind"] == "receiver" and other["scope"] == "collective" and other["step"] == 2
-        assert "rank(s) [1] only" in report["summary"]
+        assert "rank(s) 1 only, of 2 (0-1)" in report["summary"]
 
 
 def test_resumed_traced_run_diffs_clean_against_an_uninterrupted_one(tmp_path):

@@ -12,6 +12,7 @@ import torch
 
 from samestep.analysis import DiffError, certify_trace, diff_runs
 from samestep.trace import Recorder, digest, parse_selection, read_stream, stream_path
+from samestep.trace.recorder import format_selection
 from samestep.trace.stream import FORMAT, SCHEMA, StreamWriter
 
 recorder_module = importlib.import_module("samestep.trace.recorder")
@@ -44,9 +45,12 @@ def _record(run: Path, level: str, scale: float = 1.0, copy: bool = False) -> Re
 
 
 def test_parse_selection():
-    """'all' selects everything; ranges and lists expand; junk is refused with the field name."""
+    """'all' selects everything; ranges and lists expand; junk is refused with the field name; format_selection
+    writes a set back as ranges."""
     assert parse_selection("all", "x") is None and parse_selection("", "x") is None
     assert parse_selection("1-3,7", "x") == {1, 2, 3, 7}
+    assert format_selection({7, 1, 3, 2}) == "1-3,7" and format_selection([4]) == "4" and format_selection([]) == ""
+    assert parse_selection(format_selection({0, 2, 3, 4, 9, 10}), "x") == {0, 2, 3, 4, 9, 10}
     with pytest.raises(ValueError, match="trace.steps='a-b'"):
         parse_selection("a-b", "trace.steps")
 
@@ -286,12 +290,15 @@ def test_torn_tail_is_reported_not_fatal(tmp_path):
     assert s.torn is not None and 0 < s.table.num_rows < full
 
 
-def _run_dir(root: Path, name: str, rows: list[dict], config: dict | None = None, version: int = 1) -> Path:
+def _run_dir(root: Path, name: str, rows: list[dict], config: dict | None = None, version: int = 1,
+             ranks: dict[int, list[dict]] | None = None) -> Path:
+    """A run directory with ``rows`` as rank 0's stream, or one stream per rank of ``ranks``."""
     run = root / name
     run.mkdir(parents=True)
     config = config or {"train": {"seed": 1}, "trace": {"level": "op"}}
+    world = len(ranks) if ranks else 1
     (run / "run.json").write_text(json.dumps({"format": "samestep.run", "config": config, "determinism": {},
-                                              "environment": {"torch.version": "x"}, "layout": {"world_size": 1}}))
+                                              "environment": {"torch.version": "x"}, "layout": {"world_size": world}}))
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss_hex": "0x1p+0", "grad_norm_hex": "0x1p+0"}) + "\n")
     writer = StreamWriter(stream_path(run, 0), {"rank": 0})
     if version != 1:
@@ -301,9 +308,11 @@ def _run_dir(root: Path, name: str, rows: list[dict], config: dict | None = None
             w = pa.ipc.new_stream(f, SCHEMA.with_metadata({"format": FORMAT, "version": str(version)}))
             w.close()
         return run
-    cols = {c: [r[c] for r in rows] for c in SCHEMA.names}
-    writer.write(cols)
-    writer.close()
+    for rank, rank_rows in (ranks or {0: rows}).items():
+        if rank:
+            writer = StreamWriter(stream_path(run, rank), {"rank": rank})
+        writer.write({c: [r[c] for r in rank_rows] for c in SCHEMA.names})
+        writer.close()
     return run
 
 
@@ -331,6 +340,29 @@ def test_diff_identical_origin_receiver_structural(tmp_path):
     assert struct["first_difference"]["other"]["op"] == "aten.other.default"
     short = diff_runs(a, _run_dir(tmp_path, "short", _rows(3)))
     assert short["first_difference"]["kind"] == "structural"
+
+
+def test_human_report_names_ops_in_full_and_folds_ranks_that_match(tmp_path, capsys, monkeypatch):
+    """`samestep diff` without --json, piped: the summary and a table whose consecutive ranks with no
+    difference are one row each (a 1,024-rank diff stays a few rows); names are never cut short."""
+    from samestep.cli import main
+
+    ranks = 40
+    a = _run_dir(tmp_path, "a", [], ranks={r: _rows() for r in range(ranks)})
+    changed = {r: _rows(r2={"outputs": b"x" * 16}) if r in (5, 6, 39) else _rows() for r in range(ranks)}
+    b = _run_dir(tmp_path, "b", [], ranks=changed)
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert main(["diff", str(a), str(b)]) == 1
+    out = capsys.readouterr().out
+    assert "origin on rank(s) 5-6,39 only, of 40 (0-39)" in out
+    rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
+    assert [(cells[0].strip(), cells[1].strip(), cells[2].strip()) for cells in rows] == [
+        ("0-4", "25 (5 ranks)", "none"), ("5", "2", "origin"), ("6", "2", "origin"),
+        ("7-38", "160 (32 ranks)", "none"), ("39", "2", "origin")]
+    assert all("aten.op2.default #0" in cells[6] for cells in rows if cells[2].strip() == "origin")
+    assert main(["diff", str(a), str(a)]) == 0
+    assert [[c.strip() for c in line.split("│")[1:4]] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("│")] == [["0-39", "200 (40 ranks)", "none"]]
 
 
 def test_copy_like_op_diverging_points_outside_the_dispatcher(tmp_path):

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from samestep.analysis.diff import DiffError, _load_run, _metrics
-from samestep.trace.recorder import parse_selection
+from samestep.trace.recorder import format_selection, parse_selection
 from samestep.trace.stream import iter_stream, stream_segments
 
 __all__ = ["certify_trace"]
@@ -67,24 +67,7 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
                 raise DiffError(str(e)) from None
         missing = sorted(steps - seen)
         if missing:
-            problems.append(f"rank {rank}: no records for step(s) {_ranges(missing)}")
-        per_rank[str(rank)] = {"records": records, "steps": _ranges(sorted(seen)), "segments": len(segments)}
+            problems.append(f"rank {rank}: no records for step(s) {format_selection(missing)}")
+        per_rank[str(rank)] = {"records": records, "steps": format_selection(seen), "segments": len(segments)}
     return {"complete": not problems, "problems": problems, "ranks": per_rank, "run": str(run),
-            "selected_steps": _ranges(sorted(steps)), "selected_ranks": ranks}
-
-
-def _ranges(values: list[int]) -> str:
-    out, start, prev = [], None, None
-    for v in values:
-        if start is None:
-            start = prev = v
-        elif v == prev + 1:
-            prev = v
-        else:
-            out.append(f"{start}-{prev}" if start != prev else str(start))
-            start = prev = v
-    if start is not None:
-        out.append(f"{start}-{prev}" if start != prev else str(start))
-    return ",".join(out)
-
-
+            "selected_steps": format_selection(steps), "selected_ranks": ranks}

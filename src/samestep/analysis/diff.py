@@ -22,6 +22,7 @@ import pyarrow.compute as pc
 
 from samestep._state import dotted
 from samestep.env import compare_environments
+from samestep.trace.recorder import format_selection
 from samestep.trace.stream import KEY, SCHEMA, iter_stream, stream_segments, traced_ranks
 from samestep.train.config import NUMERICS_NEUTRAL
 
@@ -296,8 +297,8 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
             if o_ranks == sorted(per_rank):
                 summary += f"; the same origin on all {len(o_ranks)} ranks: a nondeterministic kernel"
             else:
-                summary += (f"; origin on rank(s) {o_ranks} only, of {sorted(per_rank)}: look at reduction order or "
-                            "topology rather than a kernel")
+                summary += (f"; origin on rank(s) {format_selection(o_ranks)} only, of {len(per_rank)} "
+                            f"({format_selection(per_rank)}): look at reduction order or topology rather than a kernel")
         if origin.note:
             summary += f". {origin.note}"
     elif divs:

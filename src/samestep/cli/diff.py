@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,22 +44,43 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def _print(report: dict) -> None:
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Column, Table
+
+    from samestep.trace.recorder import format_selection
 
     console = Console(highlight=False)
-    console.print(report["summary"])
+    if not console.is_terminal and not os.environ.get("COLUMNS"):  # a log or a pipe: rich would assume 80 columns
+        console.width = 160
+    console.print(report["summary"], soft_wrap=True)
     if report["metrics"]:
         m = report["metrics"]
-        console.print(f"metrics first differ at step {m['step']}: {', '.join(m['fields'])} (A {m['a']} vs B {m['b']})")
+        console.print(f"metrics first differ at step {m['step']}: {', '.join(m['fields'])} (A {m['a']} vs B {m['b']})",
+                      soft_wrap=True)
     if report["per_rank"]:
-        table = Table("rank", "matched", "first difference", "step", "mb", "where", "op #occurrence")
-        for rank, r in report["per_rank"].items():
+        # Scopes and op names are what the reader looks for: wrapped in a narrow terminal, never cut short
+        table = Table("rank", "matched", "first difference", "step", "mb", Column("where", overflow="fold"),
+                      Column("op #occurrence", overflow="fold"))
+        # A run of consecutive ranks with no difference is one row (a 1,024-rank diff is a few rows, not 1,024)
+        same: list[tuple[int, int]] = []
+
+        def flush_same() -> None:
+            if same:
+                ranks = format_selection(rank for rank, _ in same)
+                table.add_row(ranks, f"{sum(n for _, n in same)}" + (f" ({len(same)} ranks)" if len(same) > 1 else ""),
+                              "none", "", "", "", "")
+                same.clear()
+
+        for rank, r in sorted(report["per_rank"].items(), key=lambda kv: int(kv[0])):
             d = r["divergence"]
             if d is None:
-                table.add_row(rank, str(r["records_compared"]), "none", "", "", "", "")
-            else:
-                table.add_row(rank, str(r["records_compared"]), d["kind"], str(d["step"]), str(d["microbatch"]),
-                              f"{d['scope'] or '<root>'} ({d['phase']})", f"{d['op']} #{d['occurrence']}")
+                if same and same[-1][0] != int(rank) - 1:
+                    flush_same()
+                same.append((int(rank), r["records_compared"]))
+                continue
+            flush_same()
+            table.add_row(rank, str(r["records_compared"]), d["kind"], str(d["step"]), str(d["microbatch"]),
+                          f"{d['scope'] or '<root>'} ({d['phase']})", f"{d['op']} #{d['occurrence']}")
+        flush_same()
         console.print(table)
     for note in report["notes"]:
-        console.print(f"note: {note}")
+        console.print(f"note: {note}", soft_wrap=True)

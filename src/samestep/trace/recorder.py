@@ -90,6 +90,22 @@ def parse_selection(text: str | None, what: str) -> set[int] | None:
     return out
 
 
+def format_selection(values: Iterable[int]) -> str:
+    """The inverse of ``parse_selection``: {1, 2, 3, 5} -> ``"1-3,5"`` (sorted; ``""`` for none)."""
+    out: list[str] = []
+    start = prev = None
+    for v in sorted(values):
+        if prev is not None and v == prev + 1:
+            prev = v
+            continue
+        if start is not None:
+            out.append(f"{start}-{prev}" if start != prev else str(start))
+        start = prev = v
+    if start is not None:
+        out.append(f"{start}-{prev}" if start != prev else str(start))
+    return ",".join(out)
+
+
 @dataclass(frozen=True, slots=True)
 class Perturb:
     """Fault injection for validating the diff: adds one ULP to element 0 of one op occurrence's output."""
