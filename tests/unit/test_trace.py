@@ -389,6 +389,22 @@ def test_diff_refuses_other_config_environment_or_schema(tmp_path):
         diff_runs(a, tmp_path / "nope")
 
 
+def test_diff_refuses_a_selection_with_nothing_to_compare(tmp_path):
+    """--ranks naming an untraced rank, or --steps the runs do not have, is an input error naming what the
+    runs hold (not an "identical" verdict over nothing); steps the runs have but did not trace get a note."""
+    a, b = _run_dir(tmp_path, "a", _rows()), _run_dir(tmp_path, "b", _rows())
+    with pytest.raises(DiffError, match=r"--ranks 0-1,3: rank\(s\) 1,3 have no trace in either run \(A traced 0, B 0"):
+        diff_runs(a, b, ranks={0, 1, 3})
+    with pytest.raises(DiffError, match=r"--steps 2-3: neither run has these steps \(A: 1, B: 1\)"):
+        diff_runs(a, b, steps={2, 3})
+    assert diff_runs(a, b, ranks={0}, steps={1, 2})["per_rank"]["0"]["records_compared"] == 5
+    untraced = [dict(r, step=2) for r in _rows()]  # step 1's metrics, but records of step 2 only
+    c, d = _run_dir(tmp_path, "c", untraced), _run_dir(tmp_path, "d", untraced)
+    report = diff_runs(c, d, steps={1})
+    assert report["identical"] and report["summary"] == "identical: every metric bit matches"
+    assert any("no trace records fall in --steps 1" in n for n in report["notes"])
+
+
 def test_certify_complete_and_gaps(tmp_path):
     """A contiguous trace of every step certifies; a sequence gap and a missing step are named."""
     good = _run_dir(tmp_path, "good", _rows())

@@ -256,12 +256,23 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
                                 f"{what} (pass --force to compare anyway)")
             notes.append(f"{what} differs (compared with --force): {fields}")
 
-    metric_diff = _first_metric_difference(_metrics(run_a), _metrics(run_b), steps)
+    metrics_a, metrics_b = _metrics(run_a), _metrics(run_b)
+    run_steps = {r.get("step") for r in metrics_a} | {r.get("step") for r in metrics_b}
+    if steps is not None and run_steps and not steps & run_steps:
+        raise DiffError(f"--steps {format_selection(steps)}: neither run has these steps (A: "
+                        f"{format_selection(r['step'] for r in metrics_a) or 'none'}, B: "
+                        f"{format_selection(r['step'] for r in metrics_b) or 'none'}); choose steps the runs have")
+    metric_diff = _first_metric_difference(metrics_a, metrics_b, steps)
     finals = [_final_digest(run_a), _final_digest(run_b)]
     final_differs = None not in finals and finals[0] != finals[1] and steps is None
     ranks_a, ranks_b = set(traced_ranks(run_a)), set(traced_ranks(run_b))
     if ranks_a != ranks_b:
-        notes.append(f"traced ranks differ: A has {sorted(ranks_a)}, B has {sorted(ranks_b)}")
+        notes.append(f"traced ranks differ: A has {format_selection(ranks_a) or 'none'}, B has "
+                     f"{format_selection(ranks_b) or 'none'}; only the ranks both traced are compared")
+    if ranks is not None and ranks - ranks_a - ranks_b:
+        raise DiffError(f"--ranks {format_selection(ranks)}: rank(s) {format_selection(ranks - ranks_a - ranks_b)} "
+                        f"have no trace in either run (A traced {format_selection(ranks_a) or 'no rank'}, B "
+                        f"{format_selection(ranks_b) or 'no rank'}); choose traced ranks or leave --ranks out")
     common = sorted((ranks_a & ranks_b) if ranks is None else (ranks_a & ranks_b & ranks))
     per_rank: dict[int, _RankResult] = {}
     for r in common:
@@ -281,9 +292,13 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     first_step = min([d.step for d in divs] + ([metric_diff["step"]] if metric_diff else []), default=None)
 
     summary = ""
+    records = sum(r.records for r in per_rank.values())
+    if per_rank and not records and steps is not None:
+        notes.append(f"no trace records fall in --steps {format_selection(steps)}: only those steps' metrics were "
+                     "compared (the runs' trace.steps selects which steps were traced)")
     if identical:
-        summary = "identical: every metric bit" + (f" and {sum(r.records for r in per_rank.values())} trace records "
-                                                   f"on {len(per_rank)} rank(s)" if per_rank else "") + " match"
+        summary = ("identical: every metric bit" + (f" and {records} trace records on {len(per_rank)} rank(s) match"
+                                                   if records else " matches"))
     elif structural:
         d = structural[0]
         summary = (f"structural divergence on rank {d.rank} at step {d.step}: {d.note} "
