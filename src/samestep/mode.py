@@ -74,6 +74,7 @@ class DeterminismReport:
 
 # The settings that were in force before enable(); disable() puts them back.
 _saved: dict[str, Any] | None = None
+_report: DeterminismReport | None = None  # what the last enable() in force set (recorded by samestep.trace)
 
 
 def available_threads() -> int:
@@ -87,6 +88,11 @@ def available_threads() -> int:
 def is_enabled() -> bool:
     """Whether ``enable()`` is in force in this process."""
     return _saved is not None
+
+
+def active_report() -> DeterminismReport | None:
+    """The report of the ``enable()`` in force, or None when deterministic mode is off."""
+    return _report if _saved is not None else None
 
 
 def _cuda_initialized() -> bool:
@@ -161,7 +167,7 @@ def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool
     Raises:
         ValueError: a user setting breaks determinism (names the variable, its value and the fix).
     """
-    global _saved
+    global _saved, _report
     if threads is None:
         threads = available_threads()
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
@@ -220,7 +226,7 @@ def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool
         saved["kernel_mode"].__enter__()
     report.knobs.append(Knob("samestep.kernels", False, bool(saved.get("kernel_mode")),
                              "scatter-type ops routed to samestep.ops"))
-    _saved = saved
+    _saved, _report = saved, report
     return report
 
 

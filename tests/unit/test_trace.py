@@ -10,8 +10,9 @@ import pyarrow as pa
 import pytest
 import torch
 
+import samestep
 from samestep.analysis import DiffError, certify_trace, diff_runs
-from samestep.trace import Recorder, digest, parse_selection, read_stream, stream_path
+from samestep.trace import Perturb, Recorder, digest, parse_selection, read_stream, stream_path
 from samestep.trace.recorder import format_selection
 from samestep.trace.stream import FORMAT, SCHEMA, StreamWriter
 
@@ -403,6 +404,63 @@ def test_diff_refuses_a_selection_with_nothing_to_compare(tmp_path):
     report = diff_runs(c, d, steps={1})
     assert report["identical"] and report["summary"] == "identical: every metric bit matches"
     assert any("no trace records fall in --steps 1" in n for n in report["notes"])
+
+
+def _own_loop(run: Path, perturb: Perturb | None = None) -> None:
+    """A user's own training loop, traced with the public samestep.trace() (no samestep train around it)."""
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    rec = samestep.trace(run, level="op", steps="1-2", perturb=perturb)
+    rec.attach(model)
+    for step in (1, 2, 3):
+        with rec.step(step):
+            for mb in (0, 1):
+                with rec.microbatch(mb):
+                    loss = model(torch.full((2, 4), 0.5 * (mb + 1)))
+                    loss.backward()
+                    rec.metric("loss", loss)
+            rec.grads(model.named_parameters())
+            opt.step()
+            opt.zero_grad()
+            rec.state(model, opt)
+    rec.close()
+
+
+def test_a_traced_run_of_your_own_loop_diffs_and_certifies(tmp_path):
+    """samestep.trace() in a loop of the user's own gives its run directory a run.json, so diff and
+    certify work on it: two runs are identical, a planted ULP is found as the origin, certify sees the
+    selected steps and deterministic mode; without enable() certify says so; a run.json already there
+    (samestep train writes its own first) is kept."""
+    from samestep.cli import main
+
+    with samestep.enable(threads=1):
+        for name in ("a", "b"):
+            _own_loop(tmp_path / name)
+        _own_loop(tmp_path / "ulp", Perturb(rank=0, step=2, microbatch=1, phase="forward", scope="head",
+                                              op="aten.addmm.default"))
+    doc = json.loads((tmp_path / "a" / "run.json").read_text())
+    assert doc["config"] == {"trace": {"level": "op", "steps": "1-2", "ranks": "all"}}
+    assert doc["written_by"] == "samestep.trace" and doc["determinism"]["threads"] == 1
+    same = diff_runs(tmp_path / "a", tmp_path / "b")
+    assert same["identical"] and same["summary"].startswith("identical: ") and "metric bit" not in same["summary"]
+    assert same["per_rank"]["0"]["records_compared"] > 100
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    o = diff_runs(tmp_path / "a", tmp_path / "ulp")["origin"]  # the negative control: the same check sees one ULP
+    assert (o["step"], o["microbatch"], o["scope"], o["op"], o["inputs_matched"]) == \
+        (2, 1, "head", "aten.addmm.default", True)
+    cert = certify_trace(tmp_path / "a")
+    assert cert["complete"], cert["problems"]
+    assert cert["selected_steps"] == "1-2" and cert["ranks"]["0"]["steps"] == "1-2"
+
+    _own_loop(tmp_path / "off")  # deterministic mode not in force
+    assert certify_trace(tmp_path / "off")["problems"] == [
+        "deterministic mode is not recorded in run.json (samestep.enable() was not in force when "
+        "samestep.trace() started)"]
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "run.json").write_text('{"format": "samestep.run", "config": {"train": {}}}')
+    _own_loop(tmp_path / "kept")
+    assert (tmp_path / "kept" / "run.json").read_text() == '{"format": "samestep.run", "config": {"train": {}}}'
 
 
 def test_certify_complete_and_gaps(tmp_path):

@@ -30,16 +30,21 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
     cfg = doc.get("config", {})
     tcfg = cfg.get("trace", {})
     if doc.get("determinism") is None:
-        problems.append("deterministic mode is not recorded in run.json (the run had determinism.enabled=false)")
+        problems.append("deterministic mode is not recorded in run.json " + (
+            "(samestep.enable() was not in force when samestep.trace() started)"
+            if doc.get("written_by") == "samestep.trace" else "(the run had determinism.enabled=false)"))
     if tcfg.get("level", "off") == "off":
         problems.append("the run was not traced (trace.level=off)")
     world = max([doc.get("layout", {}).get("world_size", 1)] + [r.get("world_size", 1) for r in doc.get("resumes", [])])
     wanted_ranks = parse_selection(tcfg.get("ranks", "all"), "trace.ranks")
     ranks = [r for r in range(world) if wanted_ranks is None or r in wanted_ranks]
-    last_step = max((m["step"] for m in _metrics(run)), default=0)
+    # The steps that ran: from metrics.jsonl; a run of the user's own loop has none, so there every selected
+    # step up to the last one any rank recorded must be there
+    metrics = _metrics(run)
+    last_step = max((m["step"] for m in metrics), default=0)
     wanted_steps = parse_selection(tcfg.get("steps", "all"), "trace.steps")
-    steps = {s for s in range(1, last_step + 1) if wanted_steps is None or s in wanted_steps}
     per_rank: dict[str, Any] = {}
+    seen_by_rank: dict[int, set[int]] = {}
     for rank in ranks:
         segments = stream_segments(run, rank)
         if not segments:
@@ -65,9 +70,14 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
                 problems.extend(f"{seg.name}: {t}" for t in torn)
             except ValueError as e:
                 raise DiffError(str(e)) from None
-        missing = sorted(steps - seen)
+        seen_by_rank[rank] = seen
+        per_rank[str(rank)] = {"records": records, "steps": format_selection(seen), "segments": len(segments)}
+    if not metrics:
+        last_step = max((max(seen) for seen in seen_by_rank.values() if seen), default=0)
+    steps = {s for s in range(1, last_step + 1) if wanted_steps is None or s in wanted_steps}
+    for rank, seen in seen_by_rank.items():
+        missing = steps - seen
         if missing:
             problems.append(f"rank {rank}: no records for step(s) {format_selection(missing)}")
-        per_rank[str(rank)] = {"records": records, "steps": format_selection(seen), "segments": len(segments)}
     return {"complete": not problems, "problems": problems, "ranks": per_rank, "run": str(run),
             "selected_steps": format_selection(steps), "selected_ranks": ranks}

@@ -296,7 +296,9 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     if per_rank and not records and steps is not None:
         notes.append(f"no trace records fall in --steps {format_selection(steps)}: only those steps' metrics were "
                      "compared (the runs' trace.steps selects which steps were traced)")
-    if identical:
+    if identical and not (metrics_a or metrics_b):  # a run of the user's own loop: its trace only
+        summary = f"identical: {records} trace records on {len(per_rank)} rank(s) match (no metrics.jsonl)"
+    elif identical:
         summary = ("identical: every metric bit" + (f" and {records} trace records on {len(per_rank)} rank(s) match"
                                                    if records else " matches"))
     elif structural:

@@ -927,7 +927,10 @@ class Recorder:
 def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | None = None,
           ranks: set[int] | str | None = None, rank: int | None = None, perturb: Perturb | None = None,
           copy: bool = False, worker: str = "auto") -> Recorder:
-    """Starts recording this rank's trace stream into ``run_dir/trace``.
+    """Starts recording this rank's trace stream into ``run_dir/trace``. Rank 0 also writes
+    ``run_dir/run.json`` if there is none, so that ``samestep diff`` and ``samestep trace certify`` read a
+    run of your own loop as they read ``samestep train``'s: call ``samestep.enable()`` first, to have
+    deterministic mode recorded there.
 
     Args:
         run_dir: the run directory.
@@ -942,13 +945,45 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
             memory; CPU tensors only), ``"thread"`` (any device), or ``"auto"`` (process on Linux
             without CUDA, else thread). Both write the same stream.
     """
-    if rank is None:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    distributed = dist.is_available() and dist.is_initialized()
+    if rank is None:
+        rank = dist.get_rank() if distributed else 0
     if isinstance(steps, str):
         steps = parse_selection(steps, "steps")
     if isinstance(ranks, str):
         ranks = parse_selection(ranks, "ranks")
-    return Recorder(run_dir, level=level, steps=steps, ranks=ranks, rank=rank, perturb=perturb, copy=copy,
-                    worker=worker)
+    rec = Recorder(run_dir, level=level, steps=steps, ranks=ranks, rank=rank, perturb=perturb, copy=copy,
+                   worker=worker)
+    if rank == 0 and level != "off":
+        _describe_run(Path(run_dir), level, steps, ranks, dist.get_world_size() if distributed else 1)
+    return rec
+
+
+def _describe_run(run_dir: Path, level: str, steps: set[int] | None, ranks: set[int] | None, world: int) -> None:
+    """Gives a run directory that a user's own loop traces the ``run.json`` that ``samestep diff`` and
+    ``samestep trace certify`` read (docs/formats.md): the trace selection as its config, the environment
+    fingerprint, the world size, and the report of the ``samestep.enable()`` in force (null if none). A
+    run.json already there (``samestep train`` writes its own first) is left as it is."""
+    import json
+    import os
+
+    import samestep
+    from samestep.env import environment
+    from samestep.mode import active_report
+
+    path = run_dir / "run.json"
+    if path.exists():
+        return
+    report = active_report()
+    selection = {"level": level, "steps": "all" if steps is None else format_selection(steps),
+                 "ranks": "all" if ranks is None else format_selection(ranks)}
+    doc = {"format": "samestep.run", "version": 1, "samestep_version": samestep.__version__,
+           "written_by": "samestep.trace", "config": {"trace": selection}, "environment": environment(),
+           "layout": {"world_size": world}, "determinism": report.to_dict() if report is not None else None,
+           "resumes": []}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
