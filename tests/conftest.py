@@ -60,3 +60,18 @@ def run_train(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 
 
 def metrics_bytes(run_dir: Path) -> bytes:
     return (run_dir / "metrics.jsonl").read_bytes()
+
+
+def traced_step(rec, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, microbatches, forward) -> None:
+    """One step of a user's own loop traced as trace/recorder.py says: ``microbatches`` is
+    ``[(index, input)]``, ``forward(input)`` returns the loss (``model`` may sit inside it, e.g. in DDP)."""
+    with rec.step(step):
+        for index, x in microbatches:
+            with rec.microbatch(index):
+                loss = forward(x)
+                loss.backward()
+                rec.metric("loss", loss)
+        rec.grads(model.named_parameters())
+        opt.step()
+        opt.zero_grad()
+        rec.state(model, opt)

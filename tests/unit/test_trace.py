@@ -15,6 +15,7 @@ from samestep.analysis import DiffError, certify_trace, diff_runs
 from samestep.trace import Perturb, Recorder, digest, parse_selection, read_stream, stream_path
 from samestep.trace.recorder import format_selection
 from samestep.trace.stream import FORMAT, SCHEMA, StreamWriter
+from tests.conftest import traced_step
 
 recorder_module = importlib.import_module("samestep.trace.recorder")
 
@@ -414,16 +415,7 @@ def _own_loop(run: Path, perturb: Perturb | None = None) -> None:
     rec = samestep.trace(run, level="op", steps="1-2", perturb=perturb)
     rec.attach(model)
     for step in (1, 2, 3):
-        with rec.step(step):
-            for mb in (0, 1):
-                with rec.microbatch(mb):
-                    loss = model(torch.full((2, 4), 0.5 * (mb + 1)))
-                    loss.backward()
-                    rec.metric("loss", loss)
-            rec.grads(model.named_parameters())
-            opt.step()
-            opt.zero_grad()
-            rec.state(model, opt)
+        traced_step(rec, model, opt, step, [(mb, torch.full((2, 4), 0.5 * (mb + 1))) for mb in (0, 1)], model)
     rec.close()
 
 

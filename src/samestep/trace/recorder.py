@@ -2,6 +2,7 @@
 
     rec = samestep.trace(run_dir, level="op", steps={1, 2, 3}, rank=rank)
     rec.attach(model)
+    ddp.register_comm_hook(None, rec.ddp_comm_hook())   # under PyTorch DDP: its reductions recorded too
     for step in ...:
         with rec.step(step):
             for i in my_microbatches:
@@ -36,6 +37,7 @@ import contextlib
 import contextvars
 import operator
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -369,6 +371,8 @@ class Recorder:
         self._pending_bytes = 0
         self._seq = 0
         self._hooks: list[Any] = []
+        self._buckets: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []  # see ddp_comm_hook
+        self._buckets_lock = threading.Lock()
         self._in_dispatch = False
         self._worker: ThreadWorker | ProcessWorker | None = None
         if self.enabled and self.worker == "process":
@@ -553,6 +557,8 @@ class Recorder:
         records to the stream while training goes on. At most one batch is in flight: this waits for
         the previous one first, so the staging memory stays bounded."""
         self._drain()
+        if self._buckets:
+            self._record_buckets()
         self._wait()
         batch, self._b = self._b, _Batch(self._seq)
         self._open.clear()
@@ -809,6 +815,8 @@ class Recorder:
         self._wait()
         if not self.active:
             return
+        if self._buckets:
+            self._record_buckets()
         named = [(name, p.grad) for name, p in named_params if p.grad is not None]
         # Gradients that are contiguous pieces of one buffer (as a gradient reducer leaves them) are
         # staged with one copy of the buffer, each digested as its piece of that copy.
@@ -907,6 +915,51 @@ class Recorder:
     def collective(self, name: str, inp: torch.Tensor, out: torch.Tensor) -> None:
         """A collective's input and output (the canonical combine calls this as its observer)."""
         self.record(name, [out], [inp], scope="collective")
+
+    def ddp_comm_hook(self, inner: Callable | None = None) -> Callable:
+        """A communication hook for ``torch.nn.parallel.DistributedDataParallel`` that records each
+        gradient bucket's reduction as a step-level collective record (scope ``collective``, op
+        ``ddp.allreduce``, or ``ddp.<inner's name>``)::
+
+            ddp.register_comm_hook(None, rec.ddp_comm_hook())
+
+        ``inner`` does the reduction (default: DDP's own ``allreduce_hook``, so the gradients are the
+        ones DDP computes without a hook) and gets the state given to ``register_comm_hook``. On a traced
+        step the bucket is copied before ``inner`` runs and its reduced buffer is taken when the
+        reduction completes; both are recorded at the next ``grads()`` (or the step's end) in bucket
+        order, so the order in which buckets finish never reaches the stream. Untraced steps only call
+        ``inner``.
+        """
+        if inner is None:
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook as inner
+            name = "ddp.allreduce"
+        else:
+            name = f"ddp.{getattr(inner, '__name__', type(inner).__name__)}"
+
+        # No annotations on bucket and return: DDP refuses any but dist.GradBucket and Future[Tensor] as
+        # objects, and this module's annotations are strings
+        def hook(state, bucket):  # noqa: ANN001, ANN202
+            if not self.active:
+                return inner(state, bucket)
+            index, before = bucket.index(), bucket.buffer().detach().clone()
+
+            def done(fut: Any) -> torch.Tensor:
+                out = fut.value()
+                out = out[0] if isinstance(out, (list, tuple)) else out
+                with self._buckets_lock:  # a communication thread may complete it
+                    self._buckets.append((index, name, before, out))
+                return out
+
+            return inner(state, bucket).then(done)
+
+        return hook
+
+    def _record_buckets(self) -> None:
+        """The reductions ``ddp_comm_hook`` saw since the last call, as records in bucket order."""
+        with self._buckets_lock:
+            done, self._buckets = sorted(self._buckets, key=_first), []
+        for _, name, before, out in done:
+            self.record(name, [out], [before], scope="collective")
 
     def close(self) -> None:
         """Flushes and closes the stream; removes hooks."""
