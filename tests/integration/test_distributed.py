@@ -62,8 +62,8 @@ def test_combine_matches_one_process_on_2_and_4_ranks_and_allreduce_does_not(tmp
 
 def _ddp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: str) -> None:
     """Three steps of a small model under PyTorch DDP over gloo, traced at step level through
-    ``Recorder.ddp_comm_hook`` (``variant``: "traced", "changed" (rank 1's data differs at step 2) or
-    "untraced" (no hook, no trace)); writes the final parameters' bits."""
+    ``Recorder.ddp_comm_hook`` (``variant``: "traced", "changed" (rank 1's data differs at step 2),
+    "op" (traced at op level) or "untraced" (no hook, no trace)); writes the final parameters' bits."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         with samestep.enable(threads=1):
@@ -72,8 +72,10 @@ def _ddp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: st
             # Small buckets: from step 2 on (DDP rebuilds them after the first), two reductions per step
             ddp = DistributedDataParallel(model, bucket_cap_mb=0.25)
             opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-            rec = samestep.trace(run_dir, level="step" if variant != "untraced" else "off", steps="1-3")
+            level = {"untraced": "off", "op": "op"}.get(variant, "step")
+            rec = samestep.trace(run_dir, level=level, steps="1-3")
             if variant != "untraced":
+                rec.attach(ddp)
                 ddp.register_comm_hook(None, rec.ddp_comm_hook())
             for step in (1, 2, 3):
                 x = torch.randn(4, 64, generator=torch.Generator().manual_seed(100 * step + rank))
@@ -91,18 +93,22 @@ def test_ddp_comm_hook_records_each_bucket_and_diff_blames_the_rank_that_changed
     """A DDP loop of the user's own, traced at step level with rec.ddp_comm_hook(): the hook changes no
     bit (same parameters as DDP without it), two runs diff identical with every bucket's reduction
     recorded in bucket order, and when rank 1's data changes at step 2, rank 1 holds the origin while
-    rank 0's first difference is the bucket reduction whose local input matched (a receiver)."""
+    rank 0's first difference is the bucket reduction whose local input matched (a receiver). At op level
+    too, two runs are identical: DDP's reducer builds its buckets in uninitialised memory and writes them
+    in C++ without bumping version counters, and its all-reduces finish on gloo's thread."""
     from samestep.analysis import diff_runs
     from samestep.trace import read_stream, stream_path
 
     runs = {}
-    for name, variant in (("a", "traced"), ("b", "traced"), ("c", "changed"), ("plain", "untraced")):
+    for name, variant in (("a", "traced"), ("b", "traced"), ("c", "changed"), ("plain", "untraced"), ("opa", "op"),
+                          ("opb", "op")):
         runs[name] = tmp_path / name
         runs[name].mkdir()
         mp.spawn(_ddp_worker, args=(2, str(tmp_path / f"init_{name}"), str(runs[name]), variant), nprocs=2,
                  join=True)
     for r in range(2):
-        assert np.array_equal(np.load(runs["a"] / f"params_{r}.npy"), np.load(runs["plain"] / f"params_{r}.npy"))
+        for name in ("a", "opa"):
+            assert np.array_equal(np.load(runs[name] / f"params_{r}.npy"), np.load(runs["plain"] / f"params_{r}.npy"))
     table = read_stream(stream_path(runs["a"], 0)).table
     buckets = [(s, o) for s, sc, o, op in zip(table["step"].to_pylist(), table["scope"].to_pylist(),
                                              table["occurrence"].to_pylist(), table["op"].to_pylist())
@@ -116,3 +122,8 @@ def test_ddp_comm_hook_records_each_bucket_and_diff_blames_the_rank_that_changed
     d0 = changed["per_rank"]["0"]["divergence"]
     assert (d0["kind"], d0["scope"], d0["op"], d0["step"], d0["inputs_matched"]) == \
         ("receiver", "collective", "ddp.allreduce", 2, True)
+    ops = diff_runs(runs["opa"], runs["opb"])
+    assert ops["identical"], ops["summary"]
+    ops_table = read_stream(stream_path(runs["opa"], 0)).table
+    assert ops_table.num_rows == ops["per_rank"]["0"]["records_compared"] > table.num_rows
+    assert "c10d.allreduce_.default" in ops_table["op"].to_pylist()

@@ -73,6 +73,46 @@ def test_op_level_stream_has_scoped_unique_records(tmp_path):
     assert {r["op"] for r in rows if r["phase"] == "step"} == {"grad", "loss"}
 
 
+def test_in_place_ops_record_the_bytes_they_wrote(tmp_path):
+    """Inside a dispatch mode an in-place op's version counter is bumped only after the mode returns (and
+    C++ code, like DDP's reducer, may not bump it at all): its output is still digested after it ran, not
+    taken for its input; a destination that is only written (copy_, out=) is no input (UNINIT); a later
+    read sees the new bytes; and a ULP planted in an in-place op is found there, as the origin."""
+    def run(path: Path, perturb: Perturb | None = None) -> list[dict]:
+        rec = Recorder(path, level="op", perturb=perturb)
+        with rec.step(1), rec.microbatch(0):
+            x = torch.zeros(4)
+            x.add_(1.5)
+            y = torch.full((4,), 7.0)
+            y.copy_(x * 3)
+            torch.mul(y, 2, out=x)
+            (x + 0).sum()
+        rec.close()
+        return read_stream(stream_path(path, 0)).table.to_pylist()
+
+    def dig(t: torch.Tensor) -> bytes:
+        return bytes.fromhex(digest(t))
+
+    rows = {r["op"]: r for r in run(tmp_path / "a")}
+    halves = lambda b: [b[i:i + 16] for i in range(0, len(b), 16)]  # noqa: E731
+    assert halves(rows["aten.add_.Tensor"]["inputs"]) == [dig(torch.zeros(4))]
+    assert rows["aten.add_.Tensor"]["outputs"] == dig(torch.full((4,), 1.5))
+    assert halves(rows["aten.copy_.default"]["inputs"]) == [bytes(16), dig(torch.full((4,), 4.5))]
+    assert rows["aten.copy_.default"]["outputs"] == dig(torch.full((4,), 4.5))
+    assert halves(rows["aten.mul.out"]["inputs"]) == [dig(torch.full((4,), 4.5)), bytes(16)]
+    assert rows["aten.mul.out"]["outputs"] == dig(torch.full((4,), 9.0))
+    assert halves(rows["aten.add.Tensor"]["inputs"]) == [dig(torch.full((4,), 9.0))]
+    run(tmp_path / "b", Perturb(rank=0, step=1, microbatch=0, phase="forward", scope="", op="aten.add_.Tensor"))
+    origin = diff_runs(_described(tmp_path / "a"), _described(tmp_path / "b"))["origin"]
+    assert (origin["op"], origin["inputs_matched"]) == ("aten.add_.Tensor", True)
+
+
+def _described(run: Path) -> Path:
+    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "config": {}, "environment": {},
+                                              "layout": {"world_size": 1}}))
+    return run
+
+
 def test_levels_include_the_ones_before(tmp_path):
     """step < module < op in what they record."""
     counts = {}

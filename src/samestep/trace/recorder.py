@@ -199,7 +199,38 @@ def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
     return out
 
 
-_names: dict[Any, str] = {}
+# Ops whose first argument is overwritten whole, whatever it held.
+_OVERWRITE_OPS = {"aten.copy_.default", "aten.fill_.Scalar", "aten.fill_.Tensor", "aten.zero_.default",
+                  "aten.normal_.default", "aten.uniform_.default", "aten.bernoulli_.float", "aten.random_.default",
+                  "aten.random_.from", "aten.random_.to", "aten.exponential_.default", "aten.geometric_.default",
+                  "aten.log_normal_.default", "aten.cauchy_.default"}
+
+
+@dataclass(frozen=True, slots=True)
+class _OpKind:
+    """What the op recorder needs to know of an op's schema, found once per op."""
+
+    name: str
+    mutates: bool  # writes into an argument (in place, or out=)
+    written: tuple[bool, ...]  # per positional argument: written into
+    written_only: frozenset[str]  # keyword arguments only written (out=): their old bytes are no input
+    first_written_only: bool  # an _OVERWRITE_OPS op: nor are its first argument's
+    collective: bool  # a c10d op: it may complete after it returns
+
+    @classmethod
+    def of(cls, func: Any) -> _OpKind:
+        name = str(func)
+        schema = getattr(func, "_schema", None)
+        if schema is None:  # not an operator overload: nothing known, recorded like a pure op
+            return cls(name, False, (), frozenset(), False, False)
+        writes = [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments]
+        out_kwargs = {a.name for a, w in zip(schema.arguments, writes) if w and a.kwarg_only}
+        positional = tuple(w for a, w in zip(schema.arguments, writes) if not a.kwarg_only)
+        return cls(name, any(writes), positional, frozenset(out_kwargs), name in _OVERWRITE_OPS,
+                   name.startswith("c10d."))
+
+
+_kinds: dict[Any, _OpKind] = {}
 
 
 class _OpMode(TorchDispatchMode):
@@ -219,16 +250,30 @@ class _OpMode(TorchDispatchMode):
             rec._in_dispatch = False
 
     def _record(self, rec: Recorder, func, args, kwargs):
-        in_tensors = _tensors(args) + (_tensors(kwargs.values()) if kwargs else [])
-        inputs = [rec._stage(t) for t in in_tensors]
+        kind = _kinds.get(func)
+        if kind is None:
+            kind = _kinds[func] = _OpKind.of(func)
+        if kind.first_written_only or kind.written_only:  # bytes about to be overwritten (often uninitialised)
+            in_tensors, inputs = [], []
+            for i, a in enumerate(args):
+                for t in _tensors((a,)):
+                    in_tensors.append(t)
+                    inputs.append(NO_REF if i == 0 and kind.first_written_only else rec._stage(t))
+            for k, v in kwargs.items():
+                for t in _tensors((v,)):
+                    in_tensors.append(t)
+                    inputs.append(NO_REF if k in kind.written_only else rec._stage(t))
+        else:
+            in_tensors = _tensors(args) + (_tensors(kwargs.values()) if kwargs else [])
+            inputs = [rec._stage(t) for t in in_tensors]
         out = func(*args, **kwargs)
-        name = _names.get(func)
-        if name is None:
-            name = _names[func] = str(func)
+        name = kind.name
         phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
         scope = rec._bwd_scope if phase == "backward" else _scope.get()
         occurrence = rec._occurrence(phase, scope, name)
         outs = _tensors(out if isinstance(out, (list, tuple)) else (out,))
+        if kind.mutates and not outs:  # returns nothing (the _foreach_*_ ops): what it wrote is its output
+            outs = [t for a, w in zip(args, kind.written) if w for t in _tensors((a,))]
         p = rec.perturb
         if (p is not None and outs and (p.rank, p.step, p.microbatch, p.phase, p.scope, p.op, p.occurrence)
                 == (rec.rank, rec._step, rec._mb, phase, scope, name, occurrence)
@@ -238,6 +283,18 @@ class _OpMode(TorchDispatchMode):
                 flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype, device=flat.device))
         if name in _EMPTY_OPS:
             refs = [rec._stage(t, uninit=True) for t in outs]
+        elif kind.collective:
+            # It completes on another thread after it returns: its output bytes are not there yet (the
+            # step level records the finished reduction; see ddp_comm_hook). Later reads copy them anew.
+            refs = [NO_REF] * len(outs)
+            for t in outs:
+                rec._forget(t)
+        elif kind.mutates:
+            # Its version counter is bumped only after this mode returns: a look-up by version would find
+            # the bytes from before the op
+            refs = [rec._stage(t, fresh=True) for t in outs]
+        elif func.is_view and len(outs) == 1 and inputs and inputs[0] == NO_REF:
+            refs = [rec._stage(outs[0], uninit=True)]  # a view of uninitialised memory (a bucket being built)
         elif func.is_view and len(outs) == 1:
             # A view's bytes are a function of its input's bytes and the arguments: the same view of the
             # same input version (t(weight) in every microbatch, say) is digested once.
@@ -363,7 +420,8 @@ class Recorder:
         self._heads: dict[tuple, bytes] = {}
         self._grad_bufs: dict[tuple, tuple[torch.Tensor, _Batch]] = {}  # (dtype, device) -> (buffer, its batch)
         self._staged_bytes = 0
-        self._cache: dict[int, tuple[weakref.ref, int, int]] = {}  # id -> (tensor, version, ref)
+        # id -> (tensor, version, ref, also at version + 1: see _stage's fresh)
+        self._cache: dict[int, tuple[weakref.ref, int, int, bool]] = {}
         self._memo: dict[tuple, int] = {}  # (view op, input refs, arguments) -> ref
         # Module level, checked live tensors: (op, phase, scope, tensors, their versions) noted by the
         # hooks, made into records by _drain before anything else is recorded (see _module_hook).
@@ -396,7 +454,7 @@ class Recorder:
 
     # -- staging and records ---------------------------------------------------------------------------
     def _stage(self, t: torch.Tensor, uninit: bool = False, share: int | None = None,
-               copy: bool | str = True) -> int:
+               copy: bool | str = True, fresh: bool = False) -> int:
         """Stages a tensor for digesting (once per tensor version); returns its reference.
 
         A reference is (staged copy, header): ``share`` names a staged copy that already holds ``t``'s
@@ -404,9 +462,13 @@ class Recorder:
         memory: no reference (its digest is ``UNINIT``), and so for every later read of that tensor
         version, e.g. as the destination of ``bernoulli_``. ``copy=False`` keeps the live tensor;
         ``copy="checked"`` too, and ``_wait`` checks that it did not change before it was digested.
+        ``fresh`` stages ``t`` anew even if this version was staged: an op wrote into it in place, and
+        its version is bumped (by one) only after the op recorder returns, or never (C++ code such as
+        DDP's reducer writes below the version counter). Later look-ups at this version and the next find
+        the new reference, so the next op that reads it does not copy it again.
         """
         version = t._version
-        ref = self._cached(t, version)
+        ref = None if fresh else self._cached(t, version)
         if ref is not None:
             return ref
         if uninit:
@@ -422,12 +484,14 @@ class Recorder:
             else:
                 with _disable_current_modes():
                     share = self._copy(t)
-        return self._reference(t, share, version)
+        return self._reference(t, share, version, also_next=fresh)
 
     def _cached(self, t: torch.Tensor, version: int) -> int | None:
         """The reference ``t`` was staged under at ``version`` in this batch, if it was."""
         hit = self._cache.get(id(t))
-        return hit[2] if hit is not None and hit[0]() is t and hit[1] == version else None
+        if hit is None or hit[0]() is not t:
+            return None
+        return hit[2] if hit[1] == version or (hit[3] and hit[1] + 1 == version) else None
 
     def _checked_slot(self, t: torch.Tensor, version: int) -> int:
         """A slot for live ``t``, which ``_wait`` checks is still at ``version`` (for the record made next)."""
@@ -439,13 +503,14 @@ class Recorder:
         self._staged_bytes += live.nbytes  # kept alive: counts to the bound
         return self._add_tensor(live)
 
-    def _reference(self, t: torch.Tensor, share: int, version: int) -> int:
-        """A new reference, slot ``share`` with ``t``'s header, remembered for ``t`` at ``version``."""
+    def _reference(self, t: torch.Tensor, share: int, version: int, also_next: bool = False) -> int:
+        """A new reference, slot ``share`` with ``t``'s header, remembered for ``t`` at ``version`` (and
+        the next one, if ``also_next``)."""
         b = self._b
         b.ref_slot.append(share)
         b.ref_head.append(self._head(t))
         ref = len(b.ref_slot) - 1
-        self._remember(t, ref, version)
+        self._remember(t, ref, version, also_next)
         return ref
 
     def _head(self, t: torch.Tensor) -> bytes:
@@ -508,9 +573,13 @@ class Recorder:
         b.slot_entry.append(len(pack.nbytes) - 1)
         return len(b.slot_chunk) - 1
 
-    def _remember(self, t: torch.Tensor, ref: int, version: int | None = None) -> None:
+    def _forget(self, t: torch.Tensor) -> None:
+        """``t``'s next read is staged anew (its bytes change without a version bump)."""
+        self._cache.pop(id(t), None)
+
+    def _remember(self, t: torch.Tensor, ref: int, version: int | None = None, also_next: bool = False) -> None:
         try:
-            self._cache[id(t)] = (weakref.ref(t), t._version if version is None else version, ref)
+            self._cache[id(t)] = (weakref.ref(t), t._version if version is None else version, ref, also_next)
         except TypeError:  # a tensor subclass without weakref support: no caching
             pass
 
