@@ -107,6 +107,30 @@ def test_in_place_ops_record_the_bytes_they_wrote(tmp_path):
     assert (origin["op"], origin["inputs_matched"]) == ("aten.add_.Tensor", True)
 
 
+@pytest.mark.parametrize("level", ["module", "op"])
+def test_inference_mode_inside_a_traced_microbatch_records_what_no_grad_does(tmp_path, level):
+    """Inference tensors have no version counter (reading it raises): they are copied, not cached or
+    checked, and the module outputs and the in-place op's output are the ones the same work under no_grad
+    gives, byte for byte (at op level the ops differ: inference mode does not decompose linear)."""
+    tables = {}
+    for ctx in (torch.inference_mode, torch.no_grad):
+        torch.manual_seed(0)
+        model = Tiny()
+        rec = Recorder(tmp_path / ctx.__name__, level=level)
+        rec.attach(model)
+        with rec.step(1), rec.microbatch(0):
+            with ctx():
+                z = model.inner(torch.ones(2, 4)) * 2
+                z.add_(1)  # in place, on a tensor no module returned
+                model.head(z)
+        rec.close()
+        rows = read_stream(stream_path(tmp_path / ctx.__name__, 0)).table.to_pylist()
+        tables[ctx.__name__] = [(r["scope"], r["op"], r["outputs"]) for r in rows
+                                if r["op"] in ("output", "aten.add_.Tensor")]
+    assert len(tables["inference_mode"]) == (5 if level == "op" else 4)
+    assert tables["inference_mode"] == tables["no_grad"]
+
+
 def _described(run: Path) -> Path:
     (run / "run.json").write_text(json.dumps({"format": "samestep.run", "config": {}, "environment": {},
                                               "layout": {"world_size": 1}}))

@@ -331,7 +331,7 @@ def _same_bytes(t: torch.Tensor, inputs: list[torch.Tensor], refs: list[int], re
         return None
     for x, ref in zip(inputs, refs):
         if (ref >= 0 and x.dtype == t.dtype and x.numel() == t.numel() and x.data_ptr() == t.data_ptr()
-                and x._version == t._version and x.is_contiguous()):
+                and x.is_contiguous() and not x.is_inference() and x._version == t._version):
             return rec._b.ref_slot[ref]
     return None
 
@@ -466,8 +466,12 @@ class Recorder:
         its version is bumped (by one) only after the op recorder returns, or never (C++ code such as
         DDP's reducer writes below the version counter). Later look-ups at this version and the next find
         the new reference, so the next op that reads it does not copy it again.
+        An inference tensor (``torch.inference_mode``) has no version counter: it is copied each time.
         """
-        version = t._version
+        try:
+            version = t._version
+        except RuntimeError:  # an inference tensor
+            return self._stage_unversioned(t, uninit, share, copy)
         ref = None if fresh else self._cached(t, version)
         if ref is not None:
             return ref
@@ -485,6 +489,22 @@ class Recorder:
                 with _disable_current_modes():
                     share = self._copy(t)
         return self._reference(t, share, version, also_next=fresh)
+
+    def _stage_unversioned(self, t: torch.Tensor, uninit: bool, share: int | None, copy: bool | str) -> int:
+        """``_stage`` for a tensor without a version counter: never cached, and a copy unless ``copy`` is
+        False (a live one could not be checked unchanged)."""
+        if uninit:
+            return NO_REF
+        if share is None:
+            if not copy:
+                share = self._add_tensor(t.detach())
+            else:
+                with _disable_current_modes():
+                    share = self._copy(t)
+        b = self._b
+        b.ref_slot.append(share)
+        b.ref_head.append(self._head(t))
+        return len(b.ref_slot) - 1
 
     def _cached(self, t: torch.Tensor, version: int) -> int | None:
         """The reference ``t`` was staged under at ``version`` in this batch, if it was."""
@@ -581,6 +601,8 @@ class Recorder:
         try:
             self._cache[id(t)] = (weakref.ref(t), t._version if version is None else version, ref, also_next)
         except TypeError:  # a tensor subclass without weakref support: no caching
+            pass
+        except RuntimeError:  # an inference tensor: no version counter, no caching
             pass
 
     def _occurrence(self, phase: str, scope: str, op: str) -> int:
@@ -839,7 +861,13 @@ class Recorder:
     def _note(self, op: str, phase: str, scope: str, outs: list[torch.Tensor]) -> None:
         """Notes a module record for ``_drain``, with the tensors' versions now; drains once the notes
         keep ``PENDING_BYTES`` alive."""
-        self._pending.append((op, phase, scope, outs, [t._version for t in outs]))
+        try:
+            versions = [t._version for t in outs]
+        except RuntimeError:  # an inference tensor cannot be checked unchanged later: recorded now, copied
+            self._drain()
+            self._module_record(op, phase, scope, outs)
+            return
+        self._pending.append((op, phase, scope, outs, versions))
         self._pending_bytes += sum(t.nbytes for t in outs)
         if self._pending_bytes > PENDING_BYTES:
             self._drain()
