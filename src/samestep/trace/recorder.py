@@ -327,13 +327,30 @@ def _same_bytes(t: torch.Tensor, inputs: list[torch.Tensor], refs: list[int], re
     if name in _SAME_ORDER and inputs and refs[0] >= 0 and inputs[0].dtype == t.dtype \
             and inputs[0].numel() == t.numel():
         return rec._b.ref_slot[refs[0]]
-    if not t.is_contiguous():
-        return None
-    for x, ref in zip(inputs, refs):
-        if (ref >= 0 and x.dtype == t.dtype and x.numel() == t.numel() and x.data_ptr() == t.data_ptr()
-                and x.is_contiguous() and not x.is_inference() and x._version == t._version):
-            return rec._b.ref_slot[ref]
+    try:
+        if not t.is_contiguous():
+            return None
+        for x, ref in zip(inputs, refs):
+            if (ref >= 0 and x.dtype == t.dtype and x.numel() == t.numel() and x.data_ptr() == t.data_ptr()
+                    and x.is_contiguous() and not x.is_inference() and x._version == t._version):
+                return rec._b.ref_slot[ref]
+    except RuntimeError:  # sparse or nested: no strides or no data pointer (staged through _plain)
+        pass
     return None
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """A dense, strided tensor whose bytes stand for ``t``'s value, for tensors whose bytes cannot be
+    copied as they are: sparse (its dense form), quantized (its integer values), nested (its components,
+    flattened and joined) and meta (no data: empty, under the meta tensor's own header)."""
+    t = t.detach()
+    if t.is_meta:
+        return torch.empty(0, dtype=t.dtype)
+    if t.is_quantized:
+        return t.int_repr()
+    if t.is_nested:
+        return torch.cat([c.reshape(-1) for c in t.unbind()])
+    return t.to_dense() if t.layout != torch.strided else t.clone()
 
 
 class _Batch:
@@ -535,7 +552,10 @@ class Recorder:
 
     def _head(self, t: torch.Tensor) -> bytes:
         """``t``'s digest header (dtype, shape, byte count), made once per dtype and shape."""
-        key = (t.dtype, t.shape)
+        try:
+            key = (t.dtype, t.shape)
+        except RuntimeError:  # a nested tensor has no single shape: the header of what _plain digests
+            return digest_header(_plain(t))
         head = self._heads.get(key)
         if head is None:
             head = self._heads[key] = digest_header(t)
@@ -576,17 +596,23 @@ class Recorder:
         size = rows_of(nbytes) * ROW_BYTES
         self._staged_bytes += size
         if size > CHUNK_BYTES or t.layout != torch.strided:
-            return self._add_tensor(t.detach().clone())
+            return self._add_tensor(_plain(t))
         device, b = t.device, self._b
         chunk, used = self._open.get(device, (-1, CHUNK_BYTES))
         if used + size > CHUNK_BYTES:
+            if device.type == "meta":  # no bytes to pack (a chunk there would hold none either)
+                return self._add_tensor(_plain(t))
             free = self._free.get(device)
             buf = free.pop() if free else torch.empty(CHUNK_BYTES, dtype=torch.uint8, device=device)
             b.packs.append(Packed(buf, []))
             chunk, used = len(b.packs) - 1, 0
         pack = b.packs[chunk]
         if nbytes:
-            pack_into(pack.buf, used, t.detach())
+            try:
+                pack_into(pack.buf, used, t.detach())
+            except (RuntimeError, NotImplementedError):  # quantized or nested: bytes PyTorch will not copy
+                self._open[device] = (chunk, used)
+                return self._add_tensor(_plain(t))
         pack.nbytes.append(nbytes)
         self._open[device] = (chunk, used + size)
         b.slot_chunk.append(chunk)
