@@ -1064,7 +1064,8 @@ class Recorder:
         def hook(state, bucket):  # noqa: ANN001, ANN202
             if not self.active:
                 return inner(state, bucket)
-            index, before = bucket.index(), bucket.buffer().detach().clone()
+            with _disable_current_modes():  # at op level: our copy is not one of the model's ops
+                index, before = bucket.index(), bucket.buffer().detach().clone()
 
             def done(fut: Any) -> torch.Tensor:
                 out = fut.value()
