@@ -236,6 +236,26 @@ def test_gradients_in_one_buffer_digest_like_separate_ones(tmp_path):
     assert tables[2].column("outputs").to_pylist()[-1] != tables[0].column("outputs").to_pylist()[-1]
 
 
+@pytest.mark.parametrize("worker", ["process", "thread"])
+def test_step_level_records_buffers_as_they_were_after_the_update(tmp_path, worker):
+    """Buffers (BatchNorm's running statistics) are model state that can diverge too: recorded at step
+    level after the update, as copies, since the next forward changes them in place while the digests
+    are still being computed."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder(tmp_path, level="step", worker=worker)
+    after: dict[tuple[int, str], torch.Tensor] = {}
+    for step in (1, 2, 3):
+        traced_step(rec, model, opt, step, [(0, torch.randn(8, 4))], lambda x: model(x).square().mean())
+        after.update({(step, name): b.clone() for name, b in model.named_buffers()})
+    rec.close()
+    rows = [r for r in read_stream(stream_path(tmp_path, 0)).table.to_pylist() if r["op"] == "buffer"]
+    assert [(r["step"], r["scope"]) for r in rows] == list(after)
+    assert [r["outputs"] for r in rows] == [bytes.fromhex(digest(b)) for b in after.values()]
+    assert len({r["outputs"] for r in rows if r["scope"] == "1.running_mean"}) == 3  # it changed every step
+
+
 def test_step_records_made_twice_in_a_step_count_their_occurrences(tmp_path):
     """A step record whose op and scope were already recorded in the step gets the next occurrence,
     whether the earlier one came from state() (made in bulk) or from record() (one at a time); a list of

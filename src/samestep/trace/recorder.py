@@ -14,8 +14,8 @@
     rec.close()
 
 Levels (each includes the ones before):
-- ``step``: loss and grad-norm bits, each parameter's gradient after reduction, parameters and
-  optimizer state after the update, each collective's input and output;
+- ``step``: loss and grad-norm bits, each parameter's gradient after reduction, parameters, buffers
+  and optimizer state after the update, each collective's input and output;
 - ``module``: every module's forward output and the gradient arriving at it in backward, by path;
 - ``op``: every ATen op's input and output digests (a TorchDispatchMode), scoped by module; the
   scope follows the op into backward through hooks on module outputs.
@@ -23,11 +23,12 @@ Levels (each includes the ones before):
 Observing never perturbs (DESIGN invariant 3): what is recorded is digested later in batches, by a
 worker (``worker.py``: a child process on Linux CPU, else a thread) while training continues; nothing
 the model computes is changed, unless a ``Perturb`` is given on purpose. Op outputs and gradients are
-copied into reused chunks; parameters and optimizer state are digested where they lie before the
-next update may change them; module outputs and their gradients too, and each is checked unchanged
-(its version counter) once its digest is done: a change in place raises, naming the record
-(``copy=True`` copies them instead). Records are kept in flat columns, digests are computed for a
-whole batch at once (``digest.lanes_packed``), and the stream gets one record batch per flush.
+copied into reused chunks (and buffers, which a forward may change); parameters and optimizer state
+are digested where they lie before the next update may change them; module outputs and their
+gradients too, and each is checked unchanged (its version counter) once its digest is done: a change
+in place raises, naming the record (``copy=True`` copies them instead). Records are kept in flat
+columns, digests are computed for a whole batch at once (``digest.lanes_packed``), and the stream gets
+one record batch per flush.
 """
 
 from __future__ import annotations
@@ -973,13 +974,15 @@ class Recorder:
         return buf[: flat.numel()].copy_(flat)
 
     def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-              named_params: Iterable[tuple[str, torch.nn.Parameter]] | None = None) -> None:
-        """Parameters and optimizer state after the update.
+              named_params: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+              named_buffers: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+        """Parameters, buffers and optimizer state after the update.
 
-        They are digested in place, without a copy, so they must not change before the next
-        ``grads()`` call (a training loop changes them only in its next update, which comes after).
-        ``named_params``: ``model.named_parameters()`` as the caller already has them (a list kept
-        from step to step spares walking the modules).
+        Parameters and optimizer state are digested in place, without a copy, so they must not change
+        before the next ``grads()`` call (a training loop changes them only in its next update, which
+        comes after). Buffers (running statistics, say) are copied: the next forward may change them.
+        ``named_params``, ``named_buffers``: ``model.named_parameters()`` and ``model.named_buffers()``
+        as the caller already has them (lists kept from step to step spare walking the modules).
         """
         if not self.active:
             return
@@ -998,6 +1001,10 @@ class Recorder:
                         scopes.append(scope)
                         tensors.append(value)
         self._record_many(ops, scopes, tensors, None)
+        buffers = [(name, b) for name, b in (model.named_buffers() if named_buffers is None else named_buffers)
+                   if b is not None]
+        if buffers:
+            self._record_many(["buffer"] * len(buffers), [name for name, _ in buffers], [b for _, b in buffers], {})
 
     def _record_many(self, ops: list[str], scopes: list[str], tensors: list[torch.Tensor],
                      slots: dict[int, int] | None) -> None:

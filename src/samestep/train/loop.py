@@ -200,6 +200,7 @@ class Parts:
     device: torch.device
     recorder: Recorder
     named_params: list[tuple[str, torch.nn.Parameter]]  # the model's, once: it gains or loses none
+    named_buffers: list[tuple[str, torch.Tensor]]  # likewise (its attention masks)
 
     @property
     def tokens_per_step(self) -> int:
@@ -228,7 +229,7 @@ class Parts:
             rec.metric("grad_norm", grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            rec.state(self.model, self.optimizer, named_params=self.named_params)
+            rec.state(self.model, self.optimizer, named_params=self.named_params, named_buffers=self.named_buffers)
         self.cursor.advance(t.global_batch)
         return float(loss_sum), float(grad_norm), lr
 
@@ -260,7 +261,8 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     return Parts(cfg=cfg, corpus=corpus, model=model, optimizer=_make_optimizer(model, cfg),
                  schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
                  cursor=DataCursor(corpus, cfg.model.block_size, t.seed), grads=grads, device=device,
-                 recorder=recorder, named_params=list(model.named_parameters()))
+                 recorder=recorder, named_params=list(model.named_parameters()),
+                 named_buffers=list(model.named_buffers()))
 
 
 def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False, stop_after: int | None = None,
