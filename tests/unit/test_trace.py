@@ -256,6 +256,41 @@ def test_step_level_records_buffers_as_they_were_after_the_update(tmp_path, work
     assert len({r["outputs"] for r in rows if r["scope"] == "1.running_mean"}) == 3  # it changed every step
 
 
+def test_module_outputs_in_dataclasses_dicts_and_tuples_are_recorded(tmp_path):
+    """A module returning its own dataclass (as model output classes are, which the pytree does not
+    know) has its tensors recorded, in forward and their gradients in backward, as from dicts and tuples."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Out:
+        logits: torch.Tensor
+        extra: dict
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> Out:
+            y = self.inner(x)
+            return Out(y * 2, {"pair": (y, None)})
+
+    torch.manual_seed(0)
+    model = Wrapper()
+    rec = Recorder(tmp_path, level="module")
+    rec.attach(model)
+    with rec.step(1), rec.microbatch(0):
+        out = model(torch.ones(2, 4))
+        out.logits.sum().backward()
+    rec.close()
+    rows = read_stream(stream_path(tmp_path, 0)).table.to_pylist()
+    root = [r for r in rows if r["scope"] == "" and r["op"] == "output"]
+    assert len(root) == 1 and root[0]["outputs"] == bytes.fromhex(digest(out.logits)) + bytes.fromhex(
+        digest(out.extra["pair"][0]))
+    assert [r["outputs"] for r in rows if r["scope"] == "" and r["op"] == "grad_output"] == [
+        bytes.fromhex(digest(torch.ones(2, 4))), bytes.fromhex(digest(torch.full((2, 4), 2.0)))]  # logits, y
+
+
 def test_step_records_made_twice_in_a_step_count_their_occurrences(tmp_path):
     """A step record whose op and scope were already recorded in the step gets the next occurrence,
     whether the earlier one came from state() (made in bulk) or from record() (one at a time); a list of

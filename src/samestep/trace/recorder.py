@@ -42,7 +42,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +143,13 @@ def _leaves(value: Any) -> list[torch.Tensor]:
         return [value]
     if isinstance(value, (tuple, list)) and all(isinstance(v, torch.Tensor) or v is None for v in value):
         return [v for v in value if v is not None]
-    return [t for t in tree_leaves(value) if isinstance(t, torch.Tensor)]
+    out = []
+    for leaf in tree_leaves(value):
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif is_dataclass(leaf) and not isinstance(leaf, type):  # a model output class pytree does not know
+            out.extend(_leaves([getattr(leaf, f.name) for f in fields(leaf)]))
+    return out
 
 
 def _pieces(group: list[tuple[int, int, torch.Tensor]]) -> tuple[list[int], list[int], int, int] | None:
