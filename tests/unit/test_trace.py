@@ -30,10 +30,10 @@ class Tiny(torch.nn.Module):
         return self.head(self.inner(x)).sum()
 
 
-def _record(run: Path, level: str, scale: float = 1.0, copy: bool = False) -> Recorder:
+def _record(run: Path, level: str, scale: float = 1.0, copy: bool = False, steps: set[int] | None = None) -> Recorder:
     torch.manual_seed(0)
     model = Tiny()
-    rec = Recorder(run, level=level, copy=copy)
+    rec = Recorder(run, level=level, copy=copy, steps=steps)
     rec.attach(model)
     for step in (1, 2):
         with rec.step(step):
@@ -167,10 +167,33 @@ def test_sparse_quantized_nested_and_meta_tensors_are_recorded_by_their_value(tm
     assert emb.weight.grad.layout == torch.sparse_coo
 
 
-def _described(run: Path) -> Path:
-    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "config": {}, "environment": {},
+def _described(run: Path, trace: dict | None = None) -> Path:
+    config = {"trace": trace} if trace else {}
+    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "config": config, "environment": {},
                                               "layout": {"world_size": 1}}))
     return run
+
+
+def test_runs_traced_at_other_levels_or_steps_are_compared_on_what_both_recorded(tmp_path):
+    """An op-level and a module-level trace of the same work are identical at module level (not a
+    "structural divergence: code paths differ"); a real difference still shows through that cut; runs
+    that traced other steps are compared on the steps both traced, with a note each time."""
+    def run(name: str, level: str, scale: float = 1.0, steps: set[int] | None = None) -> Path:
+        _record(tmp_path / name, level, scale=scale, steps=steps)
+        return _described(tmp_path / name, {"level": level, "steps": "all" if steps is None else
+                                            ",".join(map(str, sorted(steps)))})
+
+    op, module = run("op", "op"), run("module", "module")
+    report = diff_runs(op, module)
+    modules = read_stream(stream_path(module, 0)).table.num_rows
+    assert report["identical"] and report["per_rank"]["0"]["records_compared"] == modules
+    assert report["notes"] == ["A was traced at op level, B at module: compared at module level (run A's finer "
+                               "records are left out)"]
+    other = diff_runs(run("other", "op", scale=2.0), module)  # the negative control: the cut hides no difference
+    assert not other["identical"] and other["origin"]["op"] == "output" and other["origin"]["step"] == 1
+    report = diff_runs(run("step2", "module", steps={2}), module)
+    assert report["identical"] and 0 < report["per_rank"]["0"]["records_compared"] < modules
+    assert "traced steps differ (A: 2, B: all): traces compared on the steps both traced (2)" in report["notes"]
 
 
 def test_levels_include_the_ones_before(tmp_path):

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 
 from samestep._state import dotted
 from samestep.env import compare_environments
-from samestep.trace.recorder import format_selection
+from samestep.trace.recorder import LEVELS, format_selection, parse_selection
 from samestep.trace.stream import KEY, SCHEMA, iter_stream, stream_segments, traced_ranks
 from samestep.train.config import NUMERICS_NEUTRAL
 
@@ -116,8 +116,20 @@ def _final_digest(run: Path) -> str | None:
         return None
 
 
-def _records(run: Path, rank: int, steps: set[int] | None, torn: list[str]) -> Iterator[pa.RecordBatch]:
-    """A rank's records over all its segments; steps re-run after a resume come from the later segment."""
+# The records a stream traced at a higher level holds beyond a lower level's: kept are step records (phase
+# "step") at step level, and module records too at module level.
+_MODULE_OPS = pa.array(["output", "grad_output"])
+
+
+def _level_mask(batch: pa.RecordBatch, level: str) -> pa.Array:
+    at_step = pc.equal(batch.column("phase"), "step")
+    return at_step if level == "step" else pc.or_(at_step, pc.is_in(batch.column("op"), value_set=_MODULE_OPS))
+
+
+def _records(run: Path, rank: int, steps: set[int] | None, torn: list[str],
+             level: str | None = None) -> Iterator[pa.RecordBatch]:
+    """A rank's records over all its segments; steps re-run after a resume come from the later segment.
+    ``level``: only the records a run traced at that (lower) level has."""
     segments = stream_segments(run, rank)
     firsts: list[int | None] = []
     for seg in segments:
@@ -134,6 +146,9 @@ def _records(run: Path, rank: int, steps: set[int] | None, torn: list[str]) -> I
                 mask = pc.less(batch.column(1), cutoff)
             if steps is not None:
                 sel = pc.is_in(batch.column(1), value_set=pa.array(sorted(steps), pa.int32()))
+                mask = sel if mask is None else pc.and_(mask, sel)
+            if level is not None:
+                sel = _level_mask(batch, level)
                 mask = sel if mask is None else pc.and_(mask, sel)
             yield batch if mask is None else batch.filter(mask)
         torn.extend(f"{seg}: {t}" for t in seg_torn)
@@ -187,10 +202,12 @@ def _classify(rank: int, a: pa.Table, b: pa.Table, i: int) -> Divergence:
     return Divergence(rank=rank, kind="origin" if matched else "receiver", inputs_matched=matched, note=note, **row)
 
 
-def _compare_rank(run_a: Path, run_b: Path, rank: int, steps: set[int] | None) -> _RankResult:
+def _compare_rank(run_a: Path, run_b: Path, rank: int, steps: set[int] | None,
+                  levels: tuple[str | None, str | None] = (None, None)) -> _RankResult:
+    """``levels``: the level to cut run A's and run B's records down to (None: all of them)."""
     res = _RankResult(rank)
-    chunks_a = _chunks(_records(run_a, rank, steps, res.torn))
-    chunks_b = _chunks(_records(run_b, rank, steps, res.torn))
+    chunks_a = _chunks(_records(run_a, rank, steps, res.torn, levels[0]))
+    chunks_b = _chunks(_records(run_b, rank, steps, res.torn, levels[1]))
     while True:
         a, b = next(chunks_a, None), next(chunks_b, None)
         if a is None or b is None:
@@ -227,6 +244,35 @@ def _compare_rank(run_a: Path, run_b: Path, rank: int, steps: set[int] | None) -
             res.divergence = Divergence(rank=rank, kind="structural", inputs_matched=False,
                                         note="one run's stream is longer", **_row(rest, 0))
             return res
+
+
+def _traced_alike(doc_a: dict, doc_b: dict, steps: set[int] | None,
+                  notes: list[str]) -> tuple[set[int] | None, tuple[str | None, str | None]]:
+    """Two runs traced at other levels or on other steps are compared on what both recorded (not
+    reported as code paths that differ): the steps both traced (within ``steps``), at the lower level.
+
+    Returns:
+        The steps to compare traces on, and the level to cut run A's and run B's records down to.
+    """
+    ta, tb = (doc.get("config", {}).get("trace", {}) for doc in (doc_a, doc_b))
+    levels: tuple[str | None, str | None] = (None, None)
+    la, lb = ta.get("level"), tb.get("level")
+    if la != lb and {la, lb} <= set(LEVELS) - {"off"}:
+        low = min(la, lb, key=LEVELS.index)
+        levels = (low if la != low else None, low if lb != low else None)
+        notes.append(f"A was traced at {la} level, B at {lb}: compared at {low} level (run "
+                     f"{'A' if la != low else 'B'}'s finer records are left out)")
+    try:
+        sa, sb = (parse_selection(t.get("steps", "all"), "trace.steps") for t in (ta, tb))
+    except ValueError as e:
+        raise DiffError(f"run.json: {e}") from None
+    if sa != sb:
+        both = sb if sa is None else sa if sb is None else sa & sb
+        notes.append(f"traced steps differ (A: {'all' if sa is None else format_selection(sa)}, B: "
+                     f"{'all' if sb is None else format_selection(sb)}): traces compared on the steps both "
+                     f"traced ({format_selection(both) or 'none'})")
+        steps = both if steps is None else steps & both
+    return steps, levels
 
 
 def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = None, steps: set[int] | None = None,
@@ -274,10 +320,11 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
                         f"have no trace in either run (A traced {format_selection(ranks_a) or 'no rank'}, B "
                         f"{format_selection(ranks_b) or 'no rank'}); choose traced ranks or leave --ranks out")
     common = sorted((ranks_a & ranks_b) if ranks is None else (ranks_a & ranks_b & ranks))
+    trace_steps, levels = _traced_alike(doc_a, doc_b, steps, notes) if common else (steps, (None, None))
     per_rank: dict[int, _RankResult] = {}
     for r in common:
         try:
-            per_rank[r] = _compare_rank(run_a, run_b, r, steps)
+            per_rank[r] = _compare_rank(run_a, run_b, r, trace_steps, levels)
         except ValueError as e:
             raise DiffError(str(e)) from None
     for res in per_rank.values():
