@@ -261,17 +261,18 @@ def test_gradients_in_one_buffer_digest_like_separate_ones(tmp_path):
 
 @pytest.mark.parametrize("worker", ["process", "thread"])
 def test_step_level_records_buffers_as_they_were_after_the_update(tmp_path, worker):
-    """Buffers (BatchNorm's running statistics) are model state that can diverge too: recorded at step
-    level after the update, as copies, since the next forward changes them in place while the digests
-    are still being computed."""
+    """Persistent buffers (BatchNorm's running statistics) are model state that can diverge too: recorded
+    at step level after the update, as copies, since the next forward changes them in place while the
+    digests are still being computed. A non-persistent buffer (not in state_dict) is not state."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model[0].register_buffer("constant", torch.ones(2), persistent=False)  # not state: not recorded
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rec = Recorder(tmp_path, level="step", worker=worker)
     after: dict[tuple[int, str], torch.Tensor] = {}
     for step in (1, 2, 3):
         traced_step(rec, model, opt, step, [(0, torch.randn(8, 4))], lambda x: model(x).square().mean())
-        after.update({(step, name): b.clone() for name, b in model.named_buffers()})
+        after.update({(step, name): b.clone() for name, b in model.named_buffers() if name != "0.constant"})
     rec.close()
     rows = [r for r in read_stream(stream_path(tmp_path, 0)).table.to_pylist() if r["op"] == "buffer"]
     assert [(r["step"], r["scope"]) for r in rows] == list(after)

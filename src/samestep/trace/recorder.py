@@ -987,8 +987,11 @@ class Recorder:
         Parameters and optimizer state are digested in place, without a copy, so they must not change
         before the next ``grads()`` call (a training loop changes them only in its next update, which
         comes after). Buffers (running statistics, say) are copied: the next forward may change them.
-        ``named_params``, ``named_buffers``: ``model.named_parameters()`` and ``model.named_buffers()``
-        as the caller already has them (lists kept from step to step spare walking the modules).
+        Only persistent buffers are model state (those in ``state_dict``, which a checkpoint keeps); a
+        non-persistent one (an attention mask) is a constant or derived from the state.
+        ``named_params``, ``named_buffers``: ``model.named_parameters()`` and
+        ``Recorder.persistent_buffers(model)`` as the caller already has them (lists kept from step to
+        step spare walking the modules).
         """
         if not self.active:
             return
@@ -1007,10 +1010,20 @@ class Recorder:
                         scopes.append(scope)
                         tensors.append(value)
         self._record_many(ops, scopes, tensors, None)
-        buffers = [(name, b) for name, b in (model.named_buffers() if named_buffers is None else named_buffers)
-                   if b is not None]
+        buffers = self.persistent_buffers(model) if named_buffers is None else list(named_buffers)
         if buffers:
             self._record_many(["buffer"] * len(buffers), [name for name, _ in buffers], [b for _, b in buffers], {})
+
+    @staticmethod
+    def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+        """The model's buffers that are part of its ``state_dict``, by name, each tensor once."""
+        out, seen = [], set()
+        for prefix, module in model.named_modules():
+            for name, b in module._buffers.items():
+                if b is not None and name not in module._non_persistent_buffers_set and id(b) not in seen:
+                    seen.add(id(b))
+                    out.append((f"{prefix}.{name}" if prefix else name, b))
+        return out
 
     def _record_many(self, ops: list[str], scopes: list[str], tensors: list[torch.Tensor],
                      slots: dict[int, int] | None) -> None:

@@ -200,7 +200,7 @@ class Parts:
     device: torch.device
     recorder: Recorder
     named_params: list[tuple[str, torch.nn.Parameter]]  # the model's, once: it gains or loses none
-    named_buffers: list[tuple[str, torch.Tensor]]  # likewise (its attention masks)
+    named_buffers: list[tuple[str, torch.Tensor]]  # its persistent buffers, likewise (none: its masks are not)
 
     @property
     def tokens_per_step(self) -> int:
@@ -262,7 +262,7 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
                  schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
                  cursor=DataCursor(corpus, cfg.model.block_size, t.seed), grads=grads, device=device,
                  recorder=recorder, named_params=list(model.named_parameters()),
-                 named_buffers=list(model.named_buffers()))
+                 named_buffers=Recorder.persistent_buffers(model))
 
 
 def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False, stop_after: int | None = None,
