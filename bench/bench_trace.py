@@ -1,6 +1,7 @@
 """Trace benchmarks: digest throughput, tracing overhead per level, and diff at scale.
 
     .venv/bin/python bench/bench_trace.py [--pairs 9] [--steps 8] [--levels step,module,op] [--own-share]
+        [--recorder-calls]
         [--set KEY=VALUE] [--records 10000000] [--ranks 1024] [--device cpu|cuda] [--digest-triton auto|off]
         [--json]
 
@@ -80,12 +81,41 @@ def own_share() -> None:
     worker.submit = lambda self, b, events: self._payload(b)
 
 
-def trace_overhead(pairs: int, steps: int, overrides: list[str], levels: list[str], device: str = "cpu") -> dict:
+# The recorder's entry points a training loop calls (and _drain, where the module level's records are made
+# when a microbatch ends): the time spent inside them is the training thread's own share, measured
+# directly in the loop instead of as the difference of two noisy step times.
+_RECORDER_CALLS = ("grads", "state", "metric", "flush", "record", "collective", "_drain")
+
+
+def time_recorder_calls() -> dict[int, float]:
+    """Wraps the recorder's entry points; the returned dict sums, per recorder (by id), the seconds spent
+    inside its outermost calls. Module hooks and the op-level dispatch mode are not included."""
+    recorder = importlib.import_module("samestep.trace.recorder").Recorder
+    spent: dict[int, float] = {}
+    depth = [0]
+    for name in _RECORDER_CALLS:
+        def timed(self, *args, _f=getattr(recorder, name), **kwargs):
+            if depth[0]:
+                return _f(self, *args, **kwargs)
+            depth[0] = 1
+            t0 = time.perf_counter()
+            try:
+                return _f(self, *args, **kwargs)
+            finally:
+                spent[id(self)] = spent.get(id(self), 0.0) + time.perf_counter() - t0
+                depth[0] = 0
+        setattr(recorder, name, timed)
+    return spent
+
+
+def trace_overhead(pairs: int, steps: int, overrides: list[str], levels: list[str], device: str = "cpu",
+                   spent: dict[int, float] | None = None) -> dict:
     """Blocks of ``steps`` untraced then ``steps`` traced steps, alternating. After a traced block the
     digest worker is drained outside the timing, so the next untraced block is clean. A traced block
     then holds its steps' own costs and the worker's contention for all but its last batch: ``ratio``
     slightly understates steady state (by at most 1/steps of the contention), ``ratio_with_drain``
-    (the drain counted too) overstates it."""
+    (the drain counted too) overstates it. With ``spent`` (from ``time_recorder_calls``), also the
+    time per traced step spent inside the recorder's calls, and its share of the untraced step."""
     corpus = load_corpus("stdlib")
     result = {}
     with tempfile.TemporaryDirectory() as d, samestep.enable(threads=1):
@@ -93,7 +123,8 @@ def trace_overhead(pairs: int, steps: int, overrides: list[str], levels: list[st
         for level in levels:
             traced = build(load_config(None, [*overrides, f"trace.level={level}"]), corpus=corpus,
                            run_dir=Path(d) / level, device=device)
-            ratios, drained, t_off, t_on = [], [], [], []
+            ratios, drained, t_off, t_on, inside = [], [], [], [], []
+            key = id(traced.recorder)
             for p in range(pairs + 1):
                 _sync(device)
                 t0 = time.perf_counter()
@@ -101,10 +132,12 @@ def trace_overhead(pairs: int, steps: int, overrides: list[str], levels: list[st
                     base.step(p * steps + s)
                 _sync(device)
                 t1 = time.perf_counter()
+                before = spent.get(key, 0.0) if spent is not None else 0.0
                 for s in range(steps):
                     traced.step(p * steps + s)
                 _sync(device)
                 t2 = time.perf_counter()
+                within = spent.get(key, 0.0) - before if spent is not None else 0.0
                 traced.recorder.flush()  # waits for the last batch's digests
                 t3 = time.perf_counter()
                 if p:
@@ -112,11 +145,16 @@ def trace_overhead(pairs: int, steps: int, overrides: list[str], levels: list[st
                     drained.append((t3 - t1) / (t1 - t0))
                     t_off.append((t1 - t0) / steps)
                     t_on.append((t2 - t1) / steps)
+                    inside.append(within / (t1 - t0))
             traced.recorder.close()
             result[level] = {"ratio_median": round(statistics.median(ratios), 3), "ratio_ci95": median_ci(ratios),
                              "ratio_with_drain_median": round(statistics.median(drained), 3),
                              "step_ms_untraced": round(1000 * statistics.median(t_off), 1),
                              "step_ms_traced": round(1000 * statistics.median(t_on), 1)}
+            if spent is not None:
+                share = statistics.median(inside)
+                result[level].update(recorder_calls_ms_per_step=round(1000 * share * statistics.median(t_off), 3),
+                                     recorder_calls_share=round(share, 4))
     return result
 
 
@@ -256,13 +294,16 @@ def main() -> int:
                     help="the digest's fused Triton kernel: auto (on CUDA tensors), or off to time the PyTorch path")
     ap.add_argument("--contention-rounds", type=int, default=10,
                     help="rounds of worker_contention (CPU only; 0 skips it)")
+    ap.add_argument("--recorder-calls", action="store_true",
+                    help="also time the recorder's calls inside the traced steps (the training thread's own share)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.own_share:
         own_share()
+    spent = time_recorder_calls() if args.recorder_calls else None
     importlib.import_module("samestep.trace.digest").TRITON = args.digest_triton  # in this process
     # the overhead first: samestep.enable() must run before CUDA starts (the digest timing would start it)
-    overhead = trace_overhead(args.pairs, args.steps, args.set, args.levels.split(","), args.device)
+    overhead = trace_overhead(args.pairs, args.steps, args.set, args.levels.split(","), args.device, spent)
     result = {"digest": digest_throughput(2, args.device), "trace_overhead": overhead,
               "diff": diff_scale(args.records, args.ranks, args.records_per_rank)}
     if args.device == "cpu" and args.contention_rounds:
