@@ -11,6 +11,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import samestep
 from samestep.distributed import canonical_sum, combine_across_ranks, ring_allreduce_bytes
+from samestep.trace import Perturb
 from tests.conftest import traced_step
 
 pytestmark = pytest.mark.slow
@@ -63,7 +64,8 @@ def test_combine_matches_one_process_on_2_and_4_ranks_and_allreduce_does_not(tmp
 def _ddp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: str) -> None:
     """Three steps of a small model under PyTorch DDP over gloo, traced at step level through
     ``Recorder.ddp_comm_hook`` (``variant``: "traced", "changed" (rank 1's data differs at step 2),
-    "op" (traced at op level) or "untraced" (no hook, no trace)); writes the final parameters' bits."""
+    "op" (traced at op level), "op_ulp" (and one ULP planted on rank 1 at step 2) or "untraced" (no hook,
+    no trace)); writes the final parameters' bits."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         with samestep.enable(threads=1):
@@ -72,8 +74,11 @@ def _ddp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: st
             # Small buckets: from step 2 on (DDP rebuilds them after the first), two reductions per step
             ddp = DistributedDataParallel(model, bucket_cap_mb=0.25)
             opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-            level = {"untraced": "off", "op": "op"}.get(variant, "step")
-            rec = samestep.trace(run_dir, level=level, steps="1-3")
+            level = {"untraced": "off", "op": "op", "op_ulp": "op"}.get(variant, "step")
+            # the last layer's weight gradient on rank 1 (a ULP in a forward activation can round away)
+            perturb = Perturb(rank=1, step=2, microbatch=1, phase="backward", scope="module.2", op="aten.mm.default",
+                              occurrence=1) if variant == "op_ulp" else None
+            rec = samestep.trace(run_dir, level=level, steps="1-3", perturb=perturb)
             if variant != "untraced":
                 rec.attach(ddp)
                 ddp.register_comm_hook(None, rec.ddp_comm_hook())
@@ -95,13 +100,14 @@ def test_ddp_comm_hook_records_each_bucket_and_diff_blames_the_rank_that_changed
     recorded in bucket order, and when rank 1's data changes at step 2, rank 1 holds the origin while
     rank 0's first difference is the bucket reduction whose local input matched (a receiver). At op level
     too, two runs are identical: DDP's reducer builds its buckets in uninitialised memory and writes them
-    in C++ without bumping version counters, and its all-reduces finish on gloo's thread."""
+    in C++ without bumping version counters, and its all-reduces finish on gloo's thread; and a ULP planted
+    on rank 1 is the origin there while rank 0 only receives it."""
     from samestep.analysis import diff_runs
     from samestep.trace import read_stream, stream_path
 
     runs = {}
     for name, variant in (("a", "traced"), ("b", "traced"), ("c", "changed"), ("plain", "untraced"), ("opa", "op"),
-                          ("opb", "op")):
+                          ("opb", "op"), ("opc", "op_ulp")):
         runs[name] = tmp_path / name
         runs[name].mkdir()
         mp.spawn(_ddp_worker, args=(2, str(tmp_path / f"init_{name}"), str(runs[name]), variant), nprocs=2,
@@ -127,3 +133,9 @@ def test_ddp_comm_hook_records_each_bucket_and_diff_blames_the_rank_that_changed
     ops_table = read_stream(stream_path(runs["opa"], 0)).table
     assert ops_table.num_rows == ops["per_rank"]["0"]["records_compared"] > table.num_rows
     assert "c10d.allreduce_.default" in ops_table["op"].to_pylist()
+    # A ULP on rank 1 at op level: the origin there; rank 0 receives it from gloo's write into the buckets,
+    # below the dispatcher: a receiver (the buckets' views are staged anew after the all-reduce), not an origin
+    ulp = diff_runs(runs["opa"], runs["opc"])
+    assert (ulp["origin"]["rank"], ulp["origin"]["op"], ulp["origin"]["step"]) == (1, "aten.mm.default", 2)
+    d0 = ulp["per_rank"]["0"]["divergence"]
+    assert d0 is not None and d0["kind"] == "receiver" and d0["step"] == 2, ulp["per_rank"]["0"]

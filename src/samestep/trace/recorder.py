@@ -292,10 +292,13 @@ class _OpMode(TorchDispatchMode):
             refs = [rec._stage(t, uninit=True) for t in outs]
         elif kind.collective:
             # It completes on another thread after it returns: its output bytes are not there yet (the
-            # step level records the finished reduction; see ddp_comm_hook). Later reads copy them anew.
+            # step level records the finished reduction; see ddp_comm_hook). It writes them below the
+            # version counters, through its tensors and any view of them (DDP's bucket views): whatever
+            # was staged before cannot be trusted to hold their bytes any more, so every later read
+            # stages anew.
             refs = [NO_REF] * len(outs)
-            for t in outs:
-                rec._forget(t)
+            rec._cache.clear()
+            rec._memo.clear()
         elif kind.mutates:
             # Its version counter is bumped only after this mode returns: a look-up by version would find
             # the bytes from before the op
@@ -625,10 +628,6 @@ class Recorder:
         b.slot_chunk.append(chunk)
         b.slot_entry.append(len(pack.nbytes) - 1)
         return len(b.slot_chunk) - 1
-
-    def _forget(self, t: torch.Tensor) -> None:
-        """``t``'s next read is staged anew (its bytes change without a version bump)."""
-        self._cache.pop(id(t), None)
 
     def _remember(self, t: torch.Tensor, ref: int, version: int | None = None, also_next: bool = False) -> None:
         try:
