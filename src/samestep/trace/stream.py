@@ -11,7 +11,8 @@ Columns (one row per record):
     microbatch  int32   global microbatch index; -1 for step-level records
     phase       string  "forward", "backward" or "step"
     scope       string  module path ("" for the root), or a parameter name for step-level records
-    op          string  ATen overload ("aten.mm.default"), or "output", "grad_output", "grad", "param", ...
+    op          string  ATen overload ("aten.mm.default"), or "output", "grad_output" (module level), or at
+                        step level "grad", "param", "buffer", "optim.<key>", a metric's name, a collective's
     occurrence  int32   how many records with the same (step, microbatch, phase, scope, op) came before
     inputs      binary  the inputs' 16-byte digests, concatenated
     outputs     binary  the outputs' 16-byte digests, concatenated (16 zero bytes: uninitialised memory)
