@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 from samestep._state import dotted
 from samestep.env import compare_environments
 from samestep.trace.recorder import LEVELS, format_selection, parse_selection
-from samestep.trace.stream import KEY, SCHEMA, iter_stream, stream_segments, traced_ranks
+from samestep.trace.stream import KEY, RUN_FORMAT, SCHEMA, iter_stream, stream_segments, traced_ranks
 from samestep.train.config import NUMERICS_NEUTRAL
 
 __all__ = ["DiffError", "Divergence", "diff_runs"]
@@ -77,8 +77,8 @@ def _load_run(path: Path) -> dict[str, Any]:
         raise DiffError(f"{run_json}: missing; {path} is not a samestep run directory") from None
     except json.JSONDecodeError as e:
         raise DiffError(f"{run_json}: not valid JSON ({e})") from None
-    if doc.get("format") != "samestep.run":
-        raise DiffError(f"{run_json}: format {doc.get('format')!r} is not 'samestep.run'")
+    if doc.get("format") != RUN_FORMAT:
+        raise DiffError(f"{run_json}: format {doc.get('format')!r} is not {RUN_FORMAT!r}")
     return doc
 
 

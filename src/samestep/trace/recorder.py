@@ -36,6 +36,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import contextvars
+import json
 import operator
 import sys
 import threading
@@ -51,9 +52,12 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from samestep.checkpoint._format import replace_atomic
+from samestep.env import environment
+from samestep.mode import active_report
 from samestep.trace.digest import ROW_BYTES, Packed, pack_into, rows_of
 from samestep.trace.digest import header as digest_header
-from samestep.trace.stream import stream_path, stream_segments
+from samestep.trace.stream import RUN_FORMAT, RUN_VERSION, stream_path, stream_segments
 from samestep.trace.worker import ProcessWorker, ThreadWorker
 
 __all__ = ["LEVELS", "Perturb", "Recorder", "WORKERS", "parse_selection", "trace"]
@@ -1168,12 +1172,7 @@ def _describe_run(run_dir: Path, level: str, steps: set[int] | None, ranks: set[
     ``samestep trace certify`` read (docs/formats.md): the trace selection as its config, the environment
     fingerprint, the world size, and the report of the ``samestep.enable()`` in force (null if none). A
     run.json already there (``samestep train`` writes its own first) is left as it is."""
-    import json
-    import os
-
-    import samestep
-    from samestep.env import environment
-    from samestep.mode import active_report
+    from samestep import __version__  # the package imports this module: only once it is there
 
     path = run_dir / "run.json"
     if path.exists():
@@ -1181,11 +1180,9 @@ def _describe_run(run_dir: Path, level: str, steps: set[int] | None, ranks: set[
     report = active_report()
     selection = {"level": level, "steps": "all" if steps is None else format_selection(steps),
                  "ranks": "all" if ranks is None else format_selection(ranks)}
-    doc = {"format": "samestep.run", "version": 1, "samestep_version": samestep.__version__,
+    doc = {"format": RUN_FORMAT, "version": RUN_VERSION, "samestep_version": __version__,
            "written_by": "samestep.trace", "config": {"trace": selection}, "environment": environment(),
            "layout": {"world_size": world}, "determinism": report.to_dict() if report is not None else None,
            "resumes": []}
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    replace_atomic(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())

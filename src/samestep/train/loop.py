@@ -31,12 +31,12 @@ from samestep.checkpoint._format import replace_atomic
 from samestep.data import DataCursor, load_corpus
 from samestep.distributed import AllReduceGradients, CanonicalGradients, validate_layout
 from samestep.trace import Perturb, Recorder, parse_selection
+from samestep.trace.stream import RUN_FORMAT, RUN_VERSION
 from samestep.train.config import NUMERICS_NEUTRAL, Config
 from samestep.train.model import GPT
 
 __all__ = ["RESTORE_ALL", "RUN_FORMAT", "Parts", "WarmupCosine", "build", "train"]
 
-RUN_FORMAT, RUN_VERSION = "samestep.run", 1
 RESTORE_ALL = frozenset({"model", "optimizer", "data", "rng"})
 
 
