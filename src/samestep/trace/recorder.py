@@ -497,17 +497,21 @@ class Recorder:
         its version is bumped (by one) only after the op recorder returns, or never (C++ code such as
         DDP's reducer writes below the version counter). Later look-ups at this version and the next find
         the new reference, so the next op that reads it does not copy it again.
-        An inference tensor (``torch.inference_mode``) has no version counter: it is copied each time.
+        An inference tensor (``torch.inference_mode``) has no version counter: it is never cached nor
+        remembered, and copied even where ``copy="checked"`` (it could not be checked unchanged).
         """
         try:
-            version = t._version
+            version: int | None = t._version
         except RuntimeError:  # an inference tensor
-            return self._stage_unversioned(t, uninit, share, copy)
-        ref = None if fresh else self._cached(t, version)
+            version = None
+            if copy == "checked":
+                copy = True
+        ref = None if fresh or version is None else self._cached(t, version)
         if ref is not None:
             return ref
         if uninit:
-            self._remember(t, NO_REF, version)
+            if version is not None:
+                self._remember(t, NO_REF, version)
             return NO_REF
         if share is None:
             if copy == "checked":
@@ -520,22 +524,6 @@ class Recorder:
                 with _disable_current_modes():
                     share = self._copy(t)
         return self._reference(t, share, version, also_next=fresh)
-
-    def _stage_unversioned(self, t: torch.Tensor, uninit: bool, share: int | None, copy: bool | str) -> int:
-        """``_stage`` for a tensor without a version counter: never cached, and a copy unless ``copy`` is
-        False (a live one could not be checked unchanged)."""
-        if uninit:
-            return NO_REF
-        if share is None:
-            if not copy:
-                share = self._add_tensor(t.detach())
-            else:
-                with _disable_current_modes():
-                    share = self._copy(t)
-        b = self._b
-        b.ref_slot.append(share)
-        b.ref_head.append(self._head(t))
-        return len(b.ref_slot) - 1
 
     def _cached(self, t: torch.Tensor, version: int) -> int | None:
         """The reference ``t`` was staged under at ``version`` in this batch, if it was."""
@@ -554,14 +542,15 @@ class Recorder:
         self._staged_bytes += live.nbytes  # kept alive: counts to the bound
         return self._add_tensor(live)
 
-    def _reference(self, t: torch.Tensor, share: int, version: int, also_next: bool = False) -> int:
+    def _reference(self, t: torch.Tensor, share: int, version: int | None, also_next: bool = False) -> int:
         """A new reference, slot ``share`` with ``t``'s header, remembered for ``t`` at ``version`` (and
-        the next one, if ``also_next``)."""
+        the next one, if ``also_next``; not at all for a tensor without a version)."""
         b = self._b
         b.ref_slot.append(share)
         b.ref_head.append(self._head(t))
         ref = len(b.ref_slot) - 1
-        self._remember(t, ref, version, also_next)
+        if version is not None:
+            self._remember(t, ref, version, also_next)
         return ref
 
     def _head(self, t: torch.Tensor) -> bytes:
