@@ -72,9 +72,8 @@ class DeterminismReport:
         disable()
 
 
-# The settings that were in force before enable(); disable() puts them back.
+# The settings that were in force before enable() (disable() puts them back) and the last report.
 _saved: dict[str, Any] | None = None
-_report: DeterminismReport | None = None  # what the last enable() in force set (recorded by samestep.trace)
 
 
 def available_threads() -> int:
@@ -92,7 +91,7 @@ def is_enabled() -> bool:
 
 def active_report() -> DeterminismReport | None:
     """The report of the ``enable()`` in force, or None when deterministic mode is off."""
-    return _report if _saved is not None else None
+    return _saved["report"] if _saved is not None else None
 
 
 def _cuda_initialized() -> bool:
@@ -167,7 +166,7 @@ def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool
     Raises:
         ValueError: a user setting breaks determinism (names the variable, its value and the fix).
     """
-    global _saved, _report
+    global _saved
     if threads is None:
         threads = available_threads()
     if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
@@ -226,7 +225,8 @@ def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool
         saved["kernel_mode"].__enter__()
     report.knobs.append(Knob("samestep.kernels", False, bool(saved.get("kernel_mode")),
                              "scatter-type ops routed to samestep.ops"))
-    _saved, _report = saved, report
+    saved["report"] = report  # the last enable()'s (samestep.trace records it in run.json)
+    _saved = saved
     return report
 
 
