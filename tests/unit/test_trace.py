@@ -167,10 +167,11 @@ def test_sparse_quantized_nested_and_meta_tensors_are_recorded_by_their_value(tm
     assert emb.weight.grad.layout == torch.sparse_coo
 
 
-def _described(run: Path, trace: dict | None = None) -> Path:
-    config = {"trace": trace} if trace else {}
-    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "config": config, "environment": {},
-                                              "layout": {"world_size": 1}}))
+def _described(run: Path, trace: dict | None = None, config: dict | None = None, world: int = 1) -> Path:
+    """``run`` with a minimal run.json: ``config``, or just a ``trace`` section."""
+    config = config if config is not None else {"trace": trace} if trace else {}
+    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "config": config, "determinism": {},
+                                              "environment": {"torch.version": "x"}, "layout": {"world_size": world}}))
     return run
 
 
@@ -476,10 +477,7 @@ def _run_dir(root: Path, name: str, rows: list[dict], config: dict | None = None
     """A run directory with ``rows`` as rank 0's stream, or one stream per rank of ``ranks``."""
     run = root / name
     run.mkdir(parents=True)
-    config = config or {"train": {"seed": 1}, "trace": {"level": "op"}}
-    world = len(ranks) if ranks else 1
-    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "config": config, "determinism": {},
-                                              "environment": {"torch.version": "x"}, "layout": {"world_size": world}}))
+    _described(run, config=config or {"train": {"seed": 1}, "trace": {"level": "op"}}, world=len(ranks) if ranks else 1)
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss_hex": "0x1p+0", "grad_norm_hex": "0x1p+0"}) + "\n")
     writer = StreamWriter(stream_path(run, 0), {"rank": 0})
     if version != 1:
