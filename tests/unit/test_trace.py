@@ -261,6 +261,48 @@ def test_gradients_in_one_buffer_digest_like_separate_ones(tmp_path):
 
 
 @pytest.mark.parametrize("worker", ["process", "thread"])
+def test_gradients_digested_where_they_lie_match_copies_and_a_later_change_is_refused(tmp_path, worker):
+    """grads(copy="checked") digests the gradients themselves, in one buffer or separate: the same stream
+    as copies. A gradient changed in place after it was recorded (a clip after grads()) stops the run
+    naming the record (the buffer's first piece, or the tensor) and the fix, and nothing of it is written."""
+    torch.manual_seed(0)
+    model = Tiny()
+    grads = [torch.randn(p.shape) for p in model.parameters()]
+
+    def give(layout: str) -> None:
+        flat, offset = torch.cat([torch.randn(3)] + [g.reshape(-1) for g in grads]), 3
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone() if layout == "separate" else flat[offset: offset + g.numel()].view_as(g)
+            offset += g.numel()
+
+    tables = {}
+    for layout in ("separate", "one buffer"):
+        for copy in (True, "checked"):
+            give(layout)
+            rec = Recorder(tmp_path / f"{layout}-{copy}", level="step", worker=worker)
+            with rec.step(1):
+                rec.grads(model.named_parameters(), copy=copy)
+            rec.close()
+            tables[layout, copy] = read_stream(stream_path(tmp_path / f"{layout}-{copy}", 0)).table
+    assert tables["separate", True].num_rows == len(grads)
+    assert all(t.equals(tables["separate", True]) for t in tables.values())
+    for layout, named in (("separate", "inner.0.bias"), ("one buffer", "inner.0.weight")):
+        give(layout)
+        rec = Recorder(tmp_path / f"{layout}-changed", level="step", worker=worker)
+        with rec.step(1):
+            rec.grads(model.named_parameters(), copy="checked")
+        model.inner[0].bias.grad.mul_(2.0)
+        with pytest.raises(RuntimeError, match=rf"scope='{named}' op='grad' occurrence=0 was changed in place.*"
+                                               r"gradients are final.*copy=True"):
+            rec.close()
+        assert read_stream(stream_path(tmp_path / f"{layout}-changed", 0)).table.num_rows == 0
+    rec = Recorder(tmp_path / "bad", level="step", worker=worker)
+    with pytest.raises(ValueError, match=r"grads\(copy=False\): use True"):
+        rec.grads(model.named_parameters(), copy=False)
+    rec.close()
+
+
+@pytest.mark.parametrize("worker", ["process", "thread"])
 def test_step_level_records_buffers_as_they_were_after_the_update(tmp_path, worker):
     """Persistent buffers (BatchNorm's running statistics) are model state that can diverge too: recorded
     at step level after the update, as copies, since the next forward changes them in place while the

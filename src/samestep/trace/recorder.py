@@ -14,8 +14,9 @@
     rec.close()
 
 Levels (each includes the ones before):
-- ``step``: loss and grad-norm bits, each parameter's gradient after reduction, parameters, buffers
-  and optimizer state after the update, each collective's input and output;
+- ``step``: loss and grad-norm bits, each parameter's gradient after reduction (the reference loop:
+  and clipping), parameters, buffers and optimizer state after the update, each collective's input
+  and output;
 - ``module``: every module's forward output and the gradient arriving at it in backward, by path;
 - ``op``: every ATen op's input and output digests (a TorchDispatchMode), scoped by module; the
   scope follows the op into backward through hooks on module outputs.
@@ -26,7 +27,8 @@ the model computes is changed, unless a ``Perturb`` is given on purpose. Op outp
 copied into reused chunks (and buffers, which a forward may change); parameters and optimizer state
 are digested where they lie before the next update may change them; module outputs and their
 gradients too, and each is checked unchanged (its version counter) once its digest is done: a change
-in place raises, naming the record (``copy=True`` copies them instead). Records are kept in flat
+in place raises, naming the record (``copy=True`` copies them instead); so are parameter gradients
+with ``grads(..., copy="checked")``, as the reference loop records them. Records are kept in flat
 columns, digests are computed for a whole batch at once (``digest.lanes_packed``), and the stream gets
 one record batch per flush.
 """
@@ -194,9 +196,9 @@ def _grad_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
     hooks[key] = hook
 
 
-def _device(entry: torch.Tensor | tuple) -> torch.device:
-    """The device of a staged tensor entry (a tensor, or (copy, sizes, keep))."""
-    return entry.device if isinstance(entry, torch.Tensor) else entry[0].device
+def _live(entry: torch.Tensor | tuple) -> torch.Tensor:
+    """The tensor of a batch's ``tensors`` entry: itself, or the buffer a (buffer, sizes, keep) entry cuts."""
+    return entry if isinstance(entry, torch.Tensor) else entry[0]
 
 
 def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
@@ -411,7 +413,8 @@ class _Batch:
     def changed(self) -> list[int]:
         """The checks (indices) whose live tensor was changed in place since it was recorded."""
         tensors = self.tensors
-        return [k for k, (e, v) in enumerate(zip(self.check_entry, self.check_version)) if tensors[e]._version != v]
+        return [k for k, (e, v) in enumerate(zip(self.check_entry, self.check_version))
+                if _live(tensors[e])._version != v]
 
 
 class Recorder:
@@ -532,13 +535,14 @@ class Recorder:
             return None
         return hit[2] if hit[1] == version or (hit[3] and hit[1] + 1 == version) else None
 
-    def _checked_slot(self, t: torch.Tensor, version: int) -> int:
-        """A slot for live ``t``, which ``_wait`` checks is still at ``version`` (for the record made next)."""
+    def _checked_slot(self, t: torch.Tensor, version: int, record: int | None = None) -> int:
+        """A slot for live ``t``, which ``_wait`` checks is still at ``version`` (for record index
+        ``record``; by default the record made next)."""
         live = t.detach()  # shares t's version counter
         b = self._b
         b.check_entry.append(len(b.tensors))
         b.check_version.append(version)
-        b.check_record.append(len(b.step))
+        b.check_record.append(len(b.step) if record is None else record)
         self._staged_bytes += live.nbytes  # kept alive: counts to the bound
         return self._add_tensor(live)
 
@@ -696,7 +700,7 @@ class Recorder:
         # On a GPU, the worker's kernels run on its own thread's current stream: they start after
         # everything the training thread has queued so far (the copies, the values recorded) is done.
         events = []
-        devices = {x.buf.device for x in batch.packs} | {_device(t) for t in batch.tensors} \
+        devices = {x.buf.device for x in batch.packs} | {_live(t).device for t in batch.tensors} \
             if torch.cuda.is_initialized() else ()  # without CUDA started, no tensor is on a GPU (0.07 ms/step)
         for device in devices:
             if device.type == "cuda":
@@ -739,14 +743,16 @@ class Recorder:
         """
         if changed:
             k = changed[0]
-            live, version, i = batch.tensors[batch.check_entry[k]], batch.check_version[k], batch.check_record[k]
+            live, version, i = _live(batch.tensors[batch.check_entry[k]]), batch.check_version[k], batch.check_record[k]
             step, mb, phase, scope, op, occurrence = (batch.step[i], batch.mb[i], batch.phase[i], batch.scope[i],
                                                       batch.op[i], batch.occ[i])
+            fix = ("call rec.grads() where the gradients are final (after clipping), or rec.grads(..., copy=True)"
+                   if phase == "step" and op == "grad" else
+                   "record copies instead (trace.copy=true, or samestep.trace(..., copy=True))")
             raise RuntimeError(
                 f"trace: the tensor of record step={step} microbatch={mb} phase={phase} scope={scope!r} "
                 f"op={op!r} occurrence={occurrence} was changed in place after it was recorded (version "
-                f"{version} -> {live._version}), so its digest may not be of the recorded value; record "
-                "copies instead (trace.copy=true, or samestep.trace(..., copy=True))")
+                f"{version} -> {live._version}), so its digest may not be of the recorded value; {fix}")
 
     def _free_chunks(self, packs: list[Packed]) -> None:
         """Chunks whose digests are done: reused by the next copies."""
@@ -928,20 +934,30 @@ class Recorder:
         t = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
         self.record(name, [t])
 
-    def grads(self, named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> None:
+    def grads(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], copy: bool | str = True) -> None:
         """Every parameter's gradient after the cross-process reduction (call it before the update).
 
         It first waits for the previous step's digests, which read the parameters and optimizer state
         that ``state`` recorded without copying: the update that follows may change them.
+        ``copy="checked"`` digests the gradients where they lie instead of a copy, and raises at the next
+        ``grads()``, ``flush()`` or ``close()`` if one was changed in place before: for a loop that calls
+        it once the gradients are final (after clipping) and gives the next step new ones
+        (``zero_grad(set_to_none=True)``), as the reference loop does.
         """
+        if copy not in (True, "checked"):
+            raise ValueError(f"grads(copy={copy!r}): use True (copies) or 'checked' (the gradients themselves)")
         self._wait()
         if not self.active:
             return
         if self._buckets:
             self._record_buckets()
         named = [(name, p.grad) for name, p in named_params if p.grad is not None]
+        checked = copy == "checked"
+        if checked:
+            self._drain()  # pending module records first: the grad records' indices below follow them
+            position = {id(g): i for i, (_, g) in enumerate(named)}
         # Gradients that are contiguous pieces of one buffer (as a gradient reducer leaves them) are
-        # staged with one copy of the buffer, each digested as its piece of that copy.
+        # staged with one copy of the buffer (or the buffer itself, checked), each digested as its piece.
         groups: dict[tuple, list[tuple[int, int, torch.Tensor]]] = {}
         for _, g in named:
             if g.layout == torch.strided and g.is_contiguous():
@@ -954,11 +970,19 @@ class Recorder:
             if split is None:
                 continue  # copied one by one
             sizes, keep, lo, hi = split
-            flat = self._grad_copy(group[0][2].detach().as_strided((hi - lo,), (1,), lo))
+            flat = group[0][2].detach().as_strided((hi - lo,), (1,), lo)
+            if checked:  # the buffer itself, checked unchanged for the first of its records
+                b = self._b
+                b.check_entry.append(len(b.tensors))
+                b.check_version.append(flat._version)
+                b.check_record.append(len(b.step) + position[id(group[0][2])])
+            else:
+                flat = self._grad_copy(flat)
             self._staged_bytes += flat.numel() * flat.element_size()
             for (_, _, g), k in zip(group, self._add_pieces(flat, sizes, keep)):
                 slot[id(g)] = k
-        self._record_many(["grad"] * len(named), [name for name, _ in named], [g for _, g in named], slot)
+        self._record_many(["grad"] * len(named), [name for name, _ in named], [g for _, g in named], slot,
+                          checked=checked)
 
     def _grad_copy(self, flat: torch.Tensor) -> torch.Tensor:
         """A copy of a gradient buffer, in a buffer reused from step to step: the batch that read the
@@ -1018,10 +1042,10 @@ class Recorder:
         return out
 
     def _record_many(self, ops: list[str], scopes: list[str], tensors: list[torch.Tensor],
-                     slots: dict[int, int] | None) -> None:
+                     slots: dict[int, int] | None, checked: bool = False) -> None:
         """Step records (op, scope, tensor), one output each, without the per-tensor cache: with ``slots``
         None every tensor is digested live (no copy); else a tensor whose id maps to a slot uses it, any
-        other is copied.
+        other is copied (``checked``: digested live and checked unchanged, if it is dense).
 
         The columns grow by whole lists (a few list operations, not a dozen per record)."""
         self._drain()
@@ -1035,7 +1059,8 @@ class Recorder:
         if slots is None:
             refs: Iterable[int] = self._add_tensors(tensors)
         else:
-            refs = [slots[id(t)] if id(t) in slots else self._copy(t) for t in tensors]
+            refs = [slots[id(t)] if id(t) in slots else self._checked_slot(t, t._version, len(b.step) + i)
+                    if checked and t.layout == torch.strided else self._copy(t) for i, t in enumerate(tensors)]
         first = len(b.ref_slot)
         b.ref_slot.extend(refs)
         heads = self._heads
