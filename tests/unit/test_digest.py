@@ -138,6 +138,11 @@ def test_layouts_and_thread_counts_do_not_matter():
     one = digest(big)
     torch.set_num_threads(2)
     assert digest(big) == one
+    # conjugate and negative views digest like their values, small (packed) and past BIG_BYTES (in place)
+    for n in (300, 600_000):
+        z = torch.complex(torch.randn(n), torch.randn(n))
+        assert digest(z.conj()) == digest(z.conj().resolve_conj()) != digest(z)
+        assert digest(z.conj().imag) == digest(-z.imag) and z.conj().imag.is_neg()
 
 
 def test_digest_many_equals_one_by_one():

@@ -144,7 +144,7 @@ def _block_rows(device: torch.device) -> int:
 
 def _words(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as 1-D signed 16-bit words (a zero byte pads an odd count)."""
-    flat = t.detach().reshape(-1).contiguous()
+    flat = t.detach().resolve_conj().resolve_neg().reshape(-1).contiguous()  # a conjugate view's values
     if flat.dtype.is_complex:
         flat = torch.view_as_real(flat).reshape(-1)
     b = flat.view(torch.uint8)
