@@ -167,6 +167,67 @@ def test_sparse_quantized_nested_and_meta_tensors_are_recorded_by_their_value(tm
     assert emb.weight.grad.layout == torch.sparse_coo
 
 
+class Unusual(torch.nn.Module):
+    """Children whose outputs are no plain tensor: sparse, quantized, nested, conjugate views (one large
+    enough to be hashed where it lies); ``change`` changes the last one in place after its module returned."""
+
+    class Apply(torch.nn.Module):
+        def __init__(self, fn) -> None:
+            super().__init__()
+            self.fn = fn
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.fn(x)
+
+    def __init__(self, change: bool = False) -> None:
+        super().__init__()
+        self.change = change
+        self.parts = torch.nn.ModuleList(self.Apply(fn) for fn in (
+            lambda x: (x * 2).to_sparse(),
+            lambda x: torch.quantize_per_tensor(x, 0.1, 3, torch.quint8),
+            lambda x: torch.nested.nested_tensor([x[0], x[1, :2]]),
+            lambda x: (x * 1j).conj(),
+            lambda x: (x.repeat(256, 256) * 1j).conj()))  # 4 MiB complex64: past digest.BIG_BYTES
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        outs = [part(x) for part in self.parts]
+        if self.change:
+            outs[-1].mul_(2)
+        return outs
+
+
+@pytest.mark.parametrize("worker", ["process", "thread"])
+def test_module_outputs_that_are_no_plain_tensor_are_digested_where_they_lie_as_copies_are(tmp_path, worker):
+    """At module level (outputs digested where they lie, checked unchanged), a sparse, quantized, nested or
+    conjugate output gets the record its copy gets (copy=True): neither worker refuses it. A change in
+    place after its module returned is still refused, though the worker takes its plain form late."""
+    import warnings
+
+    x = torch.arange(16.0).reshape(4, 4) / 16
+    tables = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized and nested tensors are deprecated or prototype
+        for copy in (False, True):
+            rec, model = Recorder(tmp_path / str(copy), level="module", copy=copy, worker=worker), Unusual()
+            rec.attach(model)
+            with rec.step(1), rec.microbatch(0), torch.no_grad():
+                outs = model(x)
+            rec.close()
+            tables[copy] = read_stream(stream_path(tmp_path / str(copy), 0)).table
+        rows = {r["scope"]: r["outputs"] for r in tables[False].to_pylist() if r["op"] == "output"}
+        assert tables[False].equals(tables[True]) and len(rows) == 6
+        assert rows["parts.0"] == bytes.fromhex(digest(x * 2))  # sparse: its dense form
+        assert rows["parts.3"] == bytes.fromhex(digest((x * 1j).conj().resolve_conj()))
+        assert rows["parts.4"] == bytes.fromhex(digest(outs[4].resolve_conj())) != rows["parts.3"]
+        rec = Recorder(tmp_path / "changed", level="module", worker=worker)
+        model = Unusual(change=True)
+        rec.attach(model)
+        with rec.step(1), rec.microbatch(0), torch.no_grad():
+            model(x)
+        with pytest.raises(RuntimeError, match=r"scope='parts.4' op='output' occurrence=0 was changed in place"):
+            rec.close()
+
+
 def _described(run: Path, trace: dict | None = None, config: dict | None = None, world: int = 1) -> Path:
     """``run`` with a minimal run.json: ``config``, or just a ``trace`` section."""
     config = config if config is not None else {"trace": trace} if trace else {}

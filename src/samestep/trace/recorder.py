@@ -60,7 +60,7 @@ from samestep.mode import active_report
 from samestep.trace.digest import ROW_BYTES, Packed, pack_into, rows_of
 from samestep.trace.digest import header as digest_header
 from samestep.trace.stream import RUN_FORMAT, RUN_VERSION, stream_path, stream_segments
-from samestep.trace.worker import ProcessWorker, ThreadWorker
+from samestep.trace.worker import ProcessWorker, ThreadWorker, plain
 
 __all__ = ["LEVELS", "Perturb", "Recorder", "WORKERS", "parse_selection", "trace"]
 
@@ -350,23 +350,9 @@ def _same_bytes(t: torch.Tensor, inputs: list[torch.Tensor], refs: list[int], re
             if (ref >= 0 and x.dtype == t.dtype and x.numel() == t.numel() and x.data_ptr() == t.data_ptr()
                     and x.is_contiguous() and not x.is_inference() and x._version == t._version):
                 return rec._b.ref_slot[ref]
-    except RuntimeError:  # sparse or nested: no strides or no data pointer (staged through _plain)
+    except RuntimeError:  # sparse or nested: no strides or no data pointer (staged through plain)
         pass
     return None
-
-
-def _plain(t: torch.Tensor) -> torch.Tensor:
-    """A dense, strided tensor whose bytes stand for ``t``'s value, for tensors whose bytes cannot be
-    copied as they are: sparse (its dense form), quantized (its integer values), nested (its components,
-    flattened and joined) and meta (no data: empty, under the meta tensor's own header)."""
-    t = t.detach()
-    if t.is_meta:
-        return torch.empty(0, dtype=t.dtype)
-    if t.is_quantized:
-        return t.int_repr()
-    if t.is_nested:
-        return torch.cat([c.reshape(-1) for c in t.unbind()])
-    return t.to_dense() if t.layout != torch.strided else t.clone()
 
 
 class _Batch:
@@ -561,8 +547,8 @@ class Recorder:
         """``t``'s digest header (dtype, shape, byte count), made once per dtype and shape."""
         try:
             key = (t.dtype, t.shape)
-        except RuntimeError:  # a nested tensor has no single shape: the header of what _plain digests
-            return digest_header(_plain(t))
+        except RuntimeError:  # a nested tensor has no single shape: the header of what plain digests
+            return digest_header(plain(t))
         head = self._heads.get(key)
         if head is None:
             head = self._heads[key] = digest_header(t)
@@ -603,12 +589,12 @@ class Recorder:
         size = rows_of(nbytes) * ROW_BYTES
         self._staged_bytes += size
         if size > CHUNK_BYTES or t.layout != torch.strided:
-            return self._add_tensor(_plain(t))
+            return self._add_tensor(plain(t))
         device, b = t.device, self._b
         chunk, used = self._open.get(device, (-1, CHUNK_BYTES))
         if used + size > CHUNK_BYTES:
             if device.type == "meta":  # no bytes to pack (a chunk there would hold none either)
-                return self._add_tensor(_plain(t))
+                return self._add_tensor(plain(t))
             free = self._free.get(device)
             buf = free.pop() if free else torch.empty(CHUNK_BYTES, dtype=torch.uint8, device=device)
             b.packs.append(Packed(buf, []))
@@ -619,7 +605,7 @@ class Recorder:
                 pack_into(pack.buf, used, t.detach())
             except (RuntimeError, NotImplementedError):  # quantized or nested: bytes PyTorch will not copy
                 self._open[device] = (chunk, used)
-                return self._add_tensor(_plain(t))
+                return self._add_tensor(plain(t))
         pack.nbytes.append(nbytes)
         self._open[device] = (chunk, used + size)
         b.slot_chunk.append(chunk)
@@ -894,12 +880,13 @@ class Recorder:
         keep ``PENDING_BYTES`` alive."""
         try:
             versions = [t._version for t in outs]
-        except RuntimeError:  # an inference tensor cannot be checked unchanged later: recorded now, copied
-            self._drain()
+            nbytes = sum(t.nbytes for t in outs)
+        except RuntimeError:  # an inference tensor cannot be checked unchanged later, a sparse one has no
+            self._drain()  # nbytes: recorded now, copied
             self._module_record(op, phase, scope, outs)
             return
         self._pending.append((op, phase, scope, outs, versions))
-        self._pending_bytes += sum(t.nbytes for t in outs)
+        self._pending_bytes += nbytes
         if self._pending_bytes > PENDING_BYTES:
             self._drain()
 

@@ -44,9 +44,30 @@ from samestep.trace.digest import ROW_BYTES, Packed, lanes_packed, rows_of
 from samestep.trace.digest import finish as digest_finish
 from samestep.trace.stream import StreamWriter
 
-__all__ = ["ProcessWorker", "ThreadWorker", "write_batch", "write_lanes"]
+__all__ = ["ProcessWorker", "ThreadWorker", "plain", "write_batch", "write_lanes"]
 
 UNINIT = bytes(16)  # the digest recorded for uninitialised memory (torch.empty and friends)
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A dense, strided tensor whose bytes stand for ``t``'s value, for tensors whose bytes cannot be
+    copied or read as they are: sparse (its dense form), quantized (its integer values), nested (its
+    components, flattened and joined), meta (no data: empty, under the meta tensor's own header), and a
+    conjugate or negative view (resolved). A copy: ``t`` may change afterwards."""
+    t = t.detach()
+    if t.is_meta:
+        return torch.empty(0, dtype=t.dtype)
+    if t.is_quantized:
+        return t.int_repr()
+    if t.is_nested:
+        return torch.cat([c.reshape(-1) for c in t.unbind()])
+    out = t.to_dense() if t.layout != torch.strided else t.clone()
+    return out.resolve_conj().resolve_neg()
+
+
+def _readable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes can be hashed (or read by the child) as they are, with ``t``'s meaning."""
+    return t.layout == torch.strided and not (t.is_quantized or t.is_nested or t.is_meta)
 
 
 def expand(entries: list) -> list[torch.Tensor]:
@@ -66,7 +87,13 @@ def write_batch(writer: StreamWriter, b: Any, packs: list[Packed], tensors: list
     """Digests a batch's staged tensors and appends its records to the stream (see ``recorder._Batch``
     for the columns ``b`` carries). Writes nothing if one of its checked live tensors changed before its
     digest was done (``b.changed()``): the recorder then raises."""
-    lanes = lanes_packed(packs, tensors)
+    try:
+        lanes = lanes_packed(packs, tensors)
+    except (ValueError, RuntimeError, NotImplementedError):
+        # A live tensor whose bytes cannot be hashed as they are (sparse, quantized, nested): its plain form,
+        # taken now. A change since it was recorded is still caught below (its version). Tried only after
+        # a failure: the usual batch pays no check per tensor.
+        lanes = lanes_packed(packs, [t if _readable(t) else plain(t) for t in tensors])
     if b.changed():
         return
     write_lanes(writer, b, [len(pack.nbytes) for pack in packs], lanes)
@@ -180,9 +207,9 @@ def _describe(t: torch.Tensor) -> tuple:
     depends only on its row-major bytes, the header aside: read as uint8), else (address, span, dtype,
     shape, strides)."""
     if t.is_cpu and t.layout == torch.strided:
-        if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        if t.is_contiguous() and not (t.is_conj() or t.is_neg()):  # quantized, nested: their bytes as they lie
             return t.data_ptr(), t.nbytes
-        if not (t.is_conj() or t.is_neg()):
+        if not (t.is_conj() or t.is_neg() or t.is_quantized or t.is_nested):
             return t.data_ptr(), _span(t), str(t.dtype).removeprefix("torch."), tuple(t.shape), t.stride()
     raise ValueError(f"trace.worker=process digests dense CPU tensors only, got one ({t.layout}, on {t.device}, "
                      f"conjugate or negative bit {t.is_conj() or t.is_neg()}); use trace.worker=thread "
@@ -232,6 +259,7 @@ class ProcessWorker:
         self._sock = parent
         os.register_at_fork(after_in_child=lambda ref=weakref.ref(self): _forget_in_child(ref))
         self._pending = False  # a batch is being digested
+        self._keep: list[torch.Tensor] = []  # plain forms of its live tensors (see _payload)
         self._unwritten = False  # a digested batch waits for W or X
         try:
             answer = parent.recv(64)
@@ -262,17 +290,28 @@ class ProcessWorker:
         self._post(b"O", marshal.dumps((str(path), json.dumps(meta))))
 
     def submit(self, b: Any, events: list) -> None:
-        self._post(b"B", self._payload(b))
+        keep: list[torch.Tensor] = []
+        self._post(b"B", self._payload(b, keep))
+        self._keep = keep  # the child reads these until it replies
         self._pending, self._unwritten = True, bool(b.check_entry)
 
     @staticmethod
-    def _payload(b: Any) -> bytes:
-        """A batch as the child reads it: where each staged tensor lies, and the record columns."""
+    def _payload(b: Any, keep: list[torch.Tensor]) -> bytes:
+        """A batch as the child reads it: where each staged tensor lies, and the record columns. A live
+        tensor the child cannot read as it lies (a conjugate view, a sparse or a strided quantized one) is
+        described by its plain form, taken now and added to ``keep``; a change since it was recorded is
+        still caught by its version."""
         packs = [(p.buf.data_ptr(), sum(rows_of(n) for n in p.nbytes) * ROW_BYTES, p.nbytes) for p in b.packs]
         entries = []
         for t in b.tensors:
             if isinstance(t, torch.Tensor):
-                entries.append(_describe(t))
+                try:
+                    entries.append(_describe(t))
+                except ValueError:
+                    if not t.is_cpu:
+                        raise
+                    keep.append(plain(t))
+                    entries.append(_describe(keep[-1]))
             else:
                 size = t[0].element_size()  # a contiguous copy, read as bytes: the pieces too
                 entries.append((_describe(t[0]), [n * size for n in t[1]], t[2]))
@@ -293,7 +332,10 @@ class ProcessWorker:
         """Waits for the batch in flight to be read and digested."""
         if self._pending:
             self._pending = False
-            self._reply()
+            try:
+                self._reply()
+            finally:
+                self._keep = []
 
     def commit(self, write: bool) -> None:
         """A digested batch holding live tensors is written if ``write`` (they did not change before they
