@@ -63,7 +63,8 @@ def test_combine_matches_one_process_on_2_and_4_ranks_and_allreduce_does_not(tmp
 
 def _ddp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: str) -> None:
     """Three steps of a small model under PyTorch DDP over gloo, traced at step level through
-    ``Recorder.ddp_comm_hook`` (``variant``: "traced", "changed" (rank 1's data differs at step 2),
+    ``Recorder.ddp_comm_hook`` (``variant``: "traced", "view" (traced, gradients as bucket views),
+    "changed" (rank 1's data differs at step 2),
     "op" (traced at op level), "op_ulp" (and one ULP planted on rank 1 at step 2) or "untraced" (no hook,
     no trace)); writes the final parameters' bits."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -72,8 +73,11 @@ def _ddp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: st
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(64, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 64))
             # Small buckets: from step 2 on (DDP rebuilds them after the first), two reductions per step
-            ddp = DistributedDataParallel(model, bucket_cap_mb=0.25)
+            ddp = DistributedDataParallel(model, bucket_cap_mb=0.25, gradient_as_bucket_view=variant == "view")
             opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+            views = []
+            opt.register_step_pre_hook(lambda *_: views.append(
+                any(p.grad.untyped_storage().nbytes() > p.grad.nbytes for p in model.parameters())))
             level = {"untraced": "off", "op": "op", "op_ulp": "op"}.get(variant, "step")
             # the last layer's weight gradient on rank 1 (a ULP in a forward activation can round away)
             perturb = Perturb(rank=1, step=2, microbatch=1, phase="backward", scope="module.2", op="aten.mm.default",
@@ -88,6 +92,7 @@ def _ddp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: st
                     x[0, 0] += 1e-3
                 traced_step(rec, model, opt, step, [(rank, x)], lambda x: ddp(x).square().mean())
             rec.close()
+            assert views == [variant == "view"] * 3, views  # the gradients are views of DDP's buckets in "view" only
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             np.save(f"{run_dir}/params_{rank}.npy", flat.numpy().view(np.int32))
     finally:
@@ -97,8 +102,10 @@ def _ddp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: st
 def test_ddp_comm_hook_records_each_bucket_and_diff_blames_the_rank_that_changed(tmp_path):
     """A DDP loop of the user's own, traced at step level with rec.ddp_comm_hook(): the hook changes no
     bit (same parameters as DDP without it), two runs diff identical with every bucket's reduction
-    recorded in bucket order, and when rank 1's data changes at step 2, rank 1 holds the origin while
-    rank 0's first difference is the bucket reduction whose local input matched (a receiver). At op level
+    recorded in bucket order (one with gradient_as_bucket_view=True: the gradients are views of DDP's
+    buckets, which its next backward overwrites), and when rank 1's data changes at step 2, rank 1 holds
+    the origin while rank 0's first difference is the bucket reduction whose local input matched (a
+    receiver). At op level
     too, two runs are identical: DDP's reducer builds its buckets in uninitialised memory and writes them
     in C++ without bumping version counters, and its all-reduces finish on gloo's thread; and a ULP planted
     on rank 1 is the origin there while rank 0 only receives it."""
@@ -106,14 +113,14 @@ def test_ddp_comm_hook_records_each_bucket_and_diff_blames_the_rank_that_changed
     from samestep.trace import read_stream, stream_path
 
     runs = {}
-    for name, variant in (("a", "traced"), ("b", "traced"), ("c", "changed"), ("plain", "untraced"), ("opa", "op"),
+    for name, variant in (("a", "traced"), ("b", "view"), ("c", "changed"), ("plain", "untraced"), ("opa", "op"),
                           ("opb", "op"), ("opc", "op_ulp")):
         runs[name] = tmp_path / name
         runs[name].mkdir()
         mp.spawn(_ddp_worker, args=(2, str(tmp_path / f"init_{name}"), str(runs[name]), variant), nprocs=2,
                  join=True)
     for r in range(2):
-        for name in ("a", "opa"):
+        for name in ("a", "b", "opa"):
             assert np.array_equal(np.load(runs[name] / f"params_{r}.npy"), np.load(runs["plain"] / f"params_{r}.npy"))
     table = read_stream(stream_path(runs["a"], 0)).table
     buckets = [(s, o) for s, sc, o, op in zip(table["step"].to_pylist(), table["scope"].to_pylist(),

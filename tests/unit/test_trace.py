@@ -363,6 +363,21 @@ def test_gradients_digested_where_they_lie_match_copies_and_a_later_change_is_re
     rec.close()
 
 
+def test_a_closed_recorder_records_nothing_and_its_ddp_hook_only_reduces(tmp_path):
+    """After close() nothing is recorded: a DDP hook of the recorder's (whose model may run on after the
+    traced steps) calls the reduction alone, without touching the bucket."""
+    rec = Recorder(tmp_path, level="step", worker="thread")
+    hook = rec.ddp_comm_hook(inner=lambda state, bucket: ("reduced", bucket))
+    with rec.step(1):
+        with pytest.raises(AttributeError):  # open and on a traced step: it copies the bucket first
+            hook(None, None)
+    rec.close()
+    assert not rec.active and hook(None, None) == ("reduced", None)
+    rec.record("loss", [torch.ones(())])
+    rec.flush()
+    assert not list(tmp_path.rglob("*.arrows"))  # no stream was started
+
+
 @pytest.mark.parametrize("worker", ["process", "thread"])
 def test_step_level_records_buffers_as_they_were_after_the_update(tmp_path, worker):
     """Persistent buffers (BatchNorm's running statistics) are model state that can diverge too: recorded

@@ -1116,13 +1116,15 @@ class Recorder:
             self.record(name, [out], [before], scope="collective")
 
     def close(self) -> None:
-        """Flushes and closes the stream; removes hooks."""
+        """Flushes and closes the stream; removes hooks. A closed recorder records nothing (a DDP hook
+        of its own only reduces)."""
         self.detach()
         try:
             if self.enabled:
                 self.flush()
             self._wait()
         finally:
+            self.enabled = False
             self._inflight = None
             worker, self._worker = self._worker, None
             self._free.clear()
