@@ -258,6 +258,37 @@ def test_runs_traced_at_other_levels_or_steps_are_compared_on_what_both_recorded
     assert "traced steps differ (A: 2, B: all): traces compared on the steps both traced (2)" in report["notes"]
 
 
+@pytest.mark.parametrize("level", ["module", "op"])
+def test_a_compiled_model_is_traced_as_the_model_it_compiles(tmp_path, level):
+    """A torch.compile'd model (backend aot_eager: inductor on CPU needs minutes of C++ builds) gets the
+    records of the uncompiled model at module and op level: the same identities (no '_orig_mod' scope, the
+    root once) and, with this backend, digests; also when its code was compiled before attach() (Dynamo
+    skips guards on module hooks: without the reset, that code calls none of them)."""
+    torch._dynamo.reset()
+
+    def run(name: str, compiled: bool, warm: bool = False):
+        torch.manual_seed(0)
+        model = Tiny()
+        called = torch.compile(model, backend="aot_eager") if compiled else model
+        if warm:  # compiled and run before the recorder's hooks exist
+            called(torch.ones(2, 4)).backward()
+            model.zero_grad()
+        rec = Recorder(tmp_path / name, level=level, worker="thread")
+        rec.attach(called)
+        with rec.step(1):
+            for mb in (0, 1):  # another batch size: Dynamo compiles anew, with symbolic shapes
+                with rec.microbatch(mb):
+                    called(torch.ones(2 + mb, 4) * (mb + 1)).backward()
+            rec.grads(model.named_parameters())
+        rec.close()
+        return read_stream(stream_path(tmp_path / name, 0)).table
+
+    warm, compiled, eager = run("warm", True, warm=True), run("compiled", True), run("eager", False)
+    scopes = set(eager["scope"].to_pylist())
+    assert {"", "inner", "inner.0", "head"} <= scopes and eager.num_rows > 20
+    assert compiled.equals(eager) and warm.equals(eager)
+
+
 def test_levels_include_the_ones_before(tmp_path):
     """step < module < op in what they record."""
     counts = {}

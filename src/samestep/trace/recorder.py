@@ -196,6 +196,37 @@ def _grad_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
     hooks[key] = hook
 
 
+_COMPILED = "_orig_mod"  # the attribute under which torch.compile's OptimizedModule holds the module it wraps
+
+
+def _is_compiled_wrapper(module: torch.nn.Module) -> bool:
+    return isinstance(getattr(module, _COMPILED, None), torch.nn.Module) and type(module).__name__ == "OptimizedModule"
+
+
+def _eager_call(hook: Callable, *args: Any) -> Any:
+    return hook(*args)
+
+
+_eager: list[Callable] = []  # torch.compiler.disable(_eager_call), made when compiled code first calls a hook
+
+
+def _outside_compile(hook: Callable) -> Callable:
+    """``hook``, run eagerly even where ``torch.compile`` traces the module: Dynamo would otherwise trace
+    the recorder's Python into its graph with fake tensors (recording nothing real, or failing on it).
+    There the call breaks the graph and runs on the real tensors, so a compiled model at module or op
+    level runs in pieces split at its modules. In eager code the guard costs one flag test, and Dynamo
+    (a second to import) is not loaded for it."""
+    is_compiling = torch.compiler.is_compiling
+
+    def run(*args: Any) -> Any:
+        if is_compiling():
+            if not _eager:
+                _eager.append(torch.compiler.disable(_eager_call))
+            return _eager[0](hook, *args)
+        return hook(*args)
+    return run
+
+
 def _live(entry: torch.Tensor | tuple) -> torch.Tensor:
     """The tensor of a batch's ``tensors`` entry: itself, or the buffer a (buffer, sizes, keep) entry cuts."""
     return entry if isinstance(entry, torch.Tensor) else entry[0]
@@ -778,15 +809,27 @@ class Recorder:
             self._mb = -1
 
     def attach(self, model: torch.nn.Module) -> None:
-        """Module hooks: scopes for the op level, forward outputs and backward gradients for the module level."""
+        """Module hooks: scopes for the op level, forward outputs and backward gradients for the module level.
+
+        A ``torch.compile``'d module (an ``OptimizedModule``) is the module it wraps: its scopes are the
+        uncompiled model's (no ``_orig_mod``), and the wrapper itself gets no hooks (it would record the
+        root twice). The hooks run eagerly where compiled code calls them (see ``_outside_compile``)."""
         if not self.enabled or self._rank_level < LEVELS.index("module"):
             return
+        # Code torch.compile compiled before would not call hooks added now (Dynamo skips guards on module
+        # hooks by default): its caches are dropped, so the model is compiled anew, with the hooks.
+        if "torch._dynamo" in sys.modules:
+            torch._dynamo.reset()
         for path, module in model.named_modules():
+            if _is_compiled_wrapper(module):
+                continue
+            if _COMPILED in path:
+                path = ".".join(part for part in path.split(".") if part != _COMPILED)
             if self._rank_level >= LEVELS.index("op"):
-                self._hooks.append(module.register_forward_pre_hook(self._pre_hook(path)))
-                self._hooks.append(module.register_forward_hook(self._post_hook(path)))
+                self._hooks.append(module.register_forward_pre_hook(_outside_compile(self._pre_hook(path))))
+                self._hooks.append(module.register_forward_hook(_outside_compile(self._post_hook(path))))
             else:  # module level: no scopes to follow (only ops use them), so fewer hooks
-                self._hooks.append(module.register_forward_hook(self._module_hook(path)))
+                self._hooks.append(module.register_forward_hook(_outside_compile(self._module_hook(path))))
 
     def detach(self) -> None:
         for h in self._hooks:
