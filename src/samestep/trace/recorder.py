@@ -398,7 +398,7 @@ class _Batch:
     """
 
     __slots__ = ("first_seq", "step", "mb", "phase", "scope", "op", "occ", "ins", "in_end", "outs", "out_end",
-                 "ref_slot", "ref_head", "slot_chunk", "slot_entry", "packs", "tensors", "expanded", "check_entry",
+                 "ref_slot", "ref_head", "slot_chunk", "slot_entry", "packs", "tensors", "expanded", "check_live",
                  "check_version", "check_record")
 
     def __init__(self, first_seq: int) -> None:
@@ -420,18 +420,17 @@ class _Batch:
         self.packs: list[Packed] = []
         self.tensors: list[torch.Tensor | tuple] = []
         self.expanded = 0
-        # Live tensors digested without a copy that must not change before (``copy="checked"``): each one's
-        # entry in ``tensors``, its version when recorded and its record's index here. Plain numbers: a
-        # tuple per tensor would give the garbage collector hundreds of objects more per step to track.
-        self.check_entry: list[int] = []
+        # Live tensors digested without a copy that must not change before (``copy="checked"``): each one
+        # (also in ``tensors``, or the buffer a (buffer, sizes, keep) entry there cuts), its version when
+        # recorded and its record's index here. Flat lists: a tuple per tensor would give the garbage
+        # collector hundreds of objects more per step to track.
+        self.check_live: list[torch.Tensor] = []
         self.check_version: list[int] = []
         self.check_record: list[int] = []
 
     def changed(self) -> list[int]:
         """The checks (indices) whose live tensor was changed in place since it was recorded."""
-        tensors = self.tensors
-        return [k for k, (e, v) in enumerate(zip(self.check_entry, self.check_version))
-                if _live(tensors[e])._version != v]
+        return [k for k, (t, v) in enumerate(zip(self.check_live, self.check_version)) if t._version != v]
 
 
 class Recorder:
@@ -557,7 +556,7 @@ class Recorder:
         ``record``; by default the record made next)."""
         live = t.detach()  # shares t's version counter
         b = self._b
-        b.check_entry.append(len(b.tensors))
+        b.check_live.append(live)
         b.check_version.append(version)
         b.check_record.append(len(b.step) if record is None else record)
         self._staged_bytes += live.nbytes  # kept alive: counts to the bound
@@ -760,7 +759,7 @@ class Recorder:
         """
         if changed:
             k = changed[0]
-            live, version, i = _live(batch.tensors[batch.check_entry[k]]), batch.check_version[k], batch.check_record[k]
+            live, version, i = batch.check_live[k], batch.check_version[k], batch.check_record[k]
             step, mb, phase, scope, op, occurrence = (batch.step[i], batch.mb[i], batch.phase[i], batch.scope[i],
                                                       batch.op[i], batch.occ[i])
             fix = ("call rec.grads() where the gradients are final (after clipping), or rec.grads(..., copy=True)"
@@ -1003,7 +1002,7 @@ class Recorder:
             flat = group[0][2].detach().as_strided((hi - lo,), (1,), lo)
             if checked:  # the buffer itself, checked unchanged for the first of its records
                 b = self._b
-                b.check_entry.append(len(b.tensors))
+                b.check_live.append(flat)
                 b.check_version.append(flat._version)
                 b.check_record.append(len(b.step) + position[id(group[0][2])])
             else:

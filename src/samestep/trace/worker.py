@@ -293,7 +293,7 @@ class ProcessWorker:
         keep: list[torch.Tensor] = []
         self._post(b"B", self._payload(b, keep))
         self._keep = keep  # the child reads these until it replies
-        self._pending, self._unwritten = True, bool(b.check_entry)
+        self._pending, self._unwritten = True, bool(b.check_live)
 
     @staticmethod
     def _payload(b: Any, keep: list[torch.Tensor]) -> bytes:
@@ -317,7 +317,7 @@ class ProcessWorker:
                 entries.append((_describe(t[0]), [n * size for n in t[1]], t[2]))
         return marshal.dumps((packs, entries, b.first_seq, b.step, b.mb, b.phase, b.scope, b.op, b.occ, b.ins,
                               b.in_end, b.outs, b.out_end, b.ref_slot, b.ref_head, b.slot_chunk, b.slot_entry,
-                              bool(b.check_entry)))
+                              bool(b.check_live)))
 
     def _reply(self) -> bytes:
         try:
