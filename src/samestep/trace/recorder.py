@@ -14,9 +14,8 @@
     rec.close()
 
 Levels (each includes the ones before):
-- ``step``: loss and grad-norm bits, each parameter's gradient after reduction (the reference loop:
-  and clipping), parameters, buffers and optimizer state after the update, each collective's input
-  and output;
+- ``step``: loss and grad-norm bits, each parameter's gradient after reduction, parameters, buffers
+  and optimizer state after the update, each collective's input and output;
 - ``module``: every module's forward output and the gradient arriving at it in backward, by path;
 - ``op``: every ATen op's input and output digests (a TorchDispatchMode), scoped by module; the
   scope follows the op into backward through hooks on module outputs.
@@ -28,7 +27,7 @@ copied into reused chunks (and buffers, which a forward may change); parameters 
 are digested where they lie before the next update may change them; module outputs and their
 gradients too, and each is checked unchanged (its version counter) once its digest is done: a change
 in place raises, naming the record (``copy=True`` copies them instead); so are parameter gradients
-with ``grads(..., copy="checked")``, as the reference loop records them. Records are kept in flat
+with ``grads(..., copy="checked")``. Records are kept in flat
 columns, digests are computed for a whole batch at once (``digest.lanes_packed``), and the stream gets
 one record batch per flush.
 """
@@ -971,7 +970,9 @@ class Recorder:
         ``copy="checked"`` digests the gradients where they lie instead of a copy, and raises at the next
         ``grads()``, ``flush()`` or ``close()`` if one was changed in place before: for a loop that calls
         it once the gradients are final (after clipping) and gives the next step new ones
-        (``zero_grad(set_to_none=True)``), as the reference loop does.
+        (``zero_grad(set_to_none=True)``). The reference loop does not: it records the gradients before
+        clipping, and recorded after it they cost its module level 3 points of step time (measured:
+        1.12x against 1.15-1.22x, alternating), for 0.2 ms per step saved at step level.
         """
         if copy not in (True, "checked"):
             raise ValueError(f"grads(copy={copy!r}): use True (copies) or 'checked' (the gradients themselves)")

@@ -222,11 +222,9 @@ class Parts:
                     loss.backward()
                 self.grads.accumulate(i, extra=loss.detach())
             loss_sum = self.grads.reduce()[0]
+            rec.grads(self.named_params)
             max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
             grad_norm = torch.nn.utils.clip_grad_norm_(self.grads.params, max_norm, foreach=False)
-            # The gradients the update uses (reduced, then clipped), digested where they lie: each step's
-            # are new tensors (reduce() makes them, zero_grad drops them), so no copy is needed.
-            rec.grads(self.named_params, copy="checked")
             rec.metric("loss", loss_sum)
             rec.metric("grad_norm", grad_norm)
             self.optimizer.step()
