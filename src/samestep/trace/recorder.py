@@ -202,6 +202,12 @@ def _is_compiled_wrapper(module: torch.nn.Module) -> bool:
     return isinstance(getattr(module, _COMPILED, None), torch.nn.Module) and type(module).__name__ == "OptimizedModule"
 
 
+def _dtensor_type() -> type | None:
+    """torch.distributed.tensor.DTensor if that module was imported (else no DTensor exists)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
 def _eager_call(hook: Callable, *args: Any) -> Any:
     return hook(*args)
 
@@ -481,6 +487,7 @@ class Recorder:
         self._buckets: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []  # see ddp_comm_hook
         self._buckets_lock = threading.Lock()
         self._in_dispatch = False
+        self._dtensor: type | None = None  # DTensor, once torch.distributed.tensor is imported (see _shards)
         self._worker: ThreadWorker | ProcessWorker | None = None
         if self.enabled and self.worker == "process":
             # Started now: the child imports torch (about 1.5 s) while the model is built and the first
@@ -518,6 +525,8 @@ class Recorder:
         An inference tensor (``torch.inference_mode``) has no version counter: it is never cached nor
         remembered, and copied even where ``copy="checked"`` (it could not be checked unchanged).
         """
+        if self._dtensor is not None and isinstance(t, self._dtensor):
+            t = t._local_tensor  # this rank's shard (see _shards)
         try:
             version: int | None = t._version
         except RuntimeError:  # an inference tensor
@@ -781,6 +790,7 @@ class Recorder:
         self._drain()
         self._step, self._mb = step, -1
         self._counts.clear()
+        self._dtensor = _dtensor_type()
         try:
             yield
         finally:
@@ -919,6 +929,8 @@ class Recorder:
     def _note(self, op: str, phase: str, scope: str, outs: list[torch.Tensor]) -> None:
         """Notes a module record for ``_drain``, with the tensors' versions now; drains once the notes
         keep ``PENDING_BYTES`` alive."""
+        if self._dtensor is not None:
+            outs = self._shards(outs)
         try:
             versions = [t._version for t in outs]
             nbytes = sum(t.nbytes for t in outs)
@@ -982,6 +994,8 @@ class Recorder:
         if self._buckets:
             self._record_buckets()
         named = [(name, p.grad) for name, p in named_params if p.grad is not None]
+        if _dtensor_type() is not None:
+            named = list(zip([name for name, _ in named], self._shards([g for _, g in named])))
         checked = copy == "checked"
         if checked:
             self._drain()  # pending module records first: the grad records' indices below follow them
@@ -1055,6 +1069,8 @@ class Recorder:
                         ops.append(f"optim.{key}")
                         scopes.append(scope)
                         tensors.append(value)
+        if _dtensor_type() is not None:
+            tensors = self._shards(tensors)
         self._record_many(ops, scopes, tensors, None)
         buffers = self.persistent_buffers(model) if named_buffers is None else list(named_buffers)
         if buffers:
@@ -1070,6 +1086,16 @@ class Recorder:
                     seen.add(id(b))
                     out.append((f"{prefix}.{name}" if prefix else name, b))
         return out
+
+    def _shards(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """DTensors (FSDP2's sharded parameters, their gradients and optimizer state; tensor parallel) as
+        this rank's local shard, which its stream records (under the shard's own shape); other tensors
+        as they are. The shard is the DTensor's storage: digested where it lies, checked or copied as
+        the DTensor would be."""
+        dtensor = self._dtensor = _dtensor_type()
+        if dtensor is None:
+            return tensors
+        return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
 
     def _record_many(self, ops: list[str], scopes: list[str], tensors: list[torch.Tensor],
                      slots: dict[int, int] | None, checked: bool = False) -> None:
