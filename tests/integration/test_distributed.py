@@ -63,6 +63,18 @@ def test_combine_matches_one_process_on_2_and_4_ranks_and_allreduce_does_not(tmp
     assert not np.array_equal(plain[2], plain[4])
 
 
+def _three_steps(rec, model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, width: int, changed: bool,
+                 call: torch.nn.Module) -> None:
+    """Steps 1-3 of a distributed test loop, one microbatch per rank (``call``: the model as wrapped);
+    ``changed``: rank 1's data differs at step 2. Closes ``rec``."""
+    for step in (1, 2, 3):
+        x = torch.randn(4, width, generator=torch.Generator().manual_seed(100 * step + rank))
+        if changed and rank == 1 and step == 2:
+            x[0, 0] += 1e-3
+        traced_step(rec, model, opt, step, [(rank, x)], lambda x: call(x).square().mean())
+    rec.close()
+
+
 def _ddp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: str) -> None:
     """Three steps of a small model under PyTorch DDP over gloo, traced at step level through
     ``Recorder.ddp_comm_hook`` (``variant``: "traced", "view" (traced, gradients as bucket views),
@@ -88,12 +100,7 @@ def _ddp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: st
             if variant != "untraced":
                 rec.attach(ddp)
                 ddp.register_comm_hook(None, rec.ddp_comm_hook())
-            for step in (1, 2, 3):
-                x = torch.randn(4, 64, generator=torch.Generator().manual_seed(100 * step + rank))
-                if variant == "changed" and rank == 1 and step == 2:
-                    x[0, 0] += 1e-3
-                traced_step(rec, model, opt, step, [(rank, x)], lambda x: ddp(x).square().mean())
-            rec.close()
+            _three_steps(rec, model, opt, rank, 64, variant == "changed", ddp)
             assert views == [variant == "view"] * 3, views  # the gradients are views of DDP's buckets in "view" only
             flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
             np.save(f"{run_dir}/params_{rank}.npy", flat.numpy().view(np.int32))
@@ -173,12 +180,7 @@ def _fsdp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: s
             level = {"untraced": "off", "changed": "step"}.get(variant, variant)
             rec = samestep.trace(run_dir, level=level, steps="1-3")
             rec.attach(model)
-            for step in (1, 2, 3):
-                x = torch.randn(4, 16, generator=torch.Generator().manual_seed(100 * step + rank))
-                if variant == "changed" and rank == 1 and step == 2:
-                    x[0, 0] += 1e-3
-                traced_step(rec, model, opt, step, [(rank, x)], lambda x: model(x).square().mean())
-            rec.close()
+            _three_steps(rec, model, opt, rank, 16, variant == "changed", model)
             shards = [p._local_tensor.detach().reshape(-1) for p in model.parameters()]
             np.save(f"{run_dir}/params_{rank}.npy", torch.cat(shards).numpy().view(np.int32))
             (Path(run_dir) / f"weight_{rank}.txt").write_text(samestep.digest(model[0].weight._local_tensor))
