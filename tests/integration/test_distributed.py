@@ -180,6 +180,9 @@ def _fsdp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: s
             level = {"untraced": "off", "changed": "step"}.get(variant, variant)
             rec = samestep.trace(run_dir, level=level, steps="1-3")
             rec.attach(model)
+            if variant != "untraced":
+                for layer in (model[0], model[2], model):
+                    layer.set_custom_reduce_scatter(rec.fsdp_reduce_scatter())
             _three_steps(rec, model, opt, rank, 16, variant == "changed", model)
             shards = [p._local_tensor.detach().reshape(-1) for p in model.parameters()]
             np.save(f"{run_dir}/params_{rank}.npy", torch.cat(shards).numpy().view(np.int32))
@@ -190,11 +193,12 @@ def _fsdp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: s
 
 def test_fsdp2_sharded_state_is_traced_as_each_rank_shard(tmp_path):
     """FSDP2 (fully_shard) over 2 gloo processes: parameters, gradients and optimizer state are DTensors,
-    which the recorder refused (no storage pointer). Each rank now records its local shard: tracing at step,
-    module or op level changes no bit; two runs diff identical at step and module level; a rank's 'param'
-    record is the digest of its shard; and when rank 1's data changes at step 2, both ranks differ from
-    step 2 on (rank 0 through the gradient reduce-scatter, which is not recorded: see the closing note
-    of this change for what the diff then says)."""
+    which the recorder refused (no storage pointer). Each rank now records its local shard, and with
+    rec.fsdp_reduce_scatter() each gradient reduce-scatter: tracing at step, module or op level changes no
+    bit (the comm reduces as FSDP2's default); two runs diff identical at step and module level with every
+    reduce-scatter recorded; a rank's 'param' record is the digest of its shard; and when rank 1's data
+    changes at step 2, rank 1 holds the origin while rank 0's first difference is the reduce-scatter
+    whose local input matched (a receiver)."""
     from samestep.analysis import diff_runs
     from samestep.trace import read_stream, stream_path
 
@@ -215,6 +219,12 @@ def test_fsdp2_sharded_state_is_traced_as_each_rank_shard(tmp_path):
     for a, b in (("step", "step2"), ("step", "module")):
         same = diff_runs(runs[a], runs[b])
         assert same["identical"], (a, b, same["summary"])
+    table = read_stream(stream_path(runs["step"], 0)).table
+    calls = [(s, o) for s, op, o in zip(table["step"].to_pylist(), table["op"].to_pylist(),
+                                        table["occurrence"].to_pylist()) if op == "fsdp.reduce_scatter"]
+    assert calls == [(s, o) for s in (1, 2, 3) for o in range(2)], calls  # the two Linear layers, every step
     changed = diff_runs(runs["step"], runs["changed"])
-    assert not changed["identical"]
-    assert [changed["per_rank"][r]["divergence"]["step"] for r in ("0", "1")] == [2, 2], changed["per_rank"]
+    assert changed["origin"]["rank"] == 1 and changed["origin"]["step"] == 2, changed["summary"]
+    d0 = changed["per_rank"]["0"]["divergence"]
+    assert (d0["kind"], d0["scope"], d0["op"], d0["step"], d0["inputs_matched"]) == \
+        ("receiver", "collective", "fsdp.reduce_scatter", 2, True), d0

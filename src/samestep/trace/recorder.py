@@ -3,6 +3,7 @@
     rec = samestep.trace(run_dir, level="op", steps={1, 2, 3}, rank=rank)
     rec.attach(model)
     ddp.register_comm_hook(None, rec.ddp_comm_hook())   # under PyTorch DDP: its reductions recorded too
+    fsdp_module.set_custom_reduce_scatter(rec.fsdp_reduce_scatter())   # under FSDP2, likewise
     for step in ...:
         with rec.step(step):
             for i in my_microbatches:
@@ -486,6 +487,7 @@ class Recorder:
         self._hooks: list[Any] = []
         self._buckets: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []  # see ddp_comm_hook
         self._buckets_lock = threading.Lock()
+        self._comm_calls = 0  # fsdp_reduce_scatter's calls in this step (their order)
         self._in_dispatch = False
         self._dtensor: type | None = None  # DTensor, once torch.distributed.tensor is imported (see _shards)
         self._worker: ThreadWorker | ProcessWorker | None = None
@@ -790,6 +792,7 @@ class Recorder:
         self._drain()
         self._step, self._mb = step, -1
         self._counts.clear()
+        self._comm_calls = 0
         self._dtensor = _dtensor_type()
         try:
             yield
@@ -1177,6 +1180,22 @@ class Recorder:
 
         return hook
 
+    def fsdp_reduce_scatter(self) -> _FsdpReduceScatter:
+        """A gradient reduce-scatter for FSDP2 (``fully_shard``) that records each call as a step-level
+        collective record (scope ``collective``, op ``fsdp.reduce_scatter``): its input (this rank's
+        unsharded gradients, copied before) and its output (this rank's reduced shard, copied when it is
+        done), recorded at the next ``grads()`` (or the step's end) in call order::
+
+            for m in model.modules():
+                if isinstance(m, FSDPModule):
+                    m.set_custom_reduce_scatter(rec.fsdp_reduce_scatter())
+
+        It reduces as FSDP2's default does (``torch.distributed.reduce_scatter_single`` into a new buffer),
+        so the gradients are the same bits as without it; untraced steps only reduce. With it, a rank whose
+        gradients differ only because another rank's did is a receiver in ``samestep diff``, not an origin.
+        """
+        return _FsdpReduceScatter(self)
+
     def _record_buckets(self) -> None:
         """The reductions ``ddp_comm_hook`` saw since the last call, as records in bucket order."""
         with self._buckets_lock:
@@ -1200,6 +1219,43 @@ class Recorder:
             self._writing = False
             if worker is not None:
                 worker.close()
+
+
+class _FsdpReduceScatter:
+    """FSDP2's ``ReduceScatter`` comm interface (``allocate`` and the call), recording (see
+    ``Recorder.fsdp_reduce_scatter``)."""
+
+    def __init__(self, rec: Recorder) -> None:
+        self._rec = rec
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> Any:
+        import torch.distributed as dist
+
+        rec = self._rec
+        if not rec.active:
+            return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
+                                              async_op=async_op)
+        index, rec._comm_calls = rec._comm_calls, rec._comm_calls + 1
+        with _disable_current_modes():  # at op level: our copies are not the model's ops
+            before = input_tensor.detach().clone()
+
+        def done(_: Any = None) -> None:
+            with _disable_current_modes():
+                out = output_tensor.detach().clone()
+            with rec._buckets_lock:  # a communication thread may complete it
+                rec._buckets.append((index, "fsdp.reduce_scatter", before, out))
+
+        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
+                                          async_op=async_op)
+        if work is None:
+            done()
+        else:
+            work.get_future().then(done)
+        return work
 
 
 def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | None = None,
