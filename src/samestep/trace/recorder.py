@@ -203,12 +203,6 @@ def _is_compiled_wrapper(module: torch.nn.Module) -> bool:
     return isinstance(getattr(module, _COMPILED, None), torch.nn.Module) and type(module).__name__ == "OptimizedModule"
 
 
-def _dtensor_type() -> type | None:
-    """torch.distributed.tensor.DTensor if that module was imported (else no DTensor exists)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
-
 def _eager_call(hook: Callable, *args: Any) -> Any:
     return hook(*args)
 
@@ -233,9 +227,9 @@ def _outside_compile(hook: Callable) -> Callable:
     return run
 
 
-def _live(entry: torch.Tensor | tuple) -> torch.Tensor:
-    """The tensor of a batch's ``tensors`` entry: itself, or the buffer a (buffer, sizes, keep) entry cuts."""
-    return entry if isinstance(entry, torch.Tensor) else entry[0]
+def _device(entry: torch.Tensor | tuple) -> torch.device:
+    """The device of a staged tensor entry (a tensor, or (copy, sizes, keep))."""
+    return entry.device if isinstance(entry, torch.Tensor) else entry[0].device
 
 
 def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
@@ -485,11 +479,11 @@ class Recorder:
         self._pending_bytes = 0
         self._seq = 0
         self._hooks: list[Any] = []
-        self._buckets: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []  # see ddp_comm_hook
+        self._buckets: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []  # see _reduced
         self._buckets_lock = threading.Lock()
         self._comm_calls = 0  # fsdp_reduce_scatter's calls in this step (their order)
         self._in_dispatch = False
-        self._dtensor: type | None = None  # DTensor, once torch.distributed.tensor is imported (see _shards)
+        self._dtensor: type | None = None  # DTensor, if torch.distributed.tensor was imported at step()
         self._worker: ThreadWorker | ProcessWorker | None = None
         if self.enabled and self.worker == "process":
             # Started now: the child imports torch (about 1.5 s) while the model is built and the first
@@ -726,7 +720,7 @@ class Recorder:
         # On a GPU, the worker's kernels run on its own thread's current stream: they start after
         # everything the training thread has queued so far (the copies, the values recorded) is done.
         events = []
-        devices = {x.buf.device for x in batch.packs} | {_live(t).device for t in batch.tensors} \
+        devices = {x.buf.device for x in batch.packs} | {_device(t) for t in batch.tensors} \
             if torch.cuda.is_initialized() else ()  # without CUDA started, no tensor is on a GPU (0.07 ms/step)
         for device in devices:
             if device.type == "cuda":
@@ -793,7 +787,8 @@ class Recorder:
         self._step, self._mb = step, -1
         self._counts.clear()
         self._comm_calls = 0
-        self._dtensor = _dtensor_type()
+        # DTensor if torch.distributed.tensor was imported (else no DTensor exists): see _shards
+        self._dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
         try:
             yield
         finally:
@@ -997,7 +992,7 @@ class Recorder:
         if self._buckets:
             self._record_buckets()
         named = [(name, p.grad) for name, p in named_params if p.grad is not None]
-        if _dtensor_type() is not None:
+        if self._dtensor is not None:
             named = list(zip([name for name, _ in named], self._shards([g for _, g in named])))
         checked = copy == "checked"
         if checked:
@@ -1072,7 +1067,7 @@ class Recorder:
                         ops.append(f"optim.{key}")
                         scopes.append(scope)
                         tensors.append(value)
-        if _dtensor_type() is not None:
+        if self._dtensor is not None:
             tensors = self._shards(tensors)
         self._record_many(ops, scopes, tensors, None)
         buffers = self.persistent_buffers(model) if named_buffers is None else list(named_buffers)
@@ -1094,10 +1089,8 @@ class Recorder:
         """DTensors (FSDP2's sharded parameters, their gradients and optimizer state; tensor parallel) as
         this rank's local shard, which its stream records (under the shard's own shape); other tensors
         as they are. The shard is the DTensor's storage: digested where it lies, checked or copied as
-        the DTensor would be."""
-        dtensor = self._dtensor = _dtensor_type()
-        if dtensor is None:
-            return tensors
+        the DTensor would be. Called where ``self._dtensor`` is set (at ``step()``)."""
+        dtensor = self._dtensor
         return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
 
     def _record_many(self, ops: list[str], scopes: list[str], tensors: list[torch.Tensor],
@@ -1117,9 +1110,11 @@ class Recorder:
             occurrences = [self._occurrence("step", scope, op) for op, scope in zip(ops, scopes)]
         if slots is None:
             refs: Iterable[int] = self._add_tensors(tensors)
-        else:
+        elif not checked:
+            refs = [slots[id(t)] if id(t) in slots else self._copy(t) for t in tensors]
+        else:  # the others live too, each checked for its own record (a dense one: see _copy for the rest)
             refs = [slots[id(t)] if id(t) in slots else self._checked_slot(t, t._version, len(b.step) + i)
-                    if checked and t.layout == torch.strided else self._copy(t) for i, t in enumerate(tensors)]
+                    if t.layout == torch.strided else self._copy(t) for i, t in enumerate(tensors)]
         first = len(b.ref_slot)
         b.ref_slot.extend(refs)
         heads = self._heads
@@ -1172,8 +1167,7 @@ class Recorder:
             def done(fut: Any) -> torch.Tensor:
                 out = fut.value()
                 out = out[0] if isinstance(out, (list, tuple)) else out
-                with self._buckets_lock:  # a communication thread may complete it
-                    self._buckets.append((index, name, before, out))
+                self._reduced(index, name, before, out)
                 return out
 
             return inner(state, bucket).then(done)
@@ -1196,8 +1190,15 @@ class Recorder:
         """
         return _FsdpReduceScatter(self)
 
+    def _reduced(self, index: int, name: str, before: torch.Tensor, out: torch.Tensor) -> None:
+        """A reduction seen by ``ddp_comm_hook`` or ``fsdp_reduce_scatter``, for ``_record_buckets``; a
+        communication thread may complete it."""
+        with self._buckets_lock:
+            self._buckets.append((index, name, before, out))
+
     def _record_buckets(self) -> None:
-        """The reductions ``ddp_comm_hook`` saw since the last call, as records in bucket order."""
+        """The reductions ``_reduced`` saw since the last call, as records in their order (bucket, or
+        call), never in the order they finished."""
         with self._buckets_lock:
             done, self._buckets = sorted(self._buckets, key=_first), []
         for _, name, before, out in done:
@@ -1244,10 +1245,8 @@ class _FsdpReduceScatter:
             before = input_tensor.detach().clone()
 
         def done(_: Any = None) -> None:
-            with _disable_current_modes():
-                out = output_tensor.detach().clone()
-            with rec._buckets_lock:  # a communication thread may complete it
-                rec._buckets.append((index, "fsdp.reduce_scatter", before, out))
+            with _disable_current_modes():  # a copy: FSDP2 divides the output in place afterwards
+                rec._reduced(index, "fsdp.reduce_scatter", before, output_tensor.detach().clone())
 
         work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
                                           async_op=async_op)

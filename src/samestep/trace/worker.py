@@ -466,16 +466,6 @@ def _digest(reader: _Reader, packs: list[tuple], entries: list[tuple]) -> list[l
     return lanes + [flat[i] if i >= 0 else other[~i] for i in order]
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return os.getppid() == pid
-
-
 def _child(sock: socket.socket, pid: int) -> None:
     torch.set_num_threads(1)  # one core: the training process has the others
     reader = _Reader(pid)
@@ -515,7 +505,7 @@ def _child(sock: socket.socket, pid: int) -> None:
                 _send(sock, b"R")
             except Exception:
                 error = None
-                if not _alive(pid):
+                if os.getppid() != pid:
                     break  # the training process is gone (it failed, or was killed): nothing to tell it
                 _send(sock, b"E", traceback.format_exc().encode())
         elif kind in (b"W", b"X"):
