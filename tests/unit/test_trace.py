@@ -430,6 +430,70 @@ def test_step_level_records_buffers_as_they_were_after_the_update(tmp_path, work
     assert len({r["outputs"] for r in rows if r["scope"] == "1.running_mean"}) == 3  # it changed every step
 
 
+def _state_through_changes(run: Path, worker: str) -> tuple[list[tuple], list[tuple], int]:
+    """Seven traced steps of a small AdamW loop, changing between steps what ``state()`` records without
+    changing a byte of it: a parameter turned into a transposed view of its own storage (same address,
+    other strides), another reshaped in place of its storage (same address, other shape), a new optimizer,
+    a new optimizer-state key. Returns the state records, what they must be (each tensor's digest when
+    recorded) and how many times ``state()`` made a new plan."""
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    rec = Recorder(run, level="step", worker=worker)
+    made = [0]
+    plan_state = rec._plan_state
+
+    def counted(*args):
+        made[0] += 1
+        return plan_state(*args)
+
+    rec._plan_state = counted
+    truth = []
+    for step in range(1, 8):
+        with rec.step(step):
+            hidden = model.inner(torch.ones(2, 4))
+            # from step 4 on, head.weight (reshaped) gets no gradient: AdamW leaves it, state() still records it
+            out = model.head(hidden) if step < 4 else hidden @ torch.ones(4, 1) + model.head.bias
+            out.square().sum().backward()
+            rec.grads(model.named_parameters())  # the last step's live tensors are digested: they may change
+            if step == 3:
+                w = model.inner[0].weight
+                w.data = w.data.t()  # the same bytes read in another order
+            if step == 4:
+                model.head.weight.data = model.head.weight.data.view(4, 1)  # (1, 4) -> (4, 1): the same bytes
+            if step == 5:
+                opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+            if step == 6:
+                opt.state[model.head.bias]["extra"] = torch.full((3,), float(step))
+            opt.step()
+            opt.zero_grad()
+            rec.state(model, opt)
+        names = {id(p): name for name, p in model.named_parameters()}
+        truth += [(step, name, "param", digest(p)) for name, p in model.named_parameters()]
+        truth += [(step, names[id(p)], f"optim.{k}", digest(st[k])) for p, st in opt.state.items() for k in sorted(st)]
+    rec.close()
+    rows = [r for r in read_stream(stream_path(run, 0)).table.to_pylist() if r["op"] != "grad"]
+    return [(r["step"], r["scope"], r["op"], r["outputs"].hex()) for r in rows], truth, made[0]
+
+
+@pytest.mark.parametrize("worker", ["process", "thread"])
+def test_state_records_follow_parameters_and_optimizer_state_that_change_between_steps(tmp_path, worker, monkeypatch):
+    """``state()`` keeps what it records from step to step (a plan: see recorder._StatePlan) and makes a new
+    one when the tensors are other objects, lie otherwise at the same address, or have other keys: each
+    record is the digest of the tensor as it was then. Negative control: a plan kept through those changes
+    records the old layouts and keys, which the same comparison catches."""
+    rows, truth, made = _state_through_changes(tmp_path / "a", worker)
+    assert rows == truth
+    assert made == 5  # steps 1, 3, 4, 5 and 6; steps 2 and 7 used the plan of the step before
+    monkeypatch.setattr(recorder_module._StatePlan, "matches", lambda self, names, objs, *rest: len(objs) == len(
+        self.refs))
+    monkeypatch.setattr(recorder_module, "_layout", lambda tensors: ())
+    rows, truth, made = _state_through_changes(tmp_path / "b", worker)
+    assert made == 3  # steps 1, 5 and 6: other numbers of tensors (head.weight has no state in the new optimizer)
+    wrong = {step for (step, *_), expected in zip(rows, truth) if (step, *_) != expected}
+    assert len(rows) != len(truth) or wrong
+
+
 def test_module_outputs_in_dataclasses_dicts_and_tuples_are_recorded(tmp_path):
     """A module returning its own dataclass (as model output classes are, which the pytree does not
     know) has its tensors recorded, in forward and their gradients in backward, as from dicts and tuples."""

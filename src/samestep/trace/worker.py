@@ -216,6 +216,14 @@ def _describe(t: torch.Tensor) -> tuple:
                      "(samestep.trace(..., worker='thread'))")
 
 
+def describe_all(tensors: list[torch.Tensor]) -> list[tuple] | None:
+    """Each tensor's ``_describe``, or None if one of them is not read where it lies."""
+    try:
+        return [_describe(t) for t in tensors]
+    except ValueError:
+        return None
+
+
 # The child's first word: whether it may read this process's memory (process_vm_readv needs the right
 # to trace it, which a container or a security module can deny). Runs before torch is imported.
 _PROBE = """
@@ -302,19 +310,26 @@ class ProcessWorker:
         described by its plain form, taken now and added to ``keep``; a change since it was recorded is
         still caught by its version."""
         packs = [(p.buf.data_ptr(), sum(rows_of(n) for n in p.nbytes) * ROW_BYTES, p.nbytes) for p in b.packs]
-        entries = []
-        for t in b.tensors:
-            if isinstance(t, torch.Tensor):
-                try:
-                    entries.append(_describe(t))
-                except ValueError:
-                    if not t.is_cpu:
-                        raise
-                    keep.append(plain(t))
-                    entries.append(_describe(keep[-1]))
-            else:
+
+        def describe(t: Any) -> tuple:
+            if not isinstance(t, torch.Tensor):
                 size = t[0].element_size()  # a contiguous copy, read as bytes: the pieces too
-                entries.append((_describe(t[0]), [n * size for n in t[1]], t[2]))
+                return _describe(t[0]), [n * size for n in t[1]], t[2]
+            try:
+                return _describe(t)
+            except ValueError:
+                if not t.is_cpu:
+                    raise
+                keep.append(plain(t))
+                return _describe(keep[-1])
+
+        entries: list[tuple] = []
+        done = 0
+        for first, known in sorted(b.described.items()):  # spans described already (a state plan's)
+            entries += map(describe, b.tensors[done:first])
+            entries += known
+            done = first + len(known)
+        entries += map(describe, b.tensors[done:])
         return marshal.dumps((packs, entries, b.first_seq, b.step, b.mb, b.phase, b.scope, b.op, b.occ, b.ins,
                               b.in_end, b.outs, b.out_end, b.ref_slot, b.ref_head, b.slot_chunk, b.slot_entry,
                               bool(b.check_live)))
