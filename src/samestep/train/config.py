@@ -172,8 +172,9 @@ class TraceConfig:
     """Fault injection to validate `samestep diff`: 'rank=R,step=S,microbatch=M,phase=P,scope=PATH,op=OP,
     occurrence=K' adds one ULP to element 0 of that record's output (needs level 'op' on that step)."""
     copy: bool = False
-    """Module level: digest copies of module outputs and gradients (true), or the tensors themselves,
-    checked unchanged until digested (false: cheaper; a change in place stops the run and names it)."""
+    """Digest copies (true), or the tensors themselves, checked unchanged until digested (false: cheaper; a
+    change in place stops the run and names it): module outputs and gradients at module level, and the
+    parameter gradients at step level (the module level copies these either way)."""
     worker: str = "auto"
     """Where digests are computed: 'process' (a child process that reads this one's memory: CPU only),
     'thread' (any device), or 'auto' (process on Linux without CUDA, else thread). Same stream either way."""

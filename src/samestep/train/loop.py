@@ -222,9 +222,13 @@ class Parts:
                     loss.backward()
                 self.grads.accumulate(i, extra=loss.detach())
             loss_sum = self.grads.reduce()[0]
-            rec.grads(self.named_params)
+            # The reduced gradients, recorded before clipping, which leaves them as they are (_clip): at step
+            # level digested where they lie, which spares copying them (0.9 against 1.08 ms per step in the
+            # recorder); at module level copied, which measured faster there (module ratio 1.12-1.13x,
+            # against 1.13-1.16x where they lie: bench_trace.py, alternating, 3 x 2; cause not found).
+            rec.grads(self.named_params, copy="checked" if rec.level == "step" and not self.cfg.trace.copy else True)
             max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.grads.params, max_norm, foreach=False)
+            grad_norm = _clip(self.grads.params, max_norm)
             rec.metric("loss", loss_sum)
             rec.metric("grad_norm", grad_norm)
             self.optimizer.step()
@@ -232,6 +236,19 @@ class Parts:
             rec.state(self.model, self.optimizer, named_params=self.named_params, named_buffers=self.named_buffers)
         self.cursor.advance(t.global_batch)
         return float(loss_sum), float(grad_norm), lr
+
+
+def _clip(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_(params, max_norm, foreach=False)`` (the same norm and the same gradient bits: the
+    same multiplication of each element), out of place: each ``p.grad`` becomes a new tensor and the
+    reduced gradients stay as the recorder saw them. Returns the total norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total_norm = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach=False)
+    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    for p in params:
+        if p.grad is not None:
+            p.grad = p.grad * coef
+    return total_norm
 
 
 def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | str = "cpu",

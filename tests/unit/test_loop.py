@@ -1,0 +1,82 @@
+"""The reference loop's own pieces: clipping out of place, and the gradients its step level records."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+import samestep
+from samestep.data import load_corpus
+from samestep.trace import digest, read_stream, stream_path
+from samestep.train import load_config
+from samestep.train import loop as loop_module
+from tests.conftest import TINY
+
+SHAPES = [(7, 5), (5,), (3, 4, 2), ()]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.int32)
+
+
+def _params_on(buf: torch.Tensor) -> list[torch.nn.Parameter]:
+    """Parameters whose gradients are views of one buffer, as the gradient reduction leaves them."""
+    params, offset = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES], 0
+    for p in params:
+        p.grad = buf[offset: offset + p.numel()].view_as(p)
+        offset += p.numel()
+    return params
+
+
+@pytest.mark.parametrize("max_norm", [0.5, 1e6, float("inf")])
+@pytest.mark.parametrize("special", [None, float("inf"), float("nan")])
+def test_clip_out_of_place_has_the_bits_of_clip_grad_norm_and_leaves_the_gradients(max_norm, special):
+    """The loop clips out of place (``_clip``) so that the recorder can digest the reduced gradients where
+    they lie: the norm and the clipped gradients have ``clip_grad_norm_``'s bits (``foreach=False``, which
+    the loop used), with the limit active, inactive and off, and with a non-finite gradient; the buffer the
+    gradients were views of keeps its bits and its version. Negative control: clipped in place, an
+    active limit changes that buffer."""
+    torch.manual_seed(0)
+    flat = torch.randn(sum(math.prod(s) for s in SHAPES)) * 3
+    if special is not None:
+        flat[4] = special
+    ours_buf, ref_buf = flat.clone(), flat.clone()
+    ours, ref = _params_on(ours_buf), _params_on(ref_buf)
+    version = ours_buf._version
+    norm = loop_module._clip(ours, max_norm)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm, foreach=False)
+    assert torch.equal(_bits(norm), _bits(ref_norm))
+    for a, b in zip(ours, ref):
+        assert torch.equal(_bits(a.grad), _bits(b.grad))
+    assert ours_buf._version == version and torch.equal(_bits(ours_buf), _bits(flat))
+    if max_norm == 0.5:
+        assert not torch.equal(_bits(ref_buf), _bits(flat))
+
+
+def test_step_level_records_the_reduced_gradients_before_clipping(tmp_path, monkeypatch):
+    """``samestep train`` at step level records each gradient as the reduction left it, before clipping
+    (digested where it lies: nothing changes it after), as docs/formats.md says. Negative control: the
+    clipped gradients' digests differ (clipping is active in these steps)."""
+    before, after = [], []
+    clip = loop_module._clip
+
+    def watched(params, max_norm):
+        before.append([digest(p.grad) for p in params])
+        norm = clip(params, max_norm)
+        after.append([digest(p.grad) for p in params])
+        return norm
+
+    monkeypatch.setattr(loop_module, "_clip", watched)
+    cfg = load_config(None, [*TINY, "train.grad_clip=0.5", "trace.level=step"])
+    with samestep.enable(threads=1):
+        parts = loop_module.build(cfg, corpus=load_corpus("stdlib"), run_dir=Path(tmp_path))
+        for step in range(3):
+            parts.step(step)
+        parts.recorder.close()
+    rows = [r for r in read_stream(stream_path(tmp_path, 0)).table.to_pylist() if r["op"] == "grad"]
+    recorded = [[r["outputs"].hex() for r in rows if r["step"] == step] for step in (1, 2, 3)]
+    assert recorded == before
+    assert all(a != b for a, b in zip(after, before))
