@@ -78,7 +78,7 @@ def own_share() -> None:
     """Makes the worker process drop every batch after the training thread has described and serialised
     it: what is left of the overhead is the training thread's own share."""
     worker = importlib.import_module("samestep.trace.worker").ProcessWorker
-    worker.submit = lambda self, b, events: self._payload(b)
+    worker.submit = lambda self, b, events: self._payload(b, [])
 
 
 # The recorder's entry points a training loop calls (and _drain, where the module level's records are made

@@ -42,11 +42,13 @@ def test_worker_contention_bench_runs_both_layouts():
 
 
 def test_trace_bench_times_the_recorder_calls(tmp_path):
-    """`bench_trace.py --recorder-calls` (one pair of one step, small diff sets): the step level's time
-    inside the recorder's calls is reported, a positive share of the untraced step."""
+    """`bench_trace.py --recorder-calls --own-share` (one pair of one step, small diff sets): the step
+    level's time inside the recorder's calls is reported, a positive share of the untraced step, while
+    the worker drops each batch once it is described (--own-share ran into a TypeError once unnoticed)."""
     proc = subprocess.run([sys.executable, "bench/bench_trace.py", "--levels", "step", "--pairs", "1", "--steps", "1",
                            "--records", "1000", "--ranks", "2", "--records-per-rank", "10", "--contention-rounds", "0",
-                           "--recorder-calls", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                           "--recorder-calls", "--own-share", "--json"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     step = json.loads(proc.stdout)["trace_overhead"]["step"]
     assert step["recorder_calls_ms_per_step"] > 0 and 0 < step["recorder_calls_share"] < 0.5

@@ -1037,7 +1037,7 @@ class Recorder:
         them no more (it clips out of place, or is called after clipping) and gives the next step new ones
         (``zero_grad(set_to_none=True)``). The reference loop does so at step level, where it spares
         copying them (0.9 against 1.08 ms per step in the recorder), but not at module level, where its
-        step measured 1-3 points slower with them (see ``loop.py``).
+        steps measured up to 4 points slower with them (see ``loop.py``).
         """
         if copy not in (True, "checked"):
             raise ValueError(f"grads(copy={copy!r}): use True (copies) or 'checked' (the gradients themselves)")

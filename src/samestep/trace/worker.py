@@ -308,7 +308,8 @@ class ProcessWorker:
         """A batch as the child reads it: where each staged tensor lies, and the record columns. A live
         tensor the child cannot read as it lies (a conjugate view, a sparse or a strided quantized one) is
         described by its plain form, taken now and added to ``keep``; a change since it was recorded is
-        still caught by its version."""
+        still caught by its version. Spans of ``tensors`` that ``b.described`` holds descriptions of (a
+        state plan's: see recorder._StatePlan) are not described again."""
         packs = [(p.buf.data_ptr(), sum(rows_of(n) for n in p.nbytes) * ROW_BYTES, p.nbytes) for p in b.packs]
 
         def describe(t: Any) -> tuple:

@@ -224,8 +224,8 @@ class Parts:
             loss_sum = self.grads.reduce()[0]
             # The reduced gradients, recorded before clipping, which leaves them as they are (_clip): at step
             # level digested where they lie, which spares copying them (0.9 against 1.08 ms per step in the
-            # recorder); at module level copied, which measured faster there (module ratio 1.12-1.13x,
-            # against 1.13-1.16x where they lie: bench_trace.py, alternating, 3 x 2; cause not found).
+            # recorder); at module level copied, which measured faster there (module ratio 1.12-1.14x copied
+            # in nine runs, 1.13-1.17x where they lie in six: bench_trace.py, alternating; cause not found).
             rec.grads(self.named_params, copy="checked" if rec.level == "step" and not self.cfg.trace.copy else True)
             max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
             grad_norm = _clip(self.grads.params, max_norm)
