@@ -456,8 +456,8 @@ class _StatePlan:
     makes a new plan. It holds weak references: no replaced optimizer's state is kept alive.
     """
 
-    __slots__ = ("names", "refs", "lens", "keys", "mb", "order", "layout", "ops", "scopes", "heads", "count_keys",
-                 "unique", "descs")
+    __slots__ = ("names", "refs", "lens", "keys", "mb", "order", "layout", "ops", "scopes", "heads", "counts",
+                 "descs")
 
     def __init__(self, names: list[str], objs: list[torch.Tensor], lens: list[int], keys: list[str], mb: int,
                  order: list[int], tensors: list[torch.Tensor], ops: list[str], scopes: list[str], heads: list[bytes],
@@ -469,8 +469,8 @@ class _StatePlan:
         except (TypeError, RuntimeError):  # no weak reference, or no address (sparse): not kept (see state)
             self.refs, self.layout = [], None
         self.ops, self.scopes, self.heads, self.descs = ops, scopes, heads, descs
-        self.count_keys = [(mb, "step", scope, op) for op, scope in zip(ops, scopes)]
-        self.unique = len(set(self.count_keys)) == len(self.count_keys)
+        # the records' identities, each counted once (a dict keeps their hashes: see _record_many)
+        self.counts = dict.fromkeys([(mb, "step", scope, op) for op, scope in zip(ops, scopes)], 1)
 
     def matches(self, names: list[str], objs: list[torch.Tensor], lens: list[int], keys: list[str], mb: int) -> bool:
         """Whether the state walked now (as ``Recorder.state`` lists it) is the one this plan was made for
@@ -1195,13 +1195,12 @@ class Recorder:
         self._drain()
         b, n = self._b, len(tensors)
         if plan is None:
-            keys = [(self._mb, "step", scope, op) for op, scope in zip(ops, scopes)]
-            unique = len(set(keys)) == n
-        else:
-            keys, unique = plan.count_keys, plan.unique
-        if unique and self._counts.keys().isdisjoint(keys):  # as usual: each one once per step
+            counts = dict.fromkeys([(self._mb, "step", scope, op) for op, scope in zip(ops, scopes)], 1)
+        else:  # made once: updating from a dict reuses its keys' hashes, and isdisjoint walks the smaller one
+            counts = plan.counts
+        if len(counts) == n and self._counts.keys().isdisjoint(counts.keys()):  # as usual: each once per step
             occurrences = [0] * n
-            self._counts.update(dict.fromkeys(keys, 1))
+            self._counts.update(counts)
         else:
             occurrences = [self._occurrence("step", scope, op) for op, scope in zip(ops, scopes)]
         if slots is None:
