@@ -450,9 +450,9 @@ class _StatePlan:
     A training loop updates them in place, so every step but the first skips sorting the optimizer state,
     making the records' headers and describing each tensor for the process worker (``descs``; None if
     a tensor is not one it reads where it lies). Checking the plan costs about what it spares in ``state``
-    itself; the descriptions it spares are the gain: the reference model's step level spent 1.09-1.13 ms
-    per step in the recorder with plans, 1.18-1.23 ms without (bench_trace.py ``--levels step
-    --recorder-calls``, alternating, 3 x 2). Any change (a new optimizer, a loaded state, ``p.data = ...``)
+    itself; the descriptions it spares are the gain: when plans came in, the reference model's step level
+    spent 1.09-1.13 ms per step in the recorder with them, 1.18-1.23 ms without (bench_trace.py ``--levels
+    step --recorder-calls``, alternating, 3 x 2). Any change (a new optimizer, a loaded state, ``p.data = ...``)
     makes a new plan. It holds weak references: no replaced optimizer's state is kept alive.
     """
 
@@ -1110,8 +1110,8 @@ class Recorder:
             return
         named = list(model.named_parameters() if named_params is None else named_params)
         names = [name for name, _ in named]
-        # What identifies the state (see _StatePlan): the parameters, each one with optimizer state, its
-        # tensors and their keys (the parameter's own entries counted, tensors or not).
+        # What identifies the state (see _StatePlan): the parameters; each parameter with optimizer state,
+        # its number of entries (tensors or not), and its tensors and their keys.
         objs: list[torch.Tensor] = [p for _, p in named]
         lens: list[int] = []
         keys: list[str] = []
