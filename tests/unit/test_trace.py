@@ -481,7 +481,9 @@ def test_state_records_follow_parameters_and_optimizer_state_that_change_between
     """``state()`` keeps what it records from step to step (a plan: see recorder._StatePlan) and makes a new
     one when the tensors are other objects, lie otherwise at the same address, or have other keys: each
     record is the digest of the tensor as it was then. Negative control: a plan kept through those changes
-    records the old layouts and keys, which the same comparison catches."""
+    (until the number of tensors changes) records stale headers (head.weight's old shape at step 4) and,
+    where the child reads by the plan's descriptions, stale layouts (inner.0.weight read untransposed at
+    steps 3 and 4); the same comparison catches exactly those."""
     rows, truth, made = _state_through_changes(tmp_path / "a", worker)
     assert rows == truth
     assert made == 5  # steps 1, 3, 4, 5 and 6; steps 2 and 7 used the plan of the step before
@@ -490,8 +492,10 @@ def test_state_records_follow_parameters_and_optimizer_state_that_change_between
     monkeypatch.setattr(recorder_module, "_layout", lambda tensors: ())
     rows, truth, made = _state_through_changes(tmp_path / "b", worker)
     assert made == 3  # steps 1, 5 and 6: other numbers of tensors (head.weight has no state in the new optimizer)
-    wrong = {step for (step, *_), expected in zip(rows, truth) if (step, *_) != expected}
-    assert len(rows) != len(truth) or wrong
+    assert len(rows) == len(truth)
+    wrong = [row[:3] for row, expected in zip(rows, truth) if row != expected]
+    stale_layout = [(3, "inner.0.weight", "param"), (4, "inner.0.weight", "param")] if worker == "process" else []
+    assert wrong == [*stale_layout, (4, "head.weight", "param")]
 
 
 def test_module_outputs_in_dataclasses_dicts_and_tuples_are_recorded(tmp_path):

@@ -469,14 +469,18 @@ class _StatePlan:
         except (TypeError, RuntimeError):  # no weak reference, or no address (sparse): not kept (see state)
             self.refs, self.layout = [], None
         self.ops, self.scopes, self.heads, self.descs = ops, scopes, heads, descs
-        # the records' identities, each counted once (a dict keeps their hashes: see _record_many)
-        self.counts = dict.fromkeys([(mb, "step", scope, op) for op, scope in zip(ops, scopes)], 1)
+        self.counts = _step_counts(mb, ops, scopes)  # a dict keeps its keys' hashes: see _record_many
 
     def matches(self, names: list[str], objs: list[torch.Tensor], lens: list[int], keys: list[str], mb: int) -> bool:
         """Whether the state walked now (as ``Recorder.state`` lists it) is the one this plan was made for
         (the layouts aside: see ``_layout``)."""
         return (mb == self.mb and lens == self.lens and keys == self.keys and names == self.names
                 and len(objs) == len(self.refs) and all(map(operator.is_, objs, [r() for r in self.refs])))
+
+
+def _step_counts(mb: int, ops: list[str], scopes: list[str]) -> dict[tuple, int]:
+    """Step records' identities (``Recorder._occurrence``'s keys), each counted once."""
+    return dict.fromkeys([(mb, "step", scope, op) for op, scope in zip(ops, scopes)], 1)
 
 
 def _layout(tensors: list[torch.Tensor]) -> tuple[list, ...]:
@@ -1068,7 +1072,10 @@ class Recorder:
                 continue  # copied one by one
             sizes, keep, lo, hi = split
             flat = group[0][2].detach().as_strided((hi - lo,), (1,), lo)
-            if checked:  # the buffer itself, checked unchanged for the first of its records
+            # The buffer itself, checked unchanged for the first of its records: _checked_slot's bookkeeping,
+            # without its slot (the pieces below are the slots); not shared, since _checked_slot runs per
+            # module output and a call more there costs every module-level step.
+            if checked:
                 b = self._b
                 b.check_live.append(flat)
                 b.check_version.append(flat._version)
@@ -1194,10 +1201,8 @@ class Recorder:
         The columns grow by whole lists (a few list operations, not a dozen per record)."""
         self._drain()
         b, n = self._b, len(tensors)
-        if plan is None:
-            counts = dict.fromkeys([(self._mb, "step", scope, op) for op, scope in zip(ops, scopes)], 1)
-        else:  # made once: updating from a dict reuses its keys' hashes, and isdisjoint walks the smaller one
-            counts = plan.counts
+        # a plan's are made once: updating from a dict reuses its keys' hashes, and isdisjoint walks the smaller
+        counts = _step_counts(self._mb, ops, scopes) if plan is None else plan.counts
         if len(counts) == n and self._counts.keys().isdisjoint(counts.keys()):  # as usual: each once per step
             occurrences = [0] * n
             self._counts.update(counts)
