@@ -22,7 +22,7 @@ import time
 import torch
 
 import samestep.ops as ops
-from samestep.trace.digest import digest
+from samestep.digests import digest
 
 
 def _sync(device: str) -> None:

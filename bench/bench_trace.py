@@ -33,8 +33,8 @@ import torch
 import samestep
 from samestep.analysis import diff_runs
 from samestep.data import load_corpus
-from samestep.trace.digest import _lanes
-from samestep.trace.stream import FORMAT, SCHEMA, VERSION, stream_path
+from samestep.digests.rows import lanes
+from samestep.tracing.stream import FORMAT, SCHEMA, VERSION, stream_path
 from samestep.train import load_config
 from samestep.train.loop import build
 
@@ -50,7 +50,7 @@ def digest_throughput(threads: int, device: str = "cpu") -> dict:
     sizes = (1 << 20, 1 << 24) if device == "cpu" else (1 << 20, 1 << 24, 1 << 28)
     for n in sizes:
         x = torch.randn(n, device=device)
-        _lanes(x)
+        lanes(x)
         ratios = []
         for _ in range(5):
             _sync(device)
@@ -58,7 +58,7 @@ def digest_throughput(threads: int, device: str = "cpu") -> dict:
             x.clone()
             _sync(device)
             t1 = time.perf_counter()
-            _lanes(x)
+            lanes(x)
             _sync(device)
             t2 = time.perf_counter()
             ratios.append((t1 - t0) / (t2 - t1))
@@ -77,34 +77,37 @@ def median_ci(ratios: list[float], rounds: int = 2000) -> list[float]:
 def own_share() -> None:
     """Makes the worker process drop every batch after the training thread has described and serialised
     it: what is left of the overhead is the training thread's own share."""
-    worker = importlib.import_module("samestep.trace.worker").ProcessWorker
+    worker = importlib.import_module("samestep.tracing.process_worker").ProcessWorker
     worker.submit = lambda self, b, events: self._payload(b, [])
 
 
-# The recorder's entry points a training loop calls (and _drain, where the module level's records are made
-# when a microbatch ends): the time spent inside them is the training thread's own share, measured
-# directly in the loop instead of as the difference of two noisy step times.
-_RECORDER_CALLS = ("grads", "state", "metric", "flush", "record", "collective", "_drain")
+# The recorder's entry points a training loop calls (and ModuleRecords.drain, where the module level's
+# records are made when a microbatch ends): the time spent inside them is the training thread's own share,
+# measured directly in the loop instead of as the difference of two noisy step times.
+_RECORDER_CALLS = (("recorder", "Recorder", ("grads", "state", "metric", "flush", "record", "collective")),
+                   ("module_level", "ModuleRecords", ("drain",)))
 
 
 def time_recorder_calls() -> dict[int, float]:
     """Wraps the recorder's entry points; the returned dict sums, per recorder (by id), the seconds spent
     inside its outermost calls. Module hooks and the op-level dispatch mode are not included."""
-    recorder = importlib.import_module("samestep.trace.recorder").Recorder
     spent: dict[int, float] = {}
     depth = [0]
-    for name in _RECORDER_CALLS:
-        def timed(self, *args, _f=getattr(recorder, name), **kwargs):
-            if depth[0]:
-                return _f(self, *args, **kwargs)
-            depth[0] = 1
-            t0 = time.perf_counter()
-            try:
-                return _f(self, *args, **kwargs)
-            finally:
-                spent[id(self)] = spent.get(id(self), 0.0) + time.perf_counter() - t0
-                depth[0] = 0
-        setattr(recorder, name, timed)
+    for module, cls_name, names in _RECORDER_CALLS:
+        cls = getattr(importlib.import_module(f"samestep.tracing.{module}"), cls_name)
+        for name in names:
+            def timed(self, *args, _f=getattr(cls, name), **kwargs):
+                if depth[0]:
+                    return _f(self, *args, **kwargs)
+                depth[0] = 1
+                t0 = time.perf_counter()
+                try:
+                    return _f(self, *args, **kwargs)
+                finally:
+                    key = id(getattr(self, "rec", self))  # a level's helper counts for its recorder
+                    spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
+                    depth[0] = 0
+            setattr(cls, name, timed)
     return spent
 
 
@@ -164,13 +167,13 @@ _NONSTOP = """
 import importlib, json, sys
 import torch
 torch.set_num_threads(1)
-worker = importlib.import_module("samestep.trace.worker")
+child = importlib.import_module("samestep.tracing.process_child")
 pid, group, spans = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3])
-worker.GROUP_BYTES = group or worker.GROUP_BYTES
-reader = worker._Reader(pid)
+child.GROUP_BYTES = group or child.GROUP_BYTES
+reader = child.Reader(pid)
 spans = [tuple(s) for s in spans]
 while True:
-    worker._digest(reader, [], spans)
+    child.digest_described(reader, [], spans)
 """
 
 
@@ -301,7 +304,7 @@ def main() -> int:
     if args.own_share:
         own_share()
     spent = time_recorder_calls() if args.recorder_calls else None
-    importlib.import_module("samestep.trace.digest").TRITON = args.digest_triton  # in this process
+    importlib.import_module("samestep.digests.rows").TRITON = args.digest_triton  # in this process
     # the overhead first: samestep.enable() must run before CUDA starts (the digest timing would start it)
     overhead = trace_overhead(args.pairs, args.steps, args.set, args.levels.split(","), args.device, spent)
     result = {"digest": digest_throughput(2, args.device), "trace_overhead": overhead,

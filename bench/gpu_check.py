@@ -31,7 +31,9 @@ from pathlib import Path
 import torch
 from bench_trace import digest_throughput  # bench/ is this script's directory
 
-dg = importlib.import_module("samestep.trace.digest")  # the module (samestep.trace.digest is also a function)
+from samestep.digests import digest, digest_many
+
+dg = importlib.import_module("samestep.digests.rows")  # the paths and their switches
 
 SECTIONS = ("env", "digest", "kernels", "train", "bench", "suite")
 
@@ -83,19 +85,19 @@ def check_env() -> dict:
 
 def check_digest(dev: torch.device) -> dict:
     cases = _cases()
-    cpu = {k: dg.digest(f("cpu")) for k, f in cases.items()}
+    cpu = {k: digest(f("cpu")) for k, f in cases.items()}
     out: dict = {"int8_path_on_cuda": dg._int_weights(dev) is not None, "cases": len(cases),
                  "default_path_on_cuda": "triton" if dg._use_triton(dev) else "torch"}
-    gpu = {k: dg.digest(f(dev)) for k, f in cases.items()}
+    gpu = {k: digest(f(dev)) for k, f in cases.items()}
     out["mismatch_default_path"] = [k for k in cases if gpu[k] != cpu[k]]
     out["triton_fallback_warned"] = dev in dg._triton_failed
     saved, mode = dg._int_cache.get(dev), dg.TRITON
     try:
         dg.TRITON = "off"  # the int8 path
-        gpu8 = {k: dg.digest(f(dev)) for k, f in cases.items()}
+        gpu8 = {k: digest(f(dev)) for k, f in cases.items()}
         out["mismatch_int8_path"] = [k for k in cases if gpu8[k] != cpu[k]]
         dg._int_cache[dev] = None  # the float64 path
-        gpu64 = {k: dg.digest(f(dev)) for k, f in cases.items()}
+        gpu64 = {k: digest(f(dev)) for k, f in cases.items()}
         out["mismatch_float64_path"] = [k for k in cases if gpu64[k] != cpu[k]]
     finally:
         dg._int_cache[dev], dg.TRITON = saved, mode
@@ -109,12 +111,12 @@ def check_digest(dev: torch.device) -> dict:
         finally:
             dg.TRITON = mode
     names = sorted(cases)
-    many = dg.digest_many([cases[k](dev) for k in names])
+    many = digest_many([cases[k](dev) for k in names])
     out["mismatch_digest_many"] = [k for k, d in zip(names, many) if d != cpu[k]]
     # negative control: one flipped bit in the 20 MiB tensor on the GPU changes its digest
     t = cases["big_20MiB"](dev).clone()
     t.view(torch.int32)[1234, 67] ^= 1
-    out["flipped_bit_detected"] = dg.digest(t) != cpu["big_20MiB"]
+    out["flipped_bit_detected"] = digest(t) != cpu["big_20MiB"]
     out["distinct_digests"] = len(set(cpu.values()))
     out["ok"] = (not out["mismatch_default_path"] and not out["mismatch_int8_path"]
                  and not out["mismatch_float64_path"] and not out["mismatch_digest_many"]
@@ -125,20 +127,20 @@ def check_digest(dev: torch.device) -> dict:
     # a step-like batch: 200 tensors (13 MB) -> how many device-to-host copies and synchronisations
     g = torch.Generator().manual_seed(1)
     batch = [torch.randn(int(n), generator=g).to(dev) for n in torch.randint(1, 40000, (200,), generator=g)]
-    dg.digest_many(batch)
+    digest_many(batch)
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            dg.digest_many(batch)
+            digest_many(batch)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     out["sync_warnings_batch_of_200"] = len(caught)
     out["sync_warning_kinds"] = sorted({str(w.message).splitlines()[0][:120] for w in caught})
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        dg.digest_many(batch)
+        digest_many(batch)
         torch.cuda.synchronize()
     counts: dict[str, int] = {}
     for e in prof.events():
@@ -149,7 +151,7 @@ def check_digest(dev: torch.device) -> dict:
     for _ in range(10):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        dg.digest_many(batch)
+        digest_many(batch)
         times.append(time.perf_counter() - t0)
     out["batch_of_200_ms_median"] = round(1000 * sorted(times)[5], 2)
     return out

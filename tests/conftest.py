@@ -63,7 +63,7 @@ def metrics_bytes(run_dir: Path) -> bytes:
 
 
 def traced_step(rec, model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, microbatches, forward) -> None:
-    """One step of a user's own loop traced as trace/recorder.py says: ``microbatches`` is
+    """One step of a user's own loop traced as tracing/recorder.py says: ``microbatches`` is
     ``[(index, input)]``, ``forward(input)`` returns the loss (``model`` may sit inside it, e.g. in DDP)."""
     with rec.step(step):
         for index, x in microbatches:

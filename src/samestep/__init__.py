@@ -4,19 +4,31 @@
     samestep.enable()                       # deterministic mode, validated, reversible
     samestep.save_checkpoint(root, step, model=model, optimizer=opt, data_cursor=cursor)
     samestep.load_checkpoint(root, model=model, optimizer=opt, data_cursor=cursor, fallback=True)
+    rec = samestep.trace(run_dir, level="step")   # per-rank trace streams for samestep diff
+
+``samestep.trace`` loads the recorder (and pyarrow) when first used: ``import samestep`` stays light.
 """
+
+from typing import Any
 
 from samestep import rng
 from samestep.checkpoint import CheckpointError, LoadedCheckpoint, load_checkpoint, save_checkpoint, verify_checkpoint
+from samestep.digests import digest, digest_many
 from samestep.env import compare_environments, environment
 from samestep.mode import DeterminismReport, disable, enable, is_enabled
 from samestep.rng import capture_rng, restore_rng
-from samestep.trace import digest, digest_many, trace
-
-__version__ = "0.1.0"
+from samestep.version import __version__
 
 __all__ = [
     "CheckpointError", "DeterminismReport", "LoadedCheckpoint", "__version__", "capture_rng", "compare_environments",
     "digest", "digest_many", "disable", "enable", "environment", "is_enabled", "load_checkpoint", "restore_rng", "rng",
     "save_checkpoint", "trace", "verify_checkpoint",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "trace":
+        from samestep.tracing.start import trace
+
+        return trace
+    raise AttributeError(f"module 'samestep' has no attribute {name!r}")

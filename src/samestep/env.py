@@ -1,6 +1,6 @@
 """Environment fingerprint: everything the determinism contract depends on, as a flat dict.
 
-Bitwise determinism holds within one environment (DESIGN.md, "The promise"). Every run and every
+Bitwise determinism holds within one environment (docs/design.md, "The contract"). Every run and every
 checkpoint records ``environment()``; ``compare_environments(a, b)`` names the fields that differ.
 """
 

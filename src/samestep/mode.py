@@ -219,7 +219,7 @@ def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool
     report.knobs.append(Knob("torch.num_threads", saved["threads"], threads,
                              "sums and layer-norm grads depend on the thread count"))
     if kernels and saved.get("kernel_mode") is None:
-        from samestep.ops.routing import KernelMode  # ops sits above core; imported only when asked for
+        from samestep.ops.routing import KernelMode  # loaded only when asked for (kernels=True)
 
         saved["kernel_mode"] = KernelMode()
         saved["kernel_mode"].__enter__()

@@ -1,6 +1,6 @@
 """Randomness: counter-keyed draws, and complete capture/restore of every RNG a user loop may touch.
 
-DESIGN invariant 1: every random draw is a pure function of (seed, step, global microbatch index,
+docs/design.md, invariant 1: every random draw is a pure function of (seed, step, global microbatch index,
 purpose), never of the rank, the world size or how many draws another stream made before. Resume and
 re-layout then need no RNG replay:
 

@@ -168,7 +168,7 @@ class Golden:
 
     def check(self, name: str, result: Any) -> None:
         """Compares the digests of ``result``'s tensors with the pinned ones (recording them if new)."""
-        from samestep.trace.digest import digest_many
+        from samestep.digests import digest_many
 
         digests = digest_many(_outputs(result))
         entry = self.data["environments"].setdefault(self.env_key, {"fields": self.fields, "digests": {}})

@@ -1,6 +1,5 @@
-"""The bench scripts run where CI does: the GPU check script's CPU-capable sections work (a session
-that is lent a GPU does not spend device time on a broken script), and so does the worker contention
-bench."""
+"""The bench scripts run where CI does: the GPU check script's CPU-capable sections work (device time
+is not spent on a broken script), and so does the worker contention bench."""
 
 from __future__ import annotations
 

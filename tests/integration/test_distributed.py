@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import samestep
 from samestep.distributed import canonical_sum, combine_across_ranks, ring_allreduce_bytes
-from samestep.trace import Perturb
+from samestep.tracing import Perturb
 from tests.conftest import traced_step
 
 pytestmark = pytest.mark.slow
@@ -119,7 +119,7 @@ def test_ddp_comm_hook_records_each_bucket_and_diff_blames_the_rank_that_changed
     in C++ without bumping version counters, and its all-reduces finish on gloo's thread; and a ULP planted
     on rank 1 is the origin there while rank 0 only receives it."""
     from samestep.analysis import diff_runs
-    from samestep.trace import read_stream, stream_path
+    from samestep.tracing import read_stream, stream_path
 
     runs = {}
     for name, variant in (("a", "traced"), ("b", "view"), ("c", "changed"), ("plain", "untraced"), ("opa", "op"),
@@ -162,7 +162,7 @@ def test_ddp_comm_hook_records_each_bucket_and_diff_blames_the_rank_that_changed
 
 def _fsdp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: str) -> None:
     """Three steps of a small model sharded by FSDP2 (``fully_shard``: parameters, gradients and optimizer
-    state are DTensors) over gloo, traced as trace/recorder.py says (``variant``: "step", "module", "op",
+    state are DTensors) over gloo, traced as tracing/recorder.py says (``variant``: "step", "module", "op",
     "changed" (step level; rank 1's data differs at step 2) or "untraced"); writes the final local shards'
     bits and the digest of this rank's shard of the first weight."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -200,7 +200,7 @@ def test_fsdp2_sharded_state_is_traced_as_each_rank_shard(tmp_path):
     changes at step 2, rank 1 holds the origin while rank 0's first difference is the reduce-scatter
     whose local input matched (a receiver)."""
     from samestep.analysis import diff_runs
-    from samestep.trace import read_stream, stream_path
+    from samestep.tracing import read_stream, stream_path
 
     runs = {}
     for name in ("untraced", "step", "step2", "module", "op", "changed"):

@@ -9,7 +9,7 @@ import torch
 import samestep
 import samestep.ops as ops
 from samestep.testing import assert_replays_bit_exact, count_differing_replays, first_difference
-from samestep.trace import digest_many
+from samestep.digests import digest_many
 from tests.kernels.cases import make_cases
 
 V, D, N = 256, 128, 2048  # N * D >= 32768: PyTorch's CPU index_put_ accumulate races at this size

@@ -66,10 +66,11 @@ def test_both_strategies_past_one_tile(backend, monkeypatch, strategy):
 
 
 def test_digest_kernel_matches_the_other_paths(monkeypatch):
-    """The fused digest kernel (digest_triton) gives the default path's digests bit for bit: extreme
+    """The fused digest kernel (digests.triton_rows) gives the default path's digests bit for bit: extreme
     words, rows across program blocks, a short last row, the higher levels, packed small tensors; a
     flipped bit shows (negative control)."""
-    dg = importlib.import_module("samestep.trace.digest")  # the module (samestep.trace.digest is also a function)
+    dg = importlib.import_module("samestep.digests")
+    rows = importlib.import_module("samestep.digests.rows")
     g = torch.Generator().manual_seed(5)
     data = torch.randint(0, 256, (41 * 512 + 7,), dtype=torch.uint8, generator=g)
     data[:512] = 0x80  # words 0x8080 (-32640), then 0x7F7F, -1 and 0 rows
@@ -80,7 +81,7 @@ def test_digest_kernel_matches_the_other_paths(monkeypatch):
     data[2050:2052] = torch.tensor([0xFF, 0x7F], dtype=torch.uint8)  # 32767
     tensors = [data, torch.randn(3000, generator=g), torch.tensor(2.5), torch.empty(0), torch.randn(40, 17).t()]
     ref = [dg.digest(t) for t in tensors]  # the default path on CPU
-    monkeypatch.setattr(dg, "TRITON", "on")
+    monkeypatch.setattr(rows, "TRITON", "on")
     assert [dg.digest(t.to(DEVICE)) for t in tensors] == ref
     assert dg.digest_many([t.to(DEVICE) for t in tensors]) == ref
     flipped = data.clone()

@@ -29,7 +29,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from samestep.ops import triton_kernels as tk
-from samestep.trace import digest_triton as dt
+from samestep.digests import triton_rows as dt
 
 
 @triton.jit

@@ -46,7 +46,7 @@ def test_bad_toml_file_is_named(tmp_path):
 
 def test_more_local_ranks_than_gpus_is_refused_with_the_fix(monkeypatch):
     """train.device=cuda with local rank 1 on a 1-GPU machine: a clear error naming the GPU count and the
-    fix (seen on an H200 machine, where torchrun --nproc 2 used to fail deep inside CUDA)."""
+    fix (without the check, torchrun --nproc 2 on a 1-GPU machine fails deep inside CUDA)."""
     import torch
 
     from samestep.train.loop import _Distributed
@@ -68,7 +68,8 @@ def test_every_trace_field_is_classified_for_resume_and_diff():
     trace.perturb; a new field must be put on one side (this fails until it is)."""
     import dataclasses
 
-    from samestep.train.config import NUMERICS_NEUTRAL, TraceConfig
+    from samestep.rundir import NUMERICS_NEUTRAL
+    from samestep.train.config import TraceConfig
 
     fields = {f"trace.{f.name}" for f in dataclasses.fields(TraceConfig)}
     assert fields - NUMERICS_NEUTRAL == {"trace.perturb"}

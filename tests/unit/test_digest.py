@@ -9,9 +9,11 @@ import struct
 import pytest
 import torch
 
-from samestep.trace.digest import PRIMES, _weight_table, digest, digest_many
+import samestep.digests as digests
+from samestep.digests import digest, digest_many
+from samestep.digests.spec import PRIMES, weight_table
 
-digest_module = importlib.import_module("samestep.trace.digest")  # the module, not the function it exports
+rows_module = importlib.import_module("samestep.digests.rows")
 
 VECTORS = [
     (lambda: torch.tensor([], dtype=torch.float32), "508e9f911f0522e6a654cc11b9fc4100"),
@@ -42,7 +44,7 @@ def _reference(t: torch.Tensor) -> str:
     if len(data) % 2:
         data += b"\0"
     words = list(struct.unpack(f"<{len(data) // 2}h", data))
-    table = _weight_table()
+    table = weight_table()
     while True:
         rows = max(1, -(-len(words) // 256))
         words += [0] * (rows * 256 - len(words))
@@ -99,15 +101,15 @@ def test_int8_and_float64_paths_agree_on_extreme_words(monkeypatch):
     """The int8 product (with its digit split and recombination) equals the float64 product on every
     word value, the extremes -32768 and 32767 included, across blocks and a short last block."""
     g = torch.Generator().manual_seed(4)
-    rows = digest_module.BLOCK_ROWS + 40
+    rows = rows_module.BLOCK_ROWS + 40
     data = torch.randint(0, 256, (rows * 512 + 3,), dtype=torch.uint8, generator=g)
     data[:512] = 0x80  # words 0x8080 and
     data[512:1024] = 0x7F  # 0x7F7F, then all-ones and all-zeros rows
     data[1024:1536] = 0xFF
     data[1536:2048] = 0x00
-    assert digest_module._int_weights(data.device) is not None  # this machine has the int8 product
+    assert rows_module._int_weights(data.device) is not None  # this machine has the int8 product
     fast = digest(data)
-    monkeypatch.setitem(digest_module._int_cache, data.device, None)
+    monkeypatch.setitem(rows_module._int_cache, data.device, None)
     assert digest(data) == fast
     data[5] ^= 1  # negative control: the comparison sees one flipped bit
     assert digest(data) != fast
@@ -118,11 +120,11 @@ def test_block_size_does_not_matter(monkeypatch):
     last block; a flipped bit still shows (negative control)."""
     data = torch.randn(300_001, generator=torch.Generator().manual_seed(9))  # 4688 rows and a short one
     ref = digest(data)
-    for rows in (37, digest_module.GPU_BLOCK_ROWS):
-        monkeypatch.setattr(digest_module, "BLOCK_ROWS", rows)
+    for rows in (37, rows_module.GPU_BLOCK_ROWS):
+        monkeypatch.setattr(rows_module, "BLOCK_ROWS", rows)
         assert digest(data) == ref
         with monkeypatch.context() as m:
-            m.setitem(digest_module._int_cache, data.device, None)
+            m.setitem(rows_module._int_cache, data.device, None)
             assert digest(data) == ref
     flipped = data.clone()
     flipped.view(torch.int32)[123_457] ^= 1
@@ -160,19 +162,19 @@ def test_batched_levels_equal_the_per_tensor_recursion():
     ts += [torch.randn(300, 301, generator=g).t(), torch.randn(1_100_000, generator=g),  # a view; one hashed in place
            torch.randn(3, generator=g).to(torch.complex64), torch.tensor(7, dtype=torch.int16)]
     ts += [torch.randn(25_000 + k, generator=g) for k in range(30)]  # several packing groups
-    expected = [digest_module._lanes(t).tolist() for t in ts]
-    assert digest_module.lanes_many(ts) == expected
-    assert digest_module.lanes_many(ts[::-1]) == expected[::-1]
-    packed = digest_module.Packed(torch.full((sum(digest_module.rows_of(t.numel()) for t in ts[:12]) * 512,), 0xAB,
+    expected = [rows_module.lanes(t).tolist() for t in ts]
+    assert digests.lanes_many(ts) == expected
+    assert digests.lanes_many(ts[::-1]) == expected[::-1]
+    packed = digests.Packed(torch.full((sum(digests.rows_of(t.numel()) for t in ts[:12]) * 512,), 0xAB,
                                              dtype=torch.uint8), [t.numel() for t in ts[:12]])
     offset = 0
     for t in ts[:12]:  # pads start dirty (0xAB): lanes_packed zeroes them
         if t.numel():
-            digest_module.pack_into(packed.buf, offset, t)
-        offset += digest_module.rows_of(t.numel()) * 512
-    assert digest_module.lanes_packed([packed], ts[12:]) == expected
+            digests.pack_into(packed.buf, offset, t)
+        offset += digests.rows_of(t.numel()) * 512
+    assert digests.lanes_packed([packed], ts[12:]) == expected
     ts[9][-1] ^= 1  # negative control: one bit of one tensor
-    assert digest_module.lanes_many(ts) != expected
+    assert digests.lanes_many(ts) != expected
 
 
 def test_concurrent_digests_in_threads_match_serial_ones():
@@ -198,21 +200,21 @@ def test_a_triton_kernel_that_fails_falls_back_with_a_warning(monkeypatch):
 
     data = torch.randn(20_000, generator=torch.Generator().manual_seed(6))
     ref = digest(data)
-    broken = types.ModuleType("samestep.trace.digest_triton")
+    broken = types.ModuleType("samestep.digests.triton_rows")
 
     def level_rows(*args):
         raise RuntimeError("no kernel image is available for execution on the device")
 
     broken.level_rows = level_rows
-    monkeypatch.setitem(sys.modules, "samestep.trace.digest_triton", broken)
-    monkeypatch.setattr(digest_module, "_triton_failed", set())
-    monkeypatch.setattr(digest_module, "_TRITON_DEVICE_TYPES", ("cpu",))  # "auto" tries the kernel here
-    monkeypatch.setattr(digest_module, "_HAVE_TRITON", True)
+    monkeypatch.setitem(sys.modules, "samestep.digests.triton_rows", broken)
+    monkeypatch.setattr(rows_module, "_triton_failed", set())
+    monkeypatch.setattr(rows_module, "_TRITON_DEVICE_TYPES", ("cpu",))  # "auto" tries the kernel here
+    monkeypatch.setattr(rows_module, "_HAVE_TRITON", True)
     with pytest.warns(RuntimeWarning, match=r"Triton kernel failed on cpu \(RuntimeError: no kernel.*same digests"):
         assert digest(data) == ref
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per device
         assert digest(data) == ref
-    monkeypatch.setattr(digest_module, "TRITON", "on")
+    monkeypatch.setattr(rows_module, "TRITON", "on")
     with pytest.raises(RuntimeError, match="no kernel image"):
         digest(data)

@@ -10,7 +10,8 @@ import torch
 
 import samestep
 from samestep.data import load_corpus
-from samestep.trace import digest, read_stream, stream_path
+from samestep.digests import digest
+from samestep.tracing import read_stream, stream_path
 from samestep.train import load_config
 from samestep.train import loop as loop_module
 from tests.conftest import TINY

@@ -12,12 +12,15 @@ import torch
 
 import samestep
 from samestep.analysis import DiffError, certify_trace, diff_runs
-from samestep.trace import Perturb, Recorder, digest, parse_selection, read_stream, stream_path
-from samestep.trace.recorder import format_selection
-from samestep.trace.stream import FORMAT, SCHEMA, StreamWriter
+from samestep.digests import digest
+from samestep.tracing import Perturb, Recorder, format_selection, parse_selection, read_stream, stream_path
+from samestep.tracing.stream import FORMAT, SCHEMA, StreamWriter
 from tests.conftest import traced_step
 
-recorder_module = importlib.import_module("samestep.trace.recorder")
+staging_module = importlib.import_module("samestep.tracing.staging")
+module_level = importlib.import_module("samestep.tracing.module_level")
+step_level = importlib.import_module("samestep.tracing.step_level")
+hooks_module = importlib.import_module("samestep.tracing.hooks")
 
 
 class Tiny(torch.nn.Module):
@@ -133,7 +136,7 @@ def test_inference_mode_inside_a_traced_microbatch_records_what_no_grad_does(tmp
 
 @pytest.mark.parametrize("worker", ["process", "thread"])
 def test_sparse_quantized_nested_and_meta_tensors_are_recorded_by_their_value(tmp_path, worker):
-    """Tensors whose bytes cannot be copied as they are no longer fail the run: a sparse tensor is
+    """Tensors whose bytes cannot be copied as they are do not fail the run: a sparse tensor is
     digested as its dense form, a quantized one as its integer values, a nested one as its components
     joined, a meta one by its header alone; at step level too (an embedding's sparse gradient)."""
     import warnings
@@ -304,9 +307,9 @@ def test_flushing_after_every_record_writes_the_same_stream(tmp_path, monkeypatc
     sequence numbers carried over, module records made as soon as the hooks note them) give the same
     records as one batch per step."""
     _record(tmp_path / "whole", level)
-    monkeypatch.setattr(recorder_module, "FLUSH_BYTES", 0)
-    monkeypatch.setattr(recorder_module, "PENDING_BYTES", 0)  # module records made as soon as noted
-    monkeypatch.setattr(recorder_module, "CHUNK_BYTES", 4096)  # and many small chunks
+    monkeypatch.setattr(staging_module, "FLUSH_BYTES", 0)
+    monkeypatch.setattr(module_level, "PENDING_BYTES", 0)  # module records made as soon as noted
+    monkeypatch.setattr(staging_module, "CHUNK_BYTES", 4096)  # and many small chunks
     _record(tmp_path / "cut", level)
     _record(tmp_path / "other", level, scale=1.0 + 2**-20)  # negative control: another input, also cut
     whole, cut, other = (read_stream(stream_path(tmp_path / d, 0)) for d in ("whole", "cut", "other"))
@@ -441,13 +444,13 @@ def _state_through_changes(run: Path, worker: str) -> tuple[list[tuple], list[tu
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     rec = Recorder(run, level="step", worker=worker)
     made = [0]
-    plan_state = rec._plan_state
+    plan_state = rec._steps.plan_state
 
     def counted(*args):
         made[0] += 1
         return plan_state(*args)
 
-    rec._plan_state = counted
+    rec._steps.plan_state = counted
     truth = []
     for step in range(1, 8):
         with rec.step(step):
@@ -478,7 +481,7 @@ def _state_through_changes(run: Path, worker: str) -> tuple[list[tuple], list[tu
 
 @pytest.mark.parametrize("worker", ["process", "thread"])
 def test_state_records_follow_parameters_and_optimizer_state_that_change_between_steps(tmp_path, worker, monkeypatch):
-    """``state()`` keeps what it records from step to step (a plan: see recorder._StatePlan) and makes a new
+    """``state()`` keeps what it records from step to step (a plan: see step_level.StatePlan) and makes a new
     one when the tensors are other objects, lie otherwise at the same address, or have other keys: each
     record is the digest of the tensor as it was then. Negative control: a plan kept through those changes
     (until the number of tensors changes) records stale headers (head.weight's old shape at step 4) and,
@@ -487,9 +490,9 @@ def test_state_records_follow_parameters_and_optimizer_state_that_change_between
     rows, truth, made = _state_through_changes(tmp_path / "a", worker)
     assert rows == truth
     assert made == 5  # steps 1, 3, 4, 5 and 6; steps 2 and 7 used the plan of the step before
-    monkeypatch.setattr(recorder_module._StatePlan, "matches", lambda self, names, objs, *rest: len(objs) == len(
+    monkeypatch.setattr(step_level.StatePlan, "matches", lambda self, names, objs, *rest: len(objs) == len(
         self.refs))
-    monkeypatch.setattr(recorder_module, "_layout", lambda tensors: ())
+    monkeypatch.setattr(step_level, "layout", lambda tensors: ())
     rows, truth, made = _state_through_changes(tmp_path / "b", worker)
     assert made == 3  # steps 1, 5 and 6: other numbers of tensors (head.weight has no state in the new optimizer)
     assert len(rows) == len(truth)
@@ -570,7 +573,7 @@ def test_module_gradient_hooks_behave_like_register_hook():
     for t in (w * 2.0, w):
         ran = []
         first = t.register_hook(lambda g: ran.append("user 1"))
-        recorder_module._grad_hook(t, lambda g: ran.append("samestep"))
+        hooks_module.grad_hook(t, lambda g: ran.append("samestep"))
         t.register_hook(lambda g: ran.append("user 2"))
         removed = t.register_hook(lambda g: ran.append("removed"))
         removed.remove()
@@ -627,15 +630,15 @@ def test_noted_module_records_keep_a_bounded_amount_alive(tmp_path, monkeypatch,
     a microbatch's activations are not all held (here: 0 bytes, nothing stays noted). Negative control:
     under the default bound the five outputs of a forward stay noted until the microbatch ends."""
     if bound is not None:
-        monkeypatch.setattr(recorder_module, "PENDING_BYTES", bound)
+        monkeypatch.setattr(module_level, "PENDING_BYTES", bound)
     model = Tiny()
     rec = Recorder(tmp_path, level="module")
     rec.attach(model)
     with rec.step(1):
         with rec.microbatch(0):
             model(torch.ones(2, 4))
-            assert len(rec._pending) == (5 if bound is None else 0)
-        assert not rec._pending  # the microbatch's end drains
+            assert len(rec._modules.pending) == (5 if bound is None else 0)
+        assert not rec._modules.pending  # the microbatch's end drains
     rec.close()
     assert read_stream(stream_path(tmp_path, 0)).table.num_rows == 5
 

@@ -9,9 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from samestep.trace import Recorder, digest, read_stream, stream_path
+import samestep.digests as digests
+from samestep.digests import digest
+from samestep.tracing import Recorder, read_stream, stream_path
 
-worker_module = importlib.import_module("samestep.trace.worker")
+worker_module = importlib.import_module("samestep.tracing.process_worker")
+child_module = importlib.import_module("samestep.tracing.process_child")
+rows_module = importlib.import_module("samestep.digests.rows")
 
 
 class Mixed(torch.nn.Module):
@@ -150,22 +154,21 @@ def test_the_child_reads_and_hashes_in_groups_with_the_lanes_of_the_whole(monkey
     """The child reads a chunk of staged copies whole and the contiguous tensors in groups (one buffer,
     reused); at any group and block size the lanes are those of the tensors themselves. Negative control:
     one changed element changes that tensor's lanes, and only those."""
-    digest_module = importlib.import_module("samestep.trace.digest")
     g = torch.Generator().manual_seed(5)
     copied = [torch.randn(n, generator=g) for n in (100, 0, 3000, 1)]
     chunk, at = torch.full((1 << 16,), 7, dtype=torch.uint8), 0  # its padding is not zero, as in a reused chunk
     for t in copied:
-        digest_module.pack_into(chunk, at, t)
-        at += digest_module.rows_of(t.nbytes) * digest_module.ROW_BYTES
+        digests.pack_into(chunk, at, t)
+        at += digests.rows_of(t.nbytes) * digests.ROW_BYTES
     packs = [(chunk.data_ptr(), at, [t.nbytes for t in copied])]
     tensors = [torch.randn(n, generator=g) for n in (1, 0, 300, 128, 5000, 7, 70000, 0, 129)]
     entries = [(t.data_ptr(), t.nbytes) for t in tensors]
-    whole = digest_module.lanes_many(copied + tensors)
-    reader = worker_module._Reader(os.getpid())  # reading this process's own memory
+    whole = digests.lanes_many(copied + tensors)
+    reader = child_module.Reader(os.getpid())  # reading this process's own memory
     for group, block in ((1 << 40, 4096), (1024, 2), (4096, 32), (600, 1)):
-        monkeypatch.setattr(worker_module, "GROUP_BYTES", group)
-        monkeypatch.setattr(digest_module, "BLOCK_ROWS", block)
-        assert worker_module._digest(reader, packs, entries) == whole, (group, block)
+        monkeypatch.setattr(child_module, "GROUP_BYTES", group)
+        monkeypatch.setattr(rows_module, "BLOCK_ROWS", block)
+        assert child_module.digest_described(reader, packs, entries) == whole, (group, block)
     tensors[6][40000] += 1.0
-    changed = worker_module._digest(reader, packs, entries)
+    changed = child_module.digest_described(reader, packs, entries)
     assert [i for i, (a, b) in enumerate(zip(changed, whole)) if a != b] == [len(copied) + 6]

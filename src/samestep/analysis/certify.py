@@ -7,9 +7,10 @@ from typing import Any
 
 import numpy as np
 
-from samestep.analysis.diff import DiffError, _load_run, _metrics
-from samestep.trace.recorder import format_selection, parse_selection
-from samestep.trace.stream import iter_stream, stream_segments
+from samestep.analysis.diff import DiffError, load_run
+from samestep.rundir import read_metrics
+from samestep.tracing.selection import format_selection, parse_selection
+from samestep.tracing.stream import iter_stream, stream_segments
 
 __all__ = ["certify_trace"]
 
@@ -25,7 +26,7 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
         DiffError: ``run`` is not a run directory.
     """
     run = Path(run)
-    doc = _load_run(run)
+    doc = load_run(run)
     problems: list[str] = []
     cfg = doc.get("config", {})
     tcfg = cfg.get("trace", {})
@@ -40,7 +41,7 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
     ranks = [r for r in range(world) if wanted_ranks is None or r in wanted_ranks]
     # The steps that ran: from metrics.jsonl; a run of the user's own loop has none, so there every selected
     # step up to the last one any rank recorded must be there
-    metrics = _metrics(run)
+    metrics = read_metrics(run)
     last_step = max((m["step"] for m in metrics), default=0)
     wanted_steps = parse_selection(tcfg.get("steps", "all"), "trace.steps")
     per_rank: dict[str, Any] = {}

@@ -22,11 +22,11 @@ import pyarrow.compute as pc
 
 from samestep._state import dotted
 from samestep.env import compare_environments
-from samestep.trace.recorder import LEVELS, format_selection, parse_selection
-from samestep.trace.stream import KEY, RUN_FORMAT, SCHEMA, iter_stream, stream_segments, traced_ranks
-from samestep.train.config import NUMERICS_NEUTRAL
+from samestep.rundir import NUMERICS_NEUTRAL, RunDirError, final_digest, read_metrics, read_run
+from samestep.tracing.selection import LEVELS, format_selection, parse_selection
+from samestep.tracing.stream import KEY, SCHEMA, iter_stream, stream_segments, traced_ranks
 
-__all__ = ["DiffError", "Divergence", "diff_runs"]
+__all__ = ["DiffError", "Divergence", "diff_runs", "load_run"]
 
 CHUNK = 65_536
 # Config fields not compared: those that change no bit of the steps (invariant 3 for trace.*; bookkeeping for
@@ -69,31 +69,12 @@ class _RankResult:
     torn: list[str] = field(default_factory=list)
 
 
-def _load_run(path: Path) -> dict[str, Any]:
-    run_json = path / "run.json"
+def load_run(path: Path) -> dict[str, Any]:
+    """A run's run.json, or a DiffError saying why it cannot be read."""
     try:
-        doc = json.loads(run_json.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DiffError(f"{run_json}: missing; {path} is not a samestep run directory") from None
-    except json.JSONDecodeError as e:
-        raise DiffError(f"{run_json}: not valid JSON ({e})") from None
-    if doc.get("format") != RUN_FORMAT:
-        raise DiffError(f"{run_json}: format {doc.get('format')!r} is not {RUN_FORMAT!r}")
-    return doc
-
-
-def _metrics(path: Path) -> list[dict[str, Any]]:
-    rows = []
-    try:
-        text = (path / "metrics.jsonl").read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return rows
-    for line in text.splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:
-            break  # a torn last line of a killed run
-    return rows
+        return read_run(path)
+    except RunDirError as e:
+        raise DiffError(str(e)) from None
 
 
 def _first_metric_difference(a: list[dict], b: list[dict], steps: set[int] | None) -> dict[str, Any] | None:
@@ -107,13 +88,6 @@ def _first_metric_difference(a: list[dict], b: list[dict], steps: set[int] | Non
     if len(a) != len(b):
         return {"step": min(len(a), len(b)) + 1, "fields": ["length"], "a": {"steps": len(a)}, "b": {"steps": len(b)}}
     return None
-
-
-def _final_digest(run: Path) -> str | None:
-    try:
-        return json.loads((run / "final.json").read_text(encoding="utf-8"))["state_digest"]
-    except (OSError, ValueError, KeyError):
-        return None
 
 
 # The records a stream traced at a higher level holds beyond a lower level's: kept are step records (phase
@@ -288,38 +262,19 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
             differ (unless ``force``), or their traces have other schema versions.
     """
     run_a, run_b = Path(run_a), Path(run_b)
-    doc_a, doc_b = _load_run(run_a), _load_run(run_b)
+    doc_a, doc_b = load_run(run_a), load_run(run_b)
     notes: list[str] = []
-    cfg_diff = {k: v for k, v in compare_environments(dotted(doc_a.get("config", {})),
-                                                      dotted(doc_b.get("config", {}))).items()
-                if k not in IGNORED_CONFIG}
-    env_diff = compare_environments(doc_a.get("environment", {}), doc_b.get("environment", {}))
-    for what, d in (("config", cfg_diff), ("environment", env_diff)):
-        if d:
-            fields = ", ".join(f"{k} ({a!r} vs {b!r})" for k, (a, b) in d.items())
-            if not force:
-                raise DiffError(f"the runs' {what}s differ: {fields}; bitwise comparison only holds for the same "
-                                f"{what} (pass --force to compare anyway)")
-            notes.append(f"{what} differs (compared with --force): {fields}")
-
-    metrics_a, metrics_b = _metrics(run_a), _metrics(run_b)
+    _check_comparable(doc_a, doc_b, force, notes)
+    metrics_a, metrics_b = read_metrics(run_a), read_metrics(run_b)
     run_steps = {r.get("step") for r in metrics_a} | {r.get("step") for r in metrics_b}
     if steps is not None and run_steps and not steps & run_steps:
         raise DiffError(f"--steps {format_selection(steps)}: neither run has these steps (A: "
                         f"{format_selection(r['step'] for r in metrics_a) or 'none'}, B: "
                         f"{format_selection(r['step'] for r in metrics_b) or 'none'}); choose steps the runs have")
     metric_diff = _first_metric_difference(metrics_a, metrics_b, steps)
-    finals = [_final_digest(run_a), _final_digest(run_b)]
+    finals = [final_digest(run_a), final_digest(run_b)]
     final_differs = None not in finals and finals[0] != finals[1] and steps is None
-    ranks_a, ranks_b = set(traced_ranks(run_a)), set(traced_ranks(run_b))
-    if ranks_a != ranks_b:
-        notes.append(f"traced ranks differ: A has {format_selection(ranks_a) or 'none'}, B has "
-                     f"{format_selection(ranks_b) or 'none'}; only the ranks both traced are compared")
-    if ranks is not None and ranks - ranks_a - ranks_b:
-        raise DiffError(f"--ranks {format_selection(ranks)}: rank(s) {format_selection(ranks - ranks_a - ranks_b)} "
-                        f"have no trace in either run (A traced {format_selection(ranks_a) or 'no rank'}, B "
-                        f"{format_selection(ranks_b) or 'no rank'}); choose traced ranks or leave --ranks out")
-    common = sorted((ranks_a & ranks_b) if ranks is None else (ranks_a & ranks_b & ranks))
+    common = _ranks_to_compare(run_a, run_b, ranks, notes)
     trace_steps, levels = _traced_alike(doc_a, doc_b, steps, notes) if common else (steps, (None, None))
     per_rank: dict[int, _RankResult] = {}
     for r in common:
@@ -336,52 +291,24 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     first = min(divs, key=lambda d: (d.kind != "structural", d.step, d.rank)) if divs else None
     origin = min(origins, key=lambda d: (d.step, d.microbatch, d.rank)) if origins and not structural else None
     identical = metric_diff is None and not divs and not final_differs
-    first_step = min([d.step for d in divs] + ([metric_diff["step"]] if metric_diff else []), default=None)
-
-    summary = ""
     records = sum(r.records for r in per_rank.values())
     if per_rank and not records and steps is not None:
         notes.append(f"no trace records fall in --steps {format_selection(steps)}: only those steps' metrics were "
                      "compared (the runs' trace.steps selects which steps were traced)")
-    if identical and not (metrics_a or metrics_b):  # a run of the user's own loop: its trace only
-        summary = f"identical: {records} trace records on {len(per_rank)} rank(s) match (no metrics.jsonl)"
-    elif identical:
-        summary = ("identical: every metric bit" + (f" and {records} trace records on {len(per_rank)} rank(s) match"
-                                                   if records else " matches"))
+    if identical:
+        summary = _identical_summary(records, len(per_rank), bool(metrics_a or metrics_b))
     elif structural:
         d = structural[0]
         summary = (f"structural divergence on rank {d.rank} at step {d.step}: {d.note} "
                    f"(A: {d.phase} {d.scope!r} {d.op}#{d.occurrence}; B: {d.other})")
     elif origin is not None:
-        o_ranks = sorted(d.rank for d in origins if (d.op, d.scope, d.phase) == (origin.op, origin.scope, origin.phase))
-        where = f"`{origin.op}` in `{origin.scope or '<root>'}` {origin.phase}"
-        summary = (f"first divergence: step {origin.step}, rank {origin.rank}, microbatch {origin.microbatch}, {where}"
-                   " — all inputs matched, output differs: this op is the origin")
-        if len(per_rank) > 1:
-            if o_ranks == sorted(per_rank):
-                summary += f"; the same origin on all {len(o_ranks)} ranks: a nondeterministic kernel"
-            else:
-                summary += (f"; origin on rank(s) {format_selection(o_ranks)} only, of {len(per_rank)} "
-                            f"({format_selection(per_rank)}): look at reduction order or topology rather than a kernel")
-        if origin.note:
-            summary += f". {origin.note}"
-    elif divs:
-        d = first
-        summary = (f"no origin found: the first differing record (rank {d.rank}, step {d.step}, `{d.op}` in "
-                   f"`{d.scope}`) already had a differing input; {d.note}")
-    elif metric_diff is None:
-        summary = ("no origin found: every metric bit matches but the final state digests differ "
-                   f"({finals[0][:16]} vs {finals[1][:16]}); rerun both with --set trace.level=op to find the op")
+        summary = _origin_summary(origin, origins, sorted(per_rank))
     else:
-        summary = (f"no origin found: metrics first differ at step {metric_diff['step']} "
-                   f"({', '.join(metric_diff['fields'])}) but " +
-                   ("no trace was recorded; rerun both with --set trace.level=op --set trace.steps="
-                    f"1-{metric_diff['step']}" if not per_rank else
-                    f"the traced records match; trace steps up to {metric_diff['step']} "
-                    f"(--set trace.steps=1-{metric_diff['step']}) or a finer trace.level"))
+        summary = _no_origin_summary(first, metric_diff, finals, bool(per_rank))
     return {
         "identical": identical,
-        "first_divergent_step": first_step,
+        "first_divergent_step": min([d.step for d in divs] + ([metric_diff["step"]] if metric_diff else []),
+                                    default=None),
         "metrics": metric_diff,
         "final_state_digests": finals,
         "origin": asdict(origin) if origin is not None else None,
@@ -392,3 +319,73 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
         "summary": summary,
         "notes": notes,
     }
+
+
+def _check_comparable(doc_a: dict[str, Any], doc_b: dict[str, Any], force: bool, notes: list[str]) -> None:
+    """Refuses runs whose configs (less what changes no bit) or environments differ, unless ``force``;
+    with ``force``, a note says what differs."""
+    cfg_diff = {k: v for k, v in compare_environments(dotted(doc_a.get("config", {})),
+                                                      dotted(doc_b.get("config", {}))).items()
+                if k not in IGNORED_CONFIG}
+    env_diff = compare_environments(doc_a.get("environment", {}), doc_b.get("environment", {}))
+    for what, d in (("config", cfg_diff), ("environment", env_diff)):
+        if d:
+            fields = ", ".join(f"{k} ({a!r} vs {b!r})" for k, (a, b) in d.items())
+            if not force:
+                raise DiffError(f"the runs' {what}s differ: {fields}; bitwise comparison only holds for the same "
+                                f"{what} (pass --force to compare anyway)")
+            notes.append(f"{what} differs (compared with --force): {fields}")
+
+
+def _ranks_to_compare(run_a: Path, run_b: Path, ranks: set[int] | None, notes: list[str]) -> list[int]:
+    """The ranks both runs traced (within ``ranks``); a note if they traced different ones."""
+    ranks_a, ranks_b = set(traced_ranks(run_a)), set(traced_ranks(run_b))
+    if ranks_a != ranks_b:
+        notes.append(f"traced ranks differ: A has {format_selection(ranks_a) or 'none'}, B has "
+                     f"{format_selection(ranks_b) or 'none'}; only the ranks both traced are compared")
+    if ranks is not None and ranks - ranks_a - ranks_b:
+        raise DiffError(f"--ranks {format_selection(ranks)}: rank(s) {format_selection(ranks - ranks_a - ranks_b)} "
+                        f"have no trace in either run (A traced {format_selection(ranks_a) or 'no rank'}, B "
+                        f"{format_selection(ranks_b) or 'no rank'}); choose traced ranks or leave --ranks out")
+    return sorted((ranks_a & ranks_b) if ranks is None else (ranks_a & ranks_b & ranks))
+
+
+def _identical_summary(records: int, ranks: int, has_metrics: bool) -> str:
+    if not has_metrics:  # a run of the user's own loop: its trace only
+        return f"identical: {records} trace records on {ranks} rank(s) match (no metrics.jsonl)"
+    return "identical: every metric bit" + (f" and {records} trace records on {ranks} rank(s) match"
+                                            if records else " matches")
+
+
+def _origin_summary(origin: Divergence, origins: list[Divergence], compared: list[int]) -> str:
+    """Names the origin op, and whether every compared rank has it (a kernel) or only some (a reduction)."""
+    o_ranks = sorted(d.rank for d in origins if (d.op, d.scope, d.phase) == (origin.op, origin.scope, origin.phase))
+    where = f"`{origin.op}` in `{origin.scope or '<root>'}` {origin.phase}"
+    summary = (f"first divergence: step {origin.step}, rank {origin.rank}, microbatch {origin.microbatch}, {where}"
+               " — all inputs matched, output differs: this op is the origin")
+    if len(compared) > 1:
+        if o_ranks == compared:
+            summary += f"; the same origin on all {len(o_ranks)} ranks: a nondeterministic kernel"
+        else:
+            summary += (f"; origin on rank(s) {format_selection(o_ranks)} only, of {len(compared)} "
+                        f"({format_selection(compared)}): look at reduction order or topology rather than a kernel")
+    if origin.note:
+        summary += f". {origin.note}"
+    return summary
+
+
+def _no_origin_summary(first: Divergence | None, metric_diff: dict[str, Any] | None, finals: list[str | None],
+                       traced: bool) -> str:
+    """What differs when no record is an origin, and how to find it."""
+    if first is not None:
+        return (f"no origin found: the first differing record (rank {first.rank}, step {first.step}, `{first.op}` "
+                f"in `{first.scope}`) already had a differing input; {first.note}")
+    if metric_diff is None:
+        return ("no origin found: every metric bit matches but the final state digests differ "
+                f"({finals[0][:16]} vs {finals[1][:16]}); rerun both with --set trace.level=op to find the op")
+    return (f"no origin found: metrics first differ at step {metric_diff['step']} "
+            f"({', '.join(metric_diff['fields'])}) but " +
+            ("no trace was recorded; rerun both with --set trace.level=op --set trace.steps="
+             f"1-{metric_diff['step']}" if not traced else
+             f"the traced records match; trace steps up to {metric_diff['step']} "
+             f"(--set trace.steps=1-{metric_diff['step']}) or a finer trace.level"))

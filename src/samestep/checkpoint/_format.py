@@ -1,4 +1,4 @@
-"""The checkpoint format ("samestep.checkpoint", version 1): names, manifest, and durable writes.
+"""The checkpoint format ("samestep.checkpoint", version 1): names and manifest.
 
     ROOT/                          e.g. RUN/checkpoints
       step_000100/
@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 from samestep._state import canonical_json
+from samestep.durable import write_durable
 
 FORMAT = "samestep.checkpoint"
 VERSION = 1
@@ -55,34 +55,10 @@ def manifest_digest(manifest: dict[str, Any]) -> str:
     return sha256_bytes(canonical_json(body))
 
 
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_durable(path: Path, data: bytes) -> None:
-    """Writes ``data`` to ``path`` and fsyncs it (the directory is fsync'ed by the committer)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def write_json(path: Path, obj: Any) -> bytes:
     data = json.dumps(obj, indent=1, sort_keys=True, allow_nan=False).encode("utf-8") + b"\n"
     write_durable(path, data)
     return data
-
-
-def replace_atomic(path: Path, data: bytes) -> None:
-    """Replaces ``path`` with ``data`` atomically: temp file, fsync, rename, fsync the directory."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    write_durable(tmp, data)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def committed_steps(root: Path) -> list[tuple[int, Path]]:

@@ -170,44 +170,16 @@ def load_checkpoint(
     """
     import torch.distributed as dist
 
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    candidates = _candidates(Path(path))
-    skipped: list[tuple[Path, str]] = []
-    verified: _Verified | None = None
-    for cand in candidates if fallback else candidates[:1]:
-        try:
-            verified = _verify(cand)
-            break
-        except CheckpointError as e:
-            if not fallback:
-                raise
-            skipped.append((cand, str(e)))
-            warnings.warn(f"skipping corrupt checkpoint {cand}: {e}", RuntimeWarning, stacklevel=2)
-    if verified is None:
-        raise CheckpointError(f"{path}: no intact checkpoint; " + "; ".join(f"{p.name}: {w}" for p, w in skipped))
-
+    distributed = dist.is_available() and dist.is_initialized()
+    verified, skipped = _first_intact(Path(path), fallback)
     manifest, data = verified.manifest, verified.data
     state = json.loads(data["state.json"])
     if check_config is not None:
         check_config(state.get("config"))
-    saved_env = state["environment"]
-    diff = compare_environments(saved_env, environment())
-    if diff:
-        fields = ", ".join(f"{k} ({a!r} -> {b!r})" for k, (a, b) in diff.items())
-        msg = f"{verified.path} was written in another environment; differing fields: {fields}"
-        if strict_env:
-            raise CheckpointError(msg + ". Bits may differ; pass strict_env=False to load anyway")
-        warnings.warn(msg, RuntimeWarning, stacklevel=2)
-
+    diff = _check_environment(verified.path, state["environment"], strict_env)
     opt_tensors = safetensors_load(data["optimizer.safetensors"])
     if model is not None:
-        tensors = safetensors_load(data["model.safetensors"])
-        for alias, target in state["model_aliases"].items():
-            tensors[alias] = tensors[target]
-        try:
-            model.load_state_dict(tensors, strict=True)
-        except RuntimeError as e:
-            raise CheckpointError(f"{verified.path / 'model.safetensors'}: does not fit the model: {e}") from None
+        _load_model(verified, state, model)
     for obj, key in ((optimizer, "optimizer"), (scheduler, "scheduler"), (data_cursor, "data_cursor")):
         if obj is None:
             continue
@@ -215,17 +187,59 @@ def load_checkpoint(
             raise CheckpointError(f"{verified.path}: holds no {key} state, but a {key} was passed to load into")
         obj.load_state_dict(unflatten(state[key], opt_tensors))
     if restore_rng == "same_world_size":
-        restore_rng = manifest["world_size"] == (dist.get_world_size() if dist.is_available()
-                                                 and dist.is_initialized() else 1)
+        restore_rng = manifest["world_size"] == (dist.get_world_size() if distributed else 1)
     if restore_rng:
-        t_name, j_name = rank_names(rank)
-        if t_name not in data:
-            raise CheckpointError(
-                f"{verified.path}: has no RNG state for rank {rank} (written by {manifest['world_size']} "
-                "rank(s)); resume with the same world size, or pass restore_rng=False when all "
-                "randomness is counter-keyed (samestep train does this)")
-        _rng.restore_rng(json.loads(data[j_name]), safetensors_load(data[t_name]), generators)
+        _load_rng(verified, dist.get_rank() if distributed else 0, generators)
     extra = unflatten(state["extra"], opt_tensors) if "extra" in state else None
     return LoadedCheckpoint(path=verified.path, step=manifest["step"], world_size=manifest["world_size"],
-                            config=state.get("config"), environment=saved_env, env_diff=diff, extra=extra,
-                            skipped=skipped)
+                            config=state.get("config"), environment=state["environment"], env_diff=diff,
+                            extra=extra, skipped=skipped)
+
+
+def _first_intact(path: Path, fallback: bool) -> tuple[_Verified, list[tuple[Path, str]]]:
+    """The checkpoint to load: the best candidate, or with ``fallback`` the first intact one, and the
+    corrupt ones skipped on the way (each with a warning)."""
+    candidates = _candidates(path)
+    skipped: list[tuple[Path, str]] = []
+    for cand in candidates if fallback else candidates[:1]:
+        try:
+            return _verify(cand), skipped
+        except CheckpointError as e:
+            if not fallback:
+                raise
+            skipped.append((cand, str(e)))
+            warnings.warn(f"skipping corrupt checkpoint {cand}: {e}", RuntimeWarning, stacklevel=3)
+    raise CheckpointError(f"{path}: no intact checkpoint; " + "; ".join(f"{p.name}: {w}" for p, w in skipped))
+
+
+def _check_environment(path: Path, saved: dict[str, Any], strict: bool) -> dict[str, tuple[Any, Any]]:
+    """The fields in which this environment differs from the saved one: an error if ``strict``, else a
+    warning."""
+    diff = compare_environments(saved, environment())
+    if diff:
+        fields = ", ".join(f"{k} ({a!r} -> {b!r})" for k, (a, b) in diff.items())
+        msg = f"{path} was written in another environment; differing fields: {fields}"
+        if strict:
+            raise CheckpointError(msg + ". Bits may differ; pass strict_env=False to load anyway")
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+    return diff
+
+
+def _load_model(verified: _Verified, state: dict[str, Any], model: torch.nn.Module) -> None:
+    tensors = safetensors_load(verified.data["model.safetensors"])
+    for alias, target in state["model_aliases"].items():
+        tensors[alias] = tensors[target]
+    try:
+        model.load_state_dict(tensors, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{verified.path / 'model.safetensors'}: does not fit the model: {e}") from None
+
+
+def _load_rng(verified: _Verified, rank: int, generators: dict[str, torch.Generator] | None) -> None:
+    t_name, j_name = rank_names(rank)
+    if t_name not in verified.data:
+        raise CheckpointError(
+            f"{verified.path}: has no RNG state for rank {rank} (written by {verified.manifest['world_size']} "
+            "rank(s)); resume with the same world size, or pass restore_rng=False when all "
+            "randomness is counter-keyed (samestep train does this)")
+    _rng.restore_rng(json.loads(verified.data[j_name]), safetensors_load(verified.data[t_name]), generators)

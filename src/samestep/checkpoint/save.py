@@ -18,15 +18,13 @@ from samestep.checkpoint._format import (
     MANIFEST,
     VERSION,
     committed_steps,
-    fsync_dir,
     manifest_digest,
     rank_names,
-    replace_atomic,
     sha256_bytes,
     step_dir_name,
-    write_durable,
     write_json,
 )
+from samestep.durable import fsync_dir, replace_atomic, write_durable
 from samestep.env import environment
 
 __all__ = ["save_checkpoint"]
@@ -109,60 +107,74 @@ def save_checkpoint(
     final = root / step_dir_name(step)
     tmp = root / f".{final.name}.tmp"
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():  # left by a crash mid-save: never named, safe to discard
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        _fresh_dir(root, tmp)
     barrier()
-
     # Every rank writes its own RNG state: ranks' streams differ and are never deduplicated.
     meta, rng_tensors = _rng.capture_rng(generators)
     t_name, j_name = rank_names(rank)
     _write_tensors(tmp / t_name, rng_tensors)
     write_json(tmp / j_name, meta)
-
     if rank == 0:
-        files: dict[str, Any] = {}
-        model_tensors, aliases = _unique_tensors(model.state_dict())
-        files["model.safetensors"] = _write_tensors(tmp / "model.safetensors", model_tensors)
-        state: dict[str, Any] = {"step": step, "model_aliases": aliases, "config": config,
-                                 "environment": environment()}
-        opt_tensors: dict[str, torch.Tensor] = {}
-        if optimizer is not None:
-            state["optimizer"] = flatten(optimizer.state_dict(), "optimizer", opt_tensors)
-        if scheduler is not None:
-            state["scheduler"] = flatten(scheduler.state_dict(), "scheduler", opt_tensors)
-        if data_cursor is not None:
-            state["data_cursor"] = flatten(data_cursor.state_dict(), "data_cursor", opt_tensors)
-        if extra is not None:
-            state["extra"] = flatten(extra, "extra", opt_tensors)
-        files["optimizer.safetensors"] = _write_tensors(tmp / "optimizer.safetensors", opt_tensors)
-        files["state.json"] = _file_entry(write_json(tmp / "state.json", state))
+        files = _write_state(tmp, step, model, optimizer, {"scheduler": scheduler, "data_cursor": data_cursor},
+                             extra, config)
     barrier()
-
     if rank == 0:
         for r in range(world):
             for name in rank_names(r):
                 files[name] = _file_entry((tmp / name).read_bytes())
-        manifest = {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
-                    "files": dict(sorted(files.items()))}
-        manifest["manifest_sha256"] = manifest_digest(manifest)
-        write_json(tmp / MANIFEST, manifest)
-        fsync_dir(tmp)
-        old = None
-        if final.exists():  # re-saving a step after a resume from an earlier one
-            old = root / f".{final.name}.old"
-            if old.exists():
-                shutil.rmtree(old)
-            os.replace(final, old)
-        os.replace(tmp, final)  # the commit point
-        fsync_dir(root)
-        replace_atomic(root / LATEST, (final.name + "\n").encode())
-        if old is not None:
-            shutil.rmtree(old)
+        _commit(root, tmp, final, {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
+                                   "files": dict(sorted(files.items()))})
         if keep is not None:
             for _, path in committed_steps(root)[max(keep, 1):]:
                 shutil.rmtree(path)
     barrier()
     return final
 
+
+def _fresh_dir(root: Path, tmp: Path) -> None:
+    """An empty directory to write the checkpoint into, under a name no loader reads."""
+    root.mkdir(parents=True, exist_ok=True)
+    if tmp.exists():  # left by a crash mid-save: never named, safe to discard
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+
+
+def _write_state(tmp: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                 stateful: dict[str, Any], extra: dict[str, Any] | None,
+                 config: dict[str, Any] | None) -> dict[str, Any]:
+    """Writes the model, the optimizer and every other state (``stateful``'s objects with a
+    ``state_dict()``, ``extra``) into ``tmp``; returns the files' manifest entries."""
+    files: dict[str, Any] = {}
+    model_tensors, aliases = _unique_tensors(model.state_dict())
+    files["model.safetensors"] = _write_tensors(tmp / "model.safetensors", model_tensors)
+    state: dict[str, Any] = {"step": step, "model_aliases": aliases, "config": config, "environment": environment()}
+    opt_tensors: dict[str, torch.Tensor] = {}
+    if optimizer is not None:
+        state["optimizer"] = flatten(optimizer.state_dict(), "optimizer", opt_tensors)
+    for name, obj in stateful.items():
+        if obj is not None:
+            state[name] = flatten(obj.state_dict(), name, opt_tensors)
+    if extra is not None:
+        state["extra"] = flatten(extra, "extra", opt_tensors)
+    files["optimizer.safetensors"] = _write_tensors(tmp / "optimizer.safetensors", opt_tensors)
+    files["state.json"] = _file_entry(write_json(tmp / "state.json", state))
+    return files
+
+
+def _commit(root: Path, tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
+    """Writes the manifest, then names the checkpoint: the rename of ``tmp`` to ``final`` is the commit
+    point; ``latest`` follows."""
+    manifest["manifest_sha256"] = manifest_digest(manifest)
+    write_json(tmp / MANIFEST, manifest)
+    fsync_dir(tmp)
+    old = None
+    if final.exists():  # re-saving a step after a resume from an earlier one
+        old = root / f".{final.name}.old"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+    os.replace(tmp, final)  # the commit point
+    fsync_dir(root)
+    replace_atomic(root / LATEST, (final.name + "\n").encode())
+    if old is not None:
+        shutil.rmtree(old)

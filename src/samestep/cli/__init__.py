@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from samestep import __version__
+from samestep.version import __version__
 from samestep.cli import checkpoint, demo, diff, env, trace, train
 
 __all__ = ["main"]

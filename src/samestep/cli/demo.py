@@ -12,6 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from samestep.rundir import last_logged_step, read_final, read_run
+
 # Sized for about two minutes on a 2-core laptop CPU.
 DEMO_SETTINGS = ("train.steps=200", "train.checkpoint_every=25", "train.warmup_steps=20")
 # The second pair: deterministic mode off, the token lookup done by indexing (its backward,
@@ -43,30 +45,17 @@ def _train_cmd(run_dir: Path, settings: list[str], *extra: str) -> list[str]:
             *[x for s in settings for x in ("--set", s)], *extra]
 
 
-def _last_step(metrics: Path) -> int:
-    try:
-        lines = metrics.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError):
-            continue
-    return 0
-
-
 def _run_killed(run_dir: Path, settings: list[str], kill_at: int) -> int:
     """Starts a run, SIGKILLs it once it has finished step ``kill_at``; returns the last step it logged."""
     proc = subprocess.Popen(_train_cmd(run_dir, settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    while proc.poll() is None and _last_step(run_dir / "metrics.jsonl") < kill_at:
+    while proc.poll() is None and last_logged_step(run_dir) < kill_at:
         time.sleep(0.02)
     if proc.poll() is not None:
         raise RuntimeError(f"run B ended (exit {proc.returncode}) before step {kill_at}: "
                            f"{proc.stderr.read().decode(errors='replace')[-2000:]}")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    return _last_step(run_dir / "metrics.jsonl")
+    return last_logged_step(run_dir)
 
 
 def _nondeterministic_pair(work: Path, settings: list[str], on_cuda: bool, say) -> dict:
@@ -91,7 +80,7 @@ def _nondeterministic_pair(work: Path, settings: list[str], on_cuda: bool, say) 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from samestep.train import load_config
-    from samestep.train.loop import _device_kind
+    from samestep.train.loop import device_kind
 
     settings = [*DEMO_SETTINGS, *args.set]
     try:
@@ -115,9 +104,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     killed = _run_killed(b, settings, kill_at)
     say(f"run B: resumed (killed at step {killed}) ...")
     subprocess.run(_train_cmd(b, settings, "--resume"), check=True, stdout=subprocess.DEVNULL)
-    fa = json.loads((a / "final.json").read_text())
-    fb = json.loads((b / "final.json").read_text())
-    resumed_from = json.loads((b / "run.json").read_text())["resumes"][-1]["step"]
+    fa, fb = read_final(a), read_final(b)
+    resumed_from = read_run(b)["resumes"][-1]["step"]
     same_metrics = (a / "metrics.jsonl").read_bytes() == (b / "metrics.jsonl").read_bytes()
     identical = fa["state_digest"] == fb["state_digest"] and same_metrics
     say(f"run A final state digest: {fa['state_digest']}")
@@ -126,7 +114,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     say(f"per-step loss and grad-norm bits: {'identical' if same_metrics else 'DIFFERENT'}")
     say("BIT-IDENTICAL: the killed and resumed run followed the same numerical path."
         if identical else "NOT IDENTICAL: the resumed run diverged.")
-    pair = _nondeterministic_pair(work, settings, _device_kind(cfg) == "cuda", say)
+    pair = _nondeterministic_pair(work, settings, device_kind(cfg) == "cuda", say)
     result = {"identical": identical, "state_digest_a": fa["state_digest"], "state_digest_b": fb["state_digest"],
               "metrics_identical": same_metrics, "killed_at_step": killed, "resumed_from_step": resumed_from,
               "nondeterministic_pair": pair, "seconds": round(time.perf_counter() - t0, 1), "workdir": str(work)}

@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from samestep.analysis import DiffError, diff_runs
-    from samestep.trace import parse_selection
+    from samestep.tracing.selection import parse_selection
 
     try:
         ranks = parse_selection(args.ranks, "--ranks")
@@ -46,7 +46,7 @@ def _print(report: dict) -> None:
     from rich.console import Console
     from rich.table import Column, Table
 
-    from samestep.trace.recorder import format_selection
+    from samestep.tracing.selection import format_selection
 
     console = Console(highlight=False)
     if not console.is_terminal and not os.environ.get("COLUMNS"):  # a log or a pipe: rich would assume 80 columns

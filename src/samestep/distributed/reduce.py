@@ -2,7 +2,7 @@
 
 Floating-point addition is commutative but not associative, so the bits of a sum depend only on its
 bracketing. samestep fixes the bracketing by the *global* microbatch index 0..N-1, whatever the number
-of processes (DESIGN invariant 2):
+of processes (docs/design.md, invariant 2):
 
 - the tree is the one a binary counter builds: leaves are pushed in index order and two equal-sized
   subtrees merge as soon as both exist; whatever remains (when N is not a power of two) is combined

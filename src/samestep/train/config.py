@@ -20,13 +20,9 @@ import tomllib
 
 from samestep.data import SOURCES
 
-__all__ = ["NUMERICS_NEUTRAL", "Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TraceConfig", "TrainConfig",
+__all__ = ["Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TraceConfig", "TrainConfig",
            "load_config"]
 
-# Config fields that change no bit of a run's steps (bookkeeping, and what is traced and how): a resume may
-# change them, and `samestep diff` does not compare them. (trace.perturb changes bits on purpose.)
-NUMERICS_NEUTRAL = frozenset({"train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "trace.level",
-                              "trace.steps", "trace.ranks", "trace.copy", "trace.worker"})
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -180,7 +176,7 @@ class TraceConfig:
     'thread' (any device), or 'auto' (process on Linux without CUDA, else thread). Same stream either way."""
 
     def __post_init__(self) -> None:
-        from samestep.trace import LEVELS, WORKERS, Perturb, parse_selection
+        from samestep.tracing import LEVELS, WORKERS, Perturb, parse_selection
 
         if self.level not in LEVELS:
             raise ValueError(f"trace.level={self.level!r} is unknown; use one of {', '.join(LEVELS)}")

@@ -11,7 +11,6 @@ hold everything a bit-exact resume needs; ``final.json`` holds the digest of the
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -23,19 +22,28 @@ from typing import Any
 
 import torch
 
-import samestep
 from samestep import rng
 from samestep._state import dotted, state_digest
 from samestep.checkpoint import load_checkpoint, save_checkpoint
-from samestep.checkpoint._format import replace_atomic
 from samestep.data import DataCursor, load_corpus
 from samestep.distributed import AllReduceGradients, CanonicalGradients, validate_layout
-from samestep.trace import Perturb, Recorder, parse_selection
-from samestep.trace.stream import RUN_FORMAT, RUN_VERSION
-from samestep.train.config import NUMERICS_NEUTRAL, Config
+from samestep.mode import DeterminismReport, disable, enable
+from samestep.rundir import (
+    NUMERICS_NEUTRAL,
+    final_doc,
+    logged_loss,
+    metrics_line,
+    new_run,
+    record_resume,
+    truncate_metrics,
+    write_final,
+    write_run,
+)
+from samestep.tracing import Perturb, Recorder, parse_selection
+from samestep.train.config import Config
 from samestep.train.model import GPT
 
-__all__ = ["RESTORE_ALL", "RUN_FORMAT", "Parts", "WarmupCosine", "build", "train"]
+__all__ = ["RESTORE_ALL", "Parts", "WarmupCosine", "build", "device_kind", "train"]
 
 RESTORE_ALL = frozenset({"model", "optimizer", "data", "rng"})
 
@@ -109,7 +117,8 @@ class _Distributed:
             dist.destroy_process_group()
 
 
-def _device_kind(cfg: Config) -> str:
+def device_kind(cfg: Config) -> str:
+    """The device a config's train.device names: "cuda" or "cpu" ("auto": CUDA if there is a GPU)."""
     if cfg.train.device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if cfg.train.device == "cuda" and not torch.cuda.is_available():
@@ -125,37 +134,6 @@ def _make_optimizer(model: GPT, cfg: Config) -> torch.optim.AdamW:
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
                              lr=t.lr, betas=(t.beta1, t.beta2), foreach=False)
-
-
-def _truncate_metrics(path: Path, last_step: int) -> None:
-    """Keeps the metric lines of steps <= last_step (a killed run may have written more, or a torn line)."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
-        try:
-            if line.endswith("\n") and json.loads(line)["step"] <= last_step:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError):
-            break
-    replace_atomic(path, "".join(kept).encode("utf-8"))
-
-
-def _logged_loss(path: Path, step: int) -> float:
-    """The loss bits that metrics.jsonl holds for ``step`` (NaN if it holds none): what final.json reports
-    when a resumed run has no step left to train."""
-    try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return float("nan")
-    for line in reversed(lines):
-        try:
-            entry = json.loads(line)
-            if entry["step"] == step:
-                return float.fromhex(entry["loss_hex"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            continue
-    return float("nan")
 
 
 class _Progress:
@@ -223,9 +201,8 @@ class Parts:
                 self.grads.accumulate(i, extra=loss.detach())
             loss_sum = self.grads.reduce()[0]
             # The reduced gradients, recorded before clipping, which leaves them as they are (_clip): at step
-            # level digested where they lie, which spares copying them (0.9 against 1.08 ms per step in the
-            # recorder); at module level copied, which measured faster there (module ratio 1.12-1.14x copied
-            # in nine runs, 1.13-1.17x where they lie in six: bench_trace.py, alternating; cause not found).
+            # level digested where they lie, which spares copying them; at module level copied, which
+            # measures faster there (bench_trace.py --levels module, with and without trace.copy).
             rec.grads(self.named_params, copy="checked" if rec.level == "step" and not self.cfg.trace.copy else True)
             max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
             grad_norm = _clip(self.grads.params, max_norm)
@@ -307,20 +284,20 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
     report = None
     if cfg.determinism.enabled:
         # Before any process group exists: NCCL reads NCCL_ALGO when its communicator starts.
-        report = samestep.enable(threads=cfg.determinism.threads, warn_only=cfg.determinism.warn_only)
-    dist_ = _Distributed(_device_kind(cfg))
+        report = enable(threads=cfg.determinism.threads, warn_only=cfg.determinism.warn_only)
+    dist_ = _Distributed(device_kind(cfg))
     try:
         return _train(cfg, run_dir, resume, stop_after, restore, out, dist_, report)
     finally:
         dist_.close()
         if report is not None:
-            samestep.disable()
+            disable()
 
 
 def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, restore: frozenset[str],
            out: Callable[[str], None], dist_: _Distributed,
-           report: samestep.DeterminismReport | None) -> dict[str, Any] | None:
-    t, world, rank, device = cfg.train, dist_.world, dist_.rank, dist_.device
+           report: DeterminismReport | None) -> dict[str, Any] | None:
+    t, world, rank = cfg.train, dist_.world, dist_.rank
     if t.microbatches % world:
         raise ValueError(f"train.global_batch={t.global_batch} / train.micro_batch={t.micro_batch} = "
                          f"{t.microbatches} microbatches do not split over {world} processes; use a process count "
@@ -329,100 +306,98 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     if cfg.determinism.enabled:
         validate_layout(world, k)
     say = out if rank == 0 else (lambda _msg: None)
-
-    parts = build(cfg, world=world, rank=rank, device=device, run_dir=run_dir)
-    model, optimizer, schedule, cursor = parts.model, parts.optimizer, parts.schedule, parts.cursor
-
-    ckpt_root = run_dir / "checkpoints"
-    run_json = run_dir / "run.json"
-    metrics_path = run_dir / "metrics.jsonl"
-    start = 0
-    loaded = None
-    if resume and any(ckpt_root.glob("step_*")):
-        loaded = load_checkpoint(
-            ckpt_root, model=model if "model" in restore else None,
-            optimizer=optimizer if "optimizer" in restore else None, scheduler=schedule,
-            data_cursor=cursor if "data" in restore else None, fallback=True,
-            # Training randomness is counter-keyed, so another world size needs no per-rank RNG state.
-            restore_rng="same_world_size" if "rng" in restore else False,
-            check_config=lambda saved: _check_resume_config(saved, cfg))
-        start = loaded.step
-        for path, why in loaded.skipped:
-            say(f"skipped corrupt checkpoint {path.name}: {why}")
-        say(f"resumed from {loaded.path.name} (step {start}, {loaded.world_size} -> {world} processes)")
-    elif not resume and (run_json.exists() or metrics_path.exists()):
-        raise ValueError(f"--run-dir {run_dir} already holds a run; pass --resume to continue it, or choose a new "
-                         "--run-dir (nothing was overwritten)")
-
+    parts = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
+    start, loaded = _resume(parts, run_dir, resume, restore, world, say)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        _write_run_json(run_json, cfg, parts.corpus, world, k, report, start, loaded)
-        _truncate_metrics(metrics_path, start)
+        layout = {"world_size": world, "microbatches_per_process": k}
+        if (run_dir / "run.json").exists():
+            record_resume(run_dir, {"step": start, **layout, "checkpoint": loaded.path.name if loaded else None,
+                                    "skipped": [p.name for p, _ in loaded.skipped] if loaded else [],
+                                    "env_diff": sorted(loaded.env_diff) if loaded else []})
+        else:
+            corpus = parts.corpus
+            write_run(run_dir, new_run(cfg.to_dict(), layout, report.to_dict() if report is not None else None,
+                                       data={"source": corpus.description, "fingerprint": corpus.fingerprint,
+                                             "tokens": int(corpus.tokens.size)}))
+        truncate_metrics(run_dir, start)
     dist_.barrier()
-
-    tokens_per_step = parts.tokens_per_step
-    progress = _Progress(rank == 0, start, t.steps, t.log_every, out)
-    metrics = open(metrics_path, "a", encoding="utf-8") if rank == 0 else None
-    model.train()
-    # a resume from the last step trains nothing: the last loss is the one logged for it
-    t0, loss_value = time.perf_counter(), _logged_loss(metrics_path, start) if start else float("nan")
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
+    t0 = time.perf_counter()
+    # a resume from the last step trains nothing: the last loss is the one logged for it
+    loss_value = _run_steps(parts, run_dir, start, end, rank == 0, out,
+                            logged_loss(run_dir, start) if start else float("nan"))
+    if end < t.steps:
+        say(f"stopped after step {end} of {t.steps} (--stop-after); continue with --resume")
+        return None
+    final = final_doc(t.steps, run_state_digest(parts.model, parts.optimizer, parts.cursor, t.steps), loss_value,
+                      world)
+    if rank == 0:
+        write_final(run_dir, final)
+        elapsed = time.perf_counter() - t0
+        say(f"done: {t.steps} steps ({t.steps - start} here, {elapsed:.1f}s, "
+            f"{(t.steps - start) * parts.tokens_per_step / max(elapsed, 1e-9):,.0f} tok/s), final loss "
+            f"{loss_value:.4f}, state digest {final['state_digest'][:16]}")
+    dist_.barrier()
+    return final
+
+
+def _resume(parts: Parts, run_dir: Path, resume: bool, restore: frozenset[str], world: int,
+            say: Callable[[str], None]) -> tuple[int, Any]:
+    """Restores the newest intact checkpoint (with ``resume``); returns the step to start from and the
+    checkpoint loaded (None if none). Refuses a run directory that holds a run, without ``resume``."""
+    ckpt_root = run_dir / "checkpoints"
+    if resume and any(ckpt_root.glob("step_*")):
+        loaded = load_checkpoint(
+            ckpt_root, model=parts.model if "model" in restore else None,
+            optimizer=parts.optimizer if "optimizer" in restore else None, scheduler=parts.schedule,
+            data_cursor=parts.cursor if "data" in restore else None, fallback=True,
+            # Training randomness is counter-keyed, so another world size needs no per-rank RNG state.
+            restore_rng="same_world_size" if "rng" in restore else False,
+            check_config=lambda saved: _check_resume_config(saved, parts.cfg))
+        for path, why in loaded.skipped:
+            say(f"skipped corrupt checkpoint {path.name}: {why}")
+        say(f"resumed from {loaded.path.name} (step {loaded.step}, {loaded.world_size} -> {world} processes)")
+        return loaded.step, loaded
+    if not resume and ((run_dir / "run.json").exists() or (run_dir / "metrics.jsonl").exists()):
+        raise ValueError(f"--run-dir {run_dir} already holds a run; pass --resume to continue it, or choose a new "
+                         "--run-dir (nothing was overwritten)")
+    return 0, None
+
+
+def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, out: Callable[[str], None],
+               loss_value: float) -> float:
+    """Trains steps ``start`` to ``end`` (0-based, end excluded), logging metrics (if ``writer``) and
+    saving checkpoints; returns the last step's loss (``loss_value`` if there is no step to train). The
+    recorder is closed at the end."""
+    t = parts.cfg.train
+    tokens_per_step = parts.tokens_per_step
+    progress = _Progress(writer, start, t.steps, t.log_every, out)
+    metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if writer else None
+    parts.model.train()
+    t0 = time.perf_counter()
     try:
         for step in range(start, end):
             loss_value, grad_norm, lr = parts.step(step)
             done = step + 1
             if metrics is not None:
-                metrics.write(json.dumps({"step": done, "loss": loss_value, "loss_hex": loss_value.hex(),
-                                          "grad_norm": grad_norm, "grad_norm_hex": grad_norm.hex(),
-                                          "lr": lr, "tokens": done * tokens_per_step}) + "\n")
+                metrics.write(metrics_line(done, loss_value, grad_norm, lr, done * tokens_per_step))
                 metrics.flush()
             elapsed = time.perf_counter() - t0
             progress.update(done, loss_value, (done - start) * tokens_per_step / max(elapsed, 1e-9))
             if done == end or (t.checkpoint_every and done % t.checkpoint_every == 0):
-                save_checkpoint(ckpt_root, done, model=model, optimizer=optimizer, scheduler=schedule,
-                                data_cursor=cursor, config=cfg.to_dict(), keep=t.keep_checkpoints)
+                save_checkpoint(run_dir / "checkpoints", done, model=parts.model, optimizer=parts.optimizer,
+                                scheduler=parts.schedule, data_cursor=parts.cursor, config=parts.cfg.to_dict(),
+                                keep=t.keep_checkpoints)
     finally:
         progress.close()
         parts.recorder.close()
         if metrics is not None:
             metrics.close()
-
-    if end < t.steps:
-        say(f"stopped after step {end} of {t.steps} (--stop-after); continue with --resume")
-        return None
-    final = {"format": "samestep.final", "version": 1, "step": t.steps,
-             "state_digest": run_state_digest(model, optimizer, cursor, t.steps),
-             "loss_hex": loss_value.hex(), "world_size": world}
-    if rank == 0:
-        replace_atomic(run_dir / "final.json", (json.dumps(final, indent=1) + "\n").encode())
-        elapsed = time.perf_counter() - t0
-        say(f"done: {t.steps} steps ({t.steps - start} here, {elapsed:.1f}s, "
-            f"{(t.steps - start) * tokens_per_step / max(elapsed, 1e-9):,.0f} tok/s), final loss {loss_value:.4f}, "
-            f"state digest {final['state_digest'][:16]}")
-    dist_.barrier()
-    return final
+    return loss_value
 
 
 def run_state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cursor: DataCursor, step: int) -> str:
     """The digest in ``final.json``: parameters, optimizer state, data cursor and step."""
     return state_digest({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "data_cursor": cursor.state_dict(), "step": step})
-
-
-def _write_run_json(path: Path, cfg: Config, corpus: Any, world: int, k: int,
-                    report: samestep.DeterminismReport | None, start: int, loaded: Any) -> None:
-    layout = {"world_size": world, "microbatches_per_process": k}
-    if path.exists():
-        doc = json.loads(path.read_text(encoding="utf-8"))
-        doc.setdefault("resumes", []).append({
-            "step": start, **layout, "checkpoint": loaded.path.name if loaded else None,
-            "skipped": [p.name for p, _ in loaded.skipped] if loaded else [],
-            "env_diff": sorted(loaded.env_diff) if loaded else []})
-    else:
-        doc = {"format": RUN_FORMAT, "version": RUN_VERSION, "samestep_version": samestep.__version__,
-               "config": cfg.to_dict(), "environment": samestep.environment(), "layout": layout,
-               "data": {"source": corpus.description, "fingerprint": corpus.fingerprint,
-                        "tokens": int(corpus.tokens.size)},
-               "determinism": report.to_dict() if report is not None else None, "resumes": []}
-    replace_atomic(path, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())

@@ -1,4 +1,4 @@
-"""One fused Triton kernel for the digest's row hashes on a GPU (``digest._level``'s full rows).
+"""One fused Triton kernel for the digest's row hashes on a GPU (``rows.level``'s full rows).
 
 The PyTorch path hashes a block of rows in four passes (xor, int8 product, conversion, product), each a
 kernel launch that reads and writes the block. This kernel reads each row's 256 words once and keeps
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from samestep.trace.digest import COLS, PRIMES
+from samestep.digests.spec import COLS, PRIMES
 
 __all__ = ["PROGRAM_ROWS", "level_rows"]
 

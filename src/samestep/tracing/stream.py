@@ -30,13 +30,10 @@ from typing import Any
 
 import pyarrow as pa
 
-__all__ = ["COLUMNS", "FORMAT", "KEY", "RUN_FORMAT", "RUN_VERSION", "SCHEMA", "VERSION", "StreamWriter",
+__all__ = ["COLUMNS", "FORMAT", "KEY", "SCHEMA", "VERSION", "StreamWriter",
            "TraceStream", "iter_stream", "read_stream", "stream_path", "stream_segments", "traced_ranks"]
 
 FORMAT, VERSION = "samestep.trace", 1
-# The run directory that holds the streams (run.json's "format"/"version"; docs/formats.md): written by
-# samestep train, or by samestep.trace for a loop of the user's own; read by diff and certify.
-RUN_FORMAT, RUN_VERSION = "samestep.run", 1
 KEY = ("step", "microbatch", "phase", "scope", "op", "occurrence")
 SCHEMA = pa.schema([
     ("seq", pa.int64()), ("step", pa.int32()), ("microbatch", pa.int32()), ("phase", pa.string()),

@@ -1,0 +1,180 @@
+"""The run directory (format "samestep.run", version 1; docs/formats.md): the one module that writes and
+reads its files.
+
+    RUN/run.json        config, environment, layout, determinism report, resumes
+    RUN/metrics.jsonl   one line per step: loss and grad norm as exact bits (float.hex), lr, tokens
+    RUN/final.json      the last step and the digest of the final state
+    RUN/trace/          the trace streams (tracing/stream.py)
+    RUN/checkpoints/    the checkpoints (checkpoint/)
+
+``samestep train`` writes all of it; ``samestep.trace`` gives a run of the user's own loop its
+run.json; ``samestep diff``, ``samestep trace certify`` and ``samestep demo`` read it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from samestep.durable import replace_atomic
+from samestep.env import environment
+from samestep.version import __version__
+
+__all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "final_digest", "final_doc", "last_logged_step",
+           "logged_loss", "metrics_line", "new_run", "read_final", "read_metrics", "read_run", "record_resume",
+           "truncate_metrics", "write_final", "write_run"]
+
+RUN_FORMAT, RUN_VERSION = "samestep.run", 1
+FINAL_FORMAT, FINAL_VERSION = "samestep.final", 1
+# Config fields that change no bit of a run's steps (bookkeeping, and what is traced and how): a resume may
+# change them, and `samestep diff` does not compare them. (trace.perturb changes bits on purpose.)
+NUMERICS_NEUTRAL = frozenset({"train.checkpoint_every", "train.keep_checkpoints", "train.log_every", "trace.level",
+                              "trace.steps", "trace.ranks", "trace.copy", "trace.worker"})
+
+_PathLike = str | os.PathLike[str]
+
+
+class RunDirError(ValueError):
+    """A run directory is missing or one of its files is malformed."""
+
+
+def _dump(doc: Any) -> bytes:
+    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+
+
+# -- run.json -----------------------------------------------------------------------------------------------
+def new_run(config: dict[str, Any], layout: dict[str, Any], determinism: dict[str, Any] | None,
+            **fields: Any) -> dict[str, Any]:
+    """A new run.json document: the config, this environment, the layout, the report of the
+    ``samestep.enable()`` in force (None if none), no resumes yet, and any further ``fields``."""
+    return {"format": RUN_FORMAT, "version": RUN_VERSION, "samestep_version": __version__, "config": config,
+            "environment": environment(), "layout": layout, "determinism": determinism, "resumes": [], **fields}
+
+
+def write_run(run_dir: _PathLike, doc: dict[str, Any]) -> None:
+    """Writes run.json (atomically, fsynced), creating the run directory if needed."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    replace_atomic(run_dir / "run.json", _dump(doc))
+
+
+def read_run(run_dir: _PathLike) -> dict[str, Any]:
+    """run.json, checked to be a samestep run.
+
+    Raises:
+        RunDirError: it is missing, not JSON, or of another format.
+    """
+    path = Path(run_dir) / "run.json"
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RunDirError(f"{path}: missing; {run_dir} is not a samestep run directory") from None
+    except json.JSONDecodeError as e:
+        raise RunDirError(f"{path}: not valid JSON ({e})") from None
+    if doc.get("format") != RUN_FORMAT:
+        raise RunDirError(f"{path}: format {doc.get('format')!r} is not {RUN_FORMAT!r}")
+    return doc
+
+
+def record_resume(run_dir: _PathLike, resume: dict[str, Any]) -> None:
+    """Appends a resume record (the step resumed from, the layout it resumed on, ...) to run.json."""
+    doc = read_run(run_dir)
+    doc.setdefault("resumes", []).append(resume)
+    write_run(run_dir, doc)
+
+
+# -- metrics.jsonl ------------------------------------------------------------------------------------------
+def metrics_line(step: int, loss: float, grad_norm: float, lr: float, tokens: int) -> str:
+    """One step's line of metrics.jsonl: loss and grad norm also as their exact bits."""
+    return json.dumps({"step": step, "loss": loss, "loss_hex": loss.hex(), "grad_norm": grad_norm,
+                       "grad_norm_hex": grad_norm.hex(), "lr": lr, "tokens": tokens}) + "\n"
+
+
+def read_metrics(run_dir: _PathLike) -> list[dict[str, Any]]:
+    """metrics.jsonl's rows, up to a torn last line of a killed run (none if there is no file)."""
+    rows = []
+    try:
+        text = (Path(run_dir) / "metrics.jsonl").read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return rows
+    for line in text.splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            break  # a torn last line of a killed run
+    return rows
+
+
+def truncate_metrics(run_dir: _PathLike, last_step: int) -> None:
+    """Keeps the metric lines of steps <= last_step (a killed run may have written more, or a torn line)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+        try:
+            if line.endswith("\n") and json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (json.JSONDecodeError, KeyError):
+            break
+    replace_atomic(path, "".join(kept).encode("utf-8"))
+
+
+def logged_loss(run_dir: _PathLike, step: int) -> float:
+    """The loss bits that metrics.jsonl holds for ``step`` (NaN if it holds none): what final.json reports
+    when a resumed run has no step left to train."""
+    try:
+        lines = (Path(run_dir) / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return float("nan")
+    for line in reversed(lines):
+        try:
+            entry = json.loads(line)
+            if entry["step"] == step:
+                return float.fromhex(entry["loss_hex"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
+    return float("nan")
+
+
+def last_logged_step(run_dir: _PathLike) -> int:
+    """The step of metrics.jsonl's last complete line (0 if none)."""
+    try:
+        lines = (Path(run_dir) / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError):
+            continue
+    return 0
+
+
+# -- final.json ---------------------------------------------------------------------------------------------
+def final_doc(step: int, state_digest: str, loss: float, world_size: int) -> dict[str, Any]:
+    """final.json's contents: the last step, the final state digest, the last loss bits, the world size."""
+    return {"format": FINAL_FORMAT, "version": FINAL_VERSION, "step": step, "state_digest": state_digest,
+            "loss_hex": loss.hex(), "world_size": world_size}
+
+
+def write_final(run_dir: _PathLike, final: dict[str, Any]) -> None:
+    """Writes final.json (atomically)."""
+    replace_atomic(Path(run_dir) / "final.json", (json.dumps(final, indent=1) + "\n").encode())
+
+
+def read_final(run_dir: _PathLike) -> dict[str, Any] | None:
+    """final.json, or None if the run has none (it did not finish) or it does not parse."""
+    try:
+        doc = json.loads((Path(run_dir) / "final.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def final_digest(run_dir: _PathLike) -> str | None:
+    """The final state digest of a finished run (None if it has none)."""
+    final = read_final(run_dir)
+    return final.get("state_digest") if final is not None else None

@@ -1,0 +1,56 @@
+"""The thread worker: digests a flushed batch on a second thread of the training process, any device.
+
+Its Python code (a few hundred operations per batch) takes the interpreter lock from the training
+thread; on Linux CPU the process worker spares the training thread that (see process_worker.py).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from samestep.tracing.batch import Batch, expand
+from samestep.tracing.stream import StreamWriter
+from samestep.tracing.writer import write_batch
+
+__all__ = ["ThreadWorker"]
+
+
+class ThreadWorker:
+    """Digests on a second thread of this process (any device)."""
+
+    def __init__(self) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="samestep-trace")
+        self._writer: StreamWriter | None = None
+        self._pending: Future | None = None
+
+    def open(self, path: Path, meta: dict[str, Any]) -> None:
+        self._writer = StreamWriter(path, meta)
+
+    def submit(self, b: Batch, events: list[tuple[torch.device, Any]]) -> None:
+        self._pending = self._pool.submit(self._run, b, events)
+
+    def _run(self, b: Batch, events: list[tuple[torch.device, Any]]) -> None:
+        for device, event in events:  # kernels on this thread's stream start after the staged copies
+            torch.cuda.current_stream(device).wait_event(event)
+        write_batch(self._writer, b, b.packs, expand(b.tensors))
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            pending.result()  # re-raises a failure of the worker here, in the training thread
+
+    def commit(self, write: bool) -> None:
+        """Nothing to do: this thread checked the live tensors itself before it wrote the batch."""
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._pool.shutdown()
+            if self._writer is not None:
+                self._writer.close()
+                self._writer = None

@@ -1,0 +1,79 @@
+"""The stream writer's half of a batch: its staged tensors digested, its records appended as one Arrow
+record batch (``write_batch``; the process worker's child digests itself and calls ``write_lanes``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+from samestep.digests import Packed, finish, lanes_packed
+from samestep.tracing.batch import Batch, Columns
+from samestep.tracing.stream import StreamWriter
+
+__all__ = ["UNINIT", "plain", "readable", "write_batch", "write_lanes"]
+
+UNINIT = bytes(16)  # the digest recorded for uninitialised memory (torch.empty and friends)
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A dense, strided tensor whose bytes stand for ``t``'s value, for tensors whose bytes cannot be
+    copied or read as they are: sparse (its dense form), quantized (its integer values), nested (its
+    components, flattened and joined), meta (no data: empty, under the meta tensor's own header), and a
+    conjugate or negative view (resolved). A copy: ``t`` may change afterwards."""
+    t = t.detach()
+    if t.is_meta:
+        return torch.empty(0, dtype=t.dtype)
+    if t.is_quantized:
+        return t.int_repr()
+    if t.is_nested:
+        return torch.cat([c.reshape(-1) for c in t.unbind()])
+    out = t.to_dense() if t.layout != torch.strided else t.clone()
+    return out.resolve_conj().resolve_neg()
+
+
+def readable(t: torch.Tensor) -> bool:
+    """Whether ``t``'s bytes can be hashed (or read by the child) as they are, with ``t``'s meaning."""
+    return t.layout == torch.strided and not (t.is_quantized or t.is_nested or t.is_meta)
+
+
+
+
+def write_batch(writer: StreamWriter, b: Batch, packs: list[Packed], tensors: list[torch.Tensor]) -> None:
+    """Digests a batch's staged tensors and appends its records to the stream (see ``batch.Batch``
+    for the columns ``b`` carries). Writes nothing if one of its checked live tensors changed before its
+    digest was done (``b.changed()``): the recorder then raises."""
+    try:
+        lanes = lanes_packed(packs, tensors)
+    except (ValueError, RuntimeError, NotImplementedError):
+        # A live tensor whose bytes cannot be hashed as they are (sparse, quantized, nested): its plain form,
+        # taken now. A change since it was recorded is still caught below (its version). Tried only after
+        # a failure: the usual batch pays no check per tensor.
+        lanes = lanes_packed(packs, [t if readable(t) else plain(t) for t in tensors])
+    if b.changed():
+        return
+    write_lanes(writer, b, [len(pack.nbytes) for pack in packs], lanes)
+
+
+def write_lanes(writer: StreamWriter, b: Columns, pack_sizes: list[int], lanes: list[list[int]]) -> None:
+    """Appends a batch's records, given the lanes of its packs' entries (``pack_sizes`` of them per
+    pack), then of its tensors."""
+    first, in_packs = [], 0  # lanes come packs' entries first, then the tensors
+    for size in pack_sizes:
+        first.append(in_packs)
+        in_packs += size
+    at = [first[c] + e if c >= 0 else in_packs + e for c, e in zip(b.slot_chunk, b.slot_entry)]
+    # One row per reference, then a zero row: NO_REF (-1) picks it (UNINIT).
+    digests = np.frombuffer(b"".join([finish(head, lanes[at[slot]]) for slot, head
+                                      in zip(b.ref_slot, b.ref_head)]) + UNINIT, dtype=np.uint8).reshape(-1, 16)
+    n = len(b.step)
+    cols = {"seq": pa.array(np.arange(b.first_seq, b.first_seq + n, dtype=np.int64)), "step": b.step,
+            "microbatch": b.mb, "phase": b.phase, "scope": b.scope, "op": b.op, "occurrence": b.occ}
+    for name, refs, ends in (("inputs", b.ins, b.in_end), ("outputs", b.outs, b.out_end)):
+        data = digests[np.asarray(refs, dtype=np.int64)].tobytes() if refs else b""
+        offsets = np.zeros(n + 1, dtype=np.int32)
+        offsets[1:] = np.asarray(ends, dtype=np.int32) * 16
+        cols[name] = pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets), pa.py_buffer(data)])
+    writer.write(cols)

@@ -1,0 +1,144 @@
+"""The package's layout (docs/design.md, "Layers"): files of one concept, no reaching into another
+module's private names, no import circles."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import samestep
+
+MAX_LINES = 500
+# docs/design.md, "Layers": bottom first. A module imports modules of its own layer or lower ones only.
+LAYERS = (
+    ("samestep.digests", "samestep.ops", "samestep.distributed", "samestep._state", "samestep.durable",
+     "samestep.version"),
+    ("samestep.rng", "samestep.env", "samestep.mode", "samestep.data", "samestep.rundir", "samestep.testing"),
+    ("samestep.checkpoint", "samestep.tracing"),
+    ("samestep.analysis", "samestep.train"),
+    ("samestep.cli", "samestep.__main__"),
+    ("samestep",),
+)
+
+
+def _modules(root: Path) -> dict[str, Path]:
+    """Every module of the package at ``root``, by dotted name."""
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(root: Path) -> tuple[dict[str, set[str]], list[tuple[str, str, str]]]:
+    """Each module's imports of the package's modules (at any depth of the code: a lazy import counts),
+    and the private names it imports from another module."""
+    modules = _modules(root)
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    private = []
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                edges[name].update(a.name for a in node.names if a.name in modules)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                if base not in modules:
+                    continue
+                for alias in node.names:
+                    sub = f"{base}.{alias.name}"
+                    if sub in modules:
+                        edges[name].add(sub)
+                        continue
+                    edges[name].add(base)
+                    if alias.name.startswith("_") and not alias.name.startswith("__") and base != name:
+                        private.append((name, base, alias.name))
+    return edges, private
+
+
+def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles (each as the path that closes it)."""
+    found, done, path = [], set(), []
+
+    def visit(m: str) -> None:
+        path.append(m)
+        for n in sorted(edges.get(m, ())):
+            if n in path:
+                found.append(path[path.index(n):] + [n])
+            elif n not in done:
+                visit(n)
+        path.pop()
+        done.add(m)
+
+    for m in sorted(edges):
+        if m not in done:
+            visit(m)
+    return found
+
+
+def test_no_import_circle_and_no_private_import_in_the_package():
+    """No module imports a module that imports it back (lazily or not), nor another module's private names.
+    Negative control: a made-up package with a lazy circle and a private import is caught."""
+    root = Path(samestep.__file__).parent
+    edges, private = _imports(root)
+    assert "samestep.tracing.recorder" in edges["samestep.tracing.start"]  # the walk sees the package's imports
+    assert _circles(edges) == []
+    assert private == []
+
+
+def _layer(module: str) -> int:
+    """The layer of a module: that of the longest listed name it is, or lies under."""
+    best = max((name for layer in LAYERS for name in layer if module == name or module.startswith(name + ".")),
+               key=len)
+    return next(i for i, layer in enumerate(LAYERS) if best in layer)
+
+
+def _upward(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((m, n) for m, targets in edges.items() for n in targets if _layer(n) > _layer(m))
+
+
+def test_no_module_imports_a_higher_layer():
+    """Data flows top to bottom: the ground floor (the digest, the kernels) imports nothing above it, the
+    library layers none of the reference trainer, the CLI or the package's re-exports. Negative control:
+    an import of the trainer from the tracing layer would be caught."""
+    edges, _ = _imports(Path(samestep.__file__).parent)
+    assert _upward(edges) == []
+    edges["samestep.tracing.recorder"].add("samestep.train.loop")
+    assert _upward(edges) == [("samestep.tracing.recorder", "samestep.train.loop")]
+
+
+def test_the_layout_check_catches_a_circle_and_a_private_import(tmp_path):
+    """Negative control for the check above: a package whose a.py imports b lazily while b imports a,
+    and whose c.py imports a private name of a."""
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from pkg import b\n_hidden = 1\n")
+    (pkg / "b.py").write_text("from pkg.a import f\n")
+    (pkg / "c.py").write_text("from pkg.a import _hidden\n")
+    edges, private = _imports(pkg)
+    assert _circles(edges) == [["pkg.a", "pkg.b", "pkg.a"]]
+    assert private == [("pkg.c", "pkg.a", "_hidden")]
+
+
+def test_every_source_file_holds_one_concept_in_at_most_500_lines():
+    """One concept per file: none grows past MAX_LINES (split it into a package instead)."""
+    root = Path(samestep.__file__).parent
+    long = {str(p.relative_to(root)): n for p in root.rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    assert long == {}
+
+
+def test_import_samestep_stays_light():
+    """``import samestep`` loads neither the recorder nor pyarrow (``samestep.trace`` loads them when
+    used). Negative control: touching ``samestep.trace`` loads them."""
+    import subprocess
+    import sys
+
+    code = ("import sys, samestep; print('pyarrow' in sys.modules, 'samestep.tracing.recorder' in sys.modules); "
+            "samestep.trace; print('pyarrow' in sys.modules, 'samestep.tracing.recorder' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False", "True", "True"]
