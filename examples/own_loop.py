@@ -43,7 +43,7 @@ def main(run_dir: Path, steps: int, stop_after: int | None, seed: int) -> str:
     if checkpoints.is_dir():  # resume: the newest intact checkpoint, every byte checked first
         start = samestep.load_checkpoint(checkpoints, model=model, optimizer=optimizer, data_cursor=cursor,
                                          fallback=True).step
-    rec = samestep.trace(run_dir, level="step")  # per-rank trace stream; "module" or "op" record more
+    rec = samestep.trace(run_dir, level="step", resume=start > 0)  # "module" or "op" level record more
     rec.attach(model)
     end = steps if stop_after is None else min(steps, start + stop_after)
     for step in range(start, end):

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeterminismReport", "Knob", "available_threads", "disable", "enable", "is_enabled"]
+__all__ = ["DeterminismReport", "Knob", "active_report", "available_threads", "current_knobs", "disable", "drifted",
+           "enable", "is_enabled"]
 
 # cuBLAS picks a reduction split per call unless its workspace is fixed to one of these sizes;
 # both are documented by NVIDIA as making cuBLAS deterministic.
@@ -92,6 +93,23 @@ def is_enabled() -> bool:
 def active_report() -> DeterminismReport | None:
     """The report of the ``enable()`` in force, or None when deterministic mode is off."""
     return _saved["report"] if _saved is not None else None
+
+
+def current_knobs() -> dict[str, Any]:
+    """The values now of the knobs that ``enable()`` sets, by the names its report gives them."""
+    return {"torch.use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "torch.backends.cudnn.deterministic": torch.backends.cudnn.deterministic,
+            "torch.backends.cudnn.benchmark": torch.backends.cudnn.benchmark,
+            "torch.utils.deterministic.fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
+            "torch.num_threads": torch.get_num_threads(),
+            "samestep.kernels": bool(_saved is not None and _saved.get("kernel_mode"))}
+
+
+def drifted(report: DeterminismReport) -> dict[str, tuple[Any, Any]]:
+    """The knobs that no longer hold what ``report``'s ``enable()`` set (a loop changed them behind its
+    back, e.g. ``torch.use_deterministic_algorithms(False)``): {name: (set, now)}."""
+    now = current_knobs()
+    return {k.name: (k.after, now[k.name]) for k in report.knobs if k.name in now and now[k.name] != k.after}
 
 
 def _cuda_initialized() -> bool:

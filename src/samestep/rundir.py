@@ -22,8 +22,9 @@ from samestep.durable import replace_atomic
 from samestep.env import environment
 from samestep.version import __version__
 
-__all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "final_digest", "final_doc", "last_logged_step",
-           "logged_loss", "metrics_line", "new_run", "read_final", "read_metrics", "read_run", "record_resume",
+__all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "determinism_diff", "final_digest", "final_doc", "last_logged_step",
+           "logged_loss", "metrics_line", "new_run", "read_final", "read_metrics", "read_run", "record_close",
+           "record_numerics_change", "record_resume",
            "truncate_metrics", "write_final", "write_run"]
 
 RUN_FORMAT, RUN_VERSION = "samestep.run", 1
@@ -82,6 +83,39 @@ def record_resume(run_dir: _PathLike, resume: dict[str, Any]) -> None:
     """Appends a resume record (the step resumed from, the layout it resumed on, ...) to run.json."""
     doc = read_run(run_dir)
     doc.setdefault("resumes", []).append(resume)
+    write_run(run_dir, doc)
+
+
+def determinism_diff(det_a: dict[str, Any] | None, det_b: dict[str, Any] | None) -> dict[str, tuple[Any, Any]]:
+    """What two run.json ``determinism`` records set differently: each knob's value after ``enable()``
+    ({name: (a, b)}), or {"on": (a, b)} if one of them is null (deterministic mode off, or not recorded)."""
+    if (det_a is None) != (det_b is None):
+        return {"on": (det_a is not None, det_b is not None)}
+    if det_a is None:
+        return {}
+    knobs_a, knobs_b = det_a.get("knobs", {}), det_b.get("knobs", {})
+    out = {}
+    for name in sorted(set(knobs_a) | set(knobs_b)):
+        after = (knobs_a.get(name, {}).get("after"), knobs_b.get(name, {}).get("after"))
+        if after[0] != after[1]:
+            out[name] = after
+    return out
+
+
+def record_close(run_dir: _PathLike, close: dict[str, Any]) -> None:
+    """Appends to run.json's ``closes`` that a trace segment was closed (by samestep.trace's recorder):
+    ``{"segment", "failed_step"}``, the last step whose context raised, or null. A segment with no close
+    was killed, or is still being written."""
+    doc = read_run(run_dir)
+    doc.setdefault("closes", []).append(close)
+    write_run(run_dir, doc)
+
+
+def record_numerics_change(run_dir: _PathLike, change: dict[str, Any]) -> None:
+    """Records in run.json that deterministic mode stopped holding during the run: the first step at which
+    it was seen, and each knob (as set, as found). The first such record stays."""
+    doc = read_run(run_dir)
+    doc.setdefault("determinism_changed", change)
     write_run(run_dir, doc)
 
 

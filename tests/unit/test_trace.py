@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pytest
 import torch
 
@@ -14,7 +15,7 @@ import samestep
 from samestep.analysis import DiffError, certify_trace, diff_runs
 from samestep.digests import digest
 from samestep.tracing import Perturb, Recorder, format_selection, parse_selection, read_stream, stream_path
-from samestep.tracing.stream import FORMAT, SCHEMA, StreamWriter
+from samestep.tracing.stream import END, FORMAT, SCHEMA, VERSION, StreamWriter
 from tests.conftest import traced_step
 
 staging_module = importlib.import_module("samestep.tracing.staging")
@@ -31,6 +32,11 @@ class Tiny(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.inner(x)).sum()
+
+
+def _without_ends(table: pa.Table) -> pa.Table:
+    """A stream's records less the step.end records that close its steps."""
+    return table.filter(pc.not_equal(table.column("op"), END))
 
 
 def _record(run: Path, level: str, scale: float = 1.0, copy: bool = False, steps: set[int] | None = None) -> Recorder:
@@ -73,7 +79,7 @@ def test_op_level_stream_has_scoped_unique_records(tmp_path):
     bwd = {(r["scope"], r["op"]) for r in rows if r["phase"] == "backward"}
     assert ("inner.0", "aten.addmm.default") in fwd and ("inner.1", "aten.tanh.default") in fwd
     assert ("inner.1", "aten.tanh_backward.default") in bwd and ("head", "grad_output") in bwd
-    assert {r["op"] for r in rows if r["phase"] == "step"} == {"grad", "loss"}
+    assert {r["op"] for r in rows if r["phase"] == "step"} == {"grad", "loss", "step.end"}
 
 
 def test_in_place_ops_record_the_bytes_they_wrote(tmp_path):
@@ -255,7 +261,8 @@ def test_runs_traced_at_other_levels_or_steps_are_compared_on_what_both_recorded
     assert report["notes"] == ["A was traced at op level, B at module: compared at module level (run A's finer "
                                "records are left out)"]
     other = diff_runs(run("other", "op", scale=2.0), module)  # the negative control: the cut hides no difference
-    assert not other["identical"] and other["origin"]["op"] == "output" and other["origin"]["step"] == 1
+    first = other["first_difference"]
+    assert not other["identical"] and (first["kind"], first["op"], first["step"]) == ("first_seen", "output", 1)
     report = diff_runs(run("step2", "module", steps={2}), module)
     assert report["identical"] and 0 < report["per_rank"]["0"]["records_compared"] < modules
     assert "traced steps differ (A: 2, B: all): traces compared on the steps both traced (2)" in report["notes"]
@@ -348,7 +355,7 @@ def test_gradients_in_one_buffer_digest_like_separate_ones(tmp_path):
             rec.grads(model.named_parameters())
             flat.zero_()  # the buffer changes after grads(): the staged copy does not
         rec.close()
-        tables.append(read_stream(stream_path(tmp_path / layout, 0)).table)
+        tables.append(_without_ends(read_stream(stream_path(tmp_path / layout, 0)).table))
         flat = torch.cat([torch.randn(3)] + [g.reshape(-1) for g in grads])
     assert tables[0].num_rows == len(grads) and tables[0].equals(tables[1])
     assert tables[2].column("outputs").to_pylist()[:-1] == tables[0].column("outputs").to_pylist()[:-1]
@@ -378,7 +385,7 @@ def test_gradients_digested_where_they_lie_match_copies_and_a_later_change_is_re
             with rec.step(1):
                 rec.grads(model.named_parameters(), copy=copy)
             rec.close()
-            tables[layout, copy] = read_stream(stream_path(tmp_path / f"{layout}-{copy}", 0)).table
+            tables[layout, copy] = _without_ends(read_stream(stream_path(tmp_path / f"{layout}-{copy}", 0)).table)
     assert tables["separate", True].num_rows == len(grads)
     assert all(t.equals(tables["separate", True]) for t in tables.values())
     for layout, named in (("separate", "inner.0.bias"), ("one buffer", "inner.0.weight")):
@@ -409,7 +416,8 @@ def test_a_closed_recorder_records_nothing_and_its_ddp_hook_only_reduces(tmp_pat
     assert not rec.active and hook(None, None) == ("reduced", None)
     rec.record("loss", [torch.ones(())])
     rec.flush()
-    assert not list(tmp_path.rglob("*.arrows"))  # no stream was started
+    ops = read_stream(stream_path(tmp_path, 0)).table.column("op").to_pylist()
+    assert ops == [END]  # step 1 closed (it recorded nothing else), and nothing after close()
 
 
 @pytest.mark.parametrize("worker", ["process", "thread"])
@@ -475,7 +483,7 @@ def _state_through_changes(run: Path, worker: str) -> tuple[list[tuple], list[tu
         truth += [(step, name, "param", digest(p)) for name, p in model.named_parameters()]
         truth += [(step, names[id(p)], f"optim.{k}", digest(st[k])) for p, st in opt.state.items() for k in sorted(st)]
     rec.close()
-    rows = [r for r in read_stream(stream_path(run, 0)).table.to_pylist() if r["op"] != "grad"]
+    rows = [r for r in read_stream(stream_path(run, 0)).table.to_pylist() if r["op"] not in ("grad", END)]
     return [(r["step"], r["scope"], r["op"], r["outputs"].hex()) for r in rows], truth, made[0]
 
 
@@ -553,7 +561,7 @@ def test_step_records_made_twice_in_a_step_count_their_occurrences(tmp_path):
         rec.state(model, opt, named_params=list(model.named_parameters()))
         rec.record("param", [first], scope="inner.0.weight")
     rec.close()
-    rows = read_stream(stream_path(tmp_path, 0)).table.to_pylist()
+    rows = _without_ends(read_stream(stream_path(tmp_path, 0)).table).to_pylist()
     n = len(rows) // 2 - 1  # the records of one state() call
     assert n == 4 * 4  # 4 parameters, each with its optimizer state: step, exp_avg, exp_avg_sq
     keys = [(r["scope"], r["op"], r["occurrence"]) for r in rows]
@@ -640,7 +648,7 @@ def test_noted_module_records_keep_a_bounded_amount_alive(tmp_path, monkeypatch,
             assert len(rec._modules.pending) == (5 if bound is None else 0)
         assert not rec._modules.pending  # the microbatch's end drains
     rec.close()
-    assert read_stream(stream_path(tmp_path, 0)).table.num_rows == 5
+    assert _without_ends(read_stream(stream_path(tmp_path, 0)).table).num_rows == 5
 
 
 def test_in_place_change_of_a_recorded_output_is_refused_or_copied(tmp_path):
@@ -692,15 +700,16 @@ def test_torn_tail_is_reported_not_fatal(tmp_path):
     assert s.torn is not None and 0 < s.table.num_rows < full
 
 
-def _run_dir(root: Path, name: str, rows: list[dict], config: dict | None = None, version: int = 1,
-             ranks: dict[int, list[dict]] | None = None) -> Path:
-    """A run directory with ``rows`` as rank 0's stream, or one stream per rank of ``ranks``."""
+def _run_dir(root: Path, name: str, rows: list[dict], config: dict | None = None, version: int = VERSION,
+             ranks: dict[int, list[dict]] | None = None, ends: bool = False) -> Path:
+    """A run directory with ``rows`` as rank 0's stream, or one stream per rank of ``ranks``; ``ends``: each
+    step's records close with its step.end record."""
     run = root / name
     run.mkdir(parents=True)
     _described(run, config=config or {"train": {"seed": 1}, "trace": {"level": "op"}}, world=len(ranks) if ranks else 1)
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss_hex": "0x1p+0", "grad_norm_hex": "0x1p+0"}) + "\n")
     writer = StreamWriter(stream_path(run, 0), {"rank": 0})
-    if version != 1:
+    if version != VERSION:
         writer._writer.close()
         writer._file.close()
         with open(stream_path(run, 0), "wb") as f:
@@ -708,6 +717,10 @@ def _run_dir(root: Path, name: str, rows: list[dict], config: dict | None = None
             w.close()
         return run
     for rank, rank_rows in (ranks or {0: rows}).items():
+        if ends:
+            rank_rows = rank_rows + [{"seq": len(rank_rows) + i, "step": step, "microbatch": -1, "phase": "step",
+                                      "scope": "", "op": END, "occurrence": 0, "inputs": b"", "outputs": b""}
+                                     for i, step in enumerate(sorted({r["step"] for r in rank_rows}))]
         if rank:
             writer = StreamWriter(stream_path(run, rank), {"rank": rank})
         writer.write({c: [r[c] for r in rank_rows] for c in SCHEMA.names})
@@ -781,9 +794,9 @@ def test_diff_refuses_other_config_environment_or_schema(tmp_path):
     with pytest.raises(DiffError, match=r"train\.seed \(1 vs 2\)"):
         diff_runs(a, b)
     assert "config differs" in diff_runs(a, b, force=True)["notes"][0]
-    v2 = _run_dir(tmp_path, "v2", [], version=2)
-    with pytest.raises(DiffError, match="trace schema version '2'"):
-        diff_runs(a, v2)
+    v1 = _run_dir(tmp_path, "v1", [], version=1)
+    with pytest.raises(DiffError, match="trace schema version '1'"):
+        diff_runs(a, v1)
     with pytest.raises(DiffError, match="run.json: missing"):
         diff_runs(a, tmp_path / "nope")
 
@@ -800,7 +813,7 @@ def test_diff_refuses_a_selection_with_nothing_to_compare(tmp_path):
     untraced = [dict(r, step=2) for r in _rows()]  # step 1's metrics, but records of step 2 only
     c, d = _run_dir(tmp_path, "c", untraced), _run_dir(tmp_path, "d", untraced)
     report = diff_runs(c, d, steps={1})
-    assert report["identical"] and report["summary"] == "identical: every metric bit matches"
+    assert report["identical"] and report["summary"] == "identical: the metric bits of 1 step(s) match"
     assert any("no trace records fall in --steps 1" in n for n in report["notes"])
 
 
@@ -854,11 +867,11 @@ def test_a_traced_run_of_your_own_loop_diffs_and_certifies(tmp_path):
 
 def test_certify_complete_and_gaps(tmp_path):
     """A contiguous trace of every step certifies; a sequence gap and a missing step are named."""
-    good = _run_dir(tmp_path, "good", _rows())
+    good = _run_dir(tmp_path, "good", _rows(), ends=True)
     assert certify_trace(good)["complete"]
     bad_rows = _rows()
     bad_rows[3]["seq"] = 9
-    bad = _run_dir(tmp_path, "bad", bad_rows)
+    bad = _run_dir(tmp_path, "bad", bad_rows, ends=True)
     (bad / "metrics.jsonl").write_text("".join(json.dumps({"step": s}) + "\n" for s in (1, 2)))
     problems = certify_trace(bad)["problems"]
     assert any("sequence jumps from 2 to 9" in p for p in problems)

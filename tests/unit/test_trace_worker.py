@@ -84,7 +84,7 @@ def test_a_worker_that_cannot_read_this_process_falls_back_or_refuses(tmp_path, 
         rec = _run(tmp_path / "auto", "step", "auto")
     assert rec.worker == "thread"
     assert read_stream(stream_path(tmp_path / "auto", 0)).table.equals(
-        read_stream(stream_path(_run(tmp_path / "thread", "step", "thread")._run_dir, 0)).table)
+        read_stream(stream_path(_run(tmp_path / "thread", "step", "thread").run_dir, 0)).table)
     with pytest.raises(RuntimeError, match=r"trace.worker=process: .*errno 1.*use trace.worker=thread"):
         _run(tmp_path / "process", "step", "process")
 
@@ -111,8 +111,8 @@ def test_worker_process_writes_what_it_got_and_exits_when_the_trainer_goes(tmp_p
     rec._worker._sock.close()
     assert proc.wait(timeout=30) == 0
     s = read_stream(stream_path(tmp_path, 0))
-    assert s.torn is None and s.table.column("step").to_pylist() == [1, 2]
-    assert s.table.column("outputs").to_pylist()[1] == bytes.fromhex(digest(torch.full((3,), 2.0)))
+    assert s.torn is None and s.table.column("step").to_pylist() == [1, 1, 2, 2]  # each step: x, then step.end
+    assert s.table.column("outputs").to_pylist()[2] == bytes.fromhex(digest(torch.full((3,), 2.0)))
 
 
 @pytest.mark.parametrize("forget", [True, False])
@@ -147,7 +147,7 @@ def test_a_forked_process_does_not_keep_the_worker_waiting(tmp_path, monkeypatch
         os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     assert proc.wait(timeout=30) == 0
-    assert read_stream(stream_path(tmp_path, 0)).table.column("step").to_pylist() == [1]
+    assert read_stream(stream_path(tmp_path, 0)).table.column("op").to_pylist() == ["x", "step.end"]
 
 
 def test_the_child_reads_and_hashes_in_groups_with_the_lanes_of_the_whole(monkeypatch):

@@ -10,14 +10,15 @@ import numpy as np
 from samestep.analysis.diff import DiffError, load_run
 from samestep.rundir import read_metrics
 from samestep.tracing.selection import format_selection, parse_selection
-from samestep.tracing.stream import iter_stream, stream_segments
+from samestep.tracing.stream import END, iter_stream, stream_segments
 
 __all__ = ["certify_trace"]
 
 
 def certify_trace(run: str | Path) -> dict[str, Any]:
-    """Checks that every selected rank and step has records, each stream's sequence is contiguous, no
-    tail is torn, and deterministic mode was on.
+    """Checks that every selected rank and step has records, each step finished (its ``step.end``
+    record: a step that raised, or a run killed in it, has none), each stream's sequence is contiguous,
+    no tail is torn, and deterministic mode was on throughout.
 
     Returns:
         ``{"complete": bool, "problems": [...], "ranks": {rank: {"records", "steps"}}}``.
@@ -34,6 +35,10 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
         problems.append("deterministic mode is not recorded in run.json " + (
             "(samestep.enable() was not in force when samestep.trace() started)"
             if doc.get("written_by") == "samestep.trace" else "(the run had determinism.enabled=false)"))
+    changed = doc.get("determinism_changed")
+    if changed is not None:
+        problems.append(f"deterministic mode stopped holding at step {changed.get('step')} (" + ", ".join(
+            f"{name}: {a!r} -> {b!r}" for name, (a, b) in changed.get("knobs", {}).items()) + ")")
     if tcfg.get("level", "off") == "off":
         problems.append("the run was not traced (trace.level=off)")
     world = max([doc.get("layout", {}).get("world_size", 1)] + [r.get("world_size", 1) for r in doc.get("resumes", [])])
@@ -52,15 +57,21 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
             problems.append(f"rank {rank}: no trace stream ({run / 'trace'})")
             continue
         seen: set[int] = set()
+        last_seen: dict[int, int] = {}  # step -> the last segment that recorded it (a resume re-runs steps)
+        ended: set[tuple[int, int]] = set()  # (segment, step) with a step.end record
         records = 0
-        for seg in segments:
+        for k, seg in enumerate(segments):
             try:
                 _, batches, torn = iter_stream(seg)
                 expected = 0
                 jumped = False
                 for batch in batches:
                     seq = batch.column(0).to_numpy()
-                    seen.update(np.unique(batch.column(1).to_numpy()).tolist())
+                    batch_steps = batch.column(1).to_numpy()
+                    for s in np.unique(batch_steps).tolist():
+                        last_seen[s] = k
+                    ends = batch_steps[(batch.column(5).to_numpy(zero_copy_only=False) == END)]
+                    ended.update((k, int(s)) for s in ends)
                     want = np.arange(expected, expected + seq.size)
                     if not jumped and seq.size and not np.array_equal(seq, want):
                         bad = int(np.flatnonzero(seq != want)[0])
@@ -71,8 +82,15 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
                 problems.extend(f"{seg.name}: {t}" for t in torn)
             except ValueError as e:
                 raise DiffError(str(e)) from None
+        seen.update(last_seen)
         seen_by_rank[rank] = seen
+        unfinished = sorted(s for s, k in last_seen.items() if (k, s) not in ended)
+        if unfinished:
+            problems.append(f"rank {rank}: step(s) {format_selection(unfinished)} did not finish (no {END} record: "
+                            "the step raised, or the run was killed in it)")
         per_rank[str(rank)] = {"records": records, "steps": format_selection(seen), "segments": len(segments)}
+        if rank == 0 and doc.get("written_by") == "samestep.trace":
+            problems.extend(_closes(doc, len(segments), ended))
     if not metrics:
         last_step = max((max(seen) for seen in seen_by_rank.values() if seen), default=0)
     steps = {s for s in range(1, last_step + 1) if wanted_steps is None or s in wanted_steps}
@@ -82,3 +100,17 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
             problems.append(f"rank {rank}: no records for step(s) {format_selection(missing)}")
     return {"complete": not problems, "problems": problems, "ranks": per_rank, "run": str(run),
             "selected_steps": format_selection(steps), "selected_ranks": ranks}
+
+
+def _closes(doc: dict[str, Any], segments: int, ended: set[tuple[int, int]]) -> list[str]:
+    """A run of the user's own loop has no metrics to say which steps ran: rank 0's recorder records in
+    run.json each segment it closed and the step whose context raised, if one did (not re-run and
+    finished in a later segment)."""
+    closes = {c.get("segment"): c for c in doc.get("closes", [])}
+    problems = [f"rank 0's trace segment {k} was not closed: the run was killed, or is still running, so steps "
+                "after its last recorded one may be missing" for k in range(segments) if k not in closes]
+    for k, close in sorted(closes.items()):
+        failed = close.get("failed_step")
+        if failed is not None and not any((later, failed) in ended for later in range(k + 1, segments)):
+            problems.append(f"step {failed} raised (segment {k}): the run did not finish it")
+    return problems

@@ -22,7 +22,7 @@ import pyarrow.compute as pc
 
 from samestep._state import dotted
 from samestep.env import compare_environments
-from samestep.rundir import NUMERICS_NEUTRAL, RunDirError, final_digest, read_metrics, read_run
+from samestep.rundir import NUMERICS_NEUTRAL, RunDirError, determinism_diff, final_digest, read_metrics, read_run
 from samestep.tracing.selection import LEVELS, format_selection, parse_selection
 from samestep.tracing.stream import KEY, SCHEMA, iter_stream, stream_segments, traced_ranks
 
@@ -49,14 +49,16 @@ class Divergence:
     """The first differing record of one rank."""
 
     rank: int
-    kind: str  # "origin", "receiver" or "structural"
+    # "origin" (all inputs matched), "receiver" (an input differed), "first_seen" (a record with no inputs,
+    # as at step and module level: where the difference was first seen, not what made it) or "structural"
+    kind: str
     step: int
     microbatch: int
     phase: str
     scope: str
     op: str
     occurrence: int
-    inputs_matched: bool
+    inputs_matched: bool | None  # None: the record has no inputs to match
     other: dict[str, Any] | None = None  # run B's record at that position (structural only)
     note: str = ""
 
@@ -156,11 +158,21 @@ def _row(table: pa.Table, i: int) -> dict[str, Any]:
     return {k: table.column(k)[i].as_py() for k in KEY}
 
 
-def _classify(rank: int, a: pa.Table, b: pa.Table, i: int) -> Divergence:
+def _classify(rank: int, a: pa.Table, b: pa.Table, i: int, differing: int) -> Divergence:
+    """Record ``i``'s kind of difference; ``differing``: how many records of its step differ (at least)."""
     row = _row(a, i)
-    matched = a.column("inputs")[i].as_py() == b.column("inputs")[i].as_py()
+    inputs = a.column("inputs")[i].as_py()
+    matched = inputs == b.column("inputs")[i].as_py()
     op = row["op"]
     note = ""
+    if not inputs and (row["phase"] == "step" or op in ("output", "grad_output")):
+        level = "step" if row["phase"] == "step" else "module"
+        what = (f"the first {'module output' if op == 'output' else 'gradient at a module'} that differs, in the "
+                "order the modules ran" if level == "module" else "the first differing record in parameter order")
+        return Divergence(rank=rank, kind="first_seen", inputs_matched=None, **row, note=(
+            f"{level}-level records have no inputs, so this is {what}, not a proven origin; {differing} record(s) "
+            f"differ at step {row['step']} on this rank. To find the op: trace that step at op level "
+            f"(--set trace.level=op --set trace.steps={row['step']}, or samestep.trace(..., level='op'))"))
     if matched and row["scope"] == "collective":
         # Its output also depends on the other ranks' inputs, which this stream does not hold.
         return Divergence(rank=rank, kind="receiver", inputs_matched=True, **row,
@@ -210,7 +222,9 @@ def _compare_rank(run_a: Path, run_b: Path, rank: int, steps: set[int] | None,
             return res
         if first_out is not None:
             res.records += first_out
-            res.divergence = _classify(rank, a_n, b_n, first_out)
+            step = a_n.column("step")[first_out].as_py()
+            differing = pc.sum(pc.and_(pc.invert(same_out), pc.equal(a_n.column("step"), step))).as_py()
+            res.divergence = _classify(rank, a_n, b_n, first_out, differing)
             return res
         res.records += n
         if a.num_rows != b.num_rows:  # different chunk lengths only happen at the end of a stream
@@ -272,8 +286,10 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
                         f"{format_selection(r['step'] for r in metrics_a) or 'none'}, B: "
                         f"{format_selection(r['step'] for r in metrics_b) or 'none'}); choose steps the runs have")
     metric_diff = _first_metric_difference(metrics_a, metrics_b, steps)
+    metric_steps = sum(1 for ra, rb in zip(metrics_a, metrics_b) if steps is None or ra.get("step") in steps)
     finals = [final_digest(run_a), final_digest(run_b)]
-    final_differs = None not in finals and finals[0] != finals[1] and steps is None
+    final_compared = None not in finals and steps is None
+    final_differs = final_compared and finals[0] != finals[1]
     common = _ranks_to_compare(run_a, run_b, ranks, notes)
     trace_steps, levels = _traced_alike(doc_a, doc_b, steps, notes) if common else (steps, (None, None))
     per_rank: dict[int, _RankResult] = {}
@@ -290,28 +306,48 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     origins = [d for d in divs if d.kind == "origin"]
     first = min(divs, key=lambda d: (d.kind != "structural", d.step, d.rank)) if divs else None
     origin = min(origins, key=lambda d: (d.step, d.microbatch, d.rank)) if origins and not structural else None
-    identical = metric_diff is None and not divs and not final_differs
+    # Without an origin, the earliest record without inputs that differs (step and module level) is where the
+    # difference was first seen: on the rank where it began, if the others only received it
+    seen = [d for d in divs if d.kind == "first_seen"]
+    first_seen = min(seen, key=lambda d: (d.step, d.microbatch, d.rank)) if seen and not structural else None
     records = sum(r.records for r in per_rank.values())
+    same = metric_diff is None and not divs and not final_differs
+    # Nothing compared is no evidence of sameness: such a diff says so (exit 2), never "identical"
+    nothing = same and not (metric_steps or records or final_compared)
+    identical = same and not nothing
     if per_rank and not records and steps is not None:
         notes.append(f"no trace records fall in --steps {format_selection(steps)}: only those steps' metrics were "
                      "compared (the runs' trace.steps selects which steps were traced)")
-    if identical:
-        summary = _identical_summary(records, len(per_rank), bool(metrics_a or metrics_b))
+    if nothing:
+        summary = ("nothing compared: the runs have no metrics, final state or trace records in common"
+                   + (" (see the notes)" if notes else "") + "; this is no evidence that they are the same")
+    elif identical:
+        summary = _identical_summary(metric_steps, records, len(per_rank), final_compared)
     elif structural:
         d = structural[0]
         summary = (f"structural divergence on rank {d.rank} at step {d.step}: {d.note} "
                    f"(A: {d.phase} {d.scope!r} {d.op}#{d.occurrence}; B: {d.other})")
     elif origin is not None:
         summary = _origin_summary(origin, origins, sorted(per_rank))
+    elif first_seen is not None:
+        receivers = sorted(d.rank for d in divs if d.kind == "receiver")
+        summary = (f"first difference seen: step {first_seen.step}, rank {first_seen.rank}, microbatch "
+                   f"{first_seen.microbatch}, `{first_seen.op}` of `{first_seen.scope or '<root>'}` "
+                   f"({first_seen.phase})" + (f"; rank(s) {format_selection(receivers)} received it through a "
+                                              "collective" if receivers else "") + f". {first_seen.note}")
     else:
         summary = _no_origin_summary(first, metric_diff, finals, bool(per_rank))
     return {
         "identical": identical,
+        "verdict": "nothing compared" if nothing else "identical" if identical else "diverged",
+        "compared": {"metric_steps": metric_steps, "trace_records": records, "ranks": len(per_rank),
+                     "final_state": final_compared},
         "first_divergent_step": min([d.step for d in divs] + ([metric_diff["step"]] if metric_diff else []),
                                     default=None),
         "metrics": metric_diff,
         "final_state_digests": finals,
         "origin": asdict(origin) if origin is not None else None,
+        "first_seen": asdict(first_seen) if first_seen is not None and origin is None else None,
         "first_difference": asdict(first) if first is not None else None,
         "per_rank": {str(r): {"records_compared": res.records, "torn": res.torn,
                               "divergence": asdict(res.divergence) if res.divergence else None}
@@ -322,19 +358,43 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
 
 
 def _check_comparable(doc_a: dict[str, Any], doc_b: dict[str, Any], force: bool, notes: list[str]) -> None:
-    """Refuses runs whose configs (less what changes no bit) or environments differ, unless ``force``;
-    with ``force``, a note says what differs."""
+    """Refuses runs whose configs (less what changes no bit), environments or deterministic modes differ,
+    unless ``force``; with ``force``, a note says what differs."""
     cfg_diff = {k: v for k, v in compare_environments(dotted(doc_a.get("config", {})),
                                                       dotted(doc_b.get("config", {}))).items()
                 if k not in IGNORED_CONFIG}
     env_diff = compare_environments(doc_a.get("environment", {}), doc_b.get("environment", {}))
-    for what, d in (("config", cfg_diff), ("environment", env_diff)):
+    # deterministic mode first: the environment fingerprint records its knobs too, and its refusal says why
+    for what, d in (("deterministic mode", _numerics(doc_a, doc_b)), ("config", cfg_diff), ("environment", env_diff)):
         if d:
             fields = ", ".join(f"{k} ({a!r} vs {b!r})" for k, (a, b) in d.items())
             if not force:
                 raise DiffError(f"the runs' {what}s differ: {fields}; bitwise comparison only holds for the same "
-                                f"{what} (pass --force to compare anyway)")
+                                f"{what} (pass --force to compare anyway)" + _why_off(doc_a, doc_b, d))
             notes.append(f"{what} differs (compared with --force): {fields}")
+
+
+def _numerics(doc_a: dict[str, Any], doc_b: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """What the runs' deterministic modes set differently (each knob's value after ``enable()``), or changed
+    during the run (``determinism_changed``); "on" if one run had none."""
+    out = determinism_diff(doc_a.get("determinism"), doc_b.get("determinism"))
+    if "on" in out:
+        return out
+    changed = (doc_a.get("determinism_changed"), doc_b.get("determinism_changed"))
+    if changed[0] != changed[1]:
+        out["changed during the run"] = changed
+    return out
+
+
+def _why_off(doc_a: dict[str, Any], doc_b: dict[str, Any], diff: dict[str, tuple[Any, Any]]) -> str:
+    """For a run without deterministic mode recorded: why, in plain words, and the fix."""
+    if "on" not in diff:
+        return ""
+    run, doc = ("A", doc_a) if doc_a.get("determinism") is None else ("B", doc_b)
+    if doc.get("written_by") == "samestep.trace":
+        return (f". Run {run} recorded no deterministic mode: its samestep.trace() started before "
+                "samestep.enable() (or enable() was never called); call samestep.enable() first")
+    return f". Run {run} ran with determinism.enabled=false"
 
 
 def _ranks_to_compare(run_a: Path, run_b: Path, ranks: set[int] | None, notes: list[str]) -> list[int]:
@@ -350,11 +410,17 @@ def _ranks_to_compare(run_a: Path, run_b: Path, ranks: set[int] | None, notes: l
     return sorted((ranks_a & ranks_b) if ranks is None else (ranks_a & ranks_b & ranks))
 
 
-def _identical_summary(records: int, ranks: int, has_metrics: bool) -> str:
-    if not has_metrics:  # a run of the user's own loop: its trace only
-        return f"identical: {records} trace records on {ranks} rank(s) match (no metrics.jsonl)"
-    return "identical: every metric bit" + (f" and {records} trace records on {ranks} rank(s) match"
-                                            if records else " matches")
+def _identical_summary(metric_steps: int, records: int, ranks: int, final_compared: bool) -> str:
+    """What was compared and matched (a run of the user's own loop has its trace only: no metrics.jsonl)."""
+    parts = []
+    if metric_steps:
+        parts.append(f"the metric bits of {metric_steps} step(s)")
+    if records:
+        parts.append(f"{records} trace records on {ranks} rank(s)")
+    if final_compared:
+        parts.append("the final state digest")
+    return "identical: " + ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1] + " match" + \
+        ("" if metric_steps else " (no metrics.jsonl)")
 
 
 def _origin_summary(origin: Divergence, origins: list[Divergence], compared: list[int]) -> str:

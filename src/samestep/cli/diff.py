@@ -1,4 +1,5 @@
-"""``samestep diff RUN_A RUN_B``: name the first op that diverged (exit 0 identical, 1 diverged, 2 error)."""
+"""``samestep diff RUN_A RUN_B``: name the first op that diverged (exit 0 identical, 1 diverged, 2 an input
+error or nothing to compare)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "diff", help="compare two runs: first differing step, then the op that diverged, per rank",
         description="Compares metrics bits, then per-rank trace streams. Exit 0 identical, 1 diverged, 2 usage "
-                    "or input error.",
+                    "or input error, or nothing in common to compare.",
         epilog="examples:\n  samestep diff runs/a runs/b\n  samestep diff runs/a runs/b --json --ranks 0,1 --steps 1-5",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_a")
@@ -39,6 +40,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(json.dumps(report))
     else:
         _print(report)
+    if report["verdict"] == "nothing compared":
+        return 2
     return 0 if report["identical"] else 1
 
 

@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from samestep.mode import active_report, drifted
 from samestep.tracing.collectives import Collectives, FsdpReduceScatter
 from samestep.tracing.hooks import module_paths, outside_compile
 from samestep.tracing.module_level import ModuleRecords
@@ -57,7 +58,7 @@ from samestep.tracing.process_worker import ProcessWorker
 from samestep.tracing.selection import LEVELS, WORKERS
 from samestep.tracing.staging import Staging
 from samestep.tracing.step_level import StepRecords, persistent_buffers
-from samestep.tracing.stream import stream_path, stream_segments
+from samestep.tracing.stream import END, stream_path, stream_segments
 from samestep.tracing.thread_worker import ThreadWorker
 
 __all__ = ["Recorder"]
@@ -85,7 +86,7 @@ class Recorder:
         self.worker = worker  # falls back to "thread" if "auto" cannot start a process (a warning says why)
         self.enabled = level != "off" and (ranks is None or rank in ranks)
         self._rank_level = LEVELS.index(level)
-        self._run_dir = Path(run_dir)
+        self.run_dir = Path(run_dir)
         self._meta = {"rank": rank, "level": level, **(meta or {})}
         self._writing = False  # the stream is opened at the first flush: nothing is written before
         self._staging = Staging()
@@ -97,6 +98,12 @@ class Recorder:
         self._inflight: Any = None  # the batch the worker is digesting
         self._hooks: list[Any] = []
         self._worker: ThreadWorker | ProcessWorker | None = None
+        # The enable() in force (None if none): a knob it set that no longer holds at a step is recorded in
+        # numerics_changed (the first such step), and on_close (samestep.trace's) puts it in run.json.
+        self._report = active_report()
+        self.numerics_changed: dict[str, Any] | None = None
+        self.failed_step: int | None = None  # the last step whose context raised
+        self.on_close: Callable[[Recorder], None] | None = None
         if self.enabled and self.worker == "process":
             # Started now: the child imports torch (about 1.5 s) while the model is built and the first
             # step runs, instead of after the first flush, which would then wait for it.
@@ -152,7 +159,7 @@ class Recorder:
             # can digest them while the training thread runs the next step.
             self._worker = self._start_worker()
         if not self._writing:  # a new segment: a resumed run never overwrites the earlier stream
-            path = stream_path(self._run_dir, self.rank, len(stream_segments(self._run_dir, self.rank)))
+            path = stream_path(self.run_dir, self.rank, len(stream_segments(self.run_dir, self.rank)))
             self._worker.open(path, self._meta)
             self._writing = True
         self._inflight = batch
@@ -216,18 +223,39 @@ class Recorder:
     # -- the protocol ----------------------------------------------------------------------------------
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator[None]:
-        """Everything inside belongs to optimizer step ``step`` (1-based); flushed at the end."""
+        """Everything inside belongs to optimizer step ``step`` (1-based); flushed at the end. A step whose
+        context closes normally ends with a ``step.end`` record: one that raised, or a run killed inside
+        it, has none (``samestep trace certify`` reports it)."""
         self._modules.drain()
         st = self._staging
         st.new_step(step)
         self._collectives.new_step()
         # DTensor if torch.distributed.tensor was imported (else no DTensor exists): see Staging.shards
         st.dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        if self._report is not None and self.numerics_changed is None:
+            self._check_numerics(step)
+        finished = False
         try:
             yield
+            finished = True
+        except BaseException:
+            self.failed_step = step
+            raise
         finally:
             if self.active:
+                if finished:
+                    if self._collectives.pending:
+                        self._collectives.record_done()
+                    self.record(END, [])
                 self.flush()
+
+    def _check_numerics(self, step: int) -> None:
+        changed = drifted(self._report)
+        if changed:
+            self.numerics_changed = {"step": step, "knobs": {name: list(v) for name, v in changed.items()}}
+            warnings.warn(f"samestep.trace: at step {step} deterministic mode no longer holds what enable() set ("
+                          + ", ".join(f"{name}: {a!r} -> {b!r}" for name, (a, b) in changed.items())
+                          + "); the run's numerics changed, and run.json records it", RuntimeWarning, stacklevel=3)
 
     @contextlib.contextmanager
     def microbatch(self, index: int) -> Iterator[None]:
@@ -376,5 +404,10 @@ class Recorder:
             worker, self._worker = self._worker, None
             self._staging.drop_chunks()
             self._writing = False
-            if worker is not None:
-                worker.close()
+            try:
+                if worker is not None:
+                    worker.close()
+            finally:
+                on_close, self.on_close = self.on_close, None
+                if on_close is not None:
+                    on_close(self)

@@ -4,18 +4,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from samestep.env import compare_environments, environment
 from samestep.mode import active_report
-from samestep.rundir import new_run, write_run
+from samestep.rundir import (
+    determinism_diff,
+    new_run,
+    read_run,
+    record_close,
+    record_numerics_change,
+    record_resume,
+    write_run,
+)
 from samestep.tracing.perturb import Perturb
 from samestep.tracing.recorder import Recorder
 from samestep.tracing.selection import format_selection, parse_selection
+from samestep.tracing.stream import stream_segments
 
 __all__ = ["trace"]
 
 
 def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | None = None,
           ranks: set[int] | str | None = None, rank: int | None = None, perturb: Perturb | None = None,
-          copy: bool = False, worker: str = "auto") -> Recorder:
+          copy: bool = False, worker: str = "auto", resume: bool = False) -> Recorder:
     """Starts recording this rank's trace stream into ``run_dir/trace``. Rank 0 also writes
     ``run_dir/run.json`` if there is none, so that ``samestep diff`` and ``samestep trace certify`` read a
     run of your own loop as they read ``samestep train``'s: call ``samestep.enable()`` first, to have
@@ -33,6 +43,11 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
         worker: where digests are computed: ``"process"`` (a child process that reads this process's
             memory; CPU tensors only), ``"thread"`` (any device), or ``"auto"`` (process on Linux
             without CUDA, else thread). Both write the same stream.
+        resume: continue the run that ``run_dir`` holds (after loading its checkpoint): the stream gets a
+            new segment, and run.json a resume record with what differs from the run's start.
+
+    Raises:
+        ValueError: ``run_dir`` already holds a traced run and ``resume`` is not set.
     """
     import torch.distributed as dist
 
@@ -43,22 +58,52 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
         steps = parse_selection(steps, "steps")
     if isinstance(ranks, str):
         ranks = parse_selection(ranks, "ranks")
+    run_dir = Path(run_dir)
+    segments = stream_segments(run_dir, rank)
+    if segments and not resume:
+        raise ValueError(f"samestep.trace: {run_dir} already holds a trace ({segments[-1]}); pass resume=True to "
+                         "continue that run (after loading its checkpoint), or trace into a new run directory")
     rec = Recorder(run_dir, level=level, steps=steps, ranks=ranks, rank=rank, perturb=perturb, copy=copy,
                    worker=worker)
     if rank == 0 and level != "off":
-        _describe_run(Path(run_dir), level, steps, ranks, dist.get_world_size() if distributed else 1)
+        world = dist.get_world_size() if distributed else 1
+        if not (run_dir / "run.json").exists():
+            _describe_run(run_dir, level, steps, ranks, world)
+        elif resume:
+            _record_resume(run_dir, len(segments), world)
+        if read_run(run_dir).get("written_by") == "samestep.trace":
+            rec.on_close = lambda rec, segment=len(segments): _closed(rec, segment)
     return rec
 
 
 def _describe_run(run_dir: Path, level: str, steps: set[int] | None, ranks: set[int] | None, world: int) -> None:
     """Gives a run directory that a user's own loop traces the ``run.json`` that ``samestep diff`` and
     ``samestep trace certify`` read (docs/formats.md): the trace selection as its config, the environment
-    fingerprint, the world size, and the report of the ``samestep.enable()`` in force (null if none). A
-    run.json already there (``samestep train`` writes its own first) is left as it is."""
-    if (run_dir / "run.json").exists():
-        return
+    fingerprint, the world size, and the report of the ``samestep.enable()`` in force (null if none)."""
     report = active_report()
     selection = {"level": level, "steps": "all" if steps is None else format_selection(steps),
                  "ranks": "all" if ranks is None else format_selection(ranks)}
     write_run(run_dir, new_run({"trace": selection}, {"world_size": world},
                                report.to_dict() if report is not None else None, written_by="samestep.trace"))
+
+
+def _record_resume(run_dir: Path, segment: int, world: int) -> None:
+    """A resume of the user's own loop, in run.json's ``resumes`` (as ``samestep train`` records its own):
+    the stream segment it starts, its world size, and what differs from the run's start (environment
+    fields, deterministic mode)."""
+    doc = read_run(run_dir)
+    if doc.get("written_by") != "samestep.trace":
+        return  # samestep train's run.json: its loop records its own resumes
+    report = active_report()
+    record_resume(run_dir, {"written_by": "samestep.trace", "segment": segment, "world_size": world,
+                            "env_diff": sorted(compare_environments(doc.get("environment", {}), environment())),
+                            "determinism_diff": sorted(determinism_diff(
+                                doc.get("determinism"), report.to_dict() if report is not None else None))})
+
+
+def _closed(rec: Recorder, segment: int) -> None:
+    """Rank 0's recorder closed: run.json records it (and a knob of deterministic mode that stopped
+    holding), so that certify can tell a finished trace from a killed or failed one."""
+    if rec.numerics_changed is not None:
+        record_numerics_change(rec.run_dir, rec.numerics_changed)
+    record_close(rec.run_dir, {"segment": segment, "failed_step": rec.failed_step})

@@ -1,4 +1,4 @@
-"""Per-rank trace streams (format "samestep.trace", version 1): Arrow IPC, append-only, crash-safe.
+"""Per-rank trace streams (format "samestep.trace", version 2): Arrow IPC, append-only, crash-safe.
 
 One file per rank, ``RUN/trace/rank_00000.arrows``, readable with ``pyarrow.ipc.open_stream`` (and so
 pandas). Records are appended in record batches; each batch is flushed to the OS when written, so a
@@ -12,7 +12,8 @@ Columns (one row per record):
     phase       string  "forward", "backward" or "step"
     scope       string  module path ("" for the root), or a parameter name for step-level records
     op          string  ATen overload ("aten.mm.default"), or "output", "grad_output" (module level), or at
-                        step level "grad", "param", "buffer", "optim.<key>", a metric's name, a collective's
+                        step level "grad", "param", "buffer", "optim.<key>", a metric's name, a collective's,
+                        and "step.end", the last record of a step whose context closed normally
     occurrence  int32   how many records with the same (step, microbatch, phase, scope, op) came before
     inputs      binary  the inputs' 16-byte digests, concatenated
     outputs     binary  the outputs' 16-byte digests, concatenated (16 zero bytes: uninitialised memory)
@@ -30,10 +31,11 @@ from typing import Any
 
 import pyarrow as pa
 
-__all__ = ["COLUMNS", "FORMAT", "KEY", "SCHEMA", "VERSION", "StreamWriter",
+__all__ = ["COLUMNS", "END", "FORMAT", "KEY", "SCHEMA", "VERSION", "StreamWriter",
            "TraceStream", "iter_stream", "read_stream", "stream_path", "stream_segments", "traced_ranks"]
 
-FORMAT, VERSION = "samestep.trace", 1
+FORMAT, VERSION = "samestep.trace", 2
+END = "step.end"  # the op of the record that closes a step that ended normally (phase "step", no tensors)
 KEY = ("step", "microbatch", "phase", "scope", "op", "occurrence")
 SCHEMA = pa.schema([
     ("seq", pa.int64()), ("step", pa.int32()), ("microbatch", pa.int32()), ("phase", pa.string()),

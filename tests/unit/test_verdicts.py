@@ -1,0 +1,172 @@
+"""Verdicts never overstate: a diff that compared nothing is not "identical", a level without inputs names
+no origin, a step that did not finish is not complete, and what changes numerics is recorded and compared."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import samestep
+from samestep.analysis import DiffError, certify_trace, diff_runs
+from samestep.cli import main
+
+
+def _loop(run: Path, *, level: str = "step", steps: str | None = None, scale: float = 1.0, last: int = 3,
+          resume: bool = False, first: int = 1, fail_at: int | None = None, between=None) -> None:
+    """A small loop of the user's own, traced with samestep.trace: steps ``first`` to ``last``; ``scale``
+    changes its inputs (a real difference); ``fail_at`` raises inside that step; ``between(step)`` runs
+    before each step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = samestep.trace(run, level=level, steps=steps, worker="thread", resume=resume)
+    rec.attach(model)
+    try:
+        for step in range(first, last + 1):
+            if between is not None:
+                between(step)
+            with rec.step(step):
+                for mb in (0, 1):
+                    with rec.microbatch(mb):
+                        model(torch.full((2, 4), scale * (mb + step))).sum().backward()
+                if step == fail_at:
+                    raise RuntimeError("the loop failed inside the step")
+                rec.grads(model.named_parameters())
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                rec.state(model, opt)
+    finally:
+        rec.close()
+
+
+@pytest.fixture
+def deterministic():
+    with samestep.enable(threads=1):
+        yield
+
+
+def test_a_diff_that_compared_nothing_is_not_identical(tmp_path, deterministic, capsys):
+    """Two runs that really differ, traced on steps that do not overlap (no metrics, no final state): the
+    verdict is "nothing compared", not identical, and the command exits 2. Negative control: traced on
+    the same steps, the same pair diverges (exit 1), and an identical pair still says identical (exit 0)."""
+    _loop(tmp_path / "a", steps="1-2")
+    _loop(tmp_path / "b", steps="3", scale=2.0)
+    report = diff_runs(tmp_path / "a", tmp_path / "b")
+    assert report["verdict"] == "nothing compared" and not report["identical"]
+    assert report["compared"] == {"metric_steps": 0, "trace_records": 0, "ranks": 1, "final_state": False}
+    assert report["summary"].startswith("nothing compared:") and "no evidence" in report["summary"]
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+    _loop(tmp_path / "c", steps="1-2", scale=2.0)
+    assert diff_runs(tmp_path / "a", tmp_path / "c")["verdict"] == "diverged"
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "c")]) == 1
+    _loop(tmp_path / "d", steps="1-2")
+    same = diff_runs(tmp_path / "a", tmp_path / "d")
+    assert same["verdict"] == "identical" and same["compared"]["trace_records"] > 0
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "d")]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("level", ["step", "module"])
+def test_levels_without_inputs_name_where_a_difference_was_seen_not_an_origin(tmp_path, deterministic, level):
+    """At step and module level the records have no inputs: the diff names the first differing record as
+    "first_seen" (no origin), says why, counts the records that differ at that step, and points at op
+    level. Negative control: the same pair traced at op level names an origin whose inputs matched."""
+    _loop(tmp_path / "a", level=level)
+    _loop(tmp_path / "b", level=level, scale=2.0)
+    report = diff_runs(tmp_path / "a", tmp_path / "b")
+    first = report["first_difference"]
+    assert report["origin"] is None and first["kind"] == "first_seen" and first["inputs_matched"] is None
+    assert report["first_seen"] == first and report["summary"].startswith("first difference seen: step 1, rank 0")
+    assert first["step"] == 1 and first["op"] == ("grad" if level == "step" else "output")
+    assert "have no inputs" in first["note"] and "not a proven origin" in first["note"]
+    assert "--set trace.level=op --set trace.steps=1" in first["note"]
+    assert "this op is the origin" not in report["summary"]
+    differing = int(first["note"].split(" record(s) differ")[0].rsplit("; ", 1)[1])
+    assert differing > 1
+    _loop(tmp_path / "opa", level="op")
+    _loop(tmp_path / "opb", level="op", scale=2.0)
+    op = diff_runs(tmp_path / "opa", tmp_path / "opb")
+    assert op["origin"] is not None and op["origin"]["inputs_matched"] is True and op["origin"]["kind"] == "origin"
+
+
+def test_tracing_into_a_traced_run_needs_resume_and_records_it(tmp_path):
+    """A second samestep.trace() into a run directory that holds a trace is refused (nothing written); with
+    resume=True the stream gets a new segment and run.json a resume record naming what differs from the
+    run's start: under another thread count, the environment field and the knob. Negative control:
+    resumed as it started, the record names nothing."""
+    run = tmp_path / "run"
+    with samestep.enable(threads=1):
+        _loop(run, last=2)
+        before = (run / "run.json").read_bytes()
+        with pytest.raises(ValueError, match=r"already holds a trace .*pass resume=True"):
+            _loop(run, first=3, last=4)
+        assert (run / "run.json").read_bytes() == before
+        _loop(run, first=3, last=4, resume=True)
+    with samestep.enable(threads=2):
+        _loop(run, first=5, last=5, resume=True)
+    resumes = json.loads((run / "run.json").read_text())["resumes"]
+    assert [(r["segment"], r["env_diff"], r["determinism_diff"]) for r in resumes] == [
+        (1, [], []), (2, ["threads.intra_op"], ["torch.num_threads"])]
+    assert sorted(p.name for p in (run / "trace").iterdir()) == [
+        "rank_00000.1.arrows", "rank_00000.2.arrows", "rank_00000.arrows"]
+
+
+@pytest.mark.parametrize("level", ["step", "module"])
+def test_a_step_that_did_not_finish_is_not_complete(tmp_path, deterministic, level):
+    """A loop that raised inside step 2: certify names the step (at module level its records were
+    written, without the step.end record that closes a finished step); resumed and finished, it
+    certifies. A trace whose recorder was never closed (the run killed) is not complete either. Negative
+    control: the same loop run to its end certifies complete."""
+    with pytest.raises(RuntimeError, match="failed inside the step"):
+        _loop(tmp_path / "failed", level=level, fail_at=2)
+    cert = certify_trace(tmp_path / "failed")
+    unfinished = ["rank 0: step(s) 2 did not finish (no step.end record: the step raised, or the run was killed "
+                  "in it)"] if level == "module" else []
+    assert not cert["complete"]
+    assert cert["problems"] == [*unfinished, "step 2 raised (segment 0): the run did not finish it"]
+    _loop(tmp_path / "failed", level=level, first=2, resume=True)  # resumed: step 2 re-run and finished
+    assert certify_trace(tmp_path / "failed")["complete"]
+    _loop(tmp_path / "whole", level=level)
+    assert certify_trace(tmp_path / "whole")["complete"]
+    doc = json.loads((tmp_path / "whole" / "run.json").read_text())
+    del doc["closes"]  # as if the process had been killed before its recorder closed
+    (tmp_path / "whole" / "run.json").write_text(json.dumps(doc))
+    assert certify_trace(tmp_path / "whole")["problems"] == [
+        "rank 0's trace segment 0 was not closed: the run was killed, or is still running, so steps after its "
+        "last recorded one may be missing"]
+
+
+def test_what_changes_numerics_is_recorded_and_compared(tmp_path):
+    """enable(kernels=True) against enable(): diff refuses, naming samestep.kernels. A loop that turns
+    deterministic algorithms off after enable(): run.json records the step and knob, certify reports it,
+    diff refuses. samestep.trace() started before enable(): diff's refusal says so plainly. Negative
+    control: two runs under the same enable() compare (identical)."""
+    with samestep.enable(threads=1):
+        _loop(tmp_path / "plain")
+        _loop(tmp_path / "same")
+    with samestep.enable(threads=1, kernels=True):
+        _loop(tmp_path / "kernels")
+    assert diff_runs(tmp_path / "plain", tmp_path / "same")["identical"]
+    with pytest.raises(DiffError, match=r"deterministic modes differ: samestep\.kernels \(False vs True\)"):
+        diff_runs(tmp_path / "plain", tmp_path / "kernels")
+
+    def turn_off(step: int) -> None:
+        if step == 2:
+            torch.use_deterministic_algorithms(False)
+
+    with samestep.enable(threads=1):
+        with pytest.warns(RuntimeWarning, match=r"at step 2 deterministic mode no longer holds"):
+            _loop(tmp_path / "turned", between=turn_off)
+    doc = json.loads((tmp_path / "turned" / "run.json").read_text())
+    assert doc["determinism_changed"] == {"step": 2, "knobs": {"torch.use_deterministic_algorithms": [True, False]}}
+    assert any("deterministic mode stopped holding at step 2" in p for p in certify_trace(tmp_path / "turned")["problems"])
+    with pytest.raises(DiffError, match="changed during the run"):
+        diff_runs(tmp_path / "plain", tmp_path / "turned")
+
+    _loop(tmp_path / "late")  # traced before any enable()
+    with pytest.raises(DiffError, match=r"Run B recorded no deterministic mode: its samestep\.trace\(\) started "
+                                        r"before samestep\.enable\(\)"):
+        diff_runs(tmp_path / "plain", tmp_path / "late")
