@@ -6,18 +6,18 @@ import argparse
 import sys
 
 from samestep.version import __version__
-from samestep.cli import checkpoint, demo, diff, env, trace, train
+from samestep.cli import checkpoint, demo, diff, env, report, trace, train
 
 __all__ = ["main"]
 
-_COMMANDS = (train, demo, diff, trace, checkpoint, env)
+_COMMANDS = (train, demo, diff, report, trace, checkpoint, env)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="samestep", description="Bitwise-deterministic PyTorch pretraining: same inputs, same bits.",
         epilog="examples:\n  samestep demo\n  samestep train --run-dir runs/a --set train.steps=50\n"
-               "  samestep diff runs/a runs/b\n  samestep checkpoint verify runs/a/checkpoints\n  samestep env --json",
+               "  samestep diff runs/a runs/b\n  samestep report runs/a runs/b --out report.html\n  samestep checkpoint verify runs/a/checkpoints\n  samestep env --json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"samestep {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

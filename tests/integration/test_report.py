@@ -1,0 +1,76 @@
+"""samestep report: pictures of real run directories, with the first divergent step marked."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from samestep.analysis import DiffError
+from samestep.analysis.report import KIND_COLOURS, make_report
+from tests.conftest import run_train
+
+pytest.importorskip("matplotlib")  # a test extra: `make test` installs it
+SETTINGS = ("train.steps=4", "train.warmup_steps=1", "train.checkpoint_every=0", "trace.level=op", "trace.steps=1-2")
+PERTURB = "trace.perturb=rank=0,step=2,microbatch=1,phase=forward,scope=lm_head,op=aten.mm.default"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("report")
+    out = {name: root / name for name in ("a", "twin", "ulp")}
+    run_train(out["a"], *SETTINGS)
+    run_train(out["twin"], *SETTINGS)
+    run_train(out["ulp"], *SETTINGS, PERTURB)
+    return out
+
+
+def _has_colour(png: Path, hex_colour: str) -> bool:
+    """Whether the picture holds pixels of this colour (the marker of the first divergent step)."""
+    import matplotlib.image
+
+    pixels = matplotlib.image.imread(png)[..., :3]
+    want = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    return bool((np.abs(pixels - want).max(axis=-1) < 0.05).any())
+
+
+def test_a_report_of_two_diverging_runs_marks_the_step_and_names_the_origin(runs, tmp_path):
+    """The report of a run and the same run with one ULP planted at step 2 marks step 2 on the curves
+    (pixels of the marker's colour), shows the origin op and its module and the per-rank map, and writes
+    the page and two PNG files. Negative control: two identical runs give no marker, and say identical."""
+    result = make_report([runs["a"], runs["ulp"]], tmp_path / "out" / "report.html")
+    assert result["verdict"] == "diverged" and result["first_divergent_step"] == 2
+    page = (tmp_path / "out" / "report.html").read_text()
+    assert "verdict: diverged" in page and "<code>aten.mm.default</code> in <code>lm_head</code>" in page
+    assert page.count("data:image/png;base64,") == 2
+    curves, ranks = (Path(p) for p in result["pngs"])
+    assert curves.name == "report_curves.png" and ranks.name == "report_ranks.png"
+    assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in (curves, ranks))
+    assert _has_colour(curves, KIND_COLOURS["origin"]) and _has_colour(ranks, KIND_COLOURS["origin"])
+    same = make_report([runs["a"], runs["twin"]], tmp_path / "same.html")
+    assert same["verdict"] == "identical" and same["first_divergent_step"] is None
+    assert not _has_colour(Path(same["pngs"][0]), KIND_COLOURS["origin"])
+    assert "verdict: identical" in (tmp_path / "same.html").read_text()
+
+
+def test_one_run_is_drawn_and_bad_input_is_one_line(runs, tmp_path):
+    """One run: its curves only (nothing to compare). A directory that is no run: exit 2, one line naming
+    it, nothing written. Without matplotlib: a clear error with the fix."""
+    one = make_report([runs["a"]], tmp_path / "one.html")
+    assert one["verdict"] is None and [Path(p).name for p in one["pngs"]] == ["one_curves.png"]
+    proc = subprocess.run([sys.executable, "-m", "samestep", "report", str(runs["a"]), str(tmp_path / "nope"),
+                           "--out", str(tmp_path / "bad.html")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [f"samestep report: error: {tmp_path / 'nope' / 'run.json'}: missing; "
+                                                f"{tmp_path / 'nope'} is not a samestep run directory"]
+    assert not (tmp_path / "bad.html").exists()
+
+
+def test_without_matplotlib_the_error_names_the_fix(runs, tmp_path, monkeypatch):
+    """matplotlib is optional (samestep[report]): without it, make_report says what to install."""
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    with pytest.raises(DiffError, match=r"pip install 'samestep\[report\]'"):
+        make_report([runs["a"]], tmp_path / "x.html")
