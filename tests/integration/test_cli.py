@@ -28,6 +28,47 @@ def test_usage_errors_exit_2_without_traceback(tmp_path):
         assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, args
 
 
+def test_an_unexpected_error_exits_3_in_one_line_and_debug_shows_the_traceback(tmp_path, monkeypatch, capsys):
+    """A crash is not a verdict: exit 3 (not 1, "diverged"), one line naming the error and where it was
+    raised; --debug prints the traceback. Negative control: a real verdict still exits 1."""
+    import samestep.analysis
+    from samestep.cli import main
+
+    def broken(*args, **kwargs):
+        raise KeyError("boom")
+
+    monkeypatch.setattr(samestep.analysis, "diff_runs", broken)
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 3
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("samestep diff: unexpected error: KeyError: 'boom' (at ")
+    assert "Traceback" not in err and "--debug" in err
+    assert main(["--debug", "diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 3
+    assert "Traceback" in capsys.readouterr().err
+    monkeypatch.undo()
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "run.json").write_text(json.dumps({"format": "samestep.run", "config": {}}))
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss_hex": name}) + "\n")
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+
+
+def test_checkpoint_verify_takes_a_run_directory(tmp_path):
+    """`samestep checkpoint verify RUN` checks RUN/checkpoints (it is not reported corrupt). Negative
+    control: a damaged checkpoint there is still caught (exit 1)."""
+    run = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "samestep", "train", "--run-dir", str(run), *[
+        x for s in (*TINY, "train.steps=2", "train.checkpoint_every=1") for x in ("--set", s)]],
+        check=True, capture_output=True, timeout=600)
+    proc = _cli("checkpoint", "verify", str(run))
+    assert proc.returncode == 0 and proc.stdout.startswith(f"intact: {run / 'checkpoints' / 'step_000002'}")
+    blob = run / "checkpoints" / "step_000002" / "model.safetensors"
+    data = bytearray(blob.read_bytes())
+    data[-1] ^= 1
+    blob.write_bytes(bytes(data))
+    proc = _cli("checkpoint", "verify", str(run))
+    assert proc.returncode == 1 and proc.stdout.startswith("CORRUPT")
+
+
 def test_unsupported_layout_is_refused_at_start(tmp_path):
     """3 processes over 4 microbatches is refused before training, naming supported process counts."""
     proc = _cli("train", "--run-dir", str(tmp_path / "r"), "--nproc", "3", *[x for s in TINY for x in ("--set", s)])

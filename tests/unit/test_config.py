@@ -26,6 +26,13 @@ def test_defaults_toml_and_overrides(tmp_path):
     ("model.n_head=3", "model.n_embd=128 is not divisible by model.n_head=3"),
     ("model.embedding=gather", "model.embedding='gather'"),
     ("data.source=bin", "data.source='bin' needs data.path"),
+    ("train.lr=inf", "train.lr=inf must be a finite number"),
+    ("train.grad_clip=nan", "train.grad_clip=nan must be a finite number"),
+    ("train.beta2=1.5", "train.beta2=1.5 must be in [0, 1)"),
+    ("train.seed=18446744073709551616", "train.seed=18446744073709551616 is larger than samestep accepts"),
+    ("determinism.threads=100000", "determinism.threads=100000 is larger than samestep accepts (4,096)"),
+    ("model.n_embd=100000000", "model.n_embd=100000000 is larger than samestep accepts"),
+    ("trace.steps=1-3000000000", "trace.steps='1-3000000000' selects more than 1,000,000 values"),
 ])
 def test_bad_values_name_the_field(override, needle):
     """Each bad override is refused with the field and value."""
@@ -42,6 +49,11 @@ def test_bad_toml_file_is_named(tmp_path):
     bad.write_text("[train\n")
     with pytest.raises(ValueError, match="bad.toml is not valid TOML"):
         load_config(bad)
+    bad.write_text("train = 5\n")
+    with pytest.raises(ValueError, match=r"bad.toml: train = 5 is not a section; write \[train\]"):
+        load_config(bad)
+    with pytest.raises(ValueError, match=r"train = 5 is not a section"):
+        load_config(bad, ["train.steps=3"])
 
 
 def test_more_local_ranks_than_gpus_is_refused_with_the_fix(monkeypatch):

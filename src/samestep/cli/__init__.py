@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import traceback
 
 from samestep.version import __version__
 from samestep.cli import checkpoint, demo, diff, env, report, trace, train
@@ -20,14 +22,33 @@ def build_parser() -> argparse.ArgumentParser:
                "  samestep diff runs/a runs/b\n  samestep report runs/a runs/b --out report.html\n  samestep checkpoint verify runs/a/checkpoints\n  samestep env --json",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"samestep {__version__}")
+    parser.add_argument("--debug", action="store_true", help="print the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module in _COMMANDS:
         module.add_parser(sub)
     return parser
 
 
+# Exit codes (every command): a script can tell a verdict from a crash.
+OK, DIFFERENCE, INPUT_ERROR, INTERNAL_ERROR, INTERRUPTED = 0, 1, 2, 3, 130
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Runs the CLI; returns the exit code (0 ok, 1 found a difference, 2 usage or input error)."""
+    """Runs the CLI; returns the exit code: 0 ok, 1 found a difference (diverged, incomplete, corrupt), 2
+    usage or input error, 3 an unexpected error (one line; ``--debug`` or ``SAMESTEP_DEBUG=1`` prints the
+    traceback), 130 interrupted."""
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    return int(args.run(args, args.subparser) or 0)
+    try:
+        return int(args.run(args, args.subparser) or 0)
+    except KeyboardInterrupt:
+        print(f"samestep {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
+    except Exception as e:  # not a verdict: a crash must not read as "diverged" (exit 1)
+        if args.debug or os.environ.get("SAMESTEP_DEBUG"):
+            traceback.print_exc()
+        where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+        at = f" (at {os.path.basename(where.filename)}:{where.lineno})" if where else ""
+        print(f"samestep {args.command}: unexpected error: {type(e).__name__}: {e}{at}; --debug (or "
+              "SAMESTEP_DEBUG=1) prints the traceback", file=sys.stderr)
+        return INTERNAL_ERROR

@@ -26,6 +26,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     path = Path(args.path)
     if not path.exists():
         parser.error(f"{path} does not exist")
+    if (path / "run.json").is_file() and (path / "checkpoints").is_dir():
+        path = path / "checkpoints"  # a run directory: its checkpoints
     try:
         checked = verify_checkpoint(path)
     except CheckpointError as e:

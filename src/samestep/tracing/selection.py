@@ -8,6 +8,7 @@ __all__ = ["LEVELS", "WORKERS", "format_selection", "parse_selection"]
 
 LEVELS = ("off", "step", "module", "op")  # each level records what the ones before it do, and more
 WORKERS = ("auto", "process", "thread")  # where digests are computed (see process_worker, thread_worker)
+MAX_SELECTED = 10**6  # values a selection may name (it is a set: a typo must not fill the memory)
 
 
 def parse_selection(text: str | None, what: str) -> set[int] | None:
@@ -22,9 +23,14 @@ def parse_selection(text: str | None, what: str) -> set[int] | None:
     try:
         for part in text.split(","):
             lo, _, hi = part.strip().partition("-")
-            out.update(range(int(lo), int(hi or lo) + 1))
+            span = range(int(lo), int(hi or lo) + 1)
+            if len(out) + len(span) > MAX_SELECTED:
+                raise OverflowError
+            out.update(span)
     except ValueError:
         raise ValueError(f"{what}={text!r}: expected 'all' or numbers and ranges like '1-5,8'") from None
+    except OverflowError:
+        raise ValueError(f"{what}={text!r} selects more than {MAX_SELECTED:,} values; select fewer, or 'all'") from None
     return out
 
 

@@ -12,6 +12,7 @@ the overrides in order, and validates every field.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,13 +24,31 @@ from samestep.data import SOURCES
 __all__ = ["Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TraceConfig", "TrainConfig",
            "load_config"]
 
+# The longest run a config may name: bounds what a typo can make samestep allocate.
+MAX_STEPS = 10**9
+
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
-        if value <= 0:
+        if not value > 0:  # NaN too
             raise ValueError(f"{section}.{name}={value!r} must be positive")
+
+
+def _finite(section: str, obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if not math.isfinite(value):
+            raise ValueError(f"{section}.{name}={value!r} must be a finite number")
+
+
+def _at_most(section: str, obj: Any, limit: int, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value > limit:
+            raise ValueError(f"{section}.{name}={value!r} is larger than samestep accepts ({limit:,}); choose a "
+                             "smaller value")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,7 +87,13 @@ class TrainConfig:
     """'auto' (CUDA if available, else CPU), 'cpu' or 'cuda'."""
 
     def __post_init__(self) -> None:
+        _finite("train", self, "lr", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip")
         _positive("train", self, "steps", "global_batch", "micro_batch", "lr", "keep_checkpoints", "log_every")
+        _at_most("train", self, 2**63 - 1, "seed")
+        _at_most("train", self, MAX_STEPS, "steps", "warmup_steps")
+        for name in ("beta1", "beta2"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"train.{name}={getattr(self, name)!r} must be in [0, 1)")
         if self.global_batch % self.micro_batch:
             raise ValueError(f"train.global_batch={self.global_batch} is not a multiple of "
                              f"train.micro_batch={self.micro_batch}; make it one (e.g. "
@@ -110,6 +135,8 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _positive("model", self, "n_layer", "n_head", "n_embd", "block_size")
+        _at_most("model", self, 1 << 16, "n_layer", "n_head", "n_embd", "block_size", "moe_experts")
+        _at_most("model", self, 1 << 24, "vocab_size")
         if self.n_embd % self.n_head:
             raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
@@ -152,6 +179,7 @@ class DeterminismConfig:
 
     def __post_init__(self) -> None:
         _positive("determinism", self, "threads")
+        _at_most("determinism", self, 4096, "threads")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -215,6 +243,9 @@ class Config:
         built = {}
         for name, factory in sections.items():
             values = raw.get(name, {})
+            if not isinstance(values, dict):
+                raise ValueError(f"{where}: {name} = {values!r} is not a section; write [{name}] and its keys "
+                                 f"under it (e.g. [{name}] then key = value)")
             known = {f.name for f in dataclasses.fields(factory())}
             if bad := set(values) - known:
                 raise ValueError(f"{where}: unknown key(s) {', '.join(f'{name}.{k}' for k in sorted(bad))}; "
@@ -268,5 +299,9 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
         section, dot, key = name.strip().partition(".")
         if not sep or not dot or not key:
             raise ValueError(f"--set {item!r}: expected section.key=value, e.g. train.steps=50")
-        raw.setdefault(section, {})[key] = value
+        table = raw.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ValueError(f"{where}: {section} = {table!r} is not a section; write [{section}] and its keys "
+                             "under it")
+        table[key] = value
     return Config.from_dict(raw, where if not overrides else f"{where} with --set")
