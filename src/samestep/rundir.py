@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from samestep.durable import replace_atomic
 from samestep.env import environment
 from samestep.version import __version__
 
-__all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "determinism_diff", "final_digest", "final_doc", "last_logged_step",
+__all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "determinism_diff", "final_digest", "final_doc", "hold", "last_logged_step",
            "logged_loss", "metrics_line", "new_run", "read_final", "read_metrics", "read_run", "record_close",
            "record_numerics_change", "record_resume",
            "truncate_metrics", "write_final", "write_run"]
@@ -43,6 +44,47 @@ class RunDirError(ValueError):
 
 def _dump(doc: Any) -> bytes:
     return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+
+
+# -- one writer -----------------------------------------------------------------------------------------------
+LOCK = ".samestep.lock"
+
+
+class RunLock:
+    """An exclusive hold on a run directory, for the life of the process that writes it. It is an
+    ``flock``: the kernel releases it when the process dies, so a killed run never blocks its own resume."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self._fd, self.path = fd, path
+
+    def release(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)  # closing the file releases the lock
+            self._fd = -1
+
+
+def hold(run_dir: _PathLike) -> RunLock:
+    """Takes the run directory for this process (creating it if needed).
+
+    Raises:
+        RunDirError: another live process holds it; names that process's pid and host.
+    """
+    import fcntl
+
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "an unknown process"
+        os.close(fd)
+        raise RunDirError(f"{run_dir} is in use by {holder}, which is writing this run; wait for it to end (or stop "
+                          "it), or choose another run directory") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+    return RunLock(fd, path)
 
 
 # -- run.json -----------------------------------------------------------------------------------------------

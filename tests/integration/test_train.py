@@ -213,3 +213,29 @@ def test_resume_with_a_changed_config_is_refused(reference, tmp_path):
     run_train(d, *TINY, stop_after=2)
     proc = subprocess.run(train_cmd(d, *TINY, "train.lr=0.5", resume=True), capture_output=True, text=True)
     assert proc.returncode == 2 and "train.lr: 0.003 -> 0.5" in proc.stderr
+
+
+def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_one_blocks_nothing(tmp_path):
+    """While a process holds a run directory (a live trainer), `samestep train --resume` on it is refused:
+    exit 2, one line naming the holder's pid and host, nothing changed. Negative control: once the holder
+    is killed (SIGKILL), the kernel has released its hold and the same resume runs."""
+    import socket
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from samestep.rundir import hold; "
+                               f"hold({str(run)!r}); print('held', flush=True); time.sleep(600)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        proc = subprocess.run(train_cmd(run, *TINY, resume=True), capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 2
+        assert proc.stderr.strip().splitlines() == [
+            f"samestep train: error: {run} is in use by pid {holder.pid} on host {socket.gethostname()}, which is "
+            "writing this run; wait for it to end (or stop it), or choose another run directory"]
+        assert sorted(p.name for p in run.iterdir()) == [".samestep.lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+    assert run_train(run, *TINY, resume=True)["step"] == 8

@@ -31,6 +31,7 @@ from samestep.mode import DeterminismReport, disable, enable
 from samestep.rundir import (
     NUMERICS_NEUTRAL,
     final_doc,
+    hold,
     logged_loss,
     metrics_line,
     new_run,
@@ -281,17 +282,24 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
             (without ``resume``), or a resume under a config that would change the bits.
     """
     run_dir = Path(run_dir)
+    # One writer per run directory: a second trainer (a requeued job beside the live one) is refused
+    # before it touches anything; rank 0 holds it for the whole job.
+    lock = hold(run_dir) if int(os.environ.get("RANK", "0")) == 0 else None
     report = None
-    if cfg.determinism.enabled:
-        # Before any process group exists: NCCL reads NCCL_ALGO when its communicator starts.
-        report = enable(threads=cfg.determinism.threads, warn_only=cfg.determinism.warn_only)
-    dist_ = _Distributed(device_kind(cfg))
     try:
-        return _train(cfg, run_dir, resume, stop_after, restore, out, dist_, report)
+        if cfg.determinism.enabled:
+            # Before any process group exists: NCCL reads NCCL_ALGO when its communicator starts.
+            report = enable(threads=cfg.determinism.threads, warn_only=cfg.determinism.warn_only)
+        dist_ = _Distributed(device_kind(cfg))
+        try:
+            return _train(cfg, run_dir, resume, stop_after, restore, out, dist_, report)
+        finally:
+            dist_.close()
     finally:
-        dist_.close()
         if report is not None:
             disable()
+        if lock is not None:
+            lock.release()
 
 
 def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, restore: frozenset[str],
