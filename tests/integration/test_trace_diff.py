@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 # Determinism off + the token lookup by indexing: index_put_ accumulate races in backward (real, on CPU).
 RACY = ("train.device=cpu", "train.steps=2", "train.global_batch=16", "train.micro_batch=8", "model.n_layer=1",
         "model.n_head=2", "model.n_embd=64", "model.block_size=64", "model.embedding=index",
-        "determinism.enabled=false", "trace.level=op", "trace.steps=1")
+        "determinism.enabled=false", "trace.level=op", "trace.steps=1-2")
 
 
 def _diff(a, b) -> tuple[int, dict]:
@@ -54,19 +54,21 @@ def test_identical_traced_runs_diff_clean(tmp_path):
 
 
 def test_diff_names_the_real_nondeterministic_op(tmp_path):
-    """Determinism off: two runs differ, and diff names index_put in transformer.wte backward at step 1 as origin."""
+    """Determinism off: two runs differ, and diff names index_put in transformer.wte backward as the origin, at
+    the step where they first differ. Every step is traced: on a busy machine the race may first fire at
+    step 2, and the origin is found there too."""
     run_train(tmp_path / "a", *RACY)
-    for attempt in range(3):  # the race is real; a pair can (rarely) agree by chance
+    for attempt in range(5):  # the race is real; a pair can (rarely) agree by chance
         b = tmp_path / f"b{attempt}"
         run_train(b, *RACY)
         code, report = _diff(tmp_path / "a", b)
         if code == 1:
             break
-    assert code == 1, "three pairs of runs with a racing index_put_ all agreed"
+    assert code == 1, "five pairs of runs with a racing index_put_ all agreed"
     o = report["origin"]
+    assert o is not None, report["summary"]
     assert o["op"].startswith("aten.index_put") and o["scope"] == "transformer.wte" and o["phase"] == "backward"
-    assert o["step"] == 1 and o["rank"] == 0 and o["inputs_matched"]
-    assert report["first_divergent_step"] == 1
+    assert o["rank"] == 0 and o["inputs_matched"] and o["step"] == report["first_divergent_step"]
     # The human report, piped (as into a log): its table names the op and the scope in full, not cut at 80
     # columns ("aten.index_p…" before), and exits 1 too
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
