@@ -23,10 +23,10 @@ from samestep.durable import replace_atomic
 from samestep.env import environment
 from samestep.version import __version__
 
-__all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "determinism_diff", "final_digest", "final_doc", "hold", "last_logged_step",
-           "logged_loss", "metrics_line", "new_run", "read_final", "read_metrics", "read_run", "record_close",
-           "record_numerics_change", "record_resume",
-           "truncate_metrics", "write_final", "write_run"]
+__all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "RunLock", "determinism_diff", "final_digest",
+           "final_doc", "hold", "last_logged_step", "logged_loss", "metrics_line", "new_run", "read_final", "read_metrics",
+           "read_run", "record_close", "record_numerics_change", "record_resume", "truncate_metrics", "write_final",
+           "write_run"]
 
 RUN_FORMAT, RUN_VERSION = "samestep.run", 1
 FINAL_FORMAT, FINAL_VERSION = "samestep.final", 1
@@ -114,10 +114,21 @@ def read_run(run_dir: _PathLike) -> dict[str, Any]:
         doc = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise RunDirError(f"{path}: missing; {run_dir} is not a samestep run directory") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise RunDirError(f"{path}: not valid JSON ({e})") from None
+    except IsADirectoryError:
+        raise RunDirError(f"{path}: is a directory, not samestep's run.json") from None
+    if not isinstance(doc, dict):
+        raise RunDirError(f"{path}: is {type(doc).__name__}, expected a table (format {RUN_FORMAT!r})")
     if doc.get("format") != RUN_FORMAT:
         raise RunDirError(f"{path}: format {doc.get('format')!r} is not {RUN_FORMAT!r}")
+    for field, kind in (("config", dict), ("environment", dict), ("layout", dict), ("resumes", list)):
+        if field in doc and not isinstance(doc[field], kind):
+            raise RunDirError(f"{path}: {field!r} is {doc[field]!r}, expected a {kind.__name__}")
+    for layout in [doc.get("layout", {}), *doc.get("resumes", [])]:
+        world = layout.get("world_size", 1) if isinstance(layout, dict) else None
+        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+            raise RunDirError(f"{path}: a world_size is {world!r}, expected a positive integer")
     return doc
 
 
@@ -169,32 +180,55 @@ def metrics_line(step: int, loss: float, grad_norm: float, lr: float, tokens: in
 
 
 def read_metrics(run_dir: _PathLike) -> list[dict[str, Any]]:
-    """metrics.jsonl's rows, up to a torn last line of a killed run (none if there is no file)."""
+    """metrics.jsonl's rows, up to a torn last line of a killed run (none if there is no file).
+
+    Raises:
+        RunDirError: a line that is no row of this format (not a table, or its step not an integer),
+            naming the file and line.
+    """
+    path = Path(run_dir) / "metrics.jsonl"
     rows = []
     try:
-        text = (Path(run_dir) / "metrics.jsonl").read_text(encoding="utf-8")
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return rows
-    for line in text.splitlines():
+    except UnicodeDecodeError as e:
+        raise RunDirError(f"{path}: not UTF-8 text ({e})") from None
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            break  # a torn last line of a killed run
+            if number == len(lines):
+                break  # a torn last line of a killed run
+            raise RunDirError(f"{path}:{number}: not valid JSON; only the last line may be torn") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int) or isinstance(row.get("step"), bool):
+            raise RunDirError(f"{path}:{number}: {line[:80]!r} is not a metrics row (a table with an integer step)")
+        rows.append(row)
     return rows
 
 
 def truncate_metrics(run_dir: _PathLike, last_step: int) -> None:
-    """Keeps the metric lines of steps <= last_step (a killed run may have written more, or a torn line)."""
+    """Keeps the metric lines of steps <= last_step (a killed run may have written more, or a torn line).
+
+    Raises:
+        RunDirError: a damaged line before the last, or the lines kept are not steps 1..last_step in
+            order (a gap): nothing is cut, and the message names the file and what is wrong.
+    """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
         return
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
-        try:
-            if line.endswith("\n") and json.loads(line)["step"] <= last_step:
-                kept.append(line)
-        except (json.JSONDecodeError, KeyError):
-            break
+    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()  # a torn last line of a killed run
+    rows = read_metrics(run_dir)[: len(lines)]
+    kept = [line for line, row in zip(lines, rows) if row["step"] <= last_step]
+    steps = [row["step"] for row in rows if row["step"] <= last_step]
+    if steps != list(range(1, last_step + 1)):
+        missing = sorted(set(range(1, last_step + 1)) - set(steps))
+        raise RunDirError(f"{path}: the steps up to {last_step} are not 1..{last_step} in order (missing: "
+                          f"{missing[:10] or 'none'}; found {len(steps)} lines); resuming would leave the metrics "
+                          "incomplete: restore the file, or resume into a new run directory")
     replace_atomic(path, "".join(kept).encode("utf-8"))
 
 

@@ -228,3 +228,132 @@ def test_same_world_size_restores_rng_when_the_layout_matches(tmp_path):
     torch.manual_seed(99)
     load_checkpoint(tmp_path, restore_rng="same_world_size")
     assert torch.equal(torch.rand(3).view(torch.int32), expected.view(torch.int32))
+
+
+def _two_checkpoints(root: Path) -> tuple[str, str]:
+    """Checkpoints at steps 1 and 2 of a small run; the state digests after each."""
+    model, opt, cursor = _setup()
+    digests = []
+    for step in (1, 2):
+        _steps(model, opt, cursor, step - 1, 1)
+        save_checkpoint(root, step, model=model, optimizer=opt, data_cursor=cursor)
+        digests.append(_digest(model, opt, cursor))
+    return digests[0], digests[1]
+
+
+def _resign(manifest_path: Path, change) -> None:
+    """Edits a manifest and gives it a valid self-digest again (a malformed manifest that is not damaged)."""
+    from samestep.checkpoint._format import manifest_digest
+
+    manifest = json.loads(manifest_path.read_text())
+    change(manifest)
+    if isinstance(manifest, dict):
+        manifest["manifest_sha256"] = manifest_digest(manifest)
+    manifest_path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("change,needle", [
+    (lambda m: m.pop("files"), "'files' is NoneType"),
+    (lambda m: m.update(files=["model.safetensors"]), "'files' is list"),
+    (lambda m: m["files"]["model.safetensors"].pop("size"), "the entry of 'model.safetensors' needs an integer 'size'"),
+    (lambda m: m["files"].update({"../../etc/passwd": {"size": 1, "sha256": "x"}}),
+     "file name '../../etc/passwd' is not a plain name"),
+    (lambda m: m.update(world_size="two"), "'world_size' is 'two'"),
+])
+def test_a_malformed_manifest_is_named_and_resume_falls_back(tmp_path, change, needle):
+    """A manifest with a valid self-digest but the wrong shape is a CheckpointError naming the field (no
+    KeyError or AttributeError), and a resume with fallback loads the older good checkpoint. Negative
+    control: the untouched newest checkpoint loads as itself."""
+    root = tmp_path / "ckpt"
+    first, second = _two_checkpoints(root)
+    model, opt, cursor = _setup()
+    assert load_checkpoint(root, model=model, optimizer=opt, data_cursor=cursor).step == 2
+    _resign(root / "step_000002" / "manifest.json", change)
+    with pytest.raises(CheckpointError, match=needle):
+        verify_checkpoint(root)
+    model, opt, cursor = _setup()
+    with pytest.warns(RuntimeWarning, match="skipping corrupt checkpoint"):
+        loaded = load_checkpoint(root, model=model, optimizer=opt, data_cursor=cursor, fallback=True)
+    assert loaded.step == 1 and _digest(model, opt, cursor) == first
+
+
+def test_state_json_without_its_fields_is_not_intact(tmp_path):
+    """state.json without 'environment' (its digests rewritten to match) fails verify, naming the field."""
+    from samestep.checkpoint._format import sha256_bytes
+
+    root = tmp_path / "ckpt"
+    _two_checkpoints(root)
+    state_path = root / "step_000002" / "state.json"
+    state = json.loads(state_path.read_text())
+    del state["environment"]
+    data = json.dumps(state).encode()
+    state_path.write_bytes(data)
+    _resign(root / "step_000002" / "manifest.json",
+            lambda m: m["files"]["state.json"].update(size=len(data), sha256=sha256_bytes(data)))
+    with pytest.raises(CheckpointError, match=r"state.json: 'environment' is None, expected a dict"):
+        verify_checkpoint(root)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo", "not utf-8", "outside the root"])
+def test_a_strange_latest_is_passed_over_for_the_newest_committed(tmp_path, kind):
+    """`latest` that is a directory, a FIFO (never opened: it would hang), not UTF-8, or a path that leaves
+    the checkpoint root: verify and load use the newest committed checkpoint instead. Negative control:
+    a `latest` naming step 1 is followed."""
+    import os
+
+    root = tmp_path / "ckpt"
+    _two_checkpoints(root)
+    other = tmp_path / "other" / "step_000009"
+    other.mkdir(parents=True)
+    latest = root / "latest"
+    latest.unlink()
+    if kind == "directory":
+        latest.mkdir()
+    elif kind == "fifo":
+        os.mkfifo(latest)
+    elif kind == "not utf-8":
+        latest.write_bytes(b"\xff\xfe step")
+    else:
+        latest.write_text("../other/step_000009\n")
+    assert verify_checkpoint(root) == root / "step_000002"
+    model, opt, cursor = _setup()
+    assert load_checkpoint(root, model=model, optimizer=opt, data_cursor=cursor).step == 2
+    if kind != "directory":
+        latest.unlink()
+    else:
+        latest.rmdir()
+    latest.write_text("step_000001\n")
+    assert verify_checkpoint(root) == root / "step_000001"
+
+
+def test_a_failed_save_leaves_no_temporary_directory_and_the_previous_checkpoint_latest(tmp_path, monkeypatch):
+    """A write that fails mid-save (the disk full) raises one CheckpointError naming the file and the cause;
+    the temporary directory is gone and the previous checkpoint is still latest and loads. Negative
+    control: the same save with room succeeds."""
+    import errno
+
+    from samestep.checkpoint import save as save_mod
+
+    root = tmp_path / "ckpt"
+    first, _ = _two_checkpoints(root)
+    shutil.rmtree(root / "step_000002")
+    (root / "latest").write_text("step_000001\n")
+    model, opt, cursor = _setup()
+    real = save_mod.write_durable
+
+    def full(path, data):
+        if path.name == "optimizer.safetensors":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real(path, data)
+
+    monkeypatch.setattr(save_mod, "write_durable", full)
+    with pytest.raises(CheckpointError, match=r"step_000002: not saved: writing .*optimizer.safetensors failed "
+                                              r"\(No space left on device\)"):
+        save_checkpoint(root, 2, model=model, optimizer=opt, data_cursor=cursor)
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]
+    model2, opt2, cursor2 = _setup()
+    assert load_checkpoint(root, model=model2, optimizer=opt2, data_cursor=cursor2).step == 1
+    assert _digest(model2, opt2, cursor2) == first
+    monkeypatch.setattr(save_mod, "write_durable", real)
+    save_checkpoint(root, 2, model=model, optimizer=opt, data_cursor=cursor)
+    assert verify_checkpoint(root) == root / "step_000002"

@@ -4,6 +4,7 @@ no origin, a step that did not finish is not complete, and what changes numerics
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,67 @@ def test_what_changes_numerics_is_recorded_and_compared(tmp_path):
     with pytest.raises(DiffError, match=r"Run B recorded no deterministic mode: its samestep\.trace\(\) started "
                                         r"before samestep\.enable\(\)"):
         diff_runs(tmp_path / "plain", tmp_path / "late")
+
+
+@pytest.mark.parametrize("content,needle", [
+    ("[]", "run.json: is list, expected a table"),
+    ("null", "run.json: is NoneType, expected a table"),
+    (b"\xff\xfe", "run.json: not valid JSON"),
+    ('{"format": "samestep.run", "layout": {"world_size": "two"}}', "a world_size is 'two'"),
+    ('{"format": "samestep.run", "config": 5}', "'config' is 5, expected a dict"),
+])
+def test_a_malformed_run_json_is_one_line_naming_it(tmp_path, content, needle):
+    """run.json that is no table, not UTF-8, or has a non-numeric world size: diff and certify refuse with
+    one line naming the file (exit 2), no traceback. Negative control: a well-formed one is read."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "run.json").write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(DiffError, match=needle):
+        certify_trace(run)
+    with pytest.raises(SystemExit) as exit_:
+        main(["diff", str(run), str(run)])
+    assert exit_.value.code == 2
+    (run / "run.json").write_text('{"format": "samestep.run", "layout": {"world_size": 2}}')
+    assert certify_trace(run)["ranks"] == {}
+
+
+@pytest.mark.parametrize("line,needle", [
+    ("[1, 2]", "metrics.jsonl:2: '[1, 2]' is not a metrics row"),
+    ('{"step": "2"}', "metrics.jsonl:2: '{\"step\": \"2\"}' is not a metrics row"),
+    ("garbage", "metrics.jsonl:2: not valid JSON; only the last line may be torn"),
+])
+def test_a_damaged_metrics_line_is_named_and_a_resume_refuses_to_cut_there(tmp_path, line, needle):
+    """A metrics.jsonl line that is a list, has a string step, or is garbage before the last line: diff
+    names the file and line; a resume refuses to cut the file there (every later step would be lost).
+    Negative control: a torn last line alone is a killed run's, and the rows before it are read."""
+    from samestep.rundir import RunDirError, read_metrics, truncate_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    good = ['{"step": 1, "loss_hex": "0x1p+0"}', '{"step": 3, "loss_hex": "0x1p+0"}']
+    (run / "metrics.jsonl").write_text("\n".join([good[0], line, good[1]]) + "\n")
+    with pytest.raises(RunDirError, match=re.escape(needle)):
+        read_metrics(run)
+    with pytest.raises(RunDirError):
+        truncate_metrics(run, 3)
+    assert (run / "metrics.jsonl").read_text().count("\n") == 3  # nothing cut
+    (run / "metrics.jsonl").write_text(good[0] + "\n" + '{"step": 2, "loss_hex": "0x1p+0"}\n{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+    truncate_metrics(run, 2)
+    assert [r["step"] for r in read_metrics(run)] == [1, 2]
+
+
+def test_a_gap_in_the_metrics_refuses_the_resume(tmp_path):
+    """Metrics that lack a step before the checkpoint's: the resume refuses, naming the missing step.
+    Negative control: contiguous steps are cut back to the checkpoint's."""
+    from samestep.rundir import RunDirError, read_metrics, truncate_metrics
+
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = "".join(f'{{"step": {s}}}\n' for s in (1, 2, 4, 5))
+    (run / "metrics.jsonl").write_text(rows)
+    with pytest.raises(RunDirError, match=r"not 1..4 in order \(missing: \[3\]"):
+        truncate_metrics(run, 4)
+    (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in (1, 2, 3, 4, 5)))
+    truncate_metrics(run, 3)
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]

@@ -7,8 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from samestep.analysis.diff import DiffError, load_run
-from samestep.rundir import read_metrics
+from samestep.analysis.diff import DiffError, load_metrics, load_run
 from samestep.tracing.selection import format_selection, parse_selection
 from samestep.tracing.stream import END, iter_stream, stream_segments
 
@@ -46,7 +45,7 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
     ranks = [r for r in range(world) if wanted_ranks is None or r in wanted_ranks]
     # The steps that ran: from metrics.jsonl; a run of the user's own loop has none, so there every selected
     # step up to the last one any rank recorded must be there
-    metrics = read_metrics(run)
+    metrics = load_metrics(run)
     last_step = max((m["step"] for m in metrics), default=0)
     wanted_steps = parse_selection(tcfg.get("steps", "all"), "trace.steps")
     per_rank: dict[str, Any] = {}

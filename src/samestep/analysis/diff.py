@@ -26,7 +26,7 @@ from samestep.rundir import NUMERICS_NEUTRAL, RunDirError, determinism_diff, fin
 from samestep.tracing.selection import LEVELS, format_selection, parse_selection
 from samestep.tracing.stream import KEY, SCHEMA, iter_stream, stream_segments, traced_ranks
 
-__all__ = ["DiffError", "Divergence", "diff_runs", "load_run"]
+__all__ = ["DiffError", "Divergence", "diff_runs", "load_metrics", "load_run"]
 
 CHUNK = 65_536
 # Config fields not compared: those that change no bit of the steps (invariant 3 for trace.*; bookkeeping for
@@ -75,6 +75,14 @@ def load_run(path: Path) -> dict[str, Any]:
     """A run's run.json, or a DiffError saying why it cannot be read."""
     try:
         return read_run(path)
+    except RunDirError as e:
+        raise DiffError(str(e)) from None
+
+
+def load_metrics(path: Path) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl rows, or a DiffError naming the damaged line."""
+    try:
+        return read_metrics(path)
     except RunDirError as e:
         raise DiffError(str(e)) from None
 
@@ -279,7 +287,7 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     doc_a, doc_b = load_run(run_a), load_run(run_b)
     notes: list[str] = []
     _check_comparable(doc_a, doc_b, force, notes)
-    metrics_a, metrics_b = read_metrics(run_a), read_metrics(run_b)
+    metrics_a, metrics_b = load_metrics(run_a), load_metrics(run_b)
     run_steps = {r.get("step") for r in metrics_a} | {r.get("step") for r in metrics_b}
     if steps is not None and run_steps and not steps & run_steps:
         raise DiffError(f"--steps {format_selection(steps)}: neither run has these steps (A: "

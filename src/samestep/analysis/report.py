@@ -19,8 +19,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from samestep.analysis.diff import DiffError, diff_runs, load_run
-from samestep.rundir import read_metrics
+from samestep.analysis.diff import DiffError, diff_runs, load_metrics, load_run
 
 __all__ = ["KIND_COLOURS", "make_report"]
 
@@ -169,7 +168,7 @@ def make_report(runs: list[str | Path], out: str | Path, *, force: bool = False)
             diff_error = str(e)
     divergent = diff["first_divergent_step"] if diff is not None else None
     images = {}
-    curves = _curves(plt, [str(p) for p in paths], [read_metrics(p) for p in paths], divergent)
+    curves = _curves(plt, [str(p) for p in paths], [load_metrics(p) for p in paths], divergent)
     if curves is not None:
         images["curves"] = curves
     ranks = _ranks(plt, diff["per_rank"]) if diff is not None else None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,6 +87,7 @@ def _verify(path: Path, only: set[str] | None = None) -> _Verified:
     if manifest.get("manifest_sha256") != manifest_digest(manifest):
         raise CheckpointError(f"{mpath}: its contents do not match manifest_sha256; the manifest was edited "
                               "or damaged")
+    _check_structure(mpath, manifest)
     data: dict[str, bytes] = {}
     for name, entry in manifest["files"].items():
         if only is not None and name not in only:
@@ -102,7 +104,42 @@ def _verify(path: Path, only: set[str] | None = None) -> _Verified:
             why = _tensor_problem(name, blob, entry["tensors"]) if "tensors" in entry else "its SHA-256 differs"
             raise CheckpointError(f"{fpath}: corrupt: {why}")
         data[name] = blob
+    if "state.json" in data:
+        _check_state(path / "state.json", data["state.json"])
     return _Verified(path, manifest, data)
+
+
+def _check_structure(mpath: Path, manifest: dict[str, Any]) -> None:
+    """A manifest whose digest is right can still be malformed (written by hand, or by another tool): each
+    field of the shape this samestep reads, and file names that stay inside the checkpoint."""
+    files = manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{mpath}: 'files' is {type(files).__name__}, expected a table of the checkpoint's files")
+    for field in ("step", "world_size"):
+        if not isinstance(manifest.get(field), int) or isinstance(manifest.get(field), bool) or manifest[field] < 0:
+            raise CheckpointError(f"{mpath}: {field!r} is {manifest.get(field)!r}, expected a non-negative integer")
+    for name in ("model.safetensors", "optimizer.safetensors", "state.json"):
+        if name not in files:
+            raise CheckpointError(f"{mpath}: lists no {name!r}, which every checkpoint holds")
+    for name, entry in files.items():
+        if "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise CheckpointError(f"{mpath}: file name {name!r} is not a plain name inside the checkpoint")
+        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)
+                and isinstance(entry.get("tensors", {}), dict)):
+            raise CheckpointError(f"{mpath}: the entry of {name!r} needs an integer 'size' and a 'sha256' string")
+
+
+def _check_state(path: Path, data: bytes) -> None:
+    """state.json's fields that loading needs (its bytes already match the manifest)."""
+    try:
+        state = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: is {type(state).__name__}, expected a table")
+    for field, kind in (("environment", dict), ("model_aliases", dict), ("step", int)):
+        if not isinstance(state.get(field), kind):
+            raise CheckpointError(f"{path}: {field!r} is {state.get(field)!r}, expected a {kind.__name__}")
 
 
 def _candidates(path: Path) -> list[Path]:
@@ -112,15 +149,26 @@ def _candidates(path: Path) -> list[Path]:
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint or checkpoints directory")
     order: list[Path] = []
-    latest = path / LATEST
-    if latest.exists():
-        named = path / latest.read_text(encoding="utf-8").strip()
-        if STEP_DIR.match(named.name):
-            order.append(named)
+    named = _latest(path / LATEST)
+    if named is not None:
+        order.append(path / named)
     order += [p for _, p in committed_steps(path) if p not in order]
     if not order:
         raise CheckpointError(f"{path}: holds no committed checkpoint (no step_NNNNNN directory)")
     return order
+
+
+def _latest(latest: Path) -> str | None:
+    """The step directory that ``latest`` names, or None if it names none: a missing or unreadable file, a
+    directory or a FIFO (never opened: reading one would hang), not UTF-8, or a name that is no
+    ``step_NNNNNN`` of this root (a path elsewhere); then the newest committed checkpoint is used."""
+    try:
+        if not stat.S_ISREG(latest.lstat().st_mode):
+            return None
+        text = latest.read_bytes()[:64].decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return text if STEP_DIR.match(text) else None
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> Path:

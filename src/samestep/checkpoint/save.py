@@ -17,6 +17,7 @@ from samestep.checkpoint._format import (
     LATEST,
     MANIFEST,
     VERSION,
+    CheckpointError,
     committed_steps,
     manifest_digest,
     rank_names,
@@ -109,14 +110,20 @@ def save_checkpoint(
     if rank == 0:
         _fresh_dir(root, tmp)
     barrier()
-    # Every rank writes its own RNG state: ranks' streams differ and are never deduplicated.
-    meta, rng_tensors = _rng.capture_rng(generators)
-    t_name, j_name = rank_names(rank)
-    _write_tensors(tmp / t_name, rng_tensors)
-    write_json(tmp / j_name, meta)
-    if rank == 0:
-        files = _write_state(tmp, step, model, optimizer, {"scheduler": scheduler, "data_cursor": data_cursor},
-                             extra, config)
+    try:
+        # Every rank writes its own RNG state: ranks' streams differ and are never deduplicated.
+        meta, rng_tensors = _rng.capture_rng(generators)
+        t_name, j_name = rank_names(rank)
+        _write_tensors(tmp / t_name, rng_tensors)
+        write_json(tmp / j_name, meta)
+        if rank == 0:
+            files = _write_state(tmp, step, model, optimizer, {"scheduler": scheduler, "data_cursor": data_cursor},
+                                 extra, config)
+    except OSError as e:  # a full disk, say: the space goes back, and the previous checkpoint stays latest
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointError(f"{final}: not saved: writing {e.filename or tmp} failed ({e.strerror or e}); its "
+                              f"temporary directory was removed, and {root / LATEST} still names the previous "
+                              "checkpoint") from None
     barrier()
     if rank == 0:
         for r in range(world):

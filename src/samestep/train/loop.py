@@ -318,6 +318,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     start, loaded = _resume(parts, run_dir, resume, restore, world, say)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
+        truncate_metrics(run_dir, start)  # first: a damaged metrics.jsonl refuses the resume before run.json records it
         layout = {"world_size": world, "microbatches_per_process": k}
         if (run_dir / "run.json").exists():
             record_resume(run_dir, {"step": start, **layout, "checkpoint": loaded.path.name if loaded else None,
@@ -328,7 +329,6 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
             write_run(run_dir, new_run(cfg.to_dict(), layout, report.to_dict() if report is not None else None,
                                        data={"source": corpus.description, "fingerprint": corpus.fingerprint,
                                              "tokens": int(corpus.tokens.size)}))
-        truncate_metrics(run_dir, start)
     dist_.barrier()
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     t0 = time.perf_counter()
