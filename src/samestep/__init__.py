@@ -11,7 +11,7 @@
 
 from typing import Any
 
-from samestep import rng
+from samestep import preempt, rng
 from samestep.checkpoint import CheckpointError, LoadedCheckpoint, load_checkpoint, save_checkpoint, verify_checkpoint
 from samestep.digests import digest, digest_many
 from samestep.env import compare_environments, environment
@@ -21,7 +21,8 @@ from samestep.version import __version__
 
 __all__ = [
     "CheckpointError", "DeterminismReport", "LoadedCheckpoint", "__version__", "capture_rng", "compare_environments",
-    "digest", "digest_many", "disable", "enable", "environment", "is_enabled", "load_checkpoint", "restore_rng", "rng",
+    "digest", "digest_many", "disable", "enable", "environment", "is_enabled", "load_checkpoint", "preempt",
+    "restore_rng", "rng",
     "save_checkpoint", "trace", "verify_checkpoint",
 ]
 

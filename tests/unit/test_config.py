@@ -33,6 +33,8 @@ def test_defaults_toml_and_overrides(tmp_path):
     ("determinism.threads=100000", "determinism.threads=100000 is larger than samestep accepts (4,096)"),
     ("model.n_embd=100000000", "model.n_embd=100000000 is larger than samestep accepts"),
     ("trace.steps=1-3000000000", "trace.steps='1-3000000000' selects more than 1,000,000 values"),
+    ("train.exit_signals=SIGKILL", "train.exit_signals='SIGKILL': 'SIGKILL' is not a signal that can be caught"),
+    ("train.exit_signals=SIGTERM,NOPE", "'NOPE' is not a signal that can be caught"),
 ])
 def test_bad_values_name_the_field(override, needle):
     """Each bad override is refused with the field and value."""

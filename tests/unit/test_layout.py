@@ -13,7 +13,8 @@ MAX_LINES = 500
 LAYERS = (
     ("samestep.digests", "samestep.ops", "samestep.distributed", "samestep._state", "samestep.durable",
      "samestep.version"),
-    ("samestep.rng", "samestep.env", "samestep.mode", "samestep.data", "samestep.rundir", "samestep.testing"),
+    ("samestep.rng", "samestep.env", "samestep.mode", "samestep.data", "samestep.rundir", "samestep.testing",
+     "samestep.preempt"),
     ("samestep.checkpoint", "samestep.tracing"),
     ("samestep.analysis", "samestep.train"),
     ("samestep.cli", "samestep.__main__"),

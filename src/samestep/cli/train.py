@@ -61,11 +61,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--stop-after={args.stop_after} must be at least 1")
     if args.nproc > 1:
         return _launch(args, cfg.determinism.threads)
+    from samestep.preempt import EXIT_PREEMPTED
+    from samestep.train.loop import Preempted
+
     try:
         final = train(cfg, args.run_dir, resume=args.resume, stop_after=args.stop_after)
     except (ValueError, CheckpointError) as e:
         print(f"samestep train: error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"samestep train: {e}", file=sys.stderr)
+        return EXIT_PREEMPTED
     if args.json and final is not None and int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(final))
     return 0

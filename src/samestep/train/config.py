@@ -20,6 +20,7 @@ from typing import Any
 import tomllib
 
 from samestep.data import SOURCES
+from samestep.preempt import parse_signals
 
 __all__ = ["Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TraceConfig", "TrainConfig",
            "load_config"]
@@ -85,6 +86,9 @@ class TrainConfig:
     """Steps between plain-text progress lines when not on a terminal."""
     device: str = "auto"
     """'auto' (CUDA if available, else CPU), 'cpu' or 'cuda'."""
+    exit_signals: str = "SIGTERM,SIGUSR1,SIGINT"
+    """Signals that stop the run at the end of the current step, with a checkpoint (exit 75); a second
+    one stops at once. '' leaves every signal its default action."""
 
     def __post_init__(self) -> None:
         _finite("train", self, "lr", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip")
@@ -98,6 +102,7 @@ class TrainConfig:
             raise ValueError(f"train.global_batch={self.global_batch} is not a multiple of "
                              f"train.micro_batch={self.micro_batch}; make it one (e.g. "
                              f"{self.global_batch - self.global_batch % self.micro_batch or self.micro_batch})")
+        parse_signals(self.exit_signals)
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r} must be 'auto', 'cpu' or 'cuda'")
         for name in ("seed", "warmup_steps", "checkpoint_every", "min_lr", "weight_decay", "grad_clip"):

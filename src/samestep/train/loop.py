@@ -28,6 +28,7 @@ from samestep.checkpoint import load_checkpoint, save_checkpoint
 from samestep.data import DataCursor, load_corpus
 from samestep.distributed import AllReduceGradients, CanonicalGradients, validate_layout
 from samestep.mode import DeterminismReport, disable, enable
+from samestep.preempt import StopRequest, parse_signals
 from samestep.rundir import (
     NUMERICS_NEUTRAL,
     final_doc,
@@ -44,9 +45,18 @@ from samestep.tracing import Perturb, Recorder, parse_selection
 from samestep.train.config import Config
 from samestep.train.model import GPT
 
-__all__ = ["RESTORE_ALL", "Parts", "WarmupCosine", "build", "device_kind", "train"]
+__all__ = ["RESTORE_ALL", "Parts", "Preempted", "WarmupCosine", "build", "device_kind", "train"]
 
 RESTORE_ALL = frozenset({"model", "optimizer", "data", "rng"})
+
+
+class Preempted(Exception):
+    """The run stopped at a signal (``train.exit_signals``) after a step, with a checkpoint of that step:
+    ``--resume`` continues it bit for bit."""
+
+    def __init__(self, step: int, signal: str) -> None:
+        super().__init__(f"stopped by {signal} after step {step}, with a checkpoint; continue with --resume")
+        self.step, self.signal = step, signal
 
 
 @dataclass(slots=True)
@@ -110,6 +120,16 @@ class _Distributed:
 
         if self.world > 1:
             dist.barrier()
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` is true on any rank (every rank gets the same answer)."""
+        import torch.distributed as dist
+
+        if self.world == 1:
+            return flag
+        t = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
 
     def close(self) -> None:
         import torch.distributed as dist
@@ -292,7 +312,8 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
             report = enable(threads=cfg.determinism.threads, warn_only=cfg.determinism.warn_only)
         dist_ = _Distributed(device_kind(cfg))
         try:
-            return _train(cfg, run_dir, resume, stop_after, restore, out, dist_, report)
+            with StopRequest(parse_signals(cfg.train.exit_signals)) as stop:
+                return _train(cfg, run_dir, resume, stop_after, restore, out, dist_, report, stop)
         finally:
             dist_.close()
     finally:
@@ -303,8 +324,8 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
 
 
 def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, restore: frozenset[str],
-           out: Callable[[str], None], dist_: _Distributed,
-           report: DeterminismReport | None) -> dict[str, Any] | None:
+           out: Callable[[str], None], dist_: _Distributed, report: DeterminismReport | None,
+           stop: StopRequest) -> dict[str, Any] | None:
     t, world, rank = cfg.train, dist_.world, dist_.rank
     if t.microbatches % world:
         raise ValueError(f"train.global_batch={t.global_batch} / train.micro_batch={t.micro_batch} = "
@@ -333,8 +354,11 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     t0 = time.perf_counter()
     # a resume from the last step trains nothing: the last loss is the one logged for it
-    loss_value = _run_steps(parts, run_dir, start, end, rank == 0, out,
-                            logged_loss(run_dir, start) if start else float("nan"))
+    loss_value, stopped = _run_steps(parts, run_dir, start, end, rank == 0, out,
+                                     logged_loss(run_dir, start) if start else float("nan"), stop, dist_)
+    if stopped is not None:
+        dist_.barrier()
+        raise Preempted(stopped, stop.requested or "a signal to another rank")
     if end < t.steps:
         say(f"stopped after step {end} of {t.steps} (--stop-after); continue with --resume")
         return None
@@ -374,9 +398,10 @@ def _resume(parts: Parts, run_dir: Path, resume: bool, restore: frozenset[str], 
 
 
 def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, out: Callable[[str], None],
-               loss_value: float) -> float:
+               loss_value: float, stop: StopRequest, dist_: _Distributed) -> tuple[float, int | None]:
     """Trains steps ``start`` to ``end`` (0-based, end excluded), logging metrics (if ``writer``) and
-    saving checkpoints; returns the last step's loss (``loss_value`` if there is no step to train). The
+    saving checkpoints; returns the last step's loss (``loss_value`` if there is no step to train) and
+    the step after which a stop request ended it early, with a checkpoint (None if none did). The
     recorder is closed at the end."""
     t = parts.cfg.train
     tokens_per_step = parts.tokens_per_step
@@ -393,16 +418,20 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
                 metrics.flush()
             elapsed = time.perf_counter() - t0
             progress.update(done, loss_value, (done - start) * tokens_per_step / max(elapsed, 1e-9))
-            if done == end or (t.checkpoint_every and done % t.checkpoint_every == 0):
+            # every rank stops after the same step (a signal may reach one rank first)
+            stopping = done < end and bool(stop.signals) and dist_.any(stop.requested is not None)
+            if done == end or stopping or (t.checkpoint_every and done % t.checkpoint_every == 0):
                 save_checkpoint(run_dir / "checkpoints", done, model=parts.model, optimizer=parts.optimizer,
                                 scheduler=parts.schedule, data_cursor=parts.cursor, config=parts.cfg.to_dict(),
                                 keep=t.keep_checkpoints)
+            if stopping:
+                return loss_value, done
     finally:
         progress.close()
         parts.recorder.close()
         if metrics is not None:
             metrics.close()
-    return loss_value
+    return loss_value, None
 
 
 def run_state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cursor: DataCursor, step: int) -> str:

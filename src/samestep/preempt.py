@@ -1,0 +1,76 @@
+"""Preemption: when a scheduler asks a run to stop (SIGTERM, or SIGUSR1 with a grace period) or a person
+presses Ctrl-C, finish the step, save, and stop; a second signal stops at once.
+
+    with samestep.preempt.StopRequest() as stop:      # your own loop
+        for step in ...:
+            train_one_step()
+            if stop.requested:                         # e.g. "SIGTERM"
+                samestep.save_checkpoint(...)
+                sys.exit(samestep.preempt.EXIT_PREEMPTED)
+
+``samestep train`` does this itself (``train.exit_signals``) and exits with ``EXIT_PREEMPTED``; its
+``--resume`` continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+__all__ = ["DEFAULT_SIGNALS", "EXIT_PREEMPTED", "StopRequest", "parse_signals"]
+
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with everything saved; a requeued job resumes
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+
+
+def parse_signals(text: str, what: str = "train.exit_signals") -> tuple[str, ...]:
+    """``"SIGTERM,SIGUSR1"`` -> ("SIGTERM", "SIGUSR1"); ``""`` -> () (no handler: a signal acts as usual).
+
+    Raises:
+        ValueError: names ``what`` and the unknown signal.
+    """
+    names = tuple(part.strip().upper() for part in text.split(",") if part.strip())
+    for name in names:
+        if not name.startswith("SIG") or not isinstance(getattr(signal, name, None), signal.Signals) \
+                or name in ("SIGKILL", "SIGSTOP"):
+            raise ValueError(f"{what}={text!r}: {name!r} is not a signal that can be caught; use names like "
+                             "SIGTERM,SIGUSR1,SIGINT (or '' for none)")
+    return names
+
+
+class StopRequest:
+    """While entered, the given signals ask the loop to stop at its next step boundary (``requested`` holds
+    the first one's name); a second one restores the signal's default action and re-raises it, so the
+    process stops at once. Handlers are installed in the main thread only (elsewhere Python refuses them:
+    then nothing is installed and ``requested`` stays None)."""
+
+    def __init__(self, signals: tuple[str, ...] = DEFAULT_SIGNALS) -> None:
+        self.signals = signals
+        self.requested: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if self.requested is None:
+            self.requested = name
+            print(f"samestep: {name}: finishing this step, saving, then stopping (send it again to stop now)",
+                  file=sys.stderr, flush=True)
+            return
+        signal.signal(signum, signal.SIG_DFL)  # the second: the default action, now
+        os.kill(os.getpid(), signum)
+
+    def __enter__(self) -> StopRequest:
+        if threading.current_thread() is threading.main_thread():
+            for name in self.signals:
+                signum = getattr(signal, name)
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()

@@ -1,0 +1,80 @@
+"""Preemption: a signal stops samestep train after the step it is in, with a checkpoint of that step, and
+--resume continues bit for bit; a second signal stops at once."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from samestep.preempt import EXIT_PREEMPTED
+from tests.conftest import TINY, metrics_bytes, run_train, train_cmd
+
+# Checkpoints only at the end: without the signal handler a stop loses every step.
+LONG = (*TINY, "train.steps=120", "train.checkpoint_every=1000")
+
+
+def _last_step(run_dir: Path) -> int:
+    try:
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    return json.loads(lines[-1])["step"] if lines and lines[-1].endswith("}") else 0
+
+
+def _signalled(run_dir: Path, *settings: str, sig: int = signal.SIGTERM) -> subprocess.CompletedProcess:
+    """Starts a run, sends it ``sig`` once it has logged step 3; returns the finished process."""
+    proc = subprocess.Popen(train_cmd(run_dir, *LONG, *settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and _last_step(run_dir) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be signalled"
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_sigterm_saves_the_step_and_resume_is_exact(tmp_path):
+    """SIGTERM after step 3: the run finishes the step it is in, checkpoints it, exits 75 naming the step;
+    --resume ends with the uninterrupted run's final digest and metrics bytes. Negative control: with
+    train.exit_signals='' the same signal kills the run at once and nothing is saved."""
+    reference = run_train(tmp_path / "reference", *LONG)
+    run = tmp_path / "run"
+    proc = _signalled(run)
+    assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-2000:]
+    step = _last_step(run)
+    assert 3 <= step < 120
+    assert f"samestep train: stopped by SIGTERM after step {step}, with a checkpoint" in proc.stderr
+    assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{step:06d}"
+    final = run_train(run, *LONG, resume=True)
+    assert final["state_digest"] == reference["state_digest"]
+    assert metrics_bytes(run) == metrics_bytes(tmp_path / "reference")
+
+    killed = tmp_path / "killed"
+    proc = _signalled(killed, "train.exit_signals=")
+    assert proc.returncode == -signal.SIGTERM
+    assert not (killed / "checkpoints").exists() or not any((killed / "checkpoints").glob("step_*"))
+
+
+def test_a_second_signal_stops_at_once(tmp_path):
+    """The first signal only asks for a stop (the loop goes on to its step boundary); the second restores
+    the default action and the process ends by that signal. Negative control: one signal alone leaves it
+    running to its own end."""
+    script = ("import os, signal, sys, time\n"
+              "from samestep.preempt import StopRequest\n"
+              "with StopRequest(('SIGTERM',)) as stop:\n"
+              "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    time.sleep(0.2)\n"
+              "    print(stop.requested, flush=True)\n"
+              "    if sys.argv[1] == 'twice':\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "        time.sleep(5)\n"
+              "print('ended by itself', flush=True)\n")
+    once = subprocess.run([sys.executable, "-c", script, "once"], capture_output=True, text=True, timeout=60)
+    assert once.returncode == 0 and once.stdout.split() == ["SIGTERM", "ended", "by", "itself"]
+    twice = subprocess.run([sys.executable, "-c", script, "twice"], capture_output=True, text=True, timeout=60)
+    assert twice.returncode == -signal.SIGTERM and twice.stdout.split() == ["SIGTERM"]
