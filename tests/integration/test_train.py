@@ -177,16 +177,24 @@ def test_resume_with_no_step_left_writes_the_same_final_json(reference, tmp_path
     run_train(d, *TINY, resume=True)
     assert (d / "final.json").read_bytes() == (reference / "final.json").read_bytes()
     assert metrics_bytes(d) == metrics_bytes(reference)
-    # Negative control: without the last step's metrics line there are no loss bits to report, and the
-    # same byte comparison sees the difference.
-    e = tmp_path / "no_last_line"
+    # Negative control: without the last step's loss bits in metrics.jsonl there are none to report, and
+    # the same byte comparison sees the difference.
+    e = tmp_path / "no_loss_bits"
     shutil.copytree(reference, e)
     (e / "final.json").unlink()
     lines = metrics_bytes(e).splitlines(keepends=True)
-    (e / "metrics.jsonl").write_bytes(b"".join(lines[:-1]))
+    (e / "metrics.jsonl").write_bytes(b"".join(lines[:-1]) + b'{"step": 8}\n')
     run_train(e, *TINY, resume=True)
     assert (e / "final.json").read_bytes() != (reference / "final.json").read_bytes()
     assert json.loads((e / "final.json").read_text())["loss_hex"] == "nan"
+    # Without the last step's line at all, the metrics would stay incomplete: the resume refuses, naming it
+    f = tmp_path / "no_last_line"
+    shutil.copytree(reference, f)
+    (f / "final.json").unlink()
+    (f / "metrics.jsonl").write_bytes(b"".join(lines[:-1]))
+    proc = subprocess.run(train_cmd(f, *TINY, resume=True), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "are not 1..8 in order (missing: [8]" in proc.stderr
+    assert not (f / "final.json").exists()
 
 
 def test_torchrun_two_processes_repeat_and_match_one_process(reference, tmp_path):
