@@ -55,33 +55,8 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
         if not segments:
             problems.append(f"rank {rank}: no trace stream ({run / 'trace'})")
             continue
-        seen: set[int] = set()
-        last_seen: dict[int, int] = {}  # step -> the last segment that recorded it (a resume re-runs steps)
-        ended: set[tuple[int, int]] = set()  # (segment, step) with a step.end record
-        records = 0
-        for k, seg in enumerate(segments):
-            try:
-                _, batches, torn = iter_stream(seg)
-                expected = 0
-                jumped = False
-                for batch in batches:
-                    seq = batch.column(0).to_numpy()
-                    batch_steps = batch.column(1).to_numpy()
-                    for s in np.unique(batch_steps).tolist():
-                        last_seen[s] = k
-                    ends = batch_steps[(batch.column(5).to_numpy(zero_copy_only=False) == END)]
-                    ended.update((k, int(s)) for s in ends)
-                    want = np.arange(expected, expected + seq.size)
-                    if not jumped and seq.size and not np.array_equal(seq, want):
-                        bad = int(np.flatnonzero(seq != want)[0])
-                        problems.append(f"{seg.name}: sequence jumps from {expected + bad - 1} to {int(seq[bad])}")
-                        jumped = True
-                    expected += seq.size
-                records += expected
-                problems.extend(f"{seg.name}: {t}" for t in torn)
-            except ValueError as e:
-                raise DiffError(str(e)) from None
-        seen.update(last_seen)
+        last_seen, ended, records = _read_segments(segments, problems)
+        seen = set(last_seen)
         seen_by_rank[rank] = seen
         unfinished = sorted(s for s, k in last_seen.items() if (k, s) not in ended)
         if unfinished:
@@ -99,6 +74,38 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
             problems.append(f"rank {rank}: no records for step(s) {format_selection(missing)}")
     return {"complete": not problems, "problems": problems, "ranks": per_rank, "run": str(run),
             "selected_steps": format_selection(steps), "selected_ranks": ranks}
+
+
+def _read_segments(segments: list, problems: list[str]) -> tuple[dict[int, int], set[tuple[int, int]], int]:
+    """Reads a rank's stream segments in order: each step's last segment (a resume re-runs steps), the
+    (segment, step) pairs closed by a step.end record, and the record count; a sequence gap or a torn tail
+    is added to ``problems``."""
+    last_seen: dict[int, int] = {}
+    ended: set[tuple[int, int]] = set()
+    records = 0
+    for k, seg in enumerate(segments):
+        try:
+            _, batches, torn = iter_stream(seg)
+            expected = 0
+            jumped = False
+            for batch in batches:
+                seq = batch.column(0).to_numpy()
+                batch_steps = batch.column(1).to_numpy()
+                for s in np.unique(batch_steps).tolist():
+                    last_seen[s] = k
+                ends = batch_steps[(batch.column(5).to_numpy(zero_copy_only=False) == END)]
+                ended.update((k, int(s)) for s in ends)
+                want = np.arange(expected, expected + seq.size)
+                if not jumped and seq.size and not np.array_equal(seq, want):
+                    bad = int(np.flatnonzero(seq != want)[0])
+                    problems.append(f"{seg.name}: sequence jumps from {expected + bad - 1} to {int(seq[bad])}")
+                    jumped = True
+                expected += seq.size
+            records += expected
+            problems.extend(f"{seg.name}: {t}" for t in torn)
+        except ValueError as e:
+            raise DiffError(str(e)) from None
+    return last_seen, ended, records
 
 
 def _closes(doc: dict[str, Any], segments: int, ended: set[tuple[int, int]]) -> list[str]:

@@ -300,15 +300,7 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     final_differs = final_compared and finals[0] != finals[1]
     common = _ranks_to_compare(run_a, run_b, ranks, notes)
     trace_steps, levels = _traced_alike(doc_a, doc_b, steps, notes) if common else (steps, (None, None))
-    per_rank: dict[int, _RankResult] = {}
-    for r in common:
-        try:
-            per_rank[r] = _compare_rank(run_a, run_b, r, trace_steps, levels)
-        except ValueError as e:
-            raise DiffError(str(e)) from None
-    for res in per_rank.values():
-        notes.extend(res.torn)
-
+    per_rank = _compare_ranks(run_a, run_b, common, trace_steps, levels, notes)
     divs = [res.divergence for res in per_rank.values() if res.divergence is not None]
     structural = [d for d in divs if d.kind == "structural"]
     origins = [d for d in divs if d.kind == "origin"]
@@ -338,11 +330,7 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     elif origin is not None:
         summary = _origin_summary(origin, origins, sorted(per_rank))
     elif first_seen is not None:
-        receivers = sorted(d.rank for d in divs if d.kind == "receiver")
-        summary = (f"first difference seen: step {first_seen.step}, rank {first_seen.rank}, microbatch "
-                   f"{first_seen.microbatch}, `{first_seen.op}` of `{first_seen.scope or '<root>'}` "
-                   f"({first_seen.phase})" + (f"; rank(s) {format_selection(receivers)} received it through a "
-                                              "collective" if receivers else "") + f". {first_seen.note}")
+        summary = _first_seen_summary(first_seen, sorted(d.rank for d in divs if d.kind == "receiver"))
     else:
         summary = _no_origin_summary(first, metric_diff, finals, bool(per_rank))
     return {
@@ -363,6 +351,27 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
         "summary": summary,
         "notes": notes,
     }
+
+
+def _compare_ranks(run_a: Path, run_b: Path, ranks: list[int], steps: set[int] | None,
+                   levels: tuple[str | None, str | None], notes: list[str]) -> dict[int, _RankResult]:
+    """Each rank's streams compared (see ``_compare_rank``); a torn tail of either is added to ``notes``."""
+    per_rank: dict[int, _RankResult] = {}
+    for r in ranks:
+        try:
+            per_rank[r] = _compare_rank(run_a, run_b, r, steps, levels)
+        except ValueError as e:
+            raise DiffError(str(e)) from None
+        notes.extend(per_rank[r].torn)
+    return per_rank
+
+
+def _first_seen_summary(first_seen: Divergence, receivers: list[int]) -> str:
+    """Where a difference was first seen by a level without inputs, and the ranks that received it."""
+    return (f"first difference seen: step {first_seen.step}, rank {first_seen.rank}, microbatch "
+            f"{first_seen.microbatch}, `{first_seen.op}` of `{first_seen.scope or '<root>'}` ({first_seen.phase})"
+            + (f"; rank(s) {format_selection(receivers)} received it through a collective" if receivers else "")
+            + f". {first_seen.note}")
 
 
 def _check_comparable(doc_a: dict[str, Any], doc_b: dict[str, Any], force: bool, notes: list[str]) -> None:

@@ -14,7 +14,7 @@ import torch
 
 from samestep.tracing.batch import Batch, expand
 from samestep.tracing.stream import StreamWriter
-from samestep.tracing.writer import write_batch
+from samestep.tracing.writer import batch_lanes, write_lanes
 
 __all__ = ["ThreadWorker"]
 
@@ -26,6 +26,7 @@ class ThreadWorker:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="samestep-trace")
         self._writer: StreamWriter | None = None
         self._pending: Future | None = None
+        self._held: tuple | None = None  # a digested batch with checked live tensors, until commit
 
     def open(self, path: Path, meta: dict[str, Any]) -> None:
         self._writer = StreamWriter(path, meta)
@@ -36,7 +37,11 @@ class ThreadWorker:
     def _run(self, b: Batch, events: list[tuple[torch.device, Any]]) -> None:
         for device, event in events:  # kernels on this thread's stream start after the staged copies
             torch.cuda.current_stream(device).wait_event(event)
-        write_batch(self._writer, b, b.packs, expand(b.tensors))
+        done = (b, [len(pack.nbytes) for pack in b.packs], batch_lanes(b.packs, expand(b.tensors)))
+        if b.check_live:  # written once the training thread has seen them unchanged (commit), as the process does
+            self._held = done
+        else:
+            write_lanes(self._writer, *done)
 
     def wait(self) -> None:
         if self._pending is not None:
@@ -44,7 +49,11 @@ class ThreadWorker:
             pending.result()  # re-raises a failure of the worker here, in the training thread
 
     def commit(self, write: bool) -> None:
-        """Nothing to do: this thread checked the live tensors itself before it wrote the batch."""
+        """A digested batch holding live tensors is written (on this thread: the next ``wait`` waits for
+        it) if ``write`` (they did not change before they were digested), else discarded."""
+        held, self._held = self._held, None
+        if held is not None and write:
+            self._pending = self._pool.submit(write_lanes, self._writer, *held)
 
     def close(self) -> None:
         try:

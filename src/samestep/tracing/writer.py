@@ -1,19 +1,18 @@
-"""The stream writer's half of a batch: its staged tensors digested, its records appended as one Arrow
-record batch (``write_batch``; the process worker's child digests itself and calls ``write_lanes``)."""
+"""The stream writer's half of a batch: its staged tensors digested (``batch_lanes``), its records
+appended as one Arrow record batch (``write_lanes``)."""
 
 from __future__ import annotations
 
-from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from samestep.digests import Packed, finish, lanes_packed
-from samestep.tracing.batch import Batch, Columns
+from samestep.tracing.batch import Columns
 from samestep.tracing.stream import StreamWriter
 
-__all__ = ["UNINIT", "plain", "readable", "write_batch", "write_lanes"]
+__all__ = ["UNINIT", "batch_lanes", "plain", "readable", "write_lanes"]
 
 UNINIT = bytes(16)  # the digest recorded for uninitialised memory (torch.empty and friends)
 
@@ -41,20 +40,15 @@ def readable(t: torch.Tensor) -> bool:
 
 
 
-def write_batch(writer: StreamWriter, b: Batch, packs: list[Packed], tensors: list[torch.Tensor]) -> None:
-    """Digests a batch's staged tensors and appends its records to the stream (see ``batch.Batch``
-    for the columns ``b`` carries). Writes nothing if one of its checked live tensors changed before its
-    digest was done (``b.changed()``): the recorder then raises."""
+def batch_lanes(packs: list[Packed], tensors: list[torch.Tensor]) -> list[list[int]]:
+    """The lanes of a batch's staged tensors: its packs' entries, then ``tensors`` (see ``write_lanes``)."""
     try:
-        lanes = lanes_packed(packs, tensors)
+        return lanes_packed(packs, tensors)
     except (ValueError, RuntimeError, NotImplementedError):
         # A live tensor whose bytes cannot be hashed as they are (sparse, quantized, nested): its plain form,
-        # taken now. A change since it was recorded is still caught below (its version). Tried only after
-        # a failure: the usual batch pays no check per tensor.
-        lanes = lanes_packed(packs, [t if readable(t) else plain(t) for t in tensors])
-    if b.changed():
-        return
-    write_lanes(writer, b, [len(pack.nbytes) for pack in packs], lanes)
+        # taken now. A change since it was recorded is still caught by its version. Tried only after a
+        # failure: the usual batch pays no check per tensor.
+        return lanes_packed(packs, [t if readable(t) else plain(t) for t in tensors])
 
 
 def write_lanes(writer: StreamWriter, b: Columns, pack_sizes: list[int], lanes: list[list[int]]) -> None:
