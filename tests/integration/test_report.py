@@ -72,5 +72,6 @@ def test_one_run_is_drawn_and_bad_input_is_one_line(runs, tmp_path):
 def test_without_matplotlib_the_error_names_the_fix(runs, tmp_path, monkeypatch):
     """matplotlib is optional (samestep[report]): without it, make_report says what to install."""
     monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(DiffError, match=r"pip install 'samestep\[report\]'"):
         make_report([runs["a"]], tmp_path / "x.html")

@@ -26,16 +26,14 @@ __all__ = ["KIND_COLOURS", "make_report"]
 KIND_COLOURS = {"origin": "#d62728", "first_seen": "#ff7f0e", "receiver": "#1f77b4", "structural": "#9467bd"}
 
 
-def _pyplot() -> Any:
+def _figure_class() -> Any:
+    """matplotlib's Figure: drawn to files without pyplot, so the user's backend and figures stay untouched."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure
     except ImportError:
         raise DiffError("samestep report draws with matplotlib, which is not installed: "
                         "pip install 'samestep[report]' (or pip install matplotlib)") from None
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure
 
 
 def _png(fig: Any) -> bytes:
@@ -44,11 +42,12 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
-def _curves(plt: Any, names: list[str], metrics: list[list[dict[str, Any]]], divergent: int | None) -> bytes | None:
+def _curves(figure: Any, names: list[str], metrics: list[list[dict[str, Any]]], divergent: int | None) -> bytes | None:
     """Loss and grad norm per step of each run; the first divergent step marked. None if no run has metrics."""
     if not any(metrics):
         return None
-    fig, axes = plt.subplots(3, 1, figsize=(8, 7.5), sharex=True)
+    fig = figure(figsize=(8, 7.5))
+    axes = fig.subplots(3, 1, sharex=True)
     first = {field: {r["step"]: float.fromhex(r[field]) for r in metrics[0]} for field in ("loss_hex", "grad_norm_hex")}
     for k, (name, rows) in enumerate(zip(names, metrics)):
         steps = [r["step"] for r in rows]
@@ -75,17 +74,16 @@ def _curves(plt: Any, names: list[str], metrics: list[list[dict[str, Any]]], div
     axes[2].set_xlabel("step")
     title = f"first divergent step: {divergent}" if divergent is not None else "no divergent step"
     axes[0].set_title(title, fontsize=10)
-    data = _png(fig)
-    plt.close(fig)
-    return data
+    return _png(fig)
 
 
-def _ranks(plt: Any, per_rank: dict[str, Any]) -> bytes | None:
+def _ranks(figure: Any, per_rank: dict[str, Any]) -> bytes | None:
     """Per rank, the step of its first difference, coloured by kind; None if no rank was compared."""
     if not per_rank:
         return None
     ranks = sorted(int(r) for r in per_rank)
-    fig, ax = plt.subplots(figsize=(max(4.0, min(12.0, 0.4 * len(ranks) + 2)), 3.2))
+    fig = figure(figsize=(max(4.0, min(12.0, 0.4 * len(ranks) + 2)), 3.2))
+    ax = fig.subplots()
     seen = set()
     for r in ranks:
         d = per_rank[str(r)]["divergence"]
@@ -103,9 +101,7 @@ def _ranks(plt: Any, per_rank: dict[str, Any]) -> bytes | None:
     ax.set_xticks(ranks if len(ranks) <= 32 else ranks[:: max(1, len(ranks) // 16)])
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
-    data = _png(fig)
-    plt.close(fig)
-    return data
+    return _png(fig)
 
 
 def _page(names: list[str], diff: dict[str, Any] | None, diff_error: str | None, images: dict[str, bytes]) -> str:
@@ -159,7 +155,7 @@ def make_report(runs: list[str | Path], out: str | Path, *, force: bool = False)
     paths = [Path(r) for r in runs]
     for p in paths:
         load_run(p)  # a run directory, or a clear error naming it
-    plt = _pyplot()
+    figure = _figure_class()
     diff, diff_error = None, None
     if len(paths) >= 2:
         try:
@@ -168,10 +164,10 @@ def make_report(runs: list[str | Path], out: str | Path, *, force: bool = False)
             diff_error = str(e)
     divergent = diff["first_divergent_step"] if diff is not None else None
     images = {}
-    curves = _curves(plt, [str(p) for p in paths], [load_metrics(p) for p in paths], divergent)
+    curves = _curves(figure, [str(p) for p in paths], [load_metrics(p) for p in paths], divergent)
     if curves is not None:
         images["curves"] = curves
-    ranks = _ranks(plt, diff["per_rank"]) if diff is not None else None
+    ranks = _ranks(figure, diff["per_rank"]) if diff is not None else None
     if ranks is not None:
         images["ranks"] = ranks
     out = Path(out)
