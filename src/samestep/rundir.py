@@ -23,10 +23,10 @@ from samestep.durable import replace_atomic
 from samestep.env import environment
 from samestep.version import __version__
 
-__all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "RunLock", "determinism_diff", "final_digest",
-           "final_doc", "hold", "last_logged_step", "logged_loss", "metrics_line", "new_run", "read_final", "read_metrics",
-           "read_run", "record_close", "record_numerics_change", "record_resume", "truncate_metrics", "write_final",
-           "write_run"]
+__all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "RunLock", "determinism_diff",
+           "final_digest", "final_doc", "hold", "last_logged_step", "logged_loss", "metrics_line", "new_run",
+           "read_final", "read_metrics", "read_run", "record_close", "record_resume", "truncate_metrics",
+           "write_final", "write_run"]
 
 RUN_FORMAT, RUN_VERSION = "samestep.run", 1
 FINAL_FORMAT, FINAL_VERSION = "samestep.final", 1
@@ -156,20 +156,16 @@ def determinism_diff(det_a: dict[str, Any] | None, det_b: dict[str, Any] | None)
     return out
 
 
-def record_close(run_dir: _PathLike, close: dict[str, Any]) -> None:
+def record_close(run_dir: _PathLike, close: dict[str, Any], numerics_changed: dict[str, Any] | None = None) -> None:
     """Appends to run.json's ``closes`` that a trace segment was closed (by samestep.trace's recorder):
     ``{"segment", "failed_step"}``, the last step whose context raised, or null. A segment with no close
-    was killed, or is still being written."""
+    was killed, or is still being written. ``numerics_changed``: deterministic mode stopped holding during
+    the run (the first step it was seen, each knob as set and as found); the first such record stays, as
+    ``determinism_changed``. One read and one write of run.json."""
     doc = read_run(run_dir)
     doc.setdefault("closes", []).append(close)
-    write_run(run_dir, doc)
-
-
-def record_numerics_change(run_dir: _PathLike, change: dict[str, Any]) -> None:
-    """Records in run.json that deterministic mode stopped holding during the run: the first step at which
-    it was seen, and each knob (as set, as found). The first such record stays."""
-    doc = read_run(run_dir)
-    doc.setdefault("determinism_changed", change)
+    if numerics_changed is not None:
+        doc.setdefault("determinism_changed", numerics_changed)
     write_run(run_dir, doc)
 
 

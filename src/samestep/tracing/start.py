@@ -11,7 +11,6 @@ from samestep.rundir import (
     new_run,
     read_run,
     record_close,
-    record_numerics_change,
     record_resume,
     write_run,
 )
@@ -104,6 +103,4 @@ def _record_resume(run_dir: Path, segment: int, world: int) -> None:
 def _closed(rec: Recorder, segment: int) -> None:
     """Rank 0's recorder closed: run.json records it (and a knob of deterministic mode that stopped
     holding), so that certify can tell a finished trace from a killed or failed one."""
-    if rec.numerics_changed is not None:
-        record_numerics_change(rec.run_dir, rec.numerics_changed)
-    record_close(rec.run_dir, {"segment": segment, "failed_step": rec.failed_step})
+    record_close(rec.run_dir, {"segment": segment, "failed_step": rec.failed_step}, rec.numerics_changed)
