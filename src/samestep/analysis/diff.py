@@ -69,6 +69,7 @@ class _RankResult:
     records: int = 0
     divergence: Divergence | None = None
     torn: list[str] = field(default_factory=list)
+    missing: dict[str, list[int]] | None = None  # run name -> steps its stream lacks and the other's holds
 
 
 def load_run(path: Path) -> dict[str, Any]:
@@ -196,10 +197,24 @@ def _classify(rank: int, a: pa.Table, b: pa.Table, i: int, differing: int) -> Di
     return Divergence(rank=rank, kind="origin" if matched else "receiver", inputs_matched=matched, note=note, **row)
 
 
+def _steps_recorded(run: Path, rank: int, steps: set[int] | None, level: str | None) -> set[int]:
+    """The steps of which a rank's stream holds records (within ``steps``, at ``level``)."""
+    found: set[int] = set()
+    for batch in _records(run, rank, steps, [], level):
+        found.update(pc.unique(batch.column(1)).to_pylist())
+    return found
+
+
 def _compare_rank(run_a: Path, run_b: Path, rank: int, steps: set[int] | None,
                   levels: tuple[str | None, str | None] = (None, None)) -> _RankResult:
-    """``levels``: the level to cut run A's and run B's records down to (None: all of them)."""
+    """``levels``: the level to cut run A's and run B's records down to (None: all of them). Steps that
+    one run's stream holds and the other's does not are reported as missing (``res.missing``), and the
+    streams compared on the steps both hold: a lost step is not a difference of code paths."""
     res = _RankResult(rank)
+    have_a, have_b = (_steps_recorded(run, rank, steps, level) for run, level in ((run_a, levels[0]), (run_b, levels[1])))
+    if have_a != have_b:
+        res.missing = {"A": sorted(have_b - have_a), "B": sorted(have_a - have_b)}
+        steps = have_a & have_b
     chunks_a = _chunks(_records(run_a, rank, steps, res.torn, levels[0]))
     chunks_b = _chunks(_records(run_b, rank, steps, res.torn, levels[1]))
     while True:
@@ -323,6 +338,8 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
                    + (" (see the notes)" if notes else "") + "; this is no evidence that they are the same")
     elif identical:
         summary = _identical_summary(metric_steps, records, len(per_rank), final_compared)
+        if any(res.missing for res in per_rank.values()):
+            summary += "; some traced steps are in one run only and were not compared (see the notes)"
     elif structural:
         d = structural[0]
         summary = (f"structural divergence on rank {d.rank} at step {d.step}: {d.note} "
@@ -345,7 +362,7 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
         "origin": asdict(origin) if origin is not None else None,
         "first_seen": asdict(first_seen) if first_seen is not None and origin is None else None,
         "first_difference": asdict(first) if first is not None else None,
-        "per_rank": {str(r): {"records_compared": res.records, "torn": res.torn,
+        "per_rank": {str(r): {"records_compared": res.records, "torn": res.torn, "missing_steps": res.missing,
                               "divergence": asdict(res.divergence) if res.divergence else None}
                      for r, res in per_rank.items()},
         "summary": summary,
@@ -363,6 +380,11 @@ def _compare_ranks(run_a: Path, run_b: Path, ranks: list[int], steps: set[int] |
         except ValueError as e:
             raise DiffError(str(e)) from None
         notes.extend(per_rank[r].torn)
+        for name, lacking in (per_rank[r].missing or {}).items():
+            if lacking:
+                notes.append(f"rank {r}: run {name}'s trace has no records of step(s) {format_selection(lacking)}, "
+                             "which the other run's has (lost when the run was killed before they were written, "
+                             "or not traced): compared on the steps both hold")
     return per_rank
 
 

@@ -176,6 +176,16 @@ def serve(sock: socket.socket, pid: int) -> None:
             if kind == b"W" and held is not None:
                 write(*held)
             held = None
+        elif kind == b"S":
+            try:
+                if error is not None:
+                    raise RuntimeError(error)
+                if writer is not None:
+                    writer.sync()
+                send(sock, b"K")
+            except Exception:
+                error = None
+                send(sock, b"E", traceback.format_exc().encode())
         elif kind == b"C":
             if writer is not None:
                 writer.close()

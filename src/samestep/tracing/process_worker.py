@@ -168,6 +168,13 @@ class ProcessWorker:
             self._unwritten = False
             self._post(b"W" if write else b"X")
 
+    def sync(self) -> None:
+        """Waits for every batch submitted and committed so far to be written, then has the child make it
+        durable."""
+        self.wait()
+        self._post(b"S")
+        self._reply()
+
     def close(self) -> None:
         try:
             self.wait()

@@ -174,6 +174,14 @@ class Recorder:
                 events.append((device, event))
         self._worker.submit(batch, events)
 
+    def sync(self) -> None:
+        """Makes every record of the steps closed so far durable: written and fsync'ed. Call it before
+        a checkpoint commits (``samestep train`` does), so a crash right after the commit cannot lose
+        the trace of a step the checkpoint holds."""
+        self._wait()
+        if self._worker is not None and self._writing:
+            self._worker.sync()
+
     def _start_worker(self) -> ThreadWorker | ProcessWorker:
         if self.worker == "process":
             try:

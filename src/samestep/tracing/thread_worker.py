@@ -55,6 +55,12 @@ class ThreadWorker:
         if held is not None and write:
             self._pending = self._pool.submit(write_lanes, self._writer, *held)
 
+    def sync(self) -> None:
+        """Waits for every batch submitted and committed so far to be written, then makes it durable."""
+        self.wait()
+        if self._writer is not None:
+            self._writer.sync()
+
     def close(self) -> None:
         try:
             self.wait()

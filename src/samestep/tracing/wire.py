@@ -2,10 +2,11 @@
 
 A message is a header (kind, payload bytes) and the payload. To the child: O open the stream (path,
 meta as JSON), B a batch (reply R when digested, or E and the error), W write the last batch / X
-discard it (its live tensors changed), C close the stream (reply K, or E), Q quit. A batch's payload is
-``marshal`` data (plain numbers, strings and bytes: loading it runs no code): the packs, a description
-of each staged tensor (``describe``), the record columns in ``Columns.WIRE`` order, and whether it
-holds live tensors that must be seen unchanged before it is written.
+discard it (its live tensors changed), S make what is written durable (reply K, or E), C close the
+stream (reply K, or E), Q quit. A batch's payload is ``marshal`` data (plain numbers, strings and
+bytes: loading it runs no code): the packs, a description of each staged tensor (``describe``), the
+record columns in ``Columns.WIRE`` order, and whether it holds live tensors that must be seen
+unchanged before it is written.
 """
 
 from __future__ import annotations

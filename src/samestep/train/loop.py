@@ -421,6 +421,10 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
             # every rank stops after the same step (a signal may reach one rank first)
             stopping = done < end and bool(stop.signals) and dist_.any(stop.requested is not None)
             if done == end or stopping or (t.checkpoint_every and done % t.checkpoint_every == 0):
+                # the records of every step the checkpoint holds are durable before it commits
+                parts.recorder.sync()
+                if metrics is not None:
+                    os.fsync(metrics.fileno())
                 save_checkpoint(run_dir / "checkpoints", done, model=parts.model, optimizer=parts.optimizer,
                                 scheduler=parts.schedule, data_cursor=parts.cursor, config=parts.cfg.to_dict(),
                                 keep=t.keep_checkpoints)
