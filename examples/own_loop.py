@@ -61,6 +61,7 @@ def main(run_dir: Path, steps: int, stop_after: int | None, seed: int) -> str:
             optimizer.zero_grad(set_to_none=True)
             rec.state(model, optimizer)  # parameters and optimizer state after the update
         cursor.step += 1
+        rec.sync()  # the trace of every step the checkpoint holds is on disk first
         samestep.save_checkpoint(checkpoints, step + 1, model=model, optimizer=optimizer, data_cursor=cursor)
     rec.close()
     samestep.disable()

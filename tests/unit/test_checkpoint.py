@@ -294,11 +294,12 @@ def test_state_json_without_its_fields_is_not_intact(tmp_path):
         verify_checkpoint(root)
 
 
-@pytest.mark.parametrize("kind", ["directory", "fifo", "not utf-8", "outside the root"])
-def test_a_strange_latest_is_passed_over_for_the_newest_committed(tmp_path, kind):
-    """`latest` that is a directory, a FIFO (never opened: it would hang), not UTF-8, or a path that leaves
-    the checkpoint root: verify and load use the newest committed checkpoint instead. Negative control:
-    a `latest` naming step 1 is followed."""
+@pytest.mark.parametrize("kind", ["directory", "fifo", "not utf-8", "outside the root", "older"])
+def test_loaders_take_the_newest_committed_checkpoint_whatever_latest_says(tmp_path, kind):
+    """`latest` is never what a loader goes by: a directory, a FIFO (never opened: it would hang), not
+    UTF-8, a path that leaves the checkpoint root, or one naming the older step 1 (a crash between the
+    commit of step 2 and the update of `latest`): verify and load use the newest committed checkpoint.
+    Negative control: with step 2 gone, step 1 is taken."""
     import os
 
     root = tmp_path / "ckpt"
@@ -313,16 +314,14 @@ def test_a_strange_latest_is_passed_over_for_the_newest_committed(tmp_path, kind
         os.mkfifo(latest)
     elif kind == "not utf-8":
         latest.write_bytes(b"\xff\xfe step")
-    else:
+    elif kind == "outside the root":
         latest.write_text("../other/step_000009\n")
+    else:
+        latest.write_text("step_000001\n")
     assert verify_checkpoint(root) == root / "step_000002"
     model, opt, cursor = _setup()
     assert load_checkpoint(root, model=model, optimizer=opt, data_cursor=cursor).step == 2
-    if kind != "directory":
-        latest.unlink()
-    else:
-        latest.rmdir()
-    latest.write_text("step_000001\n")
+    shutil.rmtree(root / "step_000002")
     assert verify_checkpoint(root) == root / "step_000001"
 
 

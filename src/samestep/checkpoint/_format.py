@@ -9,10 +9,14 @@
         state.json                 optimizer/scheduler/cursor skeletons, config, environment, extra
         rank_00000.safetensors     per-rank RNG tensors (never deduplicated across ranks)
         rank_00000.json            per-rank RNG metadata
-      latest                       names the newest committed checkpoint; written last
+      latest                       names the newest committed checkpoint; written last, for people and
+                                   tools: loaders take the newest committed step_NNNNNN
+      superseded/step_000200/      a checkpoint of a later step than one saved after it (a line of
+                                   training the run left by loading an earlier checkpoint); never loaded
 
 A checkpoint directory appears under its final name only by an atomic rename, after every file and
-the manifest are fsync'ed, so a crash at any instant leaves only committed checkpoints named.
+the manifest are fsync'ed, and leaves it (pruned) by a rename to a hidden name before it is deleted, so
+a crash at any instant leaves only complete, committed checkpoints named.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ FORMAT = "samestep.checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
+SUPERSEDED = "superseded"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +17,6 @@ from samestep import rng as _rng
 from samestep._state import sha256_tensor, unflatten
 from samestep.checkpoint._format import (
     FORMAT,
-    LATEST,
     MANIFEST,
     STEP_DIR,
     VERSION,
@@ -143,32 +141,17 @@ def _check_state(path: Path, data: bytes) -> None:
 
 
 def _candidates(path: Path) -> list[Path]:
-    """The checkpoint directories to try, best first: ``latest``, then every committed one, newest first."""
+    """The checkpoint directories to try, best first: every committed one, newest first. ``latest`` is
+    not read: a crash between a commit and its update leaves it naming an older checkpoint, and a save
+    moves later steps aside (save._supersede), so the newest committed step is the newest save."""
     if (path / MANIFEST).exists() or STEP_DIR.match(path.name):
         return [path]
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint or checkpoints directory")
-    order: list[Path] = []
-    named = _latest(path / LATEST)
-    if named is not None:
-        order.append(path / named)
-    order += [p for _, p in committed_steps(path) if p not in order]
+    order = [p for _, p in committed_steps(path)]
     if not order:
         raise CheckpointError(f"{path}: holds no committed checkpoint (no step_NNNNNN directory)")
     return order
-
-
-def _latest(latest: Path) -> str | None:
-    """The step directory that ``latest`` names, or None if it names none: a missing or unreadable file, a
-    directory or a FIFO (never opened: reading one would hang), not UTF-8, or a name that is no
-    ``step_NNNNNN`` of this root (a path elsewhere); then the newest committed checkpoint is used."""
-    try:
-        if not stat.S_ISREG(latest.lstat().st_mode):
-            return None
-        text = latest.read_bytes()[:64].decode("utf-8").strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    return text if STEP_DIR.match(text) else None
 
 
 def verify_checkpoint(path: str | os.PathLike[str]) -> Path:
@@ -199,7 +182,7 @@ def load_checkpoint(
     """Verifies a checkpoint, then restores it into the given objects.
 
     Args:
-        path: a step directory, or a checkpoints root (its ``latest``, else its newest).
+        path: a step directory, or a checkpoints root (its newest committed checkpoint).
         model, optimizer, scheduler, data_cursor: restored in place from their saved ``state_dict()``.
         fallback: if the newest checkpoint is corrupt, warn and use the newest intact one.
         strict_env: a different environment fingerprint is an error instead of a warning.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ from samestep.checkpoint._format import (
     FORMAT,
     LATEST,
     MANIFEST,
+    SUPERSEDED,
     VERSION,
     CheckpointError,
     committed_steps,
@@ -84,7 +86,9 @@ def save_checkpoint(
 
     Every rank of a process group calls it together (model and optimizer are written by rank 0;
     each rank writes its own RNG state). The checkpoint becomes visible under ``ROOT/step_NNNNNN``
-    only once complete, then ``ROOT/latest`` is updated.
+    only once complete, then ``ROOT/latest`` is updated. Checkpoints of later steps (from a line of
+    training the run left by loading an earlier one) are moved to ``ROOT/superseded/``, so the newest
+    committed step, which loaders take, is always the newest save.
 
     Args:
         root: the checkpoints directory (``RUN/checkpoints``).
@@ -129,21 +133,58 @@ def save_checkpoint(
         for r in range(world):
             for name in rank_names(r):
                 files[name] = _file_entry((tmp / name).read_bytes())
+        _supersede(root, step)
         _commit(root, tmp, final, {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
                                    "files": dict(sorted(files.items()))})
         if keep is not None:
             for _, path in committed_steps(root)[max(keep, 1):]:
-                shutil.rmtree(path)
+                _prune(root, path)
     barrier()
     return final
 
 
 def _fresh_dir(root: Path, tmp: Path) -> None:
-    """An empty directory to write the checkpoint into, under a name no loader reads."""
+    """An empty directory to write the checkpoint into, under a name no loader reads; what a crash left
+    (a temporary or a half-pruned directory: never named ``step_*``) goes first."""
     root.mkdir(parents=True, exist_ok=True)
-    if tmp.exists():  # left by a crash mid-save: never named, safe to discard
-        shutil.rmtree(tmp)
+    for left in [tmp, *root.glob(".step_*.prune")]:
+        if left.exists():
+            shutil.rmtree(left)
     tmp.mkdir()
+
+
+def _prune(root: Path, path: Path) -> None:
+    """Removes an old checkpoint so that a crash at any instant leaves it whole or unnamed: renamed out of
+    the ``step_*`` names first. A symbolic link is removed as a name only: what it points at is not
+    this root's to delete."""
+    if path.is_symlink():
+        path.unlink()
+        fsync_dir(root)
+        return
+    gone = root / f".{path.name}.prune"
+    os.replace(path, gone)
+    fsync_dir(root)
+    shutil.rmtree(gone)
+
+
+def _supersede(root: Path, step: int) -> None:
+    """Moves checkpoints of later steps than the one being saved to ``ROOT/superseded/``: they belong to a
+    line of training this save abandons (the run went back to an earlier checkpoint), and loaders take
+    the newest committed step. Nothing is deleted."""
+    later = [p for s, p in committed_steps(root) if s > step]
+    if not later:
+        return
+    aside = root / SUPERSEDED
+    aside.mkdir(exist_ok=True)
+    for path in later:
+        target = aside / path.name
+        n = 1
+        while target.exists() or target.is_symlink():
+            target, n = aside / f"{path.name}.{n}", n + 1
+        os.replace(path, target)
+        warnings.warn(f"{path}: a later step than the checkpoint being saved ({step}), from a line of training "
+                      f"the run left; moved to {target}", RuntimeWarning, stacklevel=4)
+    fsync_dir(root)
 
 
 def _write_state(tmp: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,

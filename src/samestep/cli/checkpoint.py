@@ -17,7 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     v = verbs.add_parser("verify", help="check every file and tensor digest (exit 0 intact, 1 corrupt)")
-    v.add_argument("path", help="a step_NNNNNN directory, or a checkpoints directory (checks its latest)")
+    v.add_argument("path", help="a step_NNNNNN directory, or a checkpoints directory (checks its newest committed one)")
     v.add_argument("--json", action="store_true", help="print JSON")
     v.set_defaults(run=run, subparser=v)
 

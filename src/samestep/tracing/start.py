@@ -7,7 +7,9 @@ from pathlib import Path
 from samestep.env import compare_environments, environment
 from samestep.mode import active_report
 from samestep.rundir import (
+    RunLock,
     determinism_diff,
+    hold,
     new_run,
     read_run,
     record_close,
@@ -45,8 +47,12 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
         resume: continue the run that ``run_dir`` holds (after loading its checkpoint): the stream gets a
             new segment, and run.json a resume record with what differs from the run's start.
 
+    Rank 0 holds the run directory's lock (``.samestep.lock``) until the recorder closes, so a second
+    process tracing into it is refused.
+
     Raises:
         ValueError: ``run_dir`` already holds a traced run and ``resume`` is not set.
+        RunDirError: another live process is writing the run (a ValueError; it names its pid and host).
     """
     import torch.distributed as dist
 
@@ -58,21 +64,38 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
     if isinstance(ranks, str):
         ranks = parse_selection(ranks, "ranks")
     run_dir = Path(run_dir)
-    segments = stream_segments(run_dir, rank)
-    if segments and not resume:
-        raise ValueError(f"samestep.trace: {run_dir} already holds a trace ({segments[-1]}); pass resume=True to "
-                         "continue that run (after loading its checkpoint), or trace into a new run directory")
-    rec = Recorder(run_dir, level=level, steps=steps, ranks=ranks, rank=rank, perturb=perturb, copy=copy,
-                   worker=worker)
-    if rank == 0 and level != "off":
-        world = dist.get_world_size() if distributed else 1
-        if not (run_dir / "run.json").exists():
-            _describe_run(run_dir, level, steps, ranks, world)
-        elif resume:
-            _record_resume(run_dir, len(segments), world)
-        if read_run(run_dir).get("written_by") == "samestep.trace":
-            rec.on_close = lambda rec, segment=len(segments): _closed(rec, segment)
+    # one writer per run (rank 0 holds it until its recorder closes): a second job on the same directory
+    # is refused here, before it touches anything
+    lock = hold(run_dir) if rank == 0 and level != "off" and _own_loop_run(run_dir) else None
+    try:
+        segments = stream_segments(run_dir, rank)
+        if segments and not resume:
+            raise ValueError(f"samestep.trace: {run_dir} already holds a trace ({segments[-1]}); pass resume=True "
+                             "to continue that run (after loading its checkpoint), or trace into a new run "
+                             "directory")
+        rec = Recorder(run_dir, level=level, steps=steps, ranks=ranks, rank=rank, perturb=perturb, copy=copy,
+                       worker=worker)
+        if rank == 0 and level != "off":
+            world = dist.get_world_size() if distributed else 1
+            if not (run_dir / "run.json").exists():
+                _describe_run(run_dir, level, steps, ranks, world)
+            elif resume:
+                _record_resume(run_dir, len(segments), world)
+            if read_run(run_dir).get("written_by") == "samestep.trace":
+                rec.on_close = lambda rec, segment=len(segments): _closed(rec, segment, lock)
+    except BaseException:
+        if lock is not None:
+            lock.release()
+        raise
     return rec
+
+
+def _own_loop_run(run_dir: Path) -> bool:
+    """Whether ``run_dir`` is (or will be) a run of the user's own loop: ``samestep train`` holds the lock of
+    its own runs and records into them itself."""
+    if not (run_dir / "run.json").exists():
+        return True
+    return read_run(run_dir).get("written_by") == "samestep.trace"
 
 
 def _describe_run(run_dir: Path, level: str, steps: set[int] | None, ranks: set[int] | None, world: int) -> None:
@@ -100,7 +123,11 @@ def _record_resume(run_dir: Path, segment: int, world: int) -> None:
                                 doc.get("determinism"), report.to_dict() if report is not None else None))})
 
 
-def _closed(rec: Recorder, segment: int) -> None:
+def _closed(rec: Recorder, segment: int, lock: RunLock | None) -> None:
     """Rank 0's recorder closed: run.json records it (and a knob of deterministic mode that stopped
-    holding), so that certify can tell a finished trace from a killed or failed one."""
-    record_close(rec.run_dir, {"segment": segment, "failed_step": rec.failed_step}, rec.numerics_changed)
+    holding), so that certify can tell a finished trace from a killed or failed one; the run is free."""
+    try:
+        record_close(rec.run_dir, {"segment": segment, "failed_step": rec.failed_step}, rec.numerics_changed)
+    finally:
+        if lock is not None:
+            lock.release()
