@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from types import FrameType
 from typing import Any
 
@@ -25,6 +26,7 @@ __all__ = ["DEFAULT_SIGNALS", "EXIT_PREEMPTED", "StopRequest", "parse_signals"]
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with everything saved; a requeued job resumes
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
+DUPLICATE_S = 0.5  # the same signal again within this time is the same request, not a second one
 
 
 def parse_signals(text: str, what: str = "train.exit_signals") -> tuple[str, ...]:
@@ -45,21 +47,25 @@ def parse_signals(text: str, what: str = "train.exit_signals") -> tuple[str, ...
 class StopRequest:
     """While entered, the given signals ask the loop to stop at its next step boundary (``requested`` holds
     the first one's name); a second one restores the signal's default action and re-raises it, so the
-    process stops at once. Handlers are installed in the main thread only (elsewhere Python refuses them:
+    process stops at once. The same signal again within ``DUPLICATE_S`` is the first one delivered twice
+    (a scheduler that signals every process of a job, and a launcher that forwards it), not a second. Handlers are installed in the main thread only (elsewhere Python refuses them:
     then nothing is installed and ``requested`` stays None)."""
 
     def __init__(self, signals: tuple[str, ...] = DEFAULT_SIGNALS) -> None:
         self.signals = signals
         self.requested: str | None = None
+        self._at = 0.0
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
         if self.requested is None:
-            self.requested = name
+            self.requested, self._at = name, time.monotonic()
             print(f"samestep: {name}: finishing this step, saving, then stopping (send it again to stop now)",
                   file=sys.stderr, flush=True)
             return
+        if name == self.requested and time.monotonic() - self._at < DUPLICATE_S:
+            return  # the same request delivered twice (to every process of a job, and by a launcher)
         signal.signal(signum, signal.SIG_DFL)  # the second: the default action, now
         os.kill(os.getpid(), signum)
 

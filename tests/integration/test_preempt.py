@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -61,20 +62,48 @@ def test_sigterm_saves_the_step_and_resume_is_exact(tmp_path):
 
 
 def test_a_second_signal_stops_at_once(tmp_path):
-    """The first signal only asks for a stop (the loop goes on to its step boundary); the second restores
-    the default action and the process ends by that signal. Negative control: one signal alone leaves it
-    running to its own end."""
+    """The first signal only asks for a stop (the loop goes on to its step boundary); the second, a second
+    later, restores the default action and the process ends by that signal; the same signal twice at once
+    (a job's every process signalled, and a launcher forwarding it) is one request. Negative control: one
+    signal alone leaves it running to its own end."""
     script = ("import os, signal, sys, time\n"
               "from samestep.preempt import StopRequest\n"
               "with StopRequest(('SIGTERM',)) as stop:\n"
               "    os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    if sys.argv[1] == 'duplicated':\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
               "    time.sleep(0.2)\n"
               "    print(stop.requested, flush=True)\n"
               "    if sys.argv[1] == 'twice':\n"
+              "        time.sleep(1)\n"
               "        os.kill(os.getpid(), signal.SIGTERM)\n"
               "        time.sleep(5)\n"
               "print('ended by itself', flush=True)\n")
-    once = subprocess.run([sys.executable, "-c", script, "once"], capture_output=True, text=True, timeout=60)
-    assert once.returncode == 0 and once.stdout.split() == ["SIGTERM", "ended", "by", "itself"]
+    for how in ("once", "duplicated"):
+        once = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=60)
+        assert once.returncode == 0 and once.stdout.split() == ["SIGTERM", "ended", "by", "itself"]
     twice = subprocess.run([sys.executable, "-c", script, "twice"], capture_output=True, text=True, timeout=60)
     assert twice.returncode == -signal.SIGTERM and twice.stdout.split() == ["SIGTERM"]
+
+
+def test_two_processes_stop_as_one_job_with_exit_75_and_resume_exact(tmp_path):
+    """`samestep train --nproc 2` signalled as a scheduler or a terminal does (SIGTERM to the launcher's
+    whole process group): both processes finish the same step and save it, the job exits 75 (torchrun
+    would make it 1), and --resume on 2 processes ends with the one-process run's final digest and
+    metrics bytes."""
+    reference = run_train(tmp_path / "reference", *LONG)
+    run = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(run, *LONG, nproc=2), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and _last_step(run) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, "the run ended before it could be signalled"
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
+    step = _last_step(run)
+    assert 3 <= step < 120 and f"stopped by SIGTERM after step {step}, with a checkpoint" in err
+    final = run_train(run, *LONG, resume=True, nproc=2)
+    assert final["state_digest"] == reference["state_digest"]
+    assert metrics_bytes(run) == metrics_bytes(tmp_path / "reference")

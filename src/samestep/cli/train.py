@@ -1,11 +1,10 @@
-"""``samestep train``: the reference GPT pretraining run (single process, or torchrun with --nproc)."""
+"""``samestep train``: the reference GPT pretraining run (one process, --nproc processes, or under torchrun)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import subprocess
 import sys
 
 from samestep.checkpoint import CheckpointError
@@ -27,7 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--config", help="a TOML file with [train], [model], [data], [determinism] sections")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable)")
-    p.add_argument("--nproc", type=int, default=1, help="data-parallel processes (launches torchrun)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="data-parallel processes on this machine, run as one job (signals forwarded, exit 75 "
+                        "when preempted)")
     p.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
     p.add_argument("--stop-after", type=int, metavar="STEPS",
                    help="leave after this many steps (with a checkpoint); continue later with --resume")
@@ -35,17 +36,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(run=run, subparser=p)
 
 
-def _launch(args: argparse.Namespace, threads: int) -> int:
-    """Re-runs this command under torchrun with ``--nproc`` processes on this machine."""
+def _launch(args: argparse.Namespace, threads: int, signals: tuple[str, ...]) -> int:
+    """Re-runs this command as ``--nproc`` processes on this machine (see launch.py)."""
+    from samestep.cli.launch import launch
+
     rest = ["train", "--run-dir", args.run_dir, *(["--config", args.config] if args.config else []),
             *[x for s in args.set for x in ("--set", s)], *(["--resume"] if args.resume else []),
             *(["--stop-after", str(args.stop_after)] if args.stop_after else []),
             *(["--json"] if args.json else [])]
-    # torchrun would otherwise set OMP_NUM_THREADS=1 with a warning; the run pins its own count.
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
-           "-m", "samestep", *rest]
-    return subprocess.call(cmd, env=env)
+    return launch(rest, args.nproc, threads, signals)
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -59,9 +58,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"--nproc={args.nproc} must be at least 1")
     if args.stop_after is not None and args.stop_after < 1:
         parser.error(f"--stop-after={args.stop_after} must be at least 1")
+    from samestep.preempt import EXIT_PREEMPTED, parse_signals
+
     if args.nproc > 1:
-        return _launch(args, cfg.determinism.threads)
-    from samestep.preempt import EXIT_PREEMPTED
+        return _launch(args, cfg.determinism.threads, parse_signals(cfg.train.exit_signals))
     from samestep.train.loop import Preempted
 
     try:

@@ -1,0 +1,91 @@
+"""``samestep train --nproc N``: N processes on this machine, started, signalled and ended as one job.
+
+The launcher sets the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT) and starts each process in a session of its own, so a signal reaches a process
+once, from the launcher: a scheduler's SIGTERM or a Ctrl-C is forwarded, every process finishes its step
+and saves, and the job exits with the processes' own code (75 when preempted, see samestep.preempt). It
+waits for them as long as they take: the scheduler's kill is the deadline, not a launcher's timeout. A
+process that fails takes the others down after ``GRACE_S`` (they would wait in a collective for ever),
+and its code is the job's.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from types import FrameType
+
+from samestep.preempt import EXIT_PREEMPTED
+
+__all__ = ["GRACE_S", "launch"]
+
+GRACE_S = 10.0
+FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP")  # always passed on, besides the run's exit signals
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _code(returncode: int) -> int:
+    """A process's exit status as a shell reports it (a signal N is 128 + N)."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def launch(argv: list[str], nproc: int, threads: int, signals: tuple[str, ...]) -> int:
+    """Runs ``python -m samestep *argv`` as ``nproc`` processes of one job; returns the job's exit code: the
+    first failing process's, else 75 if they stopped on a signal with a checkpoint, else 0."""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+    procs: list[subprocess.Popen] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        for name in dict.fromkeys((*FORWARDED, *signals)):
+            signum = getattr(signal, name)
+            previous[signum] = signal.signal(signum, forward)
+    try:
+        for rank in range(nproc):
+            procs.append(subprocess.Popen([sys.executable, "-m", "samestep", *argv], start_new_session=True,
+                                          env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+        return _wait(procs)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        for p in procs:  # only after a failure of the launcher itself
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def _wait(procs: list[subprocess.Popen]) -> int:
+    failed: int | None = None
+    deadline: float | None = None
+    while any(p.poll() is None for p in procs):
+        if failed is None:
+            bad = [p.returncode for p in procs if p.returncode not in (None, 0, EXIT_PREEMPTED)]
+            if bad:
+                failed, deadline = _code(bad[0]), time.monotonic() + GRACE_S
+        elif time.monotonic() > deadline:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+        time.sleep(0.05)
+    if failed is None:
+        bad = [p.returncode for p in procs if p.returncode not in (0, EXIT_PREEMPTED)]
+        failed = _code(bad[0]) if bad else None
+    if failed is not None:
+        return failed
+    return EXIT_PREEMPTED if any(p.returncode == EXIT_PREEMPTED for p in procs) else 0
