@@ -273,12 +273,22 @@ def write_final(run_dir: _PathLike, final: dict[str, Any]) -> None:
 
 
 def read_final(run_dir: _PathLike) -> dict[str, Any] | None:
-    """final.json, or None if the run has none (it did not finish) or it does not parse."""
+    """final.json, or None if the run has none (it did not finish).
+
+    Raises:
+        RunDirError: it is there but damaged: not JSON, not a table, or without a state digest string.
+    """
+    path = Path(run_dir) / "final.json"
     try:
-        doc = json.loads((Path(run_dir) / "final.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
         return None
-    return doc if isinstance(doc, dict) else None
+    except (OSError, ValueError) as e:
+        raise RunDirError(f"{path}: not readable JSON ({e}); the run's final record is damaged") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("state_digest"), str):
+        raise RunDirError(f"{path}: is {json.dumps(doc)[:60]}, expected a table with a 'state_digest' string; the "
+                          "run's final record is damaged")
+    return doc
 
 
 def final_digest(run_dir: _PathLike) -> str | None:

@@ -51,3 +51,21 @@ def test_trace_bench_times_the_recorder_calls(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     step = json.loads(proc.stdout)["trace_overhead"]["step"]
     assert step["recorder_calls_ms_per_step"] > 0 and 0 < step["recorder_calls_share"] < 0.5
+
+
+def test_fault_harness_finds_every_outcome_as_documented():
+    """`bench/bench_faults.py` in a short round (1 random SIGKILL, 1 SIGTERM, 1 pair of concurrent writers;
+    tests/integration/test_train.py kills saves at their filesystem operations) and the whole
+    malformed-input corpus:
+    every resume exact, no step lost beyond the checkpoint interval, every input refused as documented.
+    Negative control: a case that expects the wrong outcome (a flipped checkpoint byte called intact) is
+    caught by the same check."""
+    proc = subprocess.run([sys.executable, "bench/bench_faults.py", "--kills", "1", "--signals", "1", "--writers", "1",
+                           "--save-ops", "none", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["kills"]["exact"] == r["kills"]["trials"] == 1 and r["kills"]["lost_beyond_interval"] == 0
+    assert r["signals"] == {"trials": 1, "exit_75": 1, "steps_lost": 0, "exact": 1}
+    assert r["writers"] == {"trials": 1, "one_refused": 1, "refusal_one_line": 1, "exact": 1}
+    assert r["corpus"]["failures"] == [] and r["corpus"]["as_documented"] == r["corpus"]["cases"] >= 40
+    assert r["corpus"]["control_caught"]

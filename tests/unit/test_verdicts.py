@@ -235,3 +235,24 @@ def test_a_gap_in_the_metrics_refuses_the_resume(tmp_path):
     (run / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in (1, 2, 3, 4, 5)))
     truncate_metrics(run, 3)
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+
+
+def _metrics(run: Path, losses: dict[int, float]) -> None:
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss_hex": float(v).hex(), "grad_norm_hex": "0x1p+0"}) + "\n" for s, v in losses.items()))
+
+
+def test_metrics_are_compared_by_step_number_not_by_line(tmp_path, deterministic):
+    """Run B's metrics.jsonl lacks step 2 (a gap): diff names step 2 as missing from B, and still compares
+    step 3 with step 3 (same bits: no other difference is claimed). Negative control: B with all three
+    steps and step 3's loss one ULP off differs at step 3, in its loss."""
+    for name in ("a", "b", "c"):
+        _loop(tmp_path / name)
+    _metrics(tmp_path / "a", {1: 1.5, 2: 1.25, 3: 1.0})
+    _metrics(tmp_path / "b", {1: 1.5, 3: 1.0})
+    _metrics(tmp_path / "c", {1: 1.5, 2: 1.25, 3: float.fromhex("0x1.0000000000001p+0")})
+    gap = diff_runs(tmp_path / "a", tmp_path / "b")
+    assert gap["metrics"] == {"step": 2, "fields": ["missing"], "a": {"has_step": True}, "b": {"has_step": False}}
+    assert not gap["identical"] and gap["first_divergent_step"] == 2 and gap["compared"]["metric_steps"] == 2
+    ulp = diff_runs(tmp_path / "a", tmp_path / "c")
+    assert ulp["metrics"]["step"] == 3 and ulp["metrics"]["fields"] == ["loss_hex"]

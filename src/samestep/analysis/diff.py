@@ -11,7 +11,6 @@ compared across ranks.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,11 +23,11 @@ from samestep._state import dotted
 from samestep.env import compare_environments
 from samestep.rundir import NUMERICS_NEUTRAL, RunDirError, determinism_diff, final_digest, read_metrics, read_run
 from samestep.tracing.selection import LEVELS, format_selection, parse_selection
-from samestep.tracing.stream import KEY, SCHEMA, iter_stream, stream_segments, traced_ranks
+from samestep.analysis.records import chunks, records, steps_recorded
+from samestep.tracing.stream import KEY, traced_ranks
 
 __all__ = ["DiffError", "Divergence", "diff_runs", "load_metrics", "load_run"]
 
-CHUNK = 65_536
 # Config fields not compared: those that change no bit of the steps (invariant 3 for trace.*; bookkeeping for
 # the rest), and trace.perturb, since a planted perturbation is what a diff is run to find.
 IGNORED_CONFIG = NUMERICS_NEUTRAL | {"trace.perturb"}
@@ -89,72 +88,21 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
 
 
 def _first_metric_difference(a: list[dict], b: list[dict], steps: set[int] | None) -> dict[str, Any] | None:
-    for ra, rb in zip(a, b):
-        if steps is not None and ra["step"] not in steps:
+    """The first step, by step number, whose loss or grad-norm bits differ, or that one run has and the
+    other lacks (``fields`` ["missing"]: a run that stopped earlier, or a gap)."""
+    rows_a, rows_b = ({r["step"]: r for r in rows} for rows in (a, b))
+    for step in sorted(set(rows_a) | set(rows_b)):
+        if steps is not None and step not in steps:
             continue
+        ra, rb = rows_a.get(step), rows_b.get(step)
+        if ra is None or rb is None:
+            return {"step": step, "fields": ["missing"], "a": {"has_step": ra is not None},
+                    "b": {"has_step": rb is not None}}
         fields = [f for f in ("loss_hex", "grad_norm_hex") if ra.get(f) != rb.get(f)]
-        if fields or ra.get("step") != rb.get("step"):
-            return {"step": ra["step"], "fields": fields or ["step"],
-                    "a": {f: ra.get(f) for f in fields}, "b": {f: rb.get(f) for f in fields}}
-    if len(a) != len(b):
-        return {"step": min(len(a), len(b)) + 1, "fields": ["length"], "a": {"steps": len(a)}, "b": {"steps": len(b)}}
+        if fields:
+            return {"step": step, "fields": fields, "a": {f: ra.get(f) for f in fields},
+                    "b": {f: rb.get(f) for f in fields}}
     return None
-
-
-# The records a stream traced at a higher level holds beyond a lower level's: kept are step records (phase
-# "step") at step level, and module records too at module level.
-_MODULE_OPS = pa.array(["output", "grad_output"])
-
-
-def _level_mask(batch: pa.RecordBatch, level: str) -> pa.Array:
-    at_step = pc.equal(batch.column("phase"), "step")
-    return at_step if level == "step" else pc.or_(at_step, pc.is_in(batch.column("op"), value_set=_MODULE_OPS))
-
-
-def _records(run: Path, rank: int, steps: set[int] | None, torn: list[str],
-             level: str | None = None) -> Iterator[pa.RecordBatch]:
-    """A rank's records over all its segments; steps re-run after a resume come from the later segment.
-    ``level``: only the records a run traced at that (lower) level has."""
-    segments = stream_segments(run, rank)
-    firsts: list[int | None] = []
-    for seg in segments:
-        _, batches, _ = iter_stream(seg)
-        first = next(batches, None)
-        firsts.append(int(first.column(1)[0].as_py()) if first is not None and first.num_rows else None)
-    for i, seg in enumerate(segments):
-        later = [f for f in firsts[i + 1:] if f is not None]
-        cutoff = min(later) if later else None
-        _, batches, seg_torn = iter_stream(seg)
-        for batch in batches:
-            mask = None
-            if cutoff is not None:
-                mask = pc.less(batch.column(1), cutoff)
-            if steps is not None:
-                sel = pc.is_in(batch.column(1), value_set=pa.array(sorted(steps), pa.int32()))
-                mask = sel if mask is None else pc.and_(mask, sel)
-            if level is not None:
-                sel = _level_mask(batch, level)
-                mask = sel if mask is None else pc.and_(mask, sel)
-            yield batch if mask is None else batch.filter(mask)
-        torn.extend(f"{seg}: {t}" for t in seg_torn)
-
-
-def _chunks(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.Table]:
-    """Re-cuts a batch stream into tables of CHUNK rows (the last may be shorter)."""
-    pending: list[pa.RecordBatch] = []
-    n = 0
-    for b in batches:
-        if not b.num_rows:
-            continue
-        pending.append(b)
-        n += b.num_rows
-        while n >= CHUNK:
-            table = pa.Table.from_batches(pending, schema=SCHEMA).combine_chunks()
-            yield table.slice(0, CHUNK)
-            rest = table.slice(CHUNK)
-            pending, n = (rest.to_batches() if rest.num_rows else []), rest.num_rows
-    if n:
-        yield pa.Table.from_batches(pending, schema=SCHEMA).combine_chunks()
 
 
 def _first_false(mask: pa.ChunkedArray | pa.Array) -> int | None:
@@ -197,26 +145,18 @@ def _classify(rank: int, a: pa.Table, b: pa.Table, i: int, differing: int) -> Di
     return Divergence(rank=rank, kind="origin" if matched else "receiver", inputs_matched=matched, note=note, **row)
 
 
-def _steps_recorded(run: Path, rank: int, steps: set[int] | None, level: str | None) -> set[int]:
-    """The steps of which a rank's stream holds records (within ``steps``, at ``level``)."""
-    found: set[int] = set()
-    for batch in _records(run, rank, steps, [], level):
-        found.update(pc.unique(batch.column(1)).to_pylist())
-    return found
-
-
 def _compare_rank(run_a: Path, run_b: Path, rank: int, steps: set[int] | None,
                   levels: tuple[str | None, str | None] = (None, None)) -> _RankResult:
     """``levels``: the level to cut run A's and run B's records down to (None: all of them). Steps that
     one run's stream holds and the other's does not are reported as missing (``res.missing``), and the
     streams compared on the steps both hold: a lost step is not a difference of code paths."""
     res = _RankResult(rank)
-    have_a, have_b = (_steps_recorded(run, rank, steps, level) for run, level in ((run_a, levels[0]), (run_b, levels[1])))
+    have_a, have_b = (steps_recorded(run, rank, steps, level) for run, level in ((run_a, levels[0]), (run_b, levels[1])))
     if have_a != have_b:
         res.missing = {"A": sorted(have_b - have_a), "B": sorted(have_a - have_b)}
         steps = have_a & have_b
-    chunks_a = _chunks(_records(run_a, rank, steps, res.torn, levels[0]))
-    chunks_b = _chunks(_records(run_b, rank, steps, res.torn, levels[1]))
+    chunks_a = chunks(records(run_a, rank, steps, res.torn, levels[0]))
+    chunks_b = chunks(records(run_b, rank, steps, res.torn, levels[1]))
     while True:
         a, b = next(chunks_a, None), next(chunks_b, None)
         if a is None or b is None:
@@ -309,7 +249,8 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
                         f"{format_selection(r['step'] for r in metrics_a) or 'none'}, B: "
                         f"{format_selection(r['step'] for r in metrics_b) or 'none'}); choose steps the runs have")
     metric_diff = _first_metric_difference(metrics_a, metrics_b, steps)
-    metric_steps = sum(1 for ra, rb in zip(metrics_a, metrics_b) if steps is None or ra.get("step") in steps)
+    both = {r["step"] for r in metrics_a} & {r["step"] for r in metrics_b}
+    metric_steps = sum(1 for step in both if steps is None or step in steps)
     finals = [final_digest(run_a), final_digest(run_b)]
     final_compared = None not in finals and steps is None
     final_differs = final_compared and finals[0] != finals[1]

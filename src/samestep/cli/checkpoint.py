@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     path = Path(args.path)
     if not path.exists():
-        parser.error(f"{path} does not exist")
+        parser.exit(2, f"samestep checkpoint verify: error: {path} does not exist\n")
     if (path / "run.json").is_file() and (path / "checkpoints").is_dir():
         path = path / "checkpoints"  # a run directory: its checkpoints
     try:

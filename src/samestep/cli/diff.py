@@ -25,17 +25,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from samestep.analysis import DiffError, diff_runs
+    from samestep.analysis import diff_runs
     from samestep.tracing.selection import parse_selection
 
     try:
         ranks = parse_selection(args.ranks, "--ranks")
         steps = parse_selection(args.steps, "--steps")
         report = diff_runs(args.run_a, args.run_b, ranks=ranks, steps=steps, force=args.force)
-    except DiffError as e:
+    except ValueError as e:  # a DiffError, a damaged run file (RunDirError), a bad --ranks or --steps
         parser.exit(2, f"samestep diff: error: {e}\n")
-    except ValueError as e:
-        parser.error(str(e))
     if args.json:
         print(json.dumps(report))
     else:

@@ -47,17 +47,23 @@ def _launch(args: argparse.Namespace, threads: int, signals: tuple[str, ...]) ->
     return launch(rest, args.nproc, threads, signals)
 
 
+def _refuse(message: str) -> int:
+    """Bad input: one line naming it (the usage text would bury it), exit 2."""
+    print(f"samestep train: error: {message}", file=sys.stderr)
+    return 2
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from samestep.train import load_config, train
 
     try:
         cfg = load_config(args.config, args.set)
     except ValueError as e:
-        parser.error(str(e))
+        return _refuse(str(e))
     if args.nproc < 1:
-        parser.error(f"--nproc={args.nproc} must be at least 1")
+        return _refuse(f"--nproc={args.nproc} must be at least 1")
     if args.stop_after is not None and args.stop_after < 1:
-        parser.error(f"--stop-after={args.stop_after} must be at least 1")
+        return _refuse(f"--stop-after={args.stop_after} must be at least 1")
     from samestep.preempt import EXIT_PREEMPTED, parse_signals
 
     if args.nproc > 1:

@@ -1,0 +1,276 @@
+"""Fault harness: kills, crashes, signals, concurrent writers and malformed input, counted.
+
+    .venv/bin/python bench/bench_faults.py [--kills 10] [--signals 4] [--save-ops all] [--json]
+
+Every trial runs `samestep train` in fresh processes on a small config and checks the outcome against an
+uninterrupted reference run, bit for bit (final state digest and metrics.jsonl bytes):
+  kills     SIGKILL at a random instant (after a random step, at a random delay), then --resume
+  save ops  SIGKILL at each filesystem operation of a checkpoint save, in turn, then --resume
+  signals   SIGTERM at a random instant: exit 75 with the step it was in saved, then --resume
+  writers   two trainers started at once on one run directory: one refused (exit 2, one line), the
+            other finishes the run
+  corpus    malformed files and settings given to each command: the documented exit code, one line
+            naming the problem on stderr, no traceback
+A trial fails if a resume is not exact, a step is lost beyond the checkpoint interval (a SIGKILL loses
+at most the steps since the last committed checkpoint; a signal loses none), or an outcome differs from
+the documented one. The counts go to docs/performance.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+from fault_corpus import CASES, run_case  # noqa: E402
+
+SMALL = ("train.device=cpu", "train.global_batch=8", "train.micro_batch=2", "train.warmup_steps=2", "model.n_layer=2",
+         "model.n_head=2", "model.n_embd=32", "model.block_size=32", "trace.level=step")
+EVERY = 2
+RUN = (*SMALL, "train.steps=8", f"train.checkpoint_every={EVERY}")
+LONG = (*SMALL, "train.steps=60", "train.checkpoint_every=1000")
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+
+
+def _cmd(run: Path, settings: tuple[str, ...], *extra: str) -> list[str]:
+    return [sys.executable, "-m", "samestep", "train", "--run-dir", str(run),
+            *[x for s in settings for x in ("--set", s)], *extra]
+
+
+def _last_step(run: Path) -> int:
+    try:
+        lines = (run / "metrics.jsonl").read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    for line in reversed(lines):
+        try:
+            return json.loads(line)["step"]
+        except (ValueError, KeyError):
+            continue
+    return 0
+
+
+def _outcome(run: Path) -> tuple[str | None, bytes]:
+    try:
+        final = json.loads((run / "final.json").read_text())["state_digest"]
+    except FileNotFoundError:
+        final = None
+    return final, (run / "metrics.jsonl").read_bytes()
+
+
+def _resume(run: Path, settings: tuple[str, ...]) -> tuple[int, int | None]:
+    """Resumes a run to its end; the exit code and the step it resumed from."""
+    proc = subprocess.run(_cmd(run, settings, "--resume"), capture_output=True, text=True, timeout=600, env=_env())
+    resumes = json.loads((run / "run.json").read_text()).get("resumes", []) if (run / "run.json").exists() else []
+    return proc.returncode, (resumes[-1]["step"] if resumes else 0)
+
+
+def _signal_after(run: Path, settings: tuple[str, ...], step: int, delay: float, sig: int) -> tuple[int, int]:
+    """Starts a run and sends ``sig`` once it has logged ``step`` and ``delay`` more seconds have passed;
+    its exit code and the last step it had logged then."""
+    proc = subprocess.Popen(_cmd(run, settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and _last_step(run) < step and time.monotonic() < deadline:
+        time.sleep(0.002)
+    time.sleep(delay)
+    logged = _last_step(run)
+    if proc.poll() is None:
+        proc.send_signal(sig)
+    proc.communicate(timeout=600)
+    return proc.returncode, logged
+
+
+def kills(work: Path, reference: tuple, trials: int, rng: random.Random) -> dict:
+    out = {"trials": 0, "exact": 0, "max_steps_lost": 0, "lost_beyond_interval": 0, "killed_before_end": 0}
+    for i in range(trials):
+        run = work / f"kill_{i}"
+        code, logged = _signal_after(run, RUN, rng.randint(0, 7), rng.uniform(0, 0.08), signal.SIGKILL)
+        out["trials"] += 1
+        out["killed_before_end"] += code == -signal.SIGKILL
+        rc, resumed_from = _resume(run, RUN)
+        lost = max(logged - (resumed_from or 0), 0) if code == -signal.SIGKILL else 0
+        out["max_steps_lost"] = max(out["max_steps_lost"], lost)
+        out["lost_beyond_interval"] += lost > EVERY
+        out["exact"] += rc == 0 and _outcome(run) == reference
+    return out
+
+
+_SAVE_OPS = textwrap.dedent("""
+    import os, shutil, signal, sys
+    import samestep.checkpoint._format as fmt
+    import samestep.checkpoint.save as save_mod
+    import samestep.durable as durable
+    from samestep.train import loop
+    target, at_step, count, saving = int(sys.argv[1]), int(sys.argv[2]), [0], [False]
+
+    def wrap(owner, name):
+        real = getattr(owner, name)
+        def op(*a, **k):
+            if saving[0]:
+                count[0] += 1
+                if count[0] == target:
+                    os.kill(os.getpid(), signal.SIGKILL)
+            return real(*a, **k)
+        setattr(owner, name, op)
+
+    for owner, name in ((save_mod, "write_durable"), (fmt, "write_durable"), (save_mod, "fsync_dir"),
+                        (save_mod, "replace_atomic"), (os, "replace"), (shutil, "rmtree"), (os, "mkdir")):
+        wrap(owner, name)
+    real_save = loop.save_checkpoint
+
+    def save(root, step, **kw):
+        saving[0] = step == at_step
+        try:
+            return real_save(root, step, **kw)
+        finally:
+            saving[0] = False
+    loop.save_checkpoint = save
+    from samestep.cli import main
+    code = main(sys.argv[3:])
+    print(f"ops={count[0]}", file=sys.stderr)
+    sys.exit(code)
+""")
+
+
+def save_ops(work: Path, reference: tuple, which: str) -> dict:
+    """SIGKILL at the k-th filesystem operation of the save of step 4 (of 8, a save every 2 steps, the
+    oldest pruned: keep 1), for each k; then --resume."""
+    settings = (*RUN, "train.keep_checkpoints=1")
+    args = ["train", "--run-dir"]
+
+    def child(run: Path, target: int) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _SAVE_OPS, str(target), "4", *args, str(run),
+                               *[x for s in settings for x in ("--set", s)]],
+                              capture_output=True, text=True, timeout=600, env=_env())
+
+    counted = child(work / "ops_count", 0)
+    n = int(counted.stderr.strip().splitlines()[-1].split("=")[1])
+    ks = list(range(1, n + 1)) if which == "all" else sorted({1, (n + 1) // 2, n})
+    out = {"operations": n, "trials": 0, "killed": 0, "exact": 0, "verify_ok": 0}
+    for k in ks:
+        run = work / f"op_{k}"
+        proc = child(run, k)
+        out["trials"] += 1
+        out["killed"] += proc.returncode == -signal.SIGKILL
+        verify = subprocess.run([sys.executable, "-m", "samestep", "checkpoint", "verify", str(run / "checkpoints")],
+                                capture_output=True, text=True, timeout=600, env=_env())
+        out["verify_ok"] += verify.returncode == 0
+        rc, _ = _resume(run, settings)
+        out["exact"] += rc == 0 and _outcome(run) == reference
+    return out
+
+
+def signals(work: Path, reference: tuple, trials: int, rng: random.Random) -> dict:
+    out = {"trials": 0, "exit_75": 0, "steps_lost": 0, "exact": 0}
+    for i in range(trials):
+        run = work / f"sig_{i}"
+        code, _ = _signal_after(run, LONG, rng.randint(1, 40), rng.uniform(0, 0.08), signal.SIGTERM)
+        out["trials"] += 1
+        out["exit_75"] += code == 75
+        saved = (run / "checkpoints" / "latest").read_text().strip() if (run / "checkpoints" / "latest").exists() else ""
+        out["steps_lost"] += max(_last_step(run) - (int(saved[5:]) if saved else 0), 0)
+        rc, _ = _resume(run, LONG)
+        out["exact"] += rc == 0 and _outcome(run) == reference
+    return out
+
+
+def writers(work: Path, reference: tuple, trials: int) -> dict:
+    out = {"trials": 0, "one_refused": 0, "refusal_one_line": 0, "exact": 0}
+    for i in range(trials):
+        run = work / f"writers_{i}"
+        procs = [subprocess.Popen(_cmd(run, LONG, "--resume"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True, env=_env()) for _ in range(2)]
+        results = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
+        codes = sorted(c for c, _ in results)
+        out["trials"] += 1
+        out["one_refused"] += codes == [0, 2]
+        refusal = [err for c, err in results if c == 2]
+        out["refusal_one_line"] += bool(refusal) and len(refusal[0].strip().splitlines()) == 1 and "in use by pid" in \
+            refusal[0]
+        out["exact"] += _outcome(run) == reference
+    return out
+
+
+def corpus(work: Path, reference_run: Path) -> dict:
+    """Every case of the corpus; and a control: a case expecting the wrong outcome (a flipped checkpoint byte
+    called intact) must be caught, or the check could not fail."""
+    out = {"cases": 0, "as_documented": 0, "failures": []}
+    with ThreadPoolExecutor(max_workers=2) as pool:  # each case is a process of its own
+        outcomes = list(pool.map(lambda case: run_case(case, work, reference_run, RUN, _env()), CASES))
+    for case, (ok, why) in zip(CASES, outcomes):
+        out["cases"] += 1
+        out["as_documented"] += ok
+        if not ok:
+            out["failures"].append(f"{case.name}: {why}")
+    wrong = next(c for c in CASES if c.name == "a flipped bit in model.safetensors")
+    out["control_caught"] = not run_case(replace(wrong, name="control", code=0), work, reference_run, RUN, _env())[0]
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--kills", type=int, default=10)
+    ap.add_argument("--signals", type=int, default=4)
+    ap.add_argument("--writers", type=int, default=2)
+    ap.add_argument("--save-ops", choices=["all", "some", "none"], default="all")
+    ap.add_argument("--corpus", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    with tempfile.TemporaryDirectory(prefix="samestep-faults-") as tmp:
+        work = Path(tmp)
+        for name, settings in (("reference", RUN), ("reference_long", LONG)):
+            subprocess.run(_cmd(work / name, settings), check=True, capture_output=True, timeout=600, env=_env())
+        reference, reference_long = _outcome(work / "reference"), _outcome(work / "reference_long")
+        result = {"kills": kills(work, reference, args.kills, rng)}
+        if args.save_ops != "none":
+            result["save_ops"] = save_ops(work, reference, args.save_ops)
+        result["signals"] = signals(work, reference_long, args.signals, rng)
+        result["writers"] = writers(work, reference_long, args.writers)
+        if args.corpus:
+            result["corpus"] = corpus(work, work / "reference")
+        shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for name, counts in result.items():
+            print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in counts.items() if k != "failures"))
+            for failure in counts.get("failures", []):
+                print(f"  FAILED {failure}")
+    return 0 if _all_good(result) else 1
+
+
+def _all_good(r: dict) -> bool:
+    """Zero wrong outcomes: every resume exact, no step lost beyond the interval, every signal a 75 with
+    nothing lost, one writer refused each time, every corpus case as documented and the control caught."""
+    k, s, w = r["kills"], r["signals"], r["writers"]
+    ok = k["exact"] == k["trials"] and not k["lost_beyond_interval"]
+    ok &= s["exact"] == s["exit_75"] == s["trials"] and not s["steps_lost"]
+    ok &= w["exact"] == w["one_refused"] == w["refusal_one_line"] == w["trials"]
+    if "save_ops" in r:
+        o = r["save_ops"]
+        ok &= o["exact"] == o["killed"] == o["verify_ok"] == o["trials"]
+    if "corpus" in r:
+        ok &= not r["corpus"]["failures"] and r["corpus"]["control_caught"]
+    return bool(ok)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
