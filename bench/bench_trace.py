@@ -34,7 +34,7 @@ import samestep
 from samestep.analysis import diff_runs
 from samestep.data import load_corpus
 from samestep.digests.rows import lanes
-from samestep.tracing.stream import FORMAT, SCHEMA, VERSION, stream_path
+from samestep.tracing.stream import SCHEMA, StreamWriter, stream_path
 from samestep.train import load_config
 from samestep.train.loop import build
 
@@ -224,13 +224,11 @@ def worker_contention(rounds: int, steps: int = 4) -> dict:
 
 def _write_synthetic(run: Path, rank: int, n: int, flip_last: bool) -> None:
     """n records of one rank, written in 1M-record batches straight from numpy."""
-    path = stream_path(run, rank)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    schema = SCHEMA.with_metadata({"format": FORMAT, "version": str(VERSION), "meta": "{}"})
+    writer = StreamWriter(stream_path(run, rank), {})  # checksummed, as the recorder's streams are
     rng = np.random.default_rng(rank)
     ops = pa.array(["aten.mm.default", "aten.add.Tensor", "aten.gelu.default", "aten.native_layer_norm.default"])
     scopes = pa.array([f"transformer.h.{i}.mlp" for i in range(8)])
-    with open(path, "wb") as f, pa.ipc.new_stream(f, schema) as w:
+    try:
         for a in range(0, n, 1 << 20):
             m = min(1 << 20, n - a)
             idx = np.arange(a, a + m)
@@ -247,7 +245,9 @@ def _write_synthetic(run: Path, rank: int, n: int, flip_last: bool) -> None:
                     pa.DictionaryArray.from_arrays(pa.array(idx % 8, pa.int8()), scopes).cast(pa.string()),
                     pa.DictionaryArray.from_arrays(pa.array(idx % 4, pa.int8()), ops).cast(pa.string()),
                     pa.array(idx // 32 % 1000, pa.int32()), inputs.cast(pa.binary()), binary.cast(pa.binary())]
-            w.write_batch(pa.record_batch(cols, schema=SCHEMA))
+            writer.write(dict(zip(SCHEMA.names, cols)))
+    finally:
+        writer.close()
 
 
 def _run_json(run: Path, world: int) -> None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from samestep import numerics
+
 __all__ = ["ENV_VARS", "compare_environments", "environment"]
 
 # Environment variables that change numerics or the collective algorithm.
@@ -132,6 +134,7 @@ def environment() -> dict[str, Any]:
         "determinism.fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
         "python.byteorder": sys.byteorder,
     })
+    env.update({f"numerics.{name}": value for name, value in numerics.values().items()})
     for name in ENV_VARS:
         env[f"env.{name}"] = os.environ.get(name)
     return env

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from samestep import numerics
+
 __all__ = ["DeterminismReport", "Knob", "active_report", "available_threads", "current_knobs", "disable", "drifted",
            "enable", "is_enabled"]
 
@@ -102,7 +104,7 @@ def current_knobs() -> dict[str, Any]:
             "torch.backends.cudnn.benchmark": torch.backends.cudnn.benchmark,
             "torch.utils.deterministic.fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
             "torch.num_threads": torch.get_num_threads(),
-            "samestep.kernels": bool(_saved is not None and _saved.get("kernel_mode"))}
+            "samestep.kernels": bool(_saved is not None and _saved.get("kernel_mode")), **numerics.values()}
 
 
 def drifted(report: DeterminismReport) -> dict[str, tuple[Any, Any]]:
@@ -194,6 +196,7 @@ def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool
     problems: list[str] = []
     fixed_env: dict[str, str] = {}
     _check_env(problems, report, fixed_env)
+    problems += numerics.compiler_problems()
     if problems:
         if not warn_only:
             raise ValueError("samestep.enable() refused: " + " | ".join(problems))
@@ -209,6 +212,7 @@ def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool
         "cudnn_benchmark": torch.backends.cudnn.benchmark,
         "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
         "threads": torch.get_num_threads(),
+        "numerics": numerics.values(),
     }
 
     os.environ.update(fixed_env)
@@ -236,6 +240,7 @@ def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool
     torch.set_num_threads(threads)
     report.knobs.append(Knob("torch.num_threads", saved["threads"], threads,
                              "sums and layer-norm grads depend on the thread count"))
+    _pin_numerics(saved["numerics"], report)
     if kernels and saved.get("kernel_mode") is None:
         from samestep.ops.routing import KernelMode  # loaded only when asked for (kernels=True)
 
@@ -246,6 +251,13 @@ def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool
     saved["report"] = report  # the last enable()'s (samestep.trace records it in run.json)
     _saved = saved
     return report
+
+
+def _pin_numerics(before: dict[str, Any], report: DeterminismReport) -> None:
+    """Matmul precision, reduced-precision reductions, attention backends, the compiler (numerics.py)."""
+    for knob in numerics.KNOBS:
+        knob.set(knob.value)
+        report.knobs.append(Knob(knob.name, before[knob.name], knob.value, knob.why))
 
 
 def disable() -> None:
@@ -266,3 +278,5 @@ def disable() -> None:
     torch.backends.cudnn.benchmark = saved["cudnn_benchmark"]
     torch.utils.deterministic.fill_uninitialized_memory = saved["fill_uninitialized_memory"]
     torch.set_num_threads(saved["threads"])
+    for knob in reversed(numerics.KNOBS):  # matmul precision last: setting it sets allow_tf32 too
+        knob.set(saved["numerics"][knob.name])

@@ -117,3 +117,74 @@ def test_pinned_thread_count_is_what_makes_sums_repeat():
     one = _layer_norm_grad_and_sum(1)
     assert not torch.equal(one[0].view(torch.int32), a[0].view(torch.int32))
     assert not torch.equal(one[1].view(torch.int32), a[1].view(torch.int32))
+
+
+def test_matmul_precision_reductions_attention_and_compiler_are_pinned_recorded_and_restored(monkeypatch):
+    """enable() pins the knobs of bf16, TF32, fused attention and torch.compile (numerics.py): each
+    reported with its value before, in environment(), watched for drift; disable() puts back every value
+    a loop had, including the ones that are not PyTorch's defaults."""
+    from samestep import numerics
+
+    torch.set_float32_matmul_precision("high")  # sets allow_tf32 too
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.enable_cudnn_sdp(True)
+    torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(True)
+    before = numerics.values()
+    try:
+        report = samestep.enable(threads=1)
+        knobs = {k.name: k for k in report.knobs}
+        for knob in numerics.KNOBS:
+            assert knobs[knob.name].before == before[knob.name] and knobs[knob.name].after == knob.value
+            assert knob.get() == knob.value and samestep.environment()[f"numerics.{knob.name}"] == knob.value
+        torch.backends.cuda.matmul.allow_tf32 = True  # a loop changing a knob behind enable()'s back
+        assert mode.drifted(report) == {"torch.backends.cuda.matmul.allow_tf32": (False, True),
+                                        "torch.float32_matmul_precision": ("highest", "high")}
+        samestep.disable()
+        assert numerics.values() == before
+    finally:
+        samestep.disable()
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        torch.backends.cuda.allow_fp16_bf16_reduction_math_sdp(False)
+
+
+def test_pinned_matmul_precision_gives_the_fp32_bits_on_this_cpu():
+    """A loop that set float32 matmul precision to "medium" (bf16 inputs where the CPU has them) gets, under
+    enable(), the bits of full fp32 matmuls. Negative control: under "medium" itself the bits differ on
+    this machine (a CPU without a bf16 path would make them equal; then this control is skipped)."""
+    torch.manual_seed(0)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    torch.set_float32_matmul_precision("highest")
+    full = (a @ b).view(torch.int32)
+    torch.set_float32_matmul_precision("medium")
+    try:
+        medium = (a @ b).view(torch.int32)
+        with samestep.enable(threads=torch.get_num_threads()):
+            assert torch.equal((a @ b).view(torch.int32), full)
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    if torch.equal(medium, full):
+        pytest.skip("this CPU has no bf16 path for fp32 matmuls: the negative control cannot show a difference")
+    assert not torch.equal(medium, full)
+
+
+def test_compiler_settings_that_time_kernels_are_refused(monkeypatch):
+    """max-autotune picks compiled kernels by timing them: enable() refuses it, naming the setting and the
+    fix; warn_only warns instead. Negative control: with it off, enable() accepts and pins Inductor's
+    deterministic mode, and disable() puts back what was there."""
+    import torch._inductor.config as config
+
+    monkeypatch.setattr(config, "max_autotune", True)
+    with pytest.raises(ValueError, match=r"torch._inductor.config.max_autotune is on \(TORCHINDUCTOR_MAX_AUTOTUNE\).*"
+                                         r"Fix: turn it off"):
+        samestep.enable(threads=1)
+    assert not torch.are_deterministic_algorithms_enabled()
+    with pytest.warns(RuntimeWarning, match="max_autotune"):
+        samestep.enable(threads=1, warn_only=True)
+    samestep.disable()
+    monkeypatch.setattr(config, "max_autotune", False)
+    monkeypatch.setattr(config, "deterministic", False)
+    with samestep.enable(threads=1):
+        assert config.deterministic is True
+    assert config.deterministic is False
