@@ -37,6 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from fault_corpus import CASES, run_case  # noqa: E402
 
+from samestep.rundir import last_logged_step  # noqa: E402
+
 SMALL = ("train.device=cpu", "train.global_batch=8", "train.micro_batch=2", "train.warmup_steps=2", "model.n_layer=2",
          "model.n_head=2", "model.n_embd=32", "model.block_size=32", "trace.level=step")
 EVERY = 2
@@ -51,19 +53,6 @@ def _env() -> dict[str, str]:
 def _cmd(run: Path, settings: tuple[str, ...], *extra: str) -> list[str]:
     return [sys.executable, "-m", "samestep", "train", "--run-dir", str(run),
             *[x for s in settings for x in ("--set", s)], *extra]
-
-
-def _last_step(run: Path) -> int:
-    try:
-        lines = (run / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return json.loads(line)["step"]
-        except (ValueError, KeyError):
-            continue
-    return 0
 
 
 def _outcome(run: Path) -> tuple[str | None, bytes]:
@@ -86,10 +75,10 @@ def _signal_after(run: Path, settings: tuple[str, ...], step: int, delay: float,
     its exit code and the last step it had logged then."""
     proc = subprocess.Popen(_cmd(run, settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
     deadline = time.monotonic() + 600
-    while proc.poll() is None and _last_step(run) < step and time.monotonic() < deadline:
+    while proc.poll() is None and last_logged_step(run) < step and time.monotonic() < deadline:
         time.sleep(0.002)
     time.sleep(delay)
-    logged = _last_step(run)
+    logged = last_logged_step(run)
     if proc.poll() is None:
         proc.send_signal(sig)
     proc.communicate(timeout=600)
@@ -184,7 +173,7 @@ def signals(work: Path, reference: tuple, trials: int, rng: random.Random) -> di
         out["trials"] += 1
         out["exit_75"] += code == 75
         saved = (run / "checkpoints" / "latest").read_text().strip() if (run / "checkpoints" / "latest").exists() else ""
-        out["steps_lost"] += max(_last_step(run) - (int(saved[5:]) if saved else 0), 0)
+        out["steps_lost"] += max(last_logged_step(run) - (int(saved[5:]) if saved else 0), 0)
         rc, _ = _resume(run, LONG)
         out["exact"] += rc == 0 and _outcome(run) == reference
     return out

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -12,18 +11,11 @@ import time
 from pathlib import Path
 
 from samestep.preempt import EXIT_PREEMPTED
+from samestep.rundir import last_logged_step
 from tests.conftest import TINY, metrics_bytes, run_train, train_cmd
 
 # Checkpoints only at the end: without the signal handler a stop loses every step.
 LONG = (*TINY, "train.steps=120", "train.checkpoint_every=1000")
-
-
-def _last_step(run_dir: Path) -> int:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    return json.loads(lines[-1])["step"] if lines and lines[-1].endswith("}") else 0
 
 
 def _signalled(run_dir: Path, *settings: str, sig: int = signal.SIGTERM) -> subprocess.CompletedProcess:
@@ -31,7 +23,7 @@ def _signalled(run_dir: Path, *settings: str, sig: int = signal.SIGTERM) -> subp
     proc = subprocess.Popen(train_cmd(run_dir, *LONG, *settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     deadline = time.monotonic() + 300
-    while proc.poll() is None and _last_step(run_dir) < 3 and time.monotonic() < deadline:
+    while proc.poll() is None and last_logged_step(run_dir) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert proc.poll() is None, "the run ended before it could be signalled"
     proc.send_signal(sig)
@@ -47,7 +39,7 @@ def test_sigterm_saves_the_step_and_resume_is_exact(tmp_path):
     run = tmp_path / "run"
     proc = _signalled(run)
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-2000:]
-    step = _last_step(run)
+    step = last_logged_step(run)
     assert 3 <= step < 120
     assert f"samestep train: stopped by SIGTERM after step {step}, with a checkpoint" in proc.stderr
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{step:06d}"
@@ -96,13 +88,13 @@ def test_two_processes_stop_as_one_job_with_exit_75_and_resume_exact(tmp_path):
     proc = subprocess.Popen(train_cmd(run, *LONG, nproc=2), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     deadline = time.monotonic() + 300
-    while proc.poll() is None and _last_step(run) < 3 and time.monotonic() < deadline:
+    while proc.poll() is None and last_logged_step(run) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert proc.poll() is None, "the run ended before it could be signalled"
     os.killpg(proc.pid, signal.SIGTERM)
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
-    step = _last_step(run)
+    step = last_logged_step(run)
     assert 3 <= step < 120 and f"stopped by SIGTERM after step {step}, with a checkpoint" in err
     final = run_train(run, *LONG, resume=True, nproc=2)
     assert final["state_digest"] == reference["state_digest"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from samestep.train import load_config
@@ -89,3 +91,34 @@ def test_every_trace_field_is_classified_for_resume_and_diff():
     assert fields - NUMERICS_NEUTRAL == {"trace.perturb"}
     assert {"train.checkpoint_every", "train.keep_checkpoints", "train.log_every"} <= NUMERICS_NEUTRAL
     assert not {"train.device", "train.seed", "determinism.enabled"} & NUMERICS_NEUTRAL
+
+
+def test_presets_start_a_config_that_a_file_and_set_override(tmp_path):
+    """--preset small is a Llama in bf16; a TOML file overrides its keys one by one (the rest of its
+    section stays), and --set overrides both; an unknown preset names the known ones."""
+    from samestep.train.config import PRESETS
+
+    small = load_config(None, preset="small")
+    assert small.model.arch == "llama" and small.train.precision == "bf16" and small.model.n_kv_head == 2
+    toml = tmp_path / "run.toml"
+    toml.write_text("[model]\nn_layer = 2\n")
+    mixed = load_config(toml, ["train.precision=fp32"], preset="small")
+    assert (mixed.model.n_layer, mixed.model.n_embd, mixed.train.precision) == (2, 384, "fp32")
+    with pytest.raises(ValueError, match=r"--preset 'huge' is unknown; use one of " + ", ".join(PRESETS)):
+        load_config(None, preset="huge")
+
+
+@pytest.mark.parametrize("setting,needle", [
+    ("model.arch=mamba", "model.arch='mamba' must be one of gpt, llama"),
+    ("train.precision=fp16", "train.precision='fp16' must be one of fp32, bf16"),
+    ("model.n_kv_head=3", "model.n_head=4 is not a multiple of model.n_kv_head=3"),
+    ("model.rope_theta=inf", "model.rope_theta=inf must be a finite number"),
+])
+def test_workload_settings_are_checked(setting, needle):
+    with pytest.raises(ValueError, match=re.escape(needle)):
+        load_config(None, [setting])
+
+
+def test_llama_settings_that_only_the_gpt_has_are_refused():
+    with pytest.raises(ValueError, match="model.moe_experts and model.embedding=index are for model.arch=gpt"):
+        load_config(None, ["model.arch=llama", "model.moe_experts=4"])

@@ -8,6 +8,7 @@ import os
 import sys
 
 from samestep.checkpoint import CheckpointError
+from samestep.train.config import PRESETS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -19,11 +20,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                "  samestep train --run-dir runs/a\n"
                "  samestep train --run-dir runs/a --set train.steps=50 --set model.dropout=0.0\n"
                "  samestep train --run-dir runs/a --resume\n"
+               "  samestep train --run-dir runs/l --preset small --set train.steps=100\n"
                "  samestep train --run-dir runs/b --nproc 2\n"
                "  torchrun --standalone --nproc_per_node 2 -m samestep train --run-dir runs/b",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", required=True, help="the run directory")
     p.add_argument("--config", help="a TOML file with [train], [model], [data], [determinism] sections")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="start from a named config: 'small' (a 12.8M Llama "
+                   "for a CPU), 'gpu' (a 133M Llama for one GPU); --config and --set apply on top")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override one config value (repeatable)")
     p.add_argument("--nproc", type=int, default=1,
@@ -41,6 +45,7 @@ def _launch(args: argparse.Namespace, threads: int, signals: tuple[str, ...]) ->
     from samestep.cli.launch import launch
 
     rest = ["train", "--run-dir", args.run_dir, *(["--config", args.config] if args.config else []),
+            *(["--preset", args.preset] if args.preset else []),
             *[x for s in args.set for x in ("--set", s)], *(["--resume"] if args.resume else []),
             *(["--stop-after", str(args.stop_after)] if args.stop_after else []),
             *(["--json"] if args.json else [])]
@@ -57,7 +62,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from samestep.train import load_config, train
 
     try:
-        cfg = load_config(args.config, args.set)
+        cfg = load_config(args.config, args.set, preset=args.preset)
     except ValueError as e:
         return _refuse(str(e))
     if args.nproc < 1:

@@ -22,11 +22,25 @@ import tomllib
 from samestep.data import SOURCES
 from samestep.preempt import parse_signals
 
-__all__ = ["Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TraceConfig", "TrainConfig",
+__all__ = ["PRESETS", "Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TraceConfig", "TrainConfig",
            "load_config"]
 
 # The longest run a config may name: bounds what a typo can make samestep allocate.
 MAX_STEPS = 10**9
+PRECISIONS = ("fp32", "bf16")
+ARCHS = ("gpt", "llama")
+# Named starting points (``--preset NAME``); a config file and --set apply on top.
+PRESETS: dict[str, dict[str, dict[str, Any]]] = {
+    # a 12.8M-parameter Llama-style decoder on byte tokens, a few hundred ms per step on one CPU core
+    "small": {"model": {"arch": "llama", "n_layer": 8, "n_embd": 384, "n_head": 6, "n_kv_head": 2,
+                        "block_size": 128, "dropout": 0.0},
+              "train": {"global_batch": 4, "micro_batch": 1, "precision": "bf16"}},
+    # a 133M-parameter Llama-style decoder (GPT-2-small class) for one GPU
+    "gpu": {"model": {"arch": "llama", "n_layer": 12, "n_embd": 1024, "n_head": 16, "n_kv_head": 4,
+                      "block_size": 1024, "dropout": 0.0},
+            "train": {"device": "cuda", "global_batch": 32, "micro_batch": 8, "precision": "bf16", "lr": 6e-4,
+                      "min_lr": 6e-5}},
+}
 
 
 
@@ -89,6 +103,11 @@ class TrainConfig:
     exit_signals: str = "SIGTERM,SIGUSR1,SIGINT"
     """Signals that stop the run at the end of the current step, with a checkpoint (exit 75); a second
     one stops at once. '' leaves every signal its default action."""
+    precision: str = "fp32"
+    """'fp32', or 'bf16': the forward under bf16 autocast; weights, gradients and optimizer state stay fp32."""
+    compile: bool = False
+    """Compile the model's forward (with its loss) with torch.compile (Inductor, deterministic mode); the
+    optimizer step and the gradient reduction run eagerly."""
 
     def __post_init__(self) -> None:
         _finite("train", self, "lr", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip")
@@ -103,6 +122,8 @@ class TrainConfig:
                              f"train.micro_batch={self.micro_batch}; make it one (e.g. "
                              f"{self.global_batch - self.global_batch % self.micro_batch or self.micro_batch})")
         parse_signals(self.exit_signals)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r} must be 'auto', 'cpu' or 'cuda'")
         for name in ("seed", "warmup_steps", "checkpoint_every", "min_lr", "weight_decay", "grad_clip"):
@@ -117,8 +138,11 @@ class TrainConfig:
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """The GPT."""
+    """The model: the GPT (model.py) or the Llama-style decoder (llama.py)."""
 
+    arch: str = "gpt"
+    """'gpt' (LayerNorm, learned positions, GELU MLP, biases, tied head) or 'llama' (RMSNorm, rotary
+    positions, SwiGLU, grouped-query attention through SDPA, no biases)."""
     n_layer: int = 4
     """Transformer blocks."""
     n_head: int = 4
@@ -137,9 +161,37 @@ class ModelConfig:
     """Experts per MoE layer; 0 keeps the dense MLP."""
     moe_top_k: int = 2
     """Experts each token is routed to."""
+    n_kv_head: int = 0
+    """llama: key/value heads (grouped-query attention); 0 is n_head."""
+    mlp_hidden: int = 0
+    """llama: SwiGLU width; 0 is 8/3 n_embd rounded up to a multiple of 32."""
+    rope_theta: float = 10000.0
+    """llama: base of the rotary embedding's frequencies."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def mlp_width(self) -> int:
+        return self.mlp_hidden or -(-8 * self.n_embd // 3 // 32) * 32
 
     def __post_init__(self) -> None:
-        _positive("model", self, "n_layer", "n_head", "n_embd", "block_size")
+        if self.arch not in ARCHS:
+            raise ValueError(f"model.arch={self.arch!r} must be one of {', '.join(ARCHS)}")
+        _finite("model", self, "rope_theta")
+        _positive("model", self, "n_layer", "n_head", "n_embd", "block_size", "rope_theta")
+        _at_most("model", self, 1 << 16, "n_kv_head", "mlp_hidden")
+        if self.n_kv_head < 0 or self.mlp_hidden < 0:
+            raise ValueError("model.n_kv_head and model.mlp_hidden must not be negative (0 takes the default)")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"model.n_head={self.n_head} is not a multiple of model.n_kv_head={self.n_kv_head}")
+        if self.arch == "llama" and (self.n_embd // max(self.n_head, 1)) % 2:
+            raise ValueError(f"model.arch=llama needs an even head size for rotary embeddings; n_embd/n_head = "
+                             f"{self.n_embd // max(self.n_head, 1)}")
+        if self.arch == "llama" and (self.moe_experts or self.embedding != "module"):
+            raise ValueError("model.moe_experts and model.embedding=index are for model.arch=gpt; the llama "
+                             "model has a dense SwiGLU MLP and an nn.Embedding")
         _at_most("model", self, 1 << 16, "n_layer", "n_head", "n_embd", "block_size", "moe_experts")
         _at_most("model", self, 1 << 24, "vocab_size")
         if self.n_embd % self.n_head:
@@ -228,7 +280,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     """The optimisation loop."""
     model: ModelConfig = field(default_factory=ModelConfig)
-    """The GPT."""
+    """The model."""
     data: DataConfig = field(default_factory=DataConfig)
     """The token source."""
     determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
@@ -282,8 +334,10 @@ def _coerce(where: str, default: Any, value: Any) -> Any:
     return value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Reads a TOML file (optional), applies ``section.key=value`` overrides, and validates.
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
+                preset: str | None = None) -> Config:
+    """Starts from a preset (optional, ``PRESETS``), reads a TOML file over it (optional), applies
+    ``section.key=value`` overrides, and validates.
 
     Raises:
         ValueError: an unreadable file, an unknown section or key, a value of the wrong type, or a
@@ -291,10 +345,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     """
     raw: dict[str, Any] = {}
     where = "config"
+    if preset is not None:
+        if preset not in PRESETS:
+            raise ValueError(f"--preset {preset!r} is unknown; use one of {', '.join(PRESETS)}")
+        raw = {section: dict(values) for section, values in PRESETS[preset].items()}
+        where = f"preset {preset}"
     if path is not None:
         where = str(path)
         try:
-            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+            for section, values in tomllib.loads(Path(path).read_text(encoding="utf-8")).items():
+                if isinstance(values, dict) and isinstance(raw.get(section), dict):
+                    raw[section].update(values)
+                else:
+                    raw[section] = values
         except FileNotFoundError:
             raise ValueError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:

@@ -43,6 +43,7 @@ from samestep.rundir import (
 )
 from samestep.tracing import Perturb, Recorder, parse_selection
 from samestep.train.config import Config
+from samestep.train.llama import Llama
 from samestep.train.model import GPT
 
 __all__ = ["RESTORE_ALL", "Parts", "Preempted", "WarmupCosine", "build", "device_kind", "train"]
@@ -147,7 +148,7 @@ def device_kind(cfg: Config) -> str:
     return cfg.train.device
 
 
-def _make_optimizer(model: GPT, cfg: Config) -> torch.optim.AdamW:
+def _make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
     params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
@@ -191,7 +192,7 @@ class Parts:
 
     cfg: Config
     corpus: Any
-    model: GPT
+    model: GPT | Llama
     optimizer: torch.optim.AdamW
     schedule: WarmupCosine
     cursor: DataCursor
@@ -216,7 +217,9 @@ class Parts:
                 x, y = self.cursor.samples(self.cursor.position + i * t.micro_batch, t.micro_batch)
                 with rec.microbatch(i):
                     gen = rng.generator(t.seed, step, i, "dropout", self.device)
-                    _, loss = self.model(x.to(self.device), y.to(self.device), gen)
+                    # bf16: autocast's casts inside the forward; weights, gradients and the loss stay fp32
+                    with torch.autocast(self.device.type, torch.bfloat16, enabled=t.precision == "bf16"):
+                        _, loss = self.model(x.to(self.device), y.to(self.device), gen)
                     loss = loss / self.tokens_per_step  # normalised by the global token count: layout-free
                     loss.backward()
                 self.grads.accumulate(i, extra=loss.detach())
@@ -262,7 +265,10 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
         raise ValueError(f"model.vocab_size={vocab} is smaller than the data's largest token + 1 = "
                          f"{corpus.vocab_size}; raise it or set 0")
     device = torch.device(device)
-    model = GPT(cfg.model, vocab, t.seed, deterministic=cfg.determinism.enabled).to(device)
+    arch = Llama if cfg.model.arch == "llama" else GPT
+    model = arch(cfg.model, vocab, t.seed, deterministic=cfg.determinism.enabled).to(device)
+    if t.compile:
+        model.compile()  # in place: the state_dict keys stay the model's own
     grads_cls = CanonicalGradients if cfg.determinism.enabled else AllReduceGradients
     grads = grads_cls(model.parameters(), microbatches_per_process=t.microbatches // world, world_size=world, rank=rank)
     tc = cfg.trace
@@ -347,9 +353,11 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
                                     "env_diff": sorted(loaded.env_diff) if loaded else []})
         else:
             corpus = parts.corpus
+            extra = ({"attention_backend": parts.model.attention_backend(t.micro_batch, parts.device, t.precision)}
+                     if isinstance(parts.model, Llama) else {})
             write_run(run_dir, new_run(cfg.to_dict(), layout, report.to_dict() if report is not None else None,
                                        data={"source": corpus.description, "fingerprint": corpus.fingerprint,
-                                             "tokens": int(corpus.tokens.size)}))
+                                             "tokens": int(corpus.tokens.size)}, **extra))
     dist_.barrier()
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     t0 = time.perf_counter()
@@ -408,7 +416,7 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
     progress = _Progress(writer, start, t.steps, t.log_every, out)
     metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if writer else None
     parts.model.train()
-    t0 = time.perf_counter()
+    t0, start_timed = time.perf_counter(), start
     try:
         for step in range(start, end):
             loss_value, grad_norm, lr = parts.step(step)
@@ -416,8 +424,10 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
             if metrics is not None:
                 metrics.write(metrics_line(done, loss_value, grad_norm, lr, done * tokens_per_step))
                 metrics.flush()
+            if t.compile and step == start:  # the first step compiles: its warm-up is not the step time
+                t0, start_timed = time.perf_counter(), done
             elapsed = time.perf_counter() - t0
-            progress.update(done, loss_value, (done - start) * tokens_per_step / max(elapsed, 1e-9))
+            progress.update(done, loss_value, (done - start_timed) * tokens_per_step / max(elapsed, 1e-9))
             # every rank stops after the same step (a signal may reach one rank first)
             stopping = done < end and bool(stop.signals) and dist_.any(stop.requested is not None)
             if done == end or stopping or (t.checkpoint_every and done % t.checkpoint_every == 0):

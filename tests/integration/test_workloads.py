@@ -1,0 +1,87 @@
+"""The workloads people pretrain, on this CPU: the Llama-style decoder (RMSNorm, rotary positions, SwiGLU,
+grouped-query attention through SDPA) and bf16 autocast, eager and compiled. For each: two runs give the
+same bits, a run killed with SIGKILL and resumed gives the uninterrupted run's bits, and 1, 2 and 4
+processes give the same bits (docs/design.md, "The contract")."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from samestep.rundir import last_logged_step
+from tests.conftest import TINY, metrics_bytes, run_train, train_cmd
+
+pytestmark = pytest.mark.slow
+
+BASE = (*[s for s in TINY if not s.startswith("train.steps")], "train.steps=6", "model.n_kv_head=1")
+CASES = {("llama", "fp32"): 2, ("llama", "bf16"): 4, ("gpt", "bf16"): 2}  # -> a process count besides 1
+
+
+def _killed_then_resumed(run: Path, settings: tuple[str, ...], after: int) -> dict:
+    """A run SIGKILLed once it has logged step ``after``, then resumed to its end; its final.json."""
+    proc = subprocess.Popen(train_cmd(run, *settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and last_logged_step(run) < after and time.monotonic() < deadline:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    return run_train(run, *settings, resume=True)
+
+
+def test_llama_and_bf16_repeat_resume_and_match_across_process_counts(tmp_path):
+    """{llama, gpt} x {fp32, bf16} (gpt fp32 is test_train's and test_layouts'): two runs identical to the
+    bit; killed with SIGKILL after step 3 and resumed, identical; on 2 or 4 processes, identical. Negative
+    control: the same check tells bf16 from fp32 (the Llama's final digests and loss bits differ)."""
+    finals = {}
+    for (arch, precision), nproc in CASES.items():
+        settings = (*BASE, f"model.arch={arch}", f"train.precision={precision}")
+        name = f"{arch}_{precision}"
+        a = run_train(tmp_path / f"{name}_a", *settings)
+        b = run_train(tmp_path / f"{name}_b", *settings)
+        assert a["state_digest"] == b["state_digest"], name
+        assert metrics_bytes(tmp_path / f"{name}_a") == metrics_bytes(tmp_path / f"{name}_b"), name
+        resumed = _killed_then_resumed(tmp_path / f"{name}_k", settings, after=3)
+        assert resumed["state_digest"] == a["state_digest"], name
+        assert metrics_bytes(tmp_path / f"{name}_k") == metrics_bytes(tmp_path / f"{name}_a"), name
+        wide = run_train(tmp_path / f"{name}_w", *settings, nproc=nproc)
+        assert wide["state_digest"] == a["state_digest"] and wide["world_size"] == nproc, name
+        assert metrics_bytes(tmp_path / f"{name}_w") == metrics_bytes(tmp_path / f"{name}_a"), name
+        finals[name] = a["state_digest"]
+        backend = json.loads((tmp_path / f"{name}_a" / "run.json").read_text()).get("attention_backend")
+        assert (backend in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")) == (arch == "llama"), (name, backend)
+    assert finals["llama_fp32"] != finals["llama_bf16"]
+    assert metrics_bytes(tmp_path / "llama_fp32_a") != metrics_bytes(tmp_path / "llama_bf16_a")
+
+
+def test_a_compiled_llama_repeats_and_resumes_exactly(tmp_path):
+    """train.compile=true (Inductor in deterministic mode, the forward and its loss compiled): two runs
+    identical, and a run stopped after 3 steps and resumed in a new process (compiling again) identical.
+    Negative control: the same comparison tells a run of another seed apart."""
+    settings = (*BASE, "model.arch=llama", "train.precision=bf16", "train.compile=true")
+    a = run_train(tmp_path / "a", *settings)
+    b = run_train(tmp_path / "b", *settings)
+    assert a["state_digest"] == b["state_digest"] and metrics_bytes(tmp_path / "a") == metrics_bytes(tmp_path / "b")
+    assert run_train(tmp_path / "r", *settings, stop_after=3) is None
+    resumed = run_train(tmp_path / "r", *settings, resume=True)
+    assert resumed["state_digest"] == a["state_digest"] and metrics_bytes(tmp_path / "r") == metrics_bytes(tmp_path / "a")
+    other_seed = run_train(tmp_path / "s", *settings, "train.seed=7")
+    assert other_seed["state_digest"] != a["state_digest"]
+
+
+def test_a_compiled_run_with_autotuning_by_timing_is_refused(tmp_path):
+    """max-autotune under train.compile: refused before anything runs, exit 2, one line naming the setting
+    and the fix; nothing is written. Negative control: without it the same run starts (test above)."""
+    import os
+
+    proc = subprocess.run(train_cmd(tmp_path / "run", *BASE, "model.arch=llama", "train.compile=true"),
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "torch._inductor.config.max_autotune is on" in lines[0] and "Fix:" in lines[0]
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
