@@ -89,3 +89,26 @@ def test_accumulate_checks_the_microbatch_order():
     grads.accumulate(2, extra=torch.tensor(1.5))
     with pytest.raises(RuntimeError, match="after 1 of 2"):
         grads.reduce()
+
+
+def test_the_second_of_a_pair_adds_into_the_first_with_the_trees_bits():
+    """Autograd adds the second microbatch of each pair into the first's gradients in place: the result has
+    the bits of the canonical tree over the leaves, also for a parameter that got no gradient in the first
+    (it sums as zeros: 0 + (-0.0) is +0.0, as the combine of two processes makes it). Negative control:
+    taking the second microbatch's gradient as it is keeps the -0.0."""
+    a, b = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    c = torch.tensor([-0.0, 1.5, -2.25])
+    grads = CanonicalGradients([a, b], microbatches_per_process=4)
+    leaves_a, leaves_b = [], []
+    for i in range(4):
+        scale = torch.tensor([0.1, 1e-8, 3e7]) * (i + 1)
+        loss = (a * scale).sum() + ((b * c * (i + 1)).sum() if i % 2 else 0)
+        loss.backward()
+        leaves_a.append(scale)
+        leaves_b.append(c * (i + 1) if i % 2 else torch.zeros(3))
+        grads.accumulate(i)
+    grads.reduce()
+    assert torch.equal(_bits(a.grad), _bits(canonical_sum(leaves_a)))
+    assert torch.equal(_bits(b.grad), _bits(canonical_sum(leaves_b)))
+    assert _bits(b.grad)[0] == 0  # +0.0
+    assert _bits(c)[0] != 0  # the negative control: -0.0 as the second microbatch's own gradient

@@ -197,6 +197,7 @@ class CanonicalGradients:
         self._counter = BinaryCounter()
         self._next = rank * self.k
         self._n_extra = 0
+        self._pending_extra: torch.Tensor | None = None  # the first of a pair's extra, until the second
         self.bytes_sent = 0  # by collective semantics, summed over reduce() calls
         # Called as observer(name, input, output) around each collective (a trace recorder, say).
         self.observer: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
@@ -207,7 +208,13 @@ class CanonicalGradients:
         return range(self.rank * self.k, (self.rank + 1) * self.k)
 
     def accumulate(self, microbatch: int, extra: torch.Tensor | None = None) -> None:
-        """Takes the current ``p.grad`` of every parameter as microbatch ``microbatch``'s leaf; clears them.
+        """Takes the current ``p.grad`` of every parameter as microbatch ``microbatch``'s leaf.
+
+        The tree's first level adds microbatches in pairs (2j, 2j+1), always within one process (its range
+        is aligned): after the first of a pair the gradients stay in ``p.grad`` (zeros where a parameter
+        got none), so the next ``backward()`` adds into them, autograd's in-place add, the bits of
+        ``left.add_(right)``, at plain accumulation's cost; after the second the pair's sum is pushed and
+        ``p.grad`` cleared.
 
         Args:
             microbatch: the global index; must be the next one of this process's range.
@@ -216,21 +223,36 @@ class CanonicalGradients:
         if microbatch != self._next or microbatch not in self.microbatches:
             raise ValueError(f"accumulate(microbatch={microbatch}): rank {self.rank} expects global index "
                              f"{self._next} next (it owns {self.microbatches.start}..{self.microbatches.stop - 1})")
-        # The leaf is the list of this microbatch's gradients themselves (autograd made them fresh and
-        # they are cleared below, so the counter owns them): no copy into a flat buffer per microbatch.
-        parts = _flat_grads(self.params)
-        extra_flat = extra.detach().reshape(-1).to(parts[0].dtype).clone() if extra is not None else parts[0][:0]
+        dtype = self.params[0].dtype
+        extra_flat = extra.detach().reshape(-1).to(dtype).clone() if extra is not None else torch.zeros(0, dtype=dtype)
         self._n_extra = extra_flat.numel()
-        self._counter.push(parts + [extra_flat])
+        self._next += 1
+        if (microbatch - self.microbatches.start) % 2 == 0 and self._next < self.microbatches.stop:
+            for p in self.params:  # the first of a pair: the next backward adds into these
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            self._pending_extra = extra_flat
+            return
+        size = 1
+        if self._pending_extra is not None:  # the second of a pair: p.grad holds the pair's sum
+            extra_flat, self._pending_extra, size = self._pending_extra.add_(extra_flat), None, 2
+        # The leaf is the list of the gradients themselves (autograd made them and they are cleared below,
+        # so the counter owns them): no copy into a flat buffer per microbatch.
+        self._counter.push(_flat_grads(self.params) + [extra_flat], size=size)
         for p in self.params:
             p.grad = None
-        self._next += 1
 
     def reduce(self) -> torch.Tensor:
         """Combines across processes and writes the result into ``p.grad``; returns the summed extra."""
         if self._next != self.microbatches.stop:
             raise RuntimeError(f"reduce() after {self._next - self.microbatches.start} of {self.k} microbatches")
-        local = torch.cat(self._counter.result())  # one flat buffer per step, for the collectives
+        parts = self._counter.result()
+        if self.world_size == 1:  # no collective: the tree sums are the gradients, without a flat copy
+            for p, g in zip(self.params, parts):
+                p.grad = g.view_as(p)
+            self._next = self.microbatches.start
+            return parts[-1].clone()
+        local = torch.cat(parts)  # one flat buffer per step, for the collectives
         total, sent = combine_across_ranks(local, self.world_size, self.group)
         self.bytes_sent += sent
         if self.observer is not None and self.world_size > 1:
