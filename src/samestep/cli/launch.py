@@ -1,12 +1,12 @@
 """``samestep train --nproc N``: N processes on this machine, started, signalled and ended as one job.
 
 The launcher sets the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT) and starts each process in a session of its own, so a signal reaches a process
-once, from the launcher: a scheduler's SIGTERM or a Ctrl-C is forwarded, every process finishes its step
-and saves, and the job exits with the processes' own code (75 when preempted, see samestep.preempt). It
-waits for them as long as they take: the scheduler's kill is the deadline, not a launcher's timeout. A
-process that fails takes the others down after ``GRACE_S`` (they would wait in a collective for ever),
-and its code is the job's.
+MASTER_ADDR, MASTER_PORT) and starts each process outside the launcher's process group
+(``start_new_session``), so a signal reaches a process once, from the launcher: a scheduler's SIGTERM
+or a Ctrl-C is forwarded, every process finishes its step and saves, and the job exits with the
+processes' own code (75 when preempted, see samestep.preempt). It waits for them as long as they take:
+the scheduler's kill is the deadline, not a launcher's timeout. A process that fails takes the others
+down after ``GRACE_S`` (they would wait in a collective for ever), and its code is the job's.
 """
 
 from __future__ import annotations
