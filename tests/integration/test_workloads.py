@@ -58,17 +58,20 @@ def test_llama_and_bf16_repeat_resume_and_match_across_process_counts(tmp_path):
     assert metrics_bytes(tmp_path / "llama_fp32_a") != metrics_bytes(tmp_path / "llama_bf16_a")
 
 
-def test_a_compiled_llama_repeats_and_resumes_exactly(tmp_path):
+@pytest.mark.parametrize("arch,precision", [("llama", "bf16"), ("gpt", "fp32")])
+def test_a_compiled_model_repeats_resumes_and_matches_on_two_processes(tmp_path, arch, precision):
     """train.compile=true (Inductor in deterministic mode, the forward and its loss compiled): two runs
-    identical, and a run stopped after 3 steps and resumed in a new process (compiling again) identical.
-    Negative control: the same comparison tells a run of another seed apart."""
-    settings = (*BASE, "model.arch=llama", "train.precision=bf16", "train.compile=true")
+    identical; a run stopped after 3 steps and resumed in a new process (compiling again) identical; on 2
+    processes identical. Negative control: the same comparison tells a run of another seed apart."""
+    settings = (*BASE, f"model.arch={arch}", f"train.precision={precision}", "train.compile=true")
     a = run_train(tmp_path / "a", *settings)
     b = run_train(tmp_path / "b", *settings)
     assert a["state_digest"] == b["state_digest"] and metrics_bytes(tmp_path / "a") == metrics_bytes(tmp_path / "b")
     assert run_train(tmp_path / "r", *settings, stop_after=3) is None
     resumed = run_train(tmp_path / "r", *settings, resume=True)
     assert resumed["state_digest"] == a["state_digest"] and metrics_bytes(tmp_path / "r") == metrics_bytes(tmp_path / "a")
+    wide = run_train(tmp_path / "w", *settings, nproc=2)
+    assert wide["state_digest"] == a["state_digest"] and metrics_bytes(tmp_path / "w") == metrics_bytes(tmp_path / "a")
     other_seed = run_train(tmp_path / "s", *settings, "train.seed=7")
     assert other_seed["state_digest"] != a["state_digest"]
 
