@@ -1,4 +1,4 @@
-"""``samestep train``: the reference GPT pretraining run (one process, --nproc processes, or under torchrun)."""
+"""``samestep train``: the reference pretraining run (one process, --nproc processes, or under torchrun)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from samestep.train.config import PRESETS
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "train", help="run (or resume) the reference GPT pretraining run",
-        description="Trains the reference GPT into a run directory (run.json, metrics.jsonl, checkpoints/, "
-                    "final.json).",
+        "train", help="run (or resume) the reference pretraining run (GPT or Llama-style)",
+        description="Trains the reference decoder (model.arch gpt or llama) into a run directory (run.json, "
+                    "metrics.jsonl, checkpoints/, final.json).",
         epilog="examples:\n"
                "  samestep train --run-dir runs/a\n"
                "  samestep train --run-dir runs/a --set train.steps=50 --set model.dropout=0.0\n"

@@ -1,4 +1,4 @@
-"""The reference GPT pretraining run: config, model, loop."""
+"""The reference pretraining run: config, models (GPT, Llama-style), loop."""
 
 from samestep.train.config import Config, DataConfig, DeterminismConfig, ModelConfig, TrainConfig, load_config
 from samestep.train.loop import RESTORE_ALL, train
