@@ -11,7 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import samestep
+# Without a GPU, Triton's kernels run under its interpreter (tests/kernels), which must be on before
+# anything imports triton: transformers and torch.compile import it too (tests/integration).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import samestep  # noqa: E402
 
 # A CPU-sized run that still exercises every part of the loop: 4 microbatches, dropout, checkpoints.
 # On CPU on every machine: the suite checks the CPU reference that CI runs (its world-size and race

@@ -11,7 +11,7 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 if not HAS_CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined (tests/conftest.py sets it first)
 triton = pytest.importorskip("triton")  # a test extra on Linux x86-64; no wheel elsewhere
 
 import samestep.ops as ops  # noqa: E402
