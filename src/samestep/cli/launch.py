@@ -70,22 +70,25 @@ def launch(argv: list[str], nproc: int, threads: int, signals: tuple[str, ...]) 
                 p.wait()
 
 
+def _first_failure(procs: list[subprocess.Popen]) -> int | None:
+    """The exit code of the first process that ended otherwise than 0 or 75 (None: none has)."""
+    bad = [p.returncode for p in procs if p.returncode not in (None, 0, EXIT_PREEMPTED)]
+    return _code(bad[0]) if bad else None
+
+
 def _wait(procs: list[subprocess.Popen]) -> int:
     failed: int | None = None
-    deadline: float | None = None
+    deadline = 0.0
     while any(p.poll() is None for p in procs):
         if failed is None:
-            bad = [p.returncode for p in procs if p.returncode not in (None, 0, EXIT_PREEMPTED)]
-            if bad:
-                failed, deadline = _code(bad[0]), time.monotonic() + GRACE_S
+            failed = _first_failure(procs)
+            deadline = time.monotonic() + GRACE_S
         elif time.monotonic() > deadline:
             for p in procs:
                 if p.poll() is None:
                     p.kill()
         time.sleep(0.05)
-    if failed is None:
-        bad = [p.returncode for p in procs if p.returncode not in (0, EXIT_PREEMPTED)]
-        failed = _code(bad[0]) if bad else None
+    failed = failed if failed is not None else _first_failure(procs)
     if failed is not None:
         return failed
     return EXIT_PREEMPTED if any(p.returncode == EXIT_PREEMPTED for p in procs) else 0
