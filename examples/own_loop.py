@@ -1,12 +1,14 @@
 """A training loop of your own with samestep: deterministic, resumable to the bit, traced for `samestep diff`.
 
     python examples/own_loop.py runs/mine                  # 6 steps
-    python examples/own_loop.py runs/killed --stop-after 3 # leave after step 3 (as if killed) ...
-    python examples/own_loop.py runs/killed                # ... and resume: the same bits as runs/mine
-    samestep diff runs/mine runs/killed                    # exit 0: identical
+    python examples/own_loop.py runs/cut --stop-after 3    # a stop signal after step 3: saves, exits 75 ...
+    python examples/own_loop.py runs/cut                   # ... and resumes: the same bits as runs/mine
+    samestep diff runs/mine runs/cut                       # exit 0: identical
 """
 
 import argparse
+import signal
+import sys
 from pathlib import Path
 
 import torch
@@ -14,58 +16,35 @@ import torch
 import samestep
 
 
-class Cursor:
-    """Where the data stands. A batch is a pure function of (seed, step, microbatch), so the position
-    is all a resume needs: samestep saves and restores it through state_dict/load_state_dict."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed, self.step = seed, 0
-
-    def batch(self, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = samestep.rng.generator(self.seed, self.step, microbatch, "data")
-        x = torch.randn(16, 8, generator=g)
-        return x, x.sum(dim=1, keepdim=True)
-
-    def state_dict(self) -> dict:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = state["step"]
+def batch(seed: int, step: int, microbatch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch is a pure function of where the run stands, so a resume needs nothing more (a loader with a
+    position of its own is passed as Run(data_cursor=...), and its state_dict is checkpointed)."""
+    g = samestep.rng.generator(seed, step, microbatch, "data")
+    x = torch.randn(16, 8, generator=g)
+    return x, x.sum(dim=1, keepdim=True)
 
 
-def main(run_dir: Path, steps: int, stop_after: int | None, seed: int) -> str:
-    samestep.enable(threads=1)  # every knob set, validated, recorded; fails closed
+def main(run_dir: Path, steps: int, stop_after: int | None, seed: int) -> tuple[str, int]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    cursor = Cursor(seed)
-    checkpoints, start = run_dir / "checkpoints", 0
-    if checkpoints.is_dir():  # resume: the newest intact checkpoint, every byte checked first
-        start = samestep.load_checkpoint(checkpoints, model=model, optimizer=optimizer, data_cursor=cursor,
-                                         fallback=True).step
-    rec = samestep.trace(run_dir, level="step", resume=start > 0)  # "module" or "op" level record more
-    rec.attach(model)
-    end = steps if stop_after is None else min(steps, start + stop_after)
-    for step in range(start, end):
-        with rec.step(step + 1):  # steps are numbered from 1
+    # deterministic mode, resume from the newest intact checkpoint, trace, checkpoints, stop signals
+    with samestep.Run(run_dir, model=model, optimizer=optimizer, level="step") as run:
+        for step in run.steps(steps):  # 1-based; a resumed run starts after its checkpoint
             total = torch.zeros(())
             for i in range(2):  # global microbatch indices, whatever the number of processes
-                with rec.microbatch(i):
-                    x, y = cursor.batch(i)
+                with run.microbatch(i):
+                    x, y = batch(seed, step, i)
                     loss = torch.nn.functional.mse_loss(model(x), y) / 2
                     loss.backward()
                 total += loss.detach()
-            rec.grads(model.named_parameters())  # after the gradient reduction, before the update
-            rec.metric("loss", total)
-            optimizer.step()
+            run.metric("loss", total)
+            optimizer.step()  # the gradients are recorded before the update, the state after it
             optimizer.zero_grad(set_to_none=True)
-            rec.state(model, optimizer)  # parameters and optimizer state after the update
-        cursor.step += 1
-        rec.sync()  # the trace of every step the checkpoint holds is on disk first
-        samestep.save_checkpoint(checkpoints, step + 1, model=model, optimizer=optimizer, data_cursor=cursor)
-    rec.close()
-    samestep.disable()
-    return samestep.digest(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+            if step == stop_after:
+                signal.raise_signal(signal.SIGTERM)  # as a scheduler would: the step ends, is saved, the loop stops
+    digest = samestep.digest(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+    return digest, samestep.preempt.EXIT_PREEMPTED if run.stopped else 0
 
 
 if __name__ == "__main__":
@@ -75,4 +54,6 @@ if __name__ == "__main__":
     ap.add_argument("--stop-after", type=int, default=None)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    print(main(args.run_dir, args.steps, args.stop_after, args.seed))
+    digest, code = main(args.run_dir, args.steps, args.stop_after, args.seed)
+    print(digest)
+    sys.exit(code)

@@ -5,6 +5,8 @@
     samestep.save_checkpoint(root, step, model=model, optimizer=opt, data_cursor=cursor)
     samestep.load_checkpoint(root, model=model, optimizer=opt, data_cursor=cursor, fallback=True)
     rec = samestep.trace(run_dir, level="step")   # per-rank trace streams for samestep diff
+    with samestep.Run(run_dir, model=model, optimizer=opt) as run:   # all of it, for a loop of your own
+        for step in run.steps(total): ...
 
 ``samestep.trace`` loads the recorder (and pyarrow) when first used: ``import samestep`` stays light.
 """
@@ -17,10 +19,11 @@ from samestep.digests import digest, digest_many
 from samestep.env import compare_environments, environment
 from samestep.mode import DeterminismReport, disable, enable, is_enabled
 from samestep.rng import capture_rng, restore_rng
+from samestep.run import Run
 from samestep.version import __version__
 
 __all__ = [
-    "CheckpointError", "DeterminismReport", "LoadedCheckpoint", "__version__", "capture_rng", "compare_environments",
+    "CheckpointError", "DeterminismReport", "Run", "LoadedCheckpoint", "__version__", "capture_rng", "compare_environments",
     "digest", "digest_many", "disable", "enable", "environment", "is_enabled", "load_checkpoint", "preempt",
     "restore_rng", "rng",
     "save_checkpoint", "trace", "verify_checkpoint",

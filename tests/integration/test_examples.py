@@ -10,10 +10,10 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "own_loop.py"
 
 
-def _run(run_dir: Path, *args: str) -> str:
+def _run(run_dir: Path, *args: str, code: int = 0) -> str:
     proc = subprocess.run([sys.executable, str(EXAMPLE), str(run_dir), *args], capture_output=True, text=True,
                           timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == code, proc.stderr[-3000:]
     return proc.stdout.strip()
 
 
@@ -30,11 +30,12 @@ def test_the_readme_shows_the_example_as_it_is():
 
 
 def test_the_example_resumes_to_the_same_bits_and_diffs_identical(tmp_path):
-    """Stopped after 3 of 6 steps and resumed, the example ends with the parameters' digest of the run
-    straight through, and `samestep diff` says identical (exit 0). Negative control: another seed ends
-    elsewhere, and the diff exits 1."""
+    """Stopped by a signal after 3 of 6 steps (exit 75, EXIT_PREEMPTED) and resumed, the example ends with
+    the parameters' digest of the run straight through, and `samestep diff` says identical (exit 0).
+    Negative control: another seed ends elsewhere, and the diff exits 1."""
     straight = _run(tmp_path / "straight")
-    assert _run(tmp_path / "resumed", "--stop-after", "3") != straight  # halfway
+    assert _run(tmp_path / "resumed", "--stop-after", "3", code=75) != straight  # halfway
+    assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").glob("step_*"))[-1] == "step_000003"
     assert _run(tmp_path / "resumed") == straight
     assert _diff(tmp_path / "straight", tmp_path / "resumed") == 0
     assert _run(tmp_path / "other", "--seed", "1") != straight

@@ -1,0 +1,166 @@
+"""``samestep.Run``: the whole protocol for a training loop of your own, in one object.
+
+    with samestep.Run("runs/mine", model=model, optimizer=optimizer, data_cursor=cursor) as run:
+        for step in run.steps(1000):          # 1-based; a resumed run starts after its newest checkpoint
+            for i in range(accumulation):
+                with run.microbatch(i):       # global microbatch index (module/op level name records by it)
+                    loss = compute_loss(model, cursor.batch(step, i)) / accumulation
+                    loss.backward()
+            run.metric("loss", loss)
+            optimizer.step()                  # the gradients are recorded before it, the state after
+            optimizer.zero_grad(set_to_none=True)
+
+It turns deterministic mode on (``samestep.enable``), resumes from the newest intact checkpoint, traces
+every step (``samestep.trace``), records the gradients and the state through the optimizer's own step
+hooks, makes the trace durable before each checkpoint, saves checkpoints, and on a stop signal finishes
+the step, saves, and ends the loop (``run.stopped`` names the signal; exit with
+``samestep.preempt.EXIT_PREEMPTED``). What stays the loop's: the data must be a pure function of where
+the run stands (the step and microbatch, or a ``data_cursor`` whose ``state_dict`` holds its position).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from samestep import mode, preempt
+from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
+
+__all__ = ["Run"]
+
+
+class Run:
+    """A training run of your own loop: deterministic, traced, checkpointed and resumable to the bit.
+
+    Args:
+        run_dir: the run directory (``trace/``, ``run.json`` and ``checkpoints/`` go there).
+        model, optimizer, scheduler, data_cursor: what a checkpoint holds and a resume restores
+            (``scheduler`` and ``data_cursor``: anything with ``state_dict``/``load_state_dict``).
+        level: the trace level, ``"step"``, ``"module"``, ``"op"`` or ``"off"``.
+        trace_steps: the 1-based steps to trace (a set, or text like ``"1-5"``); ``None`` traces all.
+        threads: the intra-op thread count that deterministic mode pins (the bits depend on it).
+        kernels: route racy ops through samestep's deterministic kernels (``enable(kernels=...)``).
+        checkpoint_every: save every this many steps (and at the last step, and on a stop signal).
+        keep: keep only this many newest checkpoints (``None`` keeps all).
+        resume: ``"auto"`` resumes when ``run_dir`` holds a checkpoint; ``False`` refuses a run directory
+            that holds one (start a new run elsewhere); ``True`` requires one.
+        stop_signals: the signals that ask the loop to stop at the next step boundary.
+        strict_env: a different environment fingerprint at resume is an error, not a warning.
+    """
+
+    def __init__(self, run_dir: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: Any = None, data_cursor: Any = None, level: str = "step",
+                 trace_steps: set[int] | str | None = None, threads: int | None = 1, kernels: bool = False,
+                 checkpoint_every: int = 1, keep: int | None = None, resume: bool | str = "auto",
+                 stop_signals: tuple[str, ...] = preempt.DEFAULT_SIGNALS, strict_env: bool = False) -> None:
+        if checkpoint_every < 1:
+            raise ValueError(f"samestep.Run(checkpoint_every={checkpoint_every!r}): save at least every step "
+                             "count >= 1")
+        if resume not in ("auto", True, False):
+            raise ValueError(f"samestep.Run(resume={resume!r}): use 'auto', True or False")
+        self.run_dir = Path(run_dir)
+        self.model, self.optimizer, self.scheduler, self.data_cursor = model, optimizer, scheduler, data_cursor
+        self.checkpoints = self.run_dir / "checkpoints"
+        self.checkpoint_every, self.keep = checkpoint_every, keep
+        self.stopped: str | None = None  # the signal that stopped the loop, if one did
+        self.start = 0  # the step the run resumed after (0: a new run)
+        self._own_mode = not mode.is_enabled()
+        self._stop = preempt.StopRequest(stop_signals)
+        self._hooks: list[Any] = []
+        self._rec = None
+        self._step: int | None = None
+        self._loop: Generator[int, None, None] | None = None
+        self.report = mode.enable(threads=threads, kernels=kernels) if self._own_mode else mode.active_report()
+        try:
+            held = bool(committed_steps(self.checkpoints))
+            if held and resume is False:
+                raise ValueError(f"samestep.Run: {self.checkpoints} already holds checkpoints; pass "
+                                 "resume='auto' to continue that run, or use a new run directory")
+            if not held and resume is True:
+                raise ValueError(f"samestep.Run: resume=True, but {self.checkpoints} holds no checkpoint")
+            if held:
+                self.start = load_checkpoint(self.checkpoints, model=model, optimizer=optimizer, scheduler=scheduler,
+                                             data_cursor=data_cursor, fallback=True, strict_env=strict_env).step
+            from samestep.tracing.start import trace
+
+            self._rec = trace(self.run_dir, level=level, steps=trace_steps, resume=self.start > 0)
+            self._rec.attach(model)
+            self._hooks = [optimizer.register_step_pre_hook(self._before_update),
+                           optimizer.register_step_post_hook(self._after_update)]
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def recorder(self) -> Any:
+        """The ``samestep.trace`` recorder (for a collective, a DDP hook, or a further record)."""
+        return self._rec
+
+    def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._step is not None:
+            self._rec.grads(self.model.named_parameters())
+
+    def _after_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._step is not None:
+            self._rec.state(self.model, optimizer)
+
+    def steps(self, total: int) -> Generator[int, None, None]:
+        """Yields the steps ``start + 1`` .. ``total`` (1-based), each inside the recorder's step; after each,
+        saves a checkpoint every ``checkpoint_every`` steps and at the last. A stop signal ends the loop
+        after the step it arrives in, with a checkpoint of it. A step whose body raises (or leaves the loop
+        with ``break``) is recorded as failed when the run closes, and nothing of it is saved."""
+        self._loop = self._steps(total)
+        return self._loop
+
+    def _steps(self, total: int) -> Generator[int, None, None]:
+        with self._stop:
+            for step in range(self.start + 1, total + 1):
+                self._step = step
+                with self._rec.step(step):
+                    yield step
+                self._step = None
+                stop = self._stop.requested
+                if stop is not None or step == total or step % self.checkpoint_every == 0:
+                    self._rec.sync()  # the trace of every step the checkpoint holds is on disk first
+                    save_checkpoint(self.checkpoints, step, model=self.model, optimizer=self.optimizer,
+                                    scheduler=self.scheduler, data_cursor=self.data_cursor, keep=self.keep)
+                if stop is not None:
+                    self.stopped = stop
+                    return
+
+    @contextlib.contextmanager
+    def microbatch(self, index: int) -> Iterator[None]:
+        """Everything inside belongs to global microbatch ``index`` (the same index whatever the number of
+        processes): module and op records are named by it."""
+        with self._rec.microbatch(index):
+            yield
+
+    def metric(self, name: str, value: float | torch.Tensor) -> None:
+        """A scalar of the step (a loss, a gradient norm), recorded as its exact bits."""
+        self._rec.metric(name, value)
+
+    def close(self) -> None:
+        """Closes the trace, removes the hooks, and turns deterministic mode off if this run turned it on."""
+        if self._loop is not None:  # a step left unfinished (its body raised) closes as failed
+            self._loop.close()
+            self._loop = None
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        try:
+            if self._rec is not None:
+                self._rec.close()
+        finally:
+            self._rec = None
+            if self._own_mode and mode.is_enabled():
+                mode.disable()
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,111 @@
+"""samestep.Run: the protocol of a loop of one's own in one object. Its hooks record what the hand-written
+protocol records, a stop ends the loop with a checkpoint, a resume continues bit for bit, and a step whose
+body raised is neither saved nor called complete."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+import samestep
+from samestep.analysis import certify_trace, diff_runs
+from samestep.checkpoint import committed_steps
+
+
+def _train(run_dir: Path, *, total: int = 4, stop_at: int | None = None, fail_at: int | None = None,
+           lr: float = 0.05, **kw) -> tuple[torch.Tensor, samestep.Run]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.25), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    with samestep.Run(run_dir, model=model, optimizer=opt, scheduler=sched, **kw) as run:
+        for step in run.steps(total):
+            for mb in (0, 1):
+                with run.microbatch(mb):
+                    g = samestep.rng.generator(0, step, mb, "data")
+                    model(torch.randn(3, 4, generator=g)).square().mean().backward()  # dropout: torch's RNG
+            if step == fail_at:
+                raise RuntimeError("the loop failed inside the step")
+            run.metric("loss", torch.tensor(float(step)))
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+            if step == stop_at:
+                signal.raise_signal(signal.SIGTERM)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), run
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32)
+
+
+def test_a_stopped_and_resumed_run_is_the_run_straight_through(tmp_path):
+    """A SIGTERM after step 2 of 4: the step ends, is saved, the loop stops (run.stopped names it); the
+    resume continues to the bits of the run straight through (dropout draws torch's RNG, which the
+    checkpoint restores), and `samestep diff` says identical. Negative control: the same resume without
+    its RNG state restored (the checkpoint's rank RNG file gone from the comparison: another seed
+    before the resume) differs."""
+    straight, _ = _train(tmp_path / "straight")
+    half, run = _train(tmp_path / "cut", stop_at=2)
+    assert run.stopped == "SIGTERM" and [s for s, _ in committed_steps(tmp_path / "cut" / "checkpoints")] == [2, 1]
+    resumed, run = _train(tmp_path / "cut")
+    assert run.start == 2 and run.stopped is None
+    assert torch.equal(_bits(resumed), _bits(straight))
+    assert diff_runs(tmp_path / "straight", tmp_path / "cut")["identical"]
+    assert certify_trace(tmp_path / "cut")["complete"]
+    # negative control: the same stop and resume, but the RNG a resumed run starts from is not the saved one
+    _train(tmp_path / "norng", stop_at=2)
+    original = samestep.Run.__init__
+
+    def reseed_after_load(self, *a, **kw):
+        original(self, *a, **kw)
+        torch.manual_seed(123)
+
+    samestep.Run.__init__ = reseed_after_load
+    try:
+        other, _ = _train(tmp_path / "norng")
+    finally:
+        samestep.Run.__init__ = original
+    assert not torch.equal(_bits(other), _bits(straight))
+    assert not diff_runs(tmp_path / "straight", tmp_path / "norng")["identical"]
+
+
+def test_the_hooks_record_gradients_and_state_at_every_step(tmp_path):
+    """The optimizer's hooks record every parameter's gradient before the update and the state after it:
+    a run whose update differs (another learning rate, same gradients at step 1) diverges first in the
+    parameters after step 1's update, after its 4 gradients and its metric matched."""
+    _train(tmp_path / "a", total=2)
+    _train(tmp_path / "b", total=2, lr=0.07)
+    report = diff_runs(tmp_path / "a", tmp_path / "b")
+    first = report["first_difference"]
+    assert (first["step"], first["op"], first["scope"]) == (1, "param", "0.weight"), first
+    assert report["per_rank"]["0"]["records_compared"] == 5  # the 4 gradients and the metric matched
+
+
+def test_a_step_that_raised_is_not_saved_nor_complete(tmp_path):
+    """The body of step 3 raises: steps 1-2 are saved, step 3 is not, the run directory's lock is free and
+    deterministic mode is off again; certify names step 3. Negative control: a whole run is complete."""
+    with pytest.raises(RuntimeError, match="inside the step"):
+        _train(tmp_path / "failed", fail_at=3)
+    assert [s for s, _ in committed_steps(tmp_path / "failed" / "checkpoints")] == [2, 1]
+    assert not samestep.is_enabled()
+    cert = certify_trace(tmp_path / "failed")
+    assert not cert["complete"] and any("step 3" in p for p in cert["problems"]), cert
+    _train(tmp_path / "whole", total=2)
+    assert certify_trace(tmp_path / "whole")["complete"]
+
+
+def test_resume_choices_are_checked(tmp_path):
+    """resume=False refuses a run directory that holds checkpoints, resume=True one that holds none, and
+    nothing is written by a refused run."""
+    _train(tmp_path / "run", total=1)
+    before = sorted(p.name for p in (tmp_path / "run").rglob("*"))
+    with pytest.raises(ValueError, match="already holds checkpoints"):
+        _train(tmp_path / "run", total=2, resume=False)
+    with pytest.raises(ValueError, match="holds no checkpoint"):
+        _train(tmp_path / "new", total=1, resume=True)
+    assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
+    assert not (tmp_path / "new").exists() and not samestep.is_enabled()
