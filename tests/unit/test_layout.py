@@ -16,7 +16,7 @@ LAYERS = (
     ("samestep.rng", "samestep.env", "samestep.mode", "samestep.data", "samestep.rundir", "samestep.testing",
      "samestep.preempt"),
     ("samestep.checkpoint", "samestep.tracing"),
-    ("samestep.analysis", "samestep.train"),
+    ("samestep.analysis", "samestep.train", "samestep.run", "samestep.integrations"),
     ("samestep.cli", "samestep.__main__"),
     ("samestep",),
 )

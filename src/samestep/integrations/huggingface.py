@@ -1,0 +1,151 @@
+"""samestep in the Hugging Face ``transformers`` Trainer, as one callback.
+
+    trainer = Trainer(model=model, args=args, train_dataset=data,
+                      callbacks=[samestep.integrations.huggingface.SamestepCallback()])
+    trainer.train(resume_from_checkpoint=...)
+
+What it does:
+
+- deterministic mode (``samestep.enable``) from the Trainer's construction on, recorded in run.json;
+- a trace of every step (or ``steps=``) into ``args.output_dir`` (or ``run_dir``), for ``samestep diff``:
+  microbatches numbered by their place in the gradient accumulation, every gradient after clipping and
+  before the update, the parameters and optimizer state after it;
+- beside each of the Trainer's checkpoints, ``samestep.json``: the digests of the model, optimizer,
+  scheduler and every RNG state as saved, and the trace made durable before it;
+- on ``resume_from_checkpoint``, every digest compared with what the Trainer restored, before the first
+  resumed step runs: a resume that would leave the checkpointed run's numerical path (its RNG file gone,
+  say, which the Trainer only warns about) stops with ``ResumeMismatch`` naming the part.
+
+The Trainer's own resume restores the data position (it skips the batches its checkpoint consumed) and
+the RNG states; this callback checks that it did, and the trace shows the rest.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+
+from samestep import mode
+from samestep.durable import write_durable
+from samestep.integrations.fingerprint import ResumeMismatch, check_resume, rng_digest, state_fingerprint
+from samestep.integrations.steps import HookedSteps
+
+__all__ = ["FINGERPRINT", "ResumeMismatch", "SamestepCallback"]
+
+FINGERPRINT = "samestep.json"  # in each checkpoint-N directory
+
+
+class SamestepCallback(TrainerCallback):
+    """Deterministic mode, a trace, and checked resumes for ``transformers.Trainer``.
+
+    Args:
+        run_dir: where the trace and run.json go (default: the Trainer's ``output_dir``).
+        level: the trace level, ``"step"``, ``"module"``, ``"op"`` or ``"off"``.
+        steps: the 1-based optimizer steps to trace (a set, or text like ``"1-5"``); ``None`` traces all.
+        threads: the intra-op thread count that deterministic mode pins.
+        kernels: route racy ops through samestep's deterministic kernels.
+    """
+
+    def __init__(self, run_dir: str | Path | None = None, *, level: str = "step", steps: set[int] | str | None = None,
+                 threads: int | None = 1, kernels: bool = False) -> None:
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.level, self.steps, self.threads, self.kernels = level, steps, threads, kernels
+        self._own_mode = False
+        self._rec: Any = None
+        self._hooked: HookedSteps | None = None
+        self._pending: tuple[dict[str, Any], str] | None = None  # a resume's RNG digest, checked at its first step
+
+    # -- start and end -----------------------------------------------------------------------------------
+    def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if not mode.is_enabled():
+            mode.enable(threads=self.threads, kernels=self.kernels)
+            self._own_mode = True
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                       lr_scheduler: Any = None, **kwargs: Any) -> None:
+        self._end()
+        run_dir = self.run_dir or Path(args.output_dir)
+        resumed = state.global_step > 0
+        if resumed:  # the Trainer has restored the model, the optimizer and the scheduler by now
+            checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            saved = _read_fingerprint(checkpoint / FINGERPRINT)
+            check_resume(saved, state_fingerprint(state.global_step, model, optimizer, lr_scheduler),
+                         str(checkpoint / FINGERPRINT))
+            self._pending = (saved, str(checkpoint / FINGERPRINT))  # the RNG: restored before the first step
+        if not args.should_save and self.level != "off":
+            self.level = "off"  # a process that saves nothing writes no trace (the Trainer's rank rule)
+        self._hooked = HookedSteps.start(run_dir, level=self.level, steps=self.steps, resume=resumed, model=model,
+                                         how_to_resume="trainer.train(resume_from_checkpoint=...)")
+        self._rec = self._hooked.rec
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._end()
+
+    def _end(self) -> None:
+        hooked, self._hooked, self._rec = self._hooked, None, None
+        if hooked is not None:
+            hooked.close()
+
+    def close(self) -> None:
+        """Closes the trace and turns deterministic mode off if this callback turned it on (for a process
+        that goes on after training; the Trainer itself does not call it)."""
+        self._end()
+        if self._own_mode and mode.is_enabled():
+            mode.disable()
+        self._own_mode = False
+
+    # -- each step -----------------------------------------------------------------------------------------
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._pending is not None:
+            saved, where = self._pending
+            self._pending = None
+            check_resume({**saved, "model": None, "optimizer": None, "scheduler": None},
+                         {"format": saved.get("format"), "version": saved.get("version"), "rng": rng_digest()},
+                         where)
+        if self._hooked is not None:
+            self._hooked.begin_step(state.global_step + 1)
+            self._hooked.begin_microbatch(0)
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._hooked is not None and self._hooked.microbatch is not None:
+            self._hooked.begin_microbatch(self._hooked.microbatch + 1)
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+        if self._hooked is not None and self._hooked.step is not None:
+            self._hooked.end_microbatch()
+            self._rec.grads(model.named_parameters())
+
+    def on_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                          **kwargs: Any) -> None:
+        if self._hooked is not None and self._hooked.step is not None:
+            self._rec.state(model, optimizer)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._hooked is not None:
+            self._hooked.end_step()
+            if control.should_save:
+                self._rec.sync()  # the steps the checkpoint holds are in the trace on disk first
+
+    def on_save(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                lr_scheduler: Any = None, **kwargs: Any) -> None:
+        checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+        if not args.should_save or not checkpoint.is_dir():
+            return
+        doc = {**state_fingerprint(state.global_step, model, optimizer, lr_scheduler), "rng": rng_digest()}
+        write_durable(checkpoint / FINGERPRINT, json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n")
+
+
+def _read_fingerprint(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_bytes())
+    except FileNotFoundError:
+        raise ResumeMismatch(f"{path}: missing, so the resume cannot be checked; resume from a checkpoint that a "
+                             "run with SamestepCallback saved, or start a new run") from None
+    except (OSError, ValueError) as e:
+        raise ResumeMismatch(f"{path}: unreadable ({e}); resume from another checkpoint") from None
+    if not isinstance(doc, dict):
+        raise ResumeMismatch(f"{path}: not a JSON table; resume from another checkpoint")
+    return doc

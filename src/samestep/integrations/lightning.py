@@ -1,0 +1,176 @@
+"""samestep in PyTorch Lightning, as one callback.
+
+    trainer = lightning.Trainer(callbacks=[samestep.integrations.lightning.SamestepCallback("runs/pl")], ...)
+    trainer.fit(module, DataLoader(data, batch_size=8, sampler=KeyedSampler(len(data))), ckpt_path=...)
+
+What it does:
+
+- deterministic mode (``samestep.enable``) from ``fit`` on, recorded in run.json;
+- a trace of every optimizer step (or ``steps=``) for ``samestep diff``: the batches of a gradient
+  accumulation as microbatches 0, 1, ..., every gradient before the update (before clipping), the
+  parameters and optimizer state after it, and the step's loss;
+- in each of Lightning's checkpoints (its callback state): every RNG state of the process, which
+  Lightning does not save, and the digests of the model, optimizer and scheduler, with the trace made
+  durable before the checkpoint is written;
+- on ``fit(..., ckpt_path=...)``: the digests compared with what Lightning restored, the RNG states
+  restored before the first resumed step, and the data position: a ``KeyedSampler`` is moved to the
+  first sample the checkpoint had not consumed; a mid-epoch resume with a loader that can do neither
+  (Lightning would restart the epoch's data, and only warn) is refused.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+from samestep import mode
+from samestep.integrations.fingerprint import ResumeMismatch, check_resume, state_fingerprint
+from samestep.integrations.sampler import KeyedSampler
+from samestep.integrations.steps import HookedSteps
+from samestep.rng import capture_rng, restore_rng
+
+__all__ = ["KeyedSampler", "ResumeMismatch", "SamestepCallback"]
+
+
+class SamestepCallback(pl.Callback):
+    """Deterministic mode, a trace, exact and checked resumes for ``lightning.pytorch.Trainer``.
+
+    Args:
+        run_dir: where the trace and run.json go.
+        level: the trace level, ``"step"``, ``"module"``, ``"op"`` or ``"off"``.
+        steps: the 1-based optimizer steps to trace (a set, or text like ``"1-5"``); ``None`` traces all.
+        threads: the intra-op thread count that deterministic mode pins.
+        kernels: route racy ops through samestep's deterministic kernels.
+    """
+
+    def __init__(self, run_dir: str | Path, *, level: str = "step", steps: set[int] | str | None = None,
+                 threads: int | None = 1, kernels: bool = False) -> None:
+        self.run_dir = Path(run_dir)
+        self.level, self.steps, self.threads, self.kernels = level, steps, threads, kernels
+        self._own_mode = False
+        self._rec: Any = None
+        self._hooked: HookedSteps | None = None
+        self._saved: dict[str, Any] | None = None  # the state a resume loaded, until its first step
+        self._mb = 0
+
+    @property
+    def state_key(self) -> str:
+        return "samestep"
+
+    # -- start and end -----------------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if stage == "fit" and not mode.is_enabled():
+            mode.enable(threads=self.threads, kernels=self.kernels)
+            self._own_mode = True
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        resumed = self._saved is not None and trainer.global_step > 0
+        if resumed:
+            saved = self._saved
+            check_resume(saved["fingerprint"], self._fingerprint(trainer, pl_module), "the checkpoint's samestep state")
+            self._position_data(trainer)
+        self._hooked = HookedSteps.start(self.run_dir, level=self.level, steps=self.steps, resume=resumed,
+                                         model=pl_module, how_to_resume="trainer.fit(..., ckpt_path=...)")
+        self._rec = self._hooked.rec
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._end()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._end()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._end()
+        if stage == "fit" and self._own_mode and mode.is_enabled():
+            mode.disable()
+            self._own_mode = False
+
+    def _end(self) -> None:
+        hooked, self._hooked, self._rec = self._hooked, None, None
+        if hooked is not None:
+            hooked.close()
+
+    # -- each step -----------------------------------------------------------------------------------------
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self._saved is not None:  # the first resumed step: the RNG as it stood after the checkpoint's step
+            meta, tensors = self._saved["rng"]
+            restore_rng(meta, tensors)
+            self._saved = None
+        if self._hooked is None:
+            return
+        if self._hooked.step is None:
+            self._hooked.begin_step(trainer.global_step + 1)
+            self._mb = 0
+        else:
+            self._mb += 1
+        self._hooked.begin_microbatch(self._mb)
+
+    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                                 optimizer: torch.optim.Optimizer) -> None:
+        if self._hooked is not None and self._hooked.step is not None:
+            self._hooked.end_microbatch()
+            self._rec.grads(pl_module.named_parameters())
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        hooked = self._hooked
+        if hooked is None or hooked.step is None:
+            return
+        hooked.end_microbatch()
+        if trainer.global_step < hooked.step:
+            return  # accumulating: the step goes on with the next batch
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor):
+            self._rec.metric("loss", loss.detach())
+        self._rec.state(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
+        hooked.end_step()
+
+    # -- Lightning's checkpoints -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Saved in Lightning's checkpoint (after the step's update): the RNG states and the state's digests.
+        The trace of the steps it holds is made durable first."""
+        if self._rec is not None:
+            self._rec.sync()
+        trainer = self._trainer
+        return {"rng": capture_rng(), "fingerprint": self._fingerprint(trainer, trainer.lightning_module)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not {"rng", "fingerprint"} <= state_dict.keys():
+            raise ResumeMismatch("the checkpoint's samestep state lacks 'rng' or 'fingerprint': it was not saved by "
+                                 "this SamestepCallback; resume from a checkpoint it saved")
+        self._saved = state_dict
+
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._trainer = trainer
+
+    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:
+        self._trainer = trainer
+
+    @staticmethod
+    def _fingerprint(trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        opt = trainer.optimizers[0] if trainer.optimizers else None
+        configs = trainer.lr_scheduler_configs
+        return state_fingerprint(trainer.global_step, pl_module, opt, configs[0].scheduler if configs else None)
+
+    @staticmethod
+    def _position_data(trainer: pl.Trainer) -> None:
+        """Moves the training data to the first batch the checkpoint had not consumed."""
+        # processed: the batches whose step ran (the checkpoint is written before Lightning counts its
+        # last one completed)
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        loader = trainer.train_dataloader
+        sampler = getattr(loader, "sampler", None)
+        if isinstance(sampler, KeyedSampler):
+            sampler.resume_at(min(done * loader.batch_size, sampler.n))
+            return
+        if done == 0 or (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")):
+            return  # at an epoch's start, or a loader that Lightning itself resumes
+        raise ResumeMismatch(f"the checkpoint stands {done} batch(es) into an epoch, and the training DataLoader "
+                             f"({type(loader).__name__} with {type(sampler).__name__}) cannot start there: Lightning "
+                             "would restart the epoch's data. Give it sampler=samestep.integrations.lightning."
+                             "KeyedSampler(len(dataset), seed), or a stateful loader (state_dict/load_state_dict)")

@@ -1,0 +1,65 @@
+"""The framework callbacks, with the real libraries, through the frameworks' own checkpoints: two runs and a
+run killed (SIGKILL) and resumed give the same bits, and a resume that would leave the run's numerical
+path (an RNG file gone, a loader that restarts the epoch's data) is refused. The runs are the examples
+(examples/hf_trainer.py, examples/lightning_fit.py), each in its own process."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(example: str, out: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "examples" / example), str(out), *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def _digest(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def _diff(a: Path, b: Path) -> int:
+    return subprocess.run([sys.executable, "-m", "samestep", "diff", str(a), str(b)], capture_output=True,
+                          timeout=300).returncode
+
+
+def test_hf_trainer_killed_and_resumed_is_the_run_straight_through(tmp_path):
+    """A GPT-2 (dropout on) under transformers.Trainer with SamestepCallback: killed once checkpoint-3 is
+    saved and resumed through the Trainer's own resume_from_checkpoint, it ends on the straight run's
+    digest, and `samestep diff` compares the traces of all 6 steps, the first 3 from two independent runs,
+    identical (exit 0). Negative controls: the same killed run, its rng_state.pth removed (the Trainer
+    only warns, and goes on elsewhere), is refused before its first step, naming the RNG; another seed
+    diverges (diff exit 1)."""
+    straight = _digest(_run("hf_trainer.py", tmp_path / "straight"))
+    killed = _run("hf_trainer.py", tmp_path / "cut", "--kill-after", "3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    shutil.copytree(tmp_path / "cut", tmp_path / "norng")
+    assert _digest(_run("hf_trainer.py", tmp_path / "cut", "--resume")) == straight
+    assert _diff(tmp_path / "straight", tmp_path / "cut") == 0
+    (tmp_path / "norng" / "checkpoint-3" / "rng_state.pth").unlink()
+    refused = _run("hf_trainer.py", tmp_path / "norng", "--resume")
+    assert refused.returncode != 0 and "ResumeMismatch" in refused.stderr and "rng differs" in refused.stderr
+    assert _digest(_run("hf_trainer.py", tmp_path / "seed1", "--seed", "1")) != straight
+    assert _diff(tmp_path / "straight", tmp_path / "seed1") == 1
+
+
+def test_lightning_killed_and_resumed_mid_epoch_is_the_run_straight_through(tmp_path):
+    """A Lightning module (dropout, a per-step LR schedule, 2 batches per step) with SamestepCallback and a
+    KeyedSampler: killed after checkpoint 3 (6 batches into an 8-batch epoch) and resumed with
+    fit(ckpt_path=...), it ends on the straight run's digest, and the traces are identical (exit 0).
+    Lightning saves no RNG state and restarts a plain loader's epoch: negative control, the same resume
+    with torch's RandomSampler is refused, naming the fix."""
+    straight = _digest(_run("lightning_fit.py", tmp_path / "straight"))
+    killed = _run("lightning_fit.py", tmp_path / "cut", "--kill-after", "3")
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    assert _digest(_run("lightning_fit.py", tmp_path / "cut", "--resume")) == straight
+    assert _diff(tmp_path / "straight", tmp_path / "cut") == 0
+    _run("lightning_fit.py", tmp_path / "plain", "--kill-after", "3", "--plain-sampler")
+    refused = _run("lightning_fit.py", tmp_path / "plain", "--resume", "--plain-sampler")
+    assert refused.returncode != 0 and "ResumeMismatch" in refused.stderr and "KeyedSampler" in refused.stderr
