@@ -23,7 +23,7 @@ demo: install
 	$(BIN)/samestep demo
 
 test: install
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q --durations=30 tests
 
 bench: install
 	$(BIN)/python bench/bench_foundation.py
