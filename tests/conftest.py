@@ -63,6 +63,15 @@ def run_train(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 
     return json.loads(final.read_text()) if final.exists() else None
 
 
+def side_by_side(*calls):
+    """Runs independent ``samestep train`` runs (callables, each starting its own processes) at once: on a
+    2-core machine two single-threaded runs take the time of one. Their results, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=len(calls)) as pool:
+        return [f.result() for f in [pool.submit(call) for call in calls]]
+
+
 def metrics_bytes(run_dir: Path) -> bytes:
     return (run_dir / "metrics.jsonl").read_bytes()
 

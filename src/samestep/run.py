@@ -50,13 +50,18 @@ class Run:
             that holds one (start a new run elsewhere); ``True`` requires one.
         stop_signals: the signals that ask the loop to stop at the next step boundary.
         strict_env: a different environment fingerprint at resume is an error, not a warning.
+        copy: digest copies of gradients (and, at module level, of module outputs) instead of the tensors
+            themselves. Without it they are digested where they lie and checked unchanged until then (a
+            change in place, such as ``zero_grad(set_to_none=False)`` before they were digested, raises and
+            names this option): what the reference loop does, and cheaper.
     """
 
     def __init__(self, run_dir: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                  scheduler: Any = None, data_cursor: Any = None, level: str = "step",
                  trace_steps: set[int] | str | None = None, threads: int | None = 1, kernels: bool = False,
                  checkpoint_every: int = 1, keep: int | None = None, resume: bool | str = "auto",
-                 stop_signals: tuple[str, ...] = preempt.DEFAULT_SIGNALS, strict_env: bool = False) -> None:
+                 stop_signals: tuple[str, ...] = preempt.DEFAULT_SIGNALS, strict_env: bool = False,
+                 copy: bool = False) -> None:
         if checkpoint_every < 1:
             raise ValueError(f"samestep.Run(checkpoint_every={checkpoint_every!r}): save at least every step "
                              "count >= 1")
@@ -87,8 +92,12 @@ class Run:
                                              data_cursor=data_cursor, fallback=True, strict_env=strict_env).step
             from samestep.tracing.start import trace
 
-            self._rec = trace(self.run_dir, level=level, steps=trace_steps, resume=self.start > 0)
+            self._rec = trace(self.run_dir, level=level, steps=trace_steps, resume=self.start > 0, copy=copy)
             self._rec.attach(model)
+            # kept from step to step, as the reference loop keeps them: a model gains or loses no parameter
+            self._params = list(model.named_parameters())
+            self._buffers = self._rec.persistent_buffers(model)
+            self._grad_copy: bool | str = True if copy or level != "step" else "checked"
             self._hooks = [optimizer.register_step_pre_hook(self._before_update),
                            optimizer.register_step_post_hook(self._after_update)]
         except BaseException:
@@ -102,11 +111,11 @@ class Run:
 
     def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._step is not None:
-            self._rec.grads(self.model.named_parameters())
+            self._rec.grads(self._params, copy=self._grad_copy)
 
     def _after_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._step is not None:
-            self._rec.state(self.model, optimizer)
+            self._rec.state(self.model, optimizer, named_params=self._params, named_buffers=self._buffers)
 
     def steps(self, total: int) -> Generator[int, None, None]:
         """Yields the steps ``start + 1`` .. ``total`` (1-based), each inside the recorder's step; after each,

@@ -10,11 +10,16 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "own_loop.py"
 
 
-def _run(run_dir: Path, *args: str, code: int = 0) -> str:
-    proc = subprocess.run([sys.executable, str(EXAMPLE), str(run_dir), *args], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == code, proc.stderr[-3000:]
-    return proc.stdout.strip()
+def _together(*runs: tuple[Path, tuple[str, ...], int]) -> list[str]:
+    """Runs the example side by side (independent runs), each expected to exit with its code; their digests."""
+    procs = [subprocess.Popen([sys.executable, str(EXAMPLE), str(run_dir), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for run_dir, args, _ in runs]
+    out = []
+    for p, (_, _, code) in zip(procs, runs):
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == code, stderr[-3000:]
+        out.append(stdout.strip())
+    return out
 
 
 def _diff(a: Path, b: Path) -> int:
@@ -33,10 +38,11 @@ def test_the_example_resumes_to_the_same_bits_and_diffs_identical(tmp_path):
     """Stopped by a signal after 3 of 6 steps (exit 75, EXIT_PREEMPTED) and resumed, the example ends with
     the parameters' digest of the run straight through, and `samestep diff` says identical (exit 0).
     Negative control: another seed ends elsewhere, and the diff exits 1."""
-    straight = _run(tmp_path / "straight")
-    assert _run(tmp_path / "resumed", "--stop-after", "3", code=75) != straight  # halfway
+    straight, halfway = _together((tmp_path / "straight", (), 0), (tmp_path / "resumed", ("--stop-after", "3"), 75))
+    assert halfway != straight
     assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").glob("step_*"))[-1] == "step_000003"
-    assert _run(tmp_path / "resumed") == straight
+    resumed, other = _together((tmp_path / "resumed", (), 0), (tmp_path / "other", ("--seed", "1"), 0))
+    assert resumed == straight
     assert _diff(tmp_path / "straight", tmp_path / "resumed") == 0
-    assert _run(tmp_path / "other", "--seed", "1") != straight
+    assert other != straight
     assert _diff(tmp_path / "straight", tmp_path / "other") == 1

@@ -11,7 +11,7 @@ import pytest
 
 from samestep.analysis import DiffError
 from samestep.analysis.report import KIND_COLOURS, make_report
-from tests.conftest import run_train
+from tests.conftest import run_train, side_by_side
 
 pytest.importorskip("matplotlib")  # a test extra: `make test` installs it
 SETTINGS = ("train.steps=4", "train.warmup_steps=1", "train.checkpoint_every=0", "trace.level=op", "trace.steps=1-2")
@@ -22,9 +22,8 @@ PERTURB = "trace.perturb=rank=0,step=2,microbatch=1,phase=forward,scope=lm_head,
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("report")
     out = {name: root / name for name in ("a", "twin", "ulp")}
-    run_train(out["a"], *SETTINGS)
-    run_train(out["twin"], *SETTINGS)
-    run_train(out["ulp"], *SETTINGS, PERTURB)
+    side_by_side(lambda: run_train(out["a"], *SETTINGS), lambda: run_train(out["twin"], *SETTINGS),
+                 lambda: run_train(out["ulp"], *SETTINGS, PERTURB))
     return out
 
 

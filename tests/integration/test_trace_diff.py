@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from tests.conftest import TINY, run_train
+from tests.conftest import TINY, run_train, side_by_side
 
 pytestmark = pytest.mark.slow
 
@@ -47,8 +47,8 @@ def test_tracing_never_changes_a_bit(untraced, tmp_path, level):
 
 def test_identical_traced_runs_diff_clean(tmp_path):
     """Two op-traced deterministic runs: diff exits 0 and compares every record."""
-    for name in ("a", "b"):
-        run_train(tmp_path / name, *TINY, "trace.level=op", "trace.steps=1-2")
+    side_by_side(*[lambda name=name: run_train(tmp_path / name, *TINY, "trace.level=op", "trace.steps=1-2")
+                   for name in ("a", "b")])
     code, report = _diff(tmp_path / "a", tmp_path / "b")
     assert code == 0 and report["identical"] and report["per_rank"]["0"]["records_compared"] > 1000
 
@@ -84,12 +84,12 @@ def test_diff_finds_exactly_the_injected_ulp(tmp_path, nproc, rank, microbatch):
     """One ULP added to one op occurrence: diff names exactly that op, occurrence, microbatch, step and rank;
     on the other rank the damage arrives through the collective (a receiver)."""
     common = (*TINY, "trace.level=op", "trace.steps=2")
-    run_train(tmp_path / "a", *common, nproc=nproc)
     # The final layer norm's output: a ULP there reaches the logits and the gradients. (A ULP elsewhere
     # can vanish: dropped by dropout, or rounded away by the additions and updates after it.)
     target = f"rank={rank},step=2,microbatch={microbatch},phase=forward,scope=transformer.ln_f,op=" \
              "aten.native_layer_norm.default"
-    run_train(tmp_path / "b", *common, f"trace.perturb={target}", nproc=nproc)
+    side_by_side(lambda: run_train(tmp_path / "a", *common, nproc=nproc),
+                 lambda: run_train(tmp_path / "b", *common, f"trace.perturb={target}", nproc=nproc))
     code, report = _diff(tmp_path / "a", tmp_path / "b")
     assert code == 1
     o = report["origin"]
@@ -111,8 +111,9 @@ def test_resumed_traced_run_diffs_clean_against_an_uninterrupted_one(tmp_path):
     import shutil
 
     traced = (*TINY, "trace.level=module", "trace.steps=1-6")
-    run_train(tmp_path / "a", *traced)
-    assert run_train(tmp_path / "b", *traced, stop_after=3) is None
+    _, stopped = side_by_side(lambda: run_train(tmp_path / "a", *traced),
+                              lambda: run_train(tmp_path / "b", *traced, stop_after=3))
+    assert stopped is None
     shutil.rmtree(tmp_path / "b" / "checkpoints" / "step_000003")
     run_train(tmp_path / "b", *traced, resume=True)
     assert json.loads((tmp_path / "b" / "run.json").read_text())["resumes"][0]["step"] == 2

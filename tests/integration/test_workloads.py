@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from samestep.rundir import last_logged_step
-from tests.conftest import TINY, metrics_bytes, run_train, train_cmd
+from tests.conftest import TINY, metrics_bytes, run_train, side_by_side, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -41,8 +41,8 @@ def test_llama_and_bf16_repeat_resume_and_match_across_process_counts(tmp_path):
     for (arch, precision), nproc in CASES.items():
         settings = (*BASE, f"model.arch={arch}", f"train.precision={precision}")
         name = f"{arch}_{precision}"
-        a = run_train(tmp_path / f"{name}_a", *settings)
-        b = run_train(tmp_path / f"{name}_b", *settings)
+        a, b = side_by_side(lambda: run_train(tmp_path / f"{name}_a", *settings),
+                            lambda: run_train(tmp_path / f"{name}_b", *settings))
         assert a["state_digest"] == b["state_digest"], name
         assert metrics_bytes(tmp_path / f"{name}_a") == metrics_bytes(tmp_path / f"{name}_b"), name
         resumed = _killed_then_resumed(tmp_path / f"{name}_k", settings, after=3)
@@ -64,15 +64,15 @@ def test_a_compiled_model_repeats_resumes_and_matches_on_two_processes(tmp_path,
     identical; a run stopped after 3 steps and resumed in a new process (compiling again) identical; on 2
     processes identical. Negative control: the same comparison tells a run of another seed apart."""
     settings = (*BASE, f"model.arch={arch}", f"train.precision={precision}", "train.compile=true")
-    a = run_train(tmp_path / "a", *settings)
-    b = run_train(tmp_path / "b", *settings)
+    a, b = side_by_side(lambda: run_train(tmp_path / "a", *settings), lambda: run_train(tmp_path / "b", *settings))
     assert a["state_digest"] == b["state_digest"] and metrics_bytes(tmp_path / "a") == metrics_bytes(tmp_path / "b")
-    assert run_train(tmp_path / "r", *settings, stop_after=3) is None
+    stopped, other_seed = side_by_side(lambda: run_train(tmp_path / "r", *settings, stop_after=3),
+                                       lambda: run_train(tmp_path / "s", *settings, "train.seed=7"))
+    assert stopped is None
     resumed = run_train(tmp_path / "r", *settings, resume=True)
     assert resumed["state_digest"] == a["state_digest"] and metrics_bytes(tmp_path / "r") == metrics_bytes(tmp_path / "a")
     wide = run_train(tmp_path / "w", *settings, nproc=2)
     assert wide["state_digest"] == a["state_digest"] and metrics_bytes(tmp_path / "w") == metrics_bytes(tmp_path / "a")
-    other_seed = run_train(tmp_path / "s", *settings, "train.seed=7")
     assert other_seed["state_digest"] != a["state_digest"]
 
 
