@@ -72,29 +72,31 @@ def overhead(level: str, pairs: int, steps: int, root: Path) -> dict:
     base_opt = torch.optim.AdamW(base.parameters(), lr=1e-3)
     traced = model()
     opt = torch.optim.AdamW(traced.parameters(), lr=1e-3)
-    total = (pairs + 1) * steps
+    warm = 2  # the first steps of each side, untimed: the traced side starts its digest worker there
+    total = warm + pairs * steps
     ratios, t_off, t_on = [], [], []
     with samestep.Run(root / level, model=traced, optimizer=opt, level=level, checkpoint_every=total + 1) as run:
+        # A step of Run closes when the loop asks for the next one: one step past the timed ones closes them.
         loop = iter(run.steps(total + 1))
-        for p in range(pairs + 1):
+        for s in range(warm):
+            one_step(base, base_opt, s, None)
+            one_step(traced, opt, next(loop), run)
+        for p in range(pairs):
             t0 = time.perf_counter()
             for s in range(steps):
-                one_step(base, base_opt, p * steps + s, None)
+                one_step(base, base_opt, warm + p * steps + s, None)
             t1 = time.perf_counter()
             for s in range(steps):
-                step = next(loop)
-                one_step(traced, opt, step, run)
+                one_step(traced, opt, next(loop), run)
             t2 = time.perf_counter()
-            run.recorder.flush()  # the last batch's digests, outside the timing
-            if p:
-                ratios.append((t2 - t1) / (t1 - t0))
-                t_off.append((t1 - t0) / steps)
-                t_on.append((t2 - t1) / steps)
-        next(loop)  # the last step (a checkpoint, after the timing)
-        for _ in loop:
+            run.recorder.flush()  # the digests of what is staged, outside the timing
+            ratios.append((t2 - t1) / (t1 - t0))
+            t_off.append((t1 - t0) / steps)
+            t_on.append((t2 - t1) / steps)
+        for _ in loop:  # the step past the timed ones (empty), then the checkpoint
             pass
-    n = sum(b.num_rows for b in records(root / level, 0, None, []))
-    per_step = n / (total + 1)
+    n = sum(b.num_rows for b in records(root / level, 0, set(range(1, total + 1)), []))
+    per_step = n / total
     extra = statistics.median(t_on) - statistics.median(t_off)
     return {"ratio_median": round(statistics.median(ratios), 3), "ratio_ci95": median_ci(ratios),
             "step_ms_untraced": round(1000 * statistics.median(t_off), 2),

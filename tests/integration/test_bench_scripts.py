@@ -53,6 +53,16 @@ def test_trace_bench_times_the_recorder_calls(tmp_path):
     assert step["recorder_calls_ms_per_step"] > 0 and 0 < step["recorder_calls_share"] < 0.5
 
 
+def test_user_loop_bench_runs_and_counts_records():
+    """`bench/bench_user_loop.py` (one pair of one step, step level): a ratio, and the records each traced
+    step writes (28 gradients, 28 parameters and 56 AdamW moments at least) with their cost."""
+    proc = subprocess.run([sys.executable, "bench/bench_user_loop.py", "--levels", "step", "--pairs", "1", "--steps",
+                           "1", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    step = json.loads(proc.stdout)["step"]
+    assert step["ratio_median"] > 0 and step["records_per_step"] >= 112 and step["step_ms_traced"] > 0
+
+
 def test_fault_harness_finds_every_outcome_as_documented():
     """`bench/bench_faults.py` in a short round (1 random SIGKILL, 1 SIGTERM, 1 pair of concurrent writers;
     tests/integration/test_train.py kills saves at their filesystem operations) and the whole

@@ -58,21 +58,24 @@ def test_llama_and_bf16_repeat_resume_and_match_across_process_counts(tmp_path):
     assert metrics_bytes(tmp_path / "llama_fp32_a") != metrics_bytes(tmp_path / "llama_bf16_a")
 
 
-@pytest.mark.parametrize("arch,precision", [("llama", "bf16"), ("gpt", "fp32")])
-def test_a_compiled_model_repeats_resumes_and_matches_on_two_processes(tmp_path, arch, precision):
+# Every compiled combination on 1 process and on 2 or 4: with the eager cases above and test_layouts' (gpt
+# fp32 on 1, 2, 4 and 8), each pair of {arch, precision, eager/compiled} values runs on 2 and on 4 processes.
+@pytest.mark.parametrize("arch,precision,nproc", [("llama", "bf16", 2), ("gpt", "fp32", 2), ("gpt", "bf16", 4),
+                                                  ("llama", "fp32", 4)])
+def test_a_compiled_model_repeats_resumes_and_matches_across_process_counts(tmp_path, arch, precision, nproc):
     """train.compile=true (Inductor in deterministic mode, the forward and its loss compiled): two runs
-    identical; a run stopped after 3 steps and resumed in a new process (compiling again) identical; on 2
-    processes identical. Negative control: the same comparison tells a run of another seed apart."""
+    identical; a run killed with SIGKILL after step 3 and resumed in a new process (compiling again)
+    identical; on 2 or 4 processes identical. Negative control: the same comparison tells a run of another
+    seed apart."""
     settings = (*BASE, f"model.arch={arch}", f"train.precision={precision}", "train.compile=true")
     a, b = side_by_side(lambda: run_train(tmp_path / "a", *settings), lambda: run_train(tmp_path / "b", *settings))
     assert a["state_digest"] == b["state_digest"] and metrics_bytes(tmp_path / "a") == metrics_bytes(tmp_path / "b")
-    stopped, other_seed = side_by_side(lambda: run_train(tmp_path / "r", *settings, stop_after=3),
-                                       lambda: run_train(tmp_path / "s", *settings, "train.seed=7"))
-    assert stopped is None
-    resumed = run_train(tmp_path / "r", *settings, resume=True)
+    resumed, wide, other_seed = side_by_side(lambda: _killed_then_resumed(tmp_path / "r", settings, after=3),
+                                             lambda: run_train(tmp_path / "w", *settings, nproc=nproc),
+                                             lambda: run_train(tmp_path / "s", *settings, "train.seed=7"))
     assert resumed["state_digest"] == a["state_digest"] and metrics_bytes(tmp_path / "r") == metrics_bytes(tmp_path / "a")
-    wide = run_train(tmp_path / "w", *settings, nproc=2)
-    assert wide["state_digest"] == a["state_digest"] and metrics_bytes(tmp_path / "w") == metrics_bytes(tmp_path / "a")
+    assert wide["state_digest"] == a["state_digest"] and wide["world_size"] == nproc
+    assert metrics_bytes(tmp_path / "w") == metrics_bytes(tmp_path / "a")
     assert other_seed["state_digest"] != a["state_digest"]
 
 
