@@ -225,8 +225,10 @@ def main() -> int:
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="samestep-faults-") as tmp:
         work = Path(tmp)
-        for name, settings in (("reference", RUN), ("reference_long", LONG)):
-            subprocess.run(_cmd(work / name, settings), check=True, capture_output=True, timeout=600, env=_env())
+        with ThreadPoolExecutor(max_workers=2) as pool:  # two single-threaded runs, side by side
+            list(pool.map(lambda job: subprocess.run(_cmd(work / job[0], job[1]), check=True, capture_output=True,
+                                                     timeout=600, env=_env()),
+                          (("reference", RUN), ("reference_long", LONG))))
         reference, reference_long = _outcome(work / "reference"), _outcome(work / "reference_long")
         result = {"kills": kills(work, reference, args.kills, rng)}
         if args.save_ops != "none":
