@@ -47,8 +47,9 @@ def state_fingerprint(step: int, model: torch.nn.Module, optimizer: torch.optim.
     return doc
 
 
-def check_resume(saved: dict[str, Any], now: dict[str, Any], where: str) -> None:
-    """Compares a checkpoint's fingerprint with the state a resume restored.
+def check_resume(saved: dict[str, Any], now: dict[str, Any], where: str,
+                 parts: tuple[str, ...] = ("step", "model", "optimizer", "scheduler", "rng")) -> None:
+    """Compares a checkpoint's fingerprint with the state a resume restored: the ``parts`` both hold.
 
     Raises:
         ResumeMismatch: names ``where`` (the checkpoint), the part that differs, and what to check.
@@ -60,7 +61,7 @@ def check_resume(saved: dict[str, Any], now: dict[str, Any], where: str) -> None
              "optimizer": "the optimizer state was not restored (or another optimizer was built)",
              "scheduler": "the learning-rate scheduler was not restored",
              "rng": "the RNG states were not restored as saved (is the framework's RNG file missing?)"}
-    for part in ("step", "model", "optimizer", "scheduler", "rng"):
+    for part in parts:
         if part in saved and part in now and saved[part] != now[part]:
             fix = fixes.get(part, "the run resumed from another step than the checkpoint's")
             raise ResumeMismatch(f"{where}: the resumed run's {part} differs from the checkpoint's "

@@ -102,9 +102,7 @@ class SamestepCallback(TrainerCallback):
         if self._pending is not None:
             saved, where = self._pending
             self._pending = None
-            check_resume({**saved, "model": None, "optimizer": None, "scheduler": None},
-                         {"format": saved.get("format"), "version": saved.get("version"), "rng": rng_digest()},
-                         where)
+            check_resume(saved, {"rng": rng_digest()}, where, parts=("rng",))
         if self._hooked is not None:
             self._hooked.begin_step(state.global_step + 1)
             self._hooked.begin_microbatch(0)

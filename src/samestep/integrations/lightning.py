@@ -55,6 +55,7 @@ class SamestepCallback(pl.Callback):
         self._hooked: HookedSteps | None = None
         self._saved: dict[str, Any] | None = None  # the state a resume loaded, until its first step
         self._mb = 0
+        self._trainer: pl.Trainer | None = None  # state_dict() is given no trainer: fit's, from on_fit_start
 
     @property
     def state_key(self) -> str:
@@ -136,6 +137,8 @@ class SamestepCallback(pl.Callback):
         if self._rec is not None:
             self._rec.sync()
         trainer = self._trainer
+        if trainer is None:
+            raise RuntimeError("SamestepCallback.state_dict() outside Trainer.fit: nothing to fingerprint")
         return {"rng": capture_rng(), "fingerprint": self._fingerprint(trainer, trainer.lightning_module)}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -145,10 +148,6 @@ class SamestepCallback(pl.Callback):
         self._saved = state_dict
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._trainer = trainer
-
-    def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                           checkpoint: dict[str, Any]) -> None:
         self._trainer = trainer
 
     @staticmethod
