@@ -13,9 +13,10 @@
 It turns deterministic mode on (``samestep.enable``), resumes from the newest intact checkpoint, traces
 every step (``samestep.trace``), records the gradients and the state through the optimizer's own step
 hooks, makes the trace durable before each checkpoint, saves checkpoints, and on a stop signal finishes
-the step, saves, and ends the loop (``run.stopped`` names the signal; exit with
-``samestep.preempt.EXIT_PREEMPTED``). What stays the loop's: the data must be a pure function of where
-the run stands (the step and microbatch, or a ``data_cursor`` whose ``state_dict`` holds its position).
+the step, saves, and ends the loop, on every rank after the same step (``run.stopped`` names the
+signal; exit with ``samestep.preempt.EXIT_PREEMPTED``). What stays the loop's: the data must be a pure
+function of where the run stands (the step and microbatch, or a ``data_cursor`` whose ``state_dict``
+holds its position).
 """
 
 from __future__ import annotations
@@ -31,6 +32,18 @@ from samestep import mode, preempt
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 
 __all__ = ["Run"]
+
+
+def _any_rank(flag: bool) -> bool:
+    """Whether ``flag`` is true on any rank of the default process group (every rank gets the answer)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    t = torch.tensor([int(flag)], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
 
 
 class Run:
@@ -132,7 +145,11 @@ class Run:
                 with self._rec.step(step):
                     yield step
                 self._step = None
+                # every rank stops after the same step (a signal may reach one rank first), so every rank
+                # reaches the checkpoint's barriers
                 stop = self._stop.requested
+                if self._stop.signals and _any_rank(stop is not None) and stop is None:
+                    stop = "a signal to another rank"
                 if stop is not None or step == total or step % self.checkpoint_every == 0:
                     self._rec.sync()  # the trace of every step the checkpoint holds is on disk first
                     save_checkpoint(self.checkpoints, step, model=self.model, optimizer=self.optimizer,

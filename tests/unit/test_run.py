@@ -109,3 +109,45 @@ def test_resume_choices_are_checked(tmp_path):
         _train(tmp_path / "new", total=1, resume=True)
     assert sorted(p.name for p in (tmp_path / "run").rglob("*")) == before
     assert not (tmp_path / "new").exists() and not samestep.is_enabled()
+
+
+def _two_rank_worker(rank: int, init: str, run_dir: str, out: str, signal_at: int | None) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with samestep.Run(run_dir, model=model, optimizer=opt) as run:
+            for step in run.steps(4):
+                model(torch.full((2, 4), float(step))).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                if step == signal_at and rank == 1:
+                    signal.raise_signal(signal.SIGTERM)  # this rank only
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"stopped": run.stopped, "start": run.start}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    """Two processes; SIGTERM reaches rank 1 alone during step 2. Both stop after step 2 (rank 0 names
+    another rank's signal, which it never received: without agreeing, it would have gone on into step
+    3's checkpoint barrier alone), the checkpoint of step 2 is committed by both, and both resume from it."""
+    import json
+
+    import torch.multiprocessing as mp
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    out.mkdir()
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init1"), str(run), str(out), 2), nprocs=2, join=True)
+    first = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert first == [{"stopped": "a signal to another rank", "start": 0}, {"stopped": "SIGTERM", "start": 0}]
+    assert [s for s, _ in committed_steps(run / "checkpoints")][0] == 2
+    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init2"), str(run), str(out), None), nprocs=2, join=True)
+    again = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert again == [{"stopped": None, "start": 2}] * 2
+    assert [s for s, _ in committed_steps(run / "checkpoints")][0] == 4
