@@ -21,11 +21,11 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 import samestep
 from samestep.analysis.records import records
+from bench_trace import median_ci  # the same bootstrap interval as the reference loop's figures
 
 BATCH, SEQ, VOCAB, MICROBATCHES = 8, 64, 256, 2
 
@@ -59,12 +59,6 @@ def one_step(m: torch.nn.Module, opt: torch.optim.Optimizer, step: int, run: sam
         run.metric("loss", total)
     opt.step()
     opt.zero_grad(set_to_none=True)
-
-
-def median_ci(ratios: list[float], rounds: int = 2000) -> list[float]:
-    rng = np.random.default_rng(0)
-    medians = np.sort(np.median(rng.choice(np.asarray(ratios), size=(rounds, len(ratios))), axis=1))
-    return [round(float(medians[int(0.025 * rounds)]), 3), round(float(medians[int(0.975 * rounds) - 1]), 3)]
 
 
 def overhead(level: str, pairs: int, steps: int, root: Path) -> dict:

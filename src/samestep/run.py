@@ -30,20 +30,9 @@ import torch
 
 from samestep import mode, preempt
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
+from samestep.distributed.agree import any_rank
 
 __all__ = ["Run"]
-
-
-def _any_rank(flag: bool) -> bool:
-    """Whether ``flag`` is true on any rank of the default process group (every rank gets the answer)."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    t = torch.tensor([int(flag)], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
 
 
 class Run:
@@ -148,7 +137,7 @@ class Run:
                 # every rank stops after the same step (a signal may reach one rank first), so every rank
                 # reaches the checkpoint's barriers
                 stop = self._stop.requested
-                if self._stop.signals and _any_rank(stop is not None) and stop is None:
+                if self._stop.signals and any_rank(stop is not None) and stop is None:
                     stop = "a signal to another rank"
                 if stop is not None or step == total or step % self.checkpoint_every == 0:
                     self._rec.sync()  # the trace of every step the checkpoint holds is on disk first

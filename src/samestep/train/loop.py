@@ -26,7 +26,7 @@ from samestep import rng
 from samestep._state import dotted, state_digest
 from samestep.checkpoint import load_checkpoint, save_checkpoint
 from samestep.data import DataCursor, load_corpus
-from samestep.distributed import AllReduceGradients, CanonicalGradients, validate_layout
+from samestep.distributed import AllReduceGradients, CanonicalGradients, any_rank, validate_layout
 from samestep.mode import DeterminismReport, disable, enable
 from samestep.preempt import StopRequest, parse_signals
 from samestep.rundir import (
@@ -124,13 +124,7 @@ class _Distributed:
 
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (every rank gets the same answer)."""
-        import torch.distributed as dist
-
-        if self.world == 1:
-            return flag
-        t = torch.tensor([int(flag)], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        return flag if self.world == 1 else any_rank(flag, self.device)
 
     def close(self) -> None:
         import torch.distributed as dist
