@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ import torch
 from samestep import numerics
 
 __all__ = ["DeterminismReport", "Knob", "active_report", "available_threads", "current_knobs", "disable", "drifted",
-           "enable", "is_enabled"]
+           "enable", "is_enabled", "knob_probe"]
 
 # cuBLAS picks a reduction split per call unless its workspace is fixed to one of these sizes;
 # both are documented by NVIDIA as making cuBLAS deterministic.
@@ -97,21 +98,60 @@ def active_report() -> DeterminismReport | None:
     return _saved["report"] if _saved is not None else None
 
 
+def _kernels_on() -> bool:
+    return bool(_saved is not None and _saved.get("kernel_mode"))
+
+
+# How to read each knob that enable() sets, by the name its report gives it: a fixed table, since drifted()
+# runs at every traced step.
+_READERS: dict[str, Callable[[], Any]] = {
+    "torch.use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled,
+    "torch.backends.cudnn.deterministic": lambda: torch.backends.cudnn.deterministic,
+    "torch.backends.cudnn.benchmark": lambda: torch.backends.cudnn.benchmark,
+    "torch.utils.deterministic.fill_uninitialized_memory":
+        lambda: torch.utils.deterministic.fill_uninitialized_memory,
+    "torch.num_threads": torch.get_num_threads,
+    "samestep.kernels": _kernels_on,
+    **{k.name: k.get for k in numerics.KNOBS}}
+
+
+def _c_reader(name: str) -> Callable[[], Any]:
+    return getattr(torch._C, name, lambda: None)  # a torch without it has no such knob to change
+
+
+# A cheap change detector over every knob that enable() sets: PyTorch's own C getters where there are
+# (a Python property per knob costs tens of microseconds once a training step has evicted the caches).
+_PROBE: tuple[Callable[[], Any], ...] = (
+    torch.are_deterministic_algorithms_enabled, _c_reader("_get_cudnn_deterministic"),
+    _c_reader("_get_cudnn_benchmark"), _c_reader("_get_deterministic_fill_uninitialized_memory"),
+    torch.get_num_threads, _kernels_on, _c_reader("_get_float32_matmul_precision"),
+    _c_reader("_get_cublas_allow_tf32"), _c_reader("_get_cudnn_allow_tf32"),
+    _c_reader("_get_cublas_allow_fp16_reduced_precision_reduction"),
+    _c_reader("_get_cublas_allow_bf16_reduced_precision_reduction"), _c_reader("_get_cudnn_sdp_enabled"),
+    _c_reader("_get_math_sdp_allow_fp16_bf16_reduction"),
+    *[k.get for k in numerics.KNOBS if k.name == "torch._inductor.config.deterministic"])
+
+
+def knob_probe() -> tuple:
+    """Values that change whenever a knob ``enable()`` sets does (``drifted`` then says which): what a
+    loop checks at every step, at a fraction of ``drifted``'s cost."""
+    return tuple([read() for read in _PROBE])
+
+
 def current_knobs() -> dict[str, Any]:
     """The values now of the knobs that ``enable()`` sets, by the names its report gives them."""
-    return {"torch.use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
-            "torch.backends.cudnn.deterministic": torch.backends.cudnn.deterministic,
-            "torch.backends.cudnn.benchmark": torch.backends.cudnn.benchmark,
-            "torch.utils.deterministic.fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
-            "torch.num_threads": torch.get_num_threads(),
-            "samestep.kernels": bool(_saved is not None and _saved.get("kernel_mode")), **numerics.values()}
+    return {name: read() for name, read in _READERS.items()}
 
 
 def drifted(report: DeterminismReport) -> dict[str, tuple[Any, Any]]:
     """The knobs that no longer hold what ``report``'s ``enable()`` set (a loop changed them behind its
     back, e.g. ``torch.use_deterministic_algorithms(False)``): {name: (set, now)}."""
-    now = current_knobs()
-    return {k.name: (k.after, now[k.name]) for k in report.knobs if k.name in now and now[k.name] != k.after}
+    out = {}
+    for k in report.knobs:
+        read = _READERS.get(k.name)
+        if read is not None and (now := read()) != k.after:
+            out[k.name] = (k.after, now)
+    return out
 
 
 def _cuda_initialized() -> bool:

@@ -22,7 +22,7 @@ holds its position).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterator
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -147,12 +147,10 @@ class Run:
                     self.stopped = stop
                     return
 
-    @contextlib.contextmanager
-    def microbatch(self, index: int) -> Iterator[None]:
+    def microbatch(self, index: int) -> contextlib.AbstractContextManager[None]:
         """Everything inside belongs to global microbatch ``index`` (the same index whatever the number of
         processes): module and op records are named by it."""
-        with self._rec.microbatch(index):
-            yield
+        return self._rec.microbatch(index)
 
     def metric(self, name: str, value: float | torch.Tensor) -> None:
         """A scalar of the step (a loss, a gradient norm), recorded as its exact bits."""

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import samestep
-from samestep import mode
+from samestep import mode, numerics
 
 
 @pytest.fixture(autouse=True)
@@ -123,8 +123,6 @@ def test_matmul_precision_reductions_attention_and_compiler_are_pinned_recorded_
     """enable() pins the knobs of bf16, TF32, fused attention and torch.compile (numerics.py): each
     reported with its value before, in environment(), watched for drift; disable() puts back every value
     a loop had, including the ones that are not PyTorch's defaults."""
-    from samestep import numerics
-
     torch.set_float32_matmul_precision("high")  # sets allow_tf32 too
     torch.backends.cudnn.allow_tf32 = True
     torch.backends.cuda.enable_cudnn_sdp(True)
@@ -188,3 +186,36 @@ def test_compiler_settings_that_time_kernels_are_refused(monkeypatch):
     with samestep.enable(threads=1):
         assert config.deterministic is True
     assert config.deterministic is False
+
+
+def test_the_knob_probe_moves_with_every_knob_enable_sets():
+    """The recorder checks the knobs at each step through knob_probe(), a cheap change detector, and asks
+    drifted() which knob moved only when it changed: every knob current_knobs() reads must move the probe
+    (a knob added without a probe reader fails here). Negative control: the probe is unchanged while no
+    knob moves."""
+    others = {  # the knobs outside numerics.KNOBS, each with a way to move it
+        "torch.use_deterministic_algorithms": lambda v: torch.use_deterministic_algorithms(v, warn_only=True),
+        "torch.backends.cudnn.deterministic": lambda v: setattr(torch.backends.cudnn, "deterministic", v),
+        "torch.backends.cudnn.benchmark": lambda v: setattr(torch.backends.cudnn, "benchmark", v),
+        "torch.utils.deterministic.fill_uninitialized_memory":
+            lambda v: setattr(torch.utils.deterministic, "fill_uninitialized_memory", v),
+        "torch.num_threads": torch.set_num_threads,
+    }
+    setters = {**others, **{k.name: k.set for k in numerics.KNOBS}}
+    unmovable = {"samestep.kernels"}  # samestep's own: only enable() and disable() change it
+    assert set(mode.current_knobs()) == set(setters) | unmovable
+    with samestep.enable(threads=1) as report:
+        probe = mode.knob_probe()
+        assert mode.knob_probe() == probe
+        for knob in report.knobs:
+            if knob.name not in setters:
+                continue
+            other = {"highest": "high"}[knob.after] if isinstance(knob.after, str) else \
+                not knob.after if isinstance(knob.after, bool) else knob.after + 1
+            setters[knob.name](other)
+            try:
+                assert mode.knob_probe() != probe, knob.name
+                assert mode.drifted(report)[knob.name] == (knob.after, other)
+            finally:
+                setters[knob.name](knob.after)
+            assert mode.knob_probe() == probe

@@ -13,6 +13,7 @@ keep): the pieces ``keep`` of ``copy.split(sizes)``).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field, fields
 from typing import ClassVar
 
@@ -21,6 +22,8 @@ import torch
 from samestep.digests import Packed
 
 __all__ = ["NO_REF", "Batch", "Columns", "expand"]
+
+_versions = operator.attrgetter("_version")
 
 NO_REF = -1  # the reference of uninitialised memory: digest UNINIT
 
@@ -75,7 +78,10 @@ class Batch(Columns):
 
     def changed(self) -> list[int]:
         """The checks (indices) whose live tensor was changed in place since it was recorded."""
-        return [k for k, (t, v) in enumerate(zip(self.check_live, self.check_version)) if t._version != v]
+        now = list(map(_versions, self.check_live))
+        if now == self.check_version:  # as usual: one comparison of two lists
+            return []
+        return [k for k, (a, b) in enumerate(zip(now, self.check_version)) if a != b]
 
     def devices(self) -> set[torch.device]:
         """The devices its staged tensors lie on."""

@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from samestep.mode import active_report, drifted
+from samestep.mode import active_report, drifted, knob_probe
 from samestep.tracing.collectives import Collectives, FsdpReduceScatter
 from samestep.tracing.hooks import module_paths, outside_compile
 from samestep.tracing.module_level import ModuleRecords
@@ -102,6 +102,7 @@ class Recorder:
         # numerics_changed (the first such step), and on_close (samestep.trace's) puts it in run.json.
         self._report = active_report()
         self.numerics_changed: dict[str, Any] | None = None
+        self._probe: tuple | None = None  # knob_probe() when the knobs were last checked
         self.failed_step: int | None = None  # the last step whose context raised
         self.on_close: Callable[[Recorder], None] | None = None
         if self.enabled and self.worker == "process":
@@ -241,7 +242,10 @@ class Recorder:
         # DTensor if torch.distributed.tensor was imported (else no DTensor exists): see Staging.shards
         st.dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
         if self._report is not None and self.numerics_changed is None:
-            self._check_numerics(step)
+            probe = knob_probe()
+            if probe != self._probe:  # the whole check at the first step, then whenever a knob moved
+                self._probe = probe
+                self._check_numerics(step)
         finished = False
         try:
             yield
@@ -313,8 +317,14 @@ class Recorder:
     # -- step level ------------------------------------------------------------------------------------
     def metric(self, name: str, value: float | torch.Tensor) -> None:
         """A scalar of the step (loss, grad norm), recorded as its exact bits."""
-        t = value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
-        self.record(name, [t])
+        if not self.active:
+            return
+        if not isinstance(value, torch.Tensor):
+            self.record(name, [torch.tensor(value, dtype=torch.float64)], copy=False)  # a tensor of its own
+        elif torch._C._len_torch_dispatch_stack():  # inside a mode (op level): copied past it
+            self.record(name, [value])
+        else:  # a scalar's own copy is cheaper than a place in a staging chunk
+            self.record(name, [value.detach().clone()], copy=False)
 
     def grads(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], copy: bool | str = True) -> None:
         """Every parameter's gradient after the cross-process reduction (call it before the update).

@@ -17,12 +17,14 @@ import torch
 from samestep.tracing.staging import RecorderView, Staging
 from samestep.tracing.wire import describe_all
 
-__all__ = ["StatePlan", "StepRecords", "layout", "persistent_buffers", "step_counts"]
+__all__ = ["GradPlan", "StatePlan", "StepRecords", "layout", "persistent_buffers", "step_counts"]
 
 _data_ptrs = torch.Tensor.data_ptr
 _sizes = torch.Tensor.size
 _strides = torch.Tensor.stride
 _dtypes = operator.attrgetter("dtype")
+_versions = operator.attrgetter("_version")
+_contiguous = torch.Tensor.is_contiguous
 
 
 class StatePlan:
@@ -63,6 +65,30 @@ class StatePlan:
 def step_counts(mb: int, ops: list[str], scopes: list[str]) -> dict[tuple, int]:
     """Step records' identities (``Staging.occurrence``'s keys), each counted once."""
     return dict.fromkeys([(mb, "step", scope, op) for op, scope in zip(ops, scopes)], 1)
+
+
+class GradPlan:
+    """What ``grads(copy="checked")`` records when every gradient is a tensor of its own (no piece of a
+    shared buffer), made once and used again while the parameters' names, the gradients' dtypes and
+    shapes and the microbatch stay the same: the records' ops, keys, headers and byte counts. Gradients
+    are new tensors each step (``zero_grad(set_to_none=True)``), so only their addresses are read anew,
+    and the process worker's descriptions are made from them in one pass instead of one call each."""
+
+    __slots__ = ("names", "mb", "dtypes", "sizes", "ops", "heads", "counts", "nbytes", "total", "plain")
+
+    def __init__(self, names: list[str], mb: int, grads: list[torch.Tensor], heads: list[bytes]) -> None:
+        self.names, self.mb, self.heads = names, mb, heads
+        self.dtypes, self.sizes = list(map(_dtypes, grads)), list(map(_sizes, grads))
+        self.ops = ["grad"] * len(names)
+        self.counts = step_counts(mb, self.ops, names)
+        self.nbytes = [g.nbytes for g in grads]
+        self.total = sum(self.nbytes)
+        # described as (address, bytes) when contiguous: neither complex (a conjugate bit) nor quantized
+        self.plain = all(g.is_cpu and not (g.dtype.is_complex or g.is_quantized) for g in grads)
+
+    def matches(self, names: list[str], mb: int, grads: list[torch.Tensor]) -> bool:
+        return (mb == self.mb and names == self.names and list(map(_dtypes, grads)) == self.dtypes
+                and list(map(_sizes, grads)) == self.sizes)
 
 
 def layout(tensors: list[torch.Tensor]) -> tuple[list, ...]:
@@ -110,6 +136,7 @@ class StepRecords:
     def __init__(self, rec: RecorderView, staging: Staging) -> None:
         self.rec, self.staging = rec, staging
         self.plan: StatePlan | None = None
+        self.grad_plan: GradPlan | None = None
         self._grad_bufs: dict[tuple, tuple[torch.Tensor, object]] = {}  # (dtype, device) -> (buffer, its batch)
 
     def grads(self, named_params: Iterable[tuple[str, torch.nn.Parameter]], copy: bool | str) -> None:
@@ -119,6 +146,11 @@ class StepRecords:
         if st.dtensor is not None:
             named = list(zip([name for name, _ in named], st.shards([g for _, g in named])))
         checked = copy == "checked"
+        grads = [g for _, g in named]
+        if checked and grads and all(g._base is None and g.layout == torch.strided and not g.requires_grad
+                                     for g in grads):
+            self._checked_own([name for name, _ in named], grads)
+            return
         if checked:  # the grad records' indices below follow the records made so far
             position = {id(g): i for i, (_, g) in enumerate(named)}
         # Gradients that are contiguous pieces of one buffer (as a gradient reducer leaves them) are
@@ -151,6 +183,26 @@ class StepRecords:
                 slot[id(g)] = k
         self.record_many(["grad"] * len(named), [name for name, _ in named], [g for _, g in named], slot,
                          checked=checked)
+
+    def _checked_own(self, names: list[str], grads: list[torch.Tensor]) -> None:
+        """Gradients that are tensors of their own (not views), checked where they lie: ``record_many``'s
+        records, made from a ``GradPlan`` by whole lists."""
+        st = self.staging
+        b, n = st.batch, len(grads)
+        plan = self.grad_plan
+        if plan is None or not plan.matches(names, st.mb, grads):
+            plan = self.grad_plan = GradPlan(names, st.mb, grads, [st.head(g) for g in grads])
+        occurrences = self._occurrences(plan.counts, plan.ops, names)
+        first = len(b.step)
+        # each checked unchanged until digested, as checked_slot does (a gradient needs no detach: it
+        # carries no graph, see the caller)
+        b.check_live.extend(grads)
+        b.check_version.extend(map(_versions, grads))
+        b.check_record.extend(range(first, first + n))
+        st.nbytes += plan.total
+        if self.rec.reads_in_place and plan.plain and all(map(_contiguous, grads)):
+            b.described[len(b.tensors)] = list(zip(map(_data_ptrs, grads), plan.nbytes))
+        self._rows(st.add_tensors(grads), plan.heads, plan.ops, names, occurrences)
 
     def _grad_copy(self, flat: torch.Tensor) -> torch.Tensor:
         """A copy of a gradient buffer, in a buffer reused from step to step (a fresh multi-MB copy per step
@@ -236,14 +288,8 @@ class StepRecords:
 
         The columns grow by whole lists (a few list operations, not a dozen per record)."""
         st = self.staging
-        b, n = st.batch, len(tensors)
-        # a plan's are made once: updating from a dict reuses its keys' hashes, and isdisjoint walks the smaller
-        counts = step_counts(st.mb, ops, scopes) if plan is None else plan.counts
-        if len(counts) == n and st.counts.keys().isdisjoint(counts.keys()):  # as usual: each once per step
-            occurrences = [0] * n
-            st.counts.update(counts)
-        else:
-            occurrences = [st.occurrence("step", scope, op) for op, scope in zip(ops, scopes)]
+        b = st.batch
+        occurrences = self._occurrences(step_counts(st.mb, ops, scopes) if plan is None else plan.counts, ops, scopes)
         if slots is None:
             if plan is not None and plan.descs is not None:
                 b.described[len(b.tensors)] = plan.descs
@@ -253,13 +299,30 @@ class StepRecords:
         else:  # the others live too, each checked for its own record (a dense one: see copy for the rest)
             refs = [slots[id(t)] if id(t) in slots else st.checked_slot(t, t._version, len(b.step) + i)
                     if t.layout == torch.strided else st.copy(t) for i, t in enumerate(tensors)]
-        first = len(b.ref_slot)
-        b.ref_slot.extend(refs)
         if plan is None:
             heads = st.heads
-            b.ref_head.extend([heads.get((t.dtype, t.shape)) or st.head(t) for t in tensors])
+            self._rows(refs, [heads.get((t.dtype, t.shape)) or st.head(t) for t in tensors], ops, scopes, occurrences)
         else:
-            b.ref_head.extend(plan.heads)
+            self._rows(refs, plan.heads, ops, scopes, occurrences)
+
+    def _occurrences(self, counts: dict[tuple, int], ops: list[str], scopes: list[str]) -> list[int]:
+        """Each record's occurrence; ``counts`` (``step_counts``) counts them in one update as usual, when
+        each is the first of its identity this step. A plan's counts are made once: updating from a dict
+        reuses its keys' hashes, and isdisjoint walks the smaller."""
+        st = self.staging
+        if len(counts) == len(ops) and st.counts.keys().isdisjoint(counts.keys()):
+            st.counts.update(counts)
+            return [0] * len(ops)
+        return [st.occurrence("step", scope, op) for op, scope in zip(ops, scopes)]
+
+    def _rows(self, refs: Iterable[int], heads: list[bytes], ops: list[str], scopes: list[str],
+              occurrences: list[int]) -> None:
+        """Step records of the staged references ``refs`` (one output each), the columns grown by whole lists."""
+        st = self.staging
+        b, n = st.batch, len(ops)
+        first = len(b.ref_slot)
+        b.ref_slot.extend(refs)
+        b.ref_head.extend(heads)
         b.step.extend([st.step] * n)
         b.mb.extend([st.mb] * n)
         b.phase.extend(["step"] * n)

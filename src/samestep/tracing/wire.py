@@ -16,14 +16,19 @@ import struct
 
 import torch
 
-__all__ = ["HEAD", "describe", "describe_all", "recv", "send"]
+__all__ = ["HEAD", "describe", "describe_all", "frame", "recv", "send"]
 
 HEAD = struct.Struct("<cQ")
 
 
+def frame(kind: bytes, payload: bytes = b"") -> bytes:
+    """One message as sent: its kind (one byte), its payload's length, and the payload."""
+    return HEAD.pack(kind, len(payload)) + payload
+
+
 def send(sock: socket.socket, kind: bytes, payload: bytes = b"") -> None:
     """One message: its kind (one byte) and payload."""
-    sock.sendall(HEAD.pack(kind, len(payload)) + payload)
+    sock.sendall(frame(kind, payload))
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
