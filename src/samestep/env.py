@@ -1,11 +1,14 @@
 """Environment fingerprint: everything the determinism contract depends on, as a flat dict.
 
 Bitwise determinism holds within one environment (docs/design.md, "The contract"). Every run and every
-checkpoint records ``environment()``; ``compare_environments(a, b)`` names the fields that differ.
+checkpoint records ``environment()``; ``compare_environments(a, b)`` names the fields that differ, and
+``rank_differences`` compares every process of a job with rank 0 (a job on several machines is as many
+environments as machines: a node with another torch build, driver or CPU feature set computes other bits).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -15,8 +18,10 @@ from typing import Any
 import torch
 
 from samestep import numerics
+from samestep.distributed.gather import gather_if_different
 
-__all__ = ["ENV_VARS", "compare_environments", "environment"]
+__all__ = ["ENV_VARS", "RANK_LOCAL", "compare_environments", "describe_rank_differences", "environment",
+           "rank_differences"]
 
 # Environment variables that change numerics or the collective algorithm.
 ENV_VARS = (
@@ -158,3 +163,40 @@ def compare_environments(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tupl
         if va != vb:
             out[key] = (None if va is missing else va, None if vb is missing else vb)
     return out
+
+
+# Fields that differ between the processes of one healthy job and change no bit: which GPU a process is
+# bound to, and how many cores its machine has (deterministic mode pins the thread count).
+RANK_LOCAL = frozenset({"env.CUDA_VISIBLE_DEVICES", "cpu.count"})
+
+
+def rank_differences(env: dict[str, Any], device: torch.device | None = None) -> dict[int, dict[str, Any]]:
+    """How each rank's fingerprint ``env`` differs from rank 0's, the same on every rank: ``{rank: {"host":
+    its host name, "fields": {field: (rank 0's value, its value)}}}`` for each rank that differs; empty
+    when all agree (one all-gather of a digest a rank), or without a process group. ``RANK_LOCAL`` fields
+    are not compared. A collective: every rank of the default group calls it."""
+    compared = {k: v for k, v in env.items() if k not in RANK_LOCAL}
+    key = json.dumps(compared, sort_keys=True, default=str).encode()
+    docs = gather_if_different(key, json.dumps({"host": platform.node(), "env": compared}, sort_keys=True,
+                                               default=str).encode(), device)
+    if docs is None:
+        return {}
+    first, *others = (json.loads(d) for d in docs)
+    out: dict[int, dict[str, Any]] = {}
+    for r, doc in enumerate(others, start=1):
+        fields = compare_environments(first["env"], doc["env"])
+        if fields:
+            out[r] = {"host": doc["host"], "fields": fields}
+    return out
+
+
+def describe_rank_differences(diffs: dict[int, dict[str, Any]], limit: int = 4) -> str:
+    """One line naming each rank that differs from rank 0, its host, and its first ``limit`` fields as
+    ``field: rank 0's value -> its value``."""
+    parts = []
+    for r, d in sorted(diffs.items()):
+        fields = d["fields"]
+        shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(fields.items())[:limit])
+        more = f" and {len(fields) - limit} more" if len(fields) > limit else ""
+        parts.append(f"rank {r} (host {d['host']}): {shown}{more}")
+    return "; ".join(parts)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import shutil
 import signal
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, metrics_bytes, run_train, train_cmd
+from tests.conftest import TINY, metrics_bytes, run_train, side_by_side, train_cmd
 
 pytestmark = pytest.mark.slow
 
@@ -197,14 +198,69 @@ def test_resume_with_no_step_left_writes_the_same_final_json(reference, tmp_path
     assert not (f / "final.json").exists()
 
 
-def test_torchrun_two_processes_repeat_and_match_one_process(reference, tmp_path):
-    """A 2-process torchrun run is identical across two launches, and to the 1-process run."""
-    digests = [run_train(tmp_path / f"r{i}", *TINY, nproc=2)["state_digest"] for i in range(2)]
-    assert digests[0] == digests[1]
-    assert digests[0] == json.loads((reference / "final.json").read_text())["state_digest"]
-    assert metrics_bytes(tmp_path / "r0") == metrics_bytes(reference)
-    assert json.loads((tmp_path / "r0" / "run.json").read_text())["layout"] == \
-        {"world_size": 2, "microbatches_per_process": 2}
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def two_nodes(run_dir: Path, *settings: str, node1_env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+    """``samestep train`` as a job of two "nodes" on this machine: two torchrun agents, one process each,
+    meeting through the c10d rendezvous on 127.0.0.1 (as two machines would through the first one's
+    address). ``node1_env``: what the second node's environment has on top of this one's."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", f"samestep-{port}",
+           *train_cmd(run_dir, *settings)[1:]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [subprocess.Popen(cmd, env={**env, **((node1_env or {}) if n else {})}, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for n in range(2)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=600)
+        out.append(subprocess.CompletedProcess(cmd, p.returncode, stdout, stderr))
+    return out
+
+
+def test_two_processes_on_one_node_and_on_two_nodes_match_one_process(reference, tmp_path):
+    """A 2-process run launched on one machine, and the same run as two "nodes" (torchrun --nnodes 2, c10d
+    rendezvous), give the 1-process run's final digest and metrics bytes: the reduction's order is the
+    canonical one whatever carries the bytes."""
+    one_node, nodes = side_by_side(lambda: run_train(tmp_path / "one", *TINY, nproc=2),
+                                   lambda: two_nodes(tmp_path / "two", *TINY))
+    assert all(p.returncode == 0 for p in nodes), nodes[0].stderr[-3000:] + nodes[1].stderr[-3000:]
+    want = json.loads((reference / "final.json").read_text())["state_digest"]
+    assert one_node["state_digest"] == want
+    assert json.loads((tmp_path / "two" / "final.json").read_text())["state_digest"] == want
+    assert metrics_bytes(tmp_path / "one") == metrics_bytes(reference) == metrics_bytes(tmp_path / "two")
+    for d in ("one", "two"):
+        run = json.loads((tmp_path / d / "run.json").read_text())
+        assert run["layout"] == {"world_size": 2, "microbatches_per_process": 2}
+        assert "rank_env_diff" not in run  # the nodes' environments matched
+
+
+def test_a_node_in_another_environment_is_refused_by_name_or_recorded_when_allowed(tmp_path):
+    """A second node whose CPU kernels differ (ATEN_CPU_CAPABILITY=default) is refused before the first step:
+    every process exits 2 with one line naming the rank, its host and the fields, and nothing is
+    written. With determinism.env_mismatch=warn the run goes on and run.json records the differences by
+    rank. (The matching nodes of the test above are the negative control: no refusal, no record.)"""
+    skew = {"ATEN_CPU_CAPABILITY": "default"}
+    refused, allowed = side_by_side(
+        lambda: two_nodes(tmp_path / "refused", *TINY, node1_env=skew),
+        lambda: two_nodes(tmp_path / "allowed", *TINY, "train.steps=2", "determinism.env_mismatch=warn",
+                          node1_env=skew))
+    for p in refused:
+        assert p.returncode != 0 and "exitcode  : 2" in p.stderr, p.stderr[-3000:]
+        line = next(x for x in p.stderr.splitlines() if "samestep train: error:" in x)
+        assert "the processes run in different environments" in line and "rank 1 (host " in line
+        assert "env.ATEN_CPU_CAPABILITY" in line and "determinism.env_mismatch=warn" in line
+    assert not (tmp_path / "refused" / "run.json").exists() and not (tmp_path / "refused" / "checkpoints").exists()
+    assert all(p.returncode == 0 for p in allowed), allowed[0].stderr[-3000:] + allowed[1].stderr[-3000:]
+    recorded = json.loads((tmp_path / "allowed" / "run.json").read_text())["rank_env_diff"]
+    assert list(recorded) == ["1"] and "env.ATEN_CPU_CAPABILITY" in recorded["1"]["fields"]
+    assert "different environments" in allowed[0].stderr + allowed[1].stderr
 
 
 def test_existing_run_dir_is_not_overwritten(reference, tmp_path):

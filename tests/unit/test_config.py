@@ -37,6 +37,7 @@ def test_defaults_toml_and_overrides(tmp_path):
     ("trace.steps=1-3000000000", "trace.steps='1-3000000000' selects more than 1,000,000 values"),
     ("train.exit_signals=SIGKILL", "train.exit_signals='SIGKILL': 'SIGKILL' is not a signal that can be caught"),
     ("train.exit_signals=SIGTERM,NOPE", "'NOPE' is not a signal that can be caught"),
+    ("determinism.env_mismatch=ignore", "determinism.env_mismatch='ignore' is unknown; use 'refuse' or 'warn'"),
 ])
 def test_bad_values_name_the_field(override, needle):
     """Each bad override is refused with the field and value."""

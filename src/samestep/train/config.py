@@ -233,8 +233,14 @@ class DeterminismConfig:
     """Intra-op threads per process; fixed (not taken from the machine) so that layouts agree."""
     warn_only: bool = False
     """Report settings that break determinism as warnings instead of errors."""
+    env_mismatch: str = "refuse"
+    """A process whose environment fingerprint differs from rank 0's (another torch, driver, CPU feature
+    set, a numerics variable): 'refuse' stops the run before its first step, naming rank, host and fields;
+    'warn' runs it and records the differences in run.json (its bits may then depend on the node)."""
 
     def __post_init__(self) -> None:
+        if self.env_mismatch not in ("refuse", "warn"):
+            raise ValueError(f"determinism.env_mismatch={self.env_mismatch!r} is unknown; use 'refuse' or 'warn'")
         _positive("determinism", self, "threads")
         _at_most("determinism", self, 4096, "threads")
 

@@ -15,6 +15,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from samestep._state import dotted, state_digest
 from samestep.checkpoint import load_checkpoint, save_checkpoint
 from samestep.data import DataCursor, load_corpus
 from samestep.distributed import AllReduceGradients, CanonicalGradients, any_rank, validate_layout
+from samestep.env import describe_rank_differences, environment, rank_differences
 from samestep.mode import DeterminismReport, disable, enable
 from samestep.preempt import StopRequest, parse_signals
 from samestep.rundir import (
@@ -335,6 +337,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     if cfg.determinism.enabled:
         validate_layout(world, k)
     say = out if rank == 0 else (lambda _msg: None)
+    mixed = _compare_environments(cfg, dist_)
     parts = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
     start, loaded = _resume(parts, run_dir, resume, restore, world, say)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
@@ -344,11 +347,14 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
         if (run_dir / "run.json").exists():
             record_resume(run_dir, {"step": start, **layout, "checkpoint": loaded.path.name if loaded else None,
                                     "skipped": [p.name for p, _ in loaded.skipped] if loaded else [],
-                                    "env_diff": sorted(loaded.env_diff) if loaded else []})
+                                    "env_diff": sorted(loaded.env_diff) if loaded else [],
+                                    **({"rank_env_diff": mixed} if mixed else {})})
         else:
             corpus = parts.corpus
             extra = ({"attention_backend": parts.model.attention_backend(t.micro_batch, parts.device, t.precision)}
                      if isinstance(parts.model, Llama) else {})
+            if mixed:
+                extra["rank_env_diff"] = mixed
             write_run(run_dir, new_run(cfg.to_dict(), layout, report.to_dict() if report is not None else None,
                                        data={"source": corpus.description, "fingerprint": corpus.fingerprint,
                                              "tokens": int(corpus.tokens.size)}, **extra))
@@ -374,6 +380,25 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
             f"{loss_value:.4f}, state digest {final['state_digest'][:16]}")
     dist_.barrier()
     return final
+
+
+def _compare_environments(cfg: Config, dist_: _Distributed) -> dict[str, Any]:
+    """Every rank's environment fingerprint against rank 0's, before the first step (see
+    ``env.rank_differences``): a difference stops the run on every rank, or with
+    ``determinism.env_mismatch=warn`` is returned for run.json, with a warning from rank 0."""
+    diffs = rank_differences(environment(), dist_.device) if dist_.world > 1 else {}
+    if not diffs:
+        return {}
+    what = describe_rank_differences(diffs)
+    if cfg.determinism.env_mismatch == "refuse":
+        raise ValueError(f"the processes run in different environments, so their bits would depend on the node: "
+                         f"{what}. Fix: run every node on the same software and hardware, or set "
+                         "determinism.env_mismatch=warn to run anyway (run.json records the differences)")
+    if dist_.rank == 0:
+        warnings.warn(f"the processes run in different environments (determinism.env_mismatch=warn; run.json "
+                      f"records it): {what}", RuntimeWarning, stacklevel=2)
+    return {str(r): {"host": d["host"], "fields": {k: list(v) for k, v in d["fields"].items()}}
+            for r, d in diffs.items()}
 
 
 def _resume(parts: Parts, run_dir: Path, resume: bool, restore: frozenset[str], world: int,

@@ -1,0 +1,44 @@
+"""Gathering what every rank holds, only when the ranks do not already agree: one all-gather of a 32-byte
+digest a rank settles the usual case, and only a disagreement moves the bytes themselves (as bytes,
+never pickled objects), so that every rank can name it, reach the same verdict and take the same branch."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+__all__ = ["gather_if_different"]
+
+
+def _all_gather_bytes(data: bytes, world: int, device: torch.device) -> list[bytes]:
+    import torch.distributed as dist
+
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    mine = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = mine.to(device)
+    out = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(out, mine)
+    return [bytes(o.cpu().numpy()[: int(s.item())]) for o, s in zip(out, sizes)]
+
+
+def gather_if_different(key: bytes, payload: bytes, device: torch.device | None = None) -> list[bytes] | None:
+    """Every rank's ``payload``, by rank, if any rank's ``key`` differs from another's; None when all keys
+    are equal, or without a process group of more than one rank. A collective: every rank of the default
+    group calls it. ``device``: where the all-gathers run (default: the current CUDA device under NCCL,
+    else the CPU)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    world = dist.get_world_size()
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+            else torch.device("cpu")
+    if len(set(_all_gather_bytes(hashlib.sha256(key).digest(), world, device))) == 1:
+        return None
+    return _all_gather_bytes(payload, world, device)
