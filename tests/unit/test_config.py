@@ -66,16 +66,16 @@ def test_more_local_ranks_than_gpus_is_refused_with_the_fix(monkeypatch):
     fix (without the check, torchrun --nproc 2 on a 1-GPU machine fails deep inside CUDA)."""
     import torch
 
-    from samestep.train.loop import _Distributed
+    from samestep.train.processes import Processes
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "1")
     with pytest.raises(ValueError, match=r"local rank 1 needs GPU 1, but this machine has 1 GPU.*"
                                          r"--nproc at most 1.*train.device=cpu"):
-        _Distributed("cuda")
+        Processes("cuda")
     monkeypatch.setenv("LOCAL_RANK", "0")  # negative control: rank 0 gets past the check
     try:
-        _Distributed("cuda")
+        Processes("cuda")
     except Exception as err:  # without CUDA, set_device fails next: not this check
         assert "needs GPU" not in str(err)
 

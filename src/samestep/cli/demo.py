@@ -81,7 +81,7 @@ def _nondeterministic_pair(work: Path, settings: list[str], on_cuda: bool, say) 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from samestep.train import load_config
-    from samestep.train.loop import device_kind
+    from samestep.train.processes import device_kind
 
     settings = [*DEMO_SETTINGS, *args.set]
     try:

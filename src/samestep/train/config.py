@@ -280,6 +280,16 @@ class TraceConfig:
 
 
 @dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """How the processes share the model (the data split over them is the same either way)."""
+
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state over the processes with FSDP2 (fully_shard); with
+    deterministic mode on, its reduce-scatter follows the canonical order, so the bits are those of the
+    unsharded run on any process count. One process runs unsharded."""
+
+
+@dataclass(kw_only=True, slots=True)
 class Config:
     """A whole run."""
 
@@ -293,6 +303,8 @@ class Config:
     """Deterministic mode."""
     trace: TraceConfig = field(default_factory=TraceConfig)
     """The trace recorder."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Sharding over the processes."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

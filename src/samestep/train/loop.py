@@ -27,7 +27,17 @@ from samestep import rng
 from samestep._state import dotted, state_digest
 from samestep.checkpoint import load_checkpoint, save_checkpoint
 from samestep.data import DataCursor, load_corpus
-from samestep.distributed import AllReduceGradients, CanonicalGradients, any_rank, validate_layout
+from samestep.distributed import AllReduceGradients, CanonicalGradients, validate_layout
+from samestep.distributed.fsdp import (
+    FsdpDefaultGradients,
+    FsdpGradients,
+    Held,
+    ShardedModel,
+    ShardedOptimizer,
+    full_state,
+    shard_model,
+)
+from samestep.distributed.norm import canonical_grad_norm
 from samestep.env import describe_rank_differences, environment, rank_differences
 from samestep.mode import DeterminismReport, disable, enable
 from samestep.preempt import StopRequest, parse_signals
@@ -47,8 +57,9 @@ from samestep.tracing import Perturb, Recorder, parse_selection
 from samestep.train.config import Config
 from samestep.train.llama import Llama
 from samestep.train.model import GPT
+from samestep.train.processes import Processes, device_kind
 
-__all__ = ["RESTORE_ALL", "Parts", "Preempted", "WarmupCosine", "build", "device_kind", "train"]
+__all__ = ["RESTORE_ALL", "Parts", "Preempted", "WarmupCosine", "build", "train"]
 
 RESTORE_ALL = frozenset({"model", "optimizer", "data", "rng"})
 
@@ -95,53 +106,6 @@ def _check_resume_config(saved: dict[str, Any] | None, current: Config) -> None:
         fields = ", ".join(f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in sorted(changed))
         raise ValueError(f"--resume with a different config would change the run's bits ({fields}); resume with "
                          "the original config, or start a new --run-dir")
-
-
-class _Distributed:
-    """torch.distributed set-up when launched by torchrun (WORLD_SIZE > 1), else a single process."""
-
-    def __init__(self, device_kind: str) -> None:
-        import torch.distributed as dist
-
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        self.device = torch.device(f"cuda:{local}" if device_kind == "cuda" else "cpu")
-        if self.device.type == "cuda" and local >= torch.cuda.device_count():
-            raise ValueError(f"train.device=cuda: local rank {local} needs GPU {local}, but this machine has "
-                             f"{torch.cuda.device_count()} GPU(s). Fix: --nproc at most {torch.cuda.device_count()} "
-                             f"per machine, or train.device=cpu (gloo) for more processes than GPUs.")
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-        self.owned = False
-        if self.world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
-            self.owned = True
-
-    def barrier(self) -> None:
-        import torch.distributed as dist
-
-        if self.world > 1:
-            dist.barrier()
-
-    def any(self, flag: bool) -> bool:
-        """Whether ``flag`` is true on any rank (every rank gets the same answer)."""
-        return flag if self.world == 1 else any_rank(flag, self.device)
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        if self.owned and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def device_kind(cfg: Config) -> str:
-    """The device a config's train.device names: "cuda" or "cpu" ("auto": CUDA if there is a GPU)."""
-    if cfg.train.device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if cfg.train.device == "cuda" and not torch.cuda.is_available():
-        raise ValueError("train.device='cuda' but no CUDA device is available; use train.device=cpu")
-    return cfg.train.device
 
 
 def _make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
@@ -192,11 +156,30 @@ class Parts:
     optimizer: torch.optim.AdamW
     schedule: WarmupCosine
     cursor: DataCursor
-    grads: CanonicalGradients | AllReduceGradients
+    grads: CanonicalGradients | AllReduceGradients | FsdpGradients
     device: torch.device
     recorder: Recorder
     named_params: list[tuple[str, torch.nn.Parameter]]  # the model's, once: it gains or loses none
     named_buffers: list[tuple[str, torch.Tensor]]  # its persistent buffers, likewise (none: its masks are not)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether FSDP2 shards the model over the processes (parallel.fsdp on more than one)."""
+        return isinstance(self.grads, FsdpGradients)
+
+    def savable(self) -> tuple[Any, Any]:
+        """What a checkpoint or the final digest reads ``state_dict()`` from: the model and optimizer, or
+        of a sharded run their unsharded state, gathered now (a collective: every rank calls it)."""
+        if not self.sharded:
+            return self.model, self.optimizer
+        model_sd, optim_sd = full_state(self.model, self.optimizer)
+        return Held(model_sd), Held(optim_sd)
+
+    def loadable(self) -> tuple[Any, Any]:
+        """What a checkpoint (always unsharded) is loaded into: of a sharded run, each rank's shards."""
+        if not self.sharded:
+            return self.model, self.optimizer
+        return ShardedModel(self.model), ShardedOptimizer(self.optimizer)
 
     @property
     def tokens_per_step(self) -> int:
@@ -236,12 +219,12 @@ class Parts:
 
 
 def _clip(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """``clip_grad_norm_(params, max_norm, foreach=False)`` (the same norm and the same gradient bits: the
-    same multiplication of each element), out of place: each ``p.grad`` becomes a new tensor and the
-    reduced gradients stay as the recorder saw them. Returns the total norm before clipping."""
+    """Clips the gradients to ``max_norm`` by their canonical norm (distributed/norm.py: bracketed by rows,
+    so a sharded run gets the unsharded run's bits), out of place: each ``p.grad`` becomes a new tensor
+    and the reduced gradients stay as the recorder saw them. Returns the total norm before clipping."""
     grads = [p.grad for p in params if p.grad is not None]
-    total_norm = torch.nn.utils.get_total_norm(grads, 2.0, False, foreach=False)
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    total_norm = canonical_grad_norm(grads)
+    coef = float(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))  # an fp32 value: the same products
     for p in params:
         if p.grad is not None:
             p.grad = p.grad * coef
@@ -263,10 +246,20 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     device = torch.device(device)
     arch = Llama if cfg.model.arch == "llama" else GPT
     model = arch(cfg.model, vocab, t.seed, deterministic=cfg.determinism.enabled).to(device)
+    sharded = cfg.parallel.fsdp and world > 1
+    if sharded and t.compile:
+        raise ValueError("parallel.fsdp=true with train.compile=true is not supported yet; use one of them")
     if t.compile:
         model.compile()  # in place: the state_dict keys stay the model's own
-    grads_cls = CanonicalGradients if cfg.determinism.enabled else AllReduceGradients
-    grads = grads_cls(model.parameters(), microbatches_per_process=t.microbatches // world, world_size=world, rank=rank)
+    k = t.microbatches // world
+    if sharded:
+        shard_model(model, world)
+        grads: Any = (FsdpGradients(model, microbatches_per_process=k, world_size=world, rank=rank)
+                      if cfg.determinism.enabled else FsdpDefaultGradients(model, microbatches_per_process=k,
+                                                                           world_size=world, rank=rank))
+    else:
+        grads_cls = CanonicalGradients if cfg.determinism.enabled else AllReduceGradients
+        grads = grads_cls(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank)
     tc = cfg.trace
     recorder = Recorder(run_dir if run_dir is not None else ".", level=tc.level if run_dir is not None else "off",
                         steps=parse_selection(tc.steps, "trace.steps"), ranks=parse_selection(tc.ranks, "trace.ranks"),
@@ -312,7 +305,7 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
         if cfg.determinism.enabled:
             # Before any process group exists: NCCL reads NCCL_ALGO when its communicator starts.
             report = enable(threads=cfg.determinism.threads, warn_only=cfg.determinism.warn_only)
-        dist_ = _Distributed(device_kind(cfg))
+        dist_ = Processes(device_kind(cfg))
         try:
             with StopRequest(parse_signals(cfg.train.exit_signals)) as stop:
                 return _train(cfg, run_dir, resume, stop_after, restore, out, dist_, report, stop)
@@ -326,7 +319,7 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
 
 
 def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, restore: frozenset[str],
-           out: Callable[[str], None], dist_: _Distributed, report: DeterminismReport | None,
+           out: Callable[[str], None], dist_: Processes, report: DeterminismReport | None,
            stop: StopRequest) -> dict[str, Any] | None:
     t, world, rank = cfg.train, dist_.world, dist_.rank
     if t.microbatches % world:
@@ -343,7 +336,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
         truncate_metrics(run_dir, start)  # first: a damaged metrics.jsonl refuses the resume before run.json records it
-        layout = {"world_size": world, "microbatches_per_process": k}
+        layout = {"world_size": world, "microbatches_per_process": k, **({"sharded": "fsdp2"} if parts.sharded else {})}
         if (run_dir / "run.json").exists():
             record_resume(run_dir, {"step": start, **layout, "checkpoint": loaded.path.name if loaded else None,
                                     "skipped": [p.name for p, _ in loaded.skipped] if loaded else [],
@@ -370,7 +363,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     if end < t.steps:
         say(f"stopped after step {end} of {t.steps} (--stop-after); continue with --resume")
         return None
-    final = final_doc(t.steps, run_state_digest(parts.model, parts.optimizer, parts.cursor, t.steps), loss_value,
+    final = final_doc(t.steps, run_state_digest(*parts.savable(), parts.cursor, t.steps), loss_value,
                       world)
     if rank == 0:
         write_final(run_dir, final)
@@ -382,7 +375,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     return final
 
 
-def _compare_environments(cfg: Config, dist_: _Distributed) -> dict[str, Any]:
+def _compare_environments(cfg: Config, dist_: Processes) -> dict[str, Any]:
     """Every rank's environment fingerprint against rank 0's, before the first step (see
     ``env.rank_differences``): a difference stops the run on every rank, or with
     ``determinism.env_mismatch=warn`` is returned for run.json, with a warning from rank 0."""
@@ -407,9 +400,10 @@ def _resume(parts: Parts, run_dir: Path, resume: bool, restore: frozenset[str], 
     checkpoint loaded (None if none). Refuses a run directory that holds a run, without ``resume``."""
     ckpt_root = run_dir / "checkpoints"
     if resume and any(ckpt_root.glob("step_*")):
+        model, optimizer = parts.loadable()
         loaded = load_checkpoint(
-            ckpt_root, model=parts.model if "model" in restore else None,
-            optimizer=parts.optimizer if "optimizer" in restore else None, scheduler=parts.schedule,
+            ckpt_root, model=model if "model" in restore else None,
+            optimizer=optimizer if "optimizer" in restore else None, scheduler=parts.schedule,
             data_cursor=parts.cursor if "data" in restore else None, fallback=True,
             # Training randomness is counter-keyed, so another world size needs no per-rank RNG state.
             restore_rng="same_world_size" if "rng" in restore else False,
@@ -425,7 +419,7 @@ def _resume(parts: Parts, run_dir: Path, resume: bool, restore: frozenset[str], 
 
 
 def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, out: Callable[[str], None],
-               loss_value: float, stop: StopRequest, dist_: _Distributed) -> tuple[float, int | None]:
+               loss_value: float, stop: StopRequest, dist_: Processes) -> tuple[float, int | None]:
     """Trains steps ``start`` to ``end`` (0-based, end excluded), logging metrics (if ``writer``) and
     saving checkpoints; returns the last step's loss (``loss_value`` if there is no step to train) and
     the step after which a stop request ended it early, with a checkpoint (None if none did). The
@@ -454,7 +448,8 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
                 parts.recorder.sync()
                 if metrics is not None:
                     os.fsync(metrics.fileno())
-                save_checkpoint(run_dir / "checkpoints", done, model=parts.model, optimizer=parts.optimizer,
+                model, optimizer = parts.savable()
+                save_checkpoint(run_dir / "checkpoints", done, model=model, optimizer=optimizer,
                                 scheduler=parts.schedule, data_cursor=parts.cursor, config=parts.cfg.to_dict(),
                                 keep=t.keep_checkpoints)
             if stopping:
@@ -467,7 +462,8 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
     return loss_value, None
 
 
-def run_state_digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cursor: DataCursor, step: int) -> str:
-    """The digest in ``final.json``: parameters, optimizer state, data cursor and step."""
+def run_state_digest(model: Any, optimizer: Any, cursor: DataCursor, step: int) -> str:
+    """The digest in ``final.json``: parameters, optimizer state, data cursor and step (of a sharded run:
+    its unsharded state, ``Parts.savable``)."""
     return state_digest({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "data_cursor": cursor.state_dict(), "step": step})

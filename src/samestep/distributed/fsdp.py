@@ -1,0 +1,254 @@
+"""FSDP2 (``fully_shard``) with the canonical reduction: sharded parameters, gradients and optimizer
+state, and the bits of the unsharded data-parallel run on any number of processes.
+
+FSDP2 reduce-scatters each group's gradients after every backward, summing in whatever order the
+collective picks and adding each microbatch into the sharded gradient as it arrives. Here each group's
+reduce-scatter is ``CanonicalReduceScatter`` (FSDP2's ``set_custom_reduce_scatter``): it keeps this
+process's microbatch gradients (FSDP2's flat layout, one chunk per rank) and folds them along the
+canonical tree as they come (``BinaryCounter``, as ``CanonicalGradients`` does); at the process's last
+microbatch it hands rank j the j-th chunk of that local sum (an all-to-all: the bytes of a ring
+reduce-scatter) and rank j sums the chunks in rank order along the same tree. Every element is then the
+same sum, bracketed the same way, as in ``CanonicalGradients`` on one process (docs/layouts.md).
+The reduce-scatters of earlier microbatches hand FSDP2 zeros, and ``FsdpGradients.accumulate`` drops
+them, so FSDP2 adds nothing: the sharded gradient is the canonical shard itself.
+
+A checkpoint holds the unsharded state (``full_state``), the same files as the data-parallel run's, so
+a run moves between 4, 2 and 1 processes, sharded or not; ``ShardedModel`` and ``ShardedOptimizer``
+load such a state into the shards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from samestep.distributed.reduce import BinaryCounter, combine_across_ranks, validate_layout
+
+__all__ = ["CanonicalReduceScatter", "FsdpDefaultGradients", "FsdpGradients", "Held", "ShardedModel",
+           "ShardedOptimizer", "full_state", "iter_local", "shard_model"]
+
+
+def shard_model(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
+    """Applies FSDP2 over the default process group: each decoder block (a module whose class is named
+    ``Block``) is a group, and the root holds the rest (embeddings, the tied head, the final norm)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = next(model.parameters()).device
+    mesh = init_device_mesh(device.type, (world_size,))
+    for module in list(model.modules()):
+        if module is not model and type(module).__name__ == "Block":
+            fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+class CanonicalReduceScatter:
+    """FSDP2's reduce-scatter interface (``allocate`` and the call) for one FSDP group, reducing along the
+    canonical tree over global microbatches (see the module docstring). ``k``: microbatches per process;
+    the k-th call of a step is the last microbatch's."""
+
+    def __init__(self, k: int, owner: FsdpGradients) -> None:
+        self.k, self.owner = k, owner
+        self.calls = 0
+        self._counter = BinaryCounter()
+
+    def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
+                 async_op: bool = False) -> None:
+        import torch.distributed as dist
+
+        self._counter.push(input_tensor.detach().clone())
+        self.calls += 1
+        if self.calls < self.k:
+            output_tensor.zero_()  # dropped by FsdpGradients.accumulate: FSDP2 adds nothing of it
+            return None
+        self.calls = 0
+        local = self._counter.result()
+        world = dist.get_world_size(group)
+        received = torch.empty_like(local)
+        dist.all_to_all_single(received, local, group=group)  # row r: rank r's sum of my chunk
+        rows = BinaryCounter()
+        for row in received.view(world, -1):
+            rows.push(row.clone())
+        output_tensor.copy_(rows.result())
+        self.owner.bytes_sent += (world - 1) * (local.numel() // world) * local.element_size()
+        if self.owner.observer is not None:
+            self.owner.observer("canonical_reduce_scatter", local, output_tensor)
+        return None
+
+
+class FsdpGradients:
+    """``CanonicalGradients``' interface for a model that ``shard_model`` sharded: after each microbatch's
+    ``backward()`` call ``accumulate(i)``; ``reduce()`` returns the canonical sum of the extras (the loss),
+    the gradients being already reduced, each rank holding its shard (DTensor ``p.grad``)."""
+
+    def __init__(self, model: torch.nn.Module, *, microbatches_per_process: int, world_size: int, rank: int) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        validate_layout(world_size, microbatches_per_process)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.k, self.world_size, self.rank = microbatches_per_process, world_size, rank
+        self.bytes_sent = 0
+        self.observer: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
+        self.comms = []
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                comm = CanonicalReduceScatter(self.k, self)
+                module.set_custom_reduce_scatter(comm)
+                self.comms.append(comm)
+        self._extra = BinaryCounter()
+        self._next = rank * self.k
+
+    @property
+    def microbatches(self) -> range:
+        """The global microbatch indices this process owns."""
+        return range(self.rank * self.k, (self.rank + 1) * self.k)
+
+    def accumulate(self, microbatch: int, extra: torch.Tensor | None = None) -> None:
+        """Microbatch ``microbatch`` (global index, the next of this process's range) is done: its extra
+        joins the tree, and before the last one the zeros FSDP2 was handed are dropped."""
+        if microbatch != self._next or microbatch not in self.microbatches:
+            raise ValueError(f"accumulate(microbatch={microbatch}): rank {self.rank} expects global index "
+                             f"{self._next} next (it owns {self.microbatches.start}..{self.microbatches.stop - 1})")
+        self._next += 1
+        dtype = self.params[0].dtype
+        self._extra.push(extra.detach().reshape(-1).to(dtype).clone() if extra is not None
+                         else torch.zeros(0, dtype=dtype))
+        if self._next < self.microbatches.stop:
+            for p in self.params:
+                p.grad = None
+
+    def reduce(self) -> torch.Tensor:
+        """The canonical sum of the extras over all microbatches of all processes (same on every rank)."""
+        if self._next != self.microbatches.stop:
+            raise RuntimeError(f"reduce() after {self._next - self.microbatches.start} of {self.k} microbatches")
+        if any(c.calls for c in self.comms):
+            raise RuntimeError("an FSDP group's reduce-scatter ran fewer times than the microbatches: a group "
+                               "whose parameters got no gradient in some microbatch")
+        self._next = self.microbatches.start
+        total, sent = combine_across_ranks(self._extra.result(), self.world_size)
+        self.bytes_sent += sent
+        return total
+
+
+class FsdpDefaultGradients(FsdpGradients):
+    """FSDP2's own reduction, for comparison (deterministic mode off): every microbatch's gradients are
+    reduce-scattered by the collective's own order and added into the shard as they arrive, so the bits
+    depend on the process count. FSDP2 averages over the processes; the loss is summed, so the
+    gradients are scaled back by the world size."""
+
+    def __init__(self, model: torch.nn.Module, *, microbatches_per_process: int, world_size: int, rank: int) -> None:
+        validate_layout(world_size, microbatches_per_process)
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.k, self.world_size, self.rank = microbatches_per_process, world_size, rank
+        self.bytes_sent = 0
+        self.observer = None
+        self.comms = []
+        self._extra = BinaryCounter()
+        self._next = rank * self.k
+
+    def accumulate(self, microbatch: int, extra: torch.Tensor | None = None) -> None:
+        self._next += 1
+        dtype = self.params[0].dtype
+        self._extra.push(extra.detach().reshape(-1).to(dtype).clone() if extra is not None
+                         else torch.zeros(0, dtype=dtype))
+
+    def reduce(self) -> torch.Tensor:
+        for p in self.params:
+            if p.grad is not None:
+                p.grad = p.grad * float(self.world_size)
+        return super().reduce()
+
+
+def _full(t: Any) -> Any:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t.detach() if isinstance(t, torch.Tensor) else t
+
+
+def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+               ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """The unsharded ``state_dict()`` of a sharded model (tied entries stay one tensor) and of its
+    optimizer: what the unsharded run would hold, bit for bit. A collective: every rank calls it."""
+    seen: dict[int, torch.Tensor] = {}
+    model_sd = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if id(value) not in seen:
+            seen[id(value)] = _full(value)
+        model_sd[key] = seen[id(value)]
+    if optimizer is None:
+        return model_sd, None
+    sd = optimizer.state_dict()
+    sd["state"] = {i: {k: _full(v) for k, v in s.items()} for i, s in sd["state"].items()}
+    return model_sd, sd
+
+
+class Held:
+    """A state already taken (``full_state``), offered as ``state_dict()`` to a checkpoint writer that
+    asks rank 0 alone for it."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    def state_dict(self) -> Any:
+        return self._state
+
+
+def _shard_like(full: torch.Tensor, like: Any) -> Any:
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if not isinstance(like, DTensor):
+        return full
+    # every rank holds the whole tensor (each read the checkpoint): its own chunk, without communication
+    return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+
+
+class ShardedModel:
+    """``load_state_dict`` of an unsharded state into a sharded model (each rank keeps its shard)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        from torch.distributed.tensor import DTensor
+
+        own = self.model.state_dict(keep_vars=True)
+        missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"sharded model state: missing keys {missing}, unexpected keys {unexpected}")
+        with torch.no_grad():
+            for key, target in own.items():
+                if key not in state:
+                    continue
+                value = _shard_like(state[key], target)
+                if isinstance(target, DTensor):
+                    target.to_local().copy_(value.to_local())
+                else:
+                    target.copy_(value)
+
+
+class ShardedOptimizer:
+    """``load_state_dict`` of an unsharded optimizer state into the optimizer of a sharded model: each
+    tensor shaped like its parameter becomes the parameter's shard."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state)
+        for p, s in self.optimizer.state.items():
+            for k, v in list(s.items()):
+                if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0:
+                    s[k] = _shard_like(v, p)
+
+
+def iter_local(tensors: Iterable[Any]) -> list[torch.Tensor]:
+    """Each tensor's local part (a DTensor's shard; any other tensor itself)."""
+    from torch.distributed.tensor import DTensor
+
+    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
