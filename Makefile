@@ -28,6 +28,7 @@ test: install
 bench: install
 	$(BIN)/python bench/bench_foundation.py
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py --fsdp
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

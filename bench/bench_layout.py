@@ -1,6 +1,7 @@
-"""Layout benchmark: canonical reduction vs PyTorch DDP's all-reduce, 2 processes, side by side.
+"""Layout benchmark: canonical reduction vs PyTorch DDP's all-reduce (or, with --fsdp, the canonical
+FSDP2 reduce-scatter vs FSDP2's own), 2 processes, side by side.
 
-    .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py [--pairs 15] [--steps 4] [--json]
+    .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py [--fsdp] [--pairs 15] [--steps 4] [--json]
 
 Both variants run the reference config's step in the same processes, alternately (so machine noise
 hits both alike): the canonical variant is the reference run's own step (samestep.enable +
@@ -8,7 +9,9 @@ CanonicalGradients); the DDP variant wraps the same model in DistributedDataPara
 all-reduce with no_sync() on all but the last microbatch (the usual gradient-accumulation idiom), and
 lets DDP's bucketed, backward-overlapped all-reduce run. Reported on rank 0: the median of per-pair
 step-time ratios, and bytes sent per process per step (by collective semantics) against a ring
-all-reduce of the same gradient.
+all-reduce of the same gradient. With --fsdp both variants are the reference run's step with
+parallel.fsdp=true: deterministic mode on (distributed/fsdp.py's reduce-scatter) against off (FSDP2's
+own reduce-scatter of every microbatch), bytes against a ring reduce-scatter of the same gradient.
 """
 
 from __future__ import annotations
@@ -55,16 +58,18 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=15)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2: canonical reduce-scatter vs FSDP2's own")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     samestep.enable(threads=1)  # before the process group: NCCL_ALGO and friends
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     corpus = load_corpus("stdlib")
-    cfg = load_config(None, ["determinism.threads=1"])
+    fsdp = ["parallel.fsdp=true"] if args.fsdp else []
+    cfg = load_config(None, ["determinism.threads=1", *fsdp])
     canon = build(cfg, world=world, rank=rank, corpus=corpus)
-    plain = build(load_config(None, ["determinism.enabled=false"]), world=world, rank=rank, corpus=corpus)
-    ddp = DDP(plain.model)
+    plain = build(load_config(None, ["determinism.enabled=false", *fsdp]), world=world, rank=rank, corpus=corpus)
+    ddp = None if args.fsdp else DDP(plain.model)
     ratios, t_canon, t_ddp = [], [], []
     for p in range(args.pairs + 1):
         dist.barrier()
@@ -74,29 +79,37 @@ def main() -> int:
         dist.barrier()
         t1 = time.perf_counter()
         for s in range(args.steps):
-            ddp_step(plain, ddp, p * args.steps + s)
+            if ddp is None:
+                plain.step(p * args.steps + s)
+            else:
+                ddp_step(plain, ddp, p * args.steps + s)
         dist.barrier()
         t2 = time.perf_counter()
         if p:  # pair 0 warms up
             t_canon.append((t1 - t0) / args.steps)
             t_ddp.append((t2 - t1) / args.steps)
             ratios.append((t1 - t0) / (t2 - t1))
-    numel = sum(p.numel() for p in canon.grads.params) + 1  # + the loss riding along
     sent_per_step = canon.grads.bytes_sent / ((args.pairs + 1) * args.steps)
-    ring = ring_allreduce_bytes(numel, 4, world)
-    result = {"world_size": world, "pairs": args.pairs, "steps_per_side": args.steps,
+    if args.fsdp:  # each group's gradients, unsharded: a ring reduce-scatter sends (W-1)/W of them
+        numel = sum(p.numel() for p in canon.grads.params)
+        ring, against, other = (world - 1) * -(-numel // world) * 4, "ring reduce-scatter", "FSDP2's own"
+    else:
+        numel = sum(p.numel() for p in canon.grads.params) + 1  # + the loss riding along
+        ring, against, other = ring_allreduce_bytes(numel, 4, world), "ring all-reduce", "DDP"
+    result = {"world_size": world, "pairs": args.pairs, "steps_per_side": args.steps, "fsdp": args.fsdp,
               "step_ms_canonical": round(1000 * statistics.median(t_canon), 2),
-              "step_ms_ddp": round(1000 * statistics.median(t_ddp), 2),
+              "step_ms_other": round(1000 * statistics.median(t_ddp), 2),
               "time_ratio_median": round(statistics.median(ratios), 4),
-              "bytes_sent_per_step": int(sent_per_step), "ring_allreduce_bytes": ring,
+              "bytes_sent_per_step": int(sent_per_step), "ring_bytes": ring,
               "bytes_ratio": round(sent_per_step / ring, 4)}
     if rank == 0:
         if args.json:
             print(json.dumps(result))
         else:
-            print(f"{world} processes: canonical {result['step_ms_canonical']} ms/step vs DDP {result['step_ms_ddp']} "
-                  f"ms/step; ratio median of {args.pairs} pairs: {result['time_ratio_median']}")
-            print(f"bytes sent per process per step: {result['bytes_sent_per_step']:,} vs ring all-reduce "
+            print(f"{world} processes: canonical {result['step_ms_canonical']} ms/step vs {other} "
+                  f"{result['step_ms_other']} ms/step; ratio median of {args.pairs} pairs: "
+                  f"{result['time_ratio_median']}")
+            print(f"bytes sent per process per step: {result['bytes_sent_per_step']:,} vs {against} "
                   f"{ring:,} (ratio {result['bytes_ratio']})")
     dist.destroy_process_group()
     samestep.disable()
