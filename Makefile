@@ -29,6 +29,7 @@ bench: install
 	$(BIN)/python bench/bench_foundation.py
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py --fsdp
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 bench/bench_checkpoint.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

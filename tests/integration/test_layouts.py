@@ -70,7 +70,53 @@ def test_fsdp2_gives_the_one_process_bits_and_resumes_across_sharded_layouts(one
     assert metrics_bytes(d) == metrics_bytes(ref_dir)
     run = json.loads((d / "run.json").read_text())
     assert run["layout"] == {"world_size": 4, "microbatches_per_process": 2, "sharded": "fsdp2"}
+    # each sharded process wrote its own shards, and the 1-process resume read them whole
+    first = d / "checkpoints" / "step_000002"
+    assert json.loads((first / "manifest.json").read_text())["version"] == 2
+    assert sorted(p.name for p in first.glob("model.rank_*")) == [f"model.rank_0000{r}.safetensors" for r in range(4)]
     assert [(r["step"], r["world_size"], r.get("sharded")) for r in run["resumes"]] == [(2, 2, "fsdp2"), (4, 1, None)]
+
+
+def test_a_rank_killed_in_a_sharded_save_leaves_the_previous_checkpoint_and_the_resume_is_exact(
+        one_process, tmp_path):
+    """Rank 1 of a 2-process sharded run is SIGKILLed while writing its optimizer shard of step 4: the job
+    dies, step 2 stays the newest checkpoint, intact, and a sharded resume gives the 1-process bits. Then a
+    flipped byte in one shard is named by `samestep checkpoint verify` (exit 1): file and tensor."""
+    import subprocess
+    import sys
+    import textwrap
+
+    from tests.conftest import train_cmd
+
+    ref_dir, ref_digest = one_process
+    d, fsdp = tmp_path / "run", "parallel.fsdp=true"
+    script = tmp_path / "killed.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, signal, sys
+        import samestep.checkpoint.save as save
+        write = save._write_tensors
+        def dying(path, tensors):
+            if path.name == "optimizer.rank_00001.safetensors" and path.parent.name == ".step_000004.tmp":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write(path, tensors)
+        save._write_tensors = dying
+        from samestep.cli import main
+        sys.exit(main({train_cmd(d, *LAYOUT, fsdp)[3:]!r}))
+    """))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0 and "Signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-3000:]
+    assert (d / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    final = run_train(d, *LAYOUT, fsdp, nproc=2, resume=True)
+    assert final["state_digest"] == ref_digest and metrics_bytes(d) == metrics_bytes(ref_dir)
+    shard = d / "checkpoints" / "step_000006" / "model.rank_00001.safetensors"
+    blob = bytearray(shard.read_bytes())
+    blob[-3] ^= 1
+    shard.write_bytes(bytes(blob))
+    verify = subprocess.run([sys.executable, "-m", "samestep", "checkpoint", "verify", str(d)],
+                            capture_output=True, text=True)
+    assert verify.returncode == 1 and "model.rank_00001.safetensors: corrupt: tensor(s) '" in verify.stdout + verify.stderr
 
 
 def test_fsdp2_own_reduction_differs_across_world_sizes(one_process, tmp_path, monkeypatch):

@@ -32,6 +32,9 @@ from samestep.durable import write_durable
 
 FORMAT = "samestep.checkpoint"
 VERSION = 1
+# Version 2 adds sharded state: each rank's shards in its own files (``shard_names``), described in
+# state.json's ``shards``. Unsharded checkpoints stay version 1; loaders read both.
+SHARDED_VERSION = 2
 MANIFEST = "manifest.json"
 LATEST = "latest"
 SUPERSEDED = "superseded"
@@ -48,6 +51,18 @@ def step_dir_name(step: int) -> str:
 
 def rank_names(rank: int) -> tuple[str, str]:
     return f"rank_{rank:05d}.safetensors", f"rank_{rank:05d}.json"
+
+
+def shard_names(rank: int) -> tuple[str, str]:
+    """A rank's model and optimizer shard files in a sharded checkpoint."""
+    return f"model.rank_{rank:05d}.safetensors", f"optimizer.rank_{rank:05d}.safetensors"
+
+
+def shard_rows(rows: int, world: int) -> list[list[int]]:
+    """The dim-0 rows [start, end) each of ``world`` ranks holds of a tensor of ``rows`` rows, as DTensor's
+    Shard(0) splits it (``torch.chunk``: ceil-sized pieces, the last ones short or empty)."""
+    size = -(-rows // world) if rows else 0
+    return [[min(r * size, rows), min((r + 1) * size, rows)] for r in range(world)]
 
 
 def sha256_bytes(data: bytes) -> str:

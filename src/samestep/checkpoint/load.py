@@ -18,6 +18,7 @@ from samestep._state import sha256_tensor, unflatten
 from samestep.checkpoint._format import (
     FORMAT,
     MANIFEST,
+    SHARDED_VERSION,
     STEP_DIR,
     VERSION,
     CheckpointError,
@@ -25,6 +26,7 @@ from samestep.checkpoint._format import (
     manifest_digest,
     rank_names,
     sha256_bytes,
+    shard_names,
 )
 from samestep.env import compare_environments, environment
 
@@ -79,9 +81,10 @@ def _verify(path: Path, only: set[str] | None = None) -> _Verified:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: format is {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
                               f"expected {FORMAT!r}")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in (VERSION, SHARDED_VERSION):
         raise CheckpointError(f"{mpath}: version {manifest.get('version')!r} is not supported (this samestep "
-                              f"reads version {VERSION}); use the samestep release that wrote it")
+                              f"reads versions {VERSION} and {SHARDED_VERSION}); use the samestep release that "
+                              "wrote it")
     if manifest.get("manifest_sha256") != manifest_digest(manifest):
         raise CheckpointError(f"{mpath}: its contents do not match manifest_sha256; the manifest was edited "
                               "or damaged")
@@ -208,7 +211,7 @@ def load_checkpoint(
     if check_config is not None:
         check_config(state.get("config"))
     diff = _check_environment(verified.path, state["environment"], strict_env)
-    opt_tensors = safetensors_load(data["optimizer.safetensors"])
+    opt_tensors = {**safetensors_load(data["optimizer.safetensors"]), **_unsharded(verified, state, "optimizer")}
     if model is not None:
         _load_model(verified, state, model)
     for obj, key in ((optimizer, "optimizer"), (scheduler, "scheduler"), (data_cursor, "data_cursor")):
@@ -256,8 +259,30 @@ def _check_environment(path: Path, saved: dict[str, Any], strict: bool) -> dict[
     return diff
 
 
+def _unsharded(verified: _Verified, state: dict[str, Any], part: str) -> dict[str, torch.Tensor]:
+    """The whole tensors of a sharded checkpoint's ``part`` ("model" or "optimizer"): each one's rows from
+    every rank's shard file, in rank order (any world size then takes its own shards of them)."""
+    shards = state.get("shards")
+    if not shards:
+        return {}
+    index = 0 if part == "model" else 1
+    files = [safetensors_load(verified.data[shard_names(r)[index]]) for r in range(shards["world_size"])]
+    out = {}
+    for name, info in shards[part].items():
+        try:
+            pieces = [f[name] for f, (a, b) in zip(files, info["rows"]) if b > a]
+            whole = torch.cat(pieces) if pieces else torch.empty(0)
+        except (KeyError, RuntimeError) as e:
+            raise CheckpointError(f"{verified.path}: the shards of {name!r} do not fit together ({e})") from None
+        if list(whole.shape) != info["shape"]:
+            raise CheckpointError(f"{verified.path}: the shards of {name!r} make shape {list(whole.shape)}, "
+                                  f"state.json says {info['shape']}")
+        out[name] = whole
+    return out
+
+
 def _load_model(verified: _Verified, state: dict[str, Any], model: torch.nn.Module) -> None:
-    tensors = safetensors_load(verified.data["model.safetensors"])
+    tensors = {**safetensors_load(verified.data["model.safetensors"]), **_unsharded(verified, state, "model")}
     for alias, target in state["model_aliases"].items():
         tensors[alias] = tensors[target]
     try:

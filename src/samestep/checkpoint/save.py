@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import warnings
@@ -17,6 +18,7 @@ from samestep.checkpoint._format import (
     FORMAT,
     LATEST,
     MANIFEST,
+    SHARDED_VERSION,
     SUPERSEDED,
     VERSION,
     CheckpointError,
@@ -24,6 +26,8 @@ from samestep.checkpoint._format import (
     manifest_digest,
     rank_names,
     sha256_bytes,
+    shard_names,
+    shard_rows,
     step_dir_name,
     write_json,
 )
@@ -81,6 +85,7 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     generators: dict[str, torch.Generator] | None = None,
     keep: int | None = None,
+    sharded: bool = False,
 ) -> Path:
     """Saves a checkpoint of everything a bit-exact resume needs, and commits it atomically.
 
@@ -101,6 +106,9 @@ def save_checkpoint(
         extra: any further JSON-able or tensor state of the user's loop.
         generators: named ``torch.Generator`` s to capture besides the registered ones.
         keep: keep only this many newest checkpoints (``None`` keeps all).
+        sharded: the model and optimizer hold DTensors (FSDP2's shards): every rank writes its own shards
+            in parallel (``model.rank_R.safetensors``, ``optimizer.rank_R.safetensors``), nothing is
+            gathered, and the checkpoint loads into any world size (version 2, docs/formats.md).
 
     Returns:
         The committed checkpoint directory.
@@ -120,9 +128,11 @@ def save_checkpoint(
         t_name, j_name = rank_names(rank)
         _write_tensors(tmp / t_name, rng_tensors)
         write_json(tmp / j_name, meta)
-        if rank == 0:
-            files = _write_state(tmp, step, model, optimizer, {"scheduler": scheduler, "data_cursor": data_cursor},
-                                 extra, config)
+        stateful = {"scheduler": scheduler, "data_cursor": data_cursor}
+        if sharded:
+            files = _write_sharded(tmp, step, rank, world, model, optimizer, stateful, extra, config)
+        elif rank == 0:
+            files = _write_state(tmp, step, model, optimizer, stateful, extra, config)
     except OSError as e:  # a full disk, say: the space goes back, and the previous checkpoint stays latest
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"{final}: not saved: writing {e.filename or tmp} failed ({e.strerror or e}); its "
@@ -133,9 +143,13 @@ def save_checkpoint(
         for r in range(world):
             for name in rank_names(r):
                 files[name] = _file_entry((tmp / name).read_bytes())
+            if sharded:  # each rank's shard entries, which it digested itself: no shard is read here
+                entries = tmp / _ENTRIES.format(r)
+                files.update(json.loads(entries.read_bytes()))
+                entries.unlink()
         _supersede(root, step)
-        _commit(root, tmp, final, {"format": FORMAT, "version": VERSION, "step": step, "world_size": world,
-                                   "files": dict(sorted(files.items()))})
+        _commit(root, tmp, final, {"format": FORMAT, "version": SHARDED_VERSION if sharded else VERSION, "step": step,
+                                   "world_size": world, "files": dict(sorted(files.items()))})
         if keep is not None:
             for _, path in committed_steps(root)[max(keep, 1):]:
                 _prune(root, path)
@@ -187,6 +201,21 @@ def _supersede(root: Path, step: int) -> None:
     fsync_dir(root)
 
 
+def _skeletons(optimizer: torch.optim.Optimizer | None, stateful: dict[str, Any], extra: dict[str, Any] | None,
+               tensors: dict[str, Any]) -> dict[str, Any]:
+    """The JSON skeletons of the optimizer, ``stateful``'s objects and ``extra``, their tensors put in
+    ``tensors`` by name."""
+    out: dict[str, Any] = {}
+    if optimizer is not None:
+        out["optimizer"] = flatten(optimizer.state_dict(), "optimizer", tensors)
+    for name, obj in stateful.items():
+        if obj is not None:
+            out[name] = flatten(obj.state_dict(), name, tensors)
+    if extra is not None:
+        out["extra"] = flatten(extra, "extra", tensors)
+    return out
+
+
 def _write_state(tmp: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
                  stateful: dict[str, Any], extra: dict[str, Any] | None,
                  config: dict[str, Any] | None) -> dict[str, Any]:
@@ -197,14 +226,69 @@ def _write_state(tmp: Path, step: int, model: torch.nn.Module, optimizer: torch.
     files["model.safetensors"] = _write_tensors(tmp / "model.safetensors", model_tensors)
     state: dict[str, Any] = {"step": step, "model_aliases": aliases, "config": config, "environment": environment()}
     opt_tensors: dict[str, torch.Tensor] = {}
-    if optimizer is not None:
-        state["optimizer"] = flatten(optimizer.state_dict(), "optimizer", opt_tensors)
-    for name, obj in stateful.items():
-        if obj is not None:
-            state[name] = flatten(obj.state_dict(), name, opt_tensors)
-    if extra is not None:
-        state["extra"] = flatten(extra, "extra", opt_tensors)
+    state.update(_skeletons(optimizer, stateful, extra, opt_tensors))
     files["optimizer.safetensors"] = _write_tensors(tmp / "optimizer.safetensors", opt_tensors)
+    files["state.json"] = _file_entry(write_json(tmp / "state.json", state))
+    return files
+
+
+_ENTRIES = ".entries.rank_{:05d}.json"  # a rank's shard files' manifest entries, until the commit
+
+
+def _split(tensors: dict[str, Any], world: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                                         dict[str, Any], dict[str, str]]:
+    """Plain tensors, this rank's local shards of the DTensors, the DTensors' layout (global shape and each
+    rank's rows), and the names that are another name's DTensor (a tied weight): one shard each."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    plain: dict[str, torch.Tensor] = {}
+    local: dict[str, torch.Tensor] = {}
+    layout: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, t in tensors.items():
+        if not isinstance(t, DTensor):
+            plain[name] = t
+            continue
+        if id(t) in first:
+            aliases[name] = first[id(t)]
+            continue
+        first[id(t)] = name
+        if tuple(t.placements) != (Shard(0),):
+            raise CheckpointError(f"sharded checkpoint: {name!r} is placed {t.placements}, but only Shard(0) "
+                                  "(FSDP2's) is stored; save its full_tensor() instead")
+        rows = shard_rows(t.shape[0], world)
+        shard = t.to_local().detach()
+        r = t.device_mesh.get_local_rank()
+        if shard.shape[0] != rows[r][1] - rows[r][0]:
+            raise CheckpointError(f"sharded checkpoint: {name!r} holds {shard.shape[0]} rows on rank {r}, not "
+                                  f"the {rows[r][1] - rows[r][0]} of an even Shard(0) split")
+        local[name] = shard
+        layout[name] = {"shape": list(t.shape), "rows": rows}
+    return plain, local, layout, aliases
+
+
+def _write_sharded(tmp: Path, step: int, rank: int, world: int, model: torch.nn.Module,
+                   optimizer: torch.optim.Optimizer | None, stateful: dict[str, Any], extra: dict[str, Any] | None,
+                   config: dict[str, Any] | None) -> dict[str, Any]:
+    """Every rank writes its shards of the model and optimizer state and their manifest entries; rank 0
+    also the plain tensors and state.json (with the shards' layout). Returns rank 0's entries."""
+    model_plain, model_local, model_layout, tied = _split(model.state_dict(keep_vars=True), world)
+    opt_tensors: dict[str, Any] = {}
+    state: dict[str, Any] = {"step": step, "config": config, "environment": environment(),
+                             **_skeletons(optimizer, stateful, extra, opt_tensors)}
+    opt_plain, opt_local, opt_layout, _ = _split(opt_tensors, world)
+    m_name, o_name = shard_names(rank)
+    mine = {m_name: _write_tensors(tmp / m_name, model_local), o_name: _write_tensors(tmp / o_name, opt_local)}
+    write_json(tmp / _ENTRIES.format(rank), mine)
+    if rank != 0:
+        return {}
+    files: dict[str, Any] = {}
+    unique, aliases = _unique_tensors(model_plain)
+    files["model.safetensors"] = _write_tensors(tmp / "model.safetensors", unique)
+    files["optimizer.safetensors"] = _write_tensors(tmp / "optimizer.safetensors", opt_plain)
+    state["model_aliases"] = {**aliases, **tied}
+    state["shards"] = {"world_size": world, "model": model_layout, "optimizer": opt_layout}
     files["state.json"] = _file_entry(write_json(tmp / "state.json", state))
     return files
 

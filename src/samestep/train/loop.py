@@ -168,15 +168,16 @@ class Parts:
         return isinstance(self.grads, FsdpGradients)
 
     def savable(self) -> tuple[Any, Any]:
-        """What a checkpoint or the final digest reads ``state_dict()`` from: the model and optimizer, or
-        of a sharded run their unsharded state, gathered now (a collective: every rank calls it)."""
+        """What the final digest reads ``state_dict()`` from: the model and optimizer, or of a sharded run
+        their unsharded state, gathered now (a collective: every rank calls it)."""
         if not self.sharded:
             return self.model, self.optimizer
         model_sd, optim_sd = full_state(self.model, self.optimizer)
         return Held(model_sd), Held(optim_sd)
 
     def loadable(self) -> tuple[Any, Any]:
-        """What a checkpoint (always unsharded) is loaded into: of a sharded run, each rank's shards."""
+        """What a checkpoint (loaded as whole tensors, whoever wrote it) is loaded into: of a sharded run,
+        each rank's shards of them."""
         if not self.sharded:
             return self.model, self.optimizer
         return ShardedModel(self.model), ShardedOptimizer(self.optimizer)
@@ -448,10 +449,10 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
                 parts.recorder.sync()
                 if metrics is not None:
                     os.fsync(metrics.fileno())
-                model, optimizer = parts.savable()
-                save_checkpoint(run_dir / "checkpoints", done, model=model, optimizer=optimizer,
+                # a sharded run: each rank writes its own shards, nothing gathered
+                save_checkpoint(run_dir / "checkpoints", done, model=parts.model, optimizer=parts.optimizer,
                                 scheduler=parts.schedule, data_cursor=parts.cursor, config=parts.cfg.to_dict(),
-                                keep=t.keep_checkpoints)
+                                keep=t.keep_checkpoints, sharded=parts.sharded)
             if stopping:
                 return loss_value, done
     finally:
