@@ -79,3 +79,21 @@ def test_fault_harness_finds_every_outcome_as_documented():
     assert r["writers"] == {"trials": 1, "one_refused": 1, "refusal_one_line": 1, "exact": 1}
     assert r["corpus"]["failures"] == [] and r["corpus"]["as_documented"] == r["corpus"]["cases"] >= 40
     assert r["corpus"]["control_caught"]
+
+
+def test_cost_model_prices_the_combine_against_ddp():
+    """`bench/cost_model.py --json`: at every rank count the canonical combine sends DDP's bytes but, started
+    after the backward, exposes more time than DDP's ring; started per bucket, no less than one bucket's.
+    A model with a free network (huge bandwidth, no latency) prices both alike: the check can tell."""
+    def rows(*extra):
+        proc = subprocess.run([sys.executable, "bench/cost_model.py", "--json", *extra], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    for r in rows():
+        assert r["canonical_exposed_ms"] > r["ddp_exposed_ms"] and r["ratio_to_ddp"] > 1.1
+        assert r["canonical_overlapped_exposed_ms"] <= r["canonical_exposed_ms"]
+        assert 1.0 <= r["ratio_to_ddp_overlapped"] < r["ratio_to_ddp"]
+    free = rows("--alpha-us", "0", "--gbps", "1e9", "--sum-gbps", "1e9")
+    assert all(abs(r["ratio_to_ddp"] - 1.0) < 1e-6 for r in free)

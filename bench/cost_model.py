@@ -1,0 +1,74 @@
+"""The canonical reduction's exposed communication time beyond one machine, estimated (docs/layouts.md,
+"Cost at scale"): an alpha-beta model of the collectives, against DDP's ring all-reduce.
+
+    .venv/bin/python bench/cost_model.py [--grad-mb 1000] [--alpha-us 5] [--gbps 25] [--backward-ms 300]
+                                         [--buckets 25] [--sum-gbps 200] [--json]
+
+Per rank, for a gradient of B bytes cut into buckets of b bytes, W ranks, latency alpha per message and
+bandwidth beta per link:
+  ring all-reduce (DDP, NCCL_ALGO=Ring): 2(W-1) steps, each alpha + (b/W)/beta, per bucket;
+  canonical combine: an all-to-all ((W-1) messages of b/W: (W-1)(alpha + (b/W)/beta)), the fixed-order sum
+  of W chunks of b/W (b bytes read at the sum bandwidth), and an all-gather (the ring's second half).
+Both send 2(W-1)/W of the gradient. DDP overlaps every bucket but the last with the backward pass; the
+canonical combine starts after it (the whole reduction exposed), or, overlapped as DDP does, exposes
+its last bucket. Reported: seconds exposed per step and the step-time ratio to DDP for a given backward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def ring_bucket(b: float, w: int, alpha: float, beta: float) -> float:
+    return 2 * (w - 1) * (alpha + b / w / beta)
+
+
+def canonical_bucket(b: float, w: int, alpha: float, beta: float, sum_bw: float) -> float:
+    all_to_all = (w - 1) * (alpha + b / w / beta)
+    all_gather = (w - 1) * (alpha + b / w / beta)
+    return all_to_all + b / sum_bw + all_gather
+
+
+def estimate(w: int, grad: float, buckets: int, alpha: float, beta: float, sum_bw: float, backward: float) -> dict:
+    b = grad / buckets
+    ring, canon = ring_bucket(b, w, alpha, beta), canonical_bucket(b, w, alpha, beta, sum_bw)
+    # DDP: bucket i's all-reduce runs while the backward produces the next ones; what is left after the
+    # backward ends is at least the last bucket's, and all of it if the all-reduces take longer than it.
+    ddp_exposed = max(ring, buckets * ring - backward * (buckets - 1) / buckets)
+    whole = buckets * canon  # the combine after the backward, bucket after bucket
+    overlapped = max(canon, buckets * canon - backward * (buckets - 1) / buckets)
+    step = backward * 1.5  # forward + backward + optimizer, as a step of a dense decoder roughly is
+    return {"ranks": w, "ddp_exposed_ms": 1e3 * ddp_exposed, "canonical_exposed_ms": 1e3 * whole,
+            "canonical_overlapped_exposed_ms": 1e3 * overlapped,
+            "ratio_to_ddp": (step + whole) / (step + ddp_exposed),
+            "ratio_to_ddp_overlapped": (step + overlapped) / (step + ddp_exposed)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--grad-mb", type=float, default=1000.0, help="gradient bytes per step (fp32: 4 per parameter)")
+    ap.add_argument("--alpha-us", type=float, default=5.0, help="latency per message")
+    ap.add_argument("--gbps", type=float, default=25.0, help="bandwidth per rank, GB/s (200 Gb/s InfiniBand)")
+    ap.add_argument("--backward-ms", type=float, default=300.0)
+    ap.add_argument("--buckets", type=int, default=25)
+    ap.add_argument("--sum-gbps", type=float, default=200.0, help="memory bandwidth of the fixed-order sum")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    rows = [estimate(w, a.grad_mb * 1e6, a.buckets, a.alpha_us * 1e-6, a.gbps * 1e9, a.sum_gbps * 1e9,
+                     a.backward_ms * 1e-3) for w in (8, 64, 512, 4096)]
+    if a.json:
+        print(json.dumps(rows))
+        return 0
+    print("| ranks | DDP ring exposed | canonical exposed (after backward) | ratio to DDP | canonical, overlapped | ratio |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['ranks']} | {r['ddp_exposed_ms']:.1f} ms | {r['canonical_exposed_ms']:.1f} ms | "
+              f"{r['ratio_to_ddp']:.3f}x | {r['canonical_overlapped_exposed_ms']:.1f} ms | "
+              f"{r['ratio_to_ddp_overlapped']:.3f}x |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
