@@ -119,16 +119,20 @@ def test_a_rank_killed_in_a_sharded_save_leaves_the_previous_checkpoint_and_the_
     assert verify.returncode == 1 and "model.rank_00001.safetensors: corrupt: tensor(s) '" in verify.stdout + verify.stderr
 
 
-def test_fsdp2_own_reduction_differs_across_world_sizes(one_process, tmp_path, monkeypatch):
-    """Negative control: FSDP2 with its own reduce-scatter (determinism off: every microbatch reduced by the
-    collective's order and added into the shard) gives different bits on 2 and 4 processes, and neither
-    gives the canonical ones."""
+def test_fsdp2_in_bf16_matches_one_process_and_its_own_reduction_differs(tmp_path, monkeypatch):
+    """A Llama in bf16 compute (fp32 gradients and reduction) sharded over 2 processes gives the 1-process
+    bits. Negative control: FSDP2 with its own reduce-scatter (determinism off: every microbatch reduced
+    in the collective's order and added into the shard) gives other bits on 2 and on 4 processes, and
+    neither gives the canonical ones."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    off = (*LAYOUT, "parallel.fsdp=true", "determinism.enabled=false", "train.steps=3")
+    llama = (*LAYOUT, "model.arch=llama", "train.precision=bf16", "train.steps=3")
+    one, sharded = side_by_side(lambda: run_train(tmp_path / "l1", *llama)["state_digest"],
+                                lambda: run_train(tmp_path / "l2", *llama, "parallel.fsdp=true", nproc=2)["state_digest"])
+    assert one == sharded and metrics_bytes(tmp_path / "l1") == metrics_bytes(tmp_path / "l2")
+    off = (*llama, "parallel.fsdp=true", "determinism.enabled=false")
     two, four = side_by_side(lambda: run_train(tmp_path / "w2", *off, nproc=2)["state_digest"],
                              lambda: run_train(tmp_path / "w4", *off, nproc=4)["state_digest"])
-    canonical = run_train(tmp_path / "c2", *LAYOUT, "parallel.fsdp=true", "train.steps=3", nproc=2)["state_digest"]
-    assert len({two, four, canonical}) == 3
+    assert len({two, four, one}) == 3
 
 
 def test_unaligned_layout_is_refused_with_alternatives(tmp_path):
