@@ -12,9 +12,10 @@ same sum, bracketed the same way, as in ``CanonicalGradients`` on one process (d
 The reduce-scatters of earlier microbatches hand FSDP2 zeros, and ``FsdpGradients.accumulate`` drops
 them, so FSDP2 adds nothing: the sharded gradient is the canonical shard itself.
 
-A checkpoint holds the unsharded state (``full_state``), the same files as the data-parallel run's, so
-a run moves between 4, 2 and 1 processes, sharded or not; ``ShardedModel`` and ``ShardedOptimizer``
-load such a state into the shards.
+``full_state`` gathers the unsharded state (the final digest is of it); a checkpoint holds each rank's
+shards (``save_checkpoint(sharded=True)``) and loads as whole tensors, which ``ShardedModel`` and
+``ShardedOptimizer`` cut into this layout's shards: a run moves between 4, 2 and 1 processes, sharded
+or not.
 """
 
 from __future__ import annotations
