@@ -88,6 +88,8 @@ class FsdpGradients:
     ``backward()`` call ``accumulate(i)``; ``reduce()`` returns the canonical sum of the extras (the loss),
     the gradients being already reduced, each rank holding its shard (DTensor ``p.grad``)."""
 
+    canonical = True  # each group's reduce-scatter is a CanonicalReduceScatter
+
     def __init__(self, model: torch.nn.Module, *, microbatches_per_process: int, world_size: int, rank: int) -> None:
         from torch.distributed.fsdp import FSDPModule
 
@@ -97,7 +99,7 @@ class FsdpGradients:
         self.bytes_sent = 0
         self.observer: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
         self.comms = []
-        for module in model.modules():
+        for module in model.modules() if self.canonical else ():
             if isinstance(module, FSDPModule):
                 comm = CanonicalReduceScatter(self.k, self)
                 module.set_custom_reduce_scatter(comm)
@@ -143,15 +145,7 @@ class FsdpDefaultGradients(FsdpGradients):
     depend on the process count. FSDP2 averages over the processes; the loss is summed, so the
     gradients are scaled back by the world size."""
 
-    def __init__(self, model: torch.nn.Module, *, microbatches_per_process: int, world_size: int, rank: int) -> None:
-        validate_layout(world_size, microbatches_per_process)
-        self.params = [p for p in model.parameters() if p.requires_grad]
-        self.k, self.world_size, self.rank = microbatches_per_process, world_size, rank
-        self.bytes_sent = 0
-        self.observer = None
-        self.comms = []
-        self._extra = BinaryCounter()
-        self._next = rank * self.k
+    canonical = False  # FSDP2's own reduce-scatter
 
     def accumulate(self, microbatch: int, extra: torch.Tensor | None = None) -> None:
         self._next += 1
