@@ -67,7 +67,9 @@ def canonical_json(obj: Any) -> bytes:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The raw little-endian bytes of a tensor, in row-major order (a view: no copy for CPU tensors)."""
-    t = t.detach().to("cpu").contiguous()
+    t = t.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to("cpu").contiguous()
     if t.numel() == 0:
         return memoryview(b"")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())

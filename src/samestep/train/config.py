@@ -108,6 +108,9 @@ class TrainConfig:
     compile: bool = False
     """Compile the model's forward (with its loss) with torch.compile (Inductor, deterministic mode); the
     optimizer step and the gradient reduction run eagerly."""
+    receipts: bool = True
+    """Write a receipt of every step (src/samestep/receipts.py): the state digest after the update, the loss
+    and grad-norm bits, chained by hash; what ``samestep verify``, ``bisect`` and ``receipts verify`` read."""
 
     def __post_init__(self) -> None:
         _finite("train", self, "lr", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip")

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 import warnings
 from collections.abc import Callable
@@ -41,6 +40,7 @@ from samestep.distributed.norm import canonical_grad_norm
 from samestep.env import describe_rank_differences, environment, rank_differences
 from samestep.mode import DeterminismReport, disable, enable
 from samestep.preempt import StopRequest, parse_signals
+from samestep.receipts import ReceiptWriter, genesis, truncate_receipts
 from samestep.rundir import (
     NUMERICS_NEUTRAL,
     final_doc,
@@ -58,6 +58,7 @@ from samestep.train.config import Config
 from samestep.train.llama import Llama
 from samestep.train.model import GPT
 from samestep.train.processes import Processes, device_kind
+from samestep.train.progress import Progress
 
 __all__ = ["RESTORE_ALL", "Parts", "Preempted", "WarmupCosine", "build", "train"]
 
@@ -118,34 +119,6 @@ def _make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
                              lr=t.lr, betas=(t.beta1, t.beta2), foreach=False)
 
 
-class _Progress:
-    """A rich progress bar on a terminal, plain lines every ``log_every`` steps otherwise."""
-
-    def __init__(self, enabled: bool, start: int, total: int, log_every: int, out: Callable[[str], None]) -> None:
-        self.enabled, self.total, self.log_every, self.out = enabled, total, log_every, out
-        self.bar = None
-        if enabled and sys.stdout.isatty():
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-            self.bar = Progress(TextColumn("train"), BarColumn(), MofNCompleteColumn(),
-                                TextColumn("{task.fields[info]}"), TimeRemainingColumn(), transient=True)
-            self.bar.start()
-            self.task = self.bar.add_task("train", total=total, completed=start, info="")
-
-    def update(self, step: int, loss: float, tok_s: float) -> None:
-        if not self.enabled:
-            return
-        info = f"loss {loss:.4f}  {tok_s:,.0f} tok/s"
-        if self.bar is not None:
-            self.bar.update(self.task, completed=step, info=info)
-        elif step % self.log_every == 0 or step == self.total:
-            self.out(f"step {step}/{self.total}  {info}")
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-
-
 @dataclass(slots=True)
 class Parts:
     """Everything one process of the run holds, and one optimizer step over it."""
@@ -181,6 +154,17 @@ class Parts:
         if not self.sharded:
             return self.model, self.optimizer
         return ShardedModel(self.model), ShardedOptimizer(self.optimizer)
+
+    def receipt_state(self, step: int) -> Callable[[], dict[str, Any]]:
+        """The state tree after ``step`` as ``run_state_digest`` reads it, made on the receipt thread. The
+        optimizer's is taken here (the next step sets its groups' lr before its update); the model's there,
+        but for a sharded run: FSDP2's ``state_dict`` swaps the module's parameters, which the next forward
+        must not see."""
+        cursor, model, optim = self.cursor.state_dict(), self.model, self.optimizer.state_dict()
+        if self.sharded:
+            tree = {"model": model.state_dict(), "optimizer": optim, "data_cursor": cursor, "step": step}
+            return lambda: tree
+        return lambda: {"model": model.state_dict(), "optimizer": optim, "data_cursor": cursor, "step": step}
 
     @property
     def tokens_per_step(self) -> int:
@@ -427,14 +411,17 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
     recorder is closed at the end."""
     t = parts.cfg.train
     tokens_per_step = parts.tokens_per_step
-    progress = _Progress(writer, start, t.steps, t.log_every, out)
+    progress = Progress(writer, start, t.steps, t.log_every, out)
     metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if writer else None
     parts.model.train()
     t0, start_timed = time.perf_counter(), start
+    receipts = _receipts(parts, run_dir, start, dist_.rank)
     try:
         for step in range(start, end):
             loss_value, grad_norm, lr = parts.step(step)
             done = step + 1
+            if receipts is not None:  # the state as final.json digests it, on the receipt thread
+                receipts.add(done, parts.receipt_state(done), loss_value, grad_norm)
             if metrics is not None:
                 metrics.write(metrics_line(done, loss_value, grad_norm, lr, done * tokens_per_step))
                 metrics.flush()
@@ -447,6 +434,8 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
             if done == end or stopping or (t.checkpoint_every and done % t.checkpoint_every == 0):
                 # the records of every step the checkpoint holds are durable before it commits
                 parts.recorder.sync()
+                if receipts is not None:
+                    receipts.sync()
                 if metrics is not None:
                     os.fsync(metrics.fileno())
                 # a sharded run: each rank writes its own shards, nothing gathered
@@ -458,9 +447,23 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
     finally:
         progress.close()
         parts.recorder.close()
+        if receipts is not None:
+            receipts.close()
         if metrics is not None:
             metrics.close()
     return loss_value, None
+
+
+def _receipts(parts: Parts, run_dir: Path, start: int, rank: int) -> ReceiptWriter | None:
+    """This rank's receipt writer (train.receipts): rank 0's, of the whole state, or under sharding every
+    rank's, of its shards; the receipts of steps after ``start`` (of a killed run) are dropped."""
+    if not parts.cfg.train.receipts or (rank and not parts.sharded):
+        return None
+    prev = truncate_receipts(run_dir, rank, start)
+    writer = ReceiptWriter(run_dir, rank, prev or genesis(parts.cfg.to_dict(), parts.corpus.fingerprint),
+                           state_of="rank" if parts.sharded else "run", start=start)
+    writer.watch(parts.optimizer)
+    return writer
 
 
 def run_state_digest(model: Any, optimizer: Any, cursor: DataCursor, step: int) -> str:

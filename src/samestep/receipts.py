@@ -1,0 +1,225 @@
+"""Receipts (format "samestep.receipts", version 1; docs/formats.md): one line per step, chained by hash.
+
+    RUN/receipts/rank_00000.jsonl   a header line, then one receipt per step:
+        {"step": 7, "state": <sha256>, "loss_hex": ..., "grad_norm_hex": ..., "prev": <hash>, "hash": <hash>}
+
+``state`` is the digest of the state after the step's update (``_state.state_digest`` of the parameters,
+optimizer state, data cursor and step: what final.json and a restored checkpoint are digested as), and
+``hash`` is SHA-256 over the receipt without it, so each receipt vouches for every one before it and an
+edit anywhere breaks the chain from there on. The first ``prev`` is the run's genesis: a digest of its
+config and data, so two runs of one config and data (on any layout) have the same chain while they agree.
+
+The state is digested on a thread of its own while the next step's forward and backward run (they read
+the state, never change it); the optimizer's next ``step()`` waits for it (a pre-hook), so the digest is
+of the state as the receipt says. Rank 0 writes receipts of the whole state; under sharding each rank
+writes those of its own shards (``state_of: "rank"``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from samestep._state import canonical_json, dotted, state_digest
+from samestep.durable import replace_atomic
+from samestep.rundir import NUMERICS_NEUTRAL
+
+__all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "chain_break", "genesis",
+           "read_receipts", "receipt_hash", "receipts_path", "truncate_receipts"]
+
+RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 1
+
+
+class ReceiptError(ValueError):
+    """A receipts file is missing, malformed, or its chain is broken."""
+
+
+def receipts_path(run_dir: str | os.PathLike[str], rank: int = 0) -> Path:
+    return Path(run_dir) / "receipts" / f"rank_{rank:05d}.jsonl"
+
+
+def genesis(config: dict[str, Any], data_fingerprint: str) -> str:
+    """The ``prev`` of a run's first receipt: its config, less the fields that change no bit (rundir's
+    ``NUMERICS_NEUTRAL``: a traced replay of a run has the run's chain), and its data."""
+    kept = {k: v for k, v in dotted(config).items() if k not in NUMERICS_NEUTRAL}
+    return hashlib.sha256(canonical_json({"format": RECEIPTS_FORMAT, "config": kept,
+                                          "data": data_fingerprint})).hexdigest()
+
+
+def receipt_hash(receipt: dict[str, Any]) -> str:
+    """SHA-256 over a receipt's canonical JSON without its ``hash``."""
+    return hashlib.sha256(canonical_json({k: v for k, v in receipt.items() if k != "hash"})).hexdigest()
+
+
+def _local(tree: Any) -> Any:
+    """A state tree with each DTensor replaced by its local shard: digesting one must not start a collective
+    (this runs on a thread of its own, which joins none)."""
+    if isinstance(tree, dict):
+        return {k: _local(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_local(v) for v in tree)
+    to_local = getattr(tree, "to_local", None)
+    return to_local() if callable(to_local) else tree
+
+
+class ReceiptWriter:
+    """Appends this rank's receipts; see the module docstring.
+
+    ``add`` is called after each step's update with a function that returns the state tree (called on the
+    receipt thread) and the step's loss and grad norm. The optimizer's next ``step()`` waits for the
+    previous receipt (``watch``), and ``sync`` makes every receipt so far durable (before a checkpoint
+    commits). A failure of the thread is raised on the training thread at the next wait.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], rank: int, first_prev: str, *, state_of: str = "run",
+                 start: int = 0) -> None:
+        self.path = receipts_path(run_dir, rank)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fresh = not self.path.exists() or self.path.stat().st_size == 0
+        self._file = open(self.path, "a", encoding="utf-8")
+        if fresh:
+            self._file.write(json.dumps({"format": RECEIPTS_FORMAT, "version": RECEIPTS_VERSION, "rank": rank,
+                                         "state_of": state_of, "genesis": first_prev}, sort_keys=True) + "\n")
+        self.prev, self.last_step = first_prev, start
+        self._error: BaseException | None = None
+        self._hooks: list[Any] = []
+        # One thread for the writer's life, fed one step at a time: starting a thread a step costs more.
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._serve, name="samestep-receipts", daemon=True)
+        self._thread.start()
+
+    def watch(self, optimizer: Any) -> None:
+        """Makes ``optimizer.step()`` wait for the receipt being made: it changes the state that receipt reads."""
+        self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.wait()))
+
+    def add(self, step: int, state: Callable[[], Any], loss: float, grad_norm: float) -> None:
+        """Starts the receipt of ``step``: ``state()`` is called and digested on the receipt thread."""
+        self.wait()
+        if step != self.last_step + 1:
+            raise ReceiptError(f"{self.path}: receipt of step {step} follows step {self.last_step}; steps are receipted "
+                               "in order, one each")
+        self.last_step = step
+        self._idle.clear()
+        self._jobs.put(({"step": step, "loss_hex": float(loss).hex(), "grad_norm_hex": float(grad_norm).hex()}, state))
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fields, state = job
+            try:
+                receipt = {**fields, "state": state_digest(_local(state())), "prev": self.prev}
+                receipt["hash"] = receipt_hash(receipt)
+                self._file.write(json.dumps(receipt, sort_keys=True) + "\n")  # flushed by sync
+                self.prev = receipt["hash"]
+            except BaseException as e:  # raised on the training thread at the next wait
+                self._error = e
+            finally:
+                self._idle.set()
+
+    def wait(self) -> None:
+        """Waits for the receipt being made; raises its failure, if it failed."""
+        self._idle.wait()
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"receipt of step {self.last_step} failed: {error}") from error
+
+    def sync(self) -> None:
+        """Every receipt so far, written and fsync'ed."""
+        self.wait()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        try:
+            self.sync()
+        finally:
+            self._jobs.put(None)
+            self._thread.join()
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+            self._file.close()
+
+
+def read_receipts(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A receipts file's header and receipts, up to a torn last line of a killed run.
+
+    Raises:
+        ReceiptError: it is missing, of another format or version, or a line before the last is damaged,
+            naming the file and line.
+    """
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        raise ReceiptError(f"{path}: missing; the run wrote no receipts (a run of samestep before receipts, or "
+                           "not a samestep run directory)") from None
+    except UnicodeDecodeError as e:
+        raise ReceiptError(f"{path}: not UTF-8 text ({e})") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines) and number > 1:
+                break  # a torn last line of a killed run
+            raise ReceiptError(f"{path}:{number}: not valid JSON; only the last line may be torn") from None
+        if not isinstance(row, dict):
+            raise ReceiptError(f"{path}:{number}: {line[:60]!r} is not a table")
+        rows.append(row)
+    if not rows or rows[0].get("format") != RECEIPTS_FORMAT:
+        raise ReceiptError(f"{path}:1: not a receipts header (format {RECEIPTS_FORMAT!r})")
+    if rows[0].get("version") != RECEIPTS_VERSION:
+        raise ReceiptError(f"{path}:1: receipts version {rows[0].get('version')!r}; this samestep reads version "
+                           f"{RECEIPTS_VERSION}")
+    for number, row in enumerate(rows[1:], 2):
+        for key in ("step", "state", "loss_hex", "grad_norm_hex", "prev", "hash"):
+            if key not in row:
+                raise ReceiptError(f"{path}:{number}: receipt without {key!r}")
+    return rows[0], rows[1:]
+
+
+def chain_break(header: dict[str, Any], receipts: list[dict[str, Any]], first_prev: str | None = None) -> str | None:
+    """Why the chain does not hold (None if it does): the first receipt whose ``prev`` is not the hash before
+    it, whose ``hash`` is not its own, or whose step is not the one after. ``first_prev``: what the first
+    receipt must follow (default: the header's genesis)."""
+    prev = header.get("genesis") if first_prev is None else first_prev
+    step = receipts[0]["step"] - 1 if receipts else 0
+    for r in receipts:
+        if r["step"] != step + 1:
+            return f"step {r['step']} follows step {step}"
+        if r["prev"] != prev:
+            return f"step {r['step']}: prev {str(r['prev'])[:16]}... is not the hash before it ({str(prev)[:16]}...)"
+        if receipt_hash(r) != r["hash"]:
+            return f"step {r['step']}: its hash is not of its contents (the receipt was changed after it was written)"
+        prev, step = r["hash"], r["step"]
+    return None
+
+
+def truncate_receipts(run_dir: str | os.PathLike[str], rank: int, last_step: int) -> str | None:
+    """Keeps the receipts of steps <= last_step (a killed run may have written more, or a torn line); returns
+    the hash of the last one kept (the header's genesis if none; None if there is no file).
+
+    Raises:
+        ReceiptError: the file is damaged, its chain is broken, or it lacks a step up to ``last_step``.
+    """
+    path = receipts_path(run_dir, rank)
+    if not path.exists():
+        return None
+    header, receipts = read_receipts(path)
+    kept = [r for r in receipts if r["step"] <= last_step]
+    why = chain_break(header, kept)
+    if why is None and [r["step"] for r in kept] != list(range(1, last_step + 1)):
+        why = f"holds steps {kept[0]['step'] if kept else '-'}..{kept[-1]['step'] if kept else '-'}, not 1..{last_step}"
+    if why is not None:
+        raise ReceiptError(f"{path}: {why}; resuming would break the chain: restore the file, or resume into a new "
+                           "run directory")
+    replace_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in [header, *kept]).encode())
+    return kept[-1]["hash"] if kept else header["genesis"]
