@@ -8,11 +8,11 @@ import sys
 import traceback
 
 from samestep.version import __version__
-from samestep.cli import checkpoint, demo, diff, env, report, trace, train
+from samestep.cli import bisect, checkpoint, demo, diff, env, receipts, report, trace, train, verify
 
 __all__ = ["main"]
 
-_COMMANDS = (train, demo, diff, report, trace, checkpoint, env)
+_COMMANDS = (train, demo, diff, bisect, report, trace, checkpoint, receipts, verify, env)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,70 @@
+"""Receipts benchmark: the reference run's step time with a receipt of every step, against without.
+
+    .venv/bin/python bench/bench_receipts.py [--pairs 9] [--steps 8] [--json]
+
+Two copies of the reference run (deterministic mode, one thread, as ``samestep train`` runs it) take
+blocks of ``--steps`` steps alternately in one process; one of them writes a receipt after each step
+(``samestep.receipts.ReceiptWriter``: the state digest on its own thread, the optimizer's next step
+waiting for it), as ``samestep train`` does. The cost is the median of per-pair ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+import samestep
+from samestep.data import load_corpus
+from samestep.receipts import ReceiptWriter, genesis
+from samestep.train import load_config
+from samestep.train.loop import build
+
+
+def receipts_overhead(pairs: int, steps: int) -> dict:
+    corpus = load_corpus("stdlib")
+    cfg = load_config(None, [])
+    plain, receipted = build(cfg, corpus=corpus), build(cfg, corpus=corpus)
+    ratios, t_on, t_off = [], [], []
+    with tempfile.TemporaryDirectory() as tmp, samestep.enable(threads=cfg.determinism.threads):
+        writer = ReceiptWriter(tmp, 0, genesis(cfg.to_dict(), corpus.fingerprint))
+        writer.watch(receipted.optimizer)
+        for p in range(pairs + 1):
+            t0 = time.perf_counter()
+            for s in range(p * steps, (p + 1) * steps):
+                loss, norm, _ = receipted.step(s)
+                writer.add(s + 1, receipted.receipt_state(s + 1), loss, norm)
+            writer.wait()  # the last receipt of the block is in its time
+            a = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for s in range(p * steps, (p + 1) * steps):
+                plain.step(s)
+            b = time.perf_counter() - t0
+            if p:  # the first pair warms the allocator and caches
+                ratios.append(a / b)
+                t_on.append(a / steps)
+                t_off.append(b / steps)
+        writer.close()
+    return {"pairs": pairs, "steps_per_side": steps, "step_ms_receipts": round(1000 * statistics.median(t_on), 2),
+            "step_ms_plain": round(1000 * statistics.median(t_off), 2),
+            "receipts_ratio_median": round(statistics.median(ratios), 4)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pairs", type=int, default=9)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    result = receipts_overhead(args.pairs, args.steps)
+    print(json.dumps(result) if args.json else
+          f"receipts: {result['receipts_ratio_median']:.4f}x ({result['step_ms_receipts']} vs {result['step_ms_plain']} "
+          f"ms a step, median of {args.pairs} pairs of {args.steps} steps)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

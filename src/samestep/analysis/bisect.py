@@ -1,0 +1,113 @@
+"""``samestep bisect RUN_A RUN_B``: from "they differ" to the op that diverged, with no trace chosen before.
+
+1. The first step whose receipts differ (loss, grad norm, then state digest; metrics.jsonl's bits where
+   a run has no receipts) is the step S where the runs' paths part.
+2. Both runs are replayed from their newest common checkpoint before S (from scratch if none), each on
+   its own layout, into scratch directories, with every rank traced at op level on step S only.
+3. ``samestep diff`` of the two replays names the origin: op, module, microbatch and rank, inputs matched.
+
+A divergence that a race caused may not fire again in a replay: then the replays agree, and bisect tries
+again, up to ``retries`` times, and says that it did not reproduce.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from samestep.analysis.diff import diff_runs
+from samestep.analysis.replay import replay
+from samestep.analysis.verify import FIELDS, first_receipt_difference
+from samestep.checkpoint import committed_steps
+from samestep.receipts import read_receipts
+from samestep.rundir import read_metrics, read_run
+
+__all__ = ["BisectError", "bisect_runs", "first_difference"]
+
+
+class BisectError(ValueError):
+    """The runs cannot be bisected (nothing in common to compare, or runs that are not samestep train's)."""
+
+
+def _records(run_dir: Path) -> tuple[dict[str, list[dict]], str]:
+    """A run's receipts ({rank: receipts}) and what they are of: "run" (the whole state, or a rank's shards,
+    "rank"), or metrics.jsonl's rows as receipts without a state ("metrics") where it wrote none."""
+    out, of = {}, "metrics"
+    for path in sorted((run_dir / "receipts").glob("rank_*.jsonl")):
+        header, receipts = read_receipts(path)
+        out[str(header.get("rank"))] = receipts
+        of = header.get("state_of", "run")
+    if out:
+        return out, of
+    return {"0": [{"step": r["step"], "loss_hex": r.get("loss_hex"), "grad_norm_hex": r.get("grad_norm_hex")}
+                  for r in read_metrics(run_dir)]}, of
+
+
+def first_difference(run_a: Path, run_b: Path) -> tuple[dict[str, Any] | None, int]:
+    """The first differing step of two runs by their receipts (see the module docstring), and how many steps
+    both hold. State digests are compared where both are of the whole state, or both of shards over the
+    same layout; loss and grad-norm bits always."""
+    (a, of_a), (b, of_b) = _records(run_a), _records(run_b)
+    fields = FIELDS if (of_a == of_b == "run" or (of_a == of_b == "rank" and set(a) == set(b))) else FIELDS[:2]
+    steps_a, steps_b = ({r["step"] for r in rs.get("0", [])} for rs in (a, b))
+    common = steps_a & steps_b
+    if not common:
+        return None, 0
+    return first_receipt_difference(a, b, range(1, max(common) + 1), fields), len(common)
+
+
+def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force: bool = False,
+                keep: Path | None = None) -> dict[str, Any]:
+    """Bisects two ``samestep train`` runs; returns ``{"identical", "first_divergent_step", "origin",
+    "reproduced", "attempts", "replayed_from", "steps_compared", "difference", "diff", "summary"}``, where
+    ``origin`` has ``samestep diff --json``'s fields (None if no replay reproduced the divergence).
+
+    Raises:
+        BisectError, RunDirError, ReceiptError: nothing to compare, or a damaged run file; DiffError: the
+            runs' configs or environments differ (without ``force``); ReplayError: a replay failed.
+    """
+    run_a, run_b = Path(run_a), Path(run_b)
+    read_run(run_a), read_run(run_b)
+    difference, compared = first_difference(run_a, run_b)
+    if compared == 0:
+        raise BisectError(f"{run_a} and {run_b} hold no step in common (no receipts or metrics): nothing to compare")
+    if difference is None:
+        return {"identical": True, "first_divergent_step": None, "origin": None, "reproduced": None, "attempts": 0,
+                "replayed_from": None, "steps_compared": compared, "difference": None, "diff": None,
+                "summary": f"identical: {compared} step(s) agree in every receipt"}
+    step = difference["step"]
+    starts = [{s for s, _ in committed_steps(run / "checkpoints") if s < step} for run in (run_a, run_b)]
+    start = max(starts[0] & starts[1], default=0)  # the newest common checkpoint before the step
+    root = keep if keep is not None else Path(tempfile.mkdtemp(prefix="samestep-bisect-"))
+    settings = ("trace.level=op", f"trace.steps={step}", "trace.ranks=all", "train.checkpoint_every=0")
+    report, attempt = None, 0
+    try:
+        for attempt in range(1, retries + 2):
+            dirs = [root / f"a{attempt}", root / f"b{attempt}"]
+            with ThreadPoolExecutor(2) as pool:  # two processes: the replays run side by side
+                for f in [pool.submit(replay, run, d, start, step, settings) for run, d in zip((run_a, run_b), dirs)]:
+                    f.result()
+            report = diff_runs(*dirs, steps={step}, force=force)
+            if not report["identical"]:
+                break
+    finally:
+        if keep is None:
+            shutil.rmtree(root, ignore_errors=True)
+    reproduced = not report["identical"]
+    origin = report.get("origin") if reproduced else None
+    where = f"from step {start}" if start else "from scratch"
+    if not reproduced:
+        summary = (f"diverged at step {step} ({', '.join(difference['fields'])} differ), but {attempt} replay(s) "
+                   f"{where} agreed: the divergence did not reproduce (a race that did not fire again)")
+    elif origin is None:
+        summary = f"diverged at step {step}; the replays {where} differ, but no origin was named: {report['summary']}"
+    else:
+        summary = (f"diverged at step {step}: origin {origin['op']} in {origin['scope'] or '(root)'} ({origin['phase']}), "
+                   f"microbatch {origin['microbatch']}, rank {origin['rank']}, inputs matched; replayed {where}, "
+                   f"attempt {attempt}")
+    return {"identical": False, "first_divergent_step": step, "origin": origin, "reproduced": reproduced,
+            "attempts": attempt, "replayed_from": start, "steps_compared": compared, "difference": difference,
+            "diff": report["summary"], "summary": summary}

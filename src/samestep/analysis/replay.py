@@ -1,0 +1,85 @@
+"""Replaying part of a ``samestep train`` run into a scratch run directory: what ``samestep verify`` and
+``samestep bisect`` are made of.
+
+A replay starts from a checkpoint of the run (its step directory copied, with the metrics and receipts
+up to it), or from scratch at step 0, and runs ``samestep train --resume`` in a new process with the
+run's recorded config and the layout it had then, plus any numerics-neutral settings (a trace level).
+The run's bits do not depend on where it runs, so the replay's receipts and traces are the run's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from samestep._state import dotted
+from samestep.checkpoint import committed_steps
+from samestep.env import RANK_LOCAL, compare_environments
+from samestep.receipts import read_receipts
+from samestep.rundir import read_metrics, read_run
+
+__all__ = ["ReplayError", "environment_differences", "layout_at", "replay", "replay_start"]
+
+
+class ReplayError(RuntimeError):
+    """A replay could not run (its process failed): not a verdict on the run."""
+
+
+def layout_at(doc: dict[str, Any], step: int) -> dict[str, Any]:
+    """The layout the run had for the step after ``step``: its first, or that of the last resume at or
+    before ``step``."""
+    layout = dict(doc.get("layout", {}))
+    for entry in doc.get("resumes", []):
+        if isinstance(entry, dict) and entry.get("step", 0) <= step:
+            layout = entry
+    return layout
+
+
+def replay_start(run_dir: Path, before: int) -> int:
+    """The step of the newest committed checkpoint of the run at or before ``before`` (0: from scratch)."""
+    return next((s for s, _ in committed_steps(run_dir / "checkpoints") if s <= before), 0)
+
+
+def environment_differences(doc: dict[str, Any], replayed: Path) -> dict[str, tuple[Any, Any]]:
+    """How the replay's environment differs from the run's (fields that differ between processes of one
+    healthy job are left out)."""
+    diff = compare_environments(doc.get("environment", {}), read_run(replayed).get("environment", {}))
+    return {k: v for k, v in diff.items() if k not in RANK_LOCAL}
+
+
+def replay(run_dir: Path, scratch: Path, start: int, end: int, settings: tuple[str, ...] = (),
+           timeout: float = 3600) -> None:
+    """Replays steps ``start + 1`` to ``end`` of the run in ``run_dir`` into ``scratch`` (a new directory),
+    from its checkpoint of step ``start`` (0: from scratch), with ``settings`` (``section.key=value``, only
+    numerics-neutral ones keep the run's bits) over the run's config.
+
+    Raises:
+        ReplayError: the replay's process failed; the message ends with its last lines of stderr.
+    """
+    doc = read_run(run_dir)
+    scratch.mkdir(parents=True)
+    if start:
+        shutil.copytree(run_dir / "checkpoints" / f"step_{start:06d}", scratch / "checkpoints" / f"step_{start:06d}")
+        rows = [json.dumps(r) + "\n" for r in read_metrics(run_dir) if r["step"] <= start]
+        (scratch / "metrics.jsonl").write_text("".join(rows), encoding="utf-8")
+        for path in sorted((run_dir / "receipts").glob("rank_*.jsonl")):
+            header, receipts = read_receipts(path)
+            (scratch / "receipts").mkdir(exist_ok=True)
+            kept = [header, *(r for r in receipts if r["step"] <= start)]
+            (scratch / "receipts" / path.name).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept),
+                                                          encoding="utf-8")
+    layout = layout_at(doc, start)
+    config = {k: v for k, v in dotted(doc["config"]).items()}
+    config["parallel.fsdp"] = layout.get("sharded") == "fsdp2"
+    args = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in config.items()]
+    cmd = [sys.executable, "-m", "samestep", "train", "--run-dir", str(scratch), "--nproc",
+           str(layout.get("world_size", 1)), "--stop-after", str(end - start),
+           *(["--resume"] if start else []), *(a for s in [*args, *settings] for a in ("--set", s))]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    if proc.returncode != 0:
+        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
+        raise ReplayError(f"the replay of steps {start + 1}-{end} of {run_dir} failed (exit {proc.returncode}): {tail}")

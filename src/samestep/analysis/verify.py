@@ -1,0 +1,125 @@
+"""``samestep verify RUN [--steps A-B]``: replay a run's steps and compare every receipt, bit for bit.
+
+The replay starts from the run's newest checkpoint before step A (from scratch if it has none), runs to
+B in a scratch directory, and every receipt it writes (state digest, loss and grad-norm bits, each rank's
+where the state is sharded) must equal the one the run recorded. That lets anyone with the run
+directory check what it claims: that these checkpoints and metrics came from this config and data.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from samestep.analysis.receipt_check import checkpoint_state_digest
+from samestep.analysis.replay import environment_differences, replay, replay_start
+from samestep.receipts import ReceiptError, chain_break, read_receipts
+from samestep.rundir import read_run
+
+__all__ = ["FIELDS", "VerifyError", "first_receipt_difference", "verify_run"]
+
+FIELDS = ("loss_hex", "grad_norm_hex", "state")  # what a receipt says of its step, in the order it arises
+
+
+class VerifyError(ValueError):
+    """The run cannot be replayed as asked (no receipts, steps it does not hold, another environment)."""
+
+
+def first_receipt_difference(a: dict[str, list[dict]], b: dict[str, list[dict]], steps: range,
+                             fields: tuple[str, ...] = FIELDS) -> dict[str, Any] | None:
+    """The first step in ``steps`` (then the lowest rank) where two sets of receipts ({rank: receipts})
+    differ in a field: ``{"step", "rank", "fields", "a", "b"}``; None if they agree on every step both hold."""
+    by = {side: {rank: {r["step"]: r for r in rs} for rank, rs in recs.items()} for side, recs in (("a", a), ("b", b))}
+    for step in steps:
+        for rank in sorted(set(by["a"]) & set(by["b"]), key=int):
+            ra, rb = by["a"][rank].get(step), by["b"][rank].get(step)
+            if ra is None or rb is None:
+                continue
+            differ = [f for f in fields if ra[f] != rb[f]]
+            if differ:
+                return {"step": step, "rank": int(rank), "fields": differ, "a": {f: ra[f] for f in differ},
+                        "b": {f: rb[f] for f in differ}}
+    return None
+
+
+def _receipts(run_dir: Path) -> dict[str, list[dict]]:
+    out = {}
+    for path in sorted((run_dir / "receipts").glob("rank_*.jsonl")):
+        header, receipts = read_receipts(path)
+        out[str(header.get("rank"))] = receipts
+    return out
+
+
+def _foreign_checkpoint(run_dir: Path, doc: dict[str, Any], recorded: dict[str, list[dict]],
+                        start: int) -> dict[str, Any] | None:
+    """The checkpoint a replay starts from, against the run's receipt of its step (receipts of the whole
+    state): None if it is the run's, else a mismatch naming it."""
+    receipt = next((r for r in recorded.get("0", []) if r["step"] == start), None)
+    header = read_receipts(run_dir / "receipts" / "rank_00000.jsonl")[0] if start and receipt else {}
+    if header.get("state_of") != "run":
+        return None
+    step_dir = run_dir / "checkpoints" / f"step_{start:06d}"
+    try:
+        digest = checkpoint_state_digest(doc["config"], step_dir)
+    except ValueError as e:  # it does not load into this run's model, optimizer or data cursor
+        digest = f"does not fit this run: {e}"
+    if digest == receipt["state"]:
+        return None
+    return {"step": start, "rank": 0, "fields": ["checkpoint"], "a": {"state": receipt["state"]},
+            "b": {"checkpoint": f"{step_dir.name}: {digest}"}}
+
+
+def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force: bool = False,
+               keep: Path | None = None) -> dict[str, Any]:
+    """Replays steps A-B of a ``samestep train`` run (default: all it receipted) and compares receipts.
+
+    Returns ``{"reproduced", "steps", "replayed_from", "compared", "first_mismatch", "chain", "notes"}``.
+    ``keep``: where to leave the replay (default: a temporary directory, removed).
+
+    Raises:
+        VerifyError, RunDirError, ReceiptError: it cannot replay (no receipts, steps beyond them, a replay
+            in another environment without ``force``); ReplayError: the replay failed.
+    """
+    run_dir = Path(run_dir)
+    doc = read_run(run_dir)
+    recorded = _receipts(run_dir)
+    if not recorded:
+        raise VerifyError(f"{run_dir / 'receipts'}: no receipts; the run wrote none (train.receipts=false), so "
+                          "there is nothing to verify against")
+    last = min(rs[-1]["step"] if rs else 0 for rs in recorded.values())
+    a, b = steps if steps is not None else (1, last)
+    if not 1 <= a <= b <= last:
+        raise VerifyError(f"--steps {a}-{b}: the run receipted steps 1-{last}; choose steps within them")
+    start = replay_start(run_dir, a - 1)
+    foreign = _foreign_checkpoint(run_dir, doc, recorded, start)
+    if foreign is not None:  # a replay from it would verify nothing of this run
+        return {"reproduced": False, "steps": f"{a}-{b}", "replayed_from": start, "compared": 0,
+                "first_mismatch": foreign, "chain": {}, "notes": []}
+    scratch = keep if keep is not None else Path(tempfile.mkdtemp(prefix="samestep-verify-")) / "replay"
+    notes = []
+    try:
+        replay(run_dir, scratch, start, b)
+        env = environment_differences(doc, scratch)
+        if env and not force:
+            raise VerifyError(f"the replay ran in another environment than the run ({', '.join(sorted(env)[:4])}"
+                              f"{' ...' if len(env) > 4 else ''}): its bits need not match; run it where the run ran, or "
+                              "pass --force")
+        if env:
+            notes.append(f"environment differs (verified with --force): {', '.join(sorted(env))}")
+        replayed = _receipts(scratch)
+    finally:
+        if keep is None:
+            shutil.rmtree(scratch.parent, ignore_errors=True)
+    mismatch = first_receipt_difference(recorded, replayed, range(start + 1, b + 1))
+    compared = sum(1 for rank, rs in replayed.items() for r in rs if start < r["step"] <= b and rank in recorded)
+    chain = {}
+    for path in sorted((run_dir / "receipts").glob("rank_*.jsonl")):
+        try:
+            chain[path.name] = chain_break(*read_receipts(path)) or "holds"
+        except ReceiptError as e:
+            chain[path.name] = str(e)
+    holds = all(v == "holds" for v in chain.values())
+    return {"reproduced": mismatch is None and compared > 0 and holds, "steps": f"{a}-{b}", "replayed_from": start,
+            "compared": compared, "first_mismatch": mismatch, "chain": chain, "notes": notes}

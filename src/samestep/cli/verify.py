@@ -1,0 +1,69 @@
+"""``samestep verify RUN [--steps A-B]``: replay a run and check every receipt (exit 0 all reproduce, 1 the
+first step that does not, 2 cannot replay)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify", help="replay a samestep train run and compare every receipt, bit for bit",
+        description="Replays steps A-B of a run from its newest checkpoint before A (from scratch if none) in a "
+                    "scratch directory and compares each replayed receipt with the recorded one. Exit 0 all "
+                    "reproduce, 1 names the first step that does not (or a broken receipt chain), 2 cannot replay.",
+        epilog="examples:\n  samestep verify runs/a\n  samestep verify runs/a --steps 40-50 --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dir")
+    p.add_argument("--steps", metavar="A-B", help="the steps to check (default: every receipted step)")
+    p.add_argument("--force", action="store_true", help="verify even if this machine's environment differs")
+    p.add_argument("--keep", metavar="DIR", help="leave the replay in DIR (a new directory) instead of removing it")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(run=run, subparser=p)
+
+
+def steps_arg(text: str | None, parser: argparse.ArgumentParser, name: str) -> tuple[int, int] | None:
+    """``A-B`` (or one step ``A``) as (A, B); exits 2 naming the option for anything else."""
+    if text is None:
+        return None
+    first, _, second = text.partition("-")
+    try:
+        a, b = int(first), int(second or first)
+    except ValueError:
+        parser.exit(2, f"samestep {name}: error: --steps {text!r}: expected A-B, e.g. --steps 3-7\n")
+    return a, b
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from samestep.analysis.replay import ReplayError
+    from samestep.analysis.verify import verify_run
+
+    steps = steps_arg(args.steps, parser, "verify")
+    try:
+        report = verify_run(args.run_dir, steps, force=args.force, keep=Path(args.keep) if args.keep else None)
+    except (ValueError, ReplayError, FileExistsError) as e:  # cannot replay: not a verdict
+        parser.exit(2, f"samestep verify: error: {e}\n")
+    if args.json:
+        print(json.dumps(report))
+        return 0 if report["reproduced"] else 1
+    m = report["first_mismatch"]
+    for note in report["notes"]:
+        print(f"note: {note}")
+    broken = {k: v for k, v in report["chain"].items() if v != "holds"}
+    if m is not None and m["fields"] == ["checkpoint"]:
+        print(f"NOT THE RUN'S: the checkpoint of step {m['step']} is not the state its receipt records "
+              f"({m['b']['checkpoint']}); nothing was replayed from it")
+    elif m is not None:
+        print(f"NOT REPRODUCED: step {m['step']} (rank {m['rank']}): {', '.join(m['fields'])} differ "
+              f"(recorded {m['a']}, replayed {m['b']})")
+    for name, why in broken.items():
+        print(f"BROKEN: receipts/{name}: {why}")
+    if report["reproduced"]:
+        print(f"reproduced: steps {report['steps']}, replayed from "
+              f"{'step ' + str(report['replayed_from']) if report['replayed_from'] else 'scratch'}, "
+              f"{report['compared']} receipt(s) equal bit for bit")
+    elif m is None and not broken:
+        print(f"not reproduced: no receipt compared (steps {report['steps']})")
+    return 0 if report["reproduced"] else 1
