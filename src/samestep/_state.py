@@ -82,14 +82,21 @@ def sha256_tensor(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def state_digest(tree: Any) -> str:
-    """SHA-256 over a state tree: its JSON structure and every tensor's dtype, shape and bytes."""
+def state_digests(tree: Any) -> tuple[str, dict[str, str]]:
+    """``state_digest(tree)`` and each tensor's SHA-256 by name, in the tree's order (what a check that
+    finds two states differ names the first differing tensor by)."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = flatten(tree, "state", tensors)
+    each = {name: sha256_tensor(t) for name, t in tensors.items()}
     h = hashlib.sha256(canonical_json(skeleton))
-    for name in sorted(tensors):
-        h.update(name.encode() + b"\0" + sha256_tensor(tensors[name]).encode())
-    return h.hexdigest()
+    for name in sorted(each):
+        h.update(name.encode() + b"\0" + each[name].encode())
+    return h.hexdigest(), each
+
+
+def state_digest(tree: Any) -> str:
+    """SHA-256 over a state tree: its JSON structure and every tensor's dtype, shape and bytes."""
+    return state_digests(tree)[0]
 
 
 def dotted(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

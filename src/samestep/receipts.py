@@ -23,6 +23,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +31,8 @@ from samestep._state import canonical_json, dotted, state_digest
 from samestep.durable import replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL
 
-__all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "chain_break", "genesis",
-           "read_receipts", "receipt_hash", "receipts_path", "truncate_receipts"]
+__all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "chain_break", "genesis",
+           "read_receipts", "receipt_hash", "receipts_path", "truncate_receipts", "word_sums"]
 
 RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 1
 
@@ -68,25 +69,55 @@ def _local(tree: Any) -> Any:
     return to_local() if callable(to_local) else tree
 
 
+@dataclass(slots=True)
+class StepSums:
+    """Checksums of one step's tensors for the cross-rank check, by group ("grads", "params") and name: the
+    sum of each tensor's 32-bit words (of its bytes, as int32) in int64. Any one flipped bit changes its
+    tensor's sum; the sums cost one pass over memory, about a tenth of a SHA-256."""
+
+    step: int
+    sums: dict[str, dict[str, int]] = field(default_factory=dict)
+
+
+def word_sums(named: list[tuple[str, Any]]) -> dict[str, int]:
+    """Each tensor's ``StepSums`` checksum, by name (DTensors by their local shard)."""
+    import torch
+
+    out = {}
+    for name, t in named:
+        t = _local(t).detach()
+        if t.numel() * t.element_size() % 4 == 0 and t.is_contiguous():
+            words = t.view(-1).view(torch.uint8).view(torch.int32)
+        else:  # sizes that are no whole number of words: their bytes
+            words = t.contiguous().view(-1).view(torch.uint8)
+        out[name] = int(words.sum(dtype=torch.int64))
+    return out
+
+
 class ReceiptWriter:
     """Appends this rank's receipts; see the module docstring.
 
     ``add`` is called after each step's update with a function that returns the state tree (called on the
     receipt thread) and the step's loss and grad norm. The optimizer's next ``step()`` waits for the
     previous receipt (``watch``), and ``sync`` makes every receipt so far durable (before a checkpoint
-    commits). A failure of the thread is raised on the training thread at the next wait.
+    commits). A failure of the thread is raised on the training thread at the next wait. Without
+    ``run_dir`` no receipt is made or written: the thread makes the cross-rank check's ``last`` sums alone (a
+    rank that keeps no receipts).
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], rank: int, first_prev: str, *, state_of: str = "run",
-                 start: int = 0) -> None:
-        self.path = receipts_path(run_dir, rank)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fresh = not self.path.exists() or self.path.stat().st_size == 0
-        self._file = open(self.path, "a", encoding="utf-8")
-        if fresh:
-            self._file.write(json.dumps({"format": RECEIPTS_FORMAT, "version": RECEIPTS_VERSION, "rank": rank,
-                                         "state_of": state_of, "genesis": first_prev}, sort_keys=True) + "\n")
+    def __init__(self, run_dir: str | os.PathLike[str] | None, rank: int, first_prev: str, *,
+                 state_of: str = "run", start: int = 0) -> None:
+        self.path = receipts_path(run_dir, rank) if run_dir is not None else None
+        self._file = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fresh = not self.path.exists() or self.path.stat().st_size == 0
+            self._file = open(self.path, "a", encoding="utf-8")
+            if fresh:
+                self._file.write(json.dumps({"format": RECEIPTS_FORMAT, "version": RECEIPTS_VERSION, "rank": rank,
+                                             "state_of": state_of, "genesis": first_prev}, sort_keys=True) + "\n")
         self.prev, self.last_step = first_prev, start
+        self.last: StepSums | None = None  # of the newest step given ``sums`` (read after ``wait``)
         self._error: BaseException | None = None
         self._hooks: list[Any] = []
         # One thread for the writer's life, fed one step at a time: starting a thread a step costs more.
@@ -100,24 +131,31 @@ class ReceiptWriter:
         """Makes ``optimizer.step()`` wait for the receipt being made: it changes the state that receipt reads."""
         self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.wait()))
 
-    def add(self, step: int, state: Callable[[], Any], loss: float, grad_norm: float) -> None:
-        """Starts the receipt of ``step``: ``state()`` is called and digested on the receipt thread."""
+    def add(self, step: int, state: Callable[[], Any], loss: float, grad_norm: float,
+            sums: dict[str, list[tuple[str, Any]]] | None = None) -> None:
+        """Starts the receipt of ``step``: ``state()`` is called and digested on the receipt thread, and the
+        tensors of ``sums`` (groups of named tensors that stay unchanged until the next wait) are summed
+        for ``last``."""
         self.wait()
         if step != self.last_step + 1:
             raise ReceiptError(f"{self.path}: receipt of step {step} follows step {self.last_step}; steps are receipted "
                                "in order, one each")
         self.last_step = step
         self._idle.clear()
-        self._jobs.put(({"step": step, "loss_hex": float(loss).hex(), "grad_norm_hex": float(grad_norm).hex()}, state))
+        fields = {"step": step, "loss_hex": float(loss).hex(), "grad_norm_hex": float(grad_norm).hex()}
+        self._jobs.put((fields, state, sums))
 
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
-            fields, state = job
+            fields, state, sums = job
             try:
-                receipt = {**fields, "state": state_digest(_local(state())), "prev": self.prev}
-                receipt["hash"] = receipt_hash(receipt)
-                self._file.write(json.dumps(receipt, sort_keys=True) + "\n")  # flushed by sync
-                self.prev = receipt["hash"]
+                if sums is not None:
+                    self.last = StepSums(fields["step"], {group: word_sums(named) for group, named in sums.items()})
+                if self._file is not None:
+                    receipt = {**fields, "state": state_digest(_local(state())), "prev": self.prev}
+                    receipt["hash"] = receipt_hash(receipt)
+                    self._file.write(json.dumps(receipt, sort_keys=True) + "\n")  # flushed by sync
+                    self.prev = receipt["hash"]
             except BaseException as e:  # raised on the training thread at the next wait
                 self._error = e
             finally:
@@ -133,8 +171,9 @@ class ReceiptWriter:
     def sync(self) -> None:
         """Every receipt so far, written and fsync'ed."""
         self.wait()
-        self._file.flush()
-        os.fsync(self._file.fileno())
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def close(self) -> None:
         try:
@@ -145,7 +184,8 @@ class ReceiptWriter:
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
-            self._file.close()
+            if self._file is not None:
+                self._file.close()
 
 
 def read_receipts(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -31,8 +31,15 @@ import torch
 from samestep import mode, preempt
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from samestep.distributed.agree import any_rank
+from samestep.receipts import ReceiptWriter, genesis, truncate_receipts
 
 __all__ = ["Run"]
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 class Run:
@@ -56,6 +63,10 @@ class Run:
             themselves. Without it they are digested where they lie and checked unchanged until then (a
             change in place, such as ``zero_grad(set_to_none=False)`` before they were digested, raises and
             names this option): what the reference loop does, and cheaper.
+        receipts: append a receipt of every step to ``receipts/rank_RRRRR.jsonl`` (rank 0's; see
+            ``samestep.receipts``): the digest of the model, optimizer, scheduler and data cursor state after
+            the update, the bits of the step's ``loss`` and ``grad_norm`` metrics (NaN where the loop records
+            none), chained by hash. ``samestep receipts verify`` checks the chain and the checkpoints.
     """
 
     def __init__(self, run_dir: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -63,7 +74,7 @@ class Run:
                  trace_steps: set[int] | str | None = None, threads: int | None = 1, kernels: bool = False,
                  checkpoint_every: int = 1, keep: int | None = None, resume: bool | str = "auto",
                  stop_signals: tuple[str, ...] = preempt.DEFAULT_SIGNALS, strict_env: bool = False,
-                 copy: bool = False) -> None:
+                 copy: bool = False, receipts: bool = True) -> None:
         if checkpoint_every < 1:
             raise ValueError(f"samestep.Run(checkpoint_every={checkpoint_every!r}): save at least every step "
                              "count >= 1")
@@ -81,6 +92,8 @@ class Run:
         self._rec = None
         self._step: int | None = None
         self._loop: Generator[int, None, None] | None = None
+        self._receipts: ReceiptWriter | None = None
+        self._metrics: dict[str, float] = {}
         self.report = mode.enable(threads=threads, kernels=kernels) if self._own_mode else mode.active_report()
         try:
             held = bool(committed_steps(self.checkpoints))
@@ -102,6 +115,10 @@ class Run:
             self._grad_copy: bool | str = True if copy or level != "step" else "checked"
             self._hooks = [optimizer.register_step_pre_hook(self._before_update),
                            optimizer.register_step_post_hook(self._after_update)]
+            if receipts and _rank() == 0:
+                prev = truncate_receipts(self.run_dir, 0, self.start)
+                self._receipts = ReceiptWriter(self.run_dir, 0, prev or genesis({}, "samestep.Run"), start=self.start)
+                self._receipts.watch(optimizer)  # the next update waits for the receipt of the last
         except BaseException:
             self.close()
             raise
@@ -134,6 +151,8 @@ class Run:
                 with self._rec.step(step):
                     yield step
                 self._step = None
+                if self._receipts is not None:
+                    self._receipt(step)
                 # every rank stops after the same step (a signal may reach one rank first), so every rank
                 # reaches the checkpoint's barriers
                 stop = self._stop.requested
@@ -141,6 +160,8 @@ class Run:
                     stop = "a signal to another rank"
                 if stop is not None or step == total or step % self.checkpoint_every == 0:
                     self._rec.sync()  # the trace of every step the checkpoint holds is on disk first
+                    if self._receipts is not None:
+                        self._receipts.sync()
                     save_checkpoint(self.checkpoints, step, model=self.model, optimizer=self.optimizer,
                                     scheduler=self.scheduler, data_cursor=self.data_cursor, keep=self.keep)
                 if stop is not None:
@@ -155,6 +176,17 @@ class Run:
     def metric(self, name: str, value: float | torch.Tensor) -> None:
         """A scalar of the step (a loss, a gradient norm), recorded as its exact bits."""
         self._rec.metric(name, value)
+        if name in ("loss", "grad_norm"):
+            self._metrics[name] = value
+
+    def _receipt(self, step: int) -> None:
+        """Starts the receipt of ``step``: the state tree is taken here (the optimizer's: a scheduler may
+        change its groups before the next update), digested on the receipt thread."""
+        tree = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step,
+                **{name: obj.state_dict() for name, obj in (("scheduler", self.scheduler),
+                                                            ("data_cursor", self.data_cursor)) if obj is not None}}
+        loss, norm = (float(self._metrics.pop(k, float("nan"))) for k in ("loss", "grad_norm"))
+        self._receipts.add(step, lambda: tree, loss, norm)
 
     def close(self) -> None:
         """Closes the trace, removes the hooks, and turns deterministic mode off if this run turned it on."""
@@ -169,6 +201,9 @@ class Run:
                 self._rec.close()
         finally:
             self._rec = None
+            if self._receipts is not None:
+                self._receipts.close()
+                self._receipts = None
             if self._own_mode and mode.is_enabled():
                 mode.disable()
 

@@ -38,6 +38,9 @@ def test_defaults_toml_and_overrides(tmp_path):
     ("train.exit_signals=SIGKILL", "train.exit_signals='SIGKILL': 'SIGKILL' is not a signal that can be caught"),
     ("train.exit_signals=SIGTERM,NOPE", "'NOPE' is not a signal that can be caught"),
     ("determinism.env_mismatch=ignore", "determinism.env_mismatch='ignore' is unknown; use 'refuse' or 'warn'"),
+    ("train.sdc_action=halt", "train.sdc_action='halt' must be 'stop' or 'warn'"),
+    ("train.sdc_check_every=-1", "train.sdc_check_every=-1 must not be negative"),
+    ("train.fault=param:rank=1,step=3", "train.fault='param:rank=1,step=3': expected 'output:rank=R"),
 ])
 def test_bad_values_name_the_field(override, needle):
     """Each bad override is refused with the field and value."""

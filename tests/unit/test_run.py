@@ -12,7 +12,9 @@ import torch
 
 import samestep
 from samestep.analysis import certify_trace, diff_runs
+from samestep.analysis.receipt_check import check_receipts
 from samestep.checkpoint import committed_steps
+from samestep.receipts import read_receipts
 
 
 def _train(run_dir: Path, *, total: int = 4, stop_at: int | None = None, fail_at: int | None = None,
@@ -45,7 +47,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_a_stopped_and_resumed_run_is_the_run_straight_through(tmp_path):
     """A SIGTERM after step 2 of 4: the step ends, is saved, the loop stops (run.stopped names it); the
     resume continues to the bits of the run straight through (dropout draws torch's RNG, which the
-    checkpoint restores), and `samestep diff` says identical. Negative control: the same resume without
+    checkpoint restores), `samestep diff` says identical, and its receipts are the straight run's bytes. Negative control: the same resume without
     its RNG state restored (the checkpoint's rank RNG file gone from the comparison: another seed
     before the resume) differs."""
     straight, _ = _train(tmp_path / "straight")
@@ -56,6 +58,9 @@ def test_a_stopped_and_resumed_run_is_the_run_straight_through(tmp_path):
     assert torch.equal(_bits(resumed), _bits(straight))
     assert diff_runs(tmp_path / "straight", tmp_path / "cut")["identical"]
     assert certify_trace(tmp_path / "cut")["complete"]
+    receipts = [d / "receipts" / "rank_00000.jsonl" for d in (tmp_path / "straight", tmp_path / "cut")]
+    assert receipts[0].read_bytes() == receipts[1].read_bytes() and len(read_receipts(receipts[0])[1]) == 4
+    assert check_receipts(tmp_path / "cut")["ok"]
     # negative control: the same stop and resume, but the RNG a resumed run starts from is not the saved one
     _train(tmp_path / "norng", stop_at=2)
     original = samestep.Run.__init__
@@ -71,6 +76,7 @@ def test_a_stopped_and_resumed_run_is_the_run_straight_through(tmp_path):
         samestep.Run.__init__ = original
     assert not torch.equal(_bits(other), _bits(straight))
     assert not diff_runs(tmp_path / "straight", tmp_path / "norng")["identical"]
+    assert (tmp_path / "norng" / "receipts" / "rank_00000.jsonl").read_bytes() != receipts[0].read_bytes()
 
 
 def test_the_hooks_record_gradients_and_state_at_every_step(tmp_path):

@@ -101,6 +101,9 @@ def _check_checkpoint(run_dir: Path, doc: dict[str, Any], by_step: dict[int, dic
     if by_step is None:
         checked.append("no checkpoint: the receipts are of each rank's shards, a checkpoint of the whole state")
         return []
+    if doc.get("written_by") == "samestep.trace":
+        checked.append("no checkpoint: a loop of your own, whose model only it can build")
+        return []
     try:
         step_dir = verify_checkpoint(root)
     except CheckpointError as e:

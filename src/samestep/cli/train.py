@@ -73,6 +73,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.nproc > 1:
         return _launch(args, cfg.determinism.threads, parse_signals(cfg.train.exit_signals))
+    from samestep.train.checks import EXIT_FAULT, FaultDetected
     from samestep.train.loop import Preempted
 
     try:
@@ -80,6 +81,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (ValueError, CheckpointError) as e:
         print(f"samestep train: error: {e}", file=sys.stderr)
         return 2
+    except FaultDetected as e:  # not a crash: a check found what deterministic training cannot make
+        print(f"samestep train: {e}", file=sys.stderr)
+        return EXIT_FAULT
     except Preempted as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"samestep train: {e}", file=sys.stderr)

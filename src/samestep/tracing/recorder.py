@@ -85,6 +85,7 @@ class Recorder:
             worker = "process" if sys.platform == "linux" and not torch.cuda.is_available() else "thread"
         self.worker = worker  # falls back to "thread" if "auto" cannot start a process (a warning says why)
         self.enabled = level != "off" and (ranks is None or rank in ranks)
+        self._paused = False
         self._rank_level = LEVELS.index(level)
         self.run_dir = Path(run_dir)
         self._meta = {"rank": rank, "level": level, **(meta or {})}
@@ -114,7 +115,16 @@ class Recorder:
     @property
     def active(self) -> bool:
         """Whether the current step is recorded."""
-        return self.enabled and (self.steps is None or self._staging.step in self.steps)
+        return self.enabled and not self._paused and (self.steps is None or self._staging.step in self.steps)
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Nothing inside is recorded (a check that runs a microbatch again is not the run's computation)."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     @property
     def modules_on(self) -> bool:

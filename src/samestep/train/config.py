@@ -111,6 +111,16 @@ class TrainConfig:
     receipts: bool = True
     """Write a receipt of every step (src/samestep/receipts.py): the state digest after the update, the loss
     and grad-norm bits, chained by hash; what ``samestep verify``, ``bisect`` and ``receipts verify`` read."""
+    cross_rank_check: bool = True
+    """Data parallel on several processes: compare every rank's reduced gradients and state each step
+    (train/checks.py); a rank that disagrees stops the run."""
+    sdc_check_every: int = 0
+    """Every N steps, run one microbatch's forward and backward again on each rank and compare bit for bit
+    (0: never); a mismatch stops the run."""
+    sdc_action: str = "stop"
+    """What a fault check does on a mismatch: 'stop' (exit 4, naming it) or 'warn' (and go on)."""
+    fault: str = ""
+    """A bit flip planted on purpose, to test the fault checks (train/faults.py); empty: none."""
 
     def __post_init__(self) -> None:
         _finite("train", self, "lr", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip")
@@ -129,7 +139,14 @@ class TrainConfig:
             raise ValueError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r} must be 'auto', 'cpu' or 'cuda'")
-        for name in ("seed", "warmup_steps", "checkpoint_every", "min_lr", "weight_decay", "grad_clip"):
+        if self.sdc_action not in ("stop", "warn"):
+            raise ValueError(f"train.sdc_action={self.sdc_action!r} must be 'stop' or 'warn'")
+        if self.fault:
+            from samestep.train.faults import Fault
+
+            Fault.parse(self.fault)
+        for name in ("seed", "warmup_steps", "checkpoint_every", "sdc_check_every", "min_lr", "weight_decay",
+                     "grad_clip"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}={getattr(self, name)!r} must not be negative")
 

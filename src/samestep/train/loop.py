@@ -11,10 +11,8 @@ hold everything a bit-exact resume needs; ``final.json`` holds the digest of the
 
 from __future__ import annotations
 
-import math
 import os
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +24,7 @@ from samestep import rng
 from samestep._state import dotted, state_digest
 from samestep.checkpoint import load_checkpoint, save_checkpoint
 from samestep.data import DataCursor, load_corpus
-from samestep.distributed import AllReduceGradients, CanonicalGradients, validate_layout
+from samestep.distributed import AllReduceGradients, CanonicalGradients, any_rank, validate_layout
 from samestep.distributed.fsdp import (
     FsdpDefaultGradients,
     FsdpGradients,
@@ -37,7 +35,6 @@ from samestep.distributed.fsdp import (
     shard_model,
 )
 from samestep.distributed.norm import canonical_grad_norm
-from samestep.env import describe_rank_differences, environment, rank_differences
 from samestep.mode import DeterminismReport, disable, enable
 from samestep.preempt import StopRequest, parse_signals
 from samestep.receipts import ReceiptWriter, genesis, truncate_receipts
@@ -54,13 +51,16 @@ from samestep.rundir import (
     write_run,
 )
 from samestep.tracing import Perturb, Recorder, parse_selection
+from samestep.train.checks import CrossRankCheck, RecomputeCheck
 from samestep.train.config import Config
+from samestep.train.faults import Fault
 from samestep.train.llama import Llama
 from samestep.train.model import GPT
 from samestep.train.processes import Processes, device_kind
 from samestep.train.progress import Progress
+from samestep.train.schedule import WarmupCosine
 
-__all__ = ["RESTORE_ALL", "Parts", "Preempted", "WarmupCosine", "build", "train"]
+__all__ = ["RESTORE_ALL", "Parts", "Preempted", "build", "train"]
 
 RESTORE_ALL = frozenset({"model", "optimizer", "data", "rng"})
 
@@ -72,31 +72,6 @@ class Preempted(Exception):
     def __init__(self, step: int, signal: str) -> None:
         super().__init__(f"stopped by {signal} after step {step}, with a checkpoint; continue with --resume")
         self.step, self.signal = step, signal
-
-
-@dataclass(slots=True)
-class WarmupCosine:
-    """Linear warmup to ``lr``, then cosine decay to ``min_lr`` at ``steps``: a pure function of the step."""
-
-    lr: float
-    min_lr: float
-    warmup_steps: int
-    steps: int
-
-    def __call__(self, step: int) -> float:
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        span = max(self.steps - self.warmup_steps, 1)
-        progress = min((step - self.warmup_steps) / span, 1.0)
-        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (self.lr - self.min_lr)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"lr": self.lr, "min_lr": self.min_lr, "warmup_steps": self.warmup_steps, "steps": self.steps}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        # The schedule has no hidden state; a saved one that differs means a changed config.
-        if state != self.state_dict():
-            raise ValueError(f"LR schedule: saved {state} but this run has {self.state_dict()}")
 
 
 def _check_resume_config(saved: dict[str, Any] | None, current: Config) -> None:
@@ -134,6 +109,9 @@ class Parts:
     recorder: Recorder
     named_params: list[tuple[str, torch.nn.Parameter]]  # the model's, once: it gains or loses none
     named_buffers: list[tuple[str, torch.Tensor]]  # its persistent buffers, likewise (none: its masks are not)
+    fault: Fault | None = None  # train.fault: a bit flip planted to test the checks
+    recompute: RecomputeCheck | None = None  # train.sdc_check_every
+    reduced: list[tuple[str, torch.Tensor]] | None = None  # the last reduced gradients, if kept (cross-rank check)
 
     @property
     def sharded(self) -> bool:
@@ -170,6 +148,15 @@ class Parts:
     def tokens_per_step(self) -> int:
         return self.cfg.train.global_batch * self.cfg.model.block_size
 
+    def forward(self, step: int, i: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Microbatch ``i``'s loss at step ``step`` (0-based), normalised by the global token count."""
+        t = self.cfg.train
+        gen = rng.generator(t.seed, step, i, "dropout", self.device)
+        # bf16: autocast's casts inside the forward; weights, gradients and the loss stay fp32
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=t.precision == "bf16"):
+            _, loss = self.model(x.to(self.device), y.to(self.device), gen)
+        return loss / self.tokens_per_step  # layout-free
+
     def step(self, step: int) -> tuple[float, float, float]:
         """Runs optimizer step ``step`` (0-based); returns (loss, grad norm before clipping, lr)."""
         t, rec = self.cfg.train, self.recorder
@@ -177,27 +164,37 @@ class Parts:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         with rec.step(step + 1):  # traces and metrics number steps from 1
+            picked = self.recompute.pick(step) if self.recompute is not None else None
             for i in self.grads.microbatches:
                 x, y = self.cursor.samples(self.cursor.position + i * t.micro_batch, t.micro_batch)
+                if self.fault is not None:
+                    self.fault.at(step, i)
                 with rec.microbatch(i):
-                    gen = rng.generator(t.seed, step, i, "dropout", self.device)
-                    # bf16: autocast's casts inside the forward; weights, gradients and the loss stay fp32
-                    with torch.autocast(self.device.type, torch.bfloat16, enabled=t.precision == "bf16"):
-                        _, loss = self.model(x.to(self.device), y.to(self.device), gen)
-                    loss = loss / self.tokens_per_step  # normalised by the global token count: layout-free
+                    loss = self.forward(step, i, x, y)
                     loss.backward()
+                if i == picked:  # before the tree takes p.grad: it holds this microbatch's gradient alone
+                    with rec.paused():
+                        self.recompute.compare(step, i, x, y, loss)
                 self.grads.accumulate(i, extra=loss.detach())
+            if self.recompute is not None:
+                self.recompute.settle(step, picked)
             loss_sum = self.grads.reduce()[0]
             # The reduced gradients, recorded before clipping, which leaves them as they are (_clip): at step
             # level digested where they lie, which spares copying them; at module level copied, which
             # measures faster there (bench_trace.py --levels module, with and without trace.copy).
             rec.grads(self.named_params, copy="checked" if rec.level == "step" and not self.cfg.trace.copy else True)
+            if self.fault is not None:
+                self.fault.after("reduce", step, self.named_params, self.grads.rank)
+            if self.reduced is not None:  # _clip leaves these tensors as they are
+                self.reduced = [(n, p.grad) for n, p in self.named_params if p.grad is not None]
             max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
             grad_norm = _clip(self.grads.params, max_norm)
             rec.metric("loss", loss_sum)
             rec.metric("grad_norm", grad_norm)
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
+            if self.fault is not None:
+                self.fault.after("update", step, self.named_params, self.grads.rank)
             rec.state(self.model, self.optimizer, named_params=self.named_params, named_buffers=self.named_buffers)
         self.cursor.advance(t.global_batch)
         return float(loss_sum), float(grad_norm), lr
@@ -234,6 +231,11 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     sharded = cfg.parallel.fsdp and world > 1
     if sharded and t.compile:
         raise ValueError("parallel.fsdp=true with train.compile=true is not supported yet; use one of them")
+    fault = Fault.parse(t.fault) if t.fault else None
+    if fault is not None:
+        fault.install(model, rank)
+    if t.sdc_check_every and sharded:
+        raise ValueError("train.sdc_check_every with parallel.fsdp=true is not supported yet; use one of them")
     if t.compile:
         model.compile()  # in place: the state_dict keys stay the model's own
     k = t.microbatches // world
@@ -253,11 +255,17 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     recorder.attach(model)
     if recorder.enabled:
         grads.observer = recorder.collective
-    return Parts(cfg=cfg, corpus=corpus, model=model, optimizer=_make_optimizer(model, cfg),
-                 schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
-                 cursor=DataCursor(corpus, cfg.model.block_size, t.seed), grads=grads, device=device,
-                 recorder=recorder, named_params=list(model.named_parameters()),
-                 named_buffers=Recorder.persistent_buffers(model))
+    parts = Parts(cfg=cfg, corpus=corpus, model=model, optimizer=_make_optimizer(model, cfg),
+                  schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
+                  cursor=DataCursor(corpus, cfg.model.block_size, t.seed), grads=grads, device=device,
+                  recorder=recorder, named_params=list(model.named_parameters()),
+                  named_buffers=Recorder.persistent_buffers(model), fault=fault)
+    if t.sdc_check_every:  # the first of each pair of the canonical tree; of plain accumulation, the first
+        firsts = list(range(rank * k, (rank + 1) * k, 2 if cfg.determinism.enabled else k))
+        parts.recompute = RecomputeCheck(t.sdc_check_every, parts.forward, parts.named_params, firsts, rank,
+                                         run_dir or Path("."), t.sdc_action,
+                                         lambda flag: flag if world == 1 else any_rank(flag, device))
+    return parts
 
 
 def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False, stop_after: int | None = None,
@@ -315,7 +323,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     if cfg.determinism.enabled:
         validate_layout(world, k)
     say = out if rank == 0 else (lambda _msg: None)
-    mixed = _compare_environments(cfg, dist_)
+    mixed = dist_.compare_environments(cfg.determinism.env_mismatch)
     parts = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
     start, loaded = _resume(parts, run_dir, resume, restore, world, say)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
@@ -360,25 +368,6 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     return final
 
 
-def _compare_environments(cfg: Config, dist_: Processes) -> dict[str, Any]:
-    """Every rank's environment fingerprint against rank 0's, before the first step (see
-    ``env.rank_differences``): a difference stops the run on every rank, or with
-    ``determinism.env_mismatch=warn`` is returned for run.json, with a warning from rank 0."""
-    diffs = rank_differences(environment(), dist_.device) if dist_.world > 1 else {}
-    if not diffs:
-        return {}
-    what = describe_rank_differences(diffs)
-    if cfg.determinism.env_mismatch == "refuse":
-        raise ValueError(f"the processes run in different environments, so their bits would depend on the node: "
-                         f"{what}. Fix: run every node on the same software and hardware, or set "
-                         "determinism.env_mismatch=warn to run anyway (run.json records the differences)")
-    if dist_.rank == 0:
-        warnings.warn(f"the processes run in different environments (determinism.env_mismatch=warn; run.json "
-                      f"records it): {what}", RuntimeWarning, stacklevel=2)
-    return {str(r): {"host": d["host"], "fields": {k: list(v) for k, v in d["fields"].items()}}
-            for r, d in diffs.items()}
-
-
 def _resume(parts: Parts, run_dir: Path, resume: bool, restore: frozenset[str], world: int,
             say: Callable[[str], None]) -> tuple[int, Any]:
     """Restores the newest intact checkpoint (with ``resume``); returns the step to start from and the
@@ -415,13 +404,14 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
     metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if writer else None
     parts.model.train()
     t0, start_timed = time.perf_counter(), start
-    receipts = _receipts(parts, run_dir, start, dist_.rank)
+    receipts, cross = _receipts(parts, run_dir, start, dist_)
     try:
         for step in range(start, end):
             loss_value, grad_norm, lr = parts.step(step)
             done = step + 1
             if receipts is not None:  # the state as final.json digests it, on the receipt thread
-                receipts.add(done, parts.receipt_state(done), loss_value, grad_norm)
+                receipts.add(done, parts.receipt_state(done), loss_value, grad_norm,
+                             None if cross is None else {"grads": parts.reduced, "params": parts.named_params})
             if metrics is not None:
                 metrics.write(metrics_line(done, loss_value, grad_norm, lr, done * tokens_per_step))
                 metrics.flush()
@@ -442,9 +432,13 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
                 save_checkpoint(run_dir / "checkpoints", done, model=parts.model, optimizer=parts.optimizer,
                                 scheduler=parts.schedule, data_cursor=parts.cursor, config=parts.cfg.to_dict(),
                                 keep=t.keep_checkpoints, sharded=parts.sharded)
+            if cross is not None and (stopping or done == end):
+                cross.final()
             if stopping:
                 return loss_value, done
     finally:
+        if cross is not None:
+            cross.close()
         progress.close()
         parts.recorder.close()
         if receipts is not None:
@@ -454,16 +448,28 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
     return loss_value, None
 
 
-def _receipts(parts: Parts, run_dir: Path, start: int, rank: int) -> ReceiptWriter | None:
+def _receipts(parts: Parts, run_dir: Path, start: int, dist_: Processes) -> tuple[ReceiptWriter | None,
+                                                                                  CrossRankCheck | None]:
     """This rank's receipt writer (train.receipts): rank 0's, of the whole state, or under sharding every
-    rank's, of its shards; the receipts of steps after ``start`` (of a killed run) are dropped."""
-    if not parts.cfg.train.receipts or (rank and not parts.sharded):
-        return None
-    prev = truncate_receipts(run_dir, rank, start)
-    writer = ReceiptWriter(run_dir, rank, prev or genesis(parts.cfg.to_dict(), parts.corpus.fingerprint),
+    rank's, of its shards; the receipts of steps after ``start`` (of a killed run) are dropped. With the
+    cross-rank check (data parallel, several processes), every rank digests its state and reduced gradients
+    (a rank that keeps no receipts writes none) and the check compares them."""
+    t = parts.cfg.train
+    cross = t.cross_rank_check and dist_.world > 1 and not parts.sharded
+    writes = t.receipts and (dist_.rank == 0 or parts.sharded)
+    if not (writes or cross):
+        return None, None
+    prev = truncate_receipts(run_dir, dist_.rank, start) if writes else None
+    writer = ReceiptWriter(run_dir if writes else None, dist_.rank,
+                           prev or genesis(parts.cfg.to_dict(), parts.corpus.fingerprint),
                            state_of="rank" if parts.sharded else "run", start=start)
     writer.watch(parts.optimizer)
-    return writer
+    if not cross:
+        return writer, None
+    parts.reduced = []
+    check = CrossRankCheck(writer, dist_.device, run_dir, t.sdc_action)
+    check.watch(parts.optimizer)  # after the writer's wait
+    return writer, check
 
 
 def run_state_digest(model: Any, optimizer: Any, cursor: DataCursor, step: int) -> str:

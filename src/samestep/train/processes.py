@@ -4,10 +4,13 @@ and device, and the device a config asks for."""
 from __future__ import annotations
 
 import os
+import warnings
+from typing import Any
 
 import torch
 
 from samestep.distributed import any_rank
+from samestep.env import describe_rank_differences, environment, rank_differences
 from samestep.train.config import Config
 
 __all__ = ["Processes", "device_kind"]
@@ -43,6 +46,24 @@ class Processes:
     def any(self, flag: bool) -> bool:
         """Whether ``flag`` is true on any rank (every rank gets the same answer)."""
         return flag if self.world == 1 else any_rank(flag, self.device)
+
+    def compare_environments(self, mismatch: str) -> dict[str, Any]:
+        """Every rank's environment fingerprint against rank 0's, before the first step (see
+        ``env.rank_differences``): a difference stops the run on every rank (``mismatch="refuse"``), or with
+        ``"warn"`` (determinism.env_mismatch) is returned for run.json, with a warning from rank 0."""
+        diffs = rank_differences(environment(), self.device) if self.world > 1 else {}
+        if not diffs:
+            return {}
+        what = describe_rank_differences(diffs)
+        if mismatch == "refuse":
+            raise ValueError(f"the processes run in different environments, so their bits would depend on the node: "
+                             f"{what}. Fix: run every node on the same software and hardware, or set "
+                             "determinism.env_mismatch=warn to run anyway (run.json records the differences)")
+        if self.rank == 0:
+            warnings.warn(f"the processes run in different environments (determinism.env_mismatch=warn; run.json "
+                          f"records it): {what}", RuntimeWarning, stacklevel=3)
+        return {str(r): {"host": d["host"], "fields": {k: list(v) for k, v in d["fields"].items()}}
+                for r, d in diffs.items()}
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -1,0 +1,61 @@
+"""Fault detection while training (train/checks.py) against faults planted by train/faults.py."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from tests.conftest import TINY, side_by_side, train_cmd
+
+pytestmark = pytest.mark.slow
+
+LN_F = "module=transformer.ln_f"  # a layer norm keeps its input, not its output, for backward
+PARAM = "name=transformer.h.0.mlp.c_fc.weight"
+
+
+def _train(run_dir, *settings, nproc=2) -> tuple[int, str, str | None]:
+    """Exit code, stderr, and the final state digest (None without final.json)."""
+    proc = subprocess.run(train_cmd(run_dir, *settings, nproc=nproc), capture_output=True, text=True, timeout=600)
+    final = run_dir / "final.json"
+    return proc.returncode, proc.stderr, json.loads(final.read_text())["state_digest"] if final.exists() else None
+
+
+def test_checks_raise_no_false_alarm_and_change_no_bit(tmp_path):
+    """Both checks on every step of a clean 2-process run: no alarm, and the final digest and metrics bytes of
+    the run without them (the recompute and the comparisons observe, never perturb)."""
+    (code, err, checked), (code_b, err_b, plain) = side_by_side(
+        lambda: _train(tmp_path / "checked", *TINY, "train.sdc_check_every=1"),
+        lambda: _train(tmp_path / "plain", *TINY, "train.cross_rank_check=false"))
+    assert code == 0 and code_b == 0, err + err_b
+    assert checked == plain
+    assert (tmp_path / "checked" / "metrics.jsonl").read_bytes() == (tmp_path / "plain" / "metrics.jsonl").read_bytes()
+
+
+def test_recompute_check_names_a_transient_fault(tmp_path):
+    """One bit of one module's output flipped once, on rank 1 at step 3 in microbatch 2 (the one rank 1
+    checks): the run stops with exit 4 on every rank, naming the step, microbatch, rank and first gradient,
+    and the newest checkpoint before it. Control: without the check the same fault passes silently and
+    changes the run."""
+    fault = f"train.fault=output:rank=1,step=3,microbatch=2,{LN_F},bit=20"
+    (code, err, final), (code_c, err_c, silent) = side_by_side(
+        lambda: _train(tmp_path / "checked", *TINY, "train.sdc_check_every=1", fault),
+        lambda: _train(tmp_path / "unchecked", *TINY, fault))
+    assert code == 4 and final is None, err
+    assert "recompute check at step 3, microbatch 2 on rank 1: its loss differs" in err
+    assert "gradients differ, first" in err and "the newest checkpoint before it is step_000002" in err
+    assert code_c == 0, err_c
+    _, _, clean = _train(tmp_path / "clean", *TINY)
+    assert silent != clean
+
+
+@pytest.mark.parametrize("kind,what", [("param", "the parameter 'transformer.h.0.mlp.c_fc.weight' differs after the "
+                                                  "update"),
+                                       ("grad", "the reduced gradient 'transformer.h.0.mlp.c_fc.weight' differs")])
+def test_cross_rank_check_names_a_rank_whose_memory_changed(tmp_path, kind, what):
+    """A bit flipped in one rank's parameter after step 3's update, or in its reduced gradient: the cross-rank
+    check stops the run at that step (exit 4), naming the tensor."""
+    code, err, final = _train(tmp_path / "run", *TINY, f"train.fault={kind}:rank=1,step=3,{PARAM},bit=20")
+    assert code == 4 and final is None, err
+    assert f"cross-rank check at step 3: rank 1 and rank 0 disagree" in err and what in err, err
