@@ -30,6 +30,9 @@ bench: install
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py --fsdp
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 bench/bench_checkpoint.py
+	$(BIN)/python bench/bench_receipts.py
+	$(BIN)/python bench/bench_checks.py
+	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 bench/bench_checks.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

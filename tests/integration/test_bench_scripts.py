@@ -97,3 +97,17 @@ def test_cost_model_prices_the_combine_against_ddp():
         assert 1.0 <= r["ratio_to_ddp_overlapped"] < r["ratio_to_ddp"]
     free = rows("--alpha-us", "0", "--gbps", "1e9", "--sum-gbps", "1e9")
     assert all(abs(r["ratio_to_ddp"] - 1.0) < 1e-6 for r in free)
+
+
+def test_receipt_and_check_benches_run():
+    """`bench/bench_receipts.py` and `bench/bench_checks.py` (one pair of one or two steps): ratios, and the
+    training thread's own time for the receipts."""
+    proc = subprocess.run([sys.executable, "bench/bench_receipts.py", "--pairs", "1", "--steps", "1", "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["receipts_ratio_median"] > 0 and result["training_thread_ms"] > 0
+    proc = subprocess.run([sys.executable, "bench/bench_checks.py", "--every", "2", "--pairs", "1", "--steps", "2",
+                           "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["sdc_check_every=2"]["ratio_median"] > 0

@@ -144,7 +144,8 @@ def test_bisect_locates_a_real_race_at_a_step_nobody_traced(tmp_path):
 
 def test_bisect_finds_a_planted_ulp_exactly_across_layouts(tmp_path):
     """A 2-process run with one ULP planted at step 5 on rank 1 (microbatch 2's final layer norm) against the
-    same run on 2 processes: bisect names exactly that op, occurrence, microbatch, step and rank. Control: the
+    same run on 2 processes: bisect names exactly that op, occurrence, microbatch, step and rank, and rank 0 as
+    a receiver through the collective. Control: the
     unplanted 2-process run against a 1-process run of the same config is identical."""
     target = ("rank=1,step=5,microbatch=2,phase=forward,scope=transformer.ln_f,"
               "op=aten.native_layer_norm.default")
@@ -160,6 +161,10 @@ def test_bisect_finds_a_planted_ulp_exactly_across_layouts(tmp_path):
     assert (o["rank"], o["step"], o["microbatch"], o["phase"], o["scope"], o["op"], o["occurrence"]) == \
         (1, 5, 2, "forward", "transformer.ln_f", "aten.native_layer_norm.default", 0)
     assert o["inputs_matched"]
+    # rank 0 computed nothing wrong: the damage reached it through the canonical combine
+    other = report["per_rank"]["0"]["divergence"]
+    assert other["kind"] == "receiver" and other["scope"] == "collective" and other["step"] == 5
+    assert "rank(s) 1 only, of 2 (0-1)" in report["diff"]
     code, out, err = _cli("bisect", str(tmp_path / "two"), str(tmp_path / "one"), "--json")
     assert code == 0, out + err
     report = json.loads(out)

@@ -79,10 +79,10 @@ def test_diff_names_the_real_nondeterministic_op(tmp_path):
     assert "transformer.wte (backward)" in row and f"{o['op']} #{o['occurrence']}" in row, human.stdout
 
 
-@pytest.mark.parametrize("nproc,rank,microbatch", [(1, 0, 2), (2, 1, 2)])
+# on 2 processes: tests/integration/test_receipts.py, through samestep bisect's replays
+@pytest.mark.parametrize("nproc,rank,microbatch", [(1, 0, 2)])
 def test_diff_finds_exactly_the_injected_ulp(tmp_path, nproc, rank, microbatch):
-    """One ULP added to one op occurrence: diff names exactly that op, occurrence, microbatch, step and rank;
-    on the other rank the damage arrives through the collective (a receiver)."""
+    """One ULP added to one op occurrence: diff names exactly that op, occurrence, microbatch, step and rank."""
     common = (*TINY, "trace.level=op", "trace.steps=2")
     # The final layer norm's output: a ULP there reaches the logits and the gradients. (A ULP elsewhere
     # can vanish: dropped by dropout, or rounded away by the additions and updates after it.)
@@ -98,10 +98,6 @@ def test_diff_finds_exactly_the_injected_ulp(tmp_path, nproc, rank, microbatch):
     assert o["inputs_matched"]
     # Not asserted: that the final states differ. Here they do; on a 16-core host with torch 2.11 the
     # ULP was rounded away by step 8 (same final digest) while the diff still found it as above.
-    if nproc == 2:  # rank 0 computed nothing wrong: the damage reached it through the canonical combine
-        other = report["per_rank"]["0"]["divergence"]
-        assert other["kind"] == "receiver" and other["scope"] == "collective" and other["step"] == 2
-        assert "rank(s) 1 only, of 2 (0-1)" in report["summary"]
 
 
 def test_resumed_traced_run_diffs_clean_against_an_uninterrupted_one(tmp_path):

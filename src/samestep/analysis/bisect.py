@@ -77,7 +77,7 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
     if difference is None:
         return {"identical": True, "first_divergent_step": None, "origin": None, "reproduced": None, "attempts": 0,
                 "replayed_from": None, "steps_compared": compared, "difference": None, "diff": None,
-                "summary": f"identical: {compared} step(s) agree in every receipt"}
+                "per_rank": None, "summary": f"identical: {compared} step(s) agree in every receipt"}
     step = difference["step"]
     starts = [{s for s, _ in committed_steps(run / "checkpoints") if s < step} for run in (run_a, run_b)]
     start = max(starts[0] & starts[1], default=0)  # the newest common checkpoint before the step
@@ -110,4 +110,4 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
                    f"attempt {attempt}")
     return {"identical": False, "first_divergent_step": step, "origin": origin, "reproduced": reproduced,
             "attempts": attempt, "replayed_from": start, "steps_compared": compared, "difference": difference,
-            "diff": report["summary"], "summary": summary}
+            "diff": report["summary"], "per_rank": report.get("per_rank"), "summary": summary}

@@ -61,6 +61,9 @@ def replay(run_dir: Path, scratch: Path, start: int, end: int, settings: tuple[s
         ReplayError: the replay's process failed; the message ends with its last lines of stderr.
     """
     doc = read_run(run_dir)
+    if doc.get("written_by") == "samestep.trace":
+        raise ReplayError(f"{run_dir} is a run of a loop of your own (samestep.trace wrote its run.json): only "
+                          "samestep train's runs can be replayed here; compare such runs with samestep diff")
     scratch.mkdir(parents=True)
     if start:
         shutil.copytree(run_dir / "checkpoints" / f"step_{start:06d}", scratch / "checkpoints" / f"step_{start:06d}")
