@@ -77,6 +77,10 @@ class StepSums:
 
     step: int
     sums: dict[str, dict[str, int]] = field(default_factory=dict)
+    digest: bytes = b""  # SHA-256 of the sums' JSON: what the ranks compare
+
+    def __post_init__(self) -> None:
+        self.digest = hashlib.sha256(json.dumps(self.sums).encode()).digest()
 
 
 def word_sums(named: list[tuple[str, Any]]) -> dict[str, int]:

@@ -16,7 +16,6 @@ with ``train.sdc_action=warn`` it warns and goes on.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import warnings
 from collections import Counter
@@ -59,7 +58,7 @@ class CrossRankCheck:
     """The cross-rank check of the module docstring, over one ``ReceiptWriter``'s sums. ``check`` is a
     collective: every rank calls it at the same point (the optimizer's pre-hook, and ``final`` at the end).
 
-    Each step's 32-byte digest of the sums is all-gathered asynchronously, started at the next update and
+    Each step's 32-byte digest of the sums (made on the receipt thread) is all-gathered asynchronously, started at the next update and
     read at the one after, so the collective's latency overlaps a step of training instead of adding to it;
     a fault is named one step later than it could be, with the same step, rank and tensor."""
 
@@ -83,8 +82,7 @@ class CrossRankCheck:
         if d is None or d.step == self.checked:
             return
         self.checked = d.step
-        digest = hashlib.sha256(json.dumps(d.sums).encode()).digest()
-        mine = torch.frombuffer(bytearray(digest), dtype=torch.int64).to(self.device)
+        mine = torch.frombuffer(bytearray(d.digest), dtype=torch.int64).to(self.device)
         out = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
         self._pending = (d.step, d.sums, dist.all_gather(out, mine, async_op=True), out)
 
