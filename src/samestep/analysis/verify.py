@@ -100,7 +100,7 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
     scratch = keep if keep is not None else Path(tempfile.mkdtemp(prefix="samestep-verify-")) / "replay"
     notes = []
     try:
-        replay(run_dir, scratch, start, b)
+        replay(run_dir, scratch, start, b, ("train.receipts=true",))  # a resume may have turned them off
         env = environment_differences(doc, scratch)
         if env and not force:
             raise VerifyError(f"the replay ran in another environment than the run ({', '.join(sorted(env)[:4])}"
