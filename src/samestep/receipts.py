@@ -135,10 +135,10 @@ class ReceiptWriter:
         """Makes ``optimizer.step()`` wait for the receipt being made: it changes the state that receipt reads."""
         self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.wait()))
 
-    def add(self, step: int, state: Callable[[], Any], loss: float, grad_norm: float,
+    def add(self, step: int, state: Callable[[], Any] | None, loss: float, grad_norm: float,
             sums: dict[str, list[tuple[str, Any]]] | None = None) -> None:
-        """Starts the receipt of ``step``: ``state()`` is called and digested on the receipt thread, and the
-        tensors of ``sums`` (groups of named tensors that stay unchanged until the next wait) are summed
+        """Starts the receipt of ``step``: ``state()`` is called and digested on the receipt thread (a writer
+        without a file takes None), and the tensors of ``sums`` (groups of named tensors that stay unchanged until the next wait) are summed
         for ``last``."""
         self.wait()
         if step != self.last_step + 1:

@@ -76,7 +76,7 @@ def replay(run_dir: Path, scratch: Path, start: int, end: int, settings: tuple[s
             (scratch / "receipts" / path.name).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept),
                                                           encoding="utf-8")
     layout = layout_at(doc, start)
-    config = {k: v for k, v in dotted(doc["config"]).items()}
+    config = dotted(doc["config"])
     config["parallel.fsdp"] = layout.get("sharded") == "fsdp2"
     args = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in config.items()]
     cmd = [sys.executable, "-m", "samestep", "train", "--run-dir", str(scratch), "--nproc",

@@ -410,7 +410,7 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
             loss_value, grad_norm, lr = parts.step(step)
             done = step + 1
             if receipts is not None:  # the state as final.json digests it, on the receipt thread
-                receipts.add(done, parts.receipt_state(done), loss_value, grad_norm,
+                receipts.add(done, parts.receipt_state(done) if receipts.path else None, loss_value, grad_norm,
                              None if cross is None else {"grads": parts.reduced, "params": parts.named_params})
             if metrics is not None:
                 metrics.write(metrics_line(done, loss_value, grad_norm, lr, done * tokens_per_step))
