@@ -1,15 +1,17 @@
 """Layout benchmark: canonical reduction vs PyTorch DDP's all-reduce (or, with --fsdp, the canonical
 FSDP2 reduce-scatter vs FSDP2's own), 2 processes, side by side.
 
-    .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py [--fsdp] [--pairs 15] [--steps 4] [--json]
+    .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py [--fsdp] [--pairs 60] [--steps 1] [--json]
 
-Both variants run the reference config's step in the same processes, alternately (so machine noise
-hits both alike): the canonical variant is the reference run's own step (samestep.enable +
-CanonicalGradients); the DDP variant wraps the same model in DistributedDataParallel, skips the
-all-reduce with no_sync() on all but the last microbatch (the usual gradient-accumulation idiom), and
-lets DDP's bucketed, backward-overlapped all-reduce run. Reported on rank 0: the median of per-pair
-step-time ratios, and bytes sent per process per step (by collective semantics) against a ring
-all-reduce of the same gradient. With --fsdp both variants are the reference run's step with
+The variants run the reference config's step in the same processes, in turn (so machine noise hits
+them alike): the canonical variant is the reference run's own step (samestep.enable +
+CanonicalGradients, its combine started bucket by bucket in the last microbatch's backward); the DDP
+variant wraps the same model in DistributedDataParallel, skips the all-reduce with no_sync() on all but
+the last microbatch (the usual gradient-accumulation idiom), and lets DDP's bucketed,
+backward-overlapped all-reduce run; a third is the canonical step with the combine after the whole
+backward (parallel.overlap=false). Reported on rank 0: the medians of per-pair step-time ratios to DDP,
+and bytes sent per process per step (by collective semantics) against a ring all-reduce of the same
+gradient. With --fsdp both variants are the reference run's step with
 parallel.fsdp=true: deterministic mode on (distributed/fsdp.py's reduce-scatter) against off (FSDP2's
 own reduce-scatter of every microbatch), bytes against a ring reduce-scatter of the same gradient.
 """
@@ -56,8 +58,8 @@ def ddp_step(parts, ddp: DDP, step: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--pairs", type=int, default=15)
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--pairs", type=int, default=60)
+    ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--fsdp", action="store_true", help="FSDP2: canonical reduce-scatter vs FSDP2's own")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -70,25 +72,33 @@ def main() -> int:
     canon = build(cfg, world=world, rank=rank, corpus=corpus)
     plain = build(load_config(None, ["determinism.enabled=false", *fsdp]), world=world, rank=rank, corpus=corpus)
     ddp = None if args.fsdp else DDP(plain.model)
-    ratios, t_canon, t_ddp = [], [], []
+    # The canonical combine started after the whole backward (parallel.overlap=false), for the overlap's share.
+    after = None if args.fsdp else build(load_config(None, ["determinism.threads=1", "parallel.overlap=false"]),
+                                         world=world, rank=rank, corpus=corpus)
+
+    def other(step: int) -> None:
+        if ddp is None:
+            plain.step(step)
+        else:
+            ddp_step(plain, ddp, step)
+
+    sides = [canon.step, other] + ([after.step] if after is not None else [])
+    times: list[list[float]] = [[] for _ in sides]
     for p in range(args.pairs + 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for s in range(args.steps):
-            canon.step(p * args.steps + s)
-        dist.barrier()
-        t1 = time.perf_counter()
-        for s in range(args.steps):
-            if ddp is None:
-                plain.step(p * args.steps + s)
-            else:
-                ddp_step(plain, ddp, p * args.steps + s)
-        dist.barrier()
-        t2 = time.perf_counter()
-        if p:  # pair 0 warms up
-            t_canon.append((t1 - t0) / args.steps)
-            t_ddp.append((t2 - t1) / args.steps)
-            ratios.append((t1 - t0) / (t2 - t1))
+        marks = [0.0] * len(sides)
+        for i in (p + j for j in range(len(sides))):  # each round starts with the next side: no side always first
+            side = i % len(sides)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for s in range(args.steps):
+                sides[side](p * args.steps + s)
+            dist.barrier()
+            marks[side] = (time.perf_counter() - t0) / args.steps
+        if p:  # round 0 warms up
+            for i, t in enumerate(marks):
+                times[i].append(t)
+    t_canon, t_ddp = times[0], times[1]
+    ratios = [a / b for a, b in zip(t_canon, t_ddp)]
     sent_per_step = canon.grads.bytes_sent / ((args.pairs + 1) * args.steps)
     if args.fsdp:  # each group's gradients, unsharded: a ring reduce-scatter sends (W-1)/W of them
         numel = sum(p.numel() for p in canon.grads.params)
@@ -102,6 +112,12 @@ def main() -> int:
               "time_ratio_median": round(statistics.median(ratios), 4),
               "bytes_sent_per_step": int(sent_per_step), "ring_bytes": ring,
               "bytes_ratio": round(sent_per_step / ring, 4)}
+    if after is not None:
+        result["step_ms_after_backward"] = round(1000 * statistics.median(times[2]), 2)
+        result["time_ratio_after_backward_median"] = round(statistics.median(
+            [a / b for a, b in zip(times[2], t_ddp)]), 4)
+        result["time_ratio_overlap_to_after_median"] = round(statistics.median(
+            [a / b for a, b in zip(t_canon, times[2])]), 4)
     if rank == 0:
         if args.json:
             print(json.dumps(result))
@@ -109,6 +125,9 @@ def main() -> int:
             print(f"{world} processes: canonical {result['step_ms_canonical']} ms/step vs {other} "
                   f"{result['step_ms_other']} ms/step; ratio median of {args.pairs} pairs: "
                   f"{result['time_ratio_median']}")
+            if after is not None:
+                print(f"combine after the whole backward (parallel.overlap=false): {result['step_ms_after_backward']} "
+                      f"ms/step; ratio to DDP {result['time_ratio_after_backward_median']}")
             print(f"bytes sent per process per step: {result['bytes_sent_per_step']:,} vs {against} "
                   f"{ring:,} (ratio {result['bytes_ratio']})")
     dist.destroy_process_group()

@@ -30,12 +30,13 @@ __all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "RunL
 
 RUN_FORMAT, RUN_VERSION = "samestep.run", 1
 FINAL_FORMAT, FINAL_VERSION = "samestep.final", 1
-# Config fields that change no bit of a run's steps (bookkeeping, what is traced or checked and how, and whether the
-# state is sharded): a resume may change them, and `samestep diff` does not compare them. (trace.perturb changes bits on purpose.)
+# Config fields that change no bit of a run's steps (bookkeeping, what is traced or checked and how, whether the state
+# is sharded, when the combine starts): a resume may change them, and `samestep diff` does not compare them.
+# (trace.perturb changes bits on purpose.)
 NUMERICS_NEUTRAL = frozenset({"train.checkpoint_every", "train.keep_checkpoints", "train.log_every",
                               "train.exit_signals", "train.receipts", "train.cross_rank_check", "train.sdc_check_every",
-                              "train.sdc_action", "determinism.env_mismatch", "parallel.fsdp", "trace.level",
-                              "trace.steps", "trace.ranks", "trace.copy", "trace.worker"})
+                              "train.sdc_action", "determinism.env_mismatch", "parallel.fsdp", "parallel.overlap",
+                              "trace.level", "trace.steps", "trace.ranks", "trace.copy", "trace.worker"})
 
 _PathLike = str | os.PathLike[str]
 

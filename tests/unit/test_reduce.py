@@ -112,3 +112,33 @@ def test_the_second_of_a_pair_adds_into_the_first_with_the_trees_bits():
     assert torch.equal(_bits(b.grad), _bits(canonical_sum(leaves_b)))
     assert _bits(b.grad)[0] == 0  # +0.0
     assert _bits(c)[0] != 0  # the negative control: -0.0 as the second microbatch's own gradient
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(0, 12))
+def test_fold_into_is_push_then_result_for_one_element_of_the_leaves(seed, n):
+    """A parameter's part of the final sum, made as soon as its last leaf exists (the combine's overlap),
+    has the bits of pushing that leaf and taking the result, and leaves the counter as it was; a missing
+    leaf sums as a zero tensor. Negative control: the same leaves folded from the bottom of the stack up
+    (another bracketing) differ."""
+    leaves = [[x, x * 3] for x in _leaves(n + 1, seed, size=65)]
+    counter = BinaryCounter()
+    for leaf in leaves[:-1]:
+        counter.push([t.clone() for t in leaf])
+    out = torch.empty(65)
+    for index in (0, 1):
+        expected = BinaryCounter()
+        for leaf in leaves:
+            expected.push(leaf[index].clone())
+        assert torch.equal(_bits(counter.fold_into(out, leaves[-1][index], index=index)), _bits(expected.result()))
+        zeros = BinaryCounter()
+        for leaf in [*leaves[:-1], [torch.zeros(65), torch.zeros(65)]]:
+            zeros.push(leaf[index].clone())
+        assert torch.equal(_bits(counter.fold_into(out, None, index=index)), _bits(zeros.result()))
+    assert torch.equal(_bits(canonical_sum([leaf[0] for leaf in leaves])),
+                       _bits(counter.fold_into(out, leaves[-1][0], index=0)))  # the counter is unchanged
+    if n >= 3:  # from four leaves on, the tree is not the left fold
+        bottom_up = leaves[0][0].clone()
+        for leaf in leaves[1:]:
+            bottom_up = bottom_up + leaf[0]
+        assert not torch.equal(_bits(bottom_up), _bits(counter.fold_into(out, leaves[-1][0], index=0)))

@@ -25,7 +25,8 @@ from typing import Any
 
 import torch
 
-from samestep.distributed.reduce import BinaryCounter, combine_across_ranks, validate_layout
+from samestep.distributed.reduce import combine_across_ranks
+from samestep.distributed.tree import BinaryCounter, validate_layout
 
 __all__ = ["CanonicalReduceScatter", "FsdpDefaultGradients", "FsdpGradients", "Held", "ShardedModel",
            "ShardedOptimizer", "full_state", "iter_local", "shard_model"]

@@ -17,87 +17,16 @@ of processes (docs/design.md, invariant 2):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
-__all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalGradients", "canonical_sum", "combine_across_ranks",
-           "ring_allreduce_bytes", "validate_layout"]
+from samestep.distributed.buckets import BUCKET_ELEMENTS, GradientBuckets
+from samestep.distributed.tree import BinaryCounter, validate_layout
 
-
-def _is_pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
-def validate_layout(world_size: int, microbatches_per_process: int) -> None:
-    """Refuses a layout whose per-process microbatch ranges are not aligned subtrees of the tree.
-
-    A layout (W, K) is supported when K is a power of two (any W: N = W*K decomposes into power-of-two
-    blocks of at least K, so every range [rK, (r+1)K) lies inside one block, aligned), or when W = 1.
-
-    Raises:
-        ValueError: names the layout and the nearest supported ones.
-    """
-    w, k = world_size, microbatches_per_process
-    if w < 1 or k < 1:
-        raise ValueError(f"layout (world size {w}, {k} microbatches per process) needs both at least 1")
-    if w == 1 or _is_pow2(k):
-        return
-    n = w * k
-    near = sorted({(w2, n // w2) for w2 in range(1, n + 1) if n % w2 == 0 and (w2 == 1 or _is_pow2(n // w2))},
-                  key=lambda wk: abs(wk[0] - w))[:3]
-    options = ", ".join(f"--nproc {w2} ({k2} microbatches per process)" for w2, k2 in near)
-    raise ValueError(
-        f"layout of {w} processes x {k} microbatches per process is not supported: each process must own "
-        f"an aligned, power-of-two range of the {n} global microbatches so that the canonical reduction "
-        f"tree does not depend on the layout. Same global batch, supported: {options}")
-
-
-Leaf = torch.Tensor | list[torch.Tensor]
-
-
-def _add_into(left: Leaf, right: Leaf) -> Leaf:
-    """``left += right`` elementwise (a tensor, or a list of tensors added pairwise in one foreach op)."""
-    if isinstance(left, torch.Tensor):
-        return left.add_(right)
-    torch._foreach_add_(left, right)
-    return left
-
-
-class BinaryCounter:
-    """Sums leaves pushed in index order along the canonical tree, holding O(log n) partial sums.
-
-    A leaf is a tensor, or a list of tensors (e.g. one gradient per parameter) summed elementwise.
-    """
-
-    def __init__(self) -> None:
-        self._stack: list[tuple[int, Leaf]] = []  # (leaves covered, partial sum)
-
-    def push(self, leaf: Leaf, size: int = 1) -> None:
-        """Adds the next leaf (or an already-summed aligned block of ``size`` leaves). Takes ownership."""
-        while self._stack and self._stack[-1][0] == size:
-            left_size, left = self._stack.pop()
-            leaf = _add_into(left, leaf)
-            size += left_size
-        self._stack.append((size, leaf))
-
-    def result(self) -> Leaf:
-        """The tree sum of everything pushed; resets the counter."""
-        if not self._stack:
-            raise RuntimeError("BinaryCounter.result() with nothing pushed")
-        _, acc = self._stack.pop()
-        while self._stack:  # leftover blocks, smallest (rightmost) first
-            _, left = self._stack.pop()
-            acc = _add_into(left, acc)
-        return acc
-
-
-def canonical_sum(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """The canonical-tree sum of ``tensors`` in order (inputs are not modified)."""
-    counter = BinaryCounter()
-    for t in tensors:
-        counter.push(t.clone())
-    return counter.result()
+__all__ = ["AllReduceGradients", "CanonicalGradients", "combine_across_ranks", "ring_allreduce_bytes"]
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: object):
@@ -105,11 +34,6 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: object):
 
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=True)
-
-
-# Elements per bucket: big enough to amortise a collective's latency, small enough that the
-# fixed-order combine of one bucket overlaps the all-to-all of the next.
-BUCKET_ELEMENTS = 4 * 1024 * 1024
 
 
 def ring_allreduce_bytes(numel: int, element_size: int, world_size: int) -> int:
@@ -187,10 +111,15 @@ class CanonicalGradients:
             grads.accumulate(i, extra=loss.detach())
         loss_sum = grads.reduce()   # the canonical sum of the extras, same on every rank
         optimizer.step()
+
+    On W > 1 processes the combine across them starts during the last microbatch's backward, bucket by
+    bucket, as each bucket's gradients are final (``GradientBuckets``; ``overlap=False`` waits for the
+    whole backward, for a loop that runs backward more than once through a parameter per microbatch).
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], *, microbatches_per_process: int,
-                 world_size: int = 1, rank: int = 0, group: object = None) -> None:
+                 world_size: int = 1, rank: int = 0, group: object = None, overlap: bool = True,
+                 **bucket_options: Any) -> None:
         validate_layout(world_size, microbatches_per_process)
         self.params = [p for p in params if p.requires_grad]
         self.k, self.world_size, self.rank, self.group = microbatches_per_process, world_size, rank, group
@@ -198,14 +127,39 @@ class CanonicalGradients:
         self._next = rank * self.k
         self._n_extra = 0
         self._pending_extra: torch.Tensor | None = None  # the first of a pair's extra, until the second
-        self.bytes_sent = 0  # by collective semantics, summed over reduce() calls
+        self._extra: torch.Tensor | None = None  # the reduced extra, on one process
         # Called as observer(name, input, output) around each collective (a trace recorder, say).
         self.observer: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
+        self.buckets = (GradientBuckets(self.params, world_size=world_size, group=group, **bucket_options)
+                        if world_size > 1 else None)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(j)) for j, p in enumerate(self.params)
+                       ] if overlap and self.buckets is not None else []
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this process sent, by collective semantics, summed over ``reduce()`` calls."""
+        return self.buckets.bytes_sent if self.buckets is not None else 0
 
     @property
     def microbatches(self) -> range:
         """The global microbatch indices this process owns."""
         return range(self.rank * self.k, (self.rank + 1) * self.k)
+
+    def _hook(self, j: int) -> Callable[[torch.Tensor], None]:
+        from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+
+        buckets, last = self.buckets, self.microbatches.stop - 1
+
+        def packed_when_final(p: torch.Tensor) -> None:
+            if self._next != last:  # not the last local microbatch's backward
+                return
+            # Not one of the model's ops: an op-level trace recorder (a dispatch mode) must not see it.
+            # Entered only when needed: it costs more than the packing's own Python.
+            with _disable_current_modes() if _get_current_dispatch_mode_stack() else contextlib.nullcontext():
+                buckets.pack(j, self._counter, p.grad)
+                buckets.start_ready()
+
+        return packed_when_final
 
     def accumulate(self, microbatch: int, extra: torch.Tensor | None = None) -> None:
         """Takes the current ``p.grad`` of every parameter as microbatch ``microbatch``'s leaf.
@@ -214,7 +168,7 @@ class CanonicalGradients:
         is aligned): after the first of a pair the gradients stay in ``p.grad`` (zeros where a parameter
         got none), so the next ``backward()`` adds into them, autograd's in-place add, the bits of
         ``left.add_(right)``, at plain accumulation's cost; after the second the pair's sum is pushed and
-        ``p.grad`` cleared.
+        ``p.grad`` cleared. After the last, on several processes, every bucket is packed and started.
 
         Args:
             microbatch: the global index; must be the next one of this process's range.
@@ -236,33 +190,42 @@ class CanonicalGradients:
         size = 1
         if self._pending_extra is not None:  # the second of a pair: p.grad holds the pair's sum
             extra_flat, self._pending_extra, size = self._pending_extra.add_(extra_flat), None, 2
-        # The leaf is the list of the gradients themselves (autograd made them and they are cleared below,
-        # so the counter owns them): no copy into a flat buffer per microbatch.
-        self._counter.push(_flat_grads(self.params) + [extra_flat], size=size)
+        if self._next == self.microbatches.stop and self.buckets is not None:
+            self._pack_rest(extra_flat)
+        else:
+            # The leaf is the list of the gradients themselves (autograd made them and they are cleared
+            # below, so the counter owns them): no copy into a flat buffer per microbatch.
+            self._counter.push(_flat_grads(self.params) + [extra_flat], size=size)
         for p in self.params:
             p.grad = None
+
+    def _pack_rest(self, extra: torch.Tensor) -> None:
+        """The last microbatch is done: packs what its backward's hooks did not (all of it without the
+        overlap; a parameter that got no gradient in it), the extra, and starts every bucket."""
+        buckets = self.buckets
+        for j in buckets.unpacked():
+            buckets.pack(j, self._counter, self.params[j].grad)
+        buckets.pack_extra(self._counter, extra)
+        buckets.start_ready()
+        self._counter.clear()
 
     def reduce(self) -> torch.Tensor:
         """Combines across processes and writes the result into ``p.grad``; returns the summed extra."""
         if self._next != self.microbatches.stop:
             raise RuntimeError(f"reduce() after {self._next - self.microbatches.start} of {self.k} microbatches")
-        parts = self._counter.result()
-        if self.world_size == 1:  # no collective: the tree sums are the gradients, without a flat copy
+        self._next = self.microbatches.start
+        if self.buckets is None:  # no collective: the tree sums are the gradients, without a flat copy
+            parts = self._counter.result()
             for p, g in zip(self.params, parts):
                 p.grad = g.view_as(p)
-            self._next = self.microbatches.start
             return parts[-1].clone()
-        local = torch.cat(parts)  # one flat buffer per step, for the collectives
-        total, sent = combine_across_ranks(local, self.world_size, self.group)
-        self.bytes_sent += sent
-        if self.observer is not None and self.world_size > 1:
-            self.observer("canonical_combine", local, total)
-        offset = 0
-        for p in self.params:
-            p.grad = total[offset: offset + p.numel()].view_as(p)
-            offset += p.numel()
-        self._next = self.microbatches.start
-        return total[offset: offset + self._n_extra].clone()
+        reduced, extra = self.buckets.finish()
+        if self.observer is not None:
+            local = torch.cat([self.buckets.local(j) for j in range(len(self.params) + 1)])
+            self.observer("canonical_combine", local, torch.cat([*reduced, extra]))
+        for p, g in zip(self.params, reduced):
+            p.grad = g.view_as(p)
+        return extra.clone()
 
 
 class AllReduceGradients:

@@ -307,6 +307,9 @@ class ParallelConfig:
     """Shard parameters, gradients and optimizer state over the processes with FSDP2 (fully_shard); with
     deterministic mode on, its reduce-scatter follows the canonical order, so the bits are those of the
     unsharded run on any process count. One process runs unsharded."""
+    overlap: bool = True
+    """Start the combine across processes during the last microbatch's backward, bucket by bucket, as DDP
+    does; false waits for the whole backward. The same bits either way (docs/layouts.md)."""
 
 
 @dataclass(kw_only=True, slots=True)

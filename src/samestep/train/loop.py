@@ -245,8 +245,9 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
                       if cfg.determinism.enabled else FsdpDefaultGradients(model, microbatches_per_process=k,
                                                                            world_size=world, rank=rank))
     else:
-        grads_cls = CanonicalGradients if cfg.determinism.enabled else AllReduceGradients
-        grads = grads_cls(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank)
+        grads = (CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank,
+                                    overlap=cfg.parallel.overlap) if cfg.determinism.enabled else
+                 AllReduceGradients(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank))
     tc = cfg.trace
     recorder = Recorder(run_dir if run_dir is not None else ".", level=tc.level if run_dir is not None else "off",
                         steps=parse_selection(tc.steps, "trace.steps"), ranks=parse_selection(tc.ranks, "trace.ranks"),
