@@ -32,7 +32,7 @@ from samestep.durable import replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL
 
 __all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "chain_break", "genesis",
-           "read_receipts", "receipt_hash", "receipts_path", "truncate_receipts", "word_sums"]
+           "read_receipts", "read_run_receipts", "receipt_hash", "receipts_path", "truncate_receipts", "word_sums"]
 
 RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 1
 
@@ -228,6 +228,24 @@ def read_receipts(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[di
             if key not in row:
                 raise ReceiptError(f"{path}:{number}: receipt without {key!r}")
     return rows[0], rows[1:]
+
+
+def read_run_receipts(run_dir: str | os.PathLike[str]) -> dict[int, tuple[dict[str, Any], list[dict[str, Any]]]]:
+    """Every rank's receipts file of a run, each read once: ``{rank: (header, receipts)}`` in rank order
+    (empty where the run wrote none).
+
+    Raises:
+        ReceiptError: a file is damaged (``read_receipts``), or its header names another rank than its name.
+    """
+    out = {}
+    for path in sorted((Path(run_dir) / "receipts").glob("rank_*.jsonl")):
+        rank = int(path.stem.removeprefix("rank_")) if path.stem.removeprefix("rank_").isdigit() else None
+        header, receipts = read_receipts(path)
+        if rank is None or header.get("rank") != rank:
+            raise ReceiptError(f"{path}: its header says rank {header.get('rank')!r}; a receipts file is named "
+                               f"rank_RRRRR.jsonl after the rank that wrote it (move it back, or remove it)")
+        out[rank] = (header, receipts)
+    return out
 
 
 def chain_break(header: dict[str, Any], receipts: list[dict[str, Any]], first_prev: str | None = None) -> str | None:

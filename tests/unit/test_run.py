@@ -4,6 +4,7 @@ body raised is neither saved nor called complete."""
 
 from __future__ import annotations
 
+import shutil
 import signal
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import samestep
 from samestep.analysis import certify_trace, diff_runs
 from samestep.analysis.receipt_check import check_receipts
 from samestep.checkpoint import committed_steps
-from samestep.receipts import read_receipts
+from samestep.receipts import ReceiptError, read_receipts, read_run_receipts
 
 
 def _train(run_dir: Path, *, total: int = 4, stop_at: int | None = None, fail_at: int | None = None,
@@ -77,6 +78,11 @@ def test_a_stopped_and_resumed_run_is_the_run_straight_through(tmp_path):
     assert not torch.equal(_bits(other), _bits(straight))
     assert not diff_runs(tmp_path / "straight", tmp_path / "norng")["identical"]
     assert (tmp_path / "norng" / "receipts" / "rank_00000.jsonl").read_bytes() != receipts[0].read_bytes()
+    # a run's receipts read once, by rank; a file under another rank's name is refused by name
+    assert read_run_receipts(tmp_path / "cut") == {0: read_receipts(receipts[1])}
+    shutil.copy(receipts[0], tmp_path / "straight" / "receipts" / "rank_00003.jsonl")
+    with pytest.raises(ReceiptError, match="rank_00003.jsonl: its header says rank 0"):
+        read_run_receipts(tmp_path / "straight")
 
 
 def test_the_hooks_record_gradients_and_state_at_every_step(tmp_path):

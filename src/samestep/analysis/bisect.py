@@ -22,7 +22,7 @@ from samestep.analysis.diff import diff_runs
 from samestep.analysis.replay import replay
 from samestep.analysis.verify import FIELDS, first_receipt_difference
 from samestep.checkpoint import committed_steps
-from samestep.receipts import read_receipts
+from samestep.receipts import read_run_receipts
 from samestep.rundir import read_metrics, read_run
 
 __all__ = ["BisectError", "bisect_runs", "first_difference"]
@@ -35,15 +35,12 @@ class BisectError(ValueError):
 def _records(run_dir: Path) -> tuple[dict[str, list[dict]], str]:
     """A run's receipts ({rank: receipts}) and what they are of: "run" (the whole state, or a rank's shards,
     "rank"), or metrics.jsonl's rows as receipts without a state ("metrics") where it wrote none."""
-    out, of = {}, "metrics"
-    for path in sorted((run_dir / "receipts").glob("rank_*.jsonl")):
-        header, receipts = read_receipts(path)
-        out[str(header.get("rank"))] = receipts
-        of = header.get("state_of", "run")
-    if out:
-        return out, of
+    files = read_run_receipts(run_dir)
+    if files:
+        return ({str(rank): receipts for rank, (_, receipts) in files.items()},
+                files[max(files)][0].get("state_of", "run"))
     return {"0": [{"step": r["step"], "loss_hex": r.get("loss_hex"), "grad_norm_hex": r.get("grad_norm_hex")}
-                  for r in read_metrics(run_dir)]}, of
+                  for r in read_metrics(run_dir)]}, "metrics"
 
 
 def first_difference(run_a: Path, run_b: Path) -> tuple[dict[str, Any] | None, int]:

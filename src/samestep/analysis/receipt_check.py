@@ -12,7 +12,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from samestep.receipts import chain_break, genesis, read_receipts
+from samestep.receipts import chain_break, genesis, read_receipts, read_run_receipts, receipts_path
 from samestep.rundir import read_final, read_metrics, read_run
 
 __all__ = ["check_receipts", "checkpoint_state_digest"]
@@ -43,17 +43,14 @@ def check_receipts(run_dir: str | Path) -> dict[str, Any]:
     """
     run_dir = Path(run_dir)
     doc = read_run(run_dir)
-    files = sorted((run_dir / "receipts").glob("rank_*.jsonl"))
-    if not files:
-        read_receipts(run_dir / "receipts" / "rank_00000.jsonl")  # raises: missing
+    chains = read_run_receipts(run_dir)
+    if not chains:
+        read_receipts(receipts_path(run_dir, 0))  # raises: missing
     data = doc.get("data") if isinstance(doc.get("data"), dict) else {}
     first = genesis(doc["config"], data["fingerprint"]) if "fingerprint" in data else None
     problems, checked, ranks = [], [], {}
-    chains: dict[int, tuple[dict, list[dict]]] = {}
-    for path in files:
-        header, receipts = read_receipts(path)
-        rank = int(header.get("rank", -1))
-        chains[rank] = (header, receipts)
+    for rank, (header, receipts) in chains.items():
+        path = receipts_path(run_dir, rank)
         ranks[rank] = {"steps": f"1-{receipts[-1]['step']}" if receipts else "none",
                        "state_of": header.get("state_of")}
         if first is not None and header.get("genesis") != first:
@@ -63,7 +60,7 @@ def check_receipts(run_dir: str | Path) -> dict[str, Any]:
             problems.append(f"{path}: chain broken at {why}")
         elif receipts and receipts[0]["step"] != 1:
             problems.append(f"{path}: starts at step {receipts[0]['step']}, not 1")
-    checked.append(f"the hash chain of {len(files)} rank(s)")
+    checked.append(f"the hash chain of {len(chains)} rank(s)")
     header, receipts = chains.get(0, ({}, []))
     by_step = {r["step"]: r for r in receipts}
     metrics = read_metrics(run_dir)

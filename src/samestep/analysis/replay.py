@@ -19,7 +19,7 @@ from typing import Any
 from samestep._state import dotted
 from samestep.checkpoint import committed_steps
 from samestep.env import RANK_LOCAL, compare_environments
-from samestep.receipts import read_receipts
+from samestep.receipts import read_run_receipts, receipts_path
 from samestep.rundir import read_metrics, read_run
 
 __all__ = ["ReplayError", "environment_differences", "layout_at", "replay", "replay_start"]
@@ -69,12 +69,11 @@ def replay(run_dir: Path, scratch: Path, start: int, end: int, settings: tuple[s
         shutil.copytree(run_dir / "checkpoints" / f"step_{start:06d}", scratch / "checkpoints" / f"step_{start:06d}")
         rows = [json.dumps(r) + "\n" for r in read_metrics(run_dir) if r["step"] <= start]
         (scratch / "metrics.jsonl").write_text("".join(rows), encoding="utf-8")
-        for path in sorted((run_dir / "receipts").glob("rank_*.jsonl")):
-            header, receipts = read_receipts(path)
+        for rank, (header, receipts) in read_run_receipts(run_dir).items():
             (scratch / "receipts").mkdir(exist_ok=True)
             kept = [header, *(r for r in receipts if r["step"] <= start)]
-            (scratch / "receipts" / path.name).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept),
-                                                          encoding="utf-8")
+            receipts_path(scratch, rank).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept),
+                                                    encoding="utf-8")
     layout = layout_at(doc, start)
     config = dotted(doc["config"])
     config["parallel.fsdp"] = layout.get("sharded") == "fsdp2"

@@ -15,7 +15,7 @@ from typing import Any
 
 from samestep.analysis.receipt_check import checkpoint_state_digest
 from samestep.analysis.replay import environment_differences, replay, replay_start
-from samestep.receipts import ReceiptError, chain_break, read_receipts
+from samestep.receipts import chain_break, read_run_receipts, receipts_path
 from samestep.rundir import read_run
 
 __all__ = ["FIELDS", "VerifyError", "first_receipt_difference", "verify_run"]
@@ -44,21 +44,17 @@ def first_receipt_difference(a: dict[str, list[dict]], b: dict[str, list[dict]],
     return None
 
 
-def _receipts(run_dir: Path) -> dict[str, list[dict]]:
-    out = {}
-    for path in sorted((run_dir / "receipts").glob("rank_*.jsonl")):
-        header, receipts = read_receipts(path)
-        out[str(header.get("rank"))] = receipts
-    return out
+def _by_rank(files: dict[int, tuple[dict, list[dict]]]) -> dict[str, list[dict]]:
+    return {str(rank): receipts for rank, (_, receipts) in files.items()}
 
 
-def _foreign_checkpoint(run_dir: Path, doc: dict[str, Any], recorded: dict[str, list[dict]],
+def _foreign_checkpoint(run_dir: Path, doc: dict[str, Any], files: dict[int, tuple[dict, list[dict]]],
                         start: int) -> dict[str, Any] | None:
     """The checkpoint a replay starts from, against the run's receipt of its step (receipts of the whole
     state): None if it is the run's, else a mismatch naming it."""
-    receipt = next((r for r in recorded.get("0", []) if r["step"] == start), None)
-    header = read_receipts(run_dir / "receipts" / "rank_00000.jsonl")[0] if start and receipt else {}
-    if header.get("state_of") != "run":
+    header, receipts = files.get(0, ({}, []))
+    receipt = next((r for r in receipts if r["step"] == start), None)
+    if not start or receipt is None or header.get("state_of") != "run":
         return None
     step_dir = run_dir / "checkpoints" / f"step_{start:06d}"
     try:
@@ -84,7 +80,8 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
     """
     run_dir = Path(run_dir)
     doc = read_run(run_dir)
-    recorded = _receipts(run_dir)
+    files = read_run_receipts(run_dir)
+    recorded = _by_rank(files)
     if not recorded:
         raise VerifyError(f"{run_dir / 'receipts'}: no receipts; the run wrote none (train.receipts=false), so "
                           "there is nothing to verify against")
@@ -93,7 +90,7 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
     if not 1 <= a <= b <= last:
         raise VerifyError(f"--steps {a}-{b}: the run receipted steps 1-{last}; choose steps within them")
     start = replay_start(run_dir, a - 1)
-    foreign = _foreign_checkpoint(run_dir, doc, recorded, start)
+    foreign = _foreign_checkpoint(run_dir, doc, files, start)
     if foreign is not None:  # a replay from it would verify nothing of this run
         return {"reproduced": False, "steps": f"{a}-{b}", "replayed_from": start, "compared": 0,
                 "first_mismatch": foreign, "chain": {}, "notes": []}
@@ -108,18 +105,14 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
                               "pass --force")
         if env:
             notes.append(f"environment differs (verified with --force): {', '.join(sorted(env))}")
-        replayed = _receipts(scratch)
+        replayed = _by_rank(read_run_receipts(scratch))
     finally:
         if keep is None:
             shutil.rmtree(scratch.parent, ignore_errors=True)
     mismatch = first_receipt_difference(recorded, replayed, range(start + 1, b + 1))
     compared = sum(1 for rank, rs in replayed.items() for r in rs if start < r["step"] <= b and rank in recorded)
-    chain = {}
-    for path in sorted((run_dir / "receipts").glob("rank_*.jsonl")):
-        try:
-            chain[path.name] = chain_break(*read_receipts(path)) or "holds"
-        except ReceiptError as e:
-            chain[path.name] = str(e)
+    chain = {receipts_path(run_dir, rank).name: chain_break(header, receipts) or "holds"
+             for rank, (header, receipts) in files.items()}
     holds = all(v == "holds" for v in chain.values())
     return {"reproduced": mismatch is None and compared > 0 and holds, "steps": f"{a}-{b}", "replayed_from": start,
             "compared": compared, "first_mismatch": mismatch, "chain": chain, "notes": notes}
