@@ -83,7 +83,8 @@ def test_fault_harness_finds_every_outcome_as_documented():
 
 def test_cost_model_prices_the_combine_against_ddp():
     """`bench/cost_model.py --json`: at every rank count the canonical combine sends DDP's bytes but, started
-    after the backward, exposes more time than DDP's ring; started per bucket, no less than one bucket's.
+    after the backward, exposes more time than DDP's ring; as built (all-to-alls in the backward), less, and
+    with the whole combine in the backward less again, no less than one bucket's.
     A model with a free network (huge bandwidth, no latency) prices both alike: the check can tell."""
     def rows(*extra):
         proc = subprocess.run([sys.executable, "bench/cost_model.py", "--json", *extra], cwd=ROOT,
@@ -95,6 +96,7 @@ def test_cost_model_prices_the_combine_against_ddp():
         assert r["canonical_exposed_ms"] > r["ddp_exposed_ms"] and r["ratio_to_ddp"] > 1.1
         assert r["canonical_overlapped_exposed_ms"] <= r["canonical_exposed_ms"]
         assert 1.0 <= r["ratio_to_ddp_overlapped"] < r["ratio_to_ddp"]
+        assert 1.0 <= r["ratio_to_ddp_whole_overlap"] <= r["ratio_to_ddp_overlapped"]
     free = rows("--alpha-us", "0", "--gbps", "1e9", "--sum-gbps", "1e9")
     assert all(abs(r["ratio_to_ddp"] - 1.0) < 1e-6 for r in free)
 

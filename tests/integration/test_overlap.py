@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from samestep.distributed import AllReduceGradients, CanonicalGradients
+from samestep.distributed import AllReduceGradients, CanonicalGradients, GradientBuckets
 
 pytestmark = pytest.mark.slow
 N_MICRO = 8
@@ -30,8 +30,11 @@ class _Net(torch.nn.Module):
         self.a = torch.nn.Linear(16, 32)
         self.b = torch.nn.Linear(32, 24)
         self.c = torch.nn.Linear(24, 8)
+        # Only the step's last microbatch uses it: on the last rank it is in that rank's last backward, on the
+        # others in none. The last parameter, it lies in the first bucket, which it holds back there.
+        self.late = torch.nn.Linear(8, 3, bias=False)
         with torch.no_grad():
-            for p in (*self.a.parameters(), *self.b.parameters(), *self.c.parameters()):
+            for p in (*self.a.parameters(), *self.b.parameters(), *self.c.parameters(), self.late.weight):
                 p.copy_(torch.randn(p.shape, generator=g))
 
     def loss(self, i: int) -> torch.Tensor:
@@ -42,6 +45,8 @@ class _Net(torch.nn.Module):
         loss = y.square().mean()
         if i % 2 == 0:
             loss = loss + (self.side.sum(0) * y.mean(0)).sum()
+        if i == N_MICRO - 1:
+            loss = loss + self.late(y).mean()
         return loss
 
 
@@ -59,6 +64,8 @@ def _step(world: int, rank: int, kind: str) -> tuple[list[torch.Tensor], torch.T
         loss = net.loss(i)
         loss.backward()
         started.append(grads.buckets.started if getattr(grads, "buckets", None) is not None else -1)
+        if world > 1:  # a collective of the loop's own between backward and accumulate (the recompute check's)
+            dist.all_reduce(torch.ones(1))
         grads.accumulate(i, extra=loss.detach())
     extra = grads.reduce()
     return [p.grad.clone() for p in net.parameters()], extra, started
@@ -72,40 +79,42 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             grads, extra, started = _step(world, rank, kind)
             np.save(f"{out_dir}/{kind}_{rank}.npy", torch.cat([*(g.reshape(-1) for g in grads), extra]).numpy())
             report[kind] = started
-        if rank == 0:
-            net = _Net()
-            report["buckets"] = len(CanonicalGradients(net.parameters(), microbatches_per_process=1, world_size=world,
-                                                       rank=0, **BUCKETS).buckets.buckets)
+        report["buckets"] = len(GradientBuckets(list(_Net().parameters()), world_size=world, **BUCKETS).buckets)
         Path(out_dir, f"started_{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
 
 
-def _run(world: int, tmp_path) -> tuple[dict[str, list[np.ndarray]], dict]:
+def _run(world: int, tmp_path) -> tuple[dict[str, list[np.ndarray]], list[dict]]:
     out = tmp_path / f"w{world}"
     out.mkdir()
     mp.spawn(_worker, args=(world, str(tmp_path / f"init{world}"), str(out)), nprocs=world, join=True)
     bits = {kind: [np.load(out / f"{kind}_{r}.npy").view(np.int32) for r in range(world)]
             for kind in ("overlap", "after", "plain")}
-    return bits, json.loads((out / "started_0.json").read_text())
+    return bits, [json.loads((out / f"started_{r}.json").read_text()) for r in range(world)]
 
 
 def test_buckets_started_in_the_backward_give_the_one_process_bits(tmp_path):
-    """2 x 4 and 4 x 2 processes x microbatches: the buckets start before the last backward returns (all but
-    the one that carries the loss), and every rank's gradients and loss have the bits of one process, as
-    they do when the combine waits for the backward. Negative control: plain accumulation and all-reduce
-    (DDP's path) on the same data give other bits at 2 and 4 processes."""
+    """2 x 4 and 4 x 2 processes x microbatches: on the last rank every bucket but the one that carries the
+    loss starts before the last backward returns; on the others a parameter without a gradient there holds
+    the first bucket, and so all, back to the backward's end, while the loop runs a collective of its own in
+    between. Every rank's gradients and loss have the bits of one process, as they do when the combine
+    waits for the backward. Negative control: plain accumulation and all-reduce (DDP's path) on the same
+    data give other bits at 2 and 4 processes."""
     grads, extra, _ = _step(1, 0, "after")
     reference = torch.cat([*(g.reshape(-1) for g in grads), extra]).numpy().view(np.int32)
     plain = {}
     for world in (2, 4):
-        bits, report = _run(world, tmp_path)
+        bits, reports = _run(world, tmp_path)
         for r in range(world):
             assert np.array_equal(bits["overlap"][r], reference), (world, r)
             assert np.array_equal(bits["after"][r], reference), (world, r)
-        assert report["buckets"] >= 3
-        assert report["overlap"][-1] == report["buckets"] - 1  # started during the backward
-        assert report["after"][-1] == 0 and report["overlap"][:-1] == [0] * (len(report["overlap"]) - 1)
+        buckets = reports[0]["buckets"]
+        assert buckets >= 3
+        k = N_MICRO // world
+        assert reports[-1]["overlap"] == [0] * (k - 1) + [buckets - 1]  # started during the last backward
+        assert all(rep["overlap"] == [0] * k for rep in reports[:-1])  # held back by the parameter without one
+        assert all(rep["after"] == [0] * k for rep in reports)
         plain[world] = bits["plain"][0]
     assert not np.array_equal(plain[2], plain[4])
 
@@ -118,8 +127,8 @@ def _twice_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             grads = CanonicalGradients(net.parameters(), microbatches_per_process=1, world_size=world, rank=rank,
                                        overlap=overlap, **BUCKETS)
             try:  # the last (only) microbatch runs backward twice through every parameter
-                net.loss(rank + 1).backward()
-                net.loss(rank + 1).backward()
+                net.loss(N_MICRO - 1).backward()
+                net.loss(N_MICRO - 1).backward()
                 grads.accumulate(rank, extra=torch.zeros(1))
                 grads.reduce()
                 outcome = "reduced"

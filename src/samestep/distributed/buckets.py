@@ -7,12 +7,12 @@ into its bucket's send buffer there and then, and a bucket whose parameters are 
 all-to-all while the backward goes on. Buckets start in a fixed order (bucket b only after b - 1), so
 every rank issues the same collectives in the same order whatever order its gradients arrive in.
 
-When bucket b starts, bucket b - 1 (its all-to-all has had a bucket's worth of backward to arrive) is
-completed: rank j sums the W copies of its chunk in rank order along the tree and the sums are gathered
-to every rank; ``finish`` does the same for what is left after the backward, the last bucket. These are
-fixed points, so the order of the collectives does not depend on timing either. Element-wise sums do
-not depend on the chunking, so neither the buckets nor the moment they start change a bit; each
-process sends 2(W-1)/W of the gradient, a ring all-reduce's bytes.
+After the backward, ``finish`` completes the buckets in order: rank j sums the W copies of its chunk in
+rank order along the tree, and the sums are gathered to every rank (bucket b's gather in flight while
+bucket b + 1 is summed). Waiting for a bucket inside the backward could deadlock (``start_ready``), so
+that half of the combine is left after it. Element-wise sums do not depend on the chunking, so neither
+the buckets nor the moment they start change a bit; each process sends 2(W-1)/W of the gradient, a ring
+all-reduce's bytes.
 """
 
 from __future__ import annotations
@@ -139,21 +139,18 @@ class GradientBuckets:
         return [j for j, done in enumerate(self._packed) if not done]
 
     def start_ready(self) -> None:
-        """Starts, in bucket order, each bucket that is completely packed and next in line; as each starts,
-        the one before it is summed and its gather started (it has had a bucket's worth of backward to
-        arrive), so only the last bucket's combine is left after the backward."""
+        """Starts, in bucket order, the all-to-all of each bucket that is completely packed and next in line.
+        Nothing here waits for another rank: one that holds a bucket back to its backward's end and runs a
+        collective of its own before it gets there must not find this rank waiting inside its backward."""
         import torch.distributed as dist
 
         while self._started < len(self.buckets) and self.buckets[self._started].waiting == 0:
             bucket = self.buckets[self._started]
             bucket.work = dist.all_to_all_single(bucket.recv, bucket.send, group=self.group, async_op=True)
             self._started += 1
-            while self._summed < self._started - 1:
-                self._sum_and_gather()
 
     def _sum_and_gather(self) -> None:
-        """The next bucket's all-to-all done, sums its W chunk copies in rank order and starts the gather.
-        Called at fixed points (above, and in ``finish``): every rank issues its collectives in one order."""
+        """The next bucket's all-to-all done, sums its W chunk copies in rank order and starts the gather."""
         import torch.distributed as dist
 
         bucket, w = self.buckets[self._summed], self.world_size

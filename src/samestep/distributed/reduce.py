@@ -17,7 +17,6 @@ of processes (docs/design.md, invariant 2):
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -113,8 +112,9 @@ class CanonicalGradients:
         optimizer.step()
 
     On W > 1 processes the combine across them starts during the last microbatch's backward, bucket by
-    bucket, as each bucket's gradients are final (``GradientBuckets``; ``overlap=False`` waits for the
-    whole backward, for a loop that runs backward more than once through a parameter per microbatch).
+    bucket, as each bucket's gradients are final (``GradientBuckets``, on a process group of its own unless
+    ``group`` is given; ``overlap=False`` waits for the whole backward, for a loop that runs backward more
+    than once through a parameter per microbatch).
     """
 
     def __init__(self, params: Iterable[torch.nn.Parameter], *, microbatches_per_process: int,
@@ -130,10 +130,19 @@ class CanonicalGradients:
         self._extra: torch.Tensor | None = None  # the reduced extra, on one process
         # Called as observer(name, input, output) around each collective (a trace recorder, say).
         self.observer: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
+        overlap = overlap and world_size > 1
+        if overlap and group is None:
+            import torch.distributed as dist
+
+            # A process group of its own: the collectives started inside the backward then never interleave
+            # with the default group's, which a rank may issue before or after them (a parameter that got no
+            # gradient on one rank holds its bucket back to the backward's end there, and not on another).
+            group = dist.new_group()
+        self.group = group
         self.buckets = (GradientBuckets(self.params, world_size=world_size, group=group, **bucket_options)
                         if world_size > 1 else None)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(j)) for j, p in enumerate(self.params)
-                       ] if overlap and self.buckets is not None else []
+                       ] if overlap else []
 
     @property
     def bytes_sent(self) -> int:
@@ -153,11 +162,15 @@ class CanonicalGradients:
         def packed_when_final(p: torch.Tensor) -> None:
             if self._next != last:  # not the last local microbatch's backward
                 return
-            # Not one of the model's ops: an op-level trace recorder (a dispatch mode) must not see it.
-            # Entered only when needed: it costs more than the packing's own Python.
-            with _disable_current_modes() if _get_current_dispatch_mode_stack() else contextlib.nullcontext():
-                buckets.pack(j, self._counter, p.grad)
-                buckets.start_ready()
+            if _get_current_dispatch_mode_stack():
+                # Not one of the model's ops: an op-level trace recorder (a dispatch mode) must not see it.
+                # Left when there is none: it costs more than the packing's own Python.
+                with _disable_current_modes():
+                    buckets.pack(j, self._counter, p.grad)
+                    buckets.start_ready()
+                return
+            buckets.pack(j, self._counter, p.grad)
+            buckets.start_ready()
 
         return packed_when_final
 

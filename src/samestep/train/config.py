@@ -308,8 +308,8 @@ class ParallelConfig:
     deterministic mode on, its reduce-scatter follows the canonical order, so the bits are those of the
     unsharded run on any process count. One process runs unsharded."""
     overlap: bool = True
-    """Start the combine across processes during the last microbatch's backward, bucket by bucket, as DDP
-    does; false waits for the whole backward. The same bits either way (docs/layouts.md)."""
+    """Start the combine across processes (its all-to-alls) during the last microbatch's backward, bucket by
+    bucket, as DDP does; false waits for the whole backward. The same bits either way (docs/layouts.md)."""
 
 
 @dataclass(kw_only=True, slots=True)
