@@ -120,6 +120,8 @@ class CanonicalGradients:
     def __init__(self, params: Iterable[torch.nn.Parameter], *, microbatches_per_process: int,
                  world_size: int = 1, rank: int = 0, group: object = None, overlap: bool = True,
                  **bucket_options: Any) -> None:
+        import torch.distributed as dist
+
         validate_layout(world_size, microbatches_per_process)
         self.params = [p for p in params if p.requires_grad]
         self.k, self.world_size, self.rank, self.group = microbatches_per_process, world_size, rank, group
@@ -131,9 +133,7 @@ class CanonicalGradients:
         # Called as observer(name, input, output) around each collective (a trace recorder, say).
         self.observer: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
         overlap = overlap and world_size > 1
-        if overlap and group is None:
-            import torch.distributed as dist
-
+        if overlap and group is None and dist.is_available() and dist.is_initialized():
             # A process group of its own: the collectives started inside the backward then never interleave
             # with the default group's, which a rank may issue before or after them (a parameter that got no
             # gradient on one rank holds its bucket back to the backward's end there, and not on another).
