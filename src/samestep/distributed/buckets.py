@@ -74,8 +74,6 @@ class GradientBuckets:
         for bucket in self.buckets:
             for j, offset in zip(bucket.params, bucket.offsets):
                 self.where[j] = (bucket, offset)
-        self._packed = [False] * len(params)
-        self._started = 0  # buckets started this step
         self.bytes_sent = 0
         self._allocate(self.buckets[-1], extra=1)
         for bucket in self.buckets[:-1]:
@@ -96,8 +94,8 @@ class GradientBuckets:
         for bucket in self.buckets:
             bucket.waiting = len(bucket.params) + (bucket is self.buckets[-1])
             bucket.work = bucket.gather = None
-        self._packed = [False] * len(self.params)
-        self._started = 0
+        self._packed = [False] * len(self.params)  # which parameters are packed this step
+        self._started = 0  # buckets whose all-to-all started this step
         self._summed = 0  # buckets whose chunks are summed and gathering
 
     def pack(self, j: int, counter: BinaryCounter, leaf: torch.Tensor | None) -> None:

@@ -127,9 +127,7 @@ class CanonicalGradients:
         self.k, self.world_size, self.rank, self.group = microbatches_per_process, world_size, rank, group
         self._counter = BinaryCounter()
         self._next = rank * self.k
-        self._n_extra = 0
         self._pending_extra: torch.Tensor | None = None  # the first of a pair's extra, until the second
-        self._extra: torch.Tensor | None = None  # the reduced extra, on one process
         # Called as observer(name, input, output) around each collective (a trace recorder, say).
         self.observer: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
         overlap = overlap and world_size > 1
@@ -192,7 +190,6 @@ class CanonicalGradients:
                              f"{self._next} next (it owns {self.microbatches.start}..{self.microbatches.stop - 1})")
         dtype = self.params[0].dtype
         extra_flat = extra.detach().reshape(-1).to(dtype).clone() if extra is not None else torch.zeros(0, dtype=dtype)
-        self._n_extra = extra_flat.numel()
         self._next += 1
         if (microbatch - self.microbatches.start) % 2 == 0 and self._next < self.microbatches.stop:
             for p in self.params:  # the first of a pair: the next backward adds into these
