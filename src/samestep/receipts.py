@@ -138,8 +138,8 @@ class ReceiptWriter:
     def add(self, step: int, state: Callable[[], Any] | None, loss: float, grad_norm: float,
             sums: dict[str, list[tuple[str, Any]]] | None = None) -> None:
         """Starts the receipt of ``step``: ``state()`` is called and digested on the receipt thread (a writer
-        without a file takes None), and the tensors of ``sums`` (groups of named tensors that stay unchanged until the next wait) are summed
-        for ``last``."""
+        without a file takes None), and the tensors of ``sums`` (groups of named tensors that stay unchanged
+        until the next wait) are summed for ``last``."""
         self.wait()
         if step != self.last_step + 1:
             raise ReceiptError(f"{self.path}: receipt of step {step} follows step {self.last_step}; steps are receipted "

@@ -17,6 +17,7 @@ of processes (docs/design.md, invariant 2):
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -26,6 +27,8 @@ from samestep.distributed.buckets import BUCKET_ELEMENTS, GradientBuckets
 from samestep.distributed.tree import BinaryCounter, validate_layout
 
 __all__ = ["AllReduceGradients", "CanonicalGradients", "combine_across_ranks", "ring_allreduce_bytes"]
+
+_NOTHING = contextlib.nullcontext()  # reusable: it holds no state
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group: object):
@@ -160,15 +163,11 @@ class CanonicalGradients:
         def packed_when_final(p: torch.Tensor) -> None:
             if self._next != last:  # not the last local microbatch's backward
                 return
-            if _get_current_dispatch_mode_stack():
-                # Not one of the model's ops: an op-level trace recorder (a dispatch mode) must not see it.
-                # Left when there is none: it costs more than the packing's own Python.
-                with _disable_current_modes():
-                    buckets.pack(j, self._counter, p.grad)
-                    buckets.start_ready()
-                return
-            buckets.pack(j, self._counter, p.grad)
-            buckets.start_ready()
+            # Not one of the model's ops: an op-level trace recorder (a dispatch mode) must not see it. Entered
+            # only under one: it costs more than the packing's own Python.
+            with _disable_current_modes() if _get_current_dispatch_mode_stack() else _NOTHING:
+                buckets.pack(j, self._counter, p.grad)
+                buckets.start_ready()
 
         return packed_when_final
 
