@@ -13,6 +13,7 @@ determinism contract fails closed with a message that names the knob, its value 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -207,6 +208,12 @@ def _check_env(problems: list[str], report: DeterminismReport, fixed: dict[str, 
     )
 
 
+def _settable() -> contextlib.AbstractContextManager:
+    """Lets the backend flags be set where PyTorch's test scaffolding froze them
+    (``torch.backends.disable_global_flags()``): ``disable()`` puts back what ``enable()`` sets."""
+    return getattr(torch.backends, "__allow_nonbracketed_mutation", contextlib.nullcontext)()
+
+
 def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool = False) -> DeterminismReport:
     """Turns on deterministic mode for this process.
 
@@ -214,10 +221,12 @@ def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool
         threads: the intra-op thread count to pin (sums and layer-norm weight gradients change with
             it). ``None`` takes the CPUs this process may use.
         warn_only: report settings that break determinism as warnings instead of raising.
-        kernels: route PyTorch's scatter-type ops (index_put accumulate, index_add, scatter_add,
-            embedding backward) to ``samestep.ops`` in this thread. Off by default: with deterministic
-            algorithms on, PyTorch already runs these deterministically on CPU (slower for index_put);
-            the routing is for speed, and for a definition that does not depend on the device.
+        kernels: route PyTorch's accumulating ops (index_put and put with accumulate, index_add,
+            scatter_add, scatter_reduce sum and mean, embedding backward, weighted bincount) to
+            ``samestep.ops`` in this thread, forward and backward (docs/kernels.md lists each op). Off by
+            default: with deterministic algorithms on, PyTorch already runs these deterministically on
+            CPU; the routing is for speed (index_put), and for a definition that does not depend on the
+            device.
 
     Returns:
         A report of every knob, its value before and after, and why it is set. It is also a context
@@ -256,6 +265,21 @@ def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool
     }
 
     os.environ.update(fixed_env)
+    with _settable():
+        _set_knobs(saved, report, threads)
+    if kernels and saved.get("kernel_mode") is None:
+        from samestep.ops.routing import KernelMode  # loaded only when asked for (kernels=True)
+
+        saved["kernel_mode"] = KernelMode()
+        saved["kernel_mode"].__enter__()
+    report.knobs.append(Knob("samestep.kernels", False, bool(saved.get("kernel_mode")),
+                             "scatter-type ops routed to samestep.ops"))
+    saved["report"] = report  # the last enable()'s (samestep.trace records it in run.json)
+    _saved = saved
+    return report
+
+
+def _set_knobs(saved: dict[str, Any], report: DeterminismReport, threads: int) -> None:
     # Ops without a deterministic implementation raise instead of silently racing.
     torch.use_deterministic_algorithms(True)
     report.knobs.append(Knob("torch.use_deterministic_algorithms", saved["deterministic"], True,
@@ -281,16 +305,6 @@ def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool
     report.knobs.append(Knob("torch.num_threads", saved["threads"], threads,
                              "sums and layer-norm grads depend on the thread count"))
     _pin_numerics(saved["numerics"], report)
-    if kernels and saved.get("kernel_mode") is None:
-        from samestep.ops.routing import KernelMode  # loaded only when asked for (kernels=True)
-
-        saved["kernel_mode"] = KernelMode()
-        saved["kernel_mode"].__enter__()
-    report.knobs.append(Knob("samestep.kernels", False, bool(saved.get("kernel_mode")),
-                             "scatter-type ops routed to samestep.ops"))
-    saved["report"] = report  # the last enable()'s (samestep.trace records it in run.json)
-    _saved = saved
-    return report
 
 
 def _pin_numerics(before: dict[str, Any], report: DeterminismReport) -> None:
@@ -314,9 +328,10 @@ def disable() -> None:
         else:
             os.environ[name] = value
     torch.use_deterministic_algorithms(saved["deterministic"], warn_only=saved["deterministic_warn_only"])
-    torch.backends.cudnn.deterministic = saved["cudnn_deterministic"]
-    torch.backends.cudnn.benchmark = saved["cudnn_benchmark"]
-    torch.utils.deterministic.fill_uninitialized_memory = saved["fill_uninitialized_memory"]
-    torch.set_num_threads(saved["threads"])
-    for knob in reversed(numerics.KNOBS):  # matmul precision last: setting it sets allow_tf32 too
-        knob.set(saved["numerics"][knob.name])
+    with _settable():
+        torch.backends.cudnn.deterministic = saved["cudnn_deterministic"]
+        torch.backends.cudnn.benchmark = saved["cudnn_benchmark"]
+        torch.utils.deterministic.fill_uninitialized_memory = saved["fill_uninitialized_memory"]
+        torch.set_num_threads(saved["threads"])
+        for knob in reversed(numerics.KNOBS):  # matmul precision last: setting it sets allow_tf32 too
+            knob.set(saved["numerics"][knob.name])

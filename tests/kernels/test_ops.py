@@ -153,11 +153,15 @@ def _tile_tree_reference(base: torch.Tensor, idx: torch.Tensor, src: torch.Tenso
     return torch.from_numpy(out)
 
 
-def test_more_sources_than_a_tile_follow_the_tile_tree():
-    """Past TILE sources, later tiles are summed on their own first, then added in tile order (reference);
-    the plain left fold gives other bits here (so the test can tell the two apart)."""
+@pytest.mark.parametrize("buffer", ["slots", "compact"])
+def test_more_sources_than_a_tile_follow_the_tile_tree(monkeypatch, buffer):
+    """Past TILE sources, later tiles are summed on their own first, then added in tile order (reference),
+    by either buffer of the CPU path; the plain left fold gives other bits here (so the test can tell the
+    two apart)."""
     from samestep.ops import _impl
 
+    if buffer == "compact":
+        monkeypatch.setattr(_impl, "SLOT_LIMIT", 0)
     g = torch.Generator().manual_seed(9)
     n = _impl.TILE * 2 + 1000
     idx = torch.randint(0, 7, (n,), generator=g)

@@ -5,19 +5,27 @@ of ``TILE`` consecutive source indices. For each output element, the contributio
 added to the input value one by one in ascending source order; the contributions of every later tile
 are first summed the same way among themselves (starting from the tile's first contribution), and
 those tile sums are added to the result in ascending tile order. With at most ``TILE`` sources this is
-the plain left fold. The result is a function of the inputs alone: no atomics, no dependence on thread
-count, timing or device.
+the plain left fold. float16 and bfloat16 outputs accumulate in float32 and are rounded once. The
+result is a function of the inputs alone: no atomics, no dependence on thread count, timing or device.
 
-Every op reduces to ``_add_rows_into`` (add source rows into output rows) on a flattened view:
-- CPU: PyTorch's CPU ``index_add_`` visits the sources of each output row in ascending order and
-  splits work only across rows (checked byte for byte at 1, 2 and 4 threads by tests/kernels); later
-  tiles are folded into a compact per-tile buffer first;
+Every op reduces to ``fold`` (add source slices into output slices along a dim), scatter to
+``_scatter_fold`` (the same along each line of its index):
+- CPU: PyTorch's CPU ``index_add_`` and ``scatter_add_`` visit the sources of each output element in
+  ascending order and split work only across outputs (checked byte for byte at 1, 2 and 4 threads by
+  tests/kernels), so tile 0 is PyTorch's own kernel, writing in place; later tiles are folded into a
+  compact per-tile buffer first;
 - CUDA: the Triton kernels in ``triton_kernels`` (sorted segments, or private slots per tile).
+
+Inputs outside an op's domain get PyTorch's own error (``_domain``); indexing forms live in ``_indexing``.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from samestep.ops._domain import INDEX_DTYPES, check_bounds, raise_as_torch
 
 # "auto": Triton on CUDA tensors when Triton is installed, PyTorch's ordered CPU kernel otherwise.
 # "triton" forces the Triton kernel (CPU tensors need TRITON_INTERPRET=1): tests compare the two.
@@ -40,95 +48,284 @@ def _use_triton(t: torch.Tensor) -> bool:
 
 # The tile size of the definition. A constant: changing it changes results (beyond TILE sources).
 TILE = 1 << 16
+# The CPU path keeps later tiles' sums in one buffer (tiles x output elements) up to this size.
+SLOT_LIMIT = 1 << 22
+# Accumulated in float32 and rounded once: a fixed-order sum in the storage precision would round at
+# every addition (PyTorch's own kernels differ here: docs/kernels.md, "Half precision").
+HALF = (torch.float16, torch.bfloat16)
 
 
-def _add_rows_into(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Adds ``rows[i]`` into ``out[index[i]]`` by the tile tree, in place on a contiguous buffer the caller owns."""
-    flat = out.view(out.shape[0], -1)
-    src = rows.reshape(rows.shape[0], -1)
+def fold(out: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
+    """Adds ``source``'s slices along ``dim`` into ``out``'s (``index`` picks each one's slice) by the tile
+    tree, in place; ``out`` may be any layout. On the CPU each tile is PyTorch's own ``index_add_``, which
+    checks the bounds; the Triton path needs indices in bounds (its callers check)."""
     index = index.reshape(-1)
-    if _use_triton(out):
-        from samestep.ops.triton_kernels import add_rows_into
-
-        add_rows_into(flat, index, src, TILE)
+    if not index.numel() or not out.numel():
         return out
-    flat.index_add_(0, index[:TILE], src[:TILE])  # tile 0: folded onto the input
-    for a in range(TILE, index.numel(), TILE):  # later tiles: each row's tile sum, then one add per row
+    if out.dtype in HALF:
+        wide = out.float()
+        fold(wide, dim, index, source.float())
+        return out.copy_(wide)
+    if _use_triton(out):
+        return _fold_triton(out, dim, index, source, TILE)
+    if out.dim() == 2 and out.shape[1] == 1 and dim == 0:  # one number a row: PyTorch's 1-d loop is the fast one
+        fold(out.view(-1), 0, index, source.reshape(-1))
+        return out
+    n = index.numel()
+    out.index_add_(dim, index[:TILE], source.narrow(dim, 0, min(n, TILE)))  # tile 0: folded onto the input
+    if n <= TILE:
+        return out
+    rows, tiles = out.shape[dim], -(-(n - TILE) // TILE)
+    if tiles * out.numel() <= SLOT_LIMIT:  # a small output: a slot per (later tile, row), no sorting
+        shape = list(out.shape)
+        shape[dim] = tiles * rows
+        # -0.0 is the exact identity of addition: a slot starts its tile's sum at its first contribution,
+        # and a slot that takes none adds nothing
+        slots = torch.full(shape, -0.0, dtype=out.dtype, device=out.device)
+        full = (n - TILE) // TILE  # whole later tiles, as rows of a (full, TILE) view, then the rest
+        keys = index[TILE:TILE + full * TILE].view(full, TILE) + (torch.arange(full, device=index.device)
+                                                                 * rows).unsqueeze(1)
+        slots.index_add_(dim, keys.view(-1), source.narrow(dim, TILE, full * TILE))
+        if TILE + full * TILE < n:
+            slots.index_add_(dim, index[TILE + full * TILE:] + full * rows, source.narrow(dim, TILE + full * TILE,
+                                                                                       n - TILE - full * TILE))
+        # each row takes its tile sums in tile order (index_add_ adds a row's sources in ascending order)
+        return out.index_add_(dim, torch.arange(rows, device=index.device).repeat(tiles), slots)
+    for a in range(TILE, n, TILE):  # later tiles: each row's tile sum, then one add per row
         rows_k, inverse = torch.unique(index[a:a + TILE], return_inverse=True)
+        shape = list(out.shape)
+        shape[dim] = rows_k.numel()
         # -0.0 is the exact identity of addition, so the first contribution starts the tile sum as is.
-        tile_sum = torch.full((rows_k.numel(), flat.shape[1]), -0.0, dtype=flat.dtype, device=flat.device)
-        tile_sum.index_add_(0, inverse, src[a:a + TILE])
-        flat.index_add_(0, rows_k, tile_sum)
+        tile_sum = torch.full(shape, -0.0, dtype=out.dtype, device=out.device)
+        tile_sum.index_add_(dim, inverse, source.narrow(dim, a, min(TILE, n - a)))
+        out.index_add_(dim, rows_k, tile_sum)
     return out
 
 
+def _fold_triton(out: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, tile: int) -> torch.Tensor:
+    from samestep.ops.triton_kernels import add_rows_into
+
+    moved = out.movedim(dim, 0)
+    work = moved if moved.is_contiguous() else moved.contiguous()
+    width = work.numel() // work.shape[0]
+    add_rows_into(work.view(work.shape[0], width), index, source.movedim(dim, 0).reshape(index.numel(), width), tile)
+    if work is not moved:
+        moved.copy_(work)
+    return out
+
+
+def add_rows_into(out: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Adds ``rows[i]`` into ``out[index[i]]`` by the tile tree, in place: ``fold`` along dim 0."""
+    index = index.reshape(-1)
+    return fold(out, 0, index, rows.reshape(index.numel(), *out.shape[1:]))
+
+
+def _target(input: torch.Tensor, out: torch.Tensor | None, layout=torch.contiguous_format) -> torch.Tensor:
+    """Where an op accumulates: ``out`` (an in-place op's self), or a copy of ``input``."""
+    return input.clone(memory_format=layout) if out is None else out
+
+
+def _scaled(source: torch.Tensor, alpha: int | float | bool) -> torch.Tensor:
+    """``alpha * source`` as PyTorch's index_add scales it (an integral tensor takes alpha cast to its type)."""
+    if alpha == 1:
+        return source
+    if source.dtype == torch.bool:
+        return source & bool(alpha)
+    return source * (alpha if source.is_floating_point() or source.is_complex() else int(alpha))
+
+
+def _index_add_domain(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor) -> str | None:
+    """Why ``index_add`` cannot take these inputs, or None (index bounds: ``fold``'s own check on the CPU)."""
+    nd = max(input.dim(), 1)
+    if not -nd <= dim < nd:
+        return f"dim {dim} is out of range for a {input.dim()}-d input"
+    if index.dim() > 1 or index.dtype not in INDEX_DTYPES:
+        return "the index must be a vector of int32 or int64"
+    if source.dtype != input.dtype:
+        return "source and input dtypes differ"
+    in_shape, src_shape = list(input.shape) or [1], list(source.shape) or [1]
+    d = dim % nd
+    if len(in_shape) != len(src_shape) or src_shape[d] != index.numel() or any(
+            a != b for k, (a, b) in enumerate(zip(in_shape, src_shape)) if k != d):
+        return "source's shape does not match input's outside dim, or index's length along dim"
+    if not _cpu(input) and not check_bounds(index, in_shape[d], negative=False):
+        return "an index is out of bounds"
+    return None
+
+
+def _cpu(t: torch.Tensor) -> bool:
+    """Whether ``fold`` runs PyTorch's CPU kernel on ``t``, which checks index bounds as it goes."""
+    return not _use_triton(t) and t.device.type == "cpu"
+
+
 def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
-              alpha: float = 1) -> torch.Tensor:
-    """``input.index_add(dim, index, source, alpha=alpha)``, deterministically."""
-    dim = dim % max(input.dim(), 1)
-    if alpha != 1:
-        source = source * alpha
-    moved_in = input.movedim(dim, 0)
-    moved_src = source.movedim(dim, 0)
-    out = moved_in.reshape(moved_in.shape[0], -1).clone()
-    _add_rows_into(out, index, moved_src.reshape(moved_src.shape[0], -1))
-    return out.view(moved_in.shape).movedim(0, dim).contiguous()
+              alpha: int | float | bool = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.index_add(input, dim, index, source, alpha=alpha)``, deterministically: into a contiguous
+    copy (PyTorch's layout), or into ``out`` (``input`` itself, for ``index_add_``)."""
+    why = _index_add_domain(input, dim, index, source)
+    if why:
+        raise_as_torch(lambda: torch.index_add(input, dim, index, source, alpha=alpha), "index_add", why)
+    target = _target(input, out)
+    src = _scaled(source, alpha)
+    if target.dim() == 0:  # a 0-dim input takes one slice along a dim of its own
+        fold(target.view(1), 0, index, src.reshape(1))
+    else:
+        fold(target, dim % target.dim(), index, src)
+    return target
 
 
-def scatter_add(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """``input.scatter_add(dim, index, src)``, deterministically (source order: row-major over ``index``)."""
-    dim = dim % max(input.dim(), 1)
-    # Each element of src goes to the input element with its coordinates, except along dim.
-    coords = torch.meshgrid(*[torch.arange(s, device=index.device) for s in index.shape], indexing="ij")
-    target = list(coords)
-    target[dim] = index
-    flat_target = torch.zeros_like(index)
-    for d, c in enumerate(target):
-        flat_target = flat_target * input.shape[d] + c
-    src_part = src[tuple(slice(0, s) for s in index.shape)]
-    out = input.reshape(-1, 1).clone()
-    _add_rows_into(out, flat_target.reshape(-1), src_part.reshape(-1, 1))
-    return out.view(input.shape)
+def _scatter_domain(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> str | None:
+    """Why ``scatter_add`` cannot take these inputs, or None (PyTorch's scatter checks)."""
+    nd = max(input.dim(), 1)
+    if not -nd <= dim < nd:
+        return f"dim {dim} is out of range for a {input.dim()}-d input"
+    if src.dtype != input.dtype:
+        return "src and input dtypes differ"
+    if not index.numel():  # nothing scatters: PyTorch checks no more
+        return None
+    if index.dtype not in INDEX_DTYPES:
+        return "the index must be int64 or int32"
+    if max(index.dim(), 1) != nd or max(src.dim(), 1) != nd:
+        return "index, src and input differ in their number of dimensions"
+    d = dim % nd
+    i_shape, in_shape, s_shape = list(index.shape) or [1], list(input.shape) or [1], list(src.shape) or [1]
+    if any(i > s for i, s in zip(i_shape, s_shape)) or any(
+            i > n for k, (i, n) in enumerate(zip(i_shape, in_shape)) if k != d):
+        return "index is larger than src, or than input outside dim"
+    if not _cpu(input) and not check_bounds(index, in_shape[d], negative=False):
+        return "an index is out of bounds"
+    return None
 
 
-def index_put(input: torch.Tensor, indices: tuple[torch.Tensor | None, ...] | list, values: torch.Tensor,
-              accumulate: bool = False) -> torch.Tensor:
-    """``input.index_put(indices, values, accumulate)``; with ``accumulate=True``, deterministically.
+def _scatter_targets(shape: torch.Size, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """The row-major position in a tensor of ``shape`` that each element of ``index`` scatters to."""
+    strides = torch.empty(shape, device="meta").stride() if len(shape) else ()
+    if not strides:
+        return index.reshape(-1)
+    target = index.to(torch.int64) * strides[dim]
+    for d, n in enumerate(index.shape):
+        if d != dim and n > 1:
+            view = [1] * index.dim()
+            view[d] = n
+            target = target + (torch.arange(n, device=index.device) * strides[d]).view(view)
+    return target.reshape(-1)
 
-    Supports index tensors on the leading dimensions (the form ``x[idx]`` and ``x[i, j]`` produce).
+
+def _scatter_fold(out: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
+    """Each output element's contributions, one line of ``index`` along ``dim``, by the tile tree over
+    that line: tile 0 onto ``out``, each later tile's sum (from -0.0, the exact identity) added after."""
+    if out.dtype in HALF:
+        wide = out.float()
+        _scatter_fold(wide, dim, index, src.float())
+        out.copy_(wide)
+        return
+    n = index.shape[dim]
+    for a in range(0, n, TILE):
+        part, values = index.narrow(dim, a, min(TILE, n - a)), src.narrow(dim, a, min(TILE, n - a))
+        acc = out if a == 0 else torch.full_like(out, -0.0)
+        if _use_triton(out):  # one tile: every line's contributions in ascending position
+            work = acc if acc.is_contiguous() else acc.contiguous()
+            _fold_triton(work.view(-1, 1), 0, _scatter_targets(out.shape, dim, part), values.reshape(-1, 1),
+                         part.numel())
+            if work is not acc:
+                acc.copy_(work)
+        else:  # PyTorch's CPU kernel walks each line along dim in order
+            acc.scatter_add_(dim, part, values)
+        if a:
+            out.add_(acc)
+
+
+def scatter_add(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.scatter_add(input, dim, index, src)``, deterministically (source order: position along
+    ``dim``): into a contiguous copy (PyTorch's layout), or into ``out`` (``input``, for ``scatter_add_``)."""
+    why = _scatter_domain(input, dim, index, src)
+    if why:
+        raise_as_torch(lambda: torch.scatter_add(input, dim, index, src), "scatter_add", why)
+    target = _target(input, out)
+    if not index.numel():
+        return target
+    if target.dim() == 0:
+        _scatter_fold(target.view(1), 0, index.reshape(1), src.reshape(1))
+        return target
+    d = dim % target.dim()
+    part = src[tuple(slice(0, s) for s in index.shape)]
+    _scatter_fold(target, d, index, part)
+    return target
+
+
+def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, reduce: str,
+                   include_self: bool = True, add=None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.scatter_reduce`` for "sum" and "mean", as PyTorch defines them: the count of contributions is
+    kept in input's dtype and an integral mean is floor-divided.
+
+    With ``add`` (a differentiable scatter_add, for ``samestep.ops``) every step is out of place; without,
+    the sums accumulate in place, into ``out`` (``scatter_reduce_``) or a copy of ``input``.
     """
-    if not accumulate:
-        return input.index_put(tuple(indices), values, accumulate=False)
-    idx = list(indices)
-    if any(i is None for i in idx) or not idx:
-        raise ValueError("samestep.ops.index_put(accumulate=True) takes index tensors for the leading dimensions "
-                         "only (no None/slices between them); index with x[idx] or x[i, j]")
-    idx = [i.nonzero().unbind(1)[0] if i.dtype == torch.bool else i for i in idx]
-    idx = list(torch.broadcast_tensors(*idx))
-    k = len(idx)
-    lead = input.shape[:k]
-    flat = torch.zeros_like(idx[0])
-    for d in range(k):
-        flat = flat * lead[d] + idx[d].remainder(lead[d])  # negative indices count from the end
-    rows = input.reshape(-1, *input.shape[k:])
-    vals = values.expand(*idx[0].shape, *input.shape[k:]).reshape(-1, *input.shape[k:]).to(input.dtype)
-    return index_add(rows, 0, flat.reshape(-1), vals).view(input.shape)
+    if reduce not in ("sum", "mean"):
+        raise ValueError(f"samestep.ops.scatter_reduce(reduce={reduce!r}): only 'sum' and 'mean' reduce in an "
+                         "order-dependent way; use torch.scatter_reduce for 'amax', 'amin' and 'prod'")
+    # PyTorch's mean: a float divides, an integral floor-divides, by the count (1 where nothing scattered)
+    rounding = None if input.is_floating_point() or input.is_complex() else "floor"
+    if add is not None:
+        base = input if include_self else input.scatter(dim, index, 0)
+        total = add(base, dim, index, src)
+        if reduce == "sum":
+            return total
+        count = add(torch.full_like(input, int(include_self), memory_format=torch.contiguous_format), dim, index,
+                    torch.ones_like(src))
+        return total.div(count.masked_fill(count == 0, 1), rounding_mode=rounding)
+    total = _target(input, out)
+    if not include_self:
+        total.scatter_(dim, index, 0)
+    scatter_add(total, dim, index, src, out=total)
+    if reduce == "mean":
+        count = torch.full_like(total, int(include_self), memory_format=torch.contiguous_format)
+        scatter_add(count, dim, index, torch.ones_like(src), out=count)
+        total.div_(count.masked_fill_(count == 0, 1), rounding_mode=rounding)
+    return total
 
 
 def embedding_backward(grad_output: torch.Tensor, indices: torch.Tensor, num_weights: int,
                        padding_idx: int = -1) -> torch.Tensor:
-    """The gradient of ``nn.Embedding`` weights: rows of ``grad_output`` summed by token, in token order."""
-    d = grad_output.shape[-1]
-    grad = grad_output.reshape(-1, d)
+    """The gradient of ``nn.Embedding`` weights: rows of ``grad_output`` summed by token, in token order.
+    A padding token contributes nothing (a NaN in its gradient does not reach the padding row)."""
     idx = indices.reshape(-1)
+    d = grad_output.shape[-1] if grad_output.dim() else 1
+    grad = grad_output.reshape(idx.numel(), d)
+    if idx.dtype not in INDEX_DTYPES or not check_bounds(idx, num_weights, negative=False):
+        raise_as_torch(lambda: torch.ops.aten.embedding_dense_backward(grad_output, indices, num_weights,
+                                                                       padding_idx, False),
+                       "embedding_backward", "indices must be int32 or int64 and within num_weights")
     if padding_idx >= 0:
-        grad = grad * (idx != padding_idx).unsqueeze(1).to(grad.dtype)
-    return _add_rows_into(grad.new_zeros(num_weights, d), idx, grad)
+        grad = torch.where((idx != padding_idx).unsqueeze(1), grad, torch.zeros((), dtype=grad.dtype))
+    return add_rows_into(grad.new_zeros(num_weights, d), idx, grad)
 
 
 def segment_sum(data: torch.Tensor, segment_ids: torch.Tensor, num_segments: int) -> torch.Tensor:
     """Sums rows of ``data`` by ``segment_ids`` (any order) into ``num_segments`` rows, in row order."""
-    return _add_rows_into(data.new_zeros(num_segments, *data.shape[1:]), segment_ids, data)
+    ids = segment_ids.reshape(-1)
+    if ids.dtype not in INDEX_DTYPES or not check_bounds(ids, num_segments, negative=False) \
+            or data.shape[:1] != ids.shape:
+        raise ValueError(f"samestep.ops.segment_sum: segment_ids must be {data.shape[0] if data.dim() else 0} "
+                         f"int32/int64 ids in [0, {num_segments}), one per row of data; got {ids.numel()} of "
+                         f"dtype {ids.dtype}")
+    return add_rows_into(data.new_zeros(num_segments, *data.shape[1:]), ids, data)
+
+
+def bincount(input: torch.Tensor, weights: torch.Tensor, minlength: int, sum_rows=None) -> torch.Tensor:
+    """``torch.bincount(input, weights, minlength)``: weights summed in input order, in float32 for float32
+    weights and in float64 for every other dtype (PyTorch's result dtypes); through ``sum_rows`` (a
+    differentiable segment_sum, for ``samestep.ops``) or straight into the bins."""
+    if input.dim() != 1 or input.dtype.is_floating_point or input.dtype == torch.bool or minlength < 0 \
+            or weights.shape != input.shape or not input.numel():
+        return torch.bincount(input, weights, minlength)  # PyTorch's error, or its empty result: nothing to order
+    low, high = torch.aminmax(input)
+    if low < 0:
+        return torch.bincount(input, weights, minlength)  # PyTorch's error
+    w = weights if weights.dtype == torch.float32 else weights.to(torch.float64)
+    bins, ids = max(int(high) + 1, minlength), input.to(torch.int64)
+    return sum_rows(w, ids, bins) if sum_rows is not None else fold(w.new_zeros(bins), 0, ids, w)
 
 
 def moe_combine(expert_out: torch.Tensor, token_index: torch.Tensor, weights: torch.Tensor,
@@ -138,4 +335,4 @@ def moe_combine(expert_out: torch.Tensor, token_index: torch.Tensor, weights: to
     Rows are combined in ascending routed-row order, whatever order the experts finished in.
     """
     weighted = expert_out * weights.to(expert_out.dtype).unsqueeze(-1)
-    return _add_rows_into(expert_out.new_zeros(num_tokens, expert_out.shape[-1]), token_index, weighted)
+    return segment_sum(weighted, token_index, num_tokens)

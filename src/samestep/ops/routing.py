@@ -1,58 +1,150 @@
 """Routes PyTorch's own scatter-type ops to samestep's deterministic kernels, with no model change.
 
 Pushed by ``samestep.enable(kernels=True)`` as a TorchDispatchMode (below autograd, so gradients are
-unchanged in meaning). Covered ATen ops:
-
-| ATen op | routed when | to |
-|---|---|---|
-| ``index_put``, ``index_put_``, ``_index_put_impl_`` | ``accumulate=True``, tensors on leading dims | ``index_put`` |
-| ``index_add``, ``index_add_`` | always | ``index_add`` |
-| ``scatter_add``, ``scatter_add_`` | always | ``scatter_add`` |
-| ``embedding_dense_backward`` | ``scale_grad_by_freq=False`` | ``embedding_backward`` |
-
-Anything else runs as PyTorch runs it.
+unchanged in meaning, and PyTorch's backward formulas reach the kernels too). ``ROUTED`` lists what is
+routed and when; every other accumulating op is listed in ``UNROUTED`` with the reason PyTorch's own
+kernel is kept, and on a device where that kernel may race (not the CPU) with deterministic algorithms
+off, the mode warns once by name rather than stay silent. docs/kernels.md has both tables.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from samestep.ops import _impl
+from samestep.ops import _impl, _indexing
+from samestep.ops._domain import overlaps
 
-__all__ = ["KernelMode", "ROUTED"]
+__all__ = ["KernelMode", "ROUTED", "UNROUTED"]
 
 aten = torch.ops.aten
-ROUTED = ("aten.index_put", "aten.index_put_", "aten._index_put_impl_", "aten.index_add", "aten.index_add_",
-          "aten.scatter_add", "aten.scatter_add_", "aten.embedding_dense_backward")
+
+# ATen op -> when it is routed. Every form of each, in place or not.
+ROUTED: dict[str, str] = {
+    "aten.index_put": "accumulate=True, any index form (tensors, masks, None between them)",
+    "aten.index_put_": "accumulate=True, any index form",
+    "aten._index_put_impl_": "accumulate=True, any index form",
+    "aten._unsafe_index_put": "accumulate=True, any index form",
+    "aten._unsafe_masked_index_put_accumulate": "always",
+    "aten.put": "accumulate=True",
+    "aten.put_": "accumulate=True",
+    "aten.index_add": "always",
+    "aten.index_add_": "always",
+    "aten.scatter_add": "always",
+    "aten.scatter_add_": "always",
+    "aten.scatter_reduce": "reduce='sum' or 'mean'",
+    "aten.scatter_reduce_": "reduce='sum' or 'mean'",
+    "aten.scatter": "reduce='add' with a tensor src",
+    "aten.scatter_": "reduce='add' with a tensor src",
+    "aten.embedding_dense_backward": "scale_grad_by_freq=False",
+    "aten.bincount": "with weights",
+}
+
+# Accumulating ATen ops left to PyTorch, and why that is safe on the CPU (each is tested to repeat there).
+UNROUTED: dict[str, str] = {
+    "aten.scatter_reduce": "'prod', 'amax', 'amin': PyTorch's CPU kernel reduces each output serially",
+    "aten.scatter": "reduce='multiply', or a scalar value: PyTorch's CPU kernel reduces each output serially",
+    "aten.index_reduce": "PyTorch's CPU kernel reduces each output serially",
+    "aten.embedding_dense_backward": "scale_grad_by_freq=True: PyTorch's CPU kernel splits work by weight row",
+    "aten._embedding_bag_backward": "PyTorch's CPU kernel adds each bag's rows serially",
+    "aten._embedding_bag_dense_backward": "PyTorch's CPU kernel adds each bag's rows serially",
+    "aten._embedding_bag_per_sample_weights_backward": "one output per index: nothing to order",
+    "aten._segment_reduce_backward": "one output per input element: nothing to order",
+    "aten.bincount": "without weights: integer counts are exact in any order",
+    "aten.histc": "integer counts (exact in float32 up to 2^24) in any order",
+}
+_UNROUTED_PACKETS = {getattr(aten, name.split(".", 1)[1]) for name in UNROUTED}
 
 
-def _inplace(self: torch.Tensor, result: torch.Tensor) -> torch.Tensor:
-    self.copy_(result)
-    return self
+def _in_place(func, args, kwargs, compute):
+    """``compute(args)`` writing into ``args[0]``. Where self overlaps memory it reads, PyTorch's own call
+    runs first, on self, and raises as PyTorch does; where it raises nothing, the read operands are copied
+    first, so samestep's answer is the one written."""
+    self = args[0]
+    if any(overlaps(self, t) for t in pytree.tree_leaves(args[1:]) if isinstance(t, torch.Tensor)):
+        copies = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, args[1:])
+        func(*args, **kwargs)
+        args = (self, *copies)
+    return compute(args)
+
+
+def _arg(args, kwargs, position: int, name: str, default=None):
+    return args[position] if len(args) > position else kwargs.get(name, default)
 
 
 class KernelMode(TorchDispatchMode):
     """Replaces the ops in ``ROUTED`` by samestep's deterministic implementations."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._warned: set[str] = set()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        packet = func.overloadpacket
-        if packet in (aten.index_put, aten.index_put_, aten._index_put_impl_):
-            accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
-            indices = args[1]
-            if accumulate and indices and all(i is not None for i in indices):
-                out = _impl.index_put(args[0], tuple(indices), args[2], True)
-                return out if packet is aten.index_put else _inplace(args[0], out)
-        elif packet in (aten.index_add, aten.index_add_) and func._overloadname == "default":
-            alpha = args[4] if len(args) > 4 else kwargs.get("alpha", 1)
-            out = _impl.index_add(args[0], args[1], args[2], args[3], alpha)
-            return out if packet is aten.index_add else _inplace(args[0], out)
-        elif packet in (aten.scatter_add, aten.scatter_add_) and func._overloadname == "default":
-            out = _impl.scatter_add(*args[:4])
-            return out if packet is aten.scatter_add else _inplace(args[0], out)
-        elif packet is aten.embedding_dense_backward:
-            grad, indices, num_weights, padding_idx, scale = args[:5]
-            if not scale:
-                return _impl.embedding_backward(grad, indices, num_weights, padding_idx)
+        routed = self._route(func, args, kwargs)
+        if routed is not NotImplemented:
+            return routed
+        if func.overloadpacket in _UNROUTED_PACKETS:
+            self._warn_if_racy(func, args)
         return func(*args, **kwargs)
+
+    def _warn_if_racy(self, func, args) -> None:
+        name = str(func.overloadpacket)
+        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+        if device is None or device.type == "cpu" or torch.are_deterministic_algorithms_enabled() \
+                or name in self._warned:
+            return
+        self._warned.add(name)
+        warnings.warn(f"samestep kernels: {name} is not routed to a deterministic kernel, and with "
+                      f"torch.use_deterministic_algorithms off it may race on {device.type}. Fix: "
+                      "samestep.enable(kernels=True), which turns deterministic algorithms on",
+                      RuntimeWarning, stacklevel=3)
+
+    def _route(self, func, args, kwargs):
+        packet = func.overloadpacket
+        inplace = str(packet).endswith("_")
+
+        def run(compute):  # in place: into args[0]; else a new tensor
+            return _in_place(func, args, kwargs, lambda a: compute(a, a[0])) if inplace else compute(args, None)
+
+        if packet in (aten.index_put, aten.index_put_, aten._index_put_impl_, aten._unsafe_index_put):
+            if not _arg(args, kwargs, 3, "accumulate", False):
+                return NotImplemented
+            return run(lambda a, out: _indexing.index_put(a[0], a[1], a[2], True, out=out))
+        if packet is aten._unsafe_masked_index_put_accumulate:
+            x, mask, indices, values = args[:4]
+            if not x.numel():
+                return x.clone()
+            indices = [i if i is None else i.clamp(-x.size(d), x.size(d) - 1) for d, i in enumerate(indices)]
+            return _indexing.index_put(x, indices, values.masked_fill(~mask, 0), True)
+        if packet in (aten.put, aten.put_):
+            if not _arg(args, kwargs, 3, "accumulate", False):
+                return NotImplemented
+            return run(lambda a, out: _indexing.put(a[0], a[1], a[2], True, out=out))
+        overload = func._overloadname
+        if packet in (aten.index_add, aten.index_add_) and overload == "default":
+            alpha = _arg(args, kwargs, 4, "alpha", 1)
+            return run(lambda a, out: _impl.index_add(*a[:4], alpha, out=out))
+        if (packet in (aten.scatter_add, aten.scatter_add_) and overload == "default") or (
+                packet in (aten.scatter, aten.scatter_) and overload == "reduce"
+                and _arg(args, kwargs, 4, "reduce") == "add"):
+            return run(lambda a, out: _impl.scatter_add(*a[:4], out=out))
+        if packet in (aten.scatter_reduce, aten.scatter_reduce_) and overload == "two":
+            reduce = args[4]
+            if reduce not in ("sum", "mean"):
+                return NotImplemented
+            include_self = _arg(args, kwargs, 5, "include_self", True)
+            result = run(lambda a, out: _impl.scatter_reduce(*a[:4], reduce, include_self, out=out))
+            return result
+        if packet is aten.embedding_dense_backward:
+            grad, indices, num_weights, padding_idx, scale = args[:5]
+            return NotImplemented if scale else _impl.embedding_backward(grad, indices, num_weights, padding_idx)
+        if packet is aten.bincount:
+            weights = _arg(args, kwargs, 1, "weights")
+            if weights is None:
+                return NotImplemented
+            return _impl.bincount(args[0], weights, _arg(args, kwargs, 2, "minlength", 0))
+        return NotImplemented

@@ -1,0 +1,135 @@
+"""Accumulating through advanced indexing: ``index_put(accumulate=True)`` in every form PyTorch's indexing
+takes (index tensors on any dimensions, slices and None between them, boolean masks of any rank,
+broadcast index tensors, negative indices), and ``put(accumulate=True)``.
+
+Both are the tile tree of ``_impl`` over rows: the indexed dimensions are moved to the front and each
+position of the indexing result adds its row (the remaining dimensions) into the row it selects, in the
+row-major order of the indexing result (docs/kernels.md). The result keeps the input's strides, as
+PyTorch's does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from samestep.ops._domain import check_bounds, from_end, raise_as_torch
+from samestep.ops._impl import add_rows_into
+
+_MASKS = (torch.bool, torch.uint8)
+_INDICES = (torch.int64, torch.int32, *_MASKS)
+
+
+def _like(input: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (a fresh tensor of input's shape) with input's strides, as ``clone()`` would lay it out."""
+    if values.stride() == input.stride():
+        return values
+    return torch.empty_like(input).copy_(values)
+
+
+def _expand(input: torch.Tensor, indices) -> tuple[list[torch.Tensor], list[int]] | str:
+    """Boolean masks replaced by the index tensors of their nonzero positions: ``(tensors, dims)`` with the
+    input dimension each tensor indexes, or why the indices cannot index ``input``."""
+    tensors, dims, d = [], [], 0
+    for i in indices:
+        if i is None:
+            d += 1
+            continue
+        if not isinstance(i, torch.Tensor) or i.dtype not in _INDICES:
+            return "tensors used as indices must be long, int, byte or bool tensors"
+        if i.dtype in _MASKS:
+            if i.dim() == 0:
+                return "a 0-dim boolean index adds a dimension, which the kernel does not index"
+            if tuple(i.shape) != tuple(input.shape[d:d + i.dim()]):
+                return f"the shape of the mask {list(i.shape)} does not match the indexed tensor at dim {d}"
+            for k, t in enumerate(i.nonzero().unbind(1)):
+                tensors.append(t)
+                dims.append(d + k)
+            d += i.dim()
+        else:
+            tensors.append(i)
+            dims.append(d)
+            d += 1
+    if d > input.dim():
+        return f"too many indices for a tensor of dimension {input.dim()}"
+    return tensors, dims
+
+
+def index_put(input: torch.Tensor, indices, values: torch.Tensor, accumulate: bool = False,
+              out: torch.Tensor | None = None) -> torch.Tensor:
+    """``torch.index_put(input, indices, values, accumulate)``; with ``accumulate=True``, deterministically,
+    into a copy with input's strides, or into ``out`` (``input`` itself, for ``index_put_``).
+
+    ``indices`` is PyTorch's list: a tensor (long, int, bool or byte) or None (a whole dimension) per
+    leading dimension, as ``x[...]`` and ``torch.ops.aten.index_put`` take it.
+    """
+    indices = list(indices)
+    if not accumulate:
+        return torch.index_put(input, indices, values, accumulate=False)
+
+    def torch_call():
+        return torch.index_put(input, indices, values, accumulate=True)
+
+    expanded = _expand(input, indices)
+    if isinstance(expanded, str):
+        raise_as_torch(torch_call, "index_put", expanded)
+    tensors, dims = expanded
+    if values.dtype != input.dtype:
+        raise_as_torch(torch_call, "index_put", "values and input dtypes differ")
+    if not tensors:  # every element once: no order to fix
+        if torch.broadcast_shapes(values.shape, input.shape) != input.shape:
+            raise_as_torch(torch_call, "index_put", "values do not broadcast to the input's shape")
+        return _like(input, (input + values).contiguous()) if out is None else out.add_(values)
+    try:
+        b_shape = torch.broadcast_shapes(*[t.shape for t in tensors])
+    except RuntimeError:
+        raise_as_torch(torch_call, "index_put", "the index tensors do not broadcast together")
+    if any(not check_bounds(t, input.shape[d], negative=True) for t, d in zip(tensors, dims)):
+        raise_as_torch(torch_call, "index_put", "an index is out of bounds")
+    rest = [d for d in range(input.dim()) if d not in dims]
+    adjacent = dims == list(range(dims[0], dims[-1] + 1))
+    lead = list(input.shape[:dims[0]]) if adjacent else []
+    trail = [input.shape[d] for d in rest[len(lead):]]
+    result_shape = torch.Size([*lead, *b_shape, *trail])
+    if torch.broadcast_shapes(values.shape, result_shape) != result_shape:
+        raise_as_torch(torch_call, "index_put", "values do not broadcast to the indexing result")
+    if not result_shape.numel() or not input.numel():
+        return input.clone() if out is None else out
+
+    row = from_end(tensors[0].to(torch.int64), input.shape[dims[0]]).expand(b_shape)  # the row each selects
+    for t, d in zip(tensors[1:], dims[1:]):
+        row = row * input.shape[d] + from_end(t.to(torch.int64), input.shape[d])
+    order = dims + rest
+    moved = input.permute(order)
+    in_place = out is not None and order == sorted(order) and out.is_contiguous()
+    buffer = out if in_place else moved.clone(memory_format=torch.contiguous_format)
+    vals = values.expand(result_shape)
+    if lead:  # the indexing result has the broadcast index dims after the leading ones: move them first
+        vals = vals.movedim(list(range(len(lead), len(lead) + len(b_shape))), list(range(len(b_shape))))
+    n_rows = math.prod(input.shape[d] for d in dims)
+    add_rows_into(buffer.view(n_rows, buffer.numel() // n_rows), row, vals.reshape(row.numel(), -1))
+    if in_place:
+        return out
+    if order != sorted(order):
+        buffer = buffer.permute(sorted(range(len(order)), key=order.__getitem__))
+    return _like(input, buffer) if out is None else out.copy_(buffer)
+
+
+def put(input: torch.Tensor, index: torch.Tensor, source: torch.Tensor, accumulate: bool = False,
+        out: torch.Tensor | None = None) -> torch.Tensor:
+    """``input.put(index, source, accumulate)`` (positions in input's row-major order); with
+    ``accumulate=True``, deterministically, into a copy with input's strides or into ``out`` (for ``put_``)."""
+    if not accumulate:
+        return input.put(index, source, accumulate=False)
+    if index.dtype != torch.int64 or source.dtype != input.dtype or source.numel() != index.numel() \
+            or not check_bounds(index, input.numel(), negative=True):
+        raise_as_torch(lambda: input.put(index, source, accumulate=True), "put",
+                       "index must be int64 and in bounds, one per element of source of input's dtype")
+    in_place = out is not None and out.is_contiguous()
+    buffer = out if in_place else input.clone(memory_format=torch.contiguous_format)
+    if index.numel():
+        add_rows_into(buffer.view(-1), from_end(index.reshape(-1), input.numel()), source.reshape(-1))
+    if in_place:
+        return out
+    return out.copy_(buffer) if out is not None else _like(input, buffer)

@@ -1,0 +1,336 @@
+"""samestep's kernels at the edges OpInfo does not reach: boolean masks of several dimensions, bounds and
+aliasing errors, empty and 0-dim tensors, more than a tile of duplicates into one slot, non-contiguous,
+expanded and transposed operands, NaN, inf and -0.0, half precision, what routing warns about, and the
+races the routing removes (with PyTorch's own race as the negative control)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import samestep
+import samestep.ops as ops
+from samestep.ops import _impl
+from samestep.ops.routing import KernelMode
+from samestep.testing import count_differing_replays, first_difference
+
+G = torch.Generator().manual_seed(11)
+
+
+def _wide(*shape: int, dtype=torch.float32) -> torch.Tensor:
+    return (torch.randn(*shape, generator=G) * torch.exp(torch.randn(*shape, generator=G) * 3)).to(dtype)
+
+
+def _torch_deterministic(fn, *args):
+    torch.use_deterministic_algorithms(True)
+    try:
+        return fn(*args)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _raises_as_torch(call_ours, call_torch):
+    """Ours raises PyTorch's exception type with PyTorch's message."""
+    with pytest.raises(Exception) as theirs:
+        call_torch()
+    with pytest.raises(type(theirs.value)) as got:
+        call_ours()
+    assert str(got.value) == str(theirs.value)
+
+
+# -- silently wrong answers ---------------------------------------------------------------------------
+def test_multi_dimensional_mask_accumulates_into_the_masked_elements():
+    """index_put_(accumulate=True) with a 2-d mask on a 3-d tensor, routed and direct, is PyTorch's answer
+    bit for bit (one contribution per element); so is the backward of x[mask]."""
+    x = _wide(4, 5, 3)
+    mask = torch.rand(4, 5, generator=G) > 0.5
+    values = _wide(int(mask.sum()), 3)
+    want = _torch_deterministic(lambda: x.clone().index_put_((mask,), values, accumulate=True))
+    with KernelMode():
+        routed = x.clone().index_put_((mask,), values, accumulate=True)
+    assert first_difference(routed, want) is None
+    assert first_difference(ops.index_put(x, (mask,), values, accumulate=True), want) is None
+    # a mask after a slice: x[:, mask2] with a 2-d mask over the last two dims
+    mask2 = torch.rand(5, 3, generator=G) > 0.3
+    v2 = _wide(4, int(mask2.sum()))
+    want2 = _torch_deterministic(lambda: torch.ops.aten.index_put(x, [None, mask2], v2, True))
+    assert first_difference(ops.index_put(x, (None, mask2), v2, accumulate=True), want2) is None
+
+    def grad_of_masked(w):
+        w = w.clone().requires_grad_()
+        (w[mask] * values).sum().backward()
+        return w.grad
+
+    with KernelMode():
+        routed_grad = grad_of_masked(x)
+    assert first_difference(routed_grad, _torch_deterministic(grad_of_masked, x)) is None
+
+
+@pytest.mark.parametrize("case", ["past the end", "negative", "index wider than input"])
+def test_scatter_add_checks_bounds_as_pytorch_does(case):
+    """An index out of bounds raises PyTorch's error (routed, direct) and leaves the input as it was."""
+    x = torch.zeros(3, 4)
+    index = {"past the end": torch.tensor([[3]]), "negative": torch.tensor([[-1]]),
+             "index wider than input": torch.zeros(2, 5, dtype=torch.long)}[case]
+    src = torch.ones(2, 5)
+    _raises_as_torch(lambda: ops.scatter_add(x, 0, index, src), lambda: torch.scatter_add(x, 0, index, src))
+    y = x.clone()
+    with KernelMode():
+        _raises_as_torch(lambda: y.scatter_add_(0, index, src), lambda: x.clone().scatter_add_(0, index, src))
+    assert torch.equal(y, x)
+
+
+def test_index_put_checks_bounds_and_dtypes_as_pytorch_does():
+    """Out of range raises IndexError (no wrap-around); a negative index in range counts from the end;
+    values of another dtype raise PyTorch's RuntimeError, not a silent cast."""
+    x = torch.zeros(3, 4)
+    for idx in (torch.tensor([3]), torch.tensor([-4]), torch.tensor([7])):
+        _raises_as_torch(lambda: ops.index_put(x, (idx,), torch.ones(4), accumulate=True),
+                         lambda: torch.index_put(x, (idx,), torch.ones(4), accumulate=True))
+    _raises_as_torch(lambda: ops.index_put(x, (torch.tensor([0]), torch.tensor([7])), torch.ones(1), True),
+                     lambda: torch.index_put(x, (torch.tensor([0]), torch.tensor([7])), torch.ones(1), True))
+    _raises_as_torch(lambda: ops.index_put(x, (torch.tensor([0]),), torch.ones(4, dtype=torch.float64), True),
+                     lambda: torch.index_put(x, (torch.tensor([0]),), torch.ones(4, dtype=torch.float64), True))
+    got = ops.index_put(x, (torch.tensor([-1, 2]),), torch.ones(4), accumulate=True)
+    assert torch.equal(got[2], torch.full((4,), 2.0)) and not got[:2].any()
+
+
+def test_embedding_padding_row_takes_no_nan():
+    """A NaN or inf gradient at a padding token leaves the padding row 0.0 (PyTorch's answer), routed and
+    direct; the same NaN at another token reaches its row (the control: the check sees NaN)."""
+    grad = _wide(6, 4)
+    grad[1] = float("nan")
+    grad[3] = float("inf")
+    tokens = torch.tensor([0, 2, 1, 2, 0, 1])
+    want = torch.ops.aten.embedding_dense_backward(grad, tokens, 3, 2, False)
+    got = ops.embedding_backward(grad, tokens, 3, padding_idx=2)
+    with KernelMode():
+        routed = torch.ops.aten.embedding_dense_backward(grad, tokens, 3, 2, False)
+    for result in (got, routed):
+        assert first_difference(result, want) is None
+        assert torch.equal(result[2], torch.zeros(4)) and result[2].signbit().logical_not().all()
+    assert ops.embedding_backward(grad, tokens, 3, padding_idx=0)[2].isnan().all()
+
+
+def test_index_add_into_itself_is_refused_in_place():
+    """x.index_add_(0, idx, x) raises PyTorch's overlap error under routing; out of place it is fine."""
+    x = _wide(3, 4)
+    idx = torch.tensor([0, 1, 2])
+    y = x.clone()
+    with KernelMode(), pytest.raises(RuntimeError, match="refer to a single memory location"):
+        y.index_add_(0, idx, y)
+    assert first_difference(ops.index_add(x, 0, idx, x), torch.index_add(x, 0, idx, x)) is None
+
+
+# -- the shapes that crashed ----------------------------------------------------------------------------
+def test_empty_and_0_dim_operands():
+    """Empty indices and sources, and 0-dim tensors, give PyTorch's answers."""
+    x = _wide(3, 4)
+    empty = torch.empty(0, dtype=torch.long)
+    assert torch.equal(ops.index_add(x, 0, empty, torch.empty(0, 4)), x)
+    assert torch.equal(ops.scatter_add(x, 0, torch.empty(0, 4, dtype=torch.long), torch.empty(0, 4)), x)
+    assert torch.equal(ops.index_put(x, (torch.zeros(3, dtype=torch.bool),), torch.ones(4), True), x)
+    assert ops.embedding_backward(torch.empty(0, 4), empty, 5).shape == (5, 4)
+    assert torch.equal(ops.bincount(empty, torch.empty(0), minlength=3), torch.bincount(empty, torch.empty(0), 3))
+    s = torch.tensor(2.5)
+    assert torch.equal(ops.index_add(s, 0, torch.tensor([0]), torch.tensor(1.5)), torch.tensor(4.0))
+    assert torch.equal(ops.scatter_add(s, 0, torch.tensor(0), torch.tensor(1.5)), torch.tensor(4.0))
+    w = s.clone().requires_grad_()
+    torch.gather(w, 0, torch.tensor(0)).backward()
+    with KernelMode():
+        w2 = s.clone().requires_grad_()
+        torch.gather(w2, 0, torch.tensor(0)).backward()
+    assert torch.equal(w.grad, w2.grad)
+
+
+def test_integer_and_half_semantics():
+    """ops.index_add on integers with alpha, bincount of int8/uint8 input and half weights, an integral
+    scatter mean, and index_put on a transposed input: PyTorch's dtypes, values and strides."""
+    xi = torch.arange(6).reshape(3, 2)
+    idx = torch.tensor([0, 2, 0])
+    src = torch.arange(6).reshape(3, 2)
+    assert torch.equal(ops.index_add(xi, 0, idx, src, alpha=3), torch.index_add(xi, 0, idx, src, alpha=3))
+    for dt in (torch.int8, torch.int16, torch.uint8):
+        inp = torch.tensor([1, 3, 1, 0], dtype=dt)
+        w = torch.tensor([0.5, 1.25, 2.0, 4.0], dtype=torch.float16)
+        want = torch.bincount(inp, w)
+        got = ops.bincount(inp, w)
+        assert got.dtype == want.dtype == torch.float64 and torch.equal(got, want)
+    mean_i = ops.scatter_reduce(xi, 0, torch.tensor([[0, 0], [0, 1]]), torch.tensor([[5, 7], [8, 9]]), "mean")
+    want_i = torch.scatter_reduce(xi, 0, torch.tensor([[0, 0], [0, 1]]), torch.tensor([[5, 7], [8, 9]]), "mean")
+    assert mean_i.dtype == want_i.dtype and torch.equal(mean_i, want_i)
+    t = _wide(5, 3).t()
+    got = ops.index_put(t, (torch.tensor([0, 2, 0]),), _wide(3, 5), accumulate=True)
+    assert got.stride() == torch.index_put(t, (torch.tensor([0]),), _wide(1, 5), True).stride() == t.stride()
+
+
+# -- beyond a tile, and odd layouts -----------------------------------------------------------------------
+def test_more_than_a_tile_of_duplicates_into_one_slot():
+    """70,000 contributions to one element follow the tile tree in index_add, scatter_add and index_put,
+    alike and at 1 and 2 threads."""
+    n = _impl.TILE + 4464
+    src = _wide(n, 1)
+    idx = torch.zeros(n, dtype=torch.long)
+    base = _wide(1, 1)
+    acc = base.clone()  # the tile tree written out: tile 0 onto the input, then tile 1's own sum
+    for k in range(_impl.TILE):
+        acc = acc + src[k]
+    part = src[_impl.TILE].clone()
+    for k in range(_impl.TILE + 1, n):
+        part = part + src[k]
+    want = acc + part
+    results = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        results += [ops.index_add(base, 0, idx, src), ops.scatter_add(base, 0, idx.view(n, 1), src),
+                    ops.index_put(base, (idx,), src, accumulate=True)]
+    for r in results:
+        assert first_difference(r, want) is None
+
+
+def test_non_contiguous_expanded_and_transposed_operands():
+    """Transposed inputs, expanded indices and sliced values give PyTorch's bits (its deterministic CPU
+    kernels fold in the same order within a tile)."""
+    base = _wide(8, 6)
+    t_in = base.t()  # (6, 8), transposed
+    idx = torch.randint(0, 6, (1,), generator=G).expand(40)  # one row, expanded: 40 duplicates
+    src = _wide(40, 16)[:, ::2]  # sliced: stride 2
+    want = _torch_deterministic(lambda: torch.index_add(t_in, 0, idx, src))
+    assert first_difference(ops.index_add(t_in, 0, idx, src), want) is None
+    idx2 = torch.randint(0, 6, (40, 8), generator=G)
+    want = _torch_deterministic(lambda: torch.scatter_add(t_in, 0, idx2, src))
+    assert first_difference(ops.scatter_add(t_in, 0, idx2, src), want) is None
+    want = _torch_deterministic(lambda: torch.index_put(t_in, (idx,), src, True))
+    got = ops.index_put(t_in, (idx,), src, accumulate=True)
+    assert first_difference(got, want) is None and got.stride() == want.stride()
+    cols = torch.randint(0, 8, (30,), generator=G)  # x[:, cols] += v: a slice before the index tensor
+    v = _wide(6, 30)
+    want = _torch_deterministic(lambda: torch.ops.aten.index_put(t_in, [None, cols], v, True))
+    assert first_difference(ops.index_put(t_in, (None, cols), v, accumulate=True), want) is None
+    rows, cols3 = torch.randint(0, 4, (5, 1), generator=G), torch.randint(0, 6, (1, 7), generator=G)
+    x3 = _wide(4, 3, 6)  # x[rows, :, cols]: index tensors apart, broadcast to (5, 7)
+    v3 = _wide(5, 7, 3)
+    want = _torch_deterministic(lambda: torch.ops.aten.index_put(x3, [rows, None, cols3], v3, True))
+    assert first_difference(ops.index_put(x3, (rows, None, cols3), v3, accumulate=True), want) is None
+
+
+def test_nan_inf_and_signed_zero():
+    """-0.0 stays -0.0 where nothing or -0.0 is added, inf + -inf is NaN, NaN propagates: PyTorch's bits."""
+    base = torch.tensor([[-0.0], [-0.0], [1.0], [2.0]])
+    src = torch.tensor([[-0.0], [float("inf")], [float("-inf")], [float("nan")]])
+    idx = torch.tensor([0, 2, 2, 3])
+    want = base.clone().index_add_(0, idx, src)
+    for got in (ops.index_add(base, 0, idx, src), ops.index_put(base, (idx,), src, accumulate=True),
+                ops.scatter_add(base, 0, idx.view(4, 1), src)):
+        assert first_difference(got, want) is None
+    assert got[0].signbit() and got[1].signbit() and got[2].isnan() and got[3].isnan()
+
+
+def test_half_precision_accumulates_in_float32():
+    """bfloat16 sums accumulate in float32 and round once: samestep's bits equal that reference, and PyTorch's
+    1-d index_add, which rounds at every addition, gives other bits here (the documented difference)."""
+    n = 300
+    idx = torch.randint(0, 3, (n,), generator=G)
+    src = _wide(n, dtype=torch.bfloat16)
+    base = _wide(3, dtype=torch.bfloat16)
+    wide = base.float().index_add_(0, idx, src.float()).to(torch.bfloat16)
+    per_step = base.clone()
+    for k in range(n):
+        per_step[idx[k]] = per_step[idx[k]] + src[k]
+    assert first_difference(wide, per_step) is not None  # the two semantics differ on these inputs
+    assert first_difference(ops.index_add(base, 0, idx, src), wide) is None
+    assert first_difference(ops.index_put(base, (idx,), src, accumulate=True), wide) is None
+    assert first_difference(base.clone().index_add_(0, idx, src), per_step) is None  # PyTorch's 1-d kernel
+
+
+# -- routing: what races, what is refused or warned about -------------------------------------------------
+def test_routing_removes_the_cpu_races():
+    """With deterministic algorithms off, the accumulating forms that race on the CPU repeat under routing:
+    x[:, idx] backward, put_(accumulate=True), take backward and _unsafe_masked_index_put_accumulate.
+    Negative control: without routing, each of them races here."""
+    v, d, n = 64, 256, 4096  # n * d >= 32768 elements: PyTorch's CPU kernel races at this size
+    torch.use_deterministic_algorithms(False)
+    torch.set_num_threads(2)
+    src = _wide(n, d)
+    idx = torch.randint(0, v, (n,), generator=G)
+    flat = torch.randint(0, v * d, (n * d,), generator=G)
+    mask = torch.ones(n, 1, dtype=torch.bool)
+
+    def column_backward(s):
+        w = torch.zeros(d, v, requires_grad=True)
+        (w[:, idx] * s.t()).sum().backward()
+        return w.grad
+
+    def put(s):
+        return torch.zeros(v, d).put_(flat, s.reshape(-1), accumulate=True)
+
+    def take_backward(s):
+        w = torch.zeros(v, d, requires_grad=True)
+        (w.take(flat) * s.reshape(-1)).sum().backward()
+        return w.grad
+
+    def masked(s):
+        return torch.ops.aten._unsafe_masked_index_put_accumulate(torch.zeros(v, d), mask, [idx], s)
+
+    for fn in (column_backward, put, take_backward, masked):
+        assert count_differing_replays(fn, src, replays=12) > 0, f"{fn.__name__} did not race unrouted"
+        with KernelMode():
+            assert count_differing_replays(fn, src, replays=6) == 0, fn.__name__
+
+
+def test_unrouted_ops_warn_where_they_may_race():
+    """An accumulating op left to PyTorch warns once by name on a device other than the CPU with
+    deterministic algorithms off (meta stands in for one); on the CPU, or with them on, it is silent."""
+    x, idx, src = torch.zeros(4, 3), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3)
+    torch.use_deterministic_algorithms(False)
+    with KernelMode(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        x.scatter_reduce(0, idx, src, "prod")
+        m = x.to("meta")
+        m.scatter_reduce(0, idx.to("meta"), src.to("meta"), "prod")
+        m.scatter_reduce(0, idx.to("meta"), src.to("meta"), "amax")  # once per op
+    named = [str(w.message) for w in seen if "aten.scatter_reduce" in str(w.message)]
+    assert len(named) == 1 and "meta" in named[0]
+    torch.use_deterministic_algorithms(True)
+    with KernelMode(), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        x.to("meta").scatter_reduce(0, idx.to("meta"), src.to("meta"), "prod")
+    assert not [w for w in seen if "samestep kernels" in str(w.message)]
+
+
+def test_a_0_dim_boolean_index_is_refused_by_name():
+    """A 0-dim mask (x[True]) is outside the kernel: PyTorch's own error, or a refusal naming the op."""
+    with pytest.raises((RuntimeError, NotImplementedError, IndexError)):
+        ops.index_put(torch.zeros(3), (torch.tensor(True),), torch.ones(3), accumulate=True)
+
+
+def test_enable_works_under_pytorch_test_scaffolding():
+    """samestep.enable() sets and disable() restores its knobs while torch.backends flags are frozen, as
+    PyTorch's test scaffolding freezes them."""
+    before = torch.backends.cudnn.deterministic
+    frozen = torch.backends.flags_frozen()
+    torch.backends.disable_global_flags()
+    try:
+        with pytest.raises(RuntimeError, match="disable_global_flags"):  # the control: frozen they are
+            torch.backends.cudnn.benchmark = False
+        samestep.enable(threads=1)
+        assert torch.backends.cudnn.deterministic
+        samestep.disable()
+        assert torch.backends.cudnn.deterministic == before
+    finally:
+        if not frozen:
+            torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+
+
+def test_docs_list_every_op_the_routing_decides():
+    """docs/kernels.md's routing table names every op routed and every accumulating op left to PyTorch."""
+    from pathlib import Path
+
+    from samestep.ops.routing import ROUTED, UNROUTED
+
+    text = (Path(__file__).parents[2] / "docs" / "kernels.md").read_text()
+    table = text[text.index("## Routing"):]
+    missing = [name for name in {*ROUTED, *UNROUTED} if f"`{name.removeprefix('aten.')}`" not in table]
+    assert not missing, f"docs/kernels.md's routing table lacks {missing}"
