@@ -4,8 +4,12 @@
 
 Sizes of a real model: embedding backward of 64k tokens x 768 dims into 50k rows (the backward of
 ``weight[idx]``, i.e. index_put_ accumulate, and of nn.Embedding), and an MoE combine of 16k tokens,
-8 experts, top-2. Each variant is timed in alternation with the others; medians are reported, and
-ratios samestep / default and samestep / deterministic. ``distinct_results`` counts the different
+8 experts, top-2. Then every op that ``samestep.enable(kernels=True)`` routes, called as a model calls
+it (PyTorch's op under the routing mode, ``routed_*``): index_put on a slice (``x[:, idx]`` backward),
+put_ (``take``'s backward), index_add_, scatter_add_, scatter_reduce sum and mean, weighted bincount (of
+a top-2 MoE's routed rows); the last two also past one tile of sources. Each variant is timed in
+alternation with the others; medians are reported, and ratios samestep / default and samestep /
+deterministic (where PyTorch has no deterministic kernel, that ratio is null). ``distinct_results`` counts the different
 output digests over all rounds of each variant: more than 1 means that path is not run-to-run
 deterministic at this size (PyTorch's default index_put_ accumulate is the real case, on CPU with 2
 threads and on GPU with atomics). On CUDA (samestep's Triton kernels) every timing waits for the device.
@@ -23,6 +27,7 @@ import torch
 
 import samestep.ops as ops
 from samestep.digests import digest
+from samestep.ops.routing import KernelMode
 
 
 def _sync(device: str) -> None:
@@ -30,12 +35,25 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn, device: str) -> tuple[float, str]:
+def _time(fn, device: str, setup) -> tuple[float, str]:
+    args = setup()  # a fresh destination, made outside the timing
     _sync(device)
     t0 = time.perf_counter()
-    out = fn()
+    try:
+        out = fn(*args)
+    except RuntimeError as e:  # PyTorch has no deterministic kernel for this op
+        if "does not have a deterministic implementation" not in str(e):
+            raise
+        return float("nan"), "none"
     _sync(device)
     return time.perf_counter() - t0, digest(out)
+
+
+def _routed(fn):
+    def call(*args):
+        with KernelMode():
+            return fn(*args)
+    return call
 
 
 def main() -> int:
@@ -61,6 +79,18 @@ def main() -> int:
     def zeros(*shape: int) -> torch.Tensor:
         return torch.zeros(*shape, device=dev)
 
+    cols = torch.randint(0, V // 8, (N // 8,), generator=g).to(dev)  # x[:, cols]: (D, V/8) from (D, N/8)
+    grad_t = grad[: N // 8].t().contiguous()
+    flat = torch.randint(0, V * 64, (N * 64,), generator=g).to(dev)  # put_: into (V, 64), the backward of take
+    flat_src = grad.reshape(-1)[: N * 64]
+    idx2 = idx.view(-1, 1).expand(N, D).contiguous()  # scatter into (V, D) along dim 0
+    experts = torch.randint(0, 64, (N * 16,), generator=g).to(dev)  # bincount: MoE router statistics
+    expert_w = grad.reshape(-1)[: N * 16]
+
+    def routed(torch_fn, *dest: int):
+        """PyTorch's in-place op, routed or not, into a fresh zeros(*dest) made before the timer starts."""
+        return {"samestep": _routed(torch_fn), "torch": torch_fn, "setup": lambda: (zeros(*dest),)}
+
     cases = {
         "index_put_accumulate": {
             "samestep": lambda: ops.index_put(zeros(V, D), (idx,), grad, accumulate=True),
@@ -74,22 +104,36 @@ def main() -> int:
             "samestep": lambda: ops.moe_combine(rows, tok, w, T),
             "torch": lambda: zeros(T, D).index_put_((tok,), rows * w.unsqueeze(-1), accumulate=True),
         },
+        "routed_index_put_slice": routed(lambda x: torch.ops.aten.index_put_(x, [None, cols], grad_t, True),
+                                         D, V // 8),
+        "routed_put": routed(lambda x: x.put_(flat[:N], flat_src[:N], accumulate=True), V, 64),
+        "routed_index_add": routed(lambda x: x.index_add_(0, idx, grad), V, D),
+        "routed_scatter_add": routed(lambda x: x.scatter_add_(0, idx2, grad), V, D),
+        "routed_scatter_reduce_sum": routed(lambda x: x.scatter_reduce_(0, idx2, grad, "sum"), V, D),
+        "routed_scatter_reduce_mean": routed(lambda x: x.scatter_reduce_(0, idx2, grad, "mean"), V, D),
+        "routed_bincount": routed(lambda _: torch.bincount(experts[: 2 * N], expert_w[: 2 * N]), 0),
+        # Past one tile (65,536 sources) the later tiles are summed on their own first (docs/kernels.md):
+        # work that PyTorch's serial CPU loops do not do. 4M sources into 3.2M slots; 1M into 64 bins.
+        "routed_put_64_tiles": routed(lambda x: x.put_(flat, flat_src, accumulate=True), V, 64),
+        "routed_bincount_16_tiles": routed(lambda _: torch.bincount(experts, expert_w), 0),
     }
     result = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "threads": args.threads}
     for name, variants in cases.items():
         runs = {"samestep": [], "torch_default": [], "torch_deterministic": []}
         for _ in range(args.repeats + 1):
+            setup = variants.get("setup", tuple)
             torch.use_deterministic_algorithms(False)
-            runs["torch_default"].append(_time(variants["torch"], dev))
+            runs["torch_default"].append(_time(variants["torch"], dev, setup))
             torch.use_deterministic_algorithms(True)
-            runs["torch_deterministic"].append(_time(variants["torch"], dev))
+            runs["torch_deterministic"].append(_time(variants["torch"], dev, setup))
             torch.use_deterministic_algorithms(False)
-            runs["samestep"].append(_time(variants["samestep"], dev))
+            runs["samestep"].append(_time(variants["samestep"], dev, setup))
         med = {k: statistics.median(t for t, _ in v[1:]) for k, v in runs.items()}  # the first round warms up
-        result[name] = {**{f"{k}_ms": round(1000 * v, 2) for k, v in med.items()},
+        det = med["torch_deterministic"]
+        result[name] = {**{f"{k}_ms": None if v != v else round(1000 * v, 2) for k, v in med.items()},
                         "vs_default": round(med["samestep"] / med["torch_default"], 3),
-                        "vs_deterministic": round(med["samestep"] / med["torch_deterministic"], 3),
-                        "distinct_results": {k: len({d for _, d in v}) for k, v in runs.items()}}
+                        "vs_deterministic": None if det != det else round(med["samestep"] / det, 3),
+                        "distinct_results": {k: len({d for _, d in v if d != "none"}) for k, v in runs.items()}}
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return 0
 
