@@ -63,6 +63,15 @@ def run_train(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 
     return json.loads(final.read_text()) if final.exists() else None
 
 
+def train_here(run_dir: Path, *settings: str, resume: bool = False, stop_after: int | None = None) -> dict | None:
+    """Runs ``samestep train``'s loop in this process (no process start to pay); returns final.json's
+    contents (None if it stopped early). For claims that need no fresh process, kill or several ranks."""
+    from samestep.train import load_config, train
+
+    return train(load_config(None, list(settings)), run_dir, resume=resume, stop_after=stop_after,
+                 out=lambda _line: None)
+
+
 def side_by_side(*calls):
     """Runs independent ``samestep train`` runs (callables, each starting its own processes) at once: on a
     2-core machine two single-threaded runs take the time of one. Their results, in order."""

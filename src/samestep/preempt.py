@@ -48,8 +48,10 @@ class StopRequest:
     """While entered, the given signals ask the loop to stop at its next step boundary (``requested`` holds
     the first one's name); a second one restores the signal's default action and re-raises it, so the
     process stops at once. The same signal again within ``DUPLICATE_S`` is the first one delivered twice
-    (a scheduler that signals every process of a job, and a launcher that forwards it), not a second. Handlers are installed in the main thread only (elsewhere Python refuses them:
-    then nothing is installed and ``requested`` stays None)."""
+    (a scheduler that signals every process of a job, and a launcher that forwards it), not a second.
+    Once the block is left after a stop was asked for, a further signal exits with ``EXIT_PREEMPTED``.
+    Handlers are installed in the main thread only (elsewhere Python refuses them: then nothing is
+    installed and ``requested`` stays None)."""
 
     def __init__(self, signals: tuple[str, ...] = DEFAULT_SIGNALS) -> None:
         self.signals = signals
@@ -78,5 +80,11 @@ class StopRequest:
 
     def __exit__(self, *exc: object) -> None:
         for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
+            # after a stop was asked for (and the loop saved what it had), a further signal ends the process
+            # as a preempted one, not as killed by it
+            signal.signal(signum, _exit_preempted if self.requested is not None else previous)
         self._previous.clear()
+
+
+def _exit_preempted(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(EXIT_PREEMPTED)

@@ -117,9 +117,11 @@ class ReceiptWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fresh = not self.path.exists() or self.path.stat().st_size == 0
             self._file = open(self.path, "a", encoding="utf-8")
-            if fresh:
+            if fresh:  # durable now: a run killed before its first checkpoint must still read as a run
                 self._file.write(json.dumps({"format": RECEIPTS_FORMAT, "version": RECEIPTS_VERSION, "rank": rank,
                                              "state_of": state_of, "genesis": first_prev}, sort_keys=True) + "\n")
+                self._file.flush()
+                os.fsync(self._file.fileno())
         self.prev, self.last_step = first_prev, start
         self.last: StepSums | None = None  # of the newest step given ``sums`` (read after ``wait``)
         self._error: BaseException | None = None
@@ -265,15 +267,22 @@ def chain_break(header: dict[str, Any], receipts: list[dict[str, Any]], first_pr
     return None
 
 
-def truncate_receipts(run_dir: str | os.PathLike[str], rank: int, last_step: int) -> str | None:
+def truncate_receipts(run_dir: str | os.PathLike[str], rank: int, last_step: int, *,
+                      check_only: bool = False) -> str | None:
     """Keeps the receipts of steps <= last_step (a killed run may have written more, or a torn line); returns
-    the hash of the last one kept (the header's genesis if none; None if there is no file).
+    the hash of the last one kept (the header's genesis if none; None if there is no file, or ``last_step``
+    is 0: a run resumed from no checkpoint starts its receipts afresh). ``check_only``: raise what it would
+    raise, and change nothing (a resume checks every file before it writes any).
 
     Raises:
         ReceiptError: the file is damaged, its chain is broken, or it lacks a step up to ``last_step``.
     """
     path = receipts_path(run_dir, rank)
     if not path.exists():
+        return None
+    if last_step == 0:
+        if not check_only:
+            path.unlink()
         return None
     header, receipts = read_receipts(path)
     kept = [r for r in receipts if r["step"] <= last_step]
@@ -283,5 +292,7 @@ def truncate_receipts(run_dir: str | os.PathLike[str], rank: int, last_step: int
     if why is not None:
         raise ReceiptError(f"{path}: {why}; resuming would break the chain: restore the file, or resume into a new "
                            "run directory")
+    if check_only:
+        return kept[-1]["hash"] if kept else header["genesis"]
     replace_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in [header, *kept]).encode())
     return kept[-1]["hash"] if kept else header["genesis"]

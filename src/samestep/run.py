@@ -32,6 +32,7 @@ from samestep import mode, preempt
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from samestep.distributed.agree import any_rank
 from samestep.receipts import ReceiptWriter, genesis, truncate_receipts
+from samestep.rundir import hold
 
 __all__ = ["Run"]
 
@@ -94,20 +95,28 @@ class Run:
         self._loop: Generator[int, None, None] | None = None
         self._receipts: ReceiptWriter | None = None
         self._metrics: dict[str, float] = {}
-        self.report = mode.enable(threads=threads, kernels=kernels) if self._own_mode else mode.active_report()
+        held = bool(committed_steps(self.checkpoints))
+        if held and resume is False:
+            raise ValueError(f"samestep.Run: {self.checkpoints} already holds checkpoints; pass "
+                             "resume='auto' to continue that run, or use a new run directory")
+        if not held and resume is True:
+            raise ValueError(f"samestep.Run: resume=True, but {self.checkpoints} holds no checkpoint")
+        # one writer per run directory, as samestep train and samestep.trace take it (refused before anything)
+        self._lock = hold(self.run_dir) if _rank() == 0 else None
         try:
-            held = bool(committed_steps(self.checkpoints))
-            if held and resume is False:
-                raise ValueError(f"samestep.Run: {self.checkpoints} already holds checkpoints; pass "
-                                 "resume='auto' to continue that run, or use a new run directory")
-            if not held and resume is True:
-                raise ValueError(f"samestep.Run: resume=True, but {self.checkpoints} holds no checkpoint")
+            self.report = mode.enable(threads=threads, kernels=kernels) if self._own_mode else mode.active_report()
             if held:
                 self.start = load_checkpoint(self.checkpoints, model=model, optimizer=optimizer, scheduler=scheduler,
                                              data_cursor=data_cursor, fallback=True, strict_env=strict_env).step
+            keeps_receipts = receipts and _rank() == 0
+            if keeps_receipts:  # a resume that cannot go on fails before anything is written
+                truncate_receipts(self.run_dir, 0, self.start, check_only=True)
             from samestep.tracing.start import trace
 
-            self._rec = trace(self.run_dir, level=level, steps=trace_steps, resume=self.start > 0, copy=copy)
+            # a run killed before its first checkpoint goes on from step 0, in a new trace segment
+            continues = self.start > 0 or (resume is not False and (self.run_dir / "run.json").exists())
+            self._rec = trace(self.run_dir, level=level, steps=trace_steps, resume=continues, copy=copy,
+                              held=self._lock)
             self._rec.attach(model)
             # kept from step to step, as the reference loop keeps them: a model gains or loses no parameter
             self._params = list(model.named_parameters())
@@ -115,7 +124,7 @@ class Run:
             self._grad_copy: bool | str = True if copy or level != "step" else "checked"
             self._hooks = [optimizer.register_step_pre_hook(self._before_update),
                            optimizer.register_step_post_hook(self._after_update)]
-            if receipts and _rank() == 0:
+            if keeps_receipts:
                 prev = truncate_receipts(self.run_dir, 0, self.start)
                 self._receipts = ReceiptWriter(self.run_dir, 0, prev or genesis({}, "samestep.Run"), start=self.start)
                 self._receipts.watch(optimizer)  # the next update waits for the receipt of the last
@@ -206,6 +215,9 @@ class Run:
                 self._receipts = None
             if self._own_mode and mode.is_enabled():
                 mode.disable()
+            if self._lock is not None:
+                self._lock.release()
+                self._lock = None
 
     def __enter__(self) -> Run:
         return self

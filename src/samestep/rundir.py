@@ -67,7 +67,9 @@ class RunLock:
 
 
 def hold(run_dir: _PathLike) -> RunLock:
-    """Takes the run directory for this process (creating it if needed).
+    """Takes the run directory for this process (creating it if needed). Every writer of a run directory
+    takes it before it writes: ``samestep train``, ``samestep.Run``, and ``samestep.trace`` (unless its
+    caller holds it and passes it on).
 
     Raises:
         RunDirError: another live process holds it; names that process's pid and host.
@@ -207,15 +209,21 @@ def read_metrics(run_dir: _PathLike) -> list[dict[str, Any]]:
     return rows
 
 
-def truncate_metrics(run_dir: _PathLike, last_step: int) -> None:
+def truncate_metrics(run_dir: _PathLike, last_step: int, *, check_only: bool = False) -> None:
     """Keeps the metric lines of steps <= last_step (a killed run may have written more, or a torn line).
+    ``check_only``: raise what it would raise, and change nothing (a resume checks every file before it
+    writes any).
 
     Raises:
-        RunDirError: a damaged line before the last, or the lines kept are not steps 1..last_step in
-            order (a gap): nothing is cut, and the message names the file and what is wrong.
+        RunDirError: a damaged line before the last, the file missing although steps were trained, or the
+            lines kept are not steps 1..last_step in order (a gap): nothing is cut, and the message names
+            the file and what is wrong.
     """
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():
+        if last_step:
+            raise RunDirError(f"{path}: missing, though the run trained steps 1..{last_step}; resuming would leave "
+                              "the metrics incomplete: restore the file, or resume into a new run directory")
         return
     lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
     if lines and not lines[-1].endswith("\n"):
@@ -228,7 +236,8 @@ def truncate_metrics(run_dir: _PathLike, last_step: int) -> None:
         raise RunDirError(f"{path}: the steps up to {last_step} are not 1..{last_step} in order (missing: "
                           f"{missing[:10] or 'none'}; found {len(steps)} lines); resuming would leave the metrics "
                           "incomplete: restore the file, or resume into a new run directory")
-    replace_atomic(path, "".join(kept).encode("utf-8"))
+    if not check_only:
+        replace_atomic(path, "".join(kept).encode("utf-8"))
 
 
 def logged_loss(run_dir: _PathLike, step: int) -> float:

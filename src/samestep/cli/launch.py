@@ -6,11 +6,14 @@ MASTER_ADDR, MASTER_PORT) and starts each process outside the launcher's process
 or a Ctrl-C is forwarded, every process finishes its step and saves, and the job exits with the
 processes' own code (75 when preempted, see samestep.preempt). It waits for them as long as they take:
 the scheduler's kill is the deadline, not a launcher's timeout. A process that fails takes the others
-down after ``GRACE_S`` (they would wait in a collective for ever), and its code is the job's.
+down after ``GRACE_S`` (they would wait in a collective for ever), and its code is the job's. Should the
+launcher itself die (a SIGKILL), each process gets a SIGTERM from the kernel (``follow_launcher``), so
+it saves and stops as if preempted rather than train on unsupervised.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import socket
@@ -22,11 +25,29 @@ from types import FrameType
 
 from samestep.preempt import EXIT_PREEMPTED
 
-__all__ = ["GRACE_S", "launch"]
+__all__ = ["GRACE_S", "LAUNCHER_PID", "follow_launcher", "launch"]
 
 GRACE_S = 10.0
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP")  # always passed on, besides the run's exit signals
+LAUNCHER_PID = "SAMESTEP_LAUNCHER_PID"  # set for each process: the launcher it follows
+_PR_SET_PDEATHSIG = 1
+# A process whose failure is not another's consequence: an input error (2) or a detected fault (4) names
+# the cause; the others then fail with whatever their collectives report.
+_CAUSES = (2, 4)
 
+
+def follow_launcher() -> None:
+    """In a process started by ``launch``: the kernel sends it SIGTERM when the launcher dies (Linux), so
+    it stops after its step with a checkpoint; if the launcher is gone already, it exits now."""
+    launcher = os.environ.get(LAUNCHER_PID)
+    if not launcher:
+        return
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the launcher's own forwarding is all there is
+        return
+    if os.getppid() != int(launcher):
+        raise SystemExit(EXIT_PREEMPTED)  # nothing trained here yet, nothing lost
 
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -43,7 +64,7 @@ def launch(argv: list[str], nproc: int, threads: int, signals: tuple[str, ...]) 
     """Runs ``python -m samestep *argv`` as ``nproc`` processes of one job; returns the job's exit code: the
     first failing process's, else 75 if they stopped on a signal with a checkpoint, else 0."""
     env = dict(os.environ, OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc))
+               WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), **{LAUNCHER_PID: str(os.getpid())})
     procs: list[subprocess.Popen] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -71,9 +92,10 @@ def launch(argv: list[str], nproc: int, threads: int, signals: tuple[str, ...]) 
 
 
 def _first_failure(procs: list[subprocess.Popen]) -> int | None:
-    """The exit code of the first process that ended otherwise than 0 or 75 (None: none has)."""
-    bad = [p.returncode for p in procs if p.returncode not in (None, 0, EXIT_PREEMPTED)]
-    return _code(bad[0]) if bad else None
+    """The exit code of a process that ended otherwise than 0 or 75 (None: none has); of those that ended
+    since the last look, one that names a cause (``_CAUSES``) before the others."""
+    bad = [_code(p.returncode) for p in procs if p.returncode not in (None, 0, EXIT_PREEMPTED)]
+    return next((c for c in bad if c in _CAUSES), bad[0]) if bad else None
 
 
 def _wait(procs: list[subprocess.Popen]) -> int:

@@ -73,6 +73,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.nproc > 1:
         return _launch(args, cfg.determinism.threads, parse_signals(cfg.train.exit_signals))
+    from samestep.cli.launch import follow_launcher
+
+    follow_launcher()
     from samestep.train.checks import EXIT_FAULT, FaultDetected
     from samestep.train.loop import Preempted
 

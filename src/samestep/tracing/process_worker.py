@@ -35,8 +35,13 @@ from samestep.tracing.writer import plain
 __all__ = ["ProcessWorker"]
 
 # The child's first word: whether it may read this process's memory (process_vm_readv needs the right
-# to trace it, which a container or a security module can deny). Runs before torch is imported.
+# to trace it, which a container or a security module can deny). Runs before torch is imported. The
+# child ignores the signals that stop a run (a Ctrl-C or a scheduler's signal reaches a whole process
+# group): it follows the trainer's stop, ending when the trainer closes the socket or dies.
 _PROBE = """
+import signal
+for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT"):
+    signal.signal(getattr(signal, name), signal.SIG_IGN)
 import ctypes, socket, sys
 fd, pid, addr, n = map(int, sys.argv[1:5])
 sock = socket.socket(fileno=fd)
@@ -72,7 +77,8 @@ class ProcessWorker:
         try:
             self._proc = subprocess.Popen(
                 [sys.executable, "-c", _PROBE, str(child.fileno()), str(os.getpid()), str(ctypes.addressof(probe)),
-                 str(len(token))], pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL)
+                 str(len(token))], pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL,
+                start_new_session=True)
         finally:
             child.close()
         self._sock = parent

@@ -26,7 +26,7 @@ __all__ = ["trace"]
 
 def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | None = None,
           ranks: set[int] | str | None = None, rank: int | None = None, perturb: Perturb | None = None,
-          copy: bool = False, worker: str = "auto", resume: bool = False) -> Recorder:
+          copy: bool = False, worker: str = "auto", resume: bool = False, held: RunLock | None = None) -> Recorder:
     """Starts recording this rank's trace stream into ``run_dir/trace``. Rank 0 also writes
     ``run_dir/run.json`` if there is none, so that ``samestep diff`` and ``samestep trace certify`` read a
     run of your own loop as they read ``samestep train``'s: call ``samestep.enable()`` first, to have
@@ -46,9 +46,12 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
             without CUDA, else thread). Both write the same stream.
         resume: continue the run that ``run_dir`` holds (after loading its checkpoint): the stream gets a
             new segment, and run.json a resume record with what differs from the run's start.
+        held: the run directory's lock (``samestep.rundir.hold``) where the caller holds it already and
+            keeps it past the recorder's close (``samestep.Run``).
 
     Rank 0 holds the run directory's lock (``.samestep.lock``) until the recorder closes, so a second
-    process tracing into it is refused.
+    process writing into it is refused (``samestep train``, ``samestep.Run`` and ``samestep.trace`` all
+    take it; holds within one process share it).
 
     Raises:
         ValueError: ``run_dir`` already holds a traced run and ``resume`` is not set.
@@ -64,9 +67,10 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
     if isinstance(ranks, str):
         ranks = parse_selection(ranks, "ranks")
     run_dir = Path(run_dir)
-    # one writer per run (rank 0 holds it until its recorder closes): a second job on the same directory
-    # is refused here, before it touches anything
-    lock = hold(run_dir) if rank == 0 and level != "off" and _own_loop_run(run_dir) else None
+    # one writer per run (rank 0 holds it until its recorder closes; shared with a samestep.Run or samestep
+    # train of this process that holds it): a second job on the same directory is refused here, before it
+    # touches anything
+    lock = hold(run_dir) if rank == 0 and held is None else None
     try:
         segments = stream_segments(run_dir, rank)
         if segments and not resume:
@@ -75,7 +79,7 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
                              "directory")
         rec = Recorder(run_dir, level=level, steps=steps, ranks=ranks, rank=rank, perturb=perturb, copy=copy,
                        worker=worker)
-        if rank == 0 and level != "off":
+        if rank == 0:  # at level "off" too: the run directory is a run the CLI reads (receipts, checkpoints)
             world = dist.get_world_size() if distributed else 1
             if not (run_dir / "run.json").exists():
                 _describe_run(run_dir, level, steps, ranks, world)
@@ -83,19 +87,13 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
                 _record_resume(run_dir, len(segments), world)
             if read_run(run_dir).get("written_by") == "samestep.trace":
                 rec.on_close = lambda rec, segment=len(segments): _closed(rec, segment, lock)
+            elif lock is not None:
+                rec.on_close = lambda rec: lock.release()
     except BaseException:
         if lock is not None:
             lock.release()
         raise
     return rec
-
-
-def _own_loop_run(run_dir: Path) -> bool:
-    """Whether ``run_dir`` is (or will be) a run of the user's own loop: ``samestep train`` holds the lock of
-    its own runs and records into them itself."""
-    if not (run_dir / "run.json").exists():
-        return True
-    return read_run(run_dir).get("written_by") == "samestep.trace"
 
 
 def _describe_run(run_dir: Path, level: str, steps: set[int] | None, ranks: set[int] | None, world: int) -> None:

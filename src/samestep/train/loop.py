@@ -45,6 +45,7 @@ from samestep.rundir import (
     logged_loss,
     metrics_line,
     new_run,
+    read_run,
     record_resume,
     truncate_metrics,
     write_final,
@@ -327,6 +328,11 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     mixed = dist_.compare_environments(cfg.determinism.env_mismatch)
     parts = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
     start, loaded = _resume(parts, run_dir, resume, restore, world, say)
+    # a resume that cannot go on fails here, before any file is changed
+    if rank == 0:
+        truncate_metrics(run_dir, start, check_only=True)
+    if _writes_receipts(parts, dist_):
+        truncate_receipts(run_dir, rank, start, check_only=True)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
         truncate_metrics(run_dir, start)  # first: a damaged metrics.jsonl refuses the resume before run.json records it
@@ -387,9 +393,14 @@ def _resume(parts: Parts, run_dir: Path, resume: bool, restore: frozenset[str], 
             say(f"skipped corrupt checkpoint {path.name}: {why}")
         say(f"resumed from {loaded.path.name} (step {loaded.step}, {loaded.world_size} -> {world} processes)")
         return loaded.step, loaded
+    if resume and (run_dir / "run.json").exists():  # killed before its first checkpoint: again from step 0
+        _check_resume_config(read_run(run_dir).get("config"), parts.cfg)
+        say("resumed from step 0 (the run holds no checkpoint)")
+        return 0, None
     if not resume and ((run_dir / "run.json").exists() or (run_dir / "metrics.jsonl").exists()):
-        raise ValueError(f"--run-dir {run_dir} already holds a run; pass --resume to continue it, or choose a new "
-                         "--run-dir (nothing was overwritten)")
+        raise ValueError(f"--run-dir {run_dir} already holds a run; pass --resume to continue it (from its newest "
+                         "checkpoint, or from step 0 where it holds none), or choose a new --run-dir (nothing was "
+                         "overwritten)")
     return 0, None
 
 
@@ -449,6 +460,11 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
     return loss_value, None
 
 
+def _writes_receipts(parts: Parts, dist_: Processes) -> bool:
+    """Whether this rank keeps receipts (train.receipts): rank 0, or under sharding every rank."""
+    return parts.cfg.train.receipts and (dist_.rank == 0 or parts.sharded)
+
+
 def _receipts(parts: Parts, run_dir: Path, start: int, dist_: Processes) -> tuple[ReceiptWriter | None,
                                                                                   CrossRankCheck | None]:
     """This rank's receipt writer (train.receipts): rank 0's, of the whole state, or under sharding every
@@ -457,7 +473,7 @@ def _receipts(parts: Parts, run_dir: Path, start: int, dist_: Processes) -> tupl
     (a rank that keeps no receipts writes none) and the check compares them."""
     t = parts.cfg.train
     cross = t.cross_rank_check and dist_.world > 1 and not parts.sharded
-    writes = t.receipts and (dist_.rank == 0 or parts.sharded)
+    writes = _writes_receipts(parts, dist_)
     if not (writes or cross):
         return None, None
     prev = truncate_receipts(run_dir, dist_.rank, start) if writes else None

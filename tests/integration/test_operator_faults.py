@@ -1,0 +1,227 @@
+"""What an operator does to a run: kill it anywhere, signal it, start two writers, tamper with its files,
+fill the disk, feed it malformed input. Nothing is lost, nothing forged is resumed, nothing hangs, and
+every input error is one line with exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import samestep
+from samestep.rundir import RunDirError, last_logged_step
+from tests.conftest import TINY, train_cmd, train_here
+
+# Checkpoints only at the end: a kill before it leaves a run with no checkpoint at all.
+UNSAVED = (*TINY, "train.steps=40", "train.checkpoint_every=1000")
+
+
+def _files(run_dir: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
+            if p.is_file() and p.name != ".samestep.lock"}
+
+
+def _kill_after(run_dir: Path, step: int, *settings: str) -> None:
+    """Starts ``samestep train``, SIGKILLs it once it has logged ``step``."""
+    proc = subprocess.Popen(train_cmd(run_dir, *settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and last_logged_step(run_dir) < step and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert proc.poll() is None, f"the run ended before step {step}: {proc.stderr.read()[-2000:]}"
+    proc.kill()
+    proc.wait()
+
+
+def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(tmp_path):
+    """SIGKILL before the first checkpoint: --resume starts again from step 0 and ends on the bits of the run
+    straight through. A resume that is refused (another seed) changes no file (the control that the check
+    runs before any write); a fresh start into the directory is refused, pointing at --resume."""
+    straight = train_here(tmp_path / "straight", *UNSAVED)
+    run = tmp_path / "run"
+    _kill_after(run, 3, *UNSAVED)
+    before = _files(run)
+    with pytest.raises(ValueError, match="train.seed"):
+        train_here(run, *UNSAVED, "train.seed=7", resume=True)
+    assert _files(run) == before
+    with pytest.raises(ValueError, match="pass --resume to continue it"):
+        train_here(run, *UNSAVED)
+    assert train_here(run, *UNSAVED, resume=True)["state_digest"] == straight["state_digest"]
+    assert (run / "metrics.jsonl").read_bytes() == (tmp_path / "straight" / "metrics.jsonl").read_bytes()
+
+
+def _own_loop(run_dir: Path, steps: int, **kw) -> None:
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with samestep.Run(run_dir, model=model, optimizer=opt, **kw) as run:
+        for step in run.steps(steps):
+            model(torch.ones(2, 4)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+
+_OTHER_WRITER = """
+import sys, torch, samestep
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+try:
+    samestep.Run(sys.argv[1], model=model, optimizer=opt, level="off").close()
+except ValueError as e:
+    print(e)
+    sys.exit(2)
+"""
+
+
+def test_every_writer_of_a_run_directory_takes_the_same_lock(tmp_path):
+    """A samestep.Run at level "off" holds its run directory: a second Run in another process is refused
+    naming the holder, as is one started beside a live samestep train (which holds it the same way);
+    once the first closes, the second runs (the control). The Run at level "off" leaves a run.json."""
+    run = tmp_path / "run"
+    model = torch.nn.Linear(4, 1)
+    first = samestep.Run(run, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), level="off")
+    try:
+        proc = subprocess.run([sys.executable, "-c", _OTHER_WRITER, str(run)], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 2 and f"is in use by pid {__import__('os').getpid()}" in proc.stdout
+    finally:
+        first.close()
+    assert (run / "run.json").exists()
+    proc = subprocess.run([sys.executable, "-c", _OTHER_WRITER, str(run)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+    trained = tmp_path / "trained"
+    holder = subprocess.Popen(train_cmd(trained, *UNSAVED, "train.steps=2000"), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while last_logged_step(trained) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(RunDirError, match=f"is in use by pid {holder.pid}"):
+            _own_loop(trained, 2, level="off")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+_OWN_LOOP = """
+import sys, torch, samestep
+run_dir, total = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+with samestep.Run(run_dir, model=model, optimizer=opt, checkpoint_every=1000) as run:
+    for step in run.steps(total):
+        g = samestep.rng.generator(0, step, 0, "data")
+        model(torch.randn(2, 4, generator=g)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        print(step, flush=True)
+torch.save(model.state_dict(), run_dir + "/weights.pt")
+"""
+
+
+def test_a_loop_of_ones_own_killed_before_its_first_checkpoint_goes_on_from_step_0(tmp_path):
+    """samestep.Run killed before its first checkpoint: the same loop run again continues the run from step 0
+    (a new trace segment, receipts afresh) and ends on the straight run's weights and receipts."""
+    straight, run = tmp_path / "straight", tmp_path / "run"
+    subprocess.run([sys.executable, "-c", _OWN_LOOP, str(straight), "30"], check=True, capture_output=True,
+                   timeout=300)
+    proc = subprocess.Popen([sys.executable, "-c", _OWN_LOOP, str(run), "100000"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    while int(proc.stdout.readline() or 0) < 3:
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+    proc.kill()
+    proc.wait()
+    done = subprocess.run([sys.executable, "-c", _OWN_LOOP, str(run), "30"], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for name, t in torch.load(straight / "weights.pt").items():
+        assert torch.equal(t.view(torch.int32), torch.load(run / "weights.pt")[name].view(torch.int32))
+    assert (run / "receipts" / "rank_00000.jsonl").read_bytes() == \
+        (straight / "receipts" / "rank_00000.jsonl").read_bytes()
+
+
+def _pids_of(run_dir: Path) -> list[int]:
+    """The processes whose command line names ``run_dir``."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(run_dir).encode() in (proc / "cmdline").read_bytes():
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_a_signal_to_the_whole_process_group_stops_the_run_with_a_checkpoint(tmp_path):
+    """Ctrl-C, which reaches the trainer's whole process group (its trace worker process too): the worker
+    ignores it and follows the trainer, which finishes its step, saves, exits 75; --resume ends on the
+    straight run's bits. Control: with no exit signals the same group signal ends the run at once."""
+    import os
+    import signal
+
+    from samestep.preempt import EXIT_PREEMPTED
+
+    traced = (*UNSAVED, "trace.level=step", "trace.worker=process")
+    straight = train_here(tmp_path / "straight", *UNSAVED)
+    outcomes = {}
+    for name, extra in (("run", ()), ("control", ("train.exit_signals=",))):
+        run = tmp_path / name
+        proc = subprocess.Popen(train_cmd(run, *traced, *extra), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and last_logged_step(run) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGINT)
+        outcomes[name] = proc.wait(timeout=300), proc.stderr.read()
+    assert outcomes["run"][0] == EXIT_PREEMPTED, outcomes["run"][1][-2000:]
+    assert outcomes["control"][0] != EXIT_PREEMPTED and not (tmp_path / "control" / "checkpoints").exists()
+    assert train_here(tmp_path / "run", *traced, resume=True)["state_digest"] == straight["state_digest"]
+
+
+def test_ranks_whose_launcher_is_killed_save_and_stop(tmp_path):
+    """SIGKILL of the `--nproc 2` launcher alone: its ranks, in sessions of their own, get a SIGTERM from the
+    kernel, finish their step, save and exit, instead of training on unsupervised to the end."""
+    import os
+    import signal
+
+    run = tmp_path / "run"
+    launcher = subprocess.Popen(train_cmd(run, *UNSAVED, "train.steps=100000", nproc=2), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 300
+    while last_logged_step(run) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+    while _pids_of(run) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _pids_of(run), "the ranks trained on after their launcher died"
+    assert last_logged_step(run) < 1000 and (run / "checkpoints" / "latest").exists()
+
+
+_SECOND_SIGNAL = """
+import signal, sys, time
+from samestep.preempt import StopRequest
+with StopRequest(("SIGTERM",)) as stop:
+    if sys.argv[1] == "stop":
+        signal.raise_signal(signal.SIGTERM)
+time.sleep(0.6)  # past the window in which a repeat counts as the same request
+signal.raise_signal(signal.SIGTERM)
+time.sleep(5)
+"""
+
+
+def test_a_signal_after_the_graceful_stop_exits_as_preempted():
+    """Once a stop was asked for and the loop has saved and left, a further SIGTERM exits 75 (preempted,
+    everything saved), not 143. Control: with no stop asked for, the same signal acts as it always does."""
+    import signal
+
+    from samestep.preempt import EXIT_PREEMPTED
+
+    stopped = subprocess.run([sys.executable, "-c", _SECOND_SIGNAL, "stop"], capture_output=True, timeout=60)
+    plain = subprocess.run([sys.executable, "-c", _SECOND_SIGNAL, "plain"], capture_output=True, timeout=60)
+    assert stopped.returncode == EXIT_PREEMPTED
+    assert plain.returncode == -signal.SIGTERM
