@@ -31,8 +31,9 @@ from samestep._state import canonical_json, dotted, state_digest
 from samestep.durable import replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL
 
-__all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "chain_break", "genesis",
-           "read_receipts", "read_run_receipts", "receipt_hash", "receipts_path", "truncate_receipts", "word_sums"]
+__all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "chain_break",
+           "check_restored", "genesis", "read_receipts", "read_run_receipts", "receipt_hash", "receipts_path",
+           "receipted_state", "truncate_receipts", "word_sums"]
 
 RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 1
 
@@ -296,3 +297,34 @@ def truncate_receipts(run_dir: str | os.PathLike[str], rank: int, last_step: int
         return kept[-1]["hash"] if kept else header["genesis"]
     replace_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in [header, *kept]).encode())
     return kept[-1]["hash"] if kept else header["genesis"]
+
+
+def receipted_state(tree: dict[str, Any], written_by: str | None) -> dict[str, Any]:
+    """The parts of a run's state (a checkpoint's, ``checkpoint_state``) that its receipts digest: samestep
+    train's leave out its schedule (a function of the step); ``samestep.Run``'s take every part it saves."""
+    if written_by == "samestep.trace":
+        return tree
+    return {k: v for k, v in tree.items() if k != "scheduler"}
+
+
+def check_restored(run_dir: str | os.PathLike[str], rank: int, step: int, tree: Any) -> None:
+    """Refuses a resume whose restored state is not what the run's own receipt of ``step`` records: a
+    checkpoint edited after it was written (its manifest's digests recomputed), or another run's. The
+    receipts are a chain a checkpoint cannot rewrite. Nothing to compare (no receipts, step 0, no receipt of
+    that step: ``truncate_receipts`` names that) passes.
+
+    Raises:
+        ReceiptError: names the step, both digests and what to do.
+    """
+    path = receipts_path(run_dir, rank)
+    if not step or not path.exists():
+        return
+    _, receipts = read_receipts(path)
+    receipt = next((r for r in receipts if r["step"] == step), None)
+    if receipt is None:
+        return
+    digest = state_digest(_local(tree))
+    if digest != receipt["state"]:
+        raise ReceiptError(f"the checkpoint of step {step} restores state {digest[:16]}..., but {path} records "
+                           f"{receipt['state'][:16]}... for that step: the checkpoint was changed after it was "
+                           "written, or is another run's; restore it, or resume from an older checkpoint")

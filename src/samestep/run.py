@@ -31,7 +31,7 @@ import torch
 from samestep import mode, preempt
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from samestep.distributed.agree import any_rank
-from samestep.receipts import ReceiptWriter, genesis, truncate_receipts
+from samestep.receipts import ReceiptWriter, check_restored, genesis, truncate_receipts
 from samestep.rundir import hold
 
 __all__ = ["Run"]
@@ -111,6 +111,7 @@ class Run:
             keeps_receipts = receipts and _rank() == 0
             if keeps_receipts:  # a resume that cannot go on fails before anything is written
                 truncate_receipts(self.run_dir, 0, self.start, check_only=True)
+                check_restored(self.run_dir, 0, self.start, self._state_tree(self.start))
             from samestep.tracing.start import trace
 
             # a run killed before its first checkpoint goes on from step 0, in a new trace segment
@@ -188,12 +189,16 @@ class Run:
         if name in ("loss", "grad_norm"):
             self._metrics[name] = value
 
+    def _state_tree(self, step: int) -> dict[str, Any]:
+        """The state after ``step`` as a receipt digests it: every part a checkpoint of it holds."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step,
+                **{name: obj.state_dict() for name, obj in (("scheduler", self.scheduler),
+                                                            ("data_cursor", self.data_cursor)) if obj is not None}}
+
     def _receipt(self, step: int) -> None:
         """Starts the receipt of ``step``: the state tree is taken here (the optimizer's: a scheduler may
         change its groups before the next update), digested on the receipt thread."""
-        tree = {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step,
-                **{name: obj.state_dict() for name, obj in (("scheduler", self.scheduler),
-                                                            ("data_cursor", self.data_cursor)) if obj is not None}}
+        tree = self._state_tree(step)
         loss, norm = (float(self._metrics.pop(k, float("nan"))) for k in ("loss", "grad_norm"))
         self._receipts.add(step, lambda: tree, loss, norm)
 

@@ -225,3 +225,166 @@ def test_a_signal_after_the_graceful_stop_exits_as_preempted():
     plain = subprocess.run([sys.executable, "-c", _SECOND_SIGNAL, "plain"], capture_output=True, timeout=60)
     assert stopped.returncode == EXIT_PREEMPTED
     assert plain.returncode == -signal.SIGTERM
+
+
+def _reseal(step_dir: Path, name: str, data: bytes) -> None:
+    """Writes ``data`` as the checkpoint's file ``name`` and recomputes every digest the manifest holds of it,
+    and the manifest's own: what a forger who knows the format does."""
+    import hashlib
+    import json
+
+    from safetensors.torch import load as load_tensors
+
+    (step_dir / name).write_bytes(data)
+    manifest = json.loads((step_dir / "manifest.json").read_bytes())
+    entry = manifest["files"][name]
+    entry["size"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
+    if "tensors" in entry:
+        for key, t in load_tensors(data).items():
+            h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            entry["tensors"][key] = h.hexdigest()
+    _reseal_manifest(step_dir, manifest)
+
+
+def _reseal_manifest(step_dir: Path, manifest: dict) -> None:
+    import hashlib
+    import json
+
+    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
+    manifest["manifest_sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
+                                                 .encode()).hexdigest()
+    (step_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def _flip_a_weight(data: bytes) -> bytes:
+    from safetensors.torch import load as load_tensors
+    from safetensors.torch import save as save_tensors
+
+    tensors = load_tensors(data)
+    name = sorted(tensors)[0]
+    t = tensors[name].clone()
+    t.view(-1).view(torch.int32)[0] ^= 1
+    tensors[name] = t
+    return save_tensors(tensors)
+
+
+def _edit_cursor(data: bytes) -> bytes:
+    import json
+
+    state = json.loads(data)
+    state["data_cursor"]["position"] += 2
+    return (json.dumps(state, indent=1, sort_keys=True) + "\n").encode()
+
+
+@pytest.mark.parametrize("forgery", ["manifest step", "a weight bit", "the data cursor"])
+def test_a_forged_checkpoint_is_refused(tmp_path, forgery):
+    """A checkpoint edited with every digest of its manifest recomputed: the loader refuses a manifest whose
+    step is not its directory's, and a resume refuses state that is not what the run's receipt of that step
+    records (the receipts are a chain the checkpoint cannot rewrite); `receipts verify` names it. Control: the
+    untouched checkpoint resumes to the straight run's bits and verifies."""
+    import json
+
+    from samestep.analysis.receipt_check import check_receipts
+    from samestep.checkpoint import CheckpointError, verify_checkpoint
+    from samestep.receipts import ReceiptError
+
+    straight = train_here(tmp_path / "straight", *TINY)
+    run = tmp_path / "run"
+    train_here(run, *TINY, stop_after=4)
+    step_dir = run / "checkpoints" / "step_000004"
+    assert check_receipts(run)["ok"]
+    if forgery == "manifest step":
+        manifest = json.loads((step_dir / "manifest.json").read_bytes())
+        manifest["step"] = 6
+        _reseal_manifest(step_dir, manifest)
+        with pytest.raises(CheckpointError, match="says step 6, but it is step_000004"):
+            verify_checkpoint(step_dir)
+        return
+    if forgery == "a weight bit":
+        _reseal(step_dir, "model.safetensors", _flip_a_weight((step_dir / "model.safetensors").read_bytes()))
+    else:
+        _reseal(step_dir, "state.json", _edit_cursor((step_dir / "state.json").read_bytes()))
+    assert verify_checkpoint(step_dir) == step_dir  # every byte matches the (recomputed) manifest
+    report = check_receipts(run)
+    assert not report["ok"] and "is not the receipt's of step 4" in report["problems"][0]
+    before = _files(run)
+    with pytest.raises(ReceiptError, match="the checkpoint of step 4 restores state"):
+        train_here(run, *TINY, resume=True)
+    assert _files(run) == before
+
+    control = tmp_path / "control"
+    train_here(control, *TINY, stop_after=4)
+    assert train_here(control, *TINY, resume=True)["state_digest"] == straight["state_digest"]
+
+
+@pytest.mark.parametrize("damage", ["a row deleted", "a torn last row", "emptied", "deleted", "two rows swapped",
+                                    "a row repeated", "final.json's loss"])
+def test_receipts_verify_names_damage_to_metrics_and_final(tmp_path, damage):
+    """Every edit of metrics.jsonl or final.json of a finished run is named by `receipts verify` (control: the
+    untouched run holds); a --resume of a finished run whose metrics.jsonl was deleted is refused rather than
+    rewriting final.json."""
+    import json
+
+    from samestep.analysis.receipt_check import check_receipts
+
+    run = tmp_path / "run"
+    train_here(run, *TINY)
+    assert check_receipts(run)["ok"]
+    metrics = run / "metrics.jsonl"
+    lines = metrics.read_text().splitlines(keepends=True)
+    edits = {
+        "a row deleted": lambda: metrics.write_text("".join(lines[:3] + lines[4:])),
+        "a torn last row": lambda: metrics.write_text("".join(lines) + lines[-1][:20]),
+        "emptied": lambda: metrics.write_text(""),
+        "deleted": lambda: metrics.unlink(),
+        "two rows swapped": lambda: metrics.write_text("".join(lines[:2] + [lines[3], lines[2]] + lines[4:])),
+        "a row repeated": lambda: metrics.write_text("".join(lines[:3] + lines[2:])),
+        "final.json's loss": lambda: (run / "final.json").write_text(json.dumps(
+            {**json.loads((run / "final.json").read_text()), "loss_hex": float(1.5).hex()})),
+    }
+    edits[damage]()
+    report = check_receipts(run)
+    assert not report["ok"], report
+    if damage == "deleted":
+        before = _files(run)
+        with pytest.raises(RunDirError, match="metrics.jsonl: missing"):
+            train_here(run, *TINY, resume=True)
+        assert _files(run) == before
+
+
+def test_receipts_verify_of_a_run_without_receipts_is_an_input_error(tmp_path):
+    """A run that kept no receipt (train.receipts=false) has nothing to verify: an input error, not "hold"."""
+    from samestep.analysis.receipt_check import check_receipts
+    from samestep.receipts import ReceiptError
+
+    train_here(tmp_path / "run", *TINY, "train.receipts=false")
+    with pytest.raises(ReceiptError):
+        check_receipts(tmp_path / "run")
+
+
+@pytest.mark.slow
+def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
+    """A 2-process FSDP2 run: `receipts verify` compares each rank's shards of the newest checkpoint with that
+    rank's receipts (they hold); with the two ranks' model shards swapped and the manifest resealed,
+    `checkpoint verify` still passes, but `receipts verify` names rank 0's shards and a --resume on 2
+    processes is refused (exit 2)."""
+    from samestep.analysis.receipt_check import check_receipts
+    from samestep.checkpoint import verify_checkpoint
+    from tests.conftest import run_train
+
+    run = tmp_path / "run"
+    run_train(run, *TINY, "parallel.fsdp=true", nproc=2)
+    report = check_receipts(run)
+    assert report["ok"] and "checkpoint step_000008 against its step's receipt(s)" in report["checked"], report
+    step_dir = run / "checkpoints" / "step_000008"
+    zero, one = (step_dir / "model.rank_00000.safetensors").read_bytes(), \
+        (step_dir / "model.rank_00001.safetensors").read_bytes()
+    _reseal(step_dir, "model.rank_00000.safetensors", one)
+    _reseal(step_dir, "model.rank_00001.safetensors", zero)
+    assert verify_checkpoint(step_dir) == step_dir
+    report = check_receipts(run)
+    assert not report["ok"] and "rank 0's shards" in report["problems"][0], report
+    proc = subprocess.run(train_cmd(run, *TINY, "parallel.fsdp=true", resume=True, nproc=2),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "the checkpoint of step 8 restores state" in proc.stderr, proc.stderr[-2000:]

@@ -1,36 +1,92 @@
 """``samestep receipts verify RUN``: a run's receipts hold together, and its files agree with them.
 
-Checked: each rank's chain (from the genesis of run.json's config and data), metrics.jsonl's loss and
-grad-norm bits against rank 0's receipts, final.json's state digest against the last receipt, and the
-newest checkpoint, restored into a model built from run.json's config and digested as the run digests
-its state, against the receipt of its step. A problem is named by file and step.
+Checked: each rank's chain (from the genesis of run.json's config and data), metrics.jsonl against rank 0's
+receipts (every step receipted, in order, with the receipt's loss and grad-norm bits), final.json against
+the last receipt (step, loss bits, state digest), and the newest checkpoint against the receipt of its
+step: its state, rebuilt from its files (each rank's shards where the run sharded it), digested as the
+run digests its state. A problem is named by file and step. Nothing to check (no receipt) is an input
+error, not a pass.
 """
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any
 
-from samestep.receipts import chain_break, genesis, read_receipts, read_run_receipts, receipts_path
+from samestep._state import state_digest
+from samestep.receipts import (
+    ReceiptError,
+    chain_break,
+    genesis,
+    read_receipts,
+    read_run_receipts,
+    receipted_state,
+    receipts_path,
+)
 from samestep.rundir import read_final, read_metrics, read_run
 
-__all__ = ["check_receipts", "checkpoint_state_digest"]
+__all__ = ["check_receipts", "checkpoint_mismatches"]
+
+Chains = dict[int, tuple[dict[str, Any], list[dict[str, Any]]]]
 
 
-def checkpoint_state_digest(config: dict[str, Any], step_dir: Path) -> str:
-    """The state digest of a ``samestep train`` checkpoint as the run digests its state after that step
-    (``train.loop.run_state_digest``): restored into a model built from ``config`` on one process."""
-    from samestep.checkpoint import load_checkpoint
-    from samestep.train.config import Config
-    from samestep.train.loop import build, run_state_digest
+def checkpoint_mismatches(run_dir: Path, doc: dict[str, Any], step_dir: Path, chains: Chains) -> list[str]:
+    """Where a checkpoint is not the state the run's receipts of its step record: for each rank that keeps
+    receipts, its part of the checkpoint (the whole state, or its own shards) against its receipt.
 
-    parts = build(Config.from_dict({k: dict(v) for k, v in config.items()}, where="run.json config"))
-    with warnings.catch_warnings():  # another environment is named by the checks that compare them
-        warnings.simplefilter("ignore")
-        loaded = load_checkpoint(step_dir, model=parts.model, optimizer=parts.optimizer, scheduler=parts.schedule,
-                                 data_cursor=parts.cursor, restore_rng=False)
-    return run_state_digest(parts.model, parts.optimizer, parts.cursor, loaded.step)
+    Raises:
+        CheckpointError: the checkpoint is damaged.
+    """
+    from samestep.checkpoint import checkpoint_state
+
+    step = int(step_dir.name.split("_")[1])
+    problems = []
+    for rank, (header, receipts) in sorted(chains.items()):
+        receipt = next((r for r in receipts if r["step"] == step), None)
+        if receipt is None:
+            problems.append(f"{step_dir}: {receipts_path(run_dir, rank).name} holds no receipt of step {step}")
+            continue
+        tree = checkpoint_state(step_dir, rank if header.get("state_of") == "rank" else None)
+        digest = state_digest(receipted_state(tree, doc.get("written_by")))
+        if digest != receipt["state"]:
+            whose = f"rank {rank}'s shards" if header.get("state_of") == "rank" else "its state"
+            problems.append(f"{step_dir}: {whose} digest {digest[:16]}... is not the receipt's of step {step} "
+                            f"({receipt['state'][:16]}...): a checkpoint of another run, or changed since")
+    return problems
+
+
+def _check_metrics(run_dir: Path, by_step: dict[int, dict], last: int, finished: bool) -> list[str]:
+    """metrics.jsonl (samestep train's) holds steps 1..last in order with their receipts' bits; a finished run
+    no step more, an unfinished one may hold steps past its last receipt (written before a kill)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return [f"{path}: missing, though the run receipted steps 1-{last}"]
+    rows = read_metrics(run_dir)
+    lines = path.read_text(encoding="utf-8").splitlines()
+    steps = [row["step"] for row in rows]
+    if steps[:last] != list(range(1, last + 1)):
+        bad = next((i for i, s in enumerate(steps[:last], 1) if s != i), min(len(steps), last) + 1)
+        return [f"{path}: line {bad} should be step {bad} (the receipts cover steps 1-{last}); it holds "
+                f"{steps[bad - 1] if bad <= len(steps) else 'nothing'}: rows deleted, moved or repeated"]
+    if finished and (len(steps) > last or len(lines) > len(rows)):
+        return [f"{path}: holds {len(lines) - last} line(s) past step {last}, the run's last (a torn or added row)"]
+    for row in rows[:last]:
+        r = by_step[row["step"]]
+        if (row.get("loss_hex"), row.get("grad_norm_hex")) != (r["loss_hex"], r["grad_norm_hex"]):
+            return [f"{path}: step {row['step']}: loss or grad norm bits differ from its receipt"]
+    return []
+
+
+def _check_final(run_dir: Path, final: dict[str, Any], by_step: dict[int, dict], last: int, whole: bool) -> list[str]:
+    path = run_dir / "final.json"
+    if final.get("step") != last:
+        return [f"{path}: says step {final.get('step')!r}, but the receipts end at step {last}"]
+    r = by_step[last]
+    if final.get("loss_hex") != r["loss_hex"]:
+        return [f"{path}: its loss bits {final.get('loss_hex')!r} are not the receipt's of step {last}"]
+    if whole and r["state"] != final["state_digest"]:
+        return [f"{path}: its state digest is not the receipt's of step {last}"]
+    return []
 
 
 def check_receipts(run_dir: str | Path) -> dict[str, Any]:
@@ -38,14 +94,17 @@ def check_receipts(run_dir: str | Path) -> dict[str, Any]:
     "checked": [what was compared]}``.
 
     Raises:
-        RunDirError, ReceiptError: run.json or a receipts file is missing or malformed (an input error,
-            not a verdict).
+        RunDirError, ReceiptError: run.json or a receipts file is missing or malformed, or the run holds no
+            receipt to check (an input error, not a verdict).
     """
     run_dir = Path(run_dir)
     doc = read_run(run_dir)
     chains = read_run_receipts(run_dir)
     if not chains:
         read_receipts(receipts_path(run_dir, 0))  # raises: missing
+    if not any(receipts for _, receipts in chains.values()):
+        raise ReceiptError(f"{run_dir / 'receipts'}: holds no receipt (the run stopped before its first step, or "
+                           "wrote none): there is nothing to check")
     data = doc.get("data") if isinstance(doc.get("data"), dict) else {}
     first = genesis(doc["config"], data["fingerprint"]) if "fingerprint" in data else None
     problems, checked, ranks = [], [], {}
@@ -63,58 +122,32 @@ def check_receipts(run_dir: str | Path) -> dict[str, Any]:
     checked.append(f"the hash chain of {len(chains)} rank(s)")
     header, receipts = chains.get(0, ({}, []))
     by_step = {r["step"]: r for r in receipts}
-    metrics = read_metrics(run_dir)
-    for row in metrics:
-        r = by_step.get(row["step"])
-        if r is None:
-            problems.append(f"{run_dir / 'metrics.jsonl'}: step {row['step']} has no receipt")
-            break
-        if (row.get("loss_hex"), row.get("grad_norm_hex")) != (r["loss_hex"], r["grad_norm_hex"]):
-            problems.append(f"{run_dir / 'metrics.jsonl'}: step {row['step']}: loss or grad norm bits differ from "
-                            "its receipt")
-            break
-    checked.append(f"metrics.jsonl's {len(metrics)} step(s) against rank 0's receipts")
-    whole = header.get("state_of") == "run"
+    last = receipts[-1]["step"] if receipts else 0
     final = read_final(run_dir)
-    if final is not None and whole:
-        r = by_step.get(final.get("step"))
-        if r is None or r["state"] != final["state_digest"]:
-            problems.append(f"{run_dir / 'final.json'}: its state digest is not the receipt's of step {final.get('step')}")
-        checked.append("final.json against its step's receipt")
-    problems += _check_checkpoint(run_dir, doc, by_step if whole else None, checked)
+    whole = header.get("state_of") == "run"
+    if doc.get("written_by") != "samestep.trace" and last:  # samestep train writes metrics.jsonl
+        problems += _check_metrics(run_dir, by_step, last, final is not None)
+        checked.append(f"metrics.jsonl's steps 1-{last} against rank 0's receipts")
+    if final is not None and last:
+        problems += _check_final(run_dir, final, by_step, last, whole)
+        checked.append("final.json against the last receipt")
+    problems += _check_checkpoint(run_dir, doc, chains, checked)
     return {"ok": not problems, "problems": problems, "ranks": {str(k): v for k, v in sorted(ranks.items())},
             "checked": checked}
 
 
-def _check_checkpoint(run_dir: Path, doc: dict[str, Any], by_step: dict[int, dict] | None,
-                      checked: list[str]) -> list[str]:
-    """The newest committed checkpoint against the receipt of its step (receipts of the whole state only)."""
-    from samestep.checkpoint import CheckpointError, verify_checkpoint
+def _check_checkpoint(run_dir: Path, doc: dict[str, Any], chains: Chains, checked: list[str]) -> list[str]:
+    """The newest committed checkpoint against the receipts of its step."""
+    from samestep.checkpoint import CheckpointError, committed_steps, verify_checkpoint
 
     root = run_dir / "checkpoints"
-    if not any(root.glob("step_*")):
+    if not committed_steps(root):
         checked.append("no checkpoint (none to compare)")
-        return []
-    if by_step is None:
-        checked.append("no checkpoint: the receipts are of each rank's shards, a checkpoint of the whole state")
-        return []
-    if doc.get("written_by") == "samestep.trace":
-        checked.append("no checkpoint: a loop of your own, whose model only it can build")
         return []
     try:
         step_dir = verify_checkpoint(root)
+        problems = checkpoint_mismatches(run_dir, doc, step_dir, chains)
     except CheckpointError as e:
         return [f"{root}: the newest checkpoint is damaged: {e}"]
-    step = int(step_dir.name.split("_")[1])
-    try:
-        digest = checkpoint_state_digest(doc["config"], step_dir)
-    except ValueError as e:  # it does not load into this run's model, optimizer or data cursor
-        return [f"{step_dir}: does not fit this run, so it is a checkpoint of another run: {e}"]
-    checked.append(f"checkpoint {step_dir.name} against its step's receipt")
-    r = by_step.get(step)
-    if r is None:
-        return [f"{step_dir}: no receipt of step {step}"]
-    if r["state"] != digest:
-        return [f"{step_dir}: its state digest {digest[:16]}... is not the receipt's of step {step} "
-                f"({r['state'][:16]}...): a checkpoint of another run, or changed since"]
-    return []
+    checked.append(f"checkpoint {step_dir.name} against its step's receipt(s)")
+    return problems

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from samestep.analysis.receipt_check import checkpoint_state_digest
+from samestep.analysis.receipt_check import checkpoint_mismatches
 from samestep.analysis.replay import environment_differences, replay, replay_start
 from samestep.receipts import chain_break, read_run_receipts, receipts_path
 from samestep.rundir import read_run
@@ -50,21 +50,19 @@ def _by_rank(files: dict[int, tuple[dict, list[dict]]]) -> dict[str, list[dict]]
 
 def _foreign_checkpoint(run_dir: Path, doc: dict[str, Any], files: dict[int, tuple[dict, list[dict]]],
                         start: int) -> dict[str, Any] | None:
-    """The checkpoint a replay starts from, against the run's receipt of its step (receipts of the whole
-    state): None if it is the run's, else a mismatch naming it."""
-    header, receipts = files.get(0, ({}, []))
-    receipt = next((r for r in receipts if r["step"] == start), None)
-    if not start or receipt is None or header.get("state_of") != "run":
+    """The checkpoint a replay starts from, against the run's receipts of its step: None if it is the run's,
+    else a mismatch naming it."""
+    if not start:
         return None
     step_dir = run_dir / "checkpoints" / f"step_{start:06d}"
     try:
-        digest = checkpoint_state_digest(doc["config"], step_dir)
-    except ValueError as e:  # it does not load into this run's model, optimizer or data cursor
-        digest = f"does not fit this run: {e}"
-    if digest == receipt["state"]:
+        problems = checkpoint_mismatches(run_dir, doc, step_dir, files)
+    except ValueError as e:  # damaged
+        problems = [f"{step_dir}: {e}"]
+    if not problems:
         return None
-    return {"step": start, "rank": 0, "fields": ["checkpoint"], "a": {"state": receipt["state"]},
-            "b": {"checkpoint": f"{step_dir.name}: {digest}"}}
+    return {"step": start, "rank": 0, "fields": ["checkpoint"], "a": {"state": "the receipt's"},
+            "b": {"checkpoint": problems[0]}}
 
 
 def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force: bool = False,

@@ -30,7 +30,7 @@ from samestep.checkpoint._format import (
 )
 from samestep.env import compare_environments, environment
 
-__all__ = ["LoadedCheckpoint", "load_checkpoint", "verify_checkpoint"]
+__all__ = ["LoadedCheckpoint", "checkpoint_state", "load_checkpoint", "verify_checkpoint"]
 
 
 @dataclass(slots=True)
@@ -89,6 +89,10 @@ def _verify(path: Path, only: set[str] | None = None) -> _Verified:
         raise CheckpointError(f"{mpath}: its contents do not match manifest_sha256; the manifest was edited "
                               "or damaged")
     _check_structure(mpath, manifest)
+    named = STEP_DIR.match(path.name)
+    if named and int(named.group(1)) != manifest["step"]:
+        raise CheckpointError(f"{mpath}: says step {manifest['step']}, but it is {path.name}: the manifest was "
+                              "edited, or the directory renamed")
     data: dict[str, bytes] = {}
     for name, entry in manifest["files"].items():
         if only is not None and name not in only:
@@ -106,7 +110,7 @@ def _verify(path: Path, only: set[str] | None = None) -> _Verified:
             raise CheckpointError(f"{fpath}: corrupt: {why}")
         data[name] = blob
     if "state.json" in data:
-        _check_state(path / "state.json", data["state.json"])
+        _check_state(path / "state.json", data["state.json"], manifest["step"])
     return _Verified(path, manifest, data)
 
 
@@ -130,8 +134,9 @@ def _check_structure(mpath: Path, manifest: dict[str, Any]) -> None:
             raise CheckpointError(f"{mpath}: the entry of {name!r} needs an integer 'size' and a 'sha256' string")
 
 
-def _check_state(path: Path, data: bytes) -> None:
-    """state.json's fields that loading needs (its bytes already match the manifest)."""
+def _check_state(path: Path, data: bytes, step: int) -> None:
+    """state.json's fields that loading needs (its bytes already match the manifest), and its step the
+    manifest's."""
     try:
         state = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -141,6 +146,8 @@ def _check_state(path: Path, data: bytes) -> None:
     for field, kind in (("environment", dict), ("model_aliases", dict), ("step", int)):
         if not isinstance(state.get(field), kind):
             raise CheckpointError(f"{path}: {field!r} is {state.get(field)!r}, expected a {kind.__name__}")
+    if state["step"] != step:
+        raise CheckpointError(f"{path}: says step {state['step']}, the manifest {step}: one of them was edited")
 
 
 def _candidates(path: Path) -> list[Path]:
@@ -228,6 +235,39 @@ def load_checkpoint(
     return LoadedCheckpoint(path=verified.path, step=manifest["step"], world_size=manifest["world_size"],
                             config=state.get("config"), environment=state["environment"], env_diff=diff,
                             extra=extra, skipped=skipped)
+
+
+def checkpoint_state(path: str | os.PathLike[str], rank: int | None = None) -> dict[str, Any]:
+    """A checkpoint's state as its writer's ``state_dict()`` calls returned it, rebuilt from its (verified)
+    files alone, with nothing built or restored: ``{"model", "step"}`` and each of ``"optimizer"``,
+    ``"scheduler"``, ``"data_cursor"`` it holds. Of a sharded checkpoint, ``rank``'s own shards in place of
+    each sharded tensor (what that rank's DTensors held locally); else, or with ``rank`` None, whole tensors.
+    What the run's receipts digest, to compare a checkpoint with them offline.
+
+    Raises:
+        CheckpointError: it is damaged, or holds no shards of ``rank``.
+    """
+    verified = _verify(_candidates(Path(path))[0])
+    state = json.loads(verified.data["state.json"])
+    if state.get("shards") and rank is not None:
+        if rank >= state["shards"]["world_size"]:
+            raise CheckpointError(f"{verified.path}: holds shards of {state['shards']['world_size']} rank(s), not of "
+                                  f"rank {rank}")
+        m_name, o_name = shard_names(rank)
+        model = {**safetensors_load(verified.data["model.safetensors"]), **safetensors_load(verified.data[m_name])}
+        tensors = {**safetensors_load(verified.data["optimizer.safetensors"]),
+                   **safetensors_load(verified.data[o_name])}
+    else:
+        model = {**safetensors_load(verified.data["model.safetensors"]), **_unsharded(verified, state, "model")}
+        tensors = {**safetensors_load(verified.data["optimizer.safetensors"]),
+                   **_unsharded(verified, state, "optimizer")}
+    for alias, target in state["model_aliases"].items():
+        model[alias] = model[target]
+    tree: dict[str, Any] = {"model": model, "step": verified.manifest["step"]}
+    for key in ("optimizer", "scheduler", "data_cursor"):
+        if key in state:
+            tree[key] = unflatten(state[key], tensors)
+    return tree
 
 
 def _first_intact(path: Path, fallback: bool) -> tuple[_Verified, list[tuple[Path, str]]]:

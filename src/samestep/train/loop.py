@@ -37,7 +37,7 @@ from samestep.distributed.fsdp import (
 from samestep.distributed.norm import canonical_grad_norm
 from samestep.mode import DeterminismReport, disable, enable
 from samestep.preempt import StopRequest, parse_signals
-from samestep.receipts import ReceiptWriter, genesis, truncate_receipts
+from samestep.receipts import ReceiptWriter, check_restored, genesis, truncate_receipts
 from samestep.rundir import (
     NUMERICS_NEUTRAL,
     final_doc,
@@ -333,6 +333,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
         truncate_metrics(run_dir, start, check_only=True)
     if _writes_receipts(parts, dist_):
         truncate_receipts(run_dir, rank, start, check_only=True)
+        check_restored(run_dir, rank, start, parts.receipt_state(start)())
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
         truncate_metrics(run_dir, start)  # first: a damaged metrics.jsonl refuses the resume before run.json records it
