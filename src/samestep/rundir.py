@@ -162,7 +162,8 @@ def determinism_diff(det_a: dict[str, Any] | None, det_b: dict[str, Any] | None)
 
 def record_close(run_dir: _PathLike, close: dict[str, Any], numerics_changed: dict[str, Any] | None = None) -> None:
     """Appends to run.json's ``closes`` that a trace segment was closed (by samestep.trace's recorder):
-    ``{"segment", "failed_step"}``, the last step whose context raised, or null. A segment with no close
+    ``{"segment", "failed_step", "records"}``: the last step whose context raised, or null, and the records
+    the segment holds. A segment with no close
     was killed, or is still being written. ``numerics_changed``: deterministic mode stopped holding during
     the run (the first step it was seen, each knob as set and as found); the first such record stays, as
     ``determinism_changed``. One read and one write of run.json."""

@@ -125,7 +125,11 @@ torch.save(model.state_dict(), run_dir + "/weights.pt")
 
 def test_a_loop_of_ones_own_killed_before_its_first_checkpoint_goes_on_from_step_0(tmp_path):
     """samestep.Run killed before its first checkpoint: the same loop run again continues the run from step 0
-    (a new trace segment, receipts afresh) and ends on the straight run's weights and receipts."""
+    (a new trace segment, receipts afresh) and ends on the straight run's weights and receipts, and its trace
+    certifies complete: a segment a kill ended and a resume followed needs no close. Control: right after
+    the kill, with no resume, it does not certify."""
+    from samestep.analysis import certify_trace
+
     straight, run = tmp_path / "straight", tmp_path / "run"
     subprocess.run([sys.executable, "-c", _OWN_LOOP, str(straight), "30"], check=True, capture_output=True,
                    timeout=300)
@@ -135,6 +139,7 @@ def test_a_loop_of_ones_own_killed_before_its_first_checkpoint_goes_on_from_step
         assert proc.poll() is None, proc.stderr.read()[-2000:]
     proc.kill()
     proc.wait()
+    assert not certify_trace(run)["complete"]
     done = subprocess.run([sys.executable, "-c", _OWN_LOOP, str(run), "30"], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -142,6 +147,7 @@ def test_a_loop_of_ones_own_killed_before_its_first_checkpoint_goes_on_from_step
         assert torch.equal(t.view(torch.int32), torch.load(run / "weights.pt")[name].view(torch.int32))
     assert (run / "receipts" / "rank_00000.jsonl").read_bytes() == \
         (straight / "receipts" / "rank_00000.jsonl").read_bytes()
+    assert certify_trace(run)["complete"], certify_trace(run)["problems"]
 
 
 def _pids_of(run_dir: Path) -> list[int]:
@@ -388,3 +394,34 @@ def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
     proc = subprocess.run(train_cmd(run, *TINY, "parallel.fsdp=true", resume=True, nproc=2),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "the checkpoint of step 8 restores state" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_stream_cut_at_a_batch_boundary_does_not_certify(tmp_path):
+    """An own loop's stream cut back to an earlier batch boundary (every batch left whole, its steps
+    complete) is named by certify: its recorder closed the segment with more records. Control: uncut, it
+    certifies complete."""
+    from samestep.analysis import certify_trace
+
+    samestep.enable(threads=1)
+    run = tmp_path / "run"
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = samestep.trace(run, level="step")
+    rec.attach(model)
+    sizes = {}
+    for step in range(1, 5):
+        with rec.step(step):
+            model(torch.ones(2, 4)).sum().backward()
+            rec.grads(model.named_parameters())
+            opt.step()
+            opt.zero_grad()
+            rec.state(model, opt)
+        rec.sync()
+        sizes[step] = (run / "trace" / "rank_00000.arrows").stat().st_size
+    rec.close()
+    assert certify_trace(run)["complete"]
+    stream = run / "trace" / "rank_00000.arrows"
+    with open(stream, "r+b") as f:
+        f.truncate(sizes[2])
+    report = certify_trace(run)
+    assert not report["complete"] and any("the stream was cut" in p for p in report["problems"]), report

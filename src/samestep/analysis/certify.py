@@ -55,7 +55,8 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
         if not segments:
             problems.append(f"rank {rank}: no trace stream ({run / 'trace'})")
             continue
-        last_seen, ended, records = _read_segments(segments, problems)
+        last_seen, ended, counts = _read_segments(segments, problems)
+        records = sum(counts)
         seen = set(last_seen)
         seen_by_rank[rank] = seen
         unfinished = sorted(s for s, k in last_seen.items() if (k, s) not in ended)
@@ -64,7 +65,7 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
                             "the step raised, or the run was killed in it)")
         per_rank[str(rank)] = {"records": records, "steps": format_selection(seen), "segments": len(segments)}
         if rank == 0 and doc.get("written_by") == "samestep.trace":
-            problems.extend(_closes(doc, len(segments), ended))
+            problems.extend(_closes(doc, counts, ended))
     if not metrics:
         last_step = max((max(seen) for seen in seen_by_rank.values() if seen), default=0)
     steps = {s for s in range(1, last_step + 1) if wanted_steps is None or s in wanted_steps}
@@ -76,13 +77,13 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
             "selected_steps": format_selection(steps), "selected_ranks": ranks}
 
 
-def _read_segments(segments: list, problems: list[str]) -> tuple[dict[int, int], set[tuple[int, int]], int]:
+def _read_segments(segments: list, problems: list[str]) -> tuple[dict[int, int], set[tuple[int, int]], list[int]]:
     """Reads a rank's stream segments in order: each step's last segment (a resume re-runs steps), the
-    (segment, step) pairs closed by a step.end record, and the record count; a sequence gap or a torn tail
-    is added to ``problems``."""
+    (segment, step) pairs closed by a step.end record, and each segment's record count; a sequence gap or a
+    torn tail is added to ``problems``."""
     last_seen: dict[int, int] = {}
     ended: set[tuple[int, int]] = set()
-    records = 0
+    counts = []
     for k, seg in enumerate(segments):
         try:
             _, batches, torn = iter_stream(seg)
@@ -101,22 +102,28 @@ def _read_segments(segments: list, problems: list[str]) -> tuple[dict[int, int],
                     problems.append(f"{seg.name}: sequence jumps from {expected + bad - 1} to {int(seq[bad])}")
                     jumped = True
                 expected += seq.size
-            records += expected
+            counts.append(expected)
             problems.extend(f"{seg.name}: {t}" for t in torn)
         except ValueError as e:
             raise DiffError(str(e)) from None
-    return last_seen, ended, records
+    return last_seen, ended, counts
 
 
-def _closes(doc: dict[str, Any], segments: int, ended: set[tuple[int, int]]) -> list[str]:
+def _closes(doc: dict[str, Any], counts: list[int], ended: set[tuple[int, int]]) -> list[str]:
     """A run of the user's own loop has no metrics to say which steps ran: rank 0's recorder records in
-    run.json each segment it closed and the step whose context raised, if one did (not re-run and
-    finished in a later segment)."""
+    run.json each segment it closed, the records it holds and the step whose context raised, if one did
+    (not re-run and finished in a later segment). A segment that a kill ended and a resume followed needs no
+    close (the later segments' steps are checked like any); the last one does."""
     closes = {c.get("segment"): c for c in doc.get("closes", [])}
-    problems = [f"rank 0's trace segment {k} was not closed: the run was killed, or is still running, so steps "
-                "after its last recorded one may be missing" for k in range(segments) if k not in closes]
+    last = len(counts) - 1
+    problems = [] if last in closes else [
+        f"rank 0's trace segment {last} was not closed: the run was killed, or is still running, so steps after "
+        "its last recorded one may be missing"]
     for k, close in sorted(closes.items()):
+        if k is not None and 0 <= k <= last and "records" in close and close["records"] != counts[k]:
+            problems.append(f"rank 0's trace segment {k} holds {counts[k]} records; its recorder closed it with "
+                            f"{close['records']}: the stream was cut or added to")
         failed = close.get("failed_step")
-        if failed is not None and not any((later, failed) in ended for later in range(k + 1, segments)):
+        if failed is not None and not any((later, failed) in ended for later in range(k + 1, last + 1)):
             problems.append(f"step {failed} raised (segment {k}): the run did not finish it")
     return problems

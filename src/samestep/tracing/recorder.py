@@ -117,6 +117,11 @@ class Recorder:
         """Whether the current step is recorded."""
         return self.enabled and not self._paused and (self.steps is None or self._staging.step in self.steps)
 
+    @property
+    def records(self) -> int:
+        """The records made so far: what the stream holds once the recorder has closed."""
+        return self._staging.seq
+
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Nothing inside is recorded (a check that runs a microbatch again is not the run's computation)."""

@@ -125,7 +125,8 @@ def _closed(rec: Recorder, segment: int, lock: RunLock | None) -> None:
     """Rank 0's recorder closed: run.json records it (and a knob of deterministic mode that stopped
     holding), so that certify can tell a finished trace from a killed or failed one; the run is free."""
     try:
-        record_close(rec.run_dir, {"segment": segment, "failed_step": rec.failed_step}, rec.numerics_changed)
+        record_close(rec.run_dir, {"segment": segment, "failed_step": rec.failed_step, "records": rec.records},
+                     rec.numerics_changed)
     finally:
         if lock is not None:
             lock.release()

@@ -144,7 +144,10 @@ class StreamWriter:
         fsync_dir(self.path.parent)
 
     def close(self) -> None:
+        """Writes the stream's end and makes it durable: a closed segment that run.json records as closed
+        is whole after a power loss too."""
         self._writer.close()
+        self.sync()
         self._file.close()
 
 
