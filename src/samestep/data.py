@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from samestep import rng
+from samestep.durable import read_file
 
 __all__ = ["Corpus", "DataCursor", "load_corpus", "stdlib_files"]
 
@@ -51,7 +52,7 @@ def stdlib_files() -> list[Path]:
 
 def _concat(files: list[Path], root: Path) -> bytes:
     # The path header makes the corpus depend on the file set, not only the concatenated bytes.
-    return b"".join(b"# file: " + p.relative_to(root).as_posix().encode() + b"\n" + p.read_bytes() for p in files)
+    return b"".join(b"# file: " + p.relative_to(root).as_posix().encode() + b"\n" + read_file(p) for p in files)
 
 
 def load_corpus(source: str = "stdlib", path: str | os.PathLike[str] | None = None) -> Corpus:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from samestep._state import canonical_json, dotted, state_digest
-from samestep.durable import replace_atomic
+from samestep.durable import read_file, replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL
 
 __all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "chain_break",
@@ -204,7 +204,7 @@ def read_receipts(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[di
     """
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = read_file(path).decode("utf-8").splitlines()
     except FileNotFoundError:
         raise ReceiptError(f"{path}: missing; the run wrote no receipts (a run of samestep before receipts, or "
                            "not a samestep run directory)") from None

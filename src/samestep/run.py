@@ -32,7 +32,7 @@ from samestep import mode, preempt
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from samestep.distributed.agree import any_rank
 from samestep.receipts import ReceiptWriter, check_restored, genesis, truncate_receipts
-from samestep.rundir import hold
+from samestep.rundir import checked_run_dir, hold
 
 __all__ = ["Run"]
 
@@ -81,7 +81,7 @@ class Run:
                              "count >= 1")
         if resume not in ("auto", True, False):
             raise ValueError(f"samestep.Run(resume={resume!r}): use 'auto', True or False")
-        self.run_dir = Path(run_dir)
+        self.run_dir = checked_run_dir(run_dir)
         self.model, self.optimizer, self.scheduler, self.data_cursor = model, optimizer, scheduler, data_cursor
         self.checkpoints = self.run_dir / "checkpoints"
         self.checkpoint_every, self.keep = checkpoint_every, keep

@@ -19,12 +19,12 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from samestep.durable import replace_atomic
+from samestep.durable import read_file, replace_atomic
 from samestep.env import environment
 from samestep.version import __version__
 
-__all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "RunLock", "determinism_diff",
-           "final_digest", "final_doc", "hold", "last_logged_step", "logged_loss", "metrics_line", "new_run",
+__all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "RunLock", "checked_run_dir",
+           "determinism_diff", "final_digest", "final_doc", "hold", "last_logged_step", "logged_loss", "metrics_line", "new_run",
            "read_final", "read_metrics", "read_run", "record_close", "record_resume", "truncate_metrics",
            "write_final", "write_run"]
 
@@ -35,7 +35,7 @@ FINAL_FORMAT, FINAL_VERSION = "samestep.final", 1
 # (trace.perturb changes bits on purpose.)
 NUMERICS_NEUTRAL = frozenset({"train.checkpoint_every", "train.keep_checkpoints", "train.log_every",
                               "train.exit_signals", "train.receipts", "train.cross_rank_check", "train.sdc_check_every",
-                              "train.sdc_action", "determinism.env_mismatch", "parallel.fsdp", "parallel.overlap",
+                              "train.sdc_action", "train.nonfinite", "determinism.env_mismatch", "parallel.fsdp", "parallel.overlap",
                               "trace.level", "trace.steps", "trace.ranks", "trace.copy", "trace.worker"})
 
 _PathLike = str | os.PathLike[str]
@@ -47,6 +47,37 @@ class RunDirError(ValueError):
 
 def _dump(doc: Any) -> bytes:
     return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+
+
+# -- where a run may live -----------------------------------------------------------------------------------
+_VIRTUAL = ("/proc", "/sys", "/dev")  # file systems of the kernel's, not storage
+
+
+def checked_run_dir(run_dir: _PathLike) -> Path:
+    """``run_dir`` if a run can live there: a directory (or nothing yet) on a real file system, named by a path
+    that resolves.
+
+    Raises:
+        RunDirError: the path is empty, a file, a FIFO, a symlink loop, too long, or under /proc, /sys or /dev;
+            names it and the fix.
+    """
+    text = os.fspath(run_dir)
+    if not str(text).strip():
+        raise RunDirError("the run directory is '' (empty); name a directory, e.g. --run-dir runs/a")
+    path = Path(run_dir)
+    try:
+        resolved = path.resolve(strict=False)
+        exists = path.exists()
+    except (OSError, RuntimeError) as e:  # a symlink loop (RuntimeError on some Pythons), a name too long
+        raise RunDirError(f"{path}: cannot be used as a run directory ({getattr(e, 'strerror', None) or e}); choose "
+                          "another path") from None
+    virtual = next((v for v in _VIRTUAL if resolved == Path(v) or Path(v) in resolved.parents), None)
+    if virtual is not None:
+        raise RunDirError(f"{path}: lies under {virtual}, a kernel file system, not storage; choose a directory on "
+                          "a disk")
+    if exists and not path.is_dir():
+        raise RunDirError(f"{path}: is a file, not a directory; choose a directory for the run (or remove the file)")
+    return path
 
 
 # -- one writer -----------------------------------------------------------------------------------------------
@@ -116,7 +147,7 @@ def read_run(run_dir: _PathLike) -> dict[str, Any]:
     """
     path = Path(run_dir) / "run.json"
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(read_file(path).decode("utf-8"))
     except FileNotFoundError:
         raise RunDirError(f"{path}: missing; {run_dir} is not a samestep run directory") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -191,7 +222,7 @@ def read_metrics(run_dir: _PathLike) -> list[dict[str, Any]]:
     path = Path(run_dir) / "metrics.jsonl"
     rows = []
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_file(path).decode("utf-8")
     except FileNotFoundError:
         return rows
     except UnicodeDecodeError as e:
@@ -226,7 +257,7 @@ def truncate_metrics(run_dir: _PathLike, last_step: int, *, check_only: bool = F
             raise RunDirError(f"{path}: missing, though the run trained steps 1..{last_step}; resuming would leave "
                               "the metrics incomplete: restore the file, or resume into a new run directory")
         return
-    lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+    lines = read_file(path).decode("utf-8").splitlines(keepends=True)
     if lines and not lines[-1].endswith("\n"):
         lines.pop()  # a torn last line of a killed run
     rows = read_metrics(run_dir)[: len(lines)]
@@ -245,7 +276,7 @@ def logged_loss(run_dir: _PathLike, step: int) -> float:
     """The loss bits that metrics.jsonl holds for ``step`` (NaN if it holds none): what final.json reports
     when a resumed run has no step left to train."""
     try:
-        lines = (Path(run_dir) / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+        lines = read_file(Path(run_dir) / "metrics.jsonl").decode("utf-8").splitlines()
     except FileNotFoundError:
         return float("nan")
     for line in reversed(lines):
@@ -261,7 +292,7 @@ def logged_loss(run_dir: _PathLike, step: int) -> float:
 def last_logged_step(run_dir: _PathLike) -> int:
     """The step of metrics.jsonl's last complete line (0 if none)."""
     try:
-        lines = (Path(run_dir) / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+        lines = read_file(Path(run_dir) / "metrics.jsonl").decode("utf-8").splitlines()
     except FileNotFoundError:
         return 0
     for line in reversed(lines):
@@ -292,7 +323,7 @@ def read_final(run_dir: _PathLike) -> dict[str, Any] | None:
     """
     path = Path(run_dir) / "final.json"
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(read_file(path))
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:

@@ -372,7 +372,8 @@ def test_receipts_verify_of_a_run_without_receipts_is_an_input_error(tmp_path):
 @pytest.mark.slow
 def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
     """A 2-process FSDP2 run: `receipts verify` compares each rank's shards of the newest checkpoint with that
-    rank's receipts (they hold); with the two ranks' model shards swapped and the manifest resealed,
+    rank's receipts (they hold); rank 1's receipts cut short fail its resume alone, and the job exits with
+    its input error; with the two ranks' model shards swapped and the manifest resealed,
     `checkpoint verify` still passes, but `receipts verify` names rank 0's shards and a --resume on 2
     processes is refused (exit 2)."""
     from samestep.analysis.receipt_check import check_receipts
@@ -383,6 +384,15 @@ def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
     run_train(run, *TINY, "parallel.fsdp=true", nproc=2)
     report = check_receipts(run)
     assert report["ok"] and "checkpoint step_000008 against its step's receipt(s)" in report["checked"], report
+    # an input error on rank 1 alone (its receipts cut short): the job's exit is rank 1's 2, not the
+    # connection error rank 0 then meets
+    mine = run / "receipts" / "rank_00001.jsonl"
+    kept = mine.read_bytes()
+    mine.write_bytes(b"".join(kept.splitlines(keepends=True)[:3]))
+    proc = subprocess.run(train_cmd(run, *TINY, "parallel.fsdp=true", resume=True, nproc=2), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 2 and "rank_00001.jsonl" in proc.stderr, proc.stderr[-2000:]
+    mine.write_bytes(kept)
     step_dir = run / "checkpoints" / "step_000008"
     zero, one = (step_dir / "model.rank_00000.safetensors").read_bytes(), \
         (step_dir / "model.rank_00001.safetensors").read_bytes()
@@ -425,3 +435,141 @@ def test_a_stream_cut_at_a_batch_boundary_does_not_certify(tmp_path):
         f.truncate(sizes[2])
     report = certify_trace(run)
     assert not report["complete"] and any("the stream was cut" in p for p in report["problems"]), report
+
+
+def _cli(*argv: str, timeout: float = 300) -> tuple[int, str, str]:
+    """Runs the samestep CLI in this process (no interpreter to start), on a thread that must finish within
+    ``timeout``: a command that blocks fails the test instead of hanging it."""
+    import contextlib
+    import io
+    import threading
+
+    from samestep.cli import main
+
+    out, err, result = io.StringIO(), io.StringIO(), []
+
+    def run() -> None:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            result.append(main(list(argv)))
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    worker.join(timeout)
+    assert not worker.is_alive(), f"samestep {' '.join(argv)} blocked for {timeout} s"
+    return result[0], out.getvalue(), err.getvalue()
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished reference run with checkpoints at steps 4, 6 and 8, copied by each test that damages it."""
+    run = tmp_path_factory.mktemp("finished") / "run"
+    train_here(run, *TINY)
+    return run
+
+
+def _copy(run: Path, to: Path) -> Path:
+    import shutil
+
+    shutil.copytree(run, to, symlinks=True)
+    return to
+
+
+@pytest.mark.parametrize("target", ["run.json", "final.json", "receipts/rank_00000.jsonl", "metrics.jsonl",
+                                    "checkpoints/step_000008/manifest.json",
+                                    "checkpoints/step_000008/model.safetensors"])
+def test_a_fifo_in_place_of_a_file_is_an_error_not_a_wait(finished, tmp_path, target):
+    """A FIFO where samestep reads a file: every command that reads it ends at once, with one line naming it
+    and exit 2 (a resume falls back to the older checkpoint where the newest is the damaged one, as for any
+    damage; final.json a resume does not read, but writes). Control: the same commands on the undamaged run
+    give their verdicts."""
+    import os
+
+    run = _copy(finished, tmp_path / "run")
+    commands = [("receipts", "verify", str(run)), ("trace", "certify", str(run)), ("diff", str(run), str(finished))]
+    for argv in commands:
+        assert _cli(*argv)[0] in (0, 1), argv  # a verdict on the whole run (certify: not traced)
+    (run / target).unlink()
+    os.mkfifo(run / target)
+    for argv in commands:  # every one ends; receipts verify, which reads all of them, names the damage
+        code, _, err = _cli(*argv, timeout=120)
+        assert code in (0, 1, 2) and (code != 2 or len(err.strip().splitlines()) == 1), (argv, code, err)
+    assert _cli("receipts", "verify", str(run), timeout=120)[0] in (1, 2)
+    code, _, err = _cli("train", "--run-dir", str(run), *[x for s in TINY for x in ("--set", s)], "--resume",
+                        timeout=300)
+    if target.startswith("checkpoints/"):
+        assert code == 0, err  # the newest checkpoint is skipped as damaged, step 6 resumes
+    elif target == "final.json":
+        assert code == 0 and (run / target).is_file(), err  # not read by a resume: written anew
+    else:
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "FIFO" in err, err
+
+
+def test_bad_paths_and_oversized_configs_are_input_errors(tmp_path):
+    """One line and exit 2 for: a --run-dir that is empty, a file, a FIFO, a symlink loop, too long or under
+    /proc; a --config that is a directory or a symlink loop; diff and receipts verify given a file;
+    checkpoint verify on a file, /dev/zero, a FIFO or an empty directory; a trace.steps range that selects
+    nothing; a step that would read the corpus many times over; a model too big for memory. Control: the
+    tiny config trains (exit 0)."""
+    import os
+
+    a_file, fifo, loop, empty = tmp_path / "file", tmp_path / "fifo", tmp_path / "loop", tmp_path / "empty"
+    a_file.write_text("x")
+    os.mkfifo(fifo)
+    loop.symlink_to(loop)
+    empty.mkdir()
+    tiny = [x for s in TINY for x in ("--set", s)]
+    cases = {
+        "run-dir ''": ("train", "--run-dir", "", *tiny),
+        "run-dir a file": ("train", "--run-dir", str(a_file), *tiny),
+        "run-dir a FIFO": ("train", "--run-dir", str(fifo), *tiny),
+        "run-dir a loop": ("train", "--run-dir", str(loop), *tiny),
+        "run-dir too long": ("train", "--run-dir", str(tmp_path / ("x" * 300)), *tiny),
+        "run-dir under /proc": ("train", "--run-dir", "/proc/samestep-run", *tiny),
+        "config a directory": ("train", "--run-dir", str(tmp_path / "r1"), "--config", str(empty)),
+        "config a loop": ("train", "--run-dir", str(tmp_path / "r2"), "--config", str(loop)),
+        "diff of a file": ("diff", str(a_file), str(a_file)),
+        "receipts verify of a file": ("receipts", "verify", str(a_file)),
+        "checkpoint verify of a file": ("checkpoint", "verify", str(a_file)),
+        "checkpoint verify of /dev/zero": ("checkpoint", "verify", "/dev/zero"),
+        "checkpoint verify of a FIFO": ("checkpoint", "verify", str(fifo)),
+        "checkpoint verify of an empty directory": ("checkpoint", "verify", str(empty)),
+        "trace.steps=5-1": ("train", "--run-dir", str(tmp_path / "r3"), *tiny, "--set", "trace.steps=5-1"),
+        "a step past the corpus": ("train", "--run-dir", str(tmp_path / "r4"), *tiny, "--set",
+                                   "train.global_batch=1000000000"),
+        "a model past memory": ("train", "--run-dir", str(tmp_path / "r5"), *tiny, "--set", "model.n_layer=1000000"),
+    }
+    for name, argv in cases.items():
+        code, out, err = _cli(*argv)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and "error:" in err, (name, code, err, out)
+    assert "train.global_batch=1000000000" in _cli(*cases["a step past the corpus"])[2]
+    assert "model.n_layer=1000000" in _cli(*cases["a model past memory"])[2]
+    code, out, err = _cli("checkpoint", "verify", str(empty), "--json")
+    assert code == 2 and json_line(out) == {"error": err.strip().removeprefix("samestep checkpoint verify: "),
+                                            "exit_code": 2}
+    assert _cli("train", "--run-dir", str(tmp_path / "ok"), *tiny)[0] == 0
+
+
+def json_line(text: str) -> dict:
+    import json
+
+    return json.loads(text.strip().splitlines()[-1])
+
+
+def test_a_non_finite_loss_stops_the_run_before_its_update(tmp_path):
+    """train.lr=1e30: the first step whose loss or gradient norm is not finite stops the run before its
+    update, with a checkpoint of the step before it, one line and exit 5. Control: with
+    train.nonfinite=continue the same run trains on to NaN and exits 0. A learning rate past what float32
+    holds (1e308) is refused at the start."""
+    from samestep.checkpoint import committed_steps
+
+    tiny = [x for s in TINY for x in ("--set", s)]
+    run = tmp_path / "run"
+    code, _, err = _cli("train", "--run-dir", str(tmp_path / "huge"), *tiny, "--set", "train.lr=1e308")
+    assert code == 2 and "train.lr=1e+308 overflows float32" in err, err
+    code, _, err = _cli("train", "--run-dir", str(run), *tiny, "--set", "train.lr=1e30")
+    assert code == 5 and "the run stopped before that step's update" in err, err
+    step = int(err.split("train: step ", 1)[1].split(":", 1)[0])
+    assert [s for s, _ in committed_steps(run / "checkpoints")][0] == step - 1
+    code, _, _ = _cli("train", "--run-dir", str(tmp_path / "on"), *tiny, "--set", "train.lr=1e30", "--set",
+                      "train.nonfinite=continue")
+    assert code == 0

@@ -356,3 +356,87 @@ def test_a_failed_save_leaves_no_temporary_directory_and_the_previous_checkpoint
     monkeypatch.setattr(save_mod, "write_durable", real)
     save_checkpoint(root, 2, model=model, optimizer=opt, data_cursor=cursor)
     assert verify_checkpoint(root) == root / "step_000002"
+
+
+@pytest.mark.parametrize("point", ["temporary directory", "manifest", "commit rename", "latest"])
+def test_a_full_disk_anywhere_in_a_save_leaves_nothing_partial(tmp_path, monkeypatch, point):
+    """The disk fills at each write a save makes outside the tensor files (its temporary directory, the
+    manifest, the commit's rename, ``latest``): one CheckpointError naming the file and the cause, and no
+    ``.step_N.tmp``, ``.latest.tmp`` or ``.step_N.prune`` left; before the commit the previous checkpoint stays
+    newest and loads, after it the new one does. Control: the same save with room succeeds."""
+    import errno
+    import os
+
+    from samestep import durable
+    from samestep.checkpoint import _format
+    from samestep.checkpoint import save as save_mod
+
+    root = tmp_path / "ckpt"
+    first, second = _two_checkpoints(root)
+    shutil.rmtree(root / "step_000002")
+    (root / "latest").write_text("step_000001\n")
+    model, opt, cursor = _setup()
+    _steps(model, opt, cursor, 0, 2)
+
+    def full(path):
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    real_write, real_replace, real_mkdir = durable.write_durable, os.replace, Path.mkdir
+    if point == "temporary directory":
+        monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: full(self) if self.name.endswith(".tmp")
+                            else real_mkdir(self, *a, **k))
+    elif point == "manifest":
+        monkeypatch.setattr(_format, "write_durable", lambda path, data: full(path) if path.name == "manifest.json"
+                            else real_write(path, data))
+    elif point == "commit rename":
+        monkeypatch.setattr(save_mod.os, "replace", lambda a, b: full(b) if Path(b).name == "step_000002"
+                            else real_replace(a, b))
+    else:
+        monkeypatch.setattr(durable, "write_durable", lambda path, data: full(path) if path.name == ".latest.tmp"
+                            else real_write(path, data))
+    with pytest.raises(CheckpointError, match=r"step_000002: (not saved|saved, but): .*No space left on device"
+                                              if point != "latest" else r"step_000002: saved, but writing"):
+        save_checkpoint(root, 2, model=model, optimizer=opt, data_cursor=cursor)
+    monkeypatch.undo()
+    left = sorted(p.name for p in root.iterdir())
+    assert not [n for n in left if n.startswith(".")], left
+    model2, opt2, cursor2 = _setup()
+    loaded = load_checkpoint(root, model=model2, optimizer=opt2, data_cursor=cursor2).step
+    assert (loaded, _digest(model2, opt2, cursor2)) == ((2, second) if point == "latest" else (1, first))
+    save_checkpoint(root, 2, model=model, optimizer=opt, data_cursor=cursor)
+    assert verify_checkpoint(root) == root / "step_000002"
+
+
+@pytest.mark.parametrize("odd", ["latest is a directory", "a file named like the step"])
+def test_a_save_over_what_no_save_wrote_is_refused_before_writing(tmp_path, odd):
+    """``checkpoints/latest`` as a directory, or a file named ``step_000002``: the save is refused naming it,
+    before anything is written (nothing committed, no temporary left)."""
+    root = tmp_path / "ckpt"
+    _two_checkpoints(root)
+    shutil.rmtree(root / "step_000002")
+    if odd == "latest is a directory":
+        (root / "latest").unlink()
+        (root / "latest").mkdir()
+    else:
+        (root / "step_000002").write_text("not a checkpoint")
+    before = sorted(p.name for p in root.iterdir())
+    model, opt, cursor = _setup()
+    with pytest.raises(CheckpointError, match="move it away"):
+        save_checkpoint(root, 2, model=model, optimizer=opt, data_cursor=cursor)
+    assert sorted(p.name for p in root.iterdir()) == before
+
+
+def test_a_directory_in_place_of_a_tensor_file_falls_back_to_the_older_checkpoint(tmp_path):
+    """``model.safetensors`` of the newest checkpoint is a directory: a loader with fallback skips it as it skips
+    any damage and loads the older one, bit for bit; without fallback it names the file."""
+    root = tmp_path / "ckpt"
+    first, _ = _two_checkpoints(root)
+    target = root / "step_000002" / "model.safetensors"
+    target.unlink()
+    target.mkdir()
+    with pytest.raises(CheckpointError, match="model.safetensors: is a directory"):
+        verify_checkpoint(root)
+    model, opt, cursor = _setup()
+    with pytest.warns(RuntimeWarning, match="skipping corrupt checkpoint"):
+        assert load_checkpoint(root, model=model, optimizer=opt, data_cursor=cursor, fallback=True).step == 1
+    assert _digest(model, opt, cursor) == first

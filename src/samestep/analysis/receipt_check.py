@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from samestep._state import state_digest
+from samestep.durable import read_file
 from samestep.receipts import (
     ReceiptError,
     chain_break,
@@ -62,7 +63,7 @@ def _check_metrics(run_dir: Path, by_step: dict[int, dict], last: int, finished:
     if not path.exists():
         return [f"{path}: missing, though the run receipted steps 1-{last}"]
     rows = read_metrics(run_dir)
-    lines = path.read_text(encoding="utf-8").splitlines()
+    lines = read_file(path).decode("utf-8").splitlines()
     steps = [row["step"] for row in rows]
     if steps[:last] != list(range(1, last + 1)):
         bad = next((i for i, s in enumerate(steps[:last], 1) if s != i), min(len(steps), last) + 1)

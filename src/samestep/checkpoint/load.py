@@ -28,6 +28,7 @@ from samestep.checkpoint._format import (
     sha256_bytes,
     shard_names,
 )
+from samestep.durable import NotAFile, read_file
 from samestep.env import compare_environments, environment
 
 __all__ = ["LoadedCheckpoint", "checkpoint_state", "load_checkpoint", "verify_checkpoint"]
@@ -73,11 +74,13 @@ def _verify(path: Path, only: set[str] | None = None) -> _Verified:
     """Reads and checks one checkpoint directory; raises CheckpointError naming the first problem."""
     mpath = path / MANIFEST
     try:
-        manifest = json.loads(mpath.read_bytes())
+        manifest = json.loads(read_file(mpath))
     except FileNotFoundError:
         raise CheckpointError(f"{mpath}: missing; {path} is not a committed samestep checkpoint") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{mpath}: not valid JSON ({e}); the manifest is corrupt") from None
+    except (NotAFile, NotADirectoryError, PermissionError) as e:
+        raise CheckpointError(str(e) if isinstance(e, NotAFile) else f"{mpath}: cannot be read ({e.strerror})") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: format is {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
                               f"expected {FORMAT!r}")
@@ -99,9 +102,12 @@ def _verify(path: Path, only: set[str] | None = None) -> _Verified:
             continue
         fpath = path / name
         try:
-            blob = fpath.read_bytes()
+            blob = read_file(fpath)
         except FileNotFoundError:
             raise CheckpointError(f"{fpath}: missing (listed in the manifest)") from None
+        except (NotAFile, PermissionError) as e:  # a corrupt checkpoint like any other: a fallback skips it
+            raise CheckpointError(str(e) if isinstance(e, NotAFile) else f"{fpath}: cannot be read ({e.strerror})") \
+                from None
         if len(blob) != entry["size"]:
             raise CheckpointError(f"{fpath}: {len(blob)} bytes, manifest says {entry['size']} (truncated or "
                                   "overwritten)")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -119,10 +121,12 @@ def save_checkpoint(
     root = Path(root)
     final = root / step_dir_name(step)
     tmp = root / f".{final.name}.tmp"
-    if rank == 0:
-        _fresh_dir(root, tmp)
+    with _guarded(final, tmp, root, committed=False):
+        if rank == 0:
+            _check_layout(root, final)
+            _fresh_dir(root, tmp)
     barrier()
-    try:
+    with _guarded(final, tmp, root, committed=False):
         # Every rank writes its own RNG state: ranks' streams differ and are never deduplicated.
         meta, rng_tensors = _rng.capture_rng(generators)
         t_name, j_name = rank_names(rank)
@@ -133,28 +137,56 @@ def save_checkpoint(
             files = _write_sharded(tmp, step, rank, world, model, optimizer, stateful, extra, config)
         elif rank == 0:
             files = _write_state(tmp, step, model, optimizer, stateful, extra, config)
-    except OSError as e:  # a full disk, say: the space goes back, and the previous checkpoint stays latest
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointError(f"{final}: not saved: writing {e.filename or tmp} failed ({e.strerror or e}); its "
-                              f"temporary directory was removed, and {root / LATEST} still names the previous "
-                              "checkpoint") from None
     barrier()
     if rank == 0:
-        for r in range(world):
-            for name in rank_names(r):
-                files[name] = _file_entry((tmp / name).read_bytes())
-            if sharded:  # each rank's shard entries, which it digested itself: no shard is read here
-                entries = tmp / _ENTRIES.format(r)
-                files.update(json.loads(entries.read_bytes()))
-                entries.unlink()
-        _supersede(root, step)
-        _commit(root, tmp, final, {"format": FORMAT, "version": SHARDED_VERSION if sharded else VERSION, "step": step,
-                                   "world_size": world, "files": dict(sorted(files.items()))})
-        if keep is not None:
-            for _, path in committed_steps(root)[max(keep, 1):]:
-                _prune(root, path)
+        with _guarded(final, tmp, root, committed=False):
+            for r in range(world):
+                for name in rank_names(r):
+                    files[name] = _file_entry((tmp / name).read_bytes())
+                if sharded:  # each rank's shard entries, which it digested itself: no shard is read here
+                    entries = tmp / _ENTRIES.format(r)
+                    files.update(json.loads(entries.read_bytes()))
+                    entries.unlink()
+            _supersede(root, step)
+            old = _commit(root, tmp, final, {"format": FORMAT, "version": SHARDED_VERSION if sharded else VERSION,
+                                             "step": step, "world_size": world, "files": dict(sorted(files.items()))})
+        with _guarded(final, tmp, root, committed=True):
+            replace_atomic(root / LATEST, (final.name + "\n").encode())
+            if old is not None:
+                shutil.rmtree(old)
+            if keep is not None:
+                for _, path in committed_steps(root)[max(keep, 1):]:
+                    _prune(root, path)
     barrier()
     return final
+
+
+@contextlib.contextmanager
+def _guarded(final: Path, tmp: Path, root: Path, committed: bool) -> Iterator[None]:
+    """A failed write anywhere in a save (a full disk, say) removes what it left and says what holds: the
+    previous checkpoints stay, or, after the commit's rename, this one is committed."""
+    try:
+        yield
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        what = f"writing {e.filename or root} failed ({e.strerror or e})"
+        if committed:
+            raise CheckpointError(f"{final}: saved, but {what} after its commit; {root / LATEST} may still name the "
+                                  "previous checkpoint (loaders take the newest committed one)") from None
+        raise CheckpointError(f"{final}: not saved: {what}; its temporary files were removed, and the previous "
+                              "checkpoints stay") from None
+
+
+def _check_layout(root: Path, final: Path) -> None:
+    """What the save will write over must be what a save wrote: refused before anything is written."""
+    if root.exists() and not root.is_dir():
+        raise CheckpointError(f"{root}: is a file, where checkpoints go; move it away")
+    latest = root / LATEST
+    if latest.is_symlink() or (latest.exists() and not latest.is_file()):
+        raise CheckpointError(f"{latest}: is not a file (samestep writes the newest checkpoint's name there); move it "
+                              "away")
+    if (final.exists() or final.is_symlink()) and not (final.is_dir() and not final.is_symlink()):
+        raise CheckpointError(f"{final}: is not a checkpoint directory, and this save would replace it; move it away")
 
 
 def _fresh_dir(root: Path, tmp: Path) -> None:
@@ -293,9 +325,10 @@ def _write_sharded(tmp: Path, step: int, rank: int, world: int, model: torch.nn.
     return files
 
 
-def _commit(root: Path, tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
+def _commit(root: Path, tmp: Path, final: Path, manifest: dict[str, Any]) -> Path | None:
     """Writes the manifest, then names the checkpoint: the rename of ``tmp`` to ``final`` is the commit
-    point; ``latest`` follows."""
+    point. Returns the checkpoint of the same step it replaced, renamed aside, for the caller to remove once
+    ``latest`` follows."""
     manifest["manifest_sha256"] = manifest_digest(manifest)
     write_json(tmp / MANIFEST, manifest)
     fsync_dir(tmp)
@@ -307,6 +340,4 @@ def _commit(root: Path, tmp: Path, final: Path, manifest: dict[str, Any]) -> Non
         os.replace(final, old)
     os.replace(tmp, final)  # the commit point
     fsync_dir(root)
-    replace_atomic(root / LATEST, (final.name + "\n").encode())
-    if old is not None:
-        shutil.rmtree(old)
+    return old

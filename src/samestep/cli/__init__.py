@@ -9,6 +9,8 @@ import traceback
 
 from samestep.version import __version__
 from samestep.cli import bisect, checkpoint, demo, diff, env, receipts, report, trace, train, verify
+from samestep.cli.errors import INPUT_ERROR, INTERNAL_ERROR, INTERRUPTED, input_error_of
+from samestep.cli.errors import report as report_error
 
 __all__ = ["main"]
 
@@ -29,10 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# Exit codes (every command): a script can tell a verdict from a crash.
-OK, DIFFERENCE, INPUT_ERROR, INTERNAL_ERROR, INTERRUPTED = 0, 1, 2, 3, 130
-
-
 def main(argv: list[str] | None = None) -> int:
     """Runs the CLI; returns the exit code: 0 ok, 1 found a difference (diverged, incomplete, corrupt), 2
     usage or input error, 3 an unexpected error (one line; ``--debug`` or ``SAMESTEP_DEBUG=1`` prints the
@@ -42,13 +40,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.run(args, args.subparser) or 0)
     except KeyboardInterrupt:
-        print(f"samestep {args.command}: interrupted", file=sys.stderr)
-        return INTERRUPTED
-    except Exception as e:  # not a verdict: a crash must not read as "diverged" (exit 1)
+        return report_error(args, "interrupted", INTERRUPTED)
+    except Exception as e:  # not a verdict: bad input (2) or a crash (3) must not read as "diverged" (exit 1)
         if args.debug or os.environ.get("SAMESTEP_DEBUG"):
             traceback.print_exc()
+        line = input_error_of(e)
+        if line is not None:
+            return report_error(args, f"error: {line}", INPUT_ERROR)
         where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
         at = f" (at {os.path.basename(where.filename)}:{where.lineno})" if where else ""
-        print(f"samestep {args.command}: unexpected error: {type(e).__name__}: {e}{at}; --debug (or "
-              "SAMESTEP_DEBUG=1) prints the traceback", file=sys.stderr)
-        return INTERNAL_ERROR
+        return report_error(args, f"unexpected error: {type(e).__name__}: {e}{at}; --debug (or SAMESTEP_DEBUG=1) "
+                                  "prints the traceback", INTERNAL_ERROR)

@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+from samestep.cli.errors import InputError
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -31,11 +33,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from samestep.analysis.replay import ReplayError
 
     if args.retries < 0:
-        parser.exit(2, f"samestep bisect: error: --retries {args.retries}: expected 0 or more\n")
+        raise InputError(f"--retries {args.retries}: expected 0 or more")
     try:
         report = bisect_runs(args.run_a, args.run_b, retries=args.retries, force=args.force,
                              keep=Path(args.keep) if args.keep else None)
     except (ValueError, ReplayError, FileExistsError) as e:  # a DiffError, BisectError, damaged file, failed replay
-        parser.exit(2, f"samestep bisect: error: {e}\n")
+        raise InputError(str(e)) from None
     print(json.dumps(report) if args.json else report["summary"])
     return 0 if report["identical"] else 1

@@ -6,7 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
-from samestep.checkpoint import CheckpointError, verify_checkpoint
+from samestep.checkpoint import CheckpointError, committed_steps, verify_checkpoint
+from samestep.cli.errors import InputError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -24,10 +25,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     path = Path(args.path)
-    if not path.exists():
-        parser.exit(2, f"samestep checkpoint verify: error: {path} does not exist\n")
+    if not path.is_dir():
+        raise InputError(f"{path}: {'is not a directory' if path.exists() else 'does not exist'}; give a "
+                         "step_NNNNNN checkpoint, a checkpoints directory or a run directory")
     if (path / "run.json").is_file() and (path / "checkpoints").is_dir():
         path = path / "checkpoints"  # a run directory: its checkpoints
+    if not path.name.startswith("step_") and not (path / "manifest.json").exists() and not committed_steps(path):
+        raise InputError(f"{path}: holds no checkpoint (no step_NNNNNN directory, no manifest.json); nothing to "
+                         "verify")
     try:
         checked = verify_checkpoint(path)
     except CheckpointError as e:

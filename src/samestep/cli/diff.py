@@ -7,6 +7,8 @@ import argparse
 import json
 import os
 
+from samestep.cli.errors import InputError
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -33,7 +35,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         steps = parse_selection(args.steps, "--steps")
         report = diff_runs(args.run_a, args.run_b, ranks=ranks, steps=steps, force=args.force)
     except ValueError as e:  # a DiffError, a damaged run file (RunDirError), a bad --ranks or --steps
-        parser.exit(2, f"samestep diff: error: {e}\n")
+        raise InputError(str(e)) from None
     if args.json:
         print(json.dumps(report))
     else:

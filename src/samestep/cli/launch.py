@@ -31,9 +31,9 @@ GRACE_S = 10.0
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP")  # always passed on, besides the run's exit signals
 LAUNCHER_PID = "SAMESTEP_LAUNCHER_PID"  # set for each process: the launcher it follows
 _PR_SET_PDEATHSIG = 1
-# A process whose failure is not another's consequence: an input error (2) or a detected fault (4) names
-# the cause; the others then fail with whatever their collectives report.
-_CAUSES = (2, 4)
+# A process whose failure is not another's consequence: an input error (2), a detected fault (4) or a
+# non-finite loss (5) names the cause; the others then fail with whatever their collectives report.
+_CAUSES = (2, 4, 5)
 
 
 def follow_launcher() -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from samestep.cli.errors import InputError
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("receipts", help="check a run's per-step receipts",
@@ -26,7 +28,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         report = check_receipts(args.run_dir)
     except ValueError as e:  # RunDirError, ReceiptError, a config run.json cannot build
-        parser.exit(2, f"samestep receipts verify: error: {e}\n")
+        raise InputError(str(e)) from None
     if args.json:
         print(json.dumps(report))
     else:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from samestep.cli.errors import InputError
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -29,7 +31,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         result = make_report(args.runs, args.out, force=args.force)
     except DiffError as e:
-        parser.exit(2, f"samestep report: error: {e}\n")
+        raise InputError(str(e)) from None
     if args.json:
         print(json.dumps(result))
     else:

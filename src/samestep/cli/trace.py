@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from samestep.cli.errors import InputError
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="inspect trace streams", description="Trace tools.",
@@ -23,7 +25,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         report = certify_trace(args.run_dir)
     except DiffError as e:
-        parser.exit(2, f"samestep trace certify: error: {e}\n")
+        raise InputError(str(e)) from None
     if args.json:
         print(json.dumps(report))
     elif report["complete"]:

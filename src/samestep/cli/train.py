@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from samestep.checkpoint import CheckpointError
+from samestep.cli.errors import InputError
 from samestep.train.config import PRESETS
 
 
@@ -52,23 +52,14 @@ def _launch(args: argparse.Namespace, threads: int, signals: tuple[str, ...]) ->
     return launch(rest, args.nproc, threads, signals)
 
 
-def _refuse(message: str) -> int:
-    """Bad input: one line naming it (the usage text would bury it), exit 2."""
-    print(f"samestep train: error: {message}", file=sys.stderr)
-    return 2
-
-
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from samestep.train import load_config, train
 
-    try:
-        cfg = load_config(args.config, args.set, preset=args.preset)
-    except ValueError as e:
-        return _refuse(str(e))
+    cfg = load_config(args.config, args.set, preset=args.preset)  # bad input: one line, exit 2 (cli.errors)
     if args.nproc < 1:
-        return _refuse(f"--nproc={args.nproc} must be at least 1")
+        raise InputError(f"--nproc={args.nproc} must be at least 1")
     if args.stop_after is not None and args.stop_after < 1:
-        return _refuse(f"--stop-after={args.stop_after} must be at least 1")
+        raise InputError(f"--stop-after={args.stop_after} must be at least 1")
     from samestep.preempt import EXIT_PREEMPTED, parse_signals
 
     if args.nproc > 1:
@@ -76,17 +67,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from samestep.cli.launch import follow_launcher
 
     follow_launcher()
-    from samestep.train.checks import EXIT_FAULT, FaultDetected
+    from samestep.train.checks import EXIT_FAULT, EXIT_NONFINITE, FaultDetected, NonFinite
     from samestep.train.loop import Preempted
 
     try:
         final = train(cfg, args.run_dir, resume=args.resume, stop_after=args.stop_after)
-    except (ValueError, CheckpointError) as e:
-        print(f"samestep train: error: {e}", file=sys.stderr)
-        return 2
     except FaultDetected as e:  # not a crash: a check found what deterministic training cannot make
         print(f"samestep train: {e}", file=sys.stderr)
         return EXIT_FAULT
+    except NonFinite as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"samestep train: {e}", file=sys.stderr)
+        return EXIT_NONFINITE
     except Preempted as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"samestep train: {e}", file=sys.stderr)

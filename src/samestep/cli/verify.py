@@ -7,6 +7,8 @@ import argparse
 import json
 from pathlib import Path
 
+from samestep.cli.errors import InputError
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
@@ -44,7 +46,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         report = verify_run(args.run_dir, steps, force=args.force, keep=Path(args.keep) if args.keep else None)
     except (ValueError, ReplayError, FileExistsError) as e:  # cannot replay: not a verdict
-        parser.exit(2, f"samestep verify: error: {e}\n")
+        raise InputError(str(e)) from None
     if args.json:
         print(json.dumps(report))
         return 0 if report["reproduced"] else 1

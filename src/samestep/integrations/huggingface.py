@@ -29,7 +29,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from samestep import mode
-from samestep.durable import write_durable
+from samestep.durable import read_file, write_durable
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, rng_digest, state_fingerprint
 from samestep.integrations.steps import HookedSteps
 
@@ -138,7 +138,7 @@ class SamestepCallback(TrainerCallback):
 
 def _read_fingerprint(path: Path) -> dict[str, Any]:
     try:
-        doc = json.loads(path.read_bytes())
+        doc = json.loads(read_file(path))
     except FileNotFoundError:
         raise ResumeMismatch(f"{path}: missing, so the resume cannot be checked; resume from a checkpoint that a "
                              "run with SamestepCallback saved, or start a new run") from None

@@ -24,11 +24,13 @@ def parse_selection(text: str | None, what: str) -> set[int] | None:
         for part in text.split(","):
             lo, _, hi = part.strip().partition("-")
             span = range(int(lo), int(hi or lo) + 1)
+            if not span:  # "5-1": a range that selects nothing is a typo, not a choice
+                raise ValueError
             if len(out) + len(span) > MAX_SELECTED:
                 raise OverflowError
             out.update(span)
     except ValueError:
-        raise ValueError(f"{what}={text!r}: expected 'all' or numbers and ranges like '1-5,8'") from None
+        raise ValueError(f"{what}={text!r}: expected 'all' or numbers and ascending ranges like '1-5,8'") from None
     except OverflowError:
         raise ValueError(f"{what}={text!r} selects more than {MAX_SELECTED:,} values; select fewer, or 'all'") from None
     return out

@@ -16,6 +16,8 @@ with ``train.sdc_action=warn`` it warns and goes on.
 
 from __future__ import annotations
 
+import math
+
 import json
 import warnings
 from collections import Counter
@@ -28,13 +30,32 @@ from samestep.checkpoint import committed_steps
 from samestep.distributed.gather import gather_if_different
 from samestep.receipts import ReceiptWriter
 
-__all__ = ["EXIT_FAULT", "CrossRankCheck", "FaultDetected", "RecomputeCheck", "report_fault"]
+__all__ = ["EXIT_FAULT", "EXIT_NONFINITE", "CrossRankCheck", "FaultDetected", "NonFinite", "RecomputeCheck",
+           "check_finite", "report_fault"]
 
 EXIT_FAULT = 4  # samestep train's exit code when a fault check stops the run
+EXIT_NONFINITE = 5  # and when a step's loss or gradient norm is not finite
 
 
 class FaultDetected(RuntimeError):
     """A fault check found a difference that deterministic training cannot make."""
+
+
+class NonFinite(RuntimeError):
+    """A step's loss or gradient norm is NaN or infinite; the step's update was not applied."""
+
+    def __init__(self, step: int, loss: float, grad_norm: float) -> None:
+        super().__init__(f"step {step}: the loss is {loss!r} and the gradient norm {grad_norm!r}; the run stopped "
+                         f"before that step's update, with a checkpoint of step {step - 1} (lower train.lr, or set "
+                         "train.nonfinite=continue to train on)")
+        self.step = step
+
+
+def check_finite(step: int, loss: float, grad_norm: float, action: str) -> None:
+    """Raises ``NonFinite`` for a non-finite loss or gradient norm at ``step`` (1-based), unless ``action`` is
+    "continue"."""
+    if action == "stop" and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise NonFinite(step, loss, grad_norm)
 
 
 def report_fault(message: str, step: int, run_dir: Path, action: str) -> None:

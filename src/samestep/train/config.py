@@ -20,6 +20,7 @@ from typing import Any
 import tomllib
 
 from samestep.data import SOURCES
+from samestep.durable import read_file
 from samestep.preempt import parse_signals
 
 __all__ = ["PRESETS", "Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TraceConfig", "TrainConfig",
@@ -42,6 +43,9 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
                       "min_lr": 6e-5}},
 }
 
+
+
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 def _positive(section: str, obj: Any, *names: str) -> None:
@@ -119,6 +123,9 @@ class TrainConfig:
     (0: never); a mismatch stops the run."""
     sdc_action: str = "stop"
     """What a fault check does on a mismatch: 'stop' (exit 4, naming it) or 'warn' (and go on)."""
+    nonfinite: str = "stop"
+    """A step whose loss or gradient norm is NaN or infinite: 'stop' before its update, with a checkpoint
+    (exit 5), or 'continue'."""
     fault: str = ""
     """A bit flip planted on purpose, to test the fault checks (train/faults.py); empty: none."""
 
@@ -130,6 +137,12 @@ class TrainConfig:
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"train.{name}={getattr(self, name)!r} must be in [0, 1)")
+        # AdamW's first update moves by lr / (1 - beta1), which the fp32 parameters must be able to hold
+        largest = FLOAT32_MAX * (1.0 - self.beta1)
+        for name in ("lr", "min_lr"):
+            if getattr(self, name) > largest:
+                raise ValueError(f"train.{name}={getattr(self, name)!r} overflows float32 in AdamW's update (at most "
+                                 f"{largest:.3g} with train.beta1={self.beta1}); choose a smaller learning rate")
         if self.global_batch % self.micro_batch:
             raise ValueError(f"train.global_batch={self.global_batch} is not a multiple of "
                              f"train.micro_batch={self.micro_batch}; make it one (e.g. "
@@ -141,6 +154,8 @@ class TrainConfig:
             raise ValueError(f"train.device={self.device!r} must be 'auto', 'cpu' or 'cuda'")
         if self.sdc_action not in ("stop", "warn"):
             raise ValueError(f"train.sdc_action={self.sdc_action!r} must be 'stop' or 'warn'")
+        if self.nonfinite not in ("stop", "continue"):
+            raise ValueError(f"train.nonfinite={self.nonfinite!r} must be 'stop' or 'continue'")
         if self.fault:
             from samestep.train.faults import Fault
 
@@ -394,13 +409,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
     if path is not None:
         where = str(path)
         try:
-            for section, values in tomllib.loads(Path(path).read_text(encoding="utf-8")).items():
+            for section, values in tomllib.loads(read_file(path).decode("utf-8")).items():
                 if isinstance(values, dict) and isinstance(raw.get(section), dict):
                     raw[section].update(values)
                 else:
                     raw[section] = values
         except FileNotFoundError:
             raise ValueError(f"config file {path} does not exist") from None
+        except OSError as e:  # a symlink loop, a name too long, no permission
+            raise ValueError(f"config file {path} cannot be read ({e.strerror})") from None
         except tomllib.TOMLDecodeError as e:
             raise ValueError(f"config file {path} is not valid TOML: {e}") from None
     for item in overrides:

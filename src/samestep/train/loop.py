@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from samestep import rng
-from samestep._state import dotted, state_digest
-from samestep.checkpoint import load_checkpoint, save_checkpoint
+from samestep._state import state_digest
+from samestep.checkpoint import save_checkpoint
 from samestep.data import DataCursor, load_corpus
 from samestep.distributed import AllReduceGradients, CanonicalGradients, any_rank, validate_layout
 from samestep.distributed.fsdp import (
@@ -37,27 +37,28 @@ from samestep.distributed.fsdp import (
 from samestep.distributed.norm import canonical_grad_norm
 from samestep.mode import DeterminismReport, disable, enable
 from samestep.preempt import StopRequest, parse_signals
-from samestep.receipts import ReceiptWriter, check_restored, genesis, truncate_receipts
+from samestep.receipts import ReceiptWriter, genesis, truncate_receipts
 from samestep.rundir import (
-    NUMERICS_NEUTRAL,
+    checked_run_dir,
     final_doc,
     hold,
     logged_loss,
     metrics_line,
     new_run,
-    read_run,
     record_resume,
     truncate_metrics,
     write_final,
     write_run,
 )
 from samestep.tracing import Perturb, Recorder, parse_selection
-from samestep.train.checks import CrossRankCheck, RecomputeCheck
+from samestep.train.capacity import check_capacity
+from samestep.train.checks import CrossRankCheck, NonFinite, RecomputeCheck, check_finite
 from samestep.train.config import Config
 from samestep.train.faults import Fault
 from samestep.train.llama import Llama
 from samestep.train.model import GPT
 from samestep.train.processes import Processes, device_kind
+from samestep.train.resume import check_run_files, restore_run
 from samestep.train.progress import Progress
 from samestep.train.schedule import WarmupCosine
 
@@ -73,16 +74,6 @@ class Preempted(Exception):
     def __init__(self, step: int, signal: str) -> None:
         super().__init__(f"stopped by {signal} after step {step}, with a checkpoint; continue with --resume")
         self.step, self.signal = step, signal
-
-
-def _check_resume_config(saved: dict[str, Any] | None, current: Config) -> None:
-    now = dotted(current.to_dict())
-    then = dotted(saved or {})
-    changed = {k for k in set(now) | set(then) if now.get(k) != then.get(k)} - NUMERICS_NEUTRAL
-    if changed:
-        fields = ", ".join(f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in sorted(changed))
-        raise ValueError(f"--resume with a different config would change the run's bits ({fields}); resume with "
-                         "the original config, or start a new --run-dir")
 
 
 def _make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
@@ -192,6 +183,7 @@ class Parts:
             grad_norm = _clip(self.grads.params, max_norm)
             rec.metric("loss", loss_sum)
             rec.metric("grad_norm", grad_norm)
+            check_finite(step + 1, float(loss_sum), float(grad_norm), t.nonfinite)  # before the update
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if self.fault is not None:
@@ -227,6 +219,7 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
         raise ValueError(f"model.vocab_size={vocab} is smaller than the data's largest token + 1 = "
                          f"{corpus.vocab_size}; raise it or set 0")
     device = torch.device(device)
+    check_capacity(cfg, vocab, int(corpus.tokens.size), device, world)
     arch = Llama if cfg.model.arch == "llama" else GPT
     model = arch(cfg.model, vocab, t.seed, deterministic=cfg.determinism.enabled).to(device)
     sharded = cfg.parallel.fsdp and world > 1
@@ -291,7 +284,7 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
         ValueError: a bad config, an unsupported layout, a run directory that already holds a run
             (without ``resume``), or a resume under a config that would change the bits.
     """
-    run_dir = Path(run_dir)
+    run_dir = checked_run_dir(run_dir)
     # One writer per run directory: a second trainer (a requeued job beside the live one) is refused
     # before it touches anything; rank 0 holds it for the whole job.
     lock = hold(run_dir) if int(os.environ.get("RANK", "0")) == 0 else None
@@ -327,13 +320,9 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     say = out if rank == 0 else (lambda _msg: None)
     mixed = dist_.compare_environments(cfg.determinism.env_mismatch)
     parts = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
-    start, loaded = _resume(parts, run_dir, resume, restore, world, say)
-    # a resume that cannot go on fails here, before any file is changed
-    if rank == 0:
-        truncate_metrics(run_dir, start, check_only=True)
-    if _writes_receipts(parts, dist_):
-        truncate_receipts(run_dir, rank, start, check_only=True)
-        check_restored(run_dir, rank, start, parts.receipt_state(start)())
+    start, loaded = restore_run(parts, run_dir, resume, restore, world, say)
+    check_run_files(run_dir, start, rank, parts.receipt_state(start) if _writes_receipts(parts, dist_) else None,
+                    restored=restore == RESTORE_ALL)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
         truncate_metrics(run_dir, start)  # first: a damaged metrics.jsonl refuses the resume before run.json records it
@@ -376,35 +365,6 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     return final
 
 
-def _resume(parts: Parts, run_dir: Path, resume: bool, restore: frozenset[str], world: int,
-            say: Callable[[str], None]) -> tuple[int, Any]:
-    """Restores the newest intact checkpoint (with ``resume``); returns the step to start from and the
-    checkpoint loaded (None if none). Refuses a run directory that holds a run, without ``resume``."""
-    ckpt_root = run_dir / "checkpoints"
-    if resume and any(ckpt_root.glob("step_*")):
-        model, optimizer = parts.loadable()
-        loaded = load_checkpoint(
-            ckpt_root, model=model if "model" in restore else None,
-            optimizer=optimizer if "optimizer" in restore else None, scheduler=parts.schedule,
-            data_cursor=parts.cursor if "data" in restore else None, fallback=True,
-            # Training randomness is counter-keyed, so another world size needs no per-rank RNG state.
-            restore_rng="same_world_size" if "rng" in restore else False,
-            check_config=lambda saved: _check_resume_config(saved, parts.cfg))
-        for path, why in loaded.skipped:
-            say(f"skipped corrupt checkpoint {path.name}: {why}")
-        say(f"resumed from {loaded.path.name} (step {loaded.step}, {loaded.world_size} -> {world} processes)")
-        return loaded.step, loaded
-    if resume and (run_dir / "run.json").exists():  # killed before its first checkpoint: again from step 0
-        _check_resume_config(read_run(run_dir).get("config"), parts.cfg)
-        say("resumed from step 0 (the run holds no checkpoint)")
-        return 0, None
-    if not resume and ((run_dir / "run.json").exists() or (run_dir / "metrics.jsonl").exists()):
-        raise ValueError(f"--run-dir {run_dir} already holds a run; pass --resume to continue it (from its newest "
-                         "checkpoint, or from step 0 where it holds none), or choose a new --run-dir (nothing was "
-                         "overwritten)")
-    return 0, None
-
-
 def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, out: Callable[[str], None],
                loss_value: float, stop: StopRequest, dist_: Processes) -> tuple[float, int | None]:
     """Trains steps ``start`` to ``end`` (0-based, end excluded), logging metrics (if ``writer``) and
@@ -418,9 +378,27 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
     parts.model.train()
     t0, start_timed = time.perf_counter(), start
     receipts, cross = _receipts(parts, run_dir, start, dist_)
+    def save(done: int) -> None:
+        # the records of every step the checkpoint holds are durable before it commits
+        parts.recorder.sync()
+        if receipts is not None:
+            receipts.sync()
+        if metrics is not None:
+            os.fsync(metrics.fileno())
+        # a sharded run: each rank writes its own shards, nothing gathered
+        save_checkpoint(run_dir / "checkpoints", done, model=parts.model, optimizer=parts.optimizer,
+                        scheduler=parts.schedule, data_cursor=parts.cursor, config=parts.cfg.to_dict(),
+                        keep=t.keep_checkpoints, sharded=parts.sharded)
+
+    saved = start
     try:
         for step in range(start, end):
-            loss_value, grad_norm, lr = parts.step(step)
+            try:
+                loss_value, grad_norm, lr = parts.step(step)
+            except NonFinite:
+                if step > saved:  # the update was not applied: the state is step ``step``'s, saved whole
+                    save(step)
+                raise
             done = step + 1
             if receipts is not None:  # the state as final.json digests it, on the receipt thread
                 receipts.add(done, parts.receipt_state(done) if receipts.path else None, loss_value, grad_norm,
@@ -435,16 +413,8 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
             # every rank stops after the same step (a signal may reach one rank first)
             stopping = done < end and bool(stop.signals) and dist_.any(stop.requested is not None)
             if done == end or stopping or (t.checkpoint_every and done % t.checkpoint_every == 0):
-                # the records of every step the checkpoint holds are durable before it commits
-                parts.recorder.sync()
-                if receipts is not None:
-                    receipts.sync()
-                if metrics is not None:
-                    os.fsync(metrics.fileno())
-                # a sharded run: each rank writes its own shards, nothing gathered
-                save_checkpoint(run_dir / "checkpoints", done, model=parts.model, optimizer=parts.optimizer,
-                                scheduler=parts.schedule, data_cursor=parts.cursor, config=parts.cfg.to_dict(),
-                                keep=t.keep_checkpoints, sharded=parts.sharded)
+                save(done)
+                saved = done
             if cross is not None and (stopping or done == end):
                 cross.final()
             if stopping:

@@ -1,0 +1,42 @@
+"""The CLI's exit codes and how a command reports an error: one line on stderr, and with ``--json`` an
+object on stdout, so a script can tell a verdict from bad input from a crash."""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import sys
+
+__all__ = ["DIFFERENCE", "INPUT_ERROR", "INTERNAL_ERROR", "INTERRUPTED", "OK", "InputError", "input_error_of",
+           "report"]
+
+# Exit codes (every command; samestep train adds 4, a detected fault, 5, a non-finite loss, and 75, preempted).
+OK, DIFFERENCE, INPUT_ERROR, INTERNAL_ERROR, INTERRUPTED = 0, 1, 2, 3, 130
+
+# A path that cannot be read or written as given: bad input, named by the path.
+_PATH_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENAMETOOLONG,
+                errno.EROFS}
+
+
+class InputError(Exception):
+    """Bad input to a command (a run directory, a file, an option): reported as one line, exit 2."""
+
+
+def input_error_of(e: BaseException) -> str | None:
+    """The line that reports ``e`` as bad input, or None if it is something else (a crash)."""
+    if isinstance(e, (InputError, ValueError)):
+        return str(e)
+    if isinstance(e, OSError) and e.errno in _PATH_ERRNOS:
+        return f"{e.filename}: {e.strerror}" if e.filename else str(e)
+    return None
+
+
+def report(args: argparse.Namespace, message: str, code: int) -> int:
+    """Reports an error of ``args.command``: one line on stderr (the message as given), and with --json a JSON
+    object ``{"error", "exit_code"}`` on stdout. Returns ``code``."""
+    verb = getattr(args, "verb", None)  # "receipts verify", "trace certify"
+    print(f"samestep {args.command}{' ' + verb if verb else ''}: {message}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps({"error": message, "exit_code": code}))
+    return code

@@ -1,0 +1,77 @@
+"""Resuming the reference run: the newest intact checkpoint restored under the run's own config (or step 0
+of a run killed before its first), and every file the resume will change checked before any is, so a
+resume that cannot go on changes nothing."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from samestep._state import dotted
+from samestep.checkpoint import LoadedCheckpoint, load_checkpoint
+from samestep.receipts import check_restored, truncate_receipts
+from samestep.rundir import NUMERICS_NEUTRAL, read_run, truncate_metrics
+from samestep.train.config import Config
+
+__all__ = ["check_resume_config", "check_run_files", "restore_run"]
+
+
+def check_resume_config(saved: dict[str, Any] | None, current: Config) -> None:
+    """Refuses a resume under a config that would change the run's bits (rundir's NUMERICS_NEUTRAL fields
+    may change)."""
+    now = dotted(current.to_dict())
+    then = dotted(saved or {})
+    changed = {k for k in set(now) | set(then) if now.get(k) != then.get(k)} - NUMERICS_NEUTRAL
+    if changed:
+        fields = ", ".join(f"{k}: {then.get(k)!r} -> {now.get(k)!r}" for k in sorted(changed))
+        raise ValueError(f"--resume with a different config would change the run's bits ({fields}); resume with "
+                         "the original config, or start a new --run-dir")
+
+
+def restore_run(parts: Any, run_dir: Path, resume: bool, restore: frozenset[str], world: int,
+                say: Callable[[str], None]) -> tuple[int, LoadedCheckpoint | None]:
+    """Restores the newest intact checkpoint into ``parts`` (the loop's ``Parts``; with ``resume``), the parts
+    named in ``restore``; returns the step to start from and the checkpoint loaded (None if none). A run
+    killed before its first checkpoint goes on from step 0 under its own config; a run directory that holds
+    a run is refused without ``resume``."""
+    ckpt_root = run_dir / "checkpoints"
+    if resume and any(ckpt_root.glob("step_*")):
+        model, optimizer = parts.loadable()
+        loaded = load_checkpoint(
+            ckpt_root, model=model if "model" in restore else None,
+            optimizer=optimizer if "optimizer" in restore else None, scheduler=parts.schedule,
+            data_cursor=parts.cursor if "data" in restore else None, fallback=True,
+            # Training randomness is counter-keyed, so another world size needs no per-rank RNG state.
+            restore_rng="same_world_size" if "rng" in restore else False,
+            check_config=lambda saved: check_resume_config(saved, parts.cfg))
+        for path, why in loaded.skipped:
+            say(f"skipped corrupt checkpoint {path.name}: {why}")
+        say(f"resumed from {loaded.path.name} (step {loaded.step}, {loaded.world_size} -> {world} processes)")
+        return loaded.step, loaded
+    if resume and (run_dir / "run.json").exists():  # killed before its first checkpoint: again from step 0
+        check_resume_config(read_run(run_dir).get("config"), parts.cfg)
+        say("resumed from step 0 (the run holds no checkpoint)")
+        return 0, None
+    if not resume and ((run_dir / "run.json").exists() or (run_dir / "metrics.jsonl").exists()):
+        raise ValueError(f"--run-dir {run_dir} already holds a run; pass --resume to continue it (from its newest "
+                         "checkpoint, or from step 0 where it holds none), or choose a new --run-dir (nothing was "
+                         "overwritten)")
+    return 0, None
+
+
+def check_run_files(run_dir: Path, start: int, rank: int, state: Callable[[], Any] | None, restored: bool) -> None:
+    """What a resume from ``start`` will change, checked before anything is: rank 0's metrics.jsonl, and where
+    this rank keeps receipts (``state`` makes the state tree its receipts digest) their chain up to ``start``
+    and the restored state against the receipt of ``start`` (unless ``restored`` is False: a negative
+    control restores less, on purpose).
+
+    Raises:
+        RunDirError, ReceiptError: names the file and what is wrong.
+    """
+    if rank == 0:
+        truncate_metrics(run_dir, start, check_only=True)
+    if state is not None:
+        truncate_receipts(run_dir, rank, start, check_only=True)
+        if restored:
+            check_restored(run_dir, rank, start, state())
