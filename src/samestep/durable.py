@@ -23,7 +23,7 @@ def read_file(path: str | os.PathLike[str]) -> bytes:
     """A regular file's bytes. The file is opened without blocking and checked before any read.
 
     Raises:
-        NotAFile: it is something else, named with the fix; FileNotFoundError and other ``OSError``\ s as
+        NotAFile: it is something else, named with the fix; FileNotFoundError and the other OSErrors as
             ``open`` raises them (a missing file is for the caller to name).
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
