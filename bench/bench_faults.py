@@ -4,13 +4,16 @@
 
 Every trial runs `samestep train` in fresh processes on a small config and checks the outcome against an
 uninterrupted reference run, bit for bit (final state digest and metrics.jsonl bytes):
-  kills     SIGKILL at a random instant (after a random step, at a random delay), then --resume
+  kills     SIGKILL at a random instant (after a random step, at a random delay), then --resume; as many
+            again before the run's first checkpoint (the resume starts from step 0)
   save ops  SIGKILL at each filesystem operation of a checkpoint save, in turn, then --resume
-  signals   SIGTERM at a random instant: exit 75 with the step it was in saved, then --resume
+  signals   SIGTERM at a random instant: exit 75 with the step it was in saved, then --resume; as many
+            SIGINTs to the whole process group (a Ctrl-C: the trace worker process gets it too)
+  launcher  SIGKILL of the `--nproc 2` launcher alone: its ranks save, stop, and none trains on
   writers   two trainers started at once on one run directory: one refused (exit 2, one line), the
-            other finishes the run
-  corpus    malformed files and settings given to each command: the documented exit code, one line
-            naming the problem on stderr, no traceback
+            other finishes the run; and a samestep.Run started beside the trainer: refused
+  corpus    malformed, forged and odd files, paths and settings given to each command: the documented
+            exit code, one line naming the problem on stderr, no traceback, nothing blocking
 A trial fails if a resume is not exact, a step is lost beyond the checkpoint interval (a SIGKILL loses
 at most the steps since the last committed checkpoint; a signal loses none), or an outcome differs from
 the documented one. The counts go to docs/performance.md.
@@ -70,32 +73,37 @@ def _resume(run: Path, settings: tuple[str, ...]) -> tuple[int, int | None]:
     return proc.returncode, (resumes[-1]["step"] if resumes else 0)
 
 
-def _signal_after(run: Path, settings: tuple[str, ...], step: int, delay: float, sig: int) -> tuple[int, int]:
-    """Starts a run and sends ``sig`` once it has logged ``step`` and ``delay`` more seconds have passed;
-    its exit code and the last step it had logged then."""
-    proc = subprocess.Popen(_cmd(run, settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env())
+def _signal_after(run: Path, settings: tuple[str, ...], step: int, delay: float, sig: int,
+                  group: bool = False) -> tuple[int, int]:
+    """Starts a run and sends ``sig`` once it has logged ``step`` and ``delay`` more seconds have passed (with
+    ``group``, to its whole process group); its exit code and the last step it had logged then."""
+    proc = subprocess.Popen(_cmd(run, settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(),
+                            start_new_session=group)
     deadline = time.monotonic() + 600
     while proc.poll() is None and last_logged_step(run) < step and time.monotonic() < deadline:
         time.sleep(0.002)
     time.sleep(delay)
     logged = last_logged_step(run)
     if proc.poll() is None:
-        proc.send_signal(sig)
+        os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
     proc.communicate(timeout=600)
     return proc.returncode, logged
 
 
-def kills(work: Path, reference: tuple, trials: int, rng: random.Random) -> dict:
+def kills(work: Path, reference: tuple, trials: int, rng: random.Random, settings: tuple[str, ...] = RUN,
+          last: int = 7, name: str = "kill") -> dict:
+    """SIGKILL after a random step of ``settings``'s run (at most ``last``), then --resume."""
     out = {"trials": 0, "exact": 0, "max_steps_lost": 0, "lost_beyond_interval": 0, "killed_before_end": 0}
+    every = EVERY if settings is RUN else last + 1  # a run that saves only at its end loses what it trained
     for i in range(trials):
-        run = work / f"kill_{i}"
-        code, logged = _signal_after(run, RUN, rng.randint(0, 7), rng.uniform(0, 0.08), signal.SIGKILL)
+        run = work / f"{name}_{i}"
+        code, logged = _signal_after(run, settings, rng.randint(0, last), rng.uniform(0, 0.08), signal.SIGKILL)
         out["trials"] += 1
         out["killed_before_end"] += code == -signal.SIGKILL
-        rc, resumed_from = _resume(run, RUN)
+        rc, resumed_from = _resume(run, settings)
         lost = max(logged - (resumed_from or 0), 0) if code == -signal.SIGKILL else 0
         out["max_steps_lost"] = max(out["max_steps_lost"], lost)
-        out["lost_beyond_interval"] += lost > EVERY
+        out["lost_beyond_interval"] += lost > every
         out["exact"] += rc == 0 and _outcome(run) == reference
     return out
 
@@ -165,11 +173,15 @@ def save_ops(work: Path, reference: tuple, which: str) -> dict:
     return out
 
 
-def signals(work: Path, reference: tuple, trials: int, rng: random.Random) -> dict:
+def signals(work: Path, reference: tuple, trials: int, rng: random.Random, group: bool = False) -> dict:
+    """SIGTERM at a random instant; with ``group``, SIGINT to the trainer's whole process group, its trace
+    worker process included (a Ctrl-C)."""
     out = {"trials": 0, "exit_75": 0, "steps_lost": 0, "exact": 0}
+    settings = (*LONG, "trace.worker=process") if group else LONG
     for i in range(trials):
-        run = work / f"sig_{i}"
-        code, _ = _signal_after(run, LONG, rng.randint(1, 40), rng.uniform(0, 0.08), signal.SIGTERM)
+        run = work / f"{'group' if group else 'sig'}_{i}"
+        code, _ = _signal_after(run, settings, rng.randint(1, 40), rng.uniform(0, 0.08),
+                                signal.SIGINT if group else signal.SIGTERM, group=group)
         out["trials"] += 1
         out["exit_75"] += code == 75
         saved = (run / "checkpoints" / "latest").read_text().strip() if (run / "checkpoints" / "latest").exists() else ""
@@ -179,8 +191,51 @@ def signals(work: Path, reference: tuple, trials: int, rng: random.Random) -> di
     return out
 
 
+def launcher(work: Path, trials: int) -> dict:
+    """SIGKILL of the `--nproc 2` launcher alone, after step 2: its ranks (in sessions of their own) get SIGTERM
+    from the kernel, save and stop; none trains on."""
+    out = {"trials": 0, "ranks_stopped": 0, "saved": 0}
+    for i in range(trials):
+        run = work / f"launcher_{i}"
+        proc = subprocess.Popen(_cmd(run, LONG, "--nproc", "2"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                env=_env(), start_new_session=True)
+        deadline = time.monotonic() + 600
+        while last_logged_step(run) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        while _ranks_of(run) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        out["trials"] += 1
+        out["ranks_stopped"] += not _ranks_of(run) and last_logged_step(run) < 60
+        out["saved"] += (run / "checkpoints" / "latest").exists()
+    return out
+
+
+def _ranks_of(run: Path) -> list[int]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and str(run).encode() in (proc / "cmdline").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+_OWN_LOOP = textwrap.dedent("""
+    import sys, torch, samestep
+    model = torch.nn.Linear(4, 1)
+    try:
+        samestep.Run(sys.argv[1], model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), level="off")
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        sys.exit(2)
+""")
+
+
 def writers(work: Path, reference: tuple, trials: int) -> dict:
-    out = {"trials": 0, "one_refused": 0, "refusal_one_line": 0, "exact": 0}
+    out = {"trials": 0, "one_refused": 0, "refusal_one_line": 0, "exact": 0, "own_loop_refused": 0}
     for i in range(trials):
         run = work / f"writers_{i}"
         procs = [subprocess.Popen(_cmd(run, LONG, "--resume"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -193,6 +248,16 @@ def writers(work: Path, reference: tuple, trials: int) -> dict:
         out["refusal_one_line"] += bool(refusal) and len(refusal[0].strip().splitlines()) == 1 and "in use by pid" in \
             refusal[0]
         out["exact"] += _outcome(run) == reference
+        beside = work / f"beside_{i}"  # a loop of one's own started beside a live trainer
+        trainer = subprocess.Popen(_cmd(beside, LONG), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+        deadline = time.monotonic() + 600
+        while last_logged_step(beside) < 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        own = subprocess.run([sys.executable, "-c", _OWN_LOOP, str(beside)], capture_output=True, text=True,
+                             timeout=600, env=_env())
+        trainer.kill()
+        trainer.wait()
+        out["own_loop_refused"] += own.returncode == 2 and "in use by pid" in own.stderr
     return out
 
 
@@ -200,15 +265,14 @@ def corpus(work: Path, reference_run: Path) -> dict:
     """Every case of the corpus; and a control: a case expecting the wrong outcome (a flipped checkpoint byte
     called intact) must be caught, or the check could not fail."""
     out = {"cases": 0, "as_documented": 0, "failures": []}
-    with ThreadPoolExecutor(max_workers=2) as pool:  # each case is a process of its own
-        outcomes = list(pool.map(lambda case: run_case(case, work, reference_run, RUN, _env()), CASES))
+    outcomes = [run_case(case, work, reference_run, RUN) for case in CASES]  # in this process, one at a time
     for case, (ok, why) in zip(CASES, outcomes):
         out["cases"] += 1
         out["as_documented"] += ok
         if not ok:
             out["failures"].append(f"{case.name}: {why}")
     wrong = next(c for c in CASES if c.name == "a flipped bit in model.safetensors")
-    out["control_caught"] = not run_case(replace(wrong, name="control", code=0), work, reference_run, RUN, _env())[0]
+    out["control_caught"] = not run_case(replace(wrong, name="control", code=0), work, reference_run, RUN)[0]
     return out
 
 
@@ -217,6 +281,7 @@ def main() -> int:
     ap.add_argument("--kills", type=int, default=10)
     ap.add_argument("--signals", type=int, default=4)
     ap.add_argument("--writers", type=int, default=2)
+    ap.add_argument("--launcher", type=int, default=1)
     ap.add_argument("--save-ops", choices=["all", "some", "none"], default="all")
     ap.add_argument("--corpus", action=argparse.BooleanOptionalAction, default=True)
     ap.add_argument("--seed", type=int, default=0)
@@ -230,10 +295,13 @@ def main() -> int:
                                                      timeout=600, env=_env()),
                           (("reference", RUN), ("reference_long", LONG))))
         reference, reference_long = _outcome(work / "reference"), _outcome(work / "reference_long")
-        result = {"kills": kills(work, reference, args.kills, rng)}
+        result = {"kills": kills(work, reference, args.kills, rng),
+                  "kills_before_a_checkpoint": kills(work, reference_long, args.kills, rng, LONG, 40, "unsaved")}
         if args.save_ops != "none":
             result["save_ops"] = save_ops(work, reference, args.save_ops)
         result["signals"] = signals(work, reference_long, args.signals, rng)
+        result["group_signals"] = signals(work, reference_long, args.signals, rng, group=True)
+        result["launcher"] = launcher(work, args.launcher)
         result["writers"] = writers(work, reference_long, args.writers)
         if args.corpus:
             result["corpus"] = corpus(work, work / "reference")
@@ -249,12 +317,17 @@ def main() -> int:
 
 
 def _all_good(r: dict) -> bool:
-    """Zero wrong outcomes: every resume exact, no step lost beyond the interval, every signal a 75 with
-    nothing lost, one writer refused each time, every corpus case as documented and the control caught."""
-    k, s, w = r["kills"], r["signals"], r["writers"]
-    ok = k["exact"] == k["trials"] and not k["lost_beyond_interval"]
-    ok &= s["exact"] == s["exit_75"] == s["trials"] and not s["steps_lost"]
-    ok &= w["exact"] == w["one_refused"] == w["refusal_one_line"] == w["trials"]
+    """Zero wrong outcomes: every resume exact, no step lost beyond the interval (before a first checkpoint:
+    beyond the run), every signal a 75 with nothing lost, every launcher's ranks stopped with a checkpoint,
+    one writer refused each time, every corpus case as documented and the control caught."""
+    ok = True
+    for k in (r["kills"], r["kills_before_a_checkpoint"]):
+        ok &= k["exact"] == k["trials"] and not k["lost_beyond_interval"]
+    for s in (r["signals"], r["group_signals"]):
+        ok &= s["exact"] == s["exit_75"] == s["trials"] and not s["steps_lost"]
+    w, launched = r["writers"], r["launcher"]
+    ok &= w["exact"] == w["one_refused"] == w["refusal_one_line"] == w["own_loop_refused"] == w["trials"]
+    ok &= launched["ranks_stopped"] == launched["saved"] == launched["trials"]
     if "save_ops" in r:
         o = r["save_ops"]
         ok &= o["exact"] == o["killed"] == o["verify_ok"] == o["trials"]

@@ -64,20 +64,23 @@ def test_user_loop_bench_runs_and_counts_records():
 
 
 def test_fault_harness_finds_every_outcome_as_documented():
-    """`bench/bench_faults.py` in a short round (1 random SIGKILL, 1 SIGTERM, 1 pair of concurrent writers;
-    tests/integration/test_train.py kills saves at their filesystem operations) and the whole
-    malformed-input corpus:
-    every resume exact, no step lost beyond the checkpoint interval, every input refused as documented.
-    Negative control: a case that expects the wrong outcome (a flipped checkpoint byte called intact) is
-    caught by the same check."""
+    """`bench/bench_faults.py` in a short round (1 random SIGKILL and 1 before the first checkpoint, 1 SIGTERM and
+    1 SIGINT to the process group, 1 killed launcher, 1 pair of concurrent writers and a loop of one's own
+    beside a trainer; tests/integration/test_train.py kills saves at their filesystem operations) and the
+    whole malformed-input corpus: every resume exact, no step lost beyond the checkpoint interval, every
+    input refused as documented, nothing blocking. Negative control: a case that expects the wrong outcome
+    (a flipped checkpoint byte called intact) is caught by the same check."""
     proc = subprocess.run([sys.executable, "bench/bench_faults.py", "--kills", "1", "--signals", "1", "--writers", "1",
-                           "--save-ops", "none", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=1200)
+                           "--launcher", "1", "--save-ops", "none", "--json"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=1200)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     r = json.loads(proc.stdout)
-    assert r["kills"]["exact"] == r["kills"]["trials"] == 1 and r["kills"]["lost_beyond_interval"] == 0
-    assert r["signals"] == {"trials": 1, "exit_75": 1, "steps_lost": 0, "exact": 1}
-    assert r["writers"] == {"trials": 1, "one_refused": 1, "refusal_one_line": 1, "exact": 1}
-    assert r["corpus"]["failures"] == [] and r["corpus"]["as_documented"] == r["corpus"]["cases"] >= 40
+    for kills in (r["kills"], r["kills_before_a_checkpoint"]):
+        assert kills["exact"] == kills["trials"] == 1 and kills["lost_beyond_interval"] == 0
+    assert r["signals"] == r["group_signals"] == {"trials": 1, "exit_75": 1, "steps_lost": 0, "exact": 1}
+    assert r["launcher"] == {"trials": 1, "ranks_stopped": 1, "saved": 1}
+    assert r["writers"] == {"trials": 1, "one_refused": 1, "refusal_one_line": 1, "exact": 1, "own_loop_refused": 1}
+    assert r["corpus"]["failures"] == [] and r["corpus"]["as_documented"] == r["corpus"]["cases"] >= 90
     assert r["corpus"]["control_caught"]
 
 

@@ -74,7 +74,13 @@ class SamestepCallback(TrainerCallback):
             saved = _read_fingerprint(checkpoint / FINGERPRINT)
             check_resume(saved, state_fingerprint(state.global_step, model, optimizer, lr_scheduler),
                          str(checkpoint / FINGERPRINT))
-            self._pending = (saved, str(checkpoint / FINGERPRINT))  # the RNG: restored before the first step
+            if float(state.epoch or 0).is_integer():
+                # at an epoch's end: the Trainer restores the RNG before the next epoch's sampler draws its
+                # order, so at the first step it has moved on (in the straight run too); the RNG file it
+                # restores from must be there
+                _check_rng_file(checkpoint, args)
+            else:  # mid-epoch: the Trainer restores the RNG right before the first resumed step
+                self._pending = (saved, str(checkpoint / FINGERPRINT))
         if not args.should_save and self.level != "off":
             self.level = "off"  # a process that saves nothing writes no trace (the Trainer's rank rule)
         self._hooked = HookedSteps.start(run_dir, level=self.level, steps=self.steps, resume=resumed, model=model,
@@ -134,6 +140,17 @@ class SamestepCallback(TrainerCallback):
             return
         doc = {**state_fingerprint(state.global_step, model, optimizer, lr_scheduler), "rng": rng_digest()}
         write_durable(checkpoint / FINGERPRINT, json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n")
+
+
+def _check_rng_file(checkpoint: Path, args: Any) -> None:
+    """The Trainer's RNG file for this process is in the checkpoint (the Trainer only warns without it)."""
+    rank = getattr(args, "process_index", 0)
+    names = ("rng_state.pth",) if getattr(args, "world_size", 1) <= 1 else (f"rng_state_{rank}.pth",)
+    if not any((checkpoint / name).is_file() for name in names):
+        raise ResumeMismatch(f"{checkpoint}: holds no {names[0]}, so the Trainer cannot restore the RNG states it "
+                             "saved: the rng differs from the checkpoint's, and the resume would not continue on "
+                             "the checkpointed run's numerical path; restore the file, or resume from another "
+                             "checkpoint")
 
 
 def _read_fingerprint(path: Path) -> dict[str, Any]:

@@ -20,6 +20,7 @@ What it does:
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +57,7 @@ class SamestepCallback(pl.Callback):
         self._saved: dict[str, Any] | None = None  # the state a resume loaded, until its first step
         self._mb = 0
         self._trainer: pl.Trainer | None = None  # state_dict() is given no trainer: fit's, from on_fit_start
+        self._quiet: list[Any] = []  # warning filters this callback added, removed at the end
 
     @property
     def state_key(self) -> str:
@@ -93,13 +95,18 @@ class SamestepCallback(pl.Callback):
         hooked, self._hooked, self._rec = self._hooked, None, None
         if hooked is not None:
             hooked.close()
+        for entry in self._quiet:
+            if entry in warnings.filters:
+                warnings.filters.remove(entry)
+        self._quiet.clear()
 
     # -- each step -----------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         if self._saved is not None:  # the first resumed step: the RNG as it stood after the checkpoint's step
-            meta, tensors = self._saved["rng"]
-            restore_rng(meta, tensors)
+            if not self._saved.get("epoch_end"):
+                meta, tensors = self._saved["rng"]
+                restore_rng(meta, tensors)
             self._saved = None
         if self._hooked is None:
             return
@@ -139,13 +146,21 @@ class SamestepCallback(pl.Callback):
         trainer = self._trainer
         if trainer is None:
             raise RuntimeError("SamestepCallback.state_dict() outside Trainer.fit: nothing to fingerprint")
-        return {"rng": capture_rng(), "fingerprint": self._fingerprint(trainer, trainer.lightning_module)}
+        done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return {"rng": capture_rng(), "fingerprint": self._fingerprint(trainer, trainer.lightning_module),
+                "epoch_end": done >= trainer.num_training_batches}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not {"rng", "fingerprint"} <= state_dict.keys():
             raise ResumeMismatch("the checkpoint's samestep state lacks 'rng' or 'fingerprint': it was not saved by "
                                  "this SamestepCallback; resume from a checkpoint it saved")
         self._saved = state_dict
+        if state_dict.get("epoch_end"):
+            # After an epoch's last step the run went on to a new epoch, whose data loader draws its base
+            # seed from the RNG before the first batch: restored now, before Lightning makes that loader, the
+            # draw is the straight run's. Mid-epoch the loader went on, so the RNG waits for the first batch.
+            meta, tensors = state_dict["rng"]
+            restore_rng(meta, tensors)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._trainer = trainer
@@ -156,16 +171,20 @@ class SamestepCallback(pl.Callback):
         configs = trainer.lr_scheduler_configs
         return state_fingerprint(trainer.global_step, pl_module, opt, configs[0].scheduler if configs else None)
 
-    @staticmethod
-    def _position_data(trainer: pl.Trainer) -> None:
+    def _position_data(self, trainer: pl.Trainer) -> None:
         """Moves the training data to the first batch the checkpoint had not consumed."""
         # processed: the batches whose step ran (the checkpoint is written before Lightning counts its
-        # last one completed)
+        # last one completed); a checkpoint that ended its epoch leaves the next epoch to start at its first
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        if done >= trainer.num_training_batches:
+            done = 0
         loader = trainer.train_dataloader
         sampler = getattr(loader, "sampler", None)
         if isinstance(sampler, KeyedSampler):
             sampler.resume_at(min(done * loader.batch_size, sampler.n))
+            # Lightning warns that a plain loader cannot resume mid-epoch; this one can, and just did
+            warnings.filterwarnings("ignore", message="You're resuming from a checkpoint that ended before the epoch")
+            self._quiet.append(warnings.filters[0])
             return
         if done == 0 or (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")):
             return  # at an epoch's start, or a loader that Lightning itself resumes
