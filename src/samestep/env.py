@@ -35,7 +35,8 @@ ENV_VARS = (
 def _cpu() -> dict[str, Any]:
     info: dict[str, Any] = {"cpu.machine": platform.machine(), "cpu.count": os.cpu_count()}
     try:
-        text = open("/proc/cpuinfo", encoding="utf-8", errors="replace").read()
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            text = f.read()
     except OSError:
         return info
     model = re.search(r"^model name\s*:\s*(.*)$", text, re.M)
@@ -89,7 +90,8 @@ def _cuda() -> dict[str, Any]:
         props = torch.cuda.get_device_properties(i)
         info[f"cuda.gpu{i}"] = f"{props.name} sm_{props.major}{props.minor} {props.total_memory}B"
     try:
-        line = open("/proc/driver/nvidia/version", encoding="utf-8").readline()
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as f:
+            line = f.readline()
         m = re.search(r"Kernel Module\s+(\S+)", line)
         info["cuda.driver"] = m.group(1) if m else line.strip()
     except OSError:

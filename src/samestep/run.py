@@ -22,6 +22,7 @@ holds its position).
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,8 @@ from samestep import mode, preempt
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from samestep.distributed.agree import any_rank
 from samestep.receipts import ReceiptWriter, check_restored, genesis, truncate_receipts
-from samestep.rundir import checked_run_dir, hold
+from samestep._state import state_digest
+from samestep.rundir import checked_run_dir, declared_changes, hold, record_declared
 
 __all__ = ["Run"]
 
@@ -41,6 +43,29 @@ def _rank() -> int:
     import torch.distributed as dist
 
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _declared(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data_cursor: Any,
+              config: dict[str, Any] | None) -> dict[str, Any]:
+    """What a run holds fixed, as built (before a resume restores anything): JSON, for run.json."""
+    shapes = [[name, list(t.shape), str(t.dtype)] for name, t in model.state_dict().items()]
+    groups = {str(i): {k: v for k, v in group.items() if k != "params"} | {"params": len(group["params"])}
+              for i, group in enumerate(optimizer.param_groups)}  # by index: a change is named by its field
+    out: dict[str, Any] = {
+        "model": state_digest({"shapes": shapes}),
+        "optimizer": json.loads(json.dumps({"class": type(optimizer).__qualname__, "groups": groups}, default=repr)),
+        "config": json.loads(json.dumps(config or {}, default=repr))}
+    for name, obj in (("scheduler", scheduler), ("data_cursor", data_cursor)):
+        if obj is not None:
+            out[name] = state_digest(obj.state_dict())
+    return out
+
+
+def _refuse_changes(run_dir: Path, declared: dict[str, Any]) -> None:
+    changed = declared_changes(run_dir, declared)
+    if changed:
+        raise ValueError(f"samestep.Run: {run_dir} holds a run started with other settings ({'; '.join(changed)}); "
+                         "continuing it would change its bits: continue it as it started, or use a new run directory")
 
 
 class Run:
@@ -68,6 +93,12 @@ class Run:
             ``samestep.receipts``): the digest of the model, optimizer, scheduler and data cursor state after
             the update, the bits of the step's ``loss`` and ``grad_norm`` metrics (NaN where the loop records
             none), chained by hash. ``samestep receipts verify`` checks the chain and the checkpoints.
+        config: what else the run holds fixed (a seed, a batch size: any JSON-able dict). With the model's
+            parameter names, shapes and dtypes, the optimizer's class and hyperparameters, the scheduler's and
+            data cursor's state as built, and the step count given to ``steps()``, it is recorded in run.json
+            at the start; a run directory continued under other values is refused, naming them.
+        deterministic: turn deterministic mode on (``samestep.enable``); False runs with PyTorch's defaults
+            (the other half of an A/B), recorded as such in run.json.
     """
 
     def __init__(self, run_dir: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -75,7 +106,8 @@ class Run:
                  trace_steps: set[int] | str | None = None, threads: int | None = 1, kernels: bool = False,
                  checkpoint_every: int = 1, keep: int | None = None, resume: bool | str = "auto",
                  stop_signals: tuple[str, ...] = preempt.DEFAULT_SIGNALS, strict_env: bool = False,
-                 copy: bool = False, receipts: bool = True) -> None:
+                 copy: bool = False, receipts: bool = True, config: dict[str, Any] | None = None,
+                 deterministic: bool = True) -> None:
         if checkpoint_every < 1:
             raise ValueError(f"samestep.Run(checkpoint_every={checkpoint_every!r}): save at least every step "
                              "count >= 1")
@@ -87,7 +119,7 @@ class Run:
         self.checkpoint_every, self.keep = checkpoint_every, keep
         self.stopped: str | None = None  # the signal that stopped the loop, if one did
         self.start = 0  # the step the run resumed after (0: a new run)
-        self._own_mode = not mode.is_enabled()
+        self._own_mode = deterministic and not mode.is_enabled()
         self._stop = preempt.StopRequest(stop_signals)
         self._hooks: list[Any] = []
         self._rec = None
@@ -104,6 +136,9 @@ class Run:
         # one writer per run directory, as samestep train and samestep.trace take it (refused before anything)
         self._lock = hold(self.run_dir) if _rank() == 0 else None
         try:
+            self._declared = _declared(model, optimizer, scheduler, data_cursor, config)
+            if resume is not False:  # another run's settings are refused before anything is restored or written
+                _refuse_changes(self.run_dir, self._declared)
             self.report = mode.enable(threads=threads, kernels=kernels) if self._own_mode else mode.active_report()
             if held:
                 self.start = load_checkpoint(self.checkpoints, model=model, optimizer=optimizer, scheduler=scheduler,
@@ -118,6 +153,8 @@ class Run:
             continues = self.start > 0 or (resume is not False and (self.run_dir / "run.json").exists())
             self._rec = trace(self.run_dir, level=level, steps=trace_steps, resume=continues, copy=copy,
                               held=self._lock)
+            if _rank() == 0:
+                record_declared(self.run_dir, self._declared)
             self._rec.attach(model)
             # kept from step to step, as the reference loop keeps them: a model gains or loses no parameter
             self._params = list(model.named_parameters())
@@ -155,6 +192,9 @@ class Run:
         return self._loop
 
     def _steps(self, total: int) -> Generator[int, None, None]:
+        _refuse_changes(self.run_dir, {"steps": total})
+        if _rank() == 0:
+            record_declared(self.run_dir, {"steps": total})
         with self._stop:
             for step in range(self.start + 1, total + 1):
                 self._step = step

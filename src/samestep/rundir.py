@@ -19,14 +19,15 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from samestep._state import dotted
 from samestep.durable import read_file, replace_atomic
 from samestep.env import environment
 from samestep.version import __version__
 
 __all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "RunLock", "checked_run_dir",
-           "determinism_diff", "final_digest", "final_doc", "hold", "last_logged_step", "logged_loss", "metrics_line", "new_run",
-           "read_final", "read_metrics", "read_run", "record_close", "record_resume", "truncate_metrics",
-           "write_final", "write_run"]
+           "declared_changes", "determinism_diff", "final_digest", "final_doc", "hold", "last_logged_step",
+           "logged_loss", "metrics_line", "new_run", "read_final", "read_metrics", "read_run", "record_close",
+           "record_declared", "record_resume", "truncate_metrics", "write_final", "write_run"]
 
 RUN_FORMAT, RUN_VERSION = "samestep.run", 1
 FINAL_FORMAT, FINAL_VERSION = "samestep.final", 1
@@ -173,6 +174,25 @@ def record_resume(run_dir: _PathLike, resume: dict[str, Any]) -> None:
     doc = read_run(run_dir)
     doc.setdefault("resumes", []).append(resume)
     write_run(run_dir, doc)
+
+
+def record_declared(run_dir: _PathLike, declared: dict[str, Any]) -> None:
+    """Records (or extends) run.json's ``declared``: what a loop of one's own declares fixed for its whole run
+    (``samestep.Run``): a resume under other values is refused."""
+    doc = read_run(run_dir)
+    doc["declared"] = {**doc.get("declared", {}), **declared}
+    write_run(run_dir, doc)
+
+
+def declared_changes(run_dir: _PathLike, declared: dict[str, Any]) -> list[str]:
+    """Where ``declared`` differs from what run.json's ``declared`` holds, as ``"name: then -> now"`` (none where
+    run.json holds nothing, or no such name)."""
+    path = Path(run_dir) / "run.json"
+    if not path.exists():
+        return []
+    then = dotted(read_run(run_dir).get("declared", {}))
+    now = dotted(declared)
+    return [f"{k}: {then[k]!r} -> {now[k]!r}" for k in sorted(set(then) & set(now)) if then[k] != now[k]]
 
 
 def determinism_diff(det_a: dict[str, Any] | None, det_b: dict[str, Any] | None) -> dict[str, tuple[Any, Any]]:

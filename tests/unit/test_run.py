@@ -4,6 +4,7 @@ body raised is neither saved nor called complete."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import signal
 from pathlib import Path
@@ -163,3 +164,76 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     again = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert again == [{"stopped": None, "start": 2}] * 2
     assert [s for s, _ in committed_steps(run / "checkpoints")][0] == 4
+
+
+def _declared_loop(run_dir: Path, total: int = 4, width: int = 16, weight_decay: float = 0.01,
+                   config: dict | None = None) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=weight_decay)
+    with samestep.Run(run_dir, model=model, optimizer=opt, config=config or {"seed": 0}, checkpoint_every=2) as run:
+        for step in run.steps(total):
+            g = samestep.rng.generator((config or {"seed": 0})["seed"], step, 0, "data")
+            model(torch.randn(3, 4, generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("change,named", [
+    ({"config": {"seed": 1}}, "config.seed: 0 -> 1"),
+    ({"width": 8}, "model:"),
+    ({"weight_decay": 0.1}, "optimizer.groups.0.weight_decay: 0.01 -> 0.1"),
+])
+def test_a_run_continued_under_other_settings_is_refused(tmp_path, change, named):
+    """samestep.Run(resume="auto") on a directory started under other settings (another seed passed as config,
+    another model shape, another optimizer hyperparameter) is refused in one line naming the field, before
+    anything is restored or written. Control: continued as it started, the run ends on the bits of the run
+    straight through."""
+    straight = _declared_loop(tmp_path / "straight", total=6)
+    run = tmp_path / "run"
+    _declared_loop(run, total=6)
+    shutil.rmtree(run / "checkpoints" / "step_000006")  # as if killed after step 4's checkpoint
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".samestep.lock"}
+    with pytest.raises(ValueError, match=re.escape(named)):
+        _declared_loop(run, total=6, **change)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file() and p.name != ".samestep.lock"} == before
+    assert torch.equal(_bits(_declared_loop(run, total=6)), _bits(straight))
+
+
+def test_another_step_count_is_refused(tmp_path):
+    """The step count given to run.steps() is part of what a run holds fixed: continued with another, refused."""
+    _declared_loop(tmp_path / "run", total=4)
+    with pytest.raises(ValueError, match=r"steps: 4 -> 6"):
+        _declared_loop(tmp_path / "run", total=6)
+
+
+def test_determinism_off_for_the_other_half_of_an_a_b(tmp_path):
+    """Run(deterministic=False) leaves PyTorch's defaults and records deterministic mode as off in run.json;
+    by default Run turns it on (the control). A loop that turns it off by hand is warned at its own line."""
+    import json
+    import warnings
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    seen = {}
+    for name, det in (("off", False), ("on", True)):
+        with samestep.Run(tmp_path / name, model=model, optimizer=opt, deterministic=det) as run:
+            for step in run.steps(1):
+                seen[name] = torch.are_deterministic_algorithms_enabled()
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    assert seen == {"off": False, "on": True}
+    assert json.loads((tmp_path / "off" / "run.json").read_text())["determinism"] is None
+    assert json.loads((tmp_path / "on" / "run.json").read_text())["determinism"] is not None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with samestep.Run(tmp_path / "drift", model=model, optimizer=opt) as run:
+            torch.use_deterministic_algorithms(False)
+            for step in run.steps(1):
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+    drift = [w for w in caught if "no longer holds" in str(w.message)]
+    assert drift and drift[0].filename == __file__

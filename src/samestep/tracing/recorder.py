@@ -40,6 +40,7 @@ This class is the protocol; each level makes its records in a file of its own (`
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -65,6 +66,16 @@ __all__ = ["Recorder"]
 
 _MODULE = LEVELS.index("module")
 _OP = LEVELS.index("op")
+
+
+def _callers_level() -> int:
+    """The ``stacklevel`` that makes a warning name the first frame outside samestep and contextlib: the line
+    of the user's loop that opened the step, not a library's."""
+    ours = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), contextlib.__file__.removesuffix(".py"))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(ours):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class Recorder:
@@ -282,7 +293,8 @@ class Recorder:
             self.numerics_changed = {"step": step, "knobs": {name: list(v) for name, v in changed.items()}}
             warnings.warn(f"samestep.trace: at step {step} deterministic mode no longer holds what enable() set ("
                           + ", ".join(f"{name}: {a!r} -> {b!r}" for name, (a, b) in changed.items())
-                          + "); the run's numerics changed, and run.json records it", RuntimeWarning, stacklevel=3)
+                          + "); the run's numerics changed, and run.json records it", RuntimeWarning,
+                          stacklevel=_callers_level())
 
     @contextlib.contextmanager
     def microbatch(self, index: int) -> Iterator[None]:
