@@ -249,7 +249,8 @@ def writers(work: Path, reference: tuple, trials: int) -> dict:
             refusal[0]
         out["exact"] += _outcome(run) == reference
         beside = work / f"beside_{i}"  # a loop of one's own started beside a live trainer
-        trainer = subprocess.Popen(_cmd(beside, LONG), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env())
+        trainer = subprocess.Popen(_cmd(beside, (*LONG, "train.steps=100000")), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, env=_env())  # alive until killed below
         deadline = time.monotonic() + 600
         while last_logged_step(beside) < 1 and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -15,6 +15,7 @@ import torch
 import samestep
 from samestep.rundir import RunDirError, last_logged_step
 from tests.conftest import TINY, train_cmd, train_here
+from tests.forgery import flip_a_weight, move_cursor, reseal, reseal_manifest
 
 # Checkpoints only at the end: a kill before it leaves a run with no checkpoint at all.
 UNSAVED = (*TINY, "train.steps=40", "train.checkpoint_every=1000")
@@ -107,8 +108,8 @@ def test_every_writer_of_a_run_directory_takes_the_same_lock(tmp_path):
 
 
 _OWN_LOOP = """
-import sys, torch, samestep
-run_dir, total = sys.argv[1], int(sys.argv[2])
+import sys, time, torch, samestep
+run_dir, total, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -119,6 +120,7 @@ with samestep.Run(run_dir, model=model, optimizer=opt, checkpoint_every=1000) as
         opt.step()
         opt.zero_grad()
         print(step, flush=True)
+        time.sleep(pause)  # a step that takes a while, so that a kill lands mid-run
 torch.save(model.state_dict(), run_dir + "/weights.pt")
 """
 
@@ -131,16 +133,16 @@ def test_a_loop_of_ones_own_killed_before_its_first_checkpoint_goes_on_from_step
     from samestep.analysis import certify_trace
 
     straight, run = tmp_path / "straight", tmp_path / "run"
-    subprocess.run([sys.executable, "-c", _OWN_LOOP, str(straight), "30"], check=True, capture_output=True,
+    subprocess.run([sys.executable, "-c", _OWN_LOOP, str(straight), "30", "0"], check=True, capture_output=True,
                    timeout=300)
-    proc = subprocess.Popen([sys.executable, "-c", _OWN_LOOP, str(run), "100000"], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", _OWN_LOOP, str(run), "30", "0.5"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     while int(proc.stdout.readline() or 0) < 3:
         assert proc.poll() is None, proc.stderr.read()[-2000:]
     proc.kill()
     proc.wait()
     assert not certify_trace(run)["complete"]
-    done = subprocess.run([sys.executable, "-c", _OWN_LOOP, str(run), "30"], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", _OWN_LOOP, str(run), "30", "0"], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     for name, t in torch.load(straight / "weights.pt").items():
@@ -233,56 +235,6 @@ def test_a_signal_after_the_graceful_stop_exits_as_preempted():
     assert plain.returncode == -signal.SIGTERM
 
 
-def _reseal(step_dir: Path, name: str, data: bytes) -> None:
-    """Writes ``data`` as the checkpoint's file ``name`` and recomputes every digest the manifest holds of it,
-    and the manifest's own: what a forger who knows the format does."""
-    import hashlib
-    import json
-
-    from safetensors.torch import load as load_tensors
-
-    (step_dir / name).write_bytes(data)
-    manifest = json.loads((step_dir / "manifest.json").read_bytes())
-    entry = manifest["files"][name]
-    entry["size"], entry["sha256"] = len(data), hashlib.sha256(data).hexdigest()
-    if "tensors" in entry:
-        for key, t in load_tensors(data).items():
-            h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
-            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-            entry["tensors"][key] = h.hexdigest()
-    _reseal_manifest(step_dir, manifest)
-
-
-def _reseal_manifest(step_dir: Path, manifest: dict) -> None:
-    import hashlib
-    import json
-
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    manifest["manifest_sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
-                                                 .encode()).hexdigest()
-    (step_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
-
-
-def _flip_a_weight(data: bytes) -> bytes:
-    from safetensors.torch import load as load_tensors
-    from safetensors.torch import save as save_tensors
-
-    tensors = load_tensors(data)
-    name = sorted(tensors)[0]
-    t = tensors[name].clone()
-    t.view(-1).view(torch.int32)[0] ^= 1
-    tensors[name] = t
-    return save_tensors(tensors)
-
-
-def _edit_cursor(data: bytes) -> bytes:
-    import json
-
-    state = json.loads(data)
-    state["data_cursor"]["position"] += 2
-    return (json.dumps(state, indent=1, sort_keys=True) + "\n").encode()
-
-
 @pytest.mark.parametrize("forgery", ["manifest step", "a weight bit", "the data cursor"])
 def test_a_forged_checkpoint_is_refused(tmp_path, forgery):
     """A checkpoint edited with every digest of its manifest recomputed: the loader refuses a manifest whose
@@ -303,14 +255,14 @@ def test_a_forged_checkpoint_is_refused(tmp_path, forgery):
     if forgery == "manifest step":
         manifest = json.loads((step_dir / "manifest.json").read_bytes())
         manifest["step"] = 6
-        _reseal_manifest(step_dir, manifest)
+        reseal_manifest(step_dir, manifest)
         with pytest.raises(CheckpointError, match="says step 6, but it is step_000004"):
             verify_checkpoint(step_dir)
         return
     if forgery == "a weight bit":
-        _reseal(step_dir, "model.safetensors", _flip_a_weight((step_dir / "model.safetensors").read_bytes()))
+        reseal(step_dir, "model.safetensors", flip_a_weight((step_dir / "model.safetensors").read_bytes()))
     else:
-        _reseal(step_dir, "state.json", _edit_cursor((step_dir / "state.json").read_bytes()))
+        reseal(step_dir, "state.json", move_cursor((step_dir / "state.json").read_bytes()))
     assert verify_checkpoint(step_dir) == step_dir  # every byte matches the (recomputed) manifest
     report = check_receipts(run)
     assert not report["ok"] and "is not the receipt's of step 4" in report["problems"][0]
@@ -396,8 +348,8 @@ def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
     step_dir = run / "checkpoints" / "step_000008"
     zero, one = (step_dir / "model.rank_00000.safetensors").read_bytes(), \
         (step_dir / "model.rank_00001.safetensors").read_bytes()
-    _reseal(step_dir, "model.rank_00000.safetensors", one)
-    _reseal(step_dir, "model.rank_00001.safetensors", zero)
+    reseal(step_dir, "model.rank_00000.safetensors", one)
+    reseal(step_dir, "model.rank_00001.safetensors", zero)
     assert verify_checkpoint(step_dir) == step_dir
     report = check_receipts(run)
     assert not report["ok"] and "rank 0's shards" in report["problems"][0], report

@@ -237,3 +237,23 @@ def test_determinism_off_for_the_other_half_of_an_a_b(tmp_path):
                 opt.zero_grad()
     drift = [w for w in caught if "no longer holds" in str(w.message)]
     assert drift and drift[0].filename == __file__
+
+
+def test_verify_refuses_a_loop_of_ones_own_and_receipts_verify_checks_its_checkpoint(tmp_path, capsys):
+    """`samestep verify` cannot replay a loop of one's own (only its owner has the code): exit 2, one line
+    saying so, not a false "not the run's". `samestep receipts verify` checks the run's newest checkpoint
+    against its receipt (its parts rebuilt from the checkpoint's files); with a weight of it changed and
+    resealed, it names the checkpoint (the control)."""
+    from samestep.cli import main
+
+    _train(tmp_path / "run", total=4)
+    assert main(["verify", str(tmp_path / "run")]) == 2
+    assert "loop of your own" in capsys.readouterr().err
+    assert main(["receipts", "verify", str(tmp_path / "run")]) == 0
+    assert "checkpoint step_000004 against its step's receipt" in capsys.readouterr().out
+    step_dir = tmp_path / "run" / "checkpoints" / "step_000004"
+    from tests.forgery import flip_a_weight, reseal
+
+    reseal(step_dir, "model.safetensors", flip_a_weight((step_dir / "model.safetensors").read_bytes()))
+    assert main(["receipts", "verify", str(tmp_path / "run")]) == 1
+    assert "step_000004: its state digest" in capsys.readouterr().out

@@ -15,6 +15,7 @@ import torch
 
 import samestep
 from samestep.analysis import DiffError, certify_trace, diff_runs
+from samestep.cli import main
 from samestep.tracing import read_stream, stream_path
 from samestep.tracing.stream import END, SCHEMA, DamagedStream, StreamWriter
 from tests.conftest import traced_step
@@ -162,9 +163,9 @@ def _rewrite(source: Path, target: Path, rows) -> None:
 
 def test_steps_one_trace_lacks_are_missing_not_a_divergence(tmp_path):
     """Run B's trace without step 2 (its records lost, as when a run is killed before they are written):
-    diff compares steps 1 and 3, says identical, and names step 2 as missing from B; it is not
-    "code paths differ". Negative control: the same trace with one output digest of step 3 changed
-    instead diverges there."""
+    diff compares steps 1 and 3 and says so: "identical over steps 1,3 of 1-3", not plain identical (exit 0,
+    1 with --strict), naming step 2 as missing from B; it is not "code paths differ". Negative control:
+    the same trace with one output digest of step 3 changed instead diverges there."""
     for name in ("a", "b", "c"):
         _loop(tmp_path / name)
     table = read_stream(stream_path(tmp_path / "b", 0)).table
@@ -180,9 +181,12 @@ def test_steps_one_trace_lacks_are_missing_not_a_divergence(tmp_path):
     _rewrite(stream_path(tmp_path / "a", 0), stream_path(tmp_path / "c", 0), changed)
 
     report = diff_runs(tmp_path / "a", tmp_path / "b")
-    assert report["identical"] and report["verdict"] == "identical", report["summary"]
+    assert not report["identical"] and report["partial"], report["summary"]
+    assert report["verdict"] == "identical over steps 1,3 of 1-3", report["summary"]
     assert report["per_rank"]["0"]["missing_steps"] == {"A": [], "B": [2]}
     assert any("run B's trace has no records of step(s) 2" in n for n in report["notes"])
-    assert "not compared" in report["summary"] and "structural" not in report["summary"]
+    assert "structural" not in report["summary"]
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--strict"]) == 1
     other = diff_runs(tmp_path / "a", tmp_path / "c")
     assert not other["identical"] and other["first_divergent_step"] == 3 and other["origin"] is not None

@@ -57,7 +57,8 @@ def test_a_diff_that_compared_nothing_is_not_identical(tmp_path, deterministic, 
     _loop(tmp_path / "b", steps="3", scale=2.0)
     report = diff_runs(tmp_path / "a", tmp_path / "b")
     assert report["verdict"] == "nothing compared" and not report["identical"]
-    assert report["compared"] == {"metric_steps": 0, "trace_records": 0, "ranks": 1, "final_state": False}
+    assert report["compared"] == {"metric_steps": 0, "trace_records": 0, "ranks": 1, "final_state": False,
+                                  "receipt_steps": 0, "steps": "", "steps_held": ""}
     assert report["summary"].startswith("nothing compared:") and "no evidence" in report["summary"]
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     _loop(tmp_path / "c", steps="1-2", scale=2.0)
@@ -256,3 +257,35 @@ def test_metrics_are_compared_by_step_number_not_by_line(tmp_path, deterministic
     assert not gap["identical"] and gap["first_divergent_step"] == 2 and gap["compared"]["metric_steps"] == 2
     ulp = diff_runs(tmp_path / "a", tmp_path / "c")
     assert ulp["metrics"]["step"] == 3 and ulp["metrics"]["fields"] == ["loss_hex"]
+
+
+def test_diff_takes_the_first_divergent_step_from_the_receipts(tmp_path):
+    """A bit flipped in a parameter after step 2's update: the state differs from step 2 on, while the loss
+    differs only from step 3 (it is computed before the update). diff reports step 2 from the receipts
+    (metrics alone would say 3). Control: without receipts (train.receipts=false) only the metrics speak."""
+    from tests.conftest import TINY, train_here
+
+    fault = "train.fault=param:rank=0,step=2,name=transformer.h.0.mlp.c_fc.weight,bit=20"
+    for name, extra in (("a", ()), ("b", (fault,)), ("a_plain", ("train.receipts=false",)),
+                        ("b_plain", ("train.receipts=false", fault))):
+        train_here(tmp_path / name, *TINY, *extra)
+    report = diff_runs(tmp_path / "a", tmp_path / "b", force=True)
+    assert report["receipts"]["step"] == 2 and report["receipts"]["fields"] == ["state"], report["receipts"]
+    assert report["first_divergent_step"] == 2 and report["metrics"]["step"] == 3, report["summary"]
+    plain = diff_runs(tmp_path / "a_plain", tmp_path / "b_plain", force=True)
+    assert plain["receipts"] is None and plain["first_divergent_step"] == 3
+
+
+def test_a_run_that_stopped_earlier_is_identical_only_over_the_steps_both_hold(tmp_path):
+    """Runs of 3 and 8 steps of one config: "identical over steps 1-3 of 1-8" (exit 0; --strict exit 1), never
+    plain "identical". Control: two whole runs are identical (exit 0 with --strict)."""
+    from tests.conftest import TINY, train_here
+
+    train_here(tmp_path / "short", *TINY, stop_after=3)
+    for name in ("long", "long2"):
+        train_here(tmp_path / name, *TINY)
+    report = diff_runs(tmp_path / "short", tmp_path / "long")
+    assert not report["identical"] and report["verdict"] == "identical over steps 1-3 of 1-8", report["summary"]
+    assert main(["diff", str(tmp_path / "short"), str(tmp_path / "long")]) == 0
+    assert main(["diff", str(tmp_path / "short"), str(tmp_path / "long"), "--strict"]) == 1
+    assert main(["diff", str(tmp_path / "long"), str(tmp_path / "long2"), "--strict"]) == 0

@@ -20,40 +20,15 @@ from typing import Any
 
 from samestep.analysis.diff import diff_runs
 from samestep.analysis.replay import replay
-from samestep.analysis.verify import FIELDS, first_receipt_difference
+from samestep.analysis.receipt_diff import compare_receipts
 from samestep.checkpoint import committed_steps
-from samestep.receipts import read_run_receipts
-from samestep.rundir import read_metrics, read_run
+from samestep.rundir import read_run
 
-__all__ = ["BisectError", "bisect_runs", "first_difference"]
+__all__ = ["BisectError", "bisect_runs"]
 
 
 class BisectError(ValueError):
     """The runs cannot be bisected (nothing in common to compare, or runs that are not samestep train's)."""
-
-
-def _records(run_dir: Path) -> tuple[dict[str, list[dict]], str]:
-    """A run's receipts ({rank: receipts}) and what they are of: "run" (the whole state, or a rank's shards,
-    "rank"), or metrics.jsonl's rows as receipts without a state ("metrics") where it wrote none."""
-    files = read_run_receipts(run_dir)
-    if files:
-        return ({str(rank): receipts for rank, (_, receipts) in files.items()},
-                files[max(files)][0].get("state_of", "run"))
-    return {"0": [{"step": r["step"], "loss_hex": r.get("loss_hex"), "grad_norm_hex": r.get("grad_norm_hex")}
-                  for r in read_metrics(run_dir)]}, "metrics"
-
-
-def first_difference(run_a: Path, run_b: Path) -> tuple[dict[str, Any] | None, int]:
-    """The first differing step of two runs by their receipts (see the module docstring), and how many steps
-    both hold. State digests are compared where both are of the whole state, or both of shards over the
-    same layout; loss and grad-norm bits always."""
-    (a, of_a), (b, of_b) = _records(run_a), _records(run_b)
-    fields = FIELDS if (of_a == of_b == "run" or (of_a == of_b == "rank" and set(a) == set(b))) else FIELDS[:2]
-    steps_a, steps_b = ({r["step"] for r in rs.get("0", [])} for rs in (a, b))
-    common = steps_a & steps_b
-    if not common:
-        return None, 0
-    return first_receipt_difference(a, b, range(1, max(common) + 1), fields), len(common)
 
 
 def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force: bool = False,
@@ -68,7 +43,7 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
     """
     run_a, run_b = Path(run_a), Path(run_b)
     read_run(run_a), read_run(run_b)
-    difference, compared = first_difference(run_a, run_b)
+    difference, compared = compare_receipts(run_a, run_b)
     if compared == 0:
         raise BisectError(f"{run_a} and {run_b} hold no step in common (no receipts or metrics): nothing to compare")
     if difference is None:

@@ -68,6 +68,7 @@ class _RankResult:
     divergence: Divergence | None = None
     torn: list[str] = field(default_factory=list)
     missing: dict[str, list[int]] | None = None  # run name -> steps its stream lacks and the other's holds
+    held: tuple[set[int], set[int]] = (set(), set())  # the steps A's and B's streams hold
 
 
 def load_run(path: Path) -> dict[str, Any]:
@@ -86,12 +87,13 @@ def load_metrics(path: Path) -> list[dict[str, Any]]:
         raise DiffError(str(e)) from None
 
 
-def _first_metric_difference(a: list[dict], b: list[dict], steps: set[int] | None) -> dict[str, Any] | None:
-    """The first step, by step number, whose loss or grad-norm bits differ, or that one run has and the
-    other lacks (``fields`` ["missing"]: a run that stopped earlier, or a gap)."""
+def _first_metric_difference(a: list[dict], b: list[dict], steps: set[int] | None,
+                             up_to: int) -> dict[str, Any] | None:
+    """The first step, by step number, up to ``up_to`` (the last step both runs reached), whose loss or
+    grad-norm bits differ, or that one run has and the other lacks (``fields`` ["missing"]: a gap)."""
     rows_a, rows_b = ({r["step"]: r for r in rows} for rows in (a, b))
     for step in sorted(set(rows_a) | set(rows_b)):
-        if steps is not None and step not in steps:
+        if (steps is not None and step not in steps) or step > up_to:
             continue
         ra, rb = rows_a.get(step), rows_b.get(step)
         if ra is None or rb is None:
@@ -151,6 +153,7 @@ def _compare_rank(run_a: Path, run_b: Path, rank: int, steps: set[int] | None,
     streams compared on the steps both hold: a lost step is not a difference of code paths."""
     res = _RankResult(rank)
     have_a, have_b = (steps_recorded(run, rank, steps, level) for run, level in ((run_a, levels[0]), (run_b, levels[1])))
+    res.held = (have_a, have_b)
     if have_a != have_b:
         res.missing = {"A": sorted(have_b - have_a), "B": sorted(have_a - have_b)}
         steps = have_a & have_b
@@ -247,7 +250,10 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
         raise DiffError(f"--steps {format_selection(steps)}: neither run has these steps (A: "
                         f"{format_selection(r['step'] for r in metrics_a) or 'none'}, B: "
                         f"{format_selection(r['step'] for r in metrics_b) or 'none'}); choose steps the runs have")
-    metric_diff = _first_metric_difference(metrics_a, metrics_b, steps)
+    # steps one run holds past the other's last are not compared (the verdict names them), not a divergence
+    last_both = min(max((r["step"] for r in metrics_a), default=0), max((r["step"] for r in metrics_b), default=0))
+    metric_diff = _first_metric_difference(metrics_a, metrics_b, steps, last_both)
+    receipt_diff, receipt_steps, held = _receipts_compared(run_a, run_b, steps)
     both = {r["step"] for r in metrics_a} & {r["step"] for r in metrics_b}
     metric_steps = sum(1 for step in both if steps is None or step in steps)
     finals = [final_digest(run_a), final_digest(run_b)]
@@ -266,20 +272,27 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     seen = [d for d in divs if d.kind == "first_seen"]
     first_seen = min(seen, key=lambda d: (d.step, d.microbatch, d.rank)) if seen and not structural else None
     records = sum(r.records for r in per_rank.values())
-    same = metric_diff is None and not divs and not final_differs
+    same = metric_diff is None and receipt_diff is None and not divs and not final_differs
     # Nothing compared is no evidence of sameness: such a diff says so (exit 2), never "identical"
-    nothing = same and not (metric_steps or records or final_compared)
-    identical = same and not nothing
+    nothing = same and not (metric_steps or records or final_compared or receipt_steps)
+    # Steps that one run holds and the other does not make agreement partial: "identical over steps 1-6 of
+    # 1-20", never plain "identical"
+    held = _held_steps(held, metrics_a, metrics_b, per_rank, steps)
+    partial = same and not nothing and held[0] != held[1]
+    identical = same and not nothing and not partial
     if per_rank and not records and steps is not None:
         notes.append(f"no trace records fall in --steps {format_selection(steps)}: only those steps' metrics were "
                      "compared (the runs' trace.steps selects which steps were traced)")
     if nothing:
         summary = ("nothing compared: the runs have no metrics, final state or trace records in common"
                    + (" (see the notes)" if notes else "") + "; this is no evidence that they are the same")
-    elif identical:
-        summary = _identical_summary(metric_steps, records, len(per_rank), final_compared)
-        if any(res.missing for res in per_rank.values()):
-            summary += "; some traced steps are in one run only and were not compared (see the notes)"
+    elif identical or partial:
+        summary = _identical_summary(metric_steps, records, len(per_rank), final_compared, receipt_steps)
+        if partial:
+            summary = summary.replace("identical:", f"identical over steps {format_selection(held[0])} of "
+                                                    f"{format_selection(held[1])} (A holds "
+                                                    f"{format_selection(held[2]) or 'none'}, B "
+                                                    f"{format_selection(held[3]) or 'none'}):", 1)
     elif structural:
         d = structural[0]
         summary = (f"structural divergence on rank {d.rank} at step {d.step}: {d.note} "
@@ -288,16 +301,25 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
         summary = _origin_summary(origin, origins, sorted(per_rank))
     elif first_seen is not None:
         summary = _first_seen_summary(first_seen, sorted(d.rank for d in divs if d.kind == "receiver"))
+    elif receipt_diff is not None and (metric_diff is None or receipt_diff["step"] < metric_diff["step"]) and \
+            (first is None or receipt_diff["step"] < first.step):
+        summary = (f"diverged at step {receipt_diff['step']}: the receipts' {', '.join(receipt_diff['fields'])} differ "
+                   f"(rank {receipt_diff['rank']}); samestep bisect replays that step and names the op")
     else:
         summary = _no_origin_summary(first, metric_diff, finals, bool(per_rank))
+    verdict = "nothing compared" if nothing else "identical" if identical else \
+        f"identical over steps {format_selection(held[0])} of {format_selection(held[1])}" if partial else "diverged"
     return {
         "identical": identical,
-        "verdict": "nothing compared" if nothing else "identical" if identical else "diverged",
+        "partial": partial,
+        "verdict": verdict,
         "compared": {"metric_steps": metric_steps, "trace_records": records, "ranks": len(per_rank),
-                     "final_state": final_compared},
-        "first_divergent_step": min([d.step for d in divs] + ([metric_diff["step"]] if metric_diff else []),
-                                    default=None),
+                     "final_state": final_compared, "receipt_steps": receipt_steps,
+                     "steps": format_selection(held[0]), "steps_held": format_selection(held[1])},
+        "first_divergent_step": min([d.step for d in divs] + ([metric_diff["step"]] if metric_diff else [])
+                                    + ([receipt_diff["step"]] if receipt_diff else []), default=None),
         "metrics": metric_diff,
+        "receipts": receipt_diff,
         "final_state_digests": finals,
         "origin": asdict(origin) if origin is not None else None,
         "first_seen": asdict(first_seen) if first_seen is not None and origin is None else None,
@@ -389,11 +411,46 @@ def _ranks_to_compare(run_a: Path, run_b: Path, ranks: set[int] | None, notes: l
     return sorted((ranks_a & ranks_b) if ranks is None else (ranks_a & ranks_b & ranks))
 
 
-def _identical_summary(metric_steps: int, records: int, ranks: int, final_compared: bool) -> str:
+def _receipts_compared(run_a: Path, run_b: Path, steps: set[int] | None) -> tuple[dict | None, int, list[set[int]]]:
+    """The runs' receipts (the state after each step, where both keep the same state): the first step at
+    which they differ in ``steps`` (None: all), how many steps both receipted, and each run's receipted
+    steps."""
+    from samestep.analysis.receipt_diff import compare_receipts
+    from samestep.receipts import read_run_receipts
+
+    try:
+        files = [read_run_receipts(run) for run in (run_a, run_b)]
+    except ValueError as e:  # a damaged receipts file
+        raise DiffError(str(e)) from None
+    held = [{r["step"] for r in f[0][1]} if f.get(0) else set() for f in files]
+    if not all(held):
+        return None, 0, held
+    difference, compared = compare_receipts(run_a, run_b)
+    if difference is not None and steps is not None and difference["step"] not in steps:
+        difference = None  # outside the steps asked for
+    return difference, compared, held
+
+
+def _held_steps(receipted: list[set[int]], metrics_a: list[dict], metrics_b: list[dict],
+                per_rank: dict[int, _RankResult], steps: set[int] | None) -> tuple[set[int], ...]:
+    """(steps both runs hold, steps either holds, A's, B's): from metrics, receipts and the traces."""
+    held = [{r["step"] for r in metrics_a} | receipted[0], {r["step"] for r in metrics_b} | receipted[1]]
+    for res in per_rank.values():
+        held[0] |= res.held[0]
+        held[1] |= res.held[1]
+    if steps is not None:
+        held = [h & steps for h in held]
+    return held[0] & held[1], held[0] | held[1], held[0], held[1]
+
+
+def _identical_summary(metric_steps: int, records: int, ranks: int, final_compared: bool,
+                       receipt_steps: int = 0) -> str:
     """What was compared and matched (a run of the user's own loop has its trace only: no metrics.jsonl)."""
     parts = []
     if metric_steps:
         parts.append(f"the metric bits of {metric_steps} step(s)")
+    if receipt_steps:
+        parts.append(f"the receipts (state digests) of {receipt_steps} step(s)")
     if records:
         parts.append(f"{records} trace records on {ranks} rank(s)")
     if final_compared:

@@ -22,7 +22,7 @@ from samestep.env import RANK_LOCAL, compare_environments
 from samestep.receipts import read_run_receipts, receipts_path
 from samestep.rundir import read_metrics, read_run
 
-__all__ = ["ReplayError", "environment_differences", "layout_at", "replay", "replay_start"]
+__all__ = ["ReplayError", "check_replayable", "environment_differences", "layout_at", "replay", "replay_start"]
 
 
 class ReplayError(RuntimeError):
@@ -37,6 +37,18 @@ def layout_at(doc: dict[str, Any], step: int) -> dict[str, Any]:
         if isinstance(entry, dict) and entry.get("step", 0) <= step:
             layout = entry
     return layout
+
+
+def check_replayable(run_dir: Path, doc: dict[str, Any]) -> None:
+    """Refuses a run this module cannot replay: a loop of one's own, whose code only its owner has.
+
+    Raises:
+        ReplayError: names the run and what to use instead.
+    """
+    if doc.get("written_by") == "samestep.trace":
+        raise ReplayError(f"{run_dir} is a run of a loop of your own (samestep.trace or samestep.Run wrote its "
+                          "run.json): only samestep train's runs can be replayed here; check its receipts with "
+                          "samestep receipts verify, or compare two runs with samestep diff")
 
 
 def replay_start(run_dir: Path, before: int) -> int:
@@ -61,9 +73,7 @@ def replay(run_dir: Path, scratch: Path, start: int, end: int, settings: tuple[s
         ReplayError: the replay's process failed; the message ends with its last lines of stderr.
     """
     doc = read_run(run_dir)
-    if doc.get("written_by") == "samestep.trace":
-        raise ReplayError(f"{run_dir} is a run of a loop of your own (samestep.trace wrote its run.json): only "
-                          "samestep train's runs can be replayed here; compare such runs with samestep diff")
+    check_replayable(run_dir, doc)
     scratch.mkdir(parents=True)
     if start:
         shutil.copytree(run_dir / "checkpoints" / f"step_{start:06d}", scratch / "checkpoints" / f"step_{start:06d}")

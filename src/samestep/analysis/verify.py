@@ -14,34 +14,16 @@ from pathlib import Path
 from typing import Any
 
 from samestep.analysis.receipt_check import checkpoint_mismatches
-from samestep.analysis.replay import environment_differences, replay, replay_start
+from samestep.analysis.receipt_diff import first_receipt_difference
+from samestep.analysis.replay import check_replayable, environment_differences, replay, replay_start
 from samestep.receipts import chain_break, read_run_receipts, receipts_path
 from samestep.rundir import read_run
 
-__all__ = ["FIELDS", "VerifyError", "first_receipt_difference", "verify_run"]
-
-FIELDS = ("loss_hex", "grad_norm_hex", "state")  # what a receipt says of its step, in the order it arises
+__all__ = ["VerifyError", "verify_run"]
 
 
 class VerifyError(ValueError):
     """The run cannot be replayed as asked (no receipts, steps it does not hold, another environment)."""
-
-
-def first_receipt_difference(a: dict[str, list[dict]], b: dict[str, list[dict]], steps: range,
-                             fields: tuple[str, ...] = FIELDS) -> dict[str, Any] | None:
-    """The first step in ``steps`` (then the lowest rank) where two sets of receipts ({rank: receipts})
-    differ in a field: ``{"step", "rank", "fields", "a", "b"}``; None if they agree on every step both hold."""
-    by = {side: {rank: {r["step"]: r for r in rs} for rank, rs in recs.items()} for side, recs in (("a", a), ("b", b))}
-    for step in steps:
-        for rank in sorted(set(by["a"]) & set(by["b"]), key=int):
-            ra, rb = by["a"][rank].get(step), by["b"][rank].get(step)
-            if ra is None or rb is None:
-                continue
-            differ = [f for f in fields if ra[f] != rb[f]]
-            if differ:
-                return {"step": step, "rank": int(rank), "fields": differ, "a": {f: ra[f] for f in differ},
-                        "b": {f: rb[f] for f in differ}}
-    return None
 
 
 def _by_rank(files: dict[int, tuple[dict, list[dict]]]) -> dict[str, list[dict]]:
@@ -78,6 +60,7 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
     """
     run_dir = Path(run_dir)
     doc = read_run(run_dir)
+    check_replayable(run_dir, doc)
     files = read_run_receipts(run_dir)
     recorded = _by_rank(files)
     if not recorded:

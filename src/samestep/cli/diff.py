@@ -13,8 +13,10 @@ from samestep.cli.errors import InputError
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "diff", help="compare two runs: first differing step, then the op that diverged, per rank",
-        description="Compares metrics bits, then per-rank trace streams. Exit 0 identical, 1 diverged, 2 usage "
-                    "or input error, or nothing in common to compare.",
+        description="Compares metrics bits and receipts (the state after each step), then per-rank trace streams. "
+                    "Exit 0 identical (or identical over the steps both runs hold, which the verdict names), 1 "
+                    "diverged (or, with --strict, a run holds steps the other does not), 2 usage or input error, "
+                    "or nothing in common to compare.",
         epilog="examples:\n  samestep diff runs/a runs/b\n  samestep diff runs/a runs/b --json --ranks 0,1 --steps 1-5",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_a")
@@ -22,6 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ranks", help="ranks to compare, e.g. 0,2-3 (default: all traced)")
     p.add_argument("--steps", help="steps to compare, e.g. 1-5 (default: all)")
     p.add_argument("--force", action="store_true", help="compare even if configs or environments differ")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 unless every step of both runs was compared (a run that stopped earlier fails)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run, subparser=p)
 
@@ -42,6 +46,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         _print(report)
     if report["verdict"] == "nothing compared":
         return 2
+    if report["partial"]:
+        return 1 if args.strict else 0
     return 0 if report["identical"] else 1
 
 

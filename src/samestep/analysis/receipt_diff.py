@@ -1,0 +1,59 @@
+"""The first step at which two runs' receipts differ: state digests where both are of the same state (the
+whole state, or shards over the same layout), loss and grad-norm bits always; metrics.jsonl's rows stand
+in for a run that wrote no receipts. What ``samestep verify`` compares a replay with, ``samestep bisect``
+starts from and ``samestep diff`` reports as the first divergent step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from samestep.receipts import read_run_receipts
+from samestep.rundir import read_metrics
+
+__all__ = ["FIELDS", "compare_receipts", "first_receipt_difference"]
+
+FIELDS = ("loss_hex", "grad_norm_hex", "state")  # what a receipt says of its step, in the order it arises
+
+
+def first_receipt_difference(a: dict[str, list[dict]], b: dict[str, list[dict]], steps: range,
+                             fields: tuple[str, ...] = FIELDS) -> dict[str, Any] | None:
+    """The first step in ``steps`` (then the lowest rank) where two sets of receipts ({rank: receipts})
+    differ in a field: ``{"step", "rank", "fields", "a", "b"}``; None if they agree on every step both hold."""
+    by = {side: {rank: {r["step"]: r for r in rs} for rank, rs in recs.items()} for side, recs in (("a", a), ("b", b))}
+    for step in steps:
+        for rank in sorted(set(by["a"]) & set(by["b"]), key=int):
+            ra, rb = by["a"][rank].get(step), by["b"][rank].get(step)
+            if ra is None or rb is None:
+                continue
+            differ = [f for f in fields if ra[f] != rb[f]]
+            if differ:
+                return {"step": step, "rank": int(rank), "fields": differ, "a": {f: ra[f] for f in differ},
+                        "b": {f: rb[f] for f in differ}}
+    return None
+
+
+def _records(run_dir: Path) -> tuple[dict[str, list[dict]], str]:
+    """A run's receipts ({rank: receipts}) and what they are of: "run" (the whole state, or a rank's shards,
+    "rank"), or metrics.jsonl's rows as receipts without a state ("metrics") where it wrote none."""
+    files = read_run_receipts(run_dir)
+    if files:
+        return ({str(rank): receipts for rank, (_, receipts) in files.items()},
+                files[max(files)][0].get("state_of", "run"))
+    return {"0": [{"step": r["step"], "loss_hex": r.get("loss_hex"), "grad_norm_hex": r.get("grad_norm_hex")}
+                  for r in read_metrics(run_dir)]}, "metrics"
+
+
+def compare_receipts(run_a: Path, run_b: Path) -> tuple[dict[str, Any] | None, int]:
+    """The first differing step of two runs by their receipts (see the module docstring), and how many steps
+    both hold. State digests are compared where both are of the whole state, or both of shards over the
+    same layout; loss and grad-norm bits always."""
+    (a, of_a), (b, of_b) = _records(run_a), _records(run_b)
+    fields = FIELDS if (of_a == of_b == "run" or (of_a == of_b == "rank" and set(a) == set(b))) else FIELDS[:2]
+    steps_a, steps_b = ({r["step"] for r in rs.get("0", [])} for rs in (a, b))
+    common = steps_a & steps_b
+    if not common:
+        return None, 0
+    return first_receipt_difference(a, b, range(1, max(common) + 1), fields), len(common)
+
+
