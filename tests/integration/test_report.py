@@ -74,3 +74,38 @@ def test_without_matplotlib_the_error_names_the_fix(runs, tmp_path, monkeypatch)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(DiffError, match=r"pip install 'samestep\[report\]'"):
         make_report([runs["a"]], tmp_path / "x.html")
+
+
+def test_the_pictures_show_a_divergence_the_losses_do_not_yet(tmp_path):
+    """A bit flipped in a weight after step 2's update changes the state from step 2, the loss only from step 3:
+    the figure's state row marks step 2 (red), its title names step 2 and where the trace saw it first, and
+    the report says the receipts' states first differ at 2. A loop of one's own, with no metrics.jsonl, gets
+    its curves from the receipts' bits of run.metric("loss"). Control: two identical runs mark no state."""
+    import torch
+
+    import samestep
+    from tests.conftest import TINY, train_here
+
+    fault = "train.fault=param:rank=0,step=2,name=transformer.h.0.mlp.c_fc.weight,bit=20"
+    for name, extra in (("a", ()), ("b", (fault,)), ("c", ())):
+        train_here(tmp_path / name, *TINY, "trace.level=step", *extra)
+    result = make_report([tmp_path / "a", tmp_path / "b"], tmp_path / "flip.html", force=True)
+    assert result["state_differs_at"] == 2 and result["first_divergent_step"] == 2
+    assert result["title"].startswith("first divergent step: 2;"), result["title"]
+    assert _has_colour(Path(result["pngs"][0]), KIND_COLOURS["origin"])
+    same = make_report([tmp_path / "a", tmp_path / "c"], tmp_path / "same.html")
+    assert same["state_differs_at"] is None and not _has_colour(Path(same["pngs"][0]), KIND_COLOURS["origin"])
+
+    for name in ("own_a", "own_b"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with samestep.Run(tmp_path / name, model=model, optimizer=opt) as run:
+            for step in run.steps(3):
+                loss = model(torch.ones(2, 4) * step).square().mean()
+                loss.backward()
+                run.metric("loss", loss)
+                opt.step()
+                opt.zero_grad()
+    own = make_report([tmp_path / "own_a", tmp_path / "own_b"], tmp_path / "own.html")
+    assert [Path(p).name for p in own["pngs"]][0] == "own_curves.png" and own["verdict"] == "identical"

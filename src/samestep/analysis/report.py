@@ -2,9 +2,12 @@
 
     samestep report runs/a runs/b --out report.html
 
-- ``curves.png``: each run's loss and grad norm per step (its metrics.jsonl), overlaid, and each run's
-  relative difference in both from the first run (a one-ULP difference is invisible in the curves), with the
-  first step at which the first two runs differ marked;
+- ``curves.png``: each run's loss and grad norm per step (its metrics.jsonl, or for a loop of one's own
+  the bits its receipts hold of ``run.metric("loss" | "grad_norm")``), overlaid; each run's relative
+  difference in both from the first run (a one-ULP difference is invisible in the curves); and, from the
+  receipts, at which steps each run's state after the update is the first run's (a race that has changed
+  the weights shows there before any loss moves). The first step at which the first two runs differ is
+  marked, and the title names it and the op and module it began in;
 - ``ranks.png`` (two traced runs): per rank, the step at which its first difference lies, coloured by
   what it is (origin, first seen, receiver, structural; no mark where the rank matched);
 - the page: the diff's summary, the origin op with its module path, a table per rank, and the pictures
@@ -20,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from samestep.analysis.diff import DiffError, diff_runs, load_metrics, load_run
+from samestep.receipts import read_run_receipts
 
 __all__ = ["KIND_COLOURS", "make_report"]
 
@@ -42,12 +46,39 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
-def _curves(figure: Any, names: list[str], metrics: list[list[dict[str, Any]]], divergent: int | None) -> bytes | None:
-    """Loss and grad norm per step of each run; the first divergent step marked. None if no run has metrics."""
+def _rows(run: Path) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    """A run's per-step loss and grad-norm bits (metrics.jsonl's rows, or rank 0's receipts for a loop of
+    one's own, which writes no metrics.jsonl), and its state digest per step (rank 0's receipts; none
+    without)."""
+    try:
+        receipts = read_run_receipts(run).get(0, ({}, []))[1]
+    except ValueError as e:  # a damaged receipts file
+        raise DiffError(str(e)) from None
+    rows = load_metrics(run) or [{"step": r["step"], "loss_hex": r["loss_hex"], "grad_norm_hex": r["grad_norm_hex"]}
+                                 for r in receipts]
+    return rows, {r["step"]: r["state"] for r in receipts}
+
+
+def _title(divergent: int | None, diff: dict[str, Any] | None) -> str:
+    """The figure's title: the first divergent step, and the op and module the difference began in."""
+    if divergent is None:
+        return "no divergent step"
+    found = (diff or {}).get("origin") or (diff or {}).get("first_seen")
+    if not found:
+        return f"first divergent step: {divergent}"
+    what = "origin" if diff.get("origin") else "first seen"
+    return (f"first divergent step: {divergent}; {what}: {found['op']} in {found['scope'] or '<root>'} "
+            f"({found['phase']}), rank {found['rank']}, step {found['step']}")
+
+
+def _curves(figure: Any, names: list[str], metrics: list[list[dict[str, Any]]], states: list[dict[int, str]],
+            divergent: int | None, title: str) -> bytes | None:
+    """Loss and grad norm per step of each run, their relative difference from the first run, and where each
+    run's state digest is the first run's; the first divergent step marked. None if no run has metrics."""
     if not any(metrics):
         return None
-    fig = figure(figsize=(8, 7.5))
-    axes = fig.subplots(3, 1, sharex=True)
+    fig = figure(figsize=(8, 9.5))
+    axes = fig.subplots(4, 1, sharex=True, gridspec_kw={"height_ratios": [3, 3, 3, 1.2]})
     first = {field: {r["step"]: float.fromhex(r[field]) for r in metrics[0]} for field in ("loss_hex", "grad_norm_hex")}
     for k, (name, rows) in enumerate(zip(names, metrics)):
         steps = [r["step"] for r in rows]
@@ -65,16 +96,41 @@ def _curves(figure: Any, names: list[str], metrics: list[list[dict[str, Any]]], 
     axes[2].set_yticks([0, 1e-16, 1e-12, 1e-8, 1e-4, 1])
     if len(metrics) > 1:
         axes[2].legend(loc="upper left", fontsize=7)
-    for ax, label in zip(axes, ("loss", "grad norm", "relative difference")):
+    _states(axes[3], names, states)
+    for ax, label in zip(axes, ("loss", "grad norm", "relative difference", "state")):
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
         if divergent is not None:
             ax.axvline(divergent, color=KIND_COLOURS["origin"], linestyle="--", linewidth=2)
     axes[0].legend(loc="upper right", fontsize=8)
-    axes[2].set_xlabel("step")
-    title = f"first divergent step: {divergent}" if divergent is not None else "no divergent step"
-    axes[0].set_title(title, fontsize=10)
+    axes[3].set_xlabel("step")
+    axes[3].xaxis.get_major_locator().set_params(integer=True)
+    axes[0].set_title(title, fontsize=9)
     return _png(fig)
+
+
+def _states(ax: Any, names: list[str], states: list[dict[int, str]]) -> None:
+    """One row per run after the first: a mark at each step both receipted, grey where its state digest is the
+    first run's, red where it is not."""
+    ax.set_yticks(range(1, len(names)))
+    ax.set_yticklabels([f"{n} vs {names[0]}" if len(n) < 24 else f"run {k} vs run 0" for k, n in
+                        enumerate(names[1:], 1)], fontsize=7)
+    ax.set_ylim(0.5, max(len(names) - 0.5, 1.5))
+    if not states or not states[0]:
+        ax.text(0.5, 0.5, "no receipts: the state after each step is not known", transform=ax.transAxes,
+                ha="center", va="center", fontsize=8, color="#7f7f7f")
+        return
+    for k, mine in enumerate(states[1:], 1):
+        both = sorted(set(mine) & set(states[0]))
+        same = [s for s in both if mine[s] == states[0][s]]
+        differ = [s for s in both if mine[s] != states[0][s]]
+        for steps, colour, label in ((same, "#bbbbbb", "same state"), (differ, KIND_COLOURS["origin"], "other state")):
+            if steps:  # no legend entry (in red) for what is not there
+                ax.scatter(steps, [k] * len(steps), marker="s", color=colour, s=18, label=label)
+    if ax.get_legend_handles_labels()[0]:
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles))
+        ax.legend(unique.values(), unique.keys(), loc="upper left", fontsize=7, ncol=2)
 
 
 def _ranks(figure: Any, per_rank: dict[str, Any]) -> bytes | None:
@@ -99,6 +155,7 @@ def _ranks(figure: Any, per_rank: dict[str, Any]) -> bytes | None:
     ax.set_ylabel("step of first difference")
     ax.yaxis.get_major_locator().set_params(integer=True)
     ax.set_xticks(ranks if len(ranks) <= 32 else ranks[:: max(1, len(ranks) // 16)])
+    ax.set_xlim(min(ranks) - 0.5, max(ranks) + 0.5)  # whole ranks, even for one
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="best")
     return _png(fig)
@@ -146,8 +203,9 @@ def make_report(runs: list[str | Path], out: str | Path, *, force: bool = False)
     files beside it (``<stem>_curves.png``, ``<stem>_ranks.png``).
 
     Returns:
-        ``{"html", "pngs", "first_divergent_step", "verdict"}`` (the verdict of the first two runs' diff,
-        or None for one run, or when they could not be compared: ``diff_error`` says why).
+        ``{"html", "pngs", "first_divergent_step", "verdict", "title", "state_differs_at"}``: the verdict of
+        the first two runs' diff (None for one run, or when they could not be compared: ``diff_error`` says
+        why), the figure's title, and the first step at which their receipts' states differ (None: none).
 
     Raises:
         DiffError: a run directory is missing or malformed, or matplotlib is not installed.
@@ -164,7 +222,9 @@ def make_report(runs: list[str | Path], out: str | Path, *, force: bool = False)
             diff_error = str(e)
     divergent = diff["first_divergent_step"] if diff is not None else None
     images = {}
-    curves = _curves(figure, [str(p) for p in paths], [load_metrics(p) for p in paths], divergent)
+    rows = [_rows(p) for p in paths]
+    title = _title(divergent, diff)
+    curves = _curves(figure, [str(p) for p in paths], [m for m, _ in rows], [s for _, s in rows], divergent, title)
     if curves is not None:
         images["curves"] = curves
     ranks = _ranks(figure, diff["per_rank"]) if diff is not None else None
@@ -178,5 +238,8 @@ def make_report(runs: list[str | Path], out: str | Path, *, force: bool = False)
         png.write_bytes(data)
         pngs.append(str(png))
     out.write_text(_page([str(p) for p in paths], diff, diff_error, images), encoding="utf-8")
+    other_state = sorted(s for s, d in rows[1][1].items() if rows[0][1].get(s) not in (None, d)) if len(rows) > 1 \
+        else []
     return {"html": str(out), "pngs": pngs, "first_divergent_step": divergent,
-            "verdict": diff["verdict"] if diff is not None else None, "diff_error": diff_error}
+            "verdict": diff["verdict"] if diff is not None else None, "diff_error": diff_error, "title": title,
+            "state_differs_at": other_state[0] if other_state else None}
