@@ -91,10 +91,10 @@ def _signal_after(run: Path, settings: tuple[str, ...], step: int, delay: float,
 
 
 def kills(work: Path, reference: tuple, trials: int, rng: random.Random, settings: tuple[str, ...] = RUN,
-          last: int = 7, name: str = "kill") -> dict:
-    """SIGKILL after a random step of ``settings``'s run (at most ``last``), then --resume."""
+          last: int = 7, name: str = "kill", every: int = EVERY) -> dict:
+    """SIGKILL after a random step of ``settings``'s run (at most ``last``, plus what it trains while the kill
+    waits its random delay), then --resume; ``every``: the steps a kill may lose (the checkpoint interval)."""
     out = {"trials": 0, "exact": 0, "max_steps_lost": 0, "lost_beyond_interval": 0, "killed_before_end": 0}
-    every = EVERY if settings is RUN else last + 1  # a run that saves only at its end loses what it trained
     for i in range(trials):
         run = work / f"{name}_{i}"
         code, logged = _signal_after(run, settings, rng.randint(0, last), rng.uniform(0, 0.08), signal.SIGKILL)
@@ -297,7 +297,8 @@ def main() -> int:
                           (("reference", RUN), ("reference_long", LONG))))
         reference, reference_long = _outcome(work / "reference"), _outcome(work / "reference_long")
         result = {"kills": kills(work, reference, args.kills, rng),
-                  "kills_before_a_checkpoint": kills(work, reference_long, args.kills, rng, LONG, 40, "unsaved")}
+                  # a run that saves only at its end loses what it trained, and resumes from step 0
+                  "kills_before_a_checkpoint": kills(work, reference_long, args.kills, rng, LONG, 40, "unsaved", 60)}
         if args.save_ops != "none":
             result["save_ops"] = save_ops(work, reference, args.save_ops)
         result["signals"] = signals(work, reference_long, args.signals, rng)

@@ -227,7 +227,7 @@ class Run:
         """A scalar of the step (a loss, a gradient norm), recorded as its exact bits."""
         self._rec.metric(name, value)
         if name in ("loss", "grad_norm"):
-            self._metrics[name] = value
+            self._metrics[name] = value.detach() if isinstance(value, torch.Tensor) else value
 
     def _state_tree(self, step: int) -> dict[str, Any]:
         """The state after ``step`` as a receipt digests it: every part a checkpoint of it holds."""

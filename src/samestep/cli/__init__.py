@@ -41,6 +41,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.run(args, args.subparser) or 0)
     except KeyboardInterrupt:
         return report_error(args, "interrupted", INTERRUPTED)
+    except BrokenPipeError:  # the reader of stdout left (| head): nothing more to say to it
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except Exception as e:  # not a verdict: bad input (2) or a crash (3) must not read as "diverged" (exit 1)
         if args.debug or os.environ.get("SAMESTEP_DEBUG"):
             traceback.print_exc()

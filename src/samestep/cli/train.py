@@ -22,9 +22,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                "  samestep train --run-dir runs/a --resume\n"
                "  samestep train --run-dir runs/l --preset small --set train.steps=100\n"
                "  samestep train --run-dir runs/b --nproc 2\n"
+               "  samestep train --show-config --preset small   # every key, its value and what it does\n"
                "  torchrun --standalone --nproc_per_node 2 -m samestep train --run-dir runs/b",
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--run-dir", required=True, help="the run directory")
+    p.add_argument("--run-dir", help="the run directory (required to train)")
     p.add_argument("--config", help="a TOML file with [train], [model], [data], [determinism] sections")
     p.add_argument("--preset", choices=sorted(PRESETS), help="start from a named config: 'small' (a 12.8M Llama "
                    "for a CPU), 'gpu' (a 133M Llama for one GPU); --config and --set apply on top")
@@ -37,6 +38,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop-after", type=int, metavar="STEPS",
                    help="leave after this many steps (with a checkpoint); continue later with --resume")
     p.add_argument("--json", action="store_true", help="print final.json as JSON at the end")
+    p.add_argument("--show-config", action="store_true",
+                   help="print every config key with its value (after --preset, --config and --set) and what it does, "
+                        "as TOML a --config file takes; train nothing")
     p.set_defaults(run=run, subparser=p)
 
 
@@ -52,10 +56,36 @@ def _launch(args: argparse.Namespace, threads: int, signals: tuple[str, ...]) ->
     return launch(rest, args.nproc, threads, signals)
 
 
+def _show_config(cfg, as_json: bool) -> int:
+    """Every key of ``cfg``'s sections with its value and docstring, as TOML (or JSON)."""
+    from samestep._state import dotted
+    from samestep.train.config import Config
+
+    values = dotted(cfg.to_dict())
+    rows = [{"key": key, "value": values[key], "default": default, "doc": doc} for key, default, doc in Config.keys()]
+    if as_json:
+        print(json.dumps(rows))
+        return 0
+    section = None
+    for row in rows:
+        name, _, key = row["key"].partition(".")
+        if name != section:
+            print(f"{'' if section is None else chr(10)}[{name}]")
+            section = name
+        value = row["value"]
+        text = json.dumps(value) if isinstance(value, (str, bool)) else repr(value)
+        print(f"{key} = {text}  # {row['doc']}")
+    return 0
+
+
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from samestep.train import load_config, train
 
     cfg = load_config(args.config, args.set, preset=args.preset)  # bad input: one line, exit 2 (cli.errors)
+    if args.show_config:
+        return _show_config(cfg, args.json)
+    if args.run_dir is None:
+        parser.error("--run-dir is required (or --show-config)")
     if args.nproc < 1:
         raise InputError(f"--nproc={args.nproc} must be at least 1")
     if args.stop_after is not None and args.stop_after < 1:

@@ -347,6 +347,26 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    @staticmethod
+    def keys() -> list[tuple[str, Any, str]]:
+        """Every config key as ``(section.key, default, its docstring)``, from the dataclasses' field docstrings
+        (``samestep train --show-config``)."""
+        import ast
+        import inspect
+
+        out = []
+        for section in dataclasses.fields(Config):
+            cls = section.default_factory
+            docs: dict[str, str] = {}
+            body = ast.parse(inspect.getsource(cls)).body[0].body
+            for node, after in zip(body, body[1:]):
+                if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and \
+                        isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                    docs[node.target.id] = " ".join(after.value.value.split())
+            for f in dataclasses.fields(cls):
+                out.append((f"{section.name}.{f.name}", getattr(cls(), f.name), docs.get(f.name, "")))
+        return out
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "config") -> Config:
         sections = {f.name: f.default_factory for f in dataclasses.fields(cls)}  # type: ignore[misc]
