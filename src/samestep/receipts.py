@@ -29,7 +29,7 @@ from typing import Any
 
 from samestep._state import canonical_json, dotted, state_digest
 from samestep.durable import read_file, replace_atomic
-from samestep.rundir import NUMERICS_NEUTRAL
+from samestep.rundir import NUMERICS_NEUTRAL, receipts_dir
 
 __all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "chain_break",
            "check_restored", "genesis", "read_receipts", "read_run_receipts", "receipt_hash", "receipts_path",
@@ -43,7 +43,7 @@ class ReceiptError(ValueError):
 
 
 def receipts_path(run_dir: str | os.PathLike[str], rank: int = 0) -> Path:
-    return Path(run_dir) / "receipts" / f"rank_{rank:05d}.jsonl"
+    return receipts_dir(run_dir) / f"rank_{rank:05d}.jsonl"
 
 
 def genesis(config: dict[str, Any], data_fingerprint: str) -> str:
@@ -241,7 +241,7 @@ def read_run_receipts(run_dir: str | os.PathLike[str]) -> dict[int, tuple[dict[s
         ReceiptError: a file is damaged (``read_receipts``), or its header names another rank than its name.
     """
     out = {}
-    for path in sorted((Path(run_dir) / "receipts").glob("rank_*.jsonl")):
+    for path in sorted(receipts_dir(run_dir).glob("rank_*.jsonl")):
         rank = int(path.stem.removeprefix("rank_")) if path.stem.removeprefix("rank_").isdigit() else None
         header, receipts = read_receipts(path)
         if rank is None or header.get("rank") != rank:

@@ -34,7 +34,7 @@ from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoin
 from samestep.distributed.agree import any_rank
 from samestep.receipts import ReceiptWriter, check_restored, genesis, truncate_receipts
 from samestep._state import state_digest
-from samestep.rundir import checked_run_dir, declared_changes, hold, record_declared
+from samestep.rundir import checked_run_dir, checkpoints_dir, declared_changes, hold, holds_run, record_declared
 
 __all__ = ["Run"]
 
@@ -115,7 +115,7 @@ class Run:
             raise ValueError(f"samestep.Run(resume={resume!r}): use 'auto', True or False")
         self.run_dir = checked_run_dir(run_dir)
         self.model, self.optimizer, self.scheduler, self.data_cursor = model, optimizer, scheduler, data_cursor
-        self.checkpoints = self.run_dir / "checkpoints"
+        self.checkpoints = checkpoints_dir(self.run_dir)
         self.checkpoint_every, self.keep = checkpoint_every, keep
         self.stopped: str | None = None  # the signal that stopped the loop, if one did
         self.start = 0  # the step the run resumed after (0: a new run)
@@ -150,7 +150,7 @@ class Run:
             from samestep.tracing.start import trace
 
             # a run killed before its first checkpoint goes on from step 0, in a new trace segment
-            continues = self.start > 0 or (resume is not False and (self.run_dir / "run.json").exists())
+            continues = self.start > 0 or (resume is not False and holds_run(self.run_dir))
             self._rec = trace(self.run_dir, level=level, steps=trace_steps, resume=continues, copy=copy,
                               held=self._lock)
             if _rank() == 0:

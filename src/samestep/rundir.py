@@ -1,10 +1,11 @@
-"""The run directory (format "samestep.run", version 1; docs/formats.md): the one module that writes and
-reads its files.
+"""The run directory (format "samestep.run", version 1; docs/formats.md): the one module that names its
+files, and writes and reads run.json, metrics.jsonl and final.json.
 
     RUN/run.json        config, environment, layout, determinism report, resumes
     RUN/metrics.jsonl   one line per step: loss and grad norm as exact bits (float.hex), lr, tokens
     RUN/final.json      the last step and the digest of the final state
     RUN/trace/          the trace streams (tracing/stream.py)
+    RUN/receipts/       a receipt of every step (receipts.py)
     RUN/checkpoints/    the checkpoints (checkpoint/)
 
 ``samestep train`` writes all of it; ``samestep.trace`` gives a run of the user's own loop its
@@ -25,9 +26,10 @@ from samestep.env import environment
 from samestep.version import __version__
 
 __all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "RunLock", "checked_run_dir",
-           "declared_changes", "determinism_diff", "final_digest", "final_doc", "hold", "last_logged_step",
-           "logged_loss", "metrics_line", "new_run", "read_final", "read_metrics", "read_run", "record_close",
-           "record_declared", "record_resume", "truncate_metrics", "write_final", "write_run"]
+           "checkpoints_dir", "declared_changes", "determinism_diff", "final_digest", "final_doc", "final_path",
+           "hold", "holds_run", "last_logged_step", "logged_loss", "metrics_line", "metrics_path", "new_run",
+           "read_final", "read_metrics", "read_run", "receipts_dir", "record_close", "record_declared",
+           "record_resume", "run_json", "trace_dir", "truncate_metrics", "write_final", "write_run"]
 
 RUN_FORMAT, RUN_VERSION = "samestep.run", 1
 FINAL_FORMAT, FINAL_VERSION = "samestep.final", 1
@@ -40,6 +42,36 @@ NUMERICS_NEUTRAL = frozenset({"train.checkpoint_every", "train.keep_checkpoints"
                               "trace.level", "trace.steps", "trace.ranks", "trace.copy", "trace.worker"})
 
 _PathLike = str | os.PathLike[str]
+
+
+# -- the layout: every path of a run directory, named here only ------------------------------------------------
+def run_json(run_dir: _PathLike) -> Path:
+    return Path(run_dir) / "run.json"
+
+
+def metrics_path(run_dir: _PathLike) -> Path:
+    return Path(run_dir) / "metrics.jsonl"
+
+
+def final_path(run_dir: _PathLike) -> Path:
+    return Path(run_dir) / "final.json"
+
+
+def checkpoints_dir(run_dir: _PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def receipts_dir(run_dir: _PathLike) -> Path:
+    return Path(run_dir) / "receipts"
+
+
+def trace_dir(run_dir: _PathLike) -> Path:
+    return Path(run_dir) / "trace"
+
+
+def holds_run(run_dir: _PathLike) -> bool:
+    """Whether the directory holds a run (its run.json)."""
+    return run_json(run_dir).exists()
 
 
 class RunDirError(ValueError):
@@ -137,7 +169,7 @@ def write_run(run_dir: _PathLike, doc: dict[str, Any]) -> None:
     """Writes run.json (atomically, fsynced), creating the run directory if needed."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    replace_atomic(run_dir / "run.json", _dump(doc))
+    replace_atomic(run_json(run_dir), _dump(doc))
 
 
 def read_run(run_dir: _PathLike) -> dict[str, Any]:
@@ -146,7 +178,7 @@ def read_run(run_dir: _PathLike) -> dict[str, Any]:
     Raises:
         RunDirError: it is missing, not JSON, or of another format.
     """
-    path = Path(run_dir) / "run.json"
+    path = run_json(run_dir)
     try:
         doc = json.loads(read_file(path).decode("utf-8"))
     except FileNotFoundError:
@@ -187,7 +219,7 @@ def record_declared(run_dir: _PathLike, declared: dict[str, Any]) -> None:
 def declared_changes(run_dir: _PathLike, declared: dict[str, Any]) -> list[str]:
     """Where ``declared`` differs from what run.json's ``declared`` holds, as ``"name: then -> now"`` (none where
     run.json holds nothing, or no such name)."""
-    path = Path(run_dir) / "run.json"
+    path = run_json(run_dir)
     if not path.exists():
         return []
     then = dotted(read_run(run_dir).get("declared", {}))
@@ -239,7 +271,7 @@ def read_metrics(run_dir: _PathLike) -> list[dict[str, Any]]:
         RunDirError: a line that is no row of this format (not a table, or its step not an integer),
             naming the file and line.
     """
-    path = Path(run_dir) / "metrics.jsonl"
+    path = metrics_path(run_dir)
     rows = []
     try:
         text = read_file(path).decode("utf-8")
@@ -271,7 +303,7 @@ def truncate_metrics(run_dir: _PathLike, last_step: int, *, check_only: bool = F
             lines kept are not steps 1..last_step in order (a gap): nothing is cut, and the message names
             the file and what is wrong.
     """
-    path = Path(run_dir) / "metrics.jsonl"
+    path = metrics_path(run_dir)
     if not path.exists():
         if last_step:
             raise RunDirError(f"{path}: missing, though the run trained steps 1..{last_step}; resuming would leave "
@@ -296,7 +328,7 @@ def logged_loss(run_dir: _PathLike, step: int) -> float:
     """The loss bits that metrics.jsonl holds for ``step`` (NaN if it holds none): what final.json reports
     when a resumed run has no step left to train."""
     try:
-        lines = read_file(Path(run_dir) / "metrics.jsonl").decode("utf-8").splitlines()
+        lines = read_file(metrics_path(run_dir)).decode("utf-8").splitlines()
     except FileNotFoundError:
         return float("nan")
     for line in reversed(lines):
@@ -312,7 +344,7 @@ def logged_loss(run_dir: _PathLike, step: int) -> float:
 def last_logged_step(run_dir: _PathLike) -> int:
     """The step of metrics.jsonl's last complete line (0 if none)."""
     try:
-        lines = read_file(Path(run_dir) / "metrics.jsonl").decode("utf-8").splitlines()
+        lines = read_file(metrics_path(run_dir)).decode("utf-8").splitlines()
     except FileNotFoundError:
         return 0
     for line in reversed(lines):
@@ -332,7 +364,7 @@ def final_doc(step: int, state_digest: str, loss: float, world_size: int) -> dic
 
 def write_final(run_dir: _PathLike, final: dict[str, Any]) -> None:
     """Writes final.json (atomically)."""
-    replace_atomic(Path(run_dir) / "final.json", (json.dumps(final, indent=1) + "\n").encode())
+    replace_atomic(final_path(run_dir), (json.dumps(final, indent=1) + "\n").encode())
 
 
 def read_final(run_dir: _PathLike) -> dict[str, Any] | None:
@@ -341,7 +373,7 @@ def read_final(run_dir: _PathLike) -> dict[str, Any] | None:
     Raises:
         RunDirError: it is there but damaged: not JSON, not a table, or without a state digest string.
     """
-    path = Path(run_dir) / "final.json"
+    path = final_path(run_dir)
     try:
         doc = json.loads(read_file(path))
     except FileNotFoundError:

@@ -143,3 +143,40 @@ def test_import_samestep_stays_light():
             "samestep.trace; print('pyarrow' in sys.modules, 'samestep.tracing.recorder' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False", "True", "True"]
+
+
+def _diagram_layers() -> list[set[str]]:
+    """docs/design.md's layer diagram, top first: the module names of each layer (its lines that begin at the
+    left edge start a layer; indented lines continue it), each name's first column only."""
+    text = (Path(samestep.__file__).parents[2] / "docs" / "design.md").read_text()
+    block = text[text.index("## Layers"):]
+    block = block[block.index("```\n") + 4:]
+    block = block[:block.index("```")]
+    layers: list[set[str]] = []
+    for line in block.splitlines():
+        names = line[:30].replace("/", " ").split()
+        if not line.startswith(" "):
+            layers.append(set())
+        layers[-1].update(names)
+    return layers
+
+
+def test_the_design_diagram_is_the_layer_check():
+    """docs/design.md's diagram names the modules of each layer that this file's check enforces, in the same
+    order (numerics and preempt included). Control: a module left out of the diagram would be named."""
+    diagram = _diagram_layers()[::-1]  # bottom first, as LAYERS
+    checked = [{m.removeprefix("samestep.") if m != "samestep" else "samestep" for m in layer} for layer in LAYERS]
+    diagram[-1] = {"samestep"} if diagram[-1] == {"samestep", "__init__.py"} else diagram[-1]  # the package itself
+    assert len(diagram) == len(checked)
+    for drawn, layer in zip(diagram, checked):
+        assert layer == drawn, f"diagram {sorted(drawn)} vs check {sorted(layer)}"
+
+
+def test_only_rundir_names_the_run_directorys_paths():
+    """run.json, metrics.jsonl, final.json, checkpoints/, receipts/ and trace/ are named in rundir.py only; every
+    other module asks it (rundir.run_json, metrics_path, ...)."""
+    names = ('"run.json"', '"metrics.jsonl"', '"final.json"', '"checkpoints"', '"receipts"', '"trace"')
+    root = Path(samestep.__file__).parent
+    found = [f"{path.relative_to(root)}: {name}" for path in root.rglob("*.py") if path.name != "rundir.py"
+             for name in names if f"/ {name}" in path.read_text()]
+    assert not found, found

@@ -22,7 +22,7 @@ from samestep.analysis.diff import diff_runs
 from samestep.analysis.replay import replay
 from samestep.analysis.receipt_diff import compare_receipts
 from samestep.checkpoint import committed_steps
-from samestep.rundir import read_run
+from samestep.rundir import checkpoints_dir, read_run
 
 __all__ = ["BisectError", "bisect_runs"]
 
@@ -51,7 +51,7 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
                 "replayed_from": None, "steps_compared": compared, "difference": None, "diff": None,
                 "per_rank": None, "summary": f"identical: {compared} step(s) agree in every receipt"}
     step = difference["step"]
-    starts = [{s for s, _ in committed_steps(run / "checkpoints") if s < step} for run in (run_a, run_b)]
+    starts = [{s for s, _ in committed_steps(checkpoints_dir(run)) if s < step} for run in (run_a, run_b)]
     start = max(starts[0] & starts[1], default=0)  # the newest common checkpoint before the step
     root = keep if keep is not None else Path(tempfile.mkdtemp(prefix="samestep-bisect-"))
     settings = ("trace.level=op", f"trace.steps={step}", "trace.ranks=all", "train.checkpoint_every=0")

@@ -24,7 +24,7 @@ from samestep.receipts import (
     receipted_state,
     receipts_path,
 )
-from samestep.rundir import read_final, read_metrics, read_run
+from samestep.rundir import checkpoints_dir, final_path, metrics_path, read_final, read_metrics, read_run
 
 __all__ = ["check_receipts", "checkpoint_mismatches"]
 
@@ -59,7 +59,7 @@ def checkpoint_mismatches(run_dir: Path, doc: dict[str, Any], step_dir: Path, ch
 def _check_metrics(run_dir: Path, by_step: dict[int, dict], last: int, finished: bool) -> list[str]:
     """metrics.jsonl (samestep train's) holds steps 1..last in order with their receipts' bits; a finished run
     no step more, an unfinished one may hold steps past its last receipt (written before a kill)."""
-    path = run_dir / "metrics.jsonl"
+    path = metrics_path(run_dir)
     if not path.exists():
         return [f"{path}: missing, though the run receipted steps 1-{last}"]
     rows = read_metrics(run_dir)
@@ -79,7 +79,7 @@ def _check_metrics(run_dir: Path, by_step: dict[int, dict], last: int, finished:
 
 
 def _check_final(run_dir: Path, final: dict[str, Any], by_step: dict[int, dict], last: int, whole: bool) -> list[str]:
-    path = run_dir / "final.json"
+    path = final_path(run_dir)
     if final.get("step") != last:
         return [f"{path}: says step {final.get('step')!r}, but the receipts end at step {last}"]
     r = by_step[last]
@@ -141,7 +141,7 @@ def _check_checkpoint(run_dir: Path, doc: dict[str, Any], chains: Chains, checke
     """The newest committed checkpoint against the receipts of its step."""
     from samestep.checkpoint import CheckpointError, committed_steps, verify_checkpoint
 
-    root = run_dir / "checkpoints"
+    root = checkpoints_dir(run_dir)
     if not committed_steps(root):
         checked.append("no checkpoint (none to compare)")
         return []

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from samestep._state import dotted
-from samestep.checkpoint import committed_steps
+from samestep.checkpoint import committed_steps, step_dir_name
 from samestep.env import RANK_LOCAL, compare_environments
 from samestep.receipts import read_run_receipts, receipts_path
-from samestep.rundir import read_metrics, read_run
+from samestep.rundir import checkpoints_dir, metrics_path, read_metrics, read_run, receipts_dir
 
 __all__ = ["ReplayError", "check_replayable", "environment_differences", "layout_at", "replay", "replay_start"]
 
@@ -53,7 +53,7 @@ def check_replayable(run_dir: Path, doc: dict[str, Any]) -> None:
 
 def replay_start(run_dir: Path, before: int) -> int:
     """The step of the newest committed checkpoint of the run at or before ``before`` (0: from scratch)."""
-    return next((s for s, _ in committed_steps(run_dir / "checkpoints") if s <= before), 0)
+    return next((s for s, _ in committed_steps(checkpoints_dir(run_dir)) if s <= before), 0)
 
 
 def environment_differences(doc: dict[str, Any], replayed: Path) -> dict[str, tuple[Any, Any]]:
@@ -76,11 +76,11 @@ def replay(run_dir: Path, scratch: Path, start: int, end: int, settings: tuple[s
     check_replayable(run_dir, doc)
     scratch.mkdir(parents=True)
     if start:
-        shutil.copytree(run_dir / "checkpoints" / f"step_{start:06d}", scratch / "checkpoints" / f"step_{start:06d}")
+        shutil.copytree(checkpoints_dir(run_dir) / step_dir_name(start), checkpoints_dir(scratch) / step_dir_name(start))
         rows = [json.dumps(r) + "\n" for r in read_metrics(run_dir) if r["step"] <= start]
-        (scratch / "metrics.jsonl").write_text("".join(rows), encoding="utf-8")
+        metrics_path(scratch).write_text("".join(rows), encoding="utf-8")
         for rank, (header, receipts) in read_run_receipts(run_dir).items():
-            (scratch / "receipts").mkdir(exist_ok=True)
+            receipts_dir(scratch).mkdir(exist_ok=True)
             kept = [header, *(r for r in receipts if r["step"] <= start)]
             receipts_path(scratch, rank).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept),
                                                     encoding="utf-8")

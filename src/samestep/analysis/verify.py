@@ -17,7 +17,8 @@ from samestep.analysis.receipt_check import checkpoint_mismatches
 from samestep.analysis.receipt_diff import first_receipt_difference
 from samestep.analysis.replay import check_replayable, environment_differences, replay, replay_start
 from samestep.receipts import chain_break, read_run_receipts, receipts_path
-from samestep.rundir import read_run
+from samestep.checkpoint import step_dir_name
+from samestep.rundir import checkpoints_dir, read_run
 
 __all__ = ["VerifyError", "verify_run"]
 
@@ -36,7 +37,7 @@ def _foreign_checkpoint(run_dir: Path, doc: dict[str, Any], files: dict[int, tup
     else a mismatch naming it."""
     if not start:
         return None
-    step_dir = run_dir / "checkpoints" / f"step_{start:06d}"
+    step_dir = checkpoints_dir(run_dir) / step_dir_name(start)
     try:
         problems = checkpoint_mismatches(run_dir, doc, step_dir, files)
     except ValueError as e:  # damaged

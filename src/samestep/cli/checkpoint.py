@@ -8,6 +8,7 @@ from pathlib import Path
 
 from samestep.checkpoint import CheckpointError, committed_steps, verify_checkpoint
 from samestep.cli.errors import InputError
+from samestep.rundir import checkpoints_dir, run_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -28,8 +29,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if not path.is_dir():
         raise InputError(f"{path}: {'is not a directory' if path.exists() else 'does not exist'}; give a "
                          "step_NNNNNN checkpoint, a checkpoints directory or a run directory")
-    if (path / "run.json").is_file() and (path / "checkpoints").is_dir():
-        path = path / "checkpoints"  # a run directory: its checkpoints
+    if run_json(path).is_file() and checkpoints_dir(path).is_dir():
+        path = checkpoints_dir(path)  # a run directory: its checkpoints
     if not path.name.startswith("step_") and not (path / "manifest.json").exists() and not committed_steps(path):
         raise InputError(f"{path}: holds no checkpoint (no step_NNNNNN directory, no manifest.json); nothing to "
                          "verify")

@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from samestep.rundir import last_logged_step, read_final, read_run
+from samestep.rundir import last_logged_step, metrics_path, read_final, read_run
 
 # Sized for about two minutes on a 2-core laptop CPU.
 DEMO_SETTINGS = ("train.steps=200", "train.checkpoint_every=25", "train.warmup_steps=20")
@@ -107,7 +107,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     subprocess.run(_train_cmd(b, settings, "--resume"), check=True, stdout=subprocess.DEVNULL)
     fa, fb = read_final(a), read_final(b)
     resumed_from = read_run(b)["resumes"][-1]["step"]
-    same_metrics = (a / "metrics.jsonl").read_bytes() == (b / "metrics.jsonl").read_bytes()
+    same_metrics = metrics_path(a).read_bytes() == metrics_path(b).read_bytes()
     identical = fa["state_digest"] == fb["state_digest"] and same_metrics
     say(f"run A final state digest: {fa['state_digest']}")
     say(f"run B final state digest: {fb['state_digest']}  (killed at step {killed}, resumed from checkpoint step "

@@ -10,6 +10,7 @@ from samestep.rundir import (
     RunLock,
     determinism_diff,
     hold,
+    holds_run,
     new_run,
     read_run,
     record_close,
@@ -81,7 +82,7 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
                        worker=worker)
         if rank == 0:  # at level "off" too: the run directory is a run the CLI reads (receipts, checkpoints)
             world = dist.get_world_size() if distributed else 1
-            if not (run_dir / "run.json").exists():
+            if not holds_run(run_dir):
                 _describe_run(run_dir, level, steps, ranks, world)
             elif resume:
                 _record_resume(run_dir, len(segments), world)

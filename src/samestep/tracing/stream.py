@@ -40,6 +40,7 @@ import numpy as np
 import pyarrow as pa
 
 from samestep.durable import fsync_dir
+from samestep.rundir import trace_dir
 
 __all__ = ["COLUMNS", "END", "FORMAT", "KEY", "SCHEMA", "VERSION", "DamagedStream", "StreamWriter",
            "TraceStream", "batch_checksum", "iter_stream", "read_stream", "stream_path", "stream_segments", "traced_ranks"]
@@ -91,7 +92,7 @@ def _meta_checksum(meta_json: str) -> str:
 def stream_path(run_dir: str | os.PathLike[str], rank: int, segment: int = 0) -> Path:
     """Segment 0 is ``rank_00000.arrows``; a resumed run appends ``rank_00000.1.arrows``, ..."""
     suffix = f".{segment}" if segment else ""
-    return Path(run_dir) / "trace" / f"rank_{rank:05d}{suffix}.arrows"
+    return trace_dir(run_dir) / f"rank_{rank:05d}{suffix}.arrows"
 
 
 def stream_segments(run_dir: str | os.PathLike[str], rank: int) -> list[Path]:
@@ -104,7 +105,7 @@ def stream_segments(run_dir: str | os.PathLike[str], rank: int) -> list[Path]:
 
 def traced_ranks(run_dir: str | os.PathLike[str]) -> list[int]:
     """The ranks that have a stream in ``run_dir``."""
-    d = Path(run_dir) / "trace"
+    d = trace_dir(run_dir)
     if not d.is_dir():
         return []
     return sorted({int(p.name[5:10]) for p in d.glob("rank_*.arrows")})

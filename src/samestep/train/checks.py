@@ -29,6 +29,7 @@ import torch
 from samestep.checkpoint import committed_steps
 from samestep.distributed.gather import gather_if_different
 from samestep.receipts import ReceiptWriter
+from samestep.rundir import checkpoints_dir
 
 __all__ = ["EXIT_FAULT", "EXIT_NONFINITE", "CrossRankCheck", "FaultDetected", "NonFinite", "RecomputeCheck",
            "check_finite", "report_fault"]
@@ -60,7 +61,7 @@ def check_finite(step: int, loss: float, grad_norm: float, action: str) -> None:
 
 def report_fault(message: str, step: int, run_dir: Path, action: str) -> None:
     """Raises ``FaultDetected`` (``action="stop"``) or warns, naming the newest checkpoint before ``step``."""
-    good = next((p.name for s, p in committed_steps(run_dir / "checkpoints") if s < step), None)
+    good = next((p.name for s, p in committed_steps(checkpoints_dir(run_dir)) if s < step), None)
     where = (f"the newest checkpoint before it is {good} (samestep train --resume takes the newest; set later ones "
              "aside)" if good else "no checkpoint precedes it (start the run again)")
     text = f"fault detected: {message}; {where}"

@@ -40,10 +40,13 @@ from samestep.preempt import StopRequest, parse_signals
 from samestep.receipts import ReceiptWriter, genesis, truncate_receipts
 from samestep.rundir import (
     checked_run_dir,
+    checkpoints_dir,
     final_doc,
     hold,
+    holds_run,
     logged_loss,
     metrics_line,
+    metrics_path,
     new_run,
     record_resume,
     truncate_metrics,
@@ -327,7 +330,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     if rank == 0:
         truncate_metrics(run_dir, start)  # first: a damaged metrics.jsonl refuses the resume before run.json records it
         layout = {"world_size": world, "microbatches_per_process": k, **({"sharded": "fsdp2"} if parts.sharded else {})}
-        if (run_dir / "run.json").exists():
+        if holds_run(run_dir):
             record_resume(run_dir, {"step": start, **layout, "checkpoint": loaded.path.name if loaded else None,
                                     "skipped": [p.name for p, _ in loaded.skipped] if loaded else [],
                                     "env_diff": sorted(loaded.env_diff) if loaded else [],
@@ -374,7 +377,7 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
     t = parts.cfg.train
     tokens_per_step = parts.tokens_per_step
     progress = Progress(writer, start, t.steps, t.log_every, out)
-    metrics = open(run_dir / "metrics.jsonl", "a", encoding="utf-8") if writer else None
+    metrics = open(metrics_path(run_dir), "a", encoding="utf-8") if writer else None
     parts.model.train()
     t0, start_timed = time.perf_counter(), start
     receipts, cross = _receipts(parts, run_dir, start, dist_)
@@ -386,7 +389,7 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
         if metrics is not None:
             os.fsync(metrics.fileno())
         # a sharded run: each rank writes its own shards, nothing gathered
-        save_checkpoint(run_dir / "checkpoints", done, model=parts.model, optimizer=parts.optimizer,
+        save_checkpoint(checkpoints_dir(run_dir), done, model=parts.model, optimizer=parts.optimizer,
                         scheduler=parts.schedule, data_cursor=parts.cursor, config=parts.cfg.to_dict(),
                         keep=t.keep_checkpoints, sharded=parts.sharded)
 

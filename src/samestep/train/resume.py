@@ -11,7 +11,7 @@ from typing import Any
 from samestep._state import dotted
 from samestep.checkpoint import LoadedCheckpoint, load_checkpoint
 from samestep.receipts import check_restored, truncate_receipts
-from samestep.rundir import NUMERICS_NEUTRAL, read_run, truncate_metrics
+from samestep.rundir import NUMERICS_NEUTRAL, checkpoints_dir, holds_run, metrics_path, read_run, truncate_metrics
 from samestep.train.config import Config
 
 __all__ = ["check_resume_config", "check_run_files", "restore_run"]
@@ -35,7 +35,7 @@ def restore_run(parts: Any, run_dir: Path, resume: bool, restore: frozenset[str]
     named in ``restore``; returns the step to start from and the checkpoint loaded (None if none). A run
     killed before its first checkpoint goes on from step 0 under its own config; a run directory that holds
     a run is refused without ``resume``."""
-    ckpt_root = run_dir / "checkpoints"
+    ckpt_root = checkpoints_dir(run_dir)
     if resume and any(ckpt_root.glob("step_*")):
         model, optimizer = parts.loadable()
         loaded = load_checkpoint(
@@ -49,11 +49,11 @@ def restore_run(parts: Any, run_dir: Path, resume: bool, restore: frozenset[str]
             say(f"skipped corrupt checkpoint {path.name}: {why}")
         say(f"resumed from {loaded.path.name} (step {loaded.step}, {loaded.world_size} -> {world} processes)")
         return loaded.step, loaded
-    if resume and (run_dir / "run.json").exists():  # killed before its first checkpoint: again from step 0
+    if resume and holds_run(run_dir):  # killed before its first checkpoint: again from step 0
         check_resume_config(read_run(run_dir).get("config"), parts.cfg)
         say("resumed from step 0 (the run holds no checkpoint)")
         return 0, None
-    if not resume and ((run_dir / "run.json").exists() or (run_dir / "metrics.jsonl").exists()):
+    if not resume and (holds_run(run_dir) or metrics_path(run_dir).exists()):
         raise ValueError(f"--run-dir {run_dir} already holds a run; pass --resume to continue it (from its newest "
                          "checkpoint, or from step 0 where it holds none), or choose a new --run-dir (nothing was "
                          "overwritten)")
