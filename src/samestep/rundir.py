@@ -27,7 +27,7 @@ from samestep.version import __version__
 
 __all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "RunLock", "checked_run_dir",
            "checkpoints_dir", "declared_changes", "determinism_diff", "final_digest", "final_doc", "final_path",
-           "hold", "holds_run", "last_logged_step", "logged_loss", "metrics_line", "metrics_path", "new_run",
+           "hold", "holds_run", "last_logged_step", "layout_at", "logged_loss", "metrics_line", "metrics_path", "new_run",
            "read_final", "read_metrics", "read_run", "receipts_dir", "record_close", "record_declared",
            "record_resume", "run_json", "trace_dir", "truncate_metrics", "write_final", "write_run"]
 
@@ -206,6 +206,17 @@ def record_resume(run_dir: _PathLike, resume: dict[str, Any]) -> None:
     doc = read_run(run_dir)
     doc.setdefault("resumes", []).append(resume)
     write_run(run_dir, doc)
+
+
+def layout_at(doc: dict[str, Any], step: int) -> dict[str, Any]:
+    """The layout (``world_size``, ``sharded``: "fsdp2" or None) that wrote step ``step`` of the run whose
+    run.json is ``doc``: the first segment's, or that of the last resume from a step before it (a later
+    segment rewrites every step after the one it resumed from)."""
+    layout = doc.get("layout", {})
+    for resume in doc.get("resumes", []):
+        if isinstance(resume, dict) and isinstance(resume.get("step"), int) and resume["step"] < step:
+            layout = resume
+    return {"world_size": layout.get("world_size", 1), "sharded": layout.get("sharded")}
 
 
 def record_declared(run_dir: _PathLike, declared: dict[str, Any]) -> None:

@@ -326,8 +326,10 @@ def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
     """A 2-process FSDP2 run: `receipts verify` compares each rank's shards of the newest checkpoint with that
     rank's receipts (they hold); rank 1's receipts cut short fail its resume alone, and the job exits with
     its input error; with the two ranks' model shards swapped and the manifest resealed,
-    `checkpoint verify` still passes, but `receipts verify` names rank 0's shards and a --resume on 2
-    processes is refused (exit 2)."""
+    `checkpoint verify` still passes, but `receipts verify` names rank 0's shards and a --resume is refused
+    (exit 2): on 2 processes by each rank's restored shards, on 1 unsharded process (another layout, whose
+    state no receipt records) by the checkpoint's files against the receipts of the ranks that wrote them.
+    Control: unswapped, the checkpoint passes that check on 1 process (a resume of 0 further steps)."""
     from samestep.analysis.receipt_check import check_receipts
     from samestep.checkpoint import verify_checkpoint
     from tests.conftest import run_train
@@ -346,6 +348,10 @@ def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
     assert proc.returncode == 2 and "rank_00001.jsonl" in proc.stderr, proc.stderr[-2000:]
     mine.write_bytes(kept)
     step_dir = run / "checkpoints" / "step_000008"
+    from samestep.analysis.receipt_check import checkpoint_mismatches
+    from samestep.receipts import read_run_receipts
+    from samestep.rundir import read_run
+    assert checkpoint_mismatches(run, read_run(run), step_dir, read_run_receipts(run)) == []
     zero, one = (step_dir / "model.rank_00000.safetensors").read_bytes(), \
         (step_dir / "model.rank_00001.safetensors").read_bytes()
     reseal(step_dir, "model.rank_00000.safetensors", one)
@@ -356,6 +362,8 @@ def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
     proc = subprocess.run(train_cmd(run, *TINY, "parallel.fsdp=true", resume=True, nproc=2),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "the checkpoint of step 8 restores state" in proc.stderr, proc.stderr[-2000:]
+    proc = subprocess.run(train_cmd(run, *TINY, resume=True), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and "rank 0's shards digest" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_a_stream_cut_at_a_batch_boundary_does_not_certify(tmp_path):

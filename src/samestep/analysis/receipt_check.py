@@ -24,7 +24,7 @@ from samestep.receipts import (
     receipted_state,
     receipts_path,
 )
-from samestep.rundir import checkpoints_dir, final_path, metrics_path, read_final, read_metrics, read_run
+from samestep.rundir import checkpoints_dir, final_path, layout_at, metrics_path, read_final, read_metrics, read_run
 
 __all__ = ["check_receipts", "checkpoint_mismatches"]
 
@@ -32,8 +32,9 @@ Chains = dict[int, tuple[dict[str, Any], list[dict[str, Any]]]]
 
 
 def checkpoint_mismatches(run_dir: Path, doc: dict[str, Any], step_dir: Path, chains: Chains) -> list[str]:
-    """Where a checkpoint is not the state the run's receipts of its step record: for each rank that keeps
-    receipts, its part of the checkpoint (the whole state, or its own shards) against its receipt.
+    """Where a checkpoint is not the state the run's receipts of its step record: for each rank that receipted
+    that step under the layout that wrote it (run.json's, ``rundir.layout_at``), its part of the checkpoint
+    (the whole state, on rank 0; or under sharding each rank's own shards) against its receipt.
 
     Raises:
         CheckpointError: the checkpoint is damaged.
@@ -41,16 +42,18 @@ def checkpoint_mismatches(run_dir: Path, doc: dict[str, Any], step_dir: Path, ch
     from samestep.checkpoint import checkpoint_state
 
     step = int(step_dir.name.split("_")[1])
+    writer = layout_at(doc, step)
+    ranks = range(writer["world_size"]) if writer["sharded"] else [0]
     problems = []
-    for rank, (header, receipts) in sorted(chains.items()):
-        receipt = next((r for r in receipts if r["step"] == step), None)
+    for rank in ranks:
+        receipt = next((r for r in chains.get(rank, ({}, []))[1] if r["step"] == step), None)
         if receipt is None:
             problems.append(f"{step_dir}: {receipts_path(run_dir, rank).name} holds no receipt of step {step}")
             continue
-        tree = checkpoint_state(step_dir, rank if header.get("state_of") == "rank" else None)
+        tree = checkpoint_state(step_dir, rank if writer["sharded"] else None)
         digest = state_digest(receipted_state(tree, doc.get("written_by")))
         if digest != receipt["state"]:
-            whose = f"rank {rank}'s shards" if header.get("state_of") == "rank" else "its state"
+            whose = f"rank {rank}'s shards" if writer["sharded"] else "its state"
             problems.append(f"{step_dir}: {whose} digest {digest[:16]}... is not the receipt's of step {step} "
                             f"({receipt['state'][:16]}...): a checkpoint of another run, or changed since")
     return problems
@@ -121,11 +124,11 @@ def check_receipts(run_dir: str | Path) -> dict[str, Any]:
         elif receipts and receipts[0]["step"] != 1:
             problems.append(f"{path}: starts at step {receipts[0]['step']}, not 1")
     checked.append(f"the hash chain of {len(chains)} rank(s)")
-    header, receipts = chains.get(0, ({}, []))
+    _, receipts = chains.get(0, ({}, []))
     by_step = {r["step"]: r for r in receipts}
     last = receipts[-1]["step"] if receipts else 0
     final = read_final(run_dir)
-    whole = header.get("state_of") == "run"
+    whole = not layout_at(doc, last)["sharded"]
     if doc.get("written_by") != "samestep.trace" and last:  # samestep train writes metrics.jsonl
         problems += _check_metrics(run_dir, by_step, last, final is not None)
         checked.append(f"metrics.jsonl's steps 1-{last} against rank 0's receipts")
