@@ -350,8 +350,7 @@ def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
     step_dir = run / "checkpoints" / "step_000008"
     from samestep.analysis.receipt_check import checkpoint_mismatches
     from samestep.receipts import read_run_receipts
-    from samestep.rundir import read_run
-    assert checkpoint_mismatches(run, read_run(run), step_dir, read_run_receipts(run)) == []
+    assert checkpoint_mismatches(run, step_dir, read_run_receipts(run), None) == []
     zero, one = (step_dir / "model.rank_00000.safetensors").read_bytes(), \
         (step_dir / "model.rank_00001.safetensors").read_bytes()
     reseal(step_dir, "model.rank_00000.safetensors", one)

@@ -31,29 +31,28 @@ __all__ = ["check_receipts", "checkpoint_mismatches"]
 Chains = dict[int, tuple[dict[str, Any], list[dict[str, Any]]]]
 
 
-def checkpoint_mismatches(run_dir: Path, doc: dict[str, Any], step_dir: Path, chains: Chains) -> list[str]:
+def checkpoint_mismatches(run_dir: Path, step_dir: Path, chains: Chains, written_by: str | None) -> list[str]:
     """Where a checkpoint is not the state the run's receipts of its step record: for each rank that receipted
-    that step under the layout that wrote it (run.json's, ``rundir.layout_at``), its part of the checkpoint
-    (the whole state, on rank 0; or under sharding each rank's own shards) against its receipt.
+    it under the layout that wrote it, its part of the checkpoint (the whole state, on rank 0; or, of a sharded
+    checkpoint, each rank's own shards) against its receipt. ``written_by`` is run.json's (whose state
+    the receipts digest: ``receipted_state``).
 
     Raises:
         CheckpointError: the checkpoint is damaged.
     """
-    from samestep.checkpoint import checkpoint_state
+    from samestep.checkpoint import checkpoint_state, shard_count
 
     step = int(step_dir.name.split("_")[1])
-    writer = layout_at(doc, step)
-    ranks = range(writer["world_size"]) if writer["sharded"] else [0]
+    shards = shard_count(step_dir)
     problems = []
-    for rank in ranks:
+    for rank in range(shards) if shards else [0]:
         receipt = next((r for r in chains.get(rank, ({}, []))[1] if r["step"] == step), None)
         if receipt is None:
             problems.append(f"{step_dir}: {receipts_path(run_dir, rank).name} holds no receipt of step {step}")
             continue
-        tree = checkpoint_state(step_dir, rank if writer["sharded"] else None)
-        digest = state_digest(receipted_state(tree, doc.get("written_by")))
+        digest = state_digest(receipted_state(checkpoint_state(step_dir, rank if shards else None), written_by))
         if digest != receipt["state"]:
-            whose = f"rank {rank}'s shards" if writer["sharded"] else "its state"
+            whose = f"rank {rank}'s shards" if shards else "its state"
             problems.append(f"{step_dir}: {whose} digest {digest[:16]}... is not the receipt's of step {step} "
                             f"({receipt['state'][:16]}...): a checkpoint of another run, or changed since")
     return problems
@@ -150,7 +149,7 @@ def _check_checkpoint(run_dir: Path, doc: dict[str, Any], chains: Chains, checke
         return []
     try:
         step_dir = verify_checkpoint(root)
-        problems = checkpoint_mismatches(run_dir, doc, step_dir, chains)
+        problems = checkpoint_mismatches(run_dir, step_dir, chains, doc.get("written_by"))
     except CheckpointError as e:
         return [f"{root}: the newest checkpoint is damaged: {e}"]
     checked.append(f"checkpoint {step_dir.name} against its step's receipt(s)")

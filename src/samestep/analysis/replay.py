@@ -20,23 +20,13 @@ from samestep._state import dotted
 from samestep.checkpoint import committed_steps, step_dir_name
 from samestep.env import RANK_LOCAL, compare_environments
 from samestep.receipts import read_run_receipts, receipts_path
-from samestep.rundir import checkpoints_dir, metrics_path, read_metrics, read_run, receipts_dir
+from samestep.rundir import checkpoints_dir, layout_at, metrics_path, read_metrics, read_run, receipts_dir
 
-__all__ = ["ReplayError", "check_replayable", "environment_differences", "layout_at", "replay", "replay_start"]
+__all__ = ["ReplayError", "check_replayable", "environment_differences", "replay", "replay_start"]
 
 
 class ReplayError(RuntimeError):
     """A replay could not run (its process failed): not a verdict on the run."""
-
-
-def layout_at(doc: dict[str, Any], step: int) -> dict[str, Any]:
-    """The layout the run had for the step after ``step``: its first, or that of the last resume at or
-    before ``step``."""
-    layout = dict(doc.get("layout", {}))
-    for entry in doc.get("resumes", []):
-        if isinstance(entry, dict) and entry.get("step", 0) <= step:
-            layout = entry
-    return layout
 
 
 def check_replayable(run_dir: Path, doc: dict[str, Any]) -> None:
@@ -84,7 +74,7 @@ def replay(run_dir: Path, scratch: Path, start: int, end: int, settings: tuple[s
             kept = [header, *(r for r in receipts if r["step"] <= start)]
             receipts_path(scratch, rank).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept),
                                                     encoding="utf-8")
-    layout = layout_at(doc, start)
+    layout = layout_at(doc, start + 1)  # the layout that ran the first step replayed
     config = dotted(doc["config"])
     config["parallel.fsdp"] = layout.get("sharded") == "fsdp2"
     args = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in config.items()]

@@ -39,7 +39,7 @@ def _foreign_checkpoint(run_dir: Path, doc: dict[str, Any], files: dict[int, tup
         return None
     step_dir = checkpoints_dir(run_dir) / step_dir_name(start)
     try:
-        problems = checkpoint_mismatches(run_dir, doc, step_dir, files)
+        problems = checkpoint_mismatches(run_dir, step_dir, files, doc.get("written_by"))
     except ValueError as e:  # damaged
         problems = [f"{step_dir}: {e}"]
     if not problems:

@@ -31,7 +31,7 @@ from samestep.checkpoint._format import (
 from samestep.durable import NotAFile, read_file
 from samestep.env import compare_environments, environment
 
-__all__ = ["LoadedCheckpoint", "checkpoint_state", "load_checkpoint", "verify_checkpoint"]
+__all__ = ["LoadedCheckpoint", "checkpoint_state", "load_checkpoint", "shard_count", "verify_checkpoint"]
 
 
 @dataclass(slots=True)
@@ -274,6 +274,18 @@ def checkpoint_state(path: str | os.PathLike[str], rank: int | None = None) -> d
         if key in state:
             tree[key] = unflatten(state[key], tensors)
     return tree
+
+
+def shard_count(path: str | os.PathLike[str]) -> int | None:
+    """How many ranks' shards a checkpoint holds (the world size of the sharded run that wrote it), or None
+    where it holds whole tensors. Reads only its manifest and (checked against it) state.json.
+
+    Raises:
+        CheckpointError: either is damaged.
+    """
+    verified = _verify(_candidates(Path(path))[0], only={"state.json"})
+    shards = json.loads(verified.data["state.json"]).get("shards")
+    return shards["world_size"] if shards else None
 
 
 def _first_intact(path: Path, fallback: bool) -> tuple[_Verified, list[tuple[Path, str]]]:

@@ -326,7 +326,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     start, loaded = restore_run(parts, run_dir, resume, restore, world, say)
     check_run_files(run_dir, start, rank, parts.receipt_state(start) if _writes_receipts(parts, dist_) else None,
                     restored=restore == RESTORE_ALL, checkpoint=loaded.path if loaded else None,
-                    layout={"world_size": world, "sharded": "fsdp2" if parts.sharded else None})
+                    sharded_over=world if parts.sharded else None)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
         truncate_metrics(run_dir, start)  # first: a damaged metrics.jsonl refuses the resume before run.json records it

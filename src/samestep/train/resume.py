@@ -9,14 +9,13 @@ from pathlib import Path
 from typing import Any
 
 from samestep._state import dotted
-from samestep.checkpoint import LoadedCheckpoint, load_checkpoint
+from samestep.checkpoint import LoadedCheckpoint, load_checkpoint, shard_count
 from samestep.analysis.receipt_check import checkpoint_mismatches
 from samestep.receipts import ReceiptError, check_restored, read_run_receipts, truncate_receipts
 from samestep.rundir import (
     NUMERICS_NEUTRAL,
     checkpoints_dir,
     holds_run,
-    layout_at,
     metrics_path,
     read_run,
     truncate_metrics,
@@ -70,17 +69,17 @@ def restore_run(parts: Any, run_dir: Path, resume: bool, restore: frozenset[str]
 
 
 def check_run_files(run_dir: Path, start: int, rank: int, state: Callable[[], Any] | None, restored: bool,
-                    checkpoint: Path | None = None, layout: dict[str, Any] | None = None) -> None:
+                    checkpoint: Path | None = None, sharded_over: int | None = None) -> None:
     """What a resume from ``start`` will change, checked before anything is: rank 0's metrics.jsonl, and where
     this rank keeps receipts (``state`` makes the state tree its receipts digest) their chain up to ``start``.
     Then, unless ``restored`` is False (a negative control restores less, on purpose), the restored state
-    against the run's receipts of ``start``: where ``layout`` (``world_size``, ``sharded``) is the one that
-    wrote ``start``, each rank's restored state against its own receipt; where it is not (a resume on another
-    layout: the receipts are of other shards), rank 0 checks ``checkpoint``'s files against the receipts of
-    every rank that wrote them.
+    against the run's receipts of ``start``: where this job has the layout that wrote ``checkpoint`` (whole,
+    or sharded over ``sharded_over`` ranks), each rank's restored state against its own receipt; where it
+    has another (the receipts are of other shards), rank 0 checks the checkpoint's files against the
+    receipts of every rank that wrote them.
 
     Raises:
-        RunDirError, ReceiptError: names the file and what is wrong.
+        RunDirError, ReceiptError, CheckpointError: names the file and what is wrong.
     """
     if rank == 0:
         truncate_metrics(run_dir, start, check_only=True)
@@ -88,17 +87,13 @@ def check_run_files(run_dir: Path, start: int, rank: int, state: Callable[[], An
         truncate_receipts(run_dir, rank, start, check_only=True)
     if not restored or not start or checkpoint is None:
         return
-    writer = layout_at(read_run(run_dir), start)
-    now = layout or {"world_size": 1, "sharded": None}
-    same = bool(writer["sharded"]) == bool(now.get("sharded")) and (
-        not writer["sharded"] or writer["world_size"] == now["world_size"])
-    if same:
+    if shard_count(checkpoint) == sharded_over:
         if state is not None:
             check_restored(run_dir, rank, start, state())
     elif rank == 0:
         chains = read_run_receipts(run_dir)
         if not any(r["step"] == start for _, receipts in chains.values() for r in receipts):
             return  # nothing to compare (a run without receipts), as check_restored
-        problems = checkpoint_mismatches(run_dir, read_run(run_dir), checkpoint, chains)
+        problems = checkpoint_mismatches(run_dir, checkpoint, chains, None)
         if problems:
             raise ReceiptError(f"{problems[0]}; restore it, or resume from an older checkpoint")
