@@ -89,12 +89,9 @@ class Recorder:
         if worker not in WORKERS:
             raise ValueError(f"trace worker {worker!r} is unknown; use one of {', '.join(WORKERS)}")
         self.level, self.steps, self.rank, self.perturb = level, steps, rank, perturb
-        # "auto": a child process on Linux without CUDA (it spares the training thread the interpreter
-        # lock: see process_worker.py), else a thread.
-        self._requested_worker = worker
-        if worker == "auto":
-            worker = "process" if sys.platform == "linux" and not torch.cuda.is_available() else "thread"
-        self.worker = worker  # falls back to "thread" if "auto" cannot start a process (a warning says why)
+        # "auto" is a thread: the child process measured no cheaper here (docs/performance.md, Tracing),
+        # so it is opt-in.
+        self.worker = "thread" if worker == "auto" else worker
         self.enabled = level != "off" and (ranks is None or rank in ranks)
         self._paused = False
         self._rank_level = LEVELS.index(level)
@@ -214,10 +211,7 @@ class Recorder:
             try:
                 return ProcessWorker()
             except OSError as e:
-                if self._requested_worker == "process":
-                    raise RuntimeError(f"trace.worker=process: {e}") from None
-                warnings.warn(f"samestep.trace: {e}; digesting on a thread instead", RuntimeWarning, stacklevel=3)
-                self.worker = "thread"
+                raise RuntimeError(f"trace.worker=process: {e}") from None
         return ThreadWorker()
 
     def _wait(self) -> None:

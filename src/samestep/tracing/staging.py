@@ -230,7 +230,11 @@ class Staging:
             if device.type == "meta":  # no bytes to pack (a chunk there would hold none either)
                 return self.add_tensor(plain(t))
             free = self._free.get(device)
-            buf = free.pop() if free else torch.empty(CHUNK_BYTES, dtype=torch.uint8, device=device)
+            if free:
+                buf = free.pop()
+            else:
+                with torch.inference_mode(False):  # the worker zeroes its padding outside inference mode
+                    buf = torch.empty(CHUNK_BYTES, dtype=torch.uint8, device=device)
             b.packs.append(Packed(buf, []))
             chunk, used = len(b.packs) - 1, 0
         pack = b.packs[chunk]

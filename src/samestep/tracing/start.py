@@ -42,9 +42,9 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
         perturb: fault injection for validating ``samestep diff`` (see ``Perturb``).
         copy: module level: digest copies of module outputs and gradients instead of the tensors
             themselves (which are checked unchanged until digested; a change in place raises).
-        worker: where digests are computed: ``"process"`` (a child process that reads this process's
-            memory; CPU tensors only), ``"thread"`` (any device), or ``"auto"`` (process on Linux
-            without CUDA, else thread). Both write the same stream.
+        worker: where digests are computed: ``"thread"`` (any device; ``"auto"`` is this) or, opted
+            into, ``"process"`` (a child process that reads this process's memory; CPU tensors on Linux
+            only). Both write the same stream.
         resume: continue the run that ``run_dir`` holds (after loading its checkpoint): the stream gets a
             new segment, and run.json a resume record with what differs from the run's start.
         held: the run directory's lock (``samestep.rundir.hold``) where the caller holds it already and

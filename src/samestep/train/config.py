@@ -298,8 +298,8 @@ class TraceConfig:
     change in place stops the run and names it): module outputs and gradients at module level, and the
     parameter gradients at step level (the module level copies these either way)."""
     worker: str = "auto"
-    """Where digests are computed: 'process' (a child process that reads this one's memory: CPU only),
-    'thread' (any device), or 'auto' (process on Linux without CUDA, else thread). Same stream either way."""
+    """Where digests are computed: 'thread' (any device; 'auto' is this) or, opted into, 'process' (a child
+    process that reads this one's memory: CPU on Linux only). Same stream either way."""
 
     def __post_init__(self) -> None:
         from samestep.tracing import LEVELS, WORKERS, Perturb, parse_selection
