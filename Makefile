@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 # build. GPU users: TORCH_SPEC="torch" (or their own build) make install.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test test-fast bench clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -24,6 +24,11 @@ demo: install
 
 test: install
 	$(BIN)/python -m pytest -q --durations=30 tests
+
+# The edit-test loop: the unit tests but the slow ones, and the demo end to end.
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow and not opinfo" tests/unit
+	$(BIN)/python -m pytest -q -m smoke tests/integration
 
 bench: install
 	$(BIN)/python bench/bench_foundation.py

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,15 @@ def restore_global_state():
     torch.set_num_threads(threads)
     os.environ.clear()
     os.environ.update(env)
+
+
+@pytest.fixture
+def rng(request) -> random.Random:
+    """The random source of a test's random choices (kill instants): seeded from SAMESTEP_TEST_SEED, or
+    afresh, and the seed printed (pytest shows it with a failure), so a failing choice can be rerun."""
+    seed = int(os.environ.get("SAMESTEP_TEST_SEED") or random.SystemRandom().randrange(2**32))
+    print(f"rerun with SAMESTEP_TEST_SEED={seed} pytest '{request.node.nodeid}'")
+    return random.Random(seed)
 
 
 def train_cmd(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 1,

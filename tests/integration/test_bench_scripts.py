@@ -63,7 +63,7 @@ def test_user_loop_bench_runs_and_counts_records():
     assert step["ratio_median"] > 0 and step["records_per_step"] >= 112 and step["step_ms_traced"] > 0
 
 
-def test_fault_harness_finds_every_outcome_as_documented():
+def test_fault_harness_finds_every_outcome_as_documented(rng):
     """`bench/bench_faults.py` in a short round (1 random SIGKILL and 1 before the first checkpoint, 1 SIGTERM and
     1 SIGINT to the process group, 1 killed launcher, 1 pair of concurrent writers and a loop of one's own
     beside a trainer; tests/integration/test_train.py kills saves at their filesystem operations) and the
@@ -71,7 +71,7 @@ def test_fault_harness_finds_every_outcome_as_documented():
     input refused as documented, nothing blocking. Negative control: a case that expects the wrong outcome
     (a flipped checkpoint byte called intact) is caught by the same check."""
     proc = subprocess.run([sys.executable, "bench/bench_faults.py", "--kills", "1", "--signals", "1", "--writers", "1",
-                           "--launcher", "1", "--save-ops", "none", "--json"], cwd=ROOT, capture_output=True, text=True,
+                           "--launcher", "1", "--save-ops", "none", "--seed", str(rng.randrange(2**31)), "--json"], cwd=ROOT, capture_output=True, text=True,
                           timeout=1200)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     r = json.loads(proc.stdout)

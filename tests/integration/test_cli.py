@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import TINY
 
 
@@ -76,6 +78,7 @@ def test_unsupported_layout_is_refused_at_start(tmp_path):
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
+@pytest.mark.smoke
 def test_demo_reports_bit_identical_resume(tmp_path):
     """`samestep demo --json` on a small config: killed and resumed run B equals run A (exit 0)."""
     settings = [x for s in TINY if not s.startswith("train.steps") for x in ("--set", s)]

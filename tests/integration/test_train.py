@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -59,9 +58,10 @@ def _wait_for_step(proc: subprocess.Popen, metrics: Path, step: int) -> None:
     raise AssertionError(f"run ended (exit {proc.poll()}) or timed out before step {step}")
 
 
-def test_sigkill_at_a_random_step_then_resume_is_identical(reference, tmp_path):
-    """SIGKILL after a random step, --resume: the final digest and every metric line match the reference."""
-    kill_after = random.Random().randrange(1, 8)
+def test_sigkill_at_a_random_step_then_resume_is_identical(reference, tmp_path, rng):
+    """SIGKILL after a random step (the seed printed), --resume: the final digest and every metric line match
+    the reference."""
+    kill_after = rng.randrange(1, 8)
     d = tmp_path / "killed"
     proc = subprocess.Popen(train_cmd(d, *TINY), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     _wait_for_step(proc, d / "metrics.jsonl", kill_after)

@@ -146,6 +146,7 @@ def _two_rank_worker(rank: int, init: str, run_dir: str, out: str, signal_at: in
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     """Two processes; SIGTERM reaches rank 1 alone during step 2. Both stop after step 2 (rank 0 names
     another rank's signal, which it never received: without agreeing, it would have gone on into step

@@ -362,7 +362,7 @@ def test_gradients_in_one_buffer_digest_like_separate_ones(tmp_path):
     assert tables[2].column("outputs").to_pylist()[-1] != tables[0].column("outputs").to_pylist()[-1]
 
 
-@pytest.mark.parametrize("worker", ["process", "thread"])
+@pytest.mark.parametrize("worker", [pytest.param("process", marks=pytest.mark.slow), "thread"])
 def test_gradients_digested_where_they_lie_match_copies_and_a_later_change_is_refused(tmp_path, worker):
     """grads(copy="checked") digests the gradients themselves, in one buffer or separate: the same stream
     as copies. A gradient changed in place after it was recorded (a clip after grads()) stops the run
