@@ -80,15 +80,28 @@ def _run_python(code: str) -> subprocess.CompletedProcess:
 
 
 def test_resume_without_data_cursor_restore_diverges(reference, tmp_path):
-    """Negative control: the same kill and resume, but skipping the data-cursor restore, ends elsewhere."""
+    """Negative control: the same stop and resume, but with the checkpoint's data cursor left unrestored
+    (load_checkpoint patched), is refused by the run's receipts (the restored state is not the one its
+    receipt of step 4 records) and, with receipts off, ends elsewhere than the reference."""
     d = tmp_path / "run"
     run_train(d, *TINY, stop_after=4)
     proc = _run_python(f"""
+        import sys
+        import samestep.train.resume as resume
+        from samestep.receipts import ReceiptError
         from samestep.train import load_config, train
-        cfg = load_config(None, {list(TINY)!r})
-        train(cfg, {str(d)!r}, resume=True, restore=frozenset({{"model", "optimizer", "rng"}}))
+        real = resume.load_checkpoint
+        resume.load_checkpoint = lambda *a, **kw: real(*a, **{{**kw, "data_cursor": None}})
+        try:
+            train(load_config(None, {list(TINY)!r}), {str(d)!r}, resume=True, out=lambda _line: None)
+            sys.exit("resumed without the data cursor, not refused")
+        except ReceiptError as e:
+            print("refused:", e)
+        train(load_config(None, {[*TINY, "train.receipts=false"]!r}), {str(d)!r}, resume=True,
+              out=lambda _line: None)
     """)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused: the checkpoint of step 4 restores state" in proc.stdout, proc.stdout
     ref = json.loads((reference / "final.json").read_text())
     assert json.loads((d / "final.json").read_text())["state_digest"] != ref["state_digest"]
     # ...while the same resume with everything restored matches (the positive twin of this control).

@@ -1,8 +1,8 @@
 """The reference pretraining run: config, models (GPT, Llama-style), loop."""
 
 from samestep.train.config import Config, DataConfig, DeterminismConfig, ModelConfig, TrainConfig, load_config
-from samestep.train.loop import RESTORE_ALL, train
+from samestep.train.loop import train
 from samestep.train.model import GPT
 
-__all__ = ["GPT", "RESTORE_ALL", "Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TrainConfig",
+__all__ = ["GPT", "Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TrainConfig",
            "load_config", "train"]

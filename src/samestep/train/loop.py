@@ -65,9 +65,8 @@ from samestep.train.resume import check_run_files, restore_run
 from samestep.train.progress import Progress
 from samestep.train.schedule import WarmupCosine
 
-__all__ = ["RESTORE_ALL", "Parts", "Preempted", "build", "train"]
+__all__ = ["Parts", "Preempted", "build", "train"]
 
-RESTORE_ALL = frozenset({"model", "optimizer", "data", "rng"})
 
 
 class Preempted(Exception):
@@ -267,7 +266,7 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
 
 
 def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False, stop_after: int | None = None,
-          restore: frozenset[str] = RESTORE_ALL, out: Callable[[str], None] = print) -> dict[str, Any] | None:
+          out: Callable[[str], None] = print) -> dict[str, Any] | None:
     """Runs (or resumes) the reference pretraining run into ``run_dir``.
 
     Args:
@@ -276,8 +275,6 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
         resume: continue from the newest intact checkpoint in ``run_dir`` (from scratch if none).
         stop_after: leave after this many steps of this invocation, with a checkpoint, so that a
             scheduler can pre-empt the job and ``--resume`` it later (Megatron's exit interval).
-        restore: which parts of a checkpoint to restore; anything less than ``RESTORE_ALL`` is only
-            for negative controls, which show that a resume without them diverges.
         out: where human-readable lines go (rank 0 only).
 
     Returns:
@@ -299,7 +296,7 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
         dist_ = Processes(device_kind(cfg))
         try:
             with StopRequest(parse_signals(cfg.train.exit_signals)) as stop:
-                return _train(cfg, run_dir, resume, stop_after, restore, out, dist_, report, stop)
+                return _train(cfg, run_dir, resume, stop_after, out, dist_, report, stop)
         finally:
             dist_.close()
     finally:
@@ -309,7 +306,7 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
             lock.release()
 
 
-def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, restore: frozenset[str],
+def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
            out: Callable[[str], None], dist_: Processes, report: DeterminismReport | None,
            stop: StopRequest) -> dict[str, Any] | None:
     t, world, rank = cfg.train, dist_.world, dist_.rank
@@ -323,9 +320,9 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None, res
     say = out if rank == 0 else (lambda _msg: None)
     mixed = dist_.compare_environments(cfg.determinism.env_mismatch)
     parts = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
-    start, loaded = restore_run(parts, run_dir, resume, restore, world, say)
+    start, loaded = restore_run(parts, run_dir, resume, world, say)
     check_run_files(run_dir, start, rank, parts.receipt_state(start) if _writes_receipts(parts, dist_) else None,
-                    restored=restore == RESTORE_ALL, checkpoint=loaded.path if loaded else None,
+                    checkpoint=loaded.path if loaded else None,
                     sharded_over=world if parts.sharded else None)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:

@@ -37,21 +37,20 @@ def check_resume_config(saved: dict[str, Any] | None, current: Config) -> None:
                          "the original config, or start a new --run-dir")
 
 
-def restore_run(parts: Any, run_dir: Path, resume: bool, restore: frozenset[str], world: int,
+def restore_run(parts: Any, run_dir: Path, resume: bool, world: int,
                 say: Callable[[str], None]) -> tuple[int, LoadedCheckpoint | None]:
-    """Restores the newest intact checkpoint into ``parts`` (the loop's ``Parts``; with ``resume``), the parts
-    named in ``restore``; returns the step to start from and the checkpoint loaded (None if none). A run
-    killed before its first checkpoint goes on from step 0 under its own config; a run directory that holds
-    a run is refused without ``resume``."""
+    """Restores the newest intact checkpoint into ``parts`` (the loop's ``Parts``; with ``resume``): model,
+    optimizer, schedule, data cursor and RNG; returns the step to start from and the checkpoint loaded (None
+    if none). A run killed before its first checkpoint goes on from step 0 under its own config; a run
+    directory that holds a run is refused without ``resume``."""
     ckpt_root = checkpoints_dir(run_dir)
     if resume and any(ckpt_root.glob("step_*")):
         model, optimizer = parts.loadable()
         loaded = load_checkpoint(
-            ckpt_root, model=model if "model" in restore else None,
-            optimizer=optimizer if "optimizer" in restore else None, scheduler=parts.schedule,
-            data_cursor=parts.cursor if "data" in restore else None, fallback=True,
+            ckpt_root, model=model, optimizer=optimizer, scheduler=parts.schedule, data_cursor=parts.cursor,
+            fallback=True,
             # Training randomness is counter-keyed, so another world size needs no per-rank RNG state.
-            restore_rng="same_world_size" if "rng" in restore else False,
+            restore_rng="same_world_size",
             check_config=lambda saved: check_resume_config(saved, parts.cfg))
         for path, why in loaded.skipped:
             say(f"skipped corrupt checkpoint {path.name}: {why}")
@@ -68,15 +67,14 @@ def restore_run(parts: Any, run_dir: Path, resume: bool, restore: frozenset[str]
     return 0, None
 
 
-def check_run_files(run_dir: Path, start: int, rank: int, state: Callable[[], Any] | None, restored: bool,
+def check_run_files(run_dir: Path, start: int, rank: int, state: Callable[[], Any] | None,
                     checkpoint: Path | None = None, sharded_over: int | None = None) -> None:
     """What a resume from ``start`` will change, checked before anything is: rank 0's metrics.jsonl, and where
     this rank keeps receipts (``state`` makes the state tree its receipts digest) their chain up to ``start``.
-    Then, unless ``restored`` is False (a negative control restores less, on purpose), the restored state
-    against the run's receipts of ``start``: where this job has the layout that wrote ``checkpoint`` (whole,
-    or sharded over ``sharded_over`` ranks), each rank's restored state against its own receipt; where it
-    has another (the receipts are of other shards), rank 0 checks the checkpoint's files against the
-    receipts of every rank that wrote them.
+    Then the restored state against the run's receipts of ``start``: where this job has the layout that
+    wrote ``checkpoint`` (whole, or sharded over ``sharded_over`` ranks), each rank's restored state against
+    its own receipt; where it has another (the receipts are of other shards), rank 0 checks the
+    checkpoint's files against the receipts of every rank that wrote them.
 
     Raises:
         RunDirError, ReceiptError, CheckpointError: names the file and what is wrong.
@@ -85,7 +83,7 @@ def check_run_files(run_dir: Path, start: int, rank: int, state: Callable[[], An
         truncate_metrics(run_dir, start, check_only=True)
     if state is not None:
         truncate_receipts(run_dir, rank, start, check_only=True)
-    if not restored or not start or checkpoint is None:
+    if not start or checkpoint is None:
         return
     if shard_count(checkpoint) == sharded_over:
         if state is not None:
