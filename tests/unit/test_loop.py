@@ -73,10 +73,10 @@ def test_step_level_records_the_reduced_gradients_before_clipping(tmp_path, monk
     monkeypatch.setattr(loop_module, "_clip", watched)
     cfg = load_config(None, [*TINY, "train.grad_clip=0.5", "trace.level=step"])
     with samestep.enable(threads=1):
-        parts = loop_module.build(cfg, corpus=load_corpus("stdlib"), run_dir=Path(tmp_path))
+        trainer = loop_module.build(cfg, corpus=load_corpus("stdlib"), run_dir=Path(tmp_path))
         for step in range(3):
-            parts.step(step)
-        parts.recorder.close()
+            trainer.step(step)
+        trainer.recorder.close()
     rows = [r for r in read_stream(stream_path(tmp_path, 0)).table.to_pylist() if r["op"] == "grad"]
     recorded = [[r["outputs"].hex() for r in rows if r["step"] == step] for step in (1, 2, 3)]
     assert recorded == before

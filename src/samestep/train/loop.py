@@ -65,7 +65,7 @@ from samestep.train.resume import check_run_files, restore_run
 from samestep.train.progress import Progress
 from samestep.train.schedule import WarmupCosine
 
-__all__ = ["Parts", "Preempted", "build", "train"]
+__all__ = ["Trainer", "Preempted", "build", "train"]
 
 
 
@@ -89,7 +89,7 @@ def _make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
 
 
 @dataclass(slots=True)
-class Parts:
+class Trainer:
     """Everything one process of the run holds, and one optimizer step over it."""
 
     cfg: Config
@@ -209,7 +209,7 @@ def _clip(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
 
 
 def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | str = "cpu",
-          corpus: Any = None, run_dir: Path | None = None) -> Parts:
+          corpus: Any = None, run_dir: Path | None = None) -> Trainer:
     """Builds the data cursor, model, optimizer, schedule, gradient reduction and trace recorder of one process.
 
     Without ``run_dir`` nothing is traced (there is nowhere to write).
@@ -252,17 +252,17 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     recorder.attach(model)
     if recorder.enabled:
         grads.observer = recorder.collective
-    parts = Parts(cfg=cfg, corpus=corpus, model=model, optimizer=_make_optimizer(model, cfg),
+    trainer = Trainer(cfg=cfg, corpus=corpus, model=model, optimizer=_make_optimizer(model, cfg),
                   schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
                   cursor=DataCursor(corpus, cfg.model.block_size, t.seed), grads=grads, device=device,
                   recorder=recorder, named_params=list(model.named_parameters()),
                   named_buffers=Recorder.persistent_buffers(model), fault=fault)
     if t.sdc_check_every:  # the first of each pair of the canonical tree; of plain accumulation, the first
         firsts = list(range(rank * k, (rank + 1) * k, 2 if cfg.determinism.enabled else k))
-        parts.recompute = RecomputeCheck(t.sdc_check_every, parts.forward, parts.named_params, firsts, rank,
+        trainer.recompute = RecomputeCheck(t.sdc_check_every, trainer.forward, trainer.named_params, firsts, rank,
                                          run_dir or Path("."), t.sdc_action,
                                          lambda flag: flag if world == 1 else any_rank(flag, device))
-    return parts
+    return trainer
 
 
 def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False, stop_after: int | None = None,
@@ -319,24 +319,25 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
         validate_layout(world, k)
     say = out if rank == 0 else (lambda _msg: None)
     mixed = dist_.compare_environments(cfg.determinism.env_mismatch)
-    parts = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
-    start, loaded = restore_run(parts, run_dir, resume, world, say)
-    check_run_files(run_dir, start, rank, parts.receipt_state(start) if _writes_receipts(parts, dist_) else None,
+    trainer = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
+    start, loaded = restore_run(trainer, run_dir, resume, world, say)
+    check_run_files(run_dir, start, rank, trainer.receipt_state(start) if _writes_receipts(trainer, dist_) else None,
                     checkpoint=loaded.path if loaded else None,
-                    sharded_over=world if parts.sharded else None)
+                    sharded_over=world if trainer.sharded else None)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
         truncate_metrics(run_dir, start)  # first: a damaged metrics.jsonl refuses the resume before run.json records it
-        layout = {"world_size": world, "microbatches_per_process": k, **({"sharded": "fsdp2"} if parts.sharded else {})}
+        layout = {"world_size": world, "microbatches_per_process": k,
+                  **({"sharded": "fsdp2"} if trainer.sharded else {})}
         if holds_run(run_dir):
             record_resume(run_dir, {"step": start, **layout, "checkpoint": loaded.path.name if loaded else None,
                                     "skipped": [p.name for p, _ in loaded.skipped] if loaded else [],
                                     "env_diff": sorted(loaded.env_diff) if loaded else [],
                                     **({"rank_env_diff": mixed} if mixed else {})})
         else:
-            corpus = parts.corpus
-            extra = ({"attention_backend": parts.model.attention_backend(t.micro_batch, parts.device, t.precision)}
-                     if isinstance(parts.model, Llama) else {})
+            corpus = trainer.corpus
+            extra = ({"attention_backend": trainer.model.attention_backend(t.micro_batch, trainer.device, t.precision)}
+                     if isinstance(trainer.model, Llama) else {})
             if mixed:
                 extra["rank_env_diff"] = mixed
             write_run(run_dir, new_run(cfg.to_dict(), layout, report.to_dict() if report is not None else None,
@@ -346,7 +347,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     t0 = time.perf_counter()
     # a resume from the last step trains nothing: the last loss is the one logged for it
-    loss_value, stopped = _run_steps(parts, run_dir, start, end, rank == 0, out,
+    loss_value, stopped = _run_steps(trainer, run_dir, start, end, rank == 0, out,
                                      logged_loss(run_dir, start) if start else float("nan"), stop, dist_)
     if stopped is not None:
         dist_.barrier()
@@ -354,56 +355,56 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
     if end < t.steps:
         say(f"stopped after step {end} of {t.steps} (--stop-after); continue with --resume")
         return None
-    final = final_doc(t.steps, run_state_digest(*parts.savable(), parts.cursor, t.steps), loss_value,
+    final = final_doc(t.steps, run_state_digest(*trainer.savable(), trainer.cursor, t.steps), loss_value,
                       world)
     if rank == 0:
         write_final(run_dir, final)
         elapsed = time.perf_counter() - t0
         say(f"done: {t.steps} steps ({t.steps - start} here, {elapsed:.1f}s, "
-            f"{(t.steps - start) * parts.tokens_per_step / max(elapsed, 1e-9):,.0f} tok/s), final loss "
+            f"{(t.steps - start) * trainer.tokens_per_step / max(elapsed, 1e-9):,.0f} tok/s), final loss "
             f"{loss_value:.4f}, state digest {final['state_digest'][:16]}")
     dist_.barrier()
     return final
 
 
-def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, out: Callable[[str], None],
+def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bool, out: Callable[[str], None],
                loss_value: float, stop: StopRequest, dist_: Processes) -> tuple[float, int | None]:
     """Trains steps ``start`` to ``end`` (0-based, end excluded), logging metrics (if ``writer``) and
     saving checkpoints; returns the last step's loss (``loss_value`` if there is no step to train) and
     the step after which a stop request ended it early, with a checkpoint (None if none did). The
     recorder is closed at the end."""
-    t = parts.cfg.train
-    tokens_per_step = parts.tokens_per_step
+    t = trainer.cfg.train
+    tokens_per_step = trainer.tokens_per_step
     progress = Progress(writer, start, t.steps, t.log_every, out)
     metrics = open(metrics_path(run_dir), "a", encoding="utf-8") if writer else None
-    parts.model.train()
+    trainer.model.train()
     t0, start_timed = time.perf_counter(), start
-    receipts, cross = _receipts(parts, run_dir, start, dist_)
+    receipts, cross = _receipts(trainer, run_dir, start, dist_)
     def save(done: int) -> None:
         # the records of every step the checkpoint holds are durable before it commits
-        parts.recorder.sync()
+        trainer.recorder.sync()
         if receipts is not None:
             receipts.sync()
         if metrics is not None:
             os.fsync(metrics.fileno())
         # a sharded run: each rank writes its own shards, nothing gathered
-        save_checkpoint(checkpoints_dir(run_dir), done, model=parts.model, optimizer=parts.optimizer,
-                        scheduler=parts.schedule, data_cursor=parts.cursor, config=parts.cfg.to_dict(),
-                        keep=t.keep_checkpoints, sharded=parts.sharded)
+        save_checkpoint(checkpoints_dir(run_dir), done, model=trainer.model, optimizer=trainer.optimizer,
+                        scheduler=trainer.schedule, data_cursor=trainer.cursor, config=trainer.cfg.to_dict(),
+                        keep=t.keep_checkpoints, sharded=trainer.sharded)
 
     saved = start
     try:
         for step in range(start, end):
             try:
-                loss_value, grad_norm, lr = parts.step(step)
+                loss_value, grad_norm, lr = trainer.step(step)
             except NonFinite:
                 if step > saved:  # the update was not applied: the state is step ``step``'s, saved whole
                     save(step)
                 raise
             done = step + 1
             if receipts is not None:  # the state as final.json digests it, on the receipt thread
-                receipts.add(done, parts.receipt_state(done) if receipts.path else None, loss_value, grad_norm,
-                             None if cross is None else {"grads": parts.reduced, "params": parts.named_params})
+                receipts.add(done, trainer.receipt_state(done) if receipts.path else None, loss_value, grad_norm,
+                             None if cross is None else {"grads": trainer.reduced, "params": trainer.named_params})
             if metrics is not None:
                 metrics.write(metrics_line(done, loss_value, grad_norm, lr, done * tokens_per_step))
                 metrics.flush()
@@ -424,7 +425,7 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
         if cross is not None:
             cross.close()
         progress.close()
-        parts.recorder.close()
+        trainer.recorder.close()
         if receipts is not None:
             receipts.close()
         if metrics is not None:
@@ -432,37 +433,37 @@ def _run_steps(parts: Parts, run_dir: Path, start: int, end: int, writer: bool, 
     return loss_value, None
 
 
-def _writes_receipts(parts: Parts, dist_: Processes) -> bool:
+def _writes_receipts(trainer: Trainer, dist_: Processes) -> bool:
     """Whether this rank keeps receipts (train.receipts): rank 0, or under sharding every rank."""
-    return parts.cfg.train.receipts and (dist_.rank == 0 or parts.sharded)
+    return trainer.cfg.train.receipts and (dist_.rank == 0 or trainer.sharded)
 
 
-def _receipts(parts: Parts, run_dir: Path, start: int, dist_: Processes) -> tuple[ReceiptWriter | None,
+def _receipts(trainer: Trainer, run_dir: Path, start: int, dist_: Processes) -> tuple[ReceiptWriter | None,
                                                                                   CrossRankCheck | None]:
     """This rank's receipt writer (train.receipts): rank 0's, of the whole state, or under sharding every
     rank's, of its shards; the receipts of steps after ``start`` (of a killed run) are dropped. With the
     cross-rank check (data parallel, several processes), every rank digests its state and reduced gradients
     (a rank that keeps no receipts writes none) and the check compares them."""
-    t = parts.cfg.train
-    cross = t.cross_rank_check and dist_.world > 1 and not parts.sharded
-    writes = _writes_receipts(parts, dist_)
+    t = trainer.cfg.train
+    cross = t.cross_rank_check and dist_.world > 1 and not trainer.sharded
+    writes = _writes_receipts(trainer, dist_)
     if not (writes or cross):
         return None, None
     prev = truncate_receipts(run_dir, dist_.rank, start) if writes else None
     writer = ReceiptWriter(run_dir if writes else None, dist_.rank,
-                           prev or genesis(parts.cfg.to_dict(), parts.corpus.fingerprint),
-                           state_of="rank" if parts.sharded else "run", start=start)
-    writer.watch(parts.optimizer)
+                           prev or genesis(trainer.cfg.to_dict(), trainer.corpus.fingerprint),
+                           state_of="rank" if trainer.sharded else "run", start=start)
+    writer.watch(trainer.optimizer)
     if not cross:
         return writer, None
-    parts.reduced = []
+    trainer.reduced = []
     check = CrossRankCheck(writer, dist_.device, run_dir, t.sdc_action)
-    check.watch(parts.optimizer)  # after the writer's wait
+    check.watch(trainer.optimizer)  # after the writer's wait
     return writer, check
 
 
 def run_state_digest(model: Any, optimizer: Any, cursor: DataCursor, step: int) -> str:
     """The digest in ``final.json``: parameters, optimizer state, data cursor and step (of a sharded run:
-    its unsharded state, ``Parts.savable``)."""
+    its unsharded state, ``Trainer.savable``)."""
     return state_digest({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
                          "data_cursor": cursor.state_dict(), "step": step})

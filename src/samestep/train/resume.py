@@ -37,27 +37,27 @@ def check_resume_config(saved: dict[str, Any] | None, current: Config) -> None:
                          "the original config, or start a new --run-dir")
 
 
-def restore_run(parts: Any, run_dir: Path, resume: bool, world: int,
+def restore_run(trainer: Any, run_dir: Path, resume: bool, world: int,
                 say: Callable[[str], None]) -> tuple[int, LoadedCheckpoint | None]:
-    """Restores the newest intact checkpoint into ``parts`` (the loop's ``Parts``; with ``resume``): model,
+    """Restores the newest intact checkpoint into ``trainer`` (the loop's ``Trainer``; with ``resume``): model,
     optimizer, schedule, data cursor and RNG; returns the step to start from and the checkpoint loaded (None
     if none). A run killed before its first checkpoint goes on from step 0 under its own config; a run
     directory that holds a run is refused without ``resume``."""
     ckpt_root = checkpoints_dir(run_dir)
     if resume and any(ckpt_root.glob("step_*")):
-        model, optimizer = parts.loadable()
+        model, optimizer = trainer.loadable()
         loaded = load_checkpoint(
-            ckpt_root, model=model, optimizer=optimizer, scheduler=parts.schedule, data_cursor=parts.cursor,
+            ckpt_root, model=model, optimizer=optimizer, scheduler=trainer.schedule, data_cursor=trainer.cursor,
             fallback=True,
             # Training randomness is counter-keyed, so another world size needs no per-rank RNG state.
             restore_rng="same_world_size",
-            check_config=lambda saved: check_resume_config(saved, parts.cfg))
+            check_config=lambda saved: check_resume_config(saved, trainer.cfg))
         for path, why in loaded.skipped:
             say(f"skipped corrupt checkpoint {path.name}: {why}")
         say(f"resumed from {loaded.path.name} (step {loaded.step}, {loaded.world_size} -> {world} processes)")
         return loaded.step, loaded
     if resume and holds_run(run_dir):  # killed before its first checkpoint: again from step 0
-        check_resume_config(read_run(run_dir).get("config"), parts.cfg)
+        check_resume_config(read_run(run_dir).get("config"), trainer.cfg)
         say("resumed from step 0 (the run holds no checkpoint)")
         return 0, None
     if not resume and (holds_run(run_dir) or metrics_path(run_dir).exists()):
