@@ -32,6 +32,7 @@ import torch
 from samestep import mode, preempt
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from samestep.distributed.agree import any_rank
+from samestep.protocol import agreed_stop, save_after_records
 from samestep.receipts import ReceiptWriter, check_restored, genesis, truncate_receipts
 from samestep._state import state_digest
 from samestep.rundir import checked_run_dir, checkpoints_dir, declared_changes, hold, holds_run, record_declared
@@ -203,17 +204,12 @@ class Run:
                 self._step = None
                 if self._receipts is not None:
                     self._receipt(step)
-                # every rank stops after the same step (a signal may reach one rank first), so every rank
-                # reaches the checkpoint's barriers
-                stop = self._stop.requested
-                if self._stop.signals and any_rank(stop is not None) and stop is None:
-                    stop = "a signal to another rank"
+                stop = agreed_stop(self._stop, any_rank)  # so every rank reaches the checkpoint's barriers
                 if stop is not None or step == total or step % self.checkpoint_every == 0:
-                    self._rec.sync()  # the trace of every step the checkpoint holds is on disk first
-                    if self._receipts is not None:
-                        self._receipts.sync()
-                    save_checkpoint(self.checkpoints, step, model=self.model, optimizer=self.optimizer,
-                                    scheduler=self.scheduler, data_cursor=self.data_cursor, keep=self.keep)
+                    save_after_records(lambda: save_checkpoint(
+                        self.checkpoints, step, model=self.model, optimizer=self.optimizer,
+                        scheduler=self.scheduler, data_cursor=self.data_cursor, keep=self.keep),
+                        self._rec, self._receipts)
                 if stop is not None:
                     self.stopped = stop
                     return

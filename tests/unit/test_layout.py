@@ -16,7 +16,7 @@ LAYERS = (
     ("samestep.rng", "samestep.env", "samestep.mode", "samestep.data", "samestep.rundir", "samestep.testing",
      "samestep.preempt", "samestep.receipts"),
     ("samestep.checkpoint", "samestep.tracing"),
-    ("samestep.analysis", "samestep.train", "samestep.run", "samestep.integrations"),
+    ("samestep.analysis", "samestep.train", "samestep.run", "samestep.integrations", "samestep.protocol"),
     ("samestep.cli", "samestep.__main__"),
     ("samestep",),
 )

@@ -37,6 +37,7 @@ from samestep.distributed.fsdp import (
 from samestep.distributed.norm import canonical_grad_norm
 from samestep.mode import DeterminismReport, disable, enable
 from samestep.preempt import StopRequest, parse_signals
+from samestep.protocol import agreed_stop, save_after_records
 from samestep.receipts import ReceiptWriter, genesis, truncate_receipts
 from samestep.rundir import (
     checked_run_dir,
@@ -381,16 +382,11 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
     t0, start_timed = time.perf_counter(), start
     receipts, cross = _receipts(trainer, run_dir, start, dist_)
     def save(done: int) -> None:
-        # the records of every step the checkpoint holds are durable before it commits
-        trainer.recorder.sync()
-        if receipts is not None:
-            receipts.sync()
-        if metrics is not None:
-            os.fsync(metrics.fileno())
         # a sharded run: each rank writes its own shards, nothing gathered
-        save_checkpoint(checkpoints_dir(run_dir), done, model=trainer.model, optimizer=trainer.optimizer,
-                        scheduler=trainer.schedule, data_cursor=trainer.cursor, config=trainer.cfg.to_dict(),
-                        keep=t.keep_checkpoints, sharded=trainer.sharded)
+        save_after_records(lambda: save_checkpoint(
+            checkpoints_dir(run_dir), done, model=trainer.model, optimizer=trainer.optimizer,
+            scheduler=trainer.schedule, data_cursor=trainer.cursor, config=trainer.cfg.to_dict(),
+            keep=t.keep_checkpoints, sharded=trainer.sharded), trainer.recorder, receipts, metrics)
 
     saved = start
     try:
@@ -412,8 +408,7 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
                 t0, start_timed = time.perf_counter(), done
             elapsed = time.perf_counter() - t0
             progress.update(done, loss_value, (done - start_timed) * tokens_per_step / max(elapsed, 1e-9))
-            # every rank stops after the same step (a signal may reach one rank first)
-            stopping = done < end and bool(stop.signals) and dist_.any(stop.requested is not None)
+            stopping = done < end and agreed_stop(stop, dist_.any) is not None
             if done == end or stopping or (t.checkpoint_every and done % t.checkpoint_every == 0):
                 save(done)
                 saved = done
