@@ -1,7 +1,8 @@
 """Environment fingerprint: everything the determinism contract depends on, as a flat dict.
 
 Bitwise determinism holds within one environment (docs/design.md, "The contract"). Every run and every
-checkpoint records ``environment()``; ``compare_environments(a, b)`` names the fields that differ, and
+checkpoint records ``environment()``; ``compare_environments(a, b)`` names the fields that differ,
+``numerics_differences(a, b)`` those of them that can change a bit (what diff and replay compare), and
 ``rank_differences`` compares every process of a job with rank 0 (a job on several machines is as many
 environments as machines: a node with another torch build, driver or CPU feature set computes other bits).
 """
@@ -21,6 +22,7 @@ from samestep import numerics
 from samestep.distributed.gather import gather_if_different
 
 __all__ = ["ENV_VARS", "RANK_LOCAL", "compare_environments", "describe_rank_differences", "environment",
+           "numerics_differences",
            "rank_differences"]
 
 # Environment variables that change numerics or the collective algorithm.
@@ -170,6 +172,18 @@ def compare_environments(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tupl
 # Fields that differ between the processes of one healthy job and change no bit: which GPU a process is
 # bound to, and how many cores its machine has (deterministic mode pins the thread count).
 RANK_LOCAL = frozenset({"env.CUDA_VISIBLE_DEVICES", "cpu.count"})
+# Thread-count variables that change no bit where both sides ran with the same intra-op thread count:
+# torch.set_num_threads (which samestep.enable calls) sizes the OpenMP and MKL pools whatever they said.
+THREAD_VARS = frozenset({"env.OMP_NUM_THREADS", "env.MKL_NUM_THREADS"})
+
+
+def numerics_differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """The fields of two fingerprints that can change a bit: ``compare_environments`` less the ``RANK_LOCAL``
+    fields, and less ``THREAD_VARS`` where both record the same intra-op thread count (a 1-process run
+    against a torchrun one, whose launcher sets OMP_NUM_THREADS, under one pinned count)."""
+    same_threads = a.get("threads.intra_op") is not None and a.get("threads.intra_op") == b.get("threads.intra_op")
+    return {k: v for k, v in compare_environments(a, b).items()
+            if k not in RANK_LOCAL and not (same_threads and k in THREAD_VARS)}
 
 
 def rank_differences(env: dict[str, Any], device: torch.device | None = None) -> dict[int, dict[str, Any]]:

@@ -37,3 +37,18 @@ def test_compare_names_every_differing_field():
     assert set(diff) == {"threads.intra_op", "env.NCCL_ALGO", "gpu.extra"}
     assert diff["env.NCCL_ALGO"] == (before["env.NCCL_ALGO"], algo)
     assert diff["gpu.extra"] == (None, "H200")
+
+
+def test_thread_variables_change_no_bit_under_one_pinned_thread_count():
+    """A 1-process run and a torchrun one (whose launcher sets OMP_NUM_THREADS) under one pinned intra-op
+    thread count differ in nothing that changes a bit, nor in the fields that differ between the processes
+    of one job; control: under other thread counts the variables are named with the count."""
+    from samestep.env import numerics_differences
+
+    a = samestep.environment()
+    b = {**a, "env.OMP_NUM_THREADS": "1", "env.MKL_NUM_THREADS": "1", "cpu.count": 96}
+    a = {**a, "env.OMP_NUM_THREADS": None, "env.MKL_NUM_THREADS": None}
+    assert numerics_differences(a, b) == {}
+    assert set(samestep.compare_environments(a, b)) == {"env.OMP_NUM_THREADS", "env.MKL_NUM_THREADS", "cpu.count"}
+    b["threads.intra_op"] = a["threads.intra_op"] + 1
+    assert set(numerics_differences(a, b)) == {"env.OMP_NUM_THREADS", "env.MKL_NUM_THREADS", "threads.intra_op"}

@@ -876,3 +876,19 @@ def test_certify_complete_and_gaps(tmp_path):
     problems = certify_trace(bad)["problems"]
     assert any("sequence jumps from 2 to 9" in p for p in problems)
     assert any("no records for step(s) 2" in p for p in problems)
+
+
+def test_a_perturbation_lands_in_an_output_of_any_layout():
+    """The planted ULP goes to element 0 of an output that is no contiguous block (a transposed one, as
+    SDPA's backward gives, and an expanded-then-sliced one), and of a 0-dim one; exactly one element moves,
+    by one ULP. Control: another occurrence changes nothing."""
+    perturb = Perturb(rank=0, step=1, microbatch=0, phase="backward", scope="attn", op="aten.op", occurrence=0)
+    identity = (0, 1, 0, "backward", "attn", "aten.op", 0)
+    for out in (torch.arange(12, dtype=torch.float32).view(3, 4).t(), torch.ones(4, 6)[:, ::2],
+                torch.tensor(2.5)):
+        before = out.clone()
+        perturb.apply((*identity[:-1], 1), [out])
+        assert torch.equal(out.view(torch.int32), before.view(torch.int32))
+        perturb.apply(identity, [out])
+        moved = (out.view(torch.int32) - before.view(torch.int32)).flatten()
+        assert moved[0].item() == 1 and moved.count_nonzero().item() == 1

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from samestep._state import dotted
-from samestep.env import compare_environments
+from samestep.env import compare_environments, numerics_differences
 from samestep.rundir import NUMERICS_NEUTRAL, RunDirError, determinism_diff, final_digest, read_metrics, read_run
 from samestep.tracing.selection import LEVELS, format_selection, parse_selection
 from samestep.analysis.records import chunks, records, steps_recorded
@@ -364,7 +364,7 @@ def _check_comparable(doc_a: dict[str, Any], doc_b: dict[str, Any], force: bool,
     cfg_diff = {k: v for k, v in compare_environments(dotted(doc_a.get("config", {})),
                                                       dotted(doc_b.get("config", {}))).items()
                 if k not in IGNORED_CONFIG}
-    env_diff = compare_environments(doc_a.get("environment", {}), doc_b.get("environment", {}))
+    env_diff = numerics_differences(doc_a.get("environment", {}), doc_b.get("environment", {}))
     # deterministic mode first: the environment fingerprint records its knobs too, and its refusal says why
     for what, d in (("deterministic mode", _numerics(doc_a, doc_b)), ("config", cfg_diff), ("environment", env_diff)):
         if d:

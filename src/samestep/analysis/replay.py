@@ -18,7 +18,7 @@ from typing import Any
 
 from samestep._state import dotted
 from samestep.checkpoint import committed_steps, step_dir_name
-from samestep.env import RANK_LOCAL, compare_environments
+from samestep.env import numerics_differences
 from samestep.receipts import read_run_receipts, receipts_path
 from samestep.rundir import checkpoints_dir, layout_at, metrics_path, read_metrics, read_run, receipts_dir
 
@@ -47,10 +47,9 @@ def replay_start(run_dir: Path, before: int) -> int:
 
 
 def environment_differences(doc: dict[str, Any], replayed: Path) -> dict[str, tuple[Any, Any]]:
-    """How the replay's environment differs from the run's (fields that differ between processes of one
-    healthy job are left out)."""
-    diff = compare_environments(doc.get("environment", {}), read_run(replayed).get("environment", {}))
-    return {k: v for k, v in diff.items() if k not in RANK_LOCAL}
+    """How the replay's environment differs from the run's, in fields that can change a bit
+    (``env.numerics_differences``)."""
+    return numerics_differences(doc.get("environment", {}), read_run(replayed).get("environment", {}))
 
 
 def replay(run_dir: Path, scratch: Path, start: int, end: int, settings: tuple[str, ...] = (),

@@ -41,6 +41,7 @@ class Perturb:
         is this one's and that output is a non-empty floating-point tensor."""
         if (outs and identity == (self.rank, self.step, self.microbatch, self.phase, self.scope, self.op,
                                   self.occurrence) and outs[0].is_floating_point() and outs[0].numel()):
-            flat = outs[0].view(-1)
+            out = outs[0]
+            first = (0,) * out.dim()  # by index, not through a view: an output may have any strides
             with torch.no_grad():
-                flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype, device=flat.device))
+                out[first] = torch.nextafter(out[first], torch.tensor(float("inf"), dtype=out.dtype, device=out.device))
