@@ -73,6 +73,25 @@ def run_train(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 
     return json.loads(final.read_text()) if final.exists() else None
 
 
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file of a run directory and its bytes, but the lock's (each holder writes its pid there)."""
+    from samestep.rundir import LOCK
+
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != LOCK}
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory):
+    """One finished TINY run, made once in a fresh process and shared by every test that compares with it or
+    copies it (copy it before changing anything: at the session's end it must hold the bytes it was made
+    with)."""
+    d = tmp_path_factory.mktemp("tiny") / "run"
+    run_train(d, *TINY)
+    made = _files(d)
+    yield d
+    assert _files(d) == made, f"a test changed the shared run {d}; copy it first"
+
+
 def train_here(run_dir: Path, *settings: str, resume: bool = False, stop_after: int | None = None) -> dict | None:
     """Runs ``samestep train``'s loop in this process (no process start to pay); returns final.json's
     contents (None if it stopped early). For claims that need no fresh process, kill or several ranks."""

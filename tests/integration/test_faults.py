@@ -58,4 +58,4 @@ def test_cross_rank_check_names_a_rank_whose_memory_changed(tmp_path, kind, what
     check stops the run at that step (exit 4), naming the tensor."""
     code, err, final = _train(tmp_path / "run", *TINY, f"train.fault={kind}:rank=1,step=3,{PARAM},bit=20")
     assert code == 4 and final is None, err
-    assert f"cross-rank check at step 3: rank 1 and rank 0 disagree" in err and what in err, err
+    assert "cross-rank check at step 3: rank 1 and rank 0 disagree" in err and what in err, err

@@ -419,11 +419,9 @@ def _cli(*argv: str, timeout: float = 300) -> tuple[int, str, str]:
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory):
+def finished(tiny_run):
     """A finished reference run with checkpoints at steps 4, 6 and 8, copied by each test that damages it."""
-    run = tmp_path_factory.mktemp("finished") / "run"
-    train_here(run, *TINY)
-    return run
+    return tiny_run
 
 
 def _copy(run: Path, to: Path) -> Path:

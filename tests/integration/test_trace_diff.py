@@ -27,9 +27,8 @@ def _diff(a, b) -> tuple[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def untraced(tmp_path_factory):
-    d = tmp_path_factory.mktemp("untraced") / "run"
-    return d, run_train(d, *TINY)["state_digest"]
+def untraced(tiny_run):
+    return tiny_run, json.loads((tiny_run / "final.json").read_text())["state_digest"]
 
 
 @pytest.mark.parametrize("level", ["step", "module", "op"])

@@ -25,11 +25,9 @@ RACY = ("train.device=cpu", "train.steps=3", "train.global_batch=16", "train.mic
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> Path:
-    """One uninterrupted TINY run that the other tests compare against."""
-    d = tmp_path_factory.mktemp("ref") / "run"
-    run_train(d, *TINY)
-    return d
+def reference(tiny_run) -> Path:
+    """One uninterrupted TINY run in a fresh process that the other tests compare against."""
+    return tiny_run
 
 
 def test_two_fresh_runs_are_bit_identical(reference, tmp_path):

@@ -126,9 +126,9 @@ def _check_structure(mpath: Path, manifest: dict[str, Any]) -> None:
     files = manifest.get("files")
     if not isinstance(files, dict) or not files:
         raise CheckpointError(f"{mpath}: 'files' is {type(files).__name__}, expected a table of the checkpoint's files")
-    for field in ("step", "world_size"):
-        if not isinstance(manifest.get(field), int) or isinstance(manifest.get(field), bool) or manifest[field] < 0:
-            raise CheckpointError(f"{mpath}: {field!r} is {manifest.get(field)!r}, expected a non-negative integer")
+    for key in ("step", "world_size"):
+        if not isinstance(manifest.get(key), int) or isinstance(manifest.get(key), bool) or manifest[key] < 0:
+            raise CheckpointError(f"{mpath}: {key!r} is {manifest.get(key)!r}, expected a non-negative integer")
     for name in ("model.safetensors", "optimizer.safetensors", "state.json"):
         if name not in files:
             raise CheckpointError(f"{mpath}: lists no {name!r}, which every checkpoint holds")
@@ -149,9 +149,9 @@ def _check_state(path: Path, data: bytes, step: int) -> None:
         raise CheckpointError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path}: is {type(state).__name__}, expected a table")
-    for field, kind in (("environment", dict), ("model_aliases", dict), ("step", int)):
-        if not isinstance(state.get(field), kind):
-            raise CheckpointError(f"{path}: {field!r} is {state.get(field)!r}, expected a {kind.__name__}")
+    for key, kind in (("environment", dict), ("model_aliases", dict), ("step", int)):
+        if not isinstance(state.get(key), kind):
+            raise CheckpointError(f"{path}: {key!r} is {state.get(key)!r}, expected a {kind.__name__}")
     if state["step"] != step:
         raise CheckpointError(f"{path}: says step {state['step']}, the manifest {step}: one of them was edited")
 
