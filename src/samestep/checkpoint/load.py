@@ -46,6 +46,7 @@ class LoadedCheckpoint:
     env_diff: dict[str, tuple[Any, Any]]
     extra: Any = None
     skipped: list[tuple[Path, str]] = field(default_factory=list)
+    shards: int | None = None  # the ranks whose shards it holds (a sharded run's world size); None: whole tensors
 
 
 @dataclass(slots=True)
@@ -240,7 +241,8 @@ def load_checkpoint(
     extra = unflatten(state["extra"], opt_tensors) if "extra" in state else None
     return LoadedCheckpoint(path=verified.path, step=manifest["step"], world_size=manifest["world_size"],
                             config=state.get("config"), environment=state["environment"], env_diff=diff,
-                            extra=extra, skipped=skipped)
+                            extra=extra, skipped=skipped,
+                            shards=state["shards"]["world_size"] if state.get("shards") else None)
 
 
 def checkpoint_state(path: str | os.PathLike[str], rank: int | None = None) -> dict[str, Any]:

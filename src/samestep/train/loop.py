@@ -66,8 +66,7 @@ from samestep.train.resume import check_run_files, restore_run
 from samestep.train.progress import Progress
 from samestep.train.schedule import WarmupCosine
 
-__all__ = ["Trainer", "Preempted", "build", "train"]
-
+__all__ = ["Preempted", "Trainer", "build", "train"]
 
 
 class Preempted(Exception):
@@ -254,15 +253,15 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     if recorder.enabled:
         grads.observer = recorder.collective
     trainer = Trainer(cfg=cfg, corpus=corpus, model=model, optimizer=_make_optimizer(model, cfg),
-                  schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
-                  cursor=DataCursor(corpus, cfg.model.block_size, t.seed), grads=grads, device=device,
-                  recorder=recorder, named_params=list(model.named_parameters()),
-                  named_buffers=Recorder.persistent_buffers(model), fault=fault)
+                      schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
+                      cursor=DataCursor(corpus, cfg.model.block_size, t.seed), grads=grads, device=device,
+                      recorder=recorder, named_params=list(model.named_parameters()),
+                      named_buffers=Recorder.persistent_buffers(model), fault=fault)
     if t.sdc_check_every:  # the first of each pair of the canonical tree; of plain accumulation, the first
         firsts = list(range(rank * k, (rank + 1) * k, 2 if cfg.determinism.enabled else k))
         trainer.recompute = RecomputeCheck(t.sdc_check_every, trainer.forward, trainer.named_params, firsts, rank,
-                                         run_dir or Path("."), t.sdc_action,
-                                         lambda flag: flag if world == 1 else any_rank(flag, device))
+                                           run_dir or Path("."), t.sdc_action,
+                                           lambda flag: flag if world == 1 else any_rank(flag, device))
     return trainer
 
 
@@ -323,7 +322,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
     trainer = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
     start, loaded = restore_run(trainer, run_dir, resume, world, say)
     check_run_files(run_dir, start, rank, trainer.receipt_state(start) if _writes_receipts(trainer, dist_) else None,
-                    checkpoint=loaded.path if loaded else None,
+                    checkpoint=loaded,
                     sharded_over=world if trainer.sharded else None)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:

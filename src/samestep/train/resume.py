@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from samestep._state import dotted
-from samestep.checkpoint import LoadedCheckpoint, load_checkpoint, shard_count
+from samestep.checkpoint import LoadedCheckpoint, load_checkpoint
 from samestep.analysis.receipt_check import checkpoint_mismatches
 from samestep.receipts import ReceiptError, check_restored, read_run_receipts, truncate_receipts
 from samestep.rundir import (
@@ -68,7 +68,7 @@ def restore_run(trainer: Any, run_dir: Path, resume: bool, world: int,
 
 
 def check_run_files(run_dir: Path, start: int, rank: int, state: Callable[[], Any] | None,
-                    checkpoint: Path | None = None, sharded_over: int | None = None) -> None:
+                    checkpoint: LoadedCheckpoint | None = None, sharded_over: int | None = None) -> None:
     """What a resume from ``start`` will change, checked before anything is: rank 0's metrics.jsonl, and where
     this rank keeps receipts (``state`` makes the state tree its receipts digest) their chain up to ``start``.
     Then the restored state against the run's receipts of ``start``: where this job has the layout that
@@ -85,13 +85,13 @@ def check_run_files(run_dir: Path, start: int, rank: int, state: Callable[[], An
         truncate_receipts(run_dir, rank, start, check_only=True)
     if not start or checkpoint is None:
         return
-    if shard_count(checkpoint) == sharded_over:
+    if checkpoint.shards == sharded_over:
         if state is not None:
             check_restored(run_dir, rank, start, state())
     elif rank == 0:
         chains = read_run_receipts(run_dir)
         if not any(r["step"] == start for _, receipts in chains.values() for r in receipts):
             return  # nothing to compare (a run without receipts), as check_restored
-        problems = checkpoint_mismatches(run_dir, checkpoint, chains, None)
+        problems = checkpoint_mismatches(run_dir, checkpoint.path, chains, None)
         if problems:
             raise ReceiptError(f"{problems[0]}; restore it, or resume from an older checkpoint")
