@@ -8,7 +8,8 @@ Sizes of a real model: embedding backward of 64k tokens x 768 dims into 50k rows
 it (PyTorch's op under the routing mode, ``routed_*``): index_put on a slice (``x[:, idx]`` backward),
 put_ (``take``'s backward), index_add_, scatter_add_, scatter_reduce sum and mean, weighted bincount (of
 a top-2 MoE's routed rows); the last two also past one tile of sources. Each variant is timed in
-alternation with the others; medians are reported, and ratios samestep / default and samestep /
+alternation with the others, samestep's with deterministic algorithms on, as ``enable(kernels=True)``
+runs it; medians are reported, and ratios samestep / default and samestep /
 deterministic (where PyTorch has no deterministic kernel, that ratio is null). ``distinct_results`` counts the different
 output digests over all rounds of each variant: more than 1 means that path is not run-to-run
 deterministic at this size (PyTorch's default index_put_ accumulate is the real case, on CPU with 2
@@ -112,6 +113,9 @@ def main() -> int:
         "routed_scatter_reduce_sum": routed(lambda x: x.scatter_reduce_(0, idx2, grad, "sum"), V, D),
         "routed_scatter_reduce_mean": routed(lambda x: x.scatter_reduce_(0, idx2, grad, "mean"), V, D),
         "routed_bincount": routed(lambda _: torch.bincount(experts[: 2 * N], expert_w[: 2 * N]), 0),
+        # The control for the sub-millisecond rows: what the routing's Python dispatch costs an op it
+        # passes through untouched (an add into one element)
+        "routed_control_add": routed(lambda x: x.add_(1.0), 1),
         # Past one tile (65,536 sources) the later tiles are summed on their own first (docs/kernels.md):
         # work that PyTorch's serial CPU loops do not do. 4M sources into 3.2M slots; 1M into 64 bins.
         "routed_put_64_tiles": routed(lambda x: x.put_(flat, flat_src, accumulate=True), V, 64),
@@ -126,8 +130,9 @@ def main() -> int:
             runs["torch_default"].append(_time(variants["torch"], dev, setup))
             torch.use_deterministic_algorithms(True)
             runs["torch_deterministic"].append(_time(variants["torch"], dev, setup))
-            torch.use_deterministic_algorithms(False)
+            torch.use_deterministic_algorithms(True)  # as samestep.enable(kernels=True) runs the kernels
             runs["samestep"].append(_time(variants["samestep"], dev, setup))
+            torch.use_deterministic_algorithms(False)
         med = {k: statistics.median(t for t, _ in v[1:]) for k, v in runs.items()}  # the first round warms up
         det = med["torch_deterministic"]
         result[name] = {**{f"{k}_ms": None if v != v else round(1000 * v, 2) for k, v in med.items()},

@@ -170,3 +170,38 @@ def test_more_sources_than_a_tile_follow_the_tile_tree(monkeypatch, buffer):
     got = ops.index_add(base, 0, idx, src)
     assert first_difference(got, _tile_tree_reference(base, idx, src, _impl.TILE)) is None
     assert first_difference(got, base.clone().index_add_(0, idx, src)) is not None
+
+
+def test_routed_bincount_and_put_run_pytorchs_own_loop_where_it_is_the_definition():
+    """Routed weighted bincount past one tile (PyTorch's serial call per tile, from +0.0, the tile sums added
+    in order) gives the tile tree's bits, a bin of -0.0 weights included; PyTorch's bincount over all sources,
+    one left fold, gives other bits (the control). Routed put_ of one tile with deterministic algorithms on
+    (PyTorch's serial loop, negative positions included) gives the left fold's bits."""
+    from samestep.ops import _impl, _indexing
+    from samestep.ops.routing import KernelMode
+
+    g = torch.Generator().manual_seed(5)
+    n = _impl.TILE * 2 + 500
+    idx = torch.randint(0, 7, (n,), generator=g)
+    w = torch.randn(n, generator=g) * torch.exp(torch.randn(n, generator=g) * 4)
+    w[idx == 5] = -0.0
+    want = _tile_tree_reference(torch.zeros(8, 1), idx, w.view(-1, 1), _impl.TILE).view(-1)
+    with KernelMode():
+        got = torch.bincount(idx, w, minlength=8)
+    assert first_difference(got, want) is None
+    assert first_difference(torch.bincount(idx, w, minlength=8), want) is not None
+
+    x = torch.randn(7, 3, generator=g)
+    flat = torch.randint(-21, 21, (_impl.TILE,), generator=g)
+    s = torch.randn(_impl.TILE, generator=g) * torch.exp(torch.randn(_impl.TILE, generator=g) * 4)
+    want = _tile_tree_reference(x.reshape(-1, 1), flat % 21, s.view(-1, 1), _impl.TILE).view(7, 3)
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert _indexing.put_by_torch(x, flat)
+        with KernelMode():
+            got = x.clone().put_(flat, s, accumulate=True)
+    finally:
+        torch.use_deterministic_algorithms(before)
+    assert first_difference(got, want) is None
+

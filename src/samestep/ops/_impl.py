@@ -147,12 +147,12 @@ def _index_add_domain(input: torch.Tensor, dim: int, index: torch.Tensor, source
     if len(in_shape) != len(src_shape) or src_shape[d] != index.numel() or any(
             a != b for k, (a, b) in enumerate(zip(in_shape, src_shape)) if k != d):
         return "source's shape does not match input's outside dim, or index's length along dim"
-    if not _cpu(input) and not check_bounds(index, in_shape[d], negative=False):
+    if not on_cpu(input) and not check_bounds(index, in_shape[d], negative=False):
         return "an index is out of bounds"
     return None
 
 
-def _cpu(t: torch.Tensor) -> bool:
+def on_cpu(t: torch.Tensor) -> bool:
     """Whether ``fold`` runs PyTorch's CPU kernel on ``t``, which checks index bounds as it goes."""
     return not _use_triton(t) and t.device.type == "cpu"
 
@@ -191,7 +191,7 @@ def _scatter_domain(input: torch.Tensor, dim: int, index: torch.Tensor, src: tor
     if any(i > s for i, s in zip(i_shape, s_shape)) or any(
             i > n for k, (i, n) in enumerate(zip(i_shape, in_shape)) if k != d):
         return "index is larger than src, or than input outside dim"
-    if not _cpu(input) and not check_bounds(index, in_shape[d], negative=False):
+    if not on_cpu(input) and not check_bounds(index, in_shape[d], negative=False):
         return "an index is out of bounds"
     return None
 
@@ -319,11 +319,25 @@ def bincount(input: torch.Tensor, weights: torch.Tensor, minlength: int, sum_row
     if input.dim() != 1 or input.dtype.is_floating_point or input.dtype == torch.bool or minlength < 0 \
             or weights.shape != input.shape or not input.numel():
         return torch.bincount(input, weights, minlength)  # PyTorch's error, or its empty result: nothing to order
+    if sum_rows is None and on_cpu(input):
+        # PyTorch's CPU bincount is the serial left fold (and raises PyTorch's errors), so each tile is its
+        # call from +0.0; adding a tile's sum from +0.0 rather than from its first contribution changes no
+        # bit, since a bin that starts at +0.0 never holds -0.0
+        tiles = [torch.bincount(input[a:a + TILE], weights[a:a + TILE], minlength)
+                 for a in range(0, input.numel(), TILE)]
+        total = tiles[0]
+        bins = max(t.numel() for t in tiles)
+        if total.numel() < bins:
+            total = torch.cat([total, total.new_zeros(bins - total.numel())])
+        for t in tiles[1:]:
+            total[:t.numel()].add_(t)
+        return total
     low, high = torch.aminmax(input)
     if low < 0:
         return torch.bincount(input, weights, minlength)  # PyTorch's error
+    bins = max(int(high) + 1, minlength)
     w = weights if weights.dtype == torch.float32 else weights.to(torch.float64)
-    bins, ids = max(int(high) + 1, minlength), input.to(torch.int64)
+    ids = input.to(torch.int64)
     return sum_rows(w, ids, bins) if sum_rows is not None else fold(w.new_zeros(bins), 0, ids, w)
 
 

@@ -15,7 +15,7 @@ import math
 import torch
 
 from samestep.ops._domain import check_bounds, from_end, raise_as_torch
-from samestep.ops._impl import add_rows_into
+from samestep.ops._impl import HALF, TILE, add_rows_into, fold, on_cpu
 
 _MASKS = (torch.bool, torch.uint8)
 _INDICES = (torch.int64, torch.int32, *_MASKS)
@@ -97,6 +97,12 @@ def index_put(input: torch.Tensor, indices, values: torch.Tensor, accumulate: bo
     if not result_shape.numel() or not input.numel():
         return input.clone() if out is None else out
 
+    if len(tensors) == 1 and tensors[0].dim() == 1:
+        # one index vector: the indexing result is index_add's source along that dim, in place, any layout
+        d = dims[0]
+        target = out if out is not None else input.clone()
+        fold(target, d, from_end(tensors[0].to(torch.int64), input.shape[d]), values.expand(result_shape))
+        return target
     row = from_end(tensors[0].to(torch.int64), input.shape[dims[0]]).expand(b_shape)  # the row each selects
     for t, d in zip(tensors[1:], dims[1:]):
         row = row * input.shape[d] + from_end(t.to(torch.int64), input.shape[d])
@@ -116,12 +122,22 @@ def index_put(input: torch.Tensor, indices, values: torch.Tensor, accumulate: bo
     return _like(input, buffer) if out is None else out.copy_(buffer)
 
 
+def put_by_torch(input: torch.Tensor, index: torch.Tensor) -> bool:
+    """Whether PyTorch's own ``put_(accumulate=True)`` computes the definition here: one tile of sources
+    (the plain left fold), in input's own precision (not half), on the CPU with deterministic algorithms
+    on (otherwise PyTorch splits a float32 put over threads with atomic adds)."""
+    return on_cpu(input) and input.dtype not in HALF and index.numel() <= TILE \
+        and torch.are_deterministic_algorithms_enabled()
+
+
 def put(input: torch.Tensor, index: torch.Tensor, source: torch.Tensor, accumulate: bool = False,
         out: torch.Tensor | None = None) -> torch.Tensor:
     """``input.put(index, source, accumulate)`` (positions in input's row-major order); with
     ``accumulate=True``, deterministically, into a copy with input's strides or into ``out`` (for ``put_``)."""
     if not accumulate:
         return input.put(index, source, accumulate=False)
+    if put_by_torch(input, index):  # PyTorch's serial loop, its checks and errors included
+        return (input.clone() if out is None else out).put_(index, source, accumulate=True)
     if index.dtype != torch.int64 or source.dtype != input.dtype or source.numel() != index.numel() \
             or not check_bounds(index, input.numel(), negative=True):
         raise_as_torch(lambda: input.put(index, source, accumulate=True), "put",

@@ -121,8 +121,8 @@ class KernelMode(TorchDispatchMode):
             indices = [i if i is None else i.clamp(-x.size(d), x.size(d) - 1) for d, i in enumerate(indices)]
             return _indexing.index_put(x, indices, values.masked_fill(~mask, 0), True)
         if packet in (aten.put, aten.put_):
-            if not _arg(args, kwargs, 3, "accumulate", False):
-                return NotImplemented
+            if not _arg(args, kwargs, 3, "accumulate", False) or _indexing.put_by_torch(args[0], args[1]):
+                return NotImplemented  # PyTorch's own kernel computes the definition
             return run(lambda a, out: _indexing.put(a[0], a[1], a[2], True, out=out))
         overload = func._overloadname
         if packet in (aten.index_add, aten.index_add_) and overload == "default":
