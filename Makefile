@@ -22,8 +22,12 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/samestep demo
 
+# Tests run in TEST_WORKERS processes (pytest-xdist); each starts its own trainers and ranks, so two
+# fill a 2-core machine. TEST_WORKERS=0 runs them in this one process.
+TEST_WORKERS ?= 2
+
 test: install
-	$(BIN)/python -m pytest -q --durations=30 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=30 tests
 
 # The edit-test loop: the unit tests but the slow ones, and the demo end to end.
 test-fast: install

@@ -46,7 +46,10 @@ class Corpus:
 def stdlib_files() -> list[Path]:
     """The standard-library source files of this interpreter, sorted by relative path."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py") if not (_SKIP_DIRS & set(p.relative_to(root).parts[:-1]))]
+    files = []
+    for top, dirs, names in os.walk(root):  # a skipped directory is never entered (site-packages is large)
+        dirs[:] = [d for d in dirs if d not in _SKIP_DIRS]
+        files += [Path(top, n) for n in names if n.endswith(".py")]
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
