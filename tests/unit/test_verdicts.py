@@ -289,3 +289,49 @@ def test_a_run_that_stopped_earlier_is_identical_only_over_the_steps_both_hold(t
     assert main(["diff", str(tmp_path / "short"), str(tmp_path / "long")]) == 0
     assert main(["diff", str(tmp_path / "short"), str(tmp_path / "long"), "--strict"]) == 1
     assert main(["diff", str(tmp_path / "long"), str(tmp_path / "long2"), "--strict"]) == 0
+
+
+class _FlipsAttention(torch.nn.Module):
+    """A forward that turns cuDNN attention on around its own work and back off, as torchtitan's SDPA
+    module does: between steps every knob reads as enable() set it."""
+
+    def __init__(self, flip: bool) -> None:
+        super().__init__()
+        self.flip, self.inner = flip, torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        before = torch.backends.cuda.cudnn_sdp_enabled()
+        torch.backends.cuda.enable_cudnn_sdp(self.flip or before)
+        try:
+            return self.inner(x)
+        finally:
+            torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def _flip_loop(run: Path, level: str, flip: bool) -> dict:
+    model = _FlipsAttention(flip)
+    rec = samestep.trace(run, level=level, worker="thread")
+    rec.attach(model)
+    try:
+        for step in (1, 2):
+            with rec.step(step):
+                with rec.microbatch(0):
+                    model(torch.ones(2, 4)).sum().backward()
+    finally:
+        rec.close()
+    return json.loads((run / "run.json").read_text())
+
+
+def test_a_knob_flipped_inside_a_forward_is_seen_at_op_level(tmp_path):
+    """cuDNN attention turned on and back off inside a module's forward: at op level the first op that runs
+    while it is on is named in run.json and the warning; at step level, which looks between steps, it is
+    not seen (docs/design.md says so). Negative control: the same module without the flip records nothing
+    at op level."""
+    with samestep.enable(threads=1):
+        with pytest.warns(RuntimeWarning, match=r"at step 1 deterministic mode no longer holds .*cudnn_sdp: "
+                                                 r"False -> True, while aten\.\S+ in inner \(forward\) ran"):
+            doc = _flip_loop(tmp_path / "op", "op", flip=True)
+        assert doc["determinism_changed"]["knobs"] == {"torch.backends.cuda.cudnn_sdp": [False, True]}
+        assert doc["determinism_changed"]["step"] == 1
+        assert "determinism_changed" not in _flip_loop(tmp_path / "step", "step", flip=True)
+        assert "determinism_changed" not in _flip_loop(tmp_path / "plain", "op", flip=False)

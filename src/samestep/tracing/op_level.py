@@ -173,9 +173,12 @@ class Scopes:
 class OpMode(TorchDispatchMode):
     """Records every ATen op's inputs (before it runs) and outputs (after)."""
 
-    def __init__(self, staging: Staging, scopes: Scopes, perturb: Perturb | None, rank: int) -> None:
+    def __init__(self, staging: Staging, scopes: Scopes, perturb: Perturb | None, rank: int,
+                 knobs: Callable[[str], None] | None = None) -> None:
         super().__init__()
         self.staging, self.scopes, self.perturb, self.rank = staging, scopes, perturb, rank
+        # called with where each op ran: a knob flipped and restored inside a forward is seen only here
+        self.knobs = knobs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -209,6 +212,8 @@ class OpMode(TorchDispatchMode):
         phase = "backward" if torch._C._current_autograd_node() is not None else "forward"
         scope = self.scopes.backward if phase == "backward" else SCOPE.get()
         occurrence = st.occurrence(phase, scope, name)
+        if self.knobs is not None:
+            self.knobs(f"{name} in {scope or 'the top level'} ({phase})")
         outs = _tensors(out if isinstance(out, (list, tuple)) else (out,))
         if kind.mutates and not outs:  # returns nothing (the _foreach_*_ ops): what it wrote is its output
             outs = [t for a, w in zip(args, kind.written) if w for t in _tensors((a,))]

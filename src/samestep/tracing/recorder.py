@@ -281,14 +281,26 @@ class Recorder:
                     self.record(END, [])
                 self.flush()
 
-    def _check_numerics(self, step: int) -> None:
+    def _check_numerics(self, step: int, inside: str | None = None) -> None:
         changed = drifted(self._report)
         if changed:
             self.numerics_changed = {"step": step, "knobs": {name: list(v) for name, v in changed.items()}}
+            if inside is not None:
+                self.numerics_changed["inside"] = inside
             warnings.warn(f"samestep.trace: at step {step} deterministic mode no longer holds what enable() set ("
                           + ", ".join(f"{name}: {a!r} -> {b!r}" for name, (a, b) in changed.items())
+                          + (f", while {inside} ran" if inside else "")
                           + "); the run's numerics changed, and run.json records it", RuntimeWarning,
                           stacklevel=_callers_level())
+
+    def _check_knobs_at_op(self, where: str) -> None:
+        """At op level, each op: a knob that a forward flips and puts back (an attention module's backend
+        switch) is seen while it is flipped, which the check between steps cannot do."""
+        probe = knob_probe()
+        if self.numerics_changed is None and probe != self._probe:
+            self._check_numerics(self._staging.step, inside=where)
+            if self.numerics_changed is None:  # moved, but not away from what enable() set
+                self._probe = probe
 
     @contextlib.contextmanager
     def microbatch(self, index: int) -> Iterator[None]:
@@ -297,7 +309,8 @@ class Recorder:
         st = self._staging
         st.mb = index
         token = self._scopes.enter_microbatch()
-        mode = OpMode(st, self._scopes, self.perturb, self.rank) if self._rank_level >= _OP and self.active \
+        knobs = self._check_knobs_at_op if self._report is not None and self.numerics_changed is None else None
+        mode = OpMode(st, self._scopes, self.perturb, self.rank, knobs) if self._rank_level >= _OP and self.active \
             else None
         try:
             if mode is not None:
