@@ -118,3 +118,34 @@ def test_resumed_traced_run_diffs_clean_against_an_uninterrupted_one(tmp_path):
     cert = subprocess.run([sys.executable, "-m", "samestep", "trace", "certify", str(tmp_path / "b"), "--json"],
                           capture_output=True, text=True)
     assert cert.returncode == 0 and json.loads(cert.stdout)["ranks"]["0"]["steps"] == "1-6"
+
+
+def test_one_process_against_fsdp2_compares_what_both_layouts_hold(tmp_path):
+    """A 1-process run against a 2-process FSDP2 run of one config, both traced at step level: a sharded rank
+    records its shards and the collectives, so diff pairs no trace record across the layouts, names both in a
+    note, and finds the loss and grad-norm bits and the final state identical, saying the receipts' state
+    digests are of other shards (not a divergence at a gradient shard). Negative control: the FSDP2 run with
+    one ULP planted on rank 1 at step 3 is "diverged" by the final state (that ULP leaves the loss and norm
+    bits as they were), by diff and by bisect."""
+    from samestep.analysis.bisect import bisect_runs
+    from samestep.analysis.diff import diff_runs
+
+    settings = (*[s for s in TINY if not s.startswith("train.steps")], "train.steps=4", "trace.level=step")
+    target = "rank=1,step=3,microbatch=2,phase=forward,scope=transformer.ln_f,op=aten.native_layer_norm.default"
+    side_by_side(lambda: run_train(tmp_path / "one", *settings),
+                 lambda: run_train(tmp_path / "fsdp", *settings, "parallel.fsdp=true", nproc=2),
+                 lambda: run_train(tmp_path / "planted", *settings, "parallel.fsdp=true", "trace.level=op",
+                                   "trace.steps=3", f"trace.perturb={target}", nproc=2))
+    report = diff_runs(tmp_path / "one", tmp_path / "fsdp")
+    assert report["identical"], report["summary"]
+    assert report["compared"]["trace_records"] == 0 and report["compared"]["final_state"]
+    assert report["compared"]["receipt_steps"] == 4 and not report["compared"]["receipt_state_digests"]
+    assert "state digests are of other shards" in report["summary"]
+    assert any("other layouts" in n and "1 process;" in n and "FSDP2 shards" in n for n in report["notes"])
+    planted = diff_runs(tmp_path / "one", tmp_path / "planted")
+    assert planted["verdict"] == "diverged" and "final state digests differ" in planted["summary"]
+    # bisect says the same: its receipts agree in loss and norm bits, their states are of other shards
+    agreed = bisect_runs(tmp_path / "one", tmp_path / "fsdp")
+    assert agreed["identical"] and "state digests were not compared" in agreed["summary"]
+    caught = bisect_runs(tmp_path / "one", tmp_path / "planted")
+    assert not caught["identical"] and "final state digests differ" in caught["summary"]

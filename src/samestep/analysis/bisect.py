@@ -22,7 +22,7 @@ from samestep.analysis.diff import diff_runs
 from samestep.analysis.replay import replay
 from samestep.analysis.receipt_diff import compare_receipts
 from samestep.checkpoint import committed_steps
-from samestep.rundir import checkpoints_dir, read_run
+from samestep.rundir import checkpoints_dir, final_digest, read_run
 
 __all__ = ["BisectError", "bisect_runs"]
 
@@ -43,13 +43,23 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
     """
     run_a, run_b = Path(run_a), Path(run_b)
     read_run(run_a), read_run(run_b)
-    difference, compared = compare_receipts(run_a, run_b)
+    difference, compared, states = compare_receipts(run_a, run_b)
     if compared == 0:
         raise BisectError(f"{run_a} and {run_b} hold no step in common (no receipts or metrics): nothing to compare")
     if difference is None:
-        return {"identical": True, "first_divergent_step": None, "origin": None, "reproduced": None, "attempts": 0,
+        finals = [final_digest(run_a), final_digest(run_b)]
+        same = states or None in finals or finals[0] == finals[1]
+        if states:
+            summary = f"identical: {compared} step(s) agree in every receipt"
+        else:  # receipts of other shards, or no state at all: the per-step states were not compared
+            summary = (f"{'identical' if same else 'diverged'}: {compared} step(s) agree in the receipts' loss and "
+                       "grad-norm bits, whose state digests were not compared (of other shards, or none)"
+                       + ("" if None in finals else ", and the final state digests "
+                          + ("match" if same else f"differ ({finals[0][:16]} vs {finals[1][:16]}): replay both on "
+                             "one layout to find the step")))
+        return {"identical": same, "first_divergent_step": None, "origin": None, "reproduced": None, "attempts": 0,
                 "replayed_from": None, "steps_compared": compared, "difference": None, "diff": None,
-                "per_rank": None, "summary": f"identical: {compared} step(s) agree in every receipt"}
+                "per_rank": None, "summary": summary}
     step = difference["step"]
     starts = [{s for s, _ in committed_steps(checkpoints_dir(run)) if s < step} for run in (run_a, run_b)]
     start = max(starts[0] & starts[1], default=0)  # the newest common checkpoint before the step

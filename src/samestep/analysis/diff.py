@@ -20,7 +20,8 @@ import pyarrow.compute as pc
 
 from samestep._state import dotted
 from samestep.env import compare_environments, numerics_differences
-from samestep.rundir import NUMERICS_NEUTRAL, RunDirError, determinism_diff, final_digest, read_metrics, read_run
+from samestep.rundir import (NUMERICS_NEUTRAL, RunDirError, determinism_diff, final_digest, layout_at, read_metrics,
+                             read_run)
 from samestep.tracing.selection import LEVELS, format_selection, parse_selection
 from samestep.analysis.records import chunks, records, steps_recorded
 from samestep.tracing.stream import KEY, traced_ranks
@@ -228,6 +229,32 @@ def _traced_alike(doc_a: dict, doc_b: dict, steps: set[int] | None,
     return steps, levels
 
 
+def _layout_words(layout: dict[str, Any]) -> str:
+    n = layout["world_size"]
+    if layout.get("sharded"):
+        return (f"{n} process{'es' if n > 1 else ''} holding FSDP2 shards (rank r records its dim-0 rows of every "
+                "parameter, gradient and optimizer state)")
+    return "1 process" if n == 1 else f"{n} processes holding whole tensors (data parallel, with collectives)"
+
+
+def _one_layout(doc_a: dict, doc_b: dict, steps: set[int] | None, run_steps: set[int],
+                notes: list[str]) -> set[int] | None:
+    """The steps (within ``steps``) that both runs wrote on one layout: only there do trace records pair up
+    one to one (a sharded rank records shards, a run on more processes records collectives). Elsewhere the
+    loss and grad-norm bits, the receipts and the final state digest are what is compared; a note says so."""
+    candidates = sorted(run_steps if steps is None else steps)
+    other = [s for s in candidates if layout_at(doc_a, s) != layout_at(doc_b, s)]
+    if not other:
+        return steps
+    first = other[0]
+    notes.append(f"the runs wrote step(s) {format_selection(other)} on other layouts (A: "
+                 f"{_layout_words(layout_at(doc_a, first))}; B: {_layout_words(layout_at(doc_b, first))}"
+                 f"{' at step ' + str(first) if len(other) < len(candidates) else ''}): trace records are "
+                 "compared only at steps both wrote on one layout; at these, the loss and grad-norm bits (metrics "
+                 "and receipts) and the final state digest are compared")
+    return {s for s in candidates if s not in other}
+
+
 def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = None, steps: set[int] | None = None,
               force: bool = False) -> dict[str, Any]:
     """Compares two runs: metrics bits, then traces. See the module docstring.
@@ -253,7 +280,7 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     # steps one run holds past the other's last are not compared (the verdict names them), not a divergence
     last_both = min(max((r["step"] for r in metrics_a), default=0), max((r["step"] for r in metrics_b), default=0))
     metric_diff = _first_metric_difference(metrics_a, metrics_b, steps, last_both)
-    receipt_diff, receipt_steps, held = _receipts_compared(run_a, run_b, steps)
+    receipt_diff, receipt_steps, receipt_states, held = _receipts_compared(run_a, run_b, steps)
     both = {r["step"] for r in metrics_a} & {r["step"] for r in metrics_b}
     metric_steps = sum(1 for step in both if steps is None or step in steps)
     finals = [final_digest(run_a), final_digest(run_b)]
@@ -261,6 +288,11 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     final_differs = final_compared and finals[0] != finals[1]
     common = _ranks_to_compare(run_a, run_b, ranks, notes)
     trace_steps, levels = _traced_alike(doc_a, doc_b, steps, notes) if common else (steps, (None, None))
+    if common:
+        kept = _one_layout(doc_a, doc_b, trace_steps, run_steps, notes)
+        if kept is not trace_steps and not kept:  # no step both wrote on one layout: no record pairs up
+            common = []
+        trace_steps = kept
     per_rank = _compare_ranks(run_a, run_b, common, trace_steps, levels, notes)
     divs = [res.divergence for res in per_rank.values() if res.divergence is not None]
     structural = [d for d in divs if d.kind == "structural"]
@@ -287,7 +319,8 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
         summary = ("nothing compared: the runs have no metrics, final state or trace records in common"
                    + (" (see the notes)" if notes else "") + "; this is no evidence that they are the same")
     elif identical or partial:
-        summary = _identical_summary(metric_steps, records, len(per_rank), final_compared, receipt_steps)
+        summary = _identical_summary(metric_steps, records, len(per_rank), final_compared, receipt_steps,
+                                     receipt_states)
         if partial:
             summary = summary.replace("identical:", f"identical over steps {format_selection(held[0])} of "
                                                     f"{format_selection(held[1])} (A holds "
@@ -315,6 +348,7 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
         "verdict": verdict,
         "compared": {"metric_steps": metric_steps, "trace_records": records, "ranks": len(per_rank),
                      "final_state": final_compared, "receipt_steps": receipt_steps,
+                     "receipt_state_digests": receipt_states,
                      "steps": format_selection(held[0]), "steps_held": format_selection(held[1])},
         "first_divergent_step": min([d.step for d in divs] + ([metric_diff["step"]] if metric_diff else [])
                                     + ([receipt_diff["step"]] if receipt_diff else []), default=None),
@@ -411,10 +445,11 @@ def _ranks_to_compare(run_a: Path, run_b: Path, ranks: set[int] | None, notes: l
     return sorted((ranks_a & ranks_b) if ranks is None else (ranks_a & ranks_b & ranks))
 
 
-def _receipts_compared(run_a: Path, run_b: Path, steps: set[int] | None) -> tuple[dict | None, int, list[set[int]]]:
+def _receipts_compared(run_a: Path, run_b: Path,
+                       steps: set[int] | None) -> tuple[dict | None, int, bool, list[set[int]]]:
     """The runs' receipts (the state after each step, where both keep the same state): the first step at
-    which they differ in ``steps`` (None: all), how many steps both receipted, and each run's receipted
-    steps."""
+    which they differ in ``steps`` (None: all), how many steps both receipted, whether their state digests
+    were compared, and each run's receipted steps."""
     from samestep.analysis.receipt_diff import compare_receipts
     from samestep.receipts import read_run_receipts
 
@@ -424,11 +459,11 @@ def _receipts_compared(run_a: Path, run_b: Path, steps: set[int] | None) -> tupl
         raise DiffError(str(e)) from None
     held = [{r["step"] for r in f[0][1]} if f.get(0) else set() for f in files]
     if not all(held):
-        return None, 0, held
-    difference, compared = compare_receipts(run_a, run_b)
+        return None, 0, False, held
+    difference, compared, states = compare_receipts(run_a, run_b)
     if difference is not None and steps is not None and difference["step"] not in steps:
         difference = None  # outside the steps asked for
-    return difference, compared, held
+    return difference, compared, states, held
 
 
 def _held_steps(receipted: list[set[int]], metrics_a: list[dict], metrics_b: list[dict],
@@ -444,13 +479,14 @@ def _held_steps(receipted: list[set[int]], metrics_a: list[dict], metrics_b: lis
 
 
 def _identical_summary(metric_steps: int, records: int, ranks: int, final_compared: bool,
-                       receipt_steps: int = 0) -> str:
+                       receipt_steps: int = 0, receipt_states: bool = True) -> str:
     """What was compared and matched (a run of the user's own loop has its trace only: no metrics.jsonl)."""
     parts = []
     if metric_steps:
         parts.append(f"the metric bits of {metric_steps} step(s)")
     if receipt_steps:
-        parts.append(f"the receipts (state digests) of {receipt_steps} step(s)")
+        what = "state digests" if receipt_states else "loss and grad-norm bits; their state digests are of other shards"
+        parts.append(f"the receipts ({what}) of {receipt_steps} step(s)")
     if records:
         parts.append(f"{records} trace records on {ranks} rank(s)")
     if final_compared:

@@ -44,16 +44,17 @@ def _records(run_dir: Path) -> tuple[dict[str, list[dict]], str]:
                   for r in read_metrics(run_dir)]}, "metrics"
 
 
-def compare_receipts(run_a: Path, run_b: Path) -> tuple[dict[str, Any] | None, int]:
-    """The first differing step of two runs by their receipts (see the module docstring), and how many steps
-    both hold. State digests are compared where both are of the whole state, or both of shards over the
-    same layout; loss and grad-norm bits always."""
+def compare_receipts(run_a: Path, run_b: Path) -> tuple[dict[str, Any] | None, int, bool]:
+    """The first differing step of two runs by their receipts (see the module docstring), how many steps
+    both hold, and whether their state digests were compared: where both are of the whole state, or both
+    of shards over the same layout; loss and grad-norm bits always."""
     (a, of_a), (b, of_b) = _records(run_a), _records(run_b)
-    fields = FIELDS if (of_a == of_b == "run" or (of_a == of_b == "rank" and set(a) == set(b))) else FIELDS[:2]
+    states = of_a == of_b == "run" or (of_a == of_b == "rank" and set(a) == set(b))
     steps_a, steps_b = ({r["step"] for r in rs.get("0", [])} for rs in (a, b))
     common = steps_a & steps_b
     if not common:
-        return None, 0
-    return first_receipt_difference(a, b, range(1, max(common) + 1), fields), len(common)
+        return None, 0, False
+    return (first_receipt_difference(a, b, range(1, max(common) + 1), FIELDS if states else FIELDS[:2]),
+            len(common), states)
 
 
