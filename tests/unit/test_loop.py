@@ -1,4 +1,5 @@
-"""The reference loop's own pieces: clipping out of place, and the gradients its step level records."""
+"""The reference loop's own pieces: clipping (samestep.distributed.clip_grad_norm_, out of place in the loop),
+and the gradients its step level records."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import samestep
 from samestep.data import load_corpus
 from samestep.digests import digest
+from samestep.distributed import clip_grad_norm_
 from samestep.tracing import read_stream, stream_path
 from samestep.train import load_config
 from samestep.train import loop as loop_module
@@ -35,11 +37,12 @@ def _params_on(buf: torch.Tensor) -> list[torch.nn.Parameter]:
 @pytest.mark.parametrize("max_norm", [0.5, 1e6, float("inf")])
 @pytest.mark.parametrize("special", [None, float("inf"), float("nan")])
 def test_clip_out_of_place_has_the_bits_of_clip_grad_norm_and_leaves_the_gradients(max_norm, special):
-    """The loop clips out of place (``_clip``) so that the recorder can digest the reduced gradients where
-    they lie: the norm and the clipped gradients have ``clip_grad_norm_``'s bits (``foreach=False``, which
-    the loop used), with the limit active, inactive and off, and with a non-finite gradient; the buffer the
-    gradients were views of keeps its bits and its version. Negative control: clipped in place, an
-    active limit changes that buffer."""
+    """The loop clips out of place (``clip_grad_norm_(..., out_of_place=True)``) so that the recorder can
+    digest the reduced gradients where they lie: the norm and the clipped gradients have PyTorch's
+    ``clip_grad_norm_``'s bits (``foreach=False``) on these shapes, with the limit active, inactive and off,
+    and with a non-finite gradient; the buffer the gradients were views of keeps its bits and its version.
+    samestep's in place gives the same bits. Negative control: clipped in place, an active limit changes
+    that buffer."""
     torch.manual_seed(0)
     flat = torch.randn(sum(math.prod(s) for s in SHAPES)) * 3
     if special is not None:
@@ -47,8 +50,13 @@ def test_clip_out_of_place_has_the_bits_of_clip_grad_norm_and_leaves_the_gradien
     ours_buf, ref_buf = flat.clone(), flat.clone()
     ours, ref = _params_on(ours_buf), _params_on(ref_buf)
     version = ours_buf._version
-    norm = loop_module._clip(ours, max_norm)
+    norm = clip_grad_norm_(ours, max_norm, out_of_place=True)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref, max_norm, foreach=False)
+    in_place_buf = flat.clone()
+    in_place = _params_on(in_place_buf)
+    assert torch.equal(_bits(clip_grad_norm_(in_place, max_norm)), _bits(ref_norm))
+    for a, b in zip(in_place, ref):
+        assert torch.equal(_bits(a.grad), _bits(b.grad))
     assert torch.equal(_bits(norm), _bits(ref_norm))
     for a, b in zip(ours, ref):
         assert torch.equal(_bits(a.grad), _bits(b.grad))
@@ -62,15 +70,15 @@ def test_step_level_records_the_reduced_gradients_before_clipping(tmp_path, monk
     (digested where it lies: nothing changes it after), as docs/formats.md says. Negative control: the
     clipped gradients' digests differ (clipping is active in these steps)."""
     before, after = [], []
-    clip = loop_module._clip
+    clip = loop_module.clip_grad_norm_
 
-    def watched(params, max_norm):
+    def watched(params, max_norm, **kw):
         before.append([digest(p.grad) for p in params])
-        norm = clip(params, max_norm)
+        norm = clip(params, max_norm, **kw)
         after.append([digest(p.grad) for p in params])
         return norm
 
-    monkeypatch.setattr(loop_module, "_clip", watched)
+    monkeypatch.setattr(loop_module, "clip_grad_norm_", watched)
     cfg = load_config(None, [*TINY, "train.grad_clip=0.5", "trace.level=step"])
     with samestep.enable(threads=1):
         trainer = loop_module.build(cfg, corpus=load_corpus("stdlib"), run_dir=Path(tmp_path))

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["canonical_grad_norm", "row_squares"]
+__all__ = ["canonical_grad_norm", "clip_grad_norm_", "row_squares"]
 
 
 def row_squares(g: torch.Tensor) -> torch.Tensor:
@@ -54,3 +54,24 @@ def canonical_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     if sharded and rows:
         rows = _gather_rows(rows)
     return torch.cat(rows).sum().sqrt() if rows else torch.zeros(())
+
+
+def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, *,
+                    out_of_place: bool = False) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` by the canonical norm: the same scale (``max_norm / (norm + 1e-6)``,
+    at most 1) on the same bits of the norm on any number of processes, sharded (DTensor gradients: every
+    rank calls it with its shards of the same parameters) or not. Returns the norm before clipping.
+
+    ``out_of_place``: each ``p.grad`` becomes a new tensor, leaving the old one as it was (a recorder that
+    kept the reduced gradients sees them unclipped); otherwise the gradients are scaled in place.
+    """
+    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    total_norm = canonical_grad_norm([p.grad for p in params if p.grad is not None])
+    coef = float(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))  # an fp32 value: the same products
+    for p in params:
+        if p.grad is not None:
+            if out_of_place:
+                p.grad = p.grad * coef
+            else:
+                p.grad.mul_(coef)
+    return total_norm

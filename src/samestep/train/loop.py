@@ -34,7 +34,7 @@ from samestep.distributed.fsdp import (
     full_state,
     shard_model,
 )
-from samestep.distributed.norm import canonical_grad_norm
+from samestep.distributed.norm import clip_grad_norm_
 from samestep.mode import DeterminismReport, disable, enable
 from samestep.preempt import StopRequest, parse_signals
 from samestep.protocol import agreed_stop, save_after_records
@@ -173,16 +173,16 @@ class Trainer:
             if self.recompute is not None:
                 self.recompute.settle(step, picked)
             loss_sum = self.grads.reduce()[0]
-            # The reduced gradients, recorded before clipping, which leaves them as they are (_clip): at step
-            # level digested where they lie, which spares copying them; at module level copied, which
+            # The reduced gradients, recorded before clipping (out of place, which leaves them as they are): at
+            # step level digested where they lie, which spares copying them; at module level copied, which
             # measures faster there (bench_trace.py --levels module, with and without trace.copy).
             rec.grads(self.named_params, copy="checked" if rec.level == "step" and not self.cfg.trace.copy else True)
             if self.fault is not None:
                 self.fault.after("reduce", step, self.named_params, self.grads.rank)
-            if self.reduced is not None:  # _clip leaves these tensors as they are
+            if self.reduced is not None:  # clipping out of place leaves these tensors as they are
                 self.reduced = [(n, p.grad) for n, p in self.named_params if p.grad is not None]
             max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-            grad_norm = _clip(self.grads.params, max_norm)
+            grad_norm = clip_grad_norm_(self.grads.params, max_norm, out_of_place=True)
             rec.metric("loss", loss_sum)
             rec.metric("grad_norm", grad_norm)
             check_finite(step + 1, float(loss_sum), float(grad_norm), t.nonfinite)  # before the update
@@ -193,19 +193,6 @@ class Trainer:
             rec.state(self.model, self.optimizer, named_params=self.named_params, named_buffers=self.named_buffers)
         self.cursor.advance(t.global_batch)
         return float(loss_sum), float(grad_norm), lr
-
-
-def _clip(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """Clips the gradients to ``max_norm`` by their canonical norm (distributed/norm.py: bracketed by rows,
-    so a sharded run gets the unsharded run's bits), out of place: each ``p.grad`` becomes a new tensor
-    and the reduced gradients stay as the recorder saw them. Returns the total norm before clipping."""
-    grads = [p.grad for p in params if p.grad is not None]
-    total_norm = canonical_grad_norm(grads)
-    coef = float(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))  # an fp32 value: the same products
-    for p in params:
-        if p.grad is not None:
-            p.grad = p.grad * coef
-    return total_norm
 
 
 def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | str = "cpu",
