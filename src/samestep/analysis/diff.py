@@ -20,9 +20,9 @@ import pyarrow.compute as pc
 
 from samestep._state import dotted
 from samestep.env import compare_environments, numerics_differences
-from samestep.rundir import (NUMERICS_NEUTRAL, RunDirError, determinism_diff, final_digest, layout_at, read_metrics,
-                             read_run)
+from samestep.rundir import NUMERICS_NEUTRAL, RunDirError, determinism_diff, final_digest, read_metrics, read_run
 from samestep.tracing.selection import LEVELS, format_selection, parse_selection
+from samestep.analysis.layouts import steps_on_one_layout
 from samestep.analysis.records import chunks, records, steps_recorded
 from samestep.tracing.stream import KEY, traced_ranks
 
@@ -229,32 +229,6 @@ def _traced_alike(doc_a: dict, doc_b: dict, steps: set[int] | None,
     return steps, levels
 
 
-def _layout_words(layout: dict[str, Any]) -> str:
-    n = layout["world_size"]
-    if layout.get("sharded"):
-        return (f"{n} process{'es' if n > 1 else ''} holding FSDP2 shards (rank r records its dim-0 rows of every "
-                "parameter, gradient and optimizer state)")
-    return "1 process" if n == 1 else f"{n} processes holding whole tensors (data parallel, with collectives)"
-
-
-def _one_layout(doc_a: dict, doc_b: dict, steps: set[int] | None, run_steps: set[int],
-                notes: list[str]) -> set[int] | None:
-    """The steps (within ``steps``) that both runs wrote on one layout: only there do trace records pair up
-    one to one (a sharded rank records shards, a run on more processes records collectives). Elsewhere the
-    loss and grad-norm bits, the receipts and the final state digest are what is compared; a note says so."""
-    candidates = sorted(run_steps if steps is None else steps)
-    other = [s for s in candidates if layout_at(doc_a, s) != layout_at(doc_b, s)]
-    if not other:
-        return steps
-    first = other[0]
-    notes.append(f"the runs wrote step(s) {format_selection(other)} on other layouts (A: "
-                 f"{_layout_words(layout_at(doc_a, first))}; B: {_layout_words(layout_at(doc_b, first))}"
-                 f"{' at step ' + str(first) if len(other) < len(candidates) else ''}): trace records are "
-                 "compared only at steps both wrote on one layout; at these, the loss and grad-norm bits (metrics "
-                 "and receipts) and the final state digest are compared")
-    return {s for s in candidates if s not in other}
-
-
 def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = None, steps: set[int] | None = None,
               force: bool = False) -> dict[str, Any]:
     """Compares two runs: metrics bits, then traces. See the module docstring.
@@ -280,7 +254,12 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     # steps one run holds past the other's last are not compared (the verdict names them), not a divergence
     last_both = min(max((r["step"] for r in metrics_a), default=0), max((r["step"] for r in metrics_b), default=0))
     metric_diff = _first_metric_difference(metrics_a, metrics_b, steps, last_both)
-    receipt_diff, receipt_steps, receipt_states, held = _receipts_compared(run_a, run_b, steps)
+    from samestep.analysis.receipt_diff import receipts_compared
+
+    try:
+        receipt_diff, receipt_steps, receipt_states, held = receipts_compared(run_a, run_b, steps)
+    except ValueError as e:  # a damaged receipts file
+        raise DiffError(str(e)) from None
     both = {r["step"] for r in metrics_a} & {r["step"] for r in metrics_b}
     metric_steps = sum(1 for step in both if steps is None or step in steps)
     finals = [final_digest(run_a), final_digest(run_b)]
@@ -289,7 +268,7 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     common = _ranks_to_compare(run_a, run_b, ranks, notes)
     trace_steps, levels = _traced_alike(doc_a, doc_b, steps, notes) if common else (steps, (None, None))
     if common:
-        kept = _one_layout(doc_a, doc_b, trace_steps, run_steps, notes)
+        kept = steps_on_one_layout(doc_a, doc_b, trace_steps, run_steps, notes)
         if kept is not trace_steps and not kept:  # no step both wrote on one layout: no record pairs up
             common = []
         trace_steps = kept
@@ -443,27 +422,6 @@ def _ranks_to_compare(run_a: Path, run_b: Path, ranks: set[int] | None, notes: l
                         f"have no trace in either run (A traced {format_selection(ranks_a) or 'no rank'}, B "
                         f"{format_selection(ranks_b) or 'no rank'}); choose traced ranks or leave --ranks out")
     return sorted((ranks_a & ranks_b) if ranks is None else (ranks_a & ranks_b & ranks))
-
-
-def _receipts_compared(run_a: Path, run_b: Path,
-                       steps: set[int] | None) -> tuple[dict | None, int, bool, list[set[int]]]:
-    """The runs' receipts (the state after each step, where both keep the same state): the first step at
-    which they differ in ``steps`` (None: all), how many steps both receipted, whether their state digests
-    were compared, and each run's receipted steps."""
-    from samestep.analysis.receipt_diff import compare_receipts
-    from samestep.receipts import read_run_receipts
-
-    try:
-        files = [read_run_receipts(run) for run in (run_a, run_b)]
-    except ValueError as e:  # a damaged receipts file
-        raise DiffError(str(e)) from None
-    held = [{r["step"] for r in f[0][1]} if f.get(0) else set() for f in files]
-    if not all(held):
-        return None, 0, False, held
-    difference, compared, states = compare_receipts(run_a, run_b)
-    if difference is not None and steps is not None and difference["step"] not in steps:
-        difference = None  # outside the steps asked for
-    return difference, compared, states, held
 
 
 def _held_steps(receipted: list[set[int]], metrics_a: list[dict], metrics_b: list[dict],

@@ -11,7 +11,7 @@ from typing import Any
 from samestep.receipts import read_run_receipts
 from samestep.rundir import read_metrics
 
-__all__ = ["FIELDS", "compare_receipts", "first_receipt_difference"]
+__all__ = ["FIELDS", "compare_receipts", "first_receipt_difference", "receipts_compared"]
 
 FIELDS = ("loss_hex", "grad_norm_hex", "state")  # what a receipt says of its step, in the order it arises
 
@@ -58,3 +58,16 @@ def compare_receipts(run_a: Path, run_b: Path) -> tuple[dict[str, Any] | None, i
             len(common), states)
 
 
+def receipts_compared(run_a: Path, run_b: Path,
+                      steps: set[int] | None) -> tuple[dict[str, Any] | None, int, bool, list[set[int]]]:
+    """What ``samestep diff`` takes from two runs' receipts files: the first step in ``steps`` (None: all) at
+    which they differ, how many steps both receipted, whether their state digests were compared, and each
+    run's receipted steps (rank 0's). Raises ValueError for a damaged receipts file."""
+    files = [read_run_receipts(run) for run in (run_a, run_b)]
+    held = [{r["step"] for r in f[0][1]} if f.get(0) else set() for f in files]
+    if not all(held):
+        return None, 0, False, held
+    difference, compared, states = compare_receipts(run_a, run_b)
+    if difference is not None and steps is not None and difference["step"] not in steps:
+        difference = None  # outside the steps asked for
+    return difference, compared, states, held
