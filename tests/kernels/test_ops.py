@@ -176,7 +176,8 @@ def test_routed_bincount_and_put_run_pytorchs_own_loop_where_it_is_the_definitio
     """Routed weighted bincount past one tile (PyTorch's serial call per tile, from +0.0, the tile sums added
     in order) gives the tile tree's bits, a bin of -0.0 weights included; PyTorch's bincount over all sources,
     one left fold, gives other bits (the control). Routed put_ of one tile with deterministic algorithms on
-    (PyTorch's serial loop, negative positions included) gives the left fold's bits."""
+    (PyTorch's serial loop, negative positions included) gives the left fold's bits; with them off it is not
+    left to PyTorch."""
     from samestep.ops import _impl, _indexing
     from samestep.ops.routing import KernelMode
 
@@ -196,6 +197,8 @@ def test_routed_bincount_and_put_run_pytorchs_own_loop_where_it_is_the_definitio
     s = torch.randn(_impl.TILE, generator=g) * torch.exp(torch.randn(_impl.TILE, generator=g) * 4)
     want = _tile_tree_reference(x.reshape(-1, 1), flat % 21, s.view(-1, 1), _impl.TILE).view(7, 3)
     before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)  # PyTorch's put_ then splits over threads: left to the tile tree
+    assert not _indexing.put_by_torch(x, flat)
     torch.use_deterministic_algorithms(True)
     try:
         assert _indexing.put_by_torch(x, flat)

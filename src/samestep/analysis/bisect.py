@@ -49,14 +49,15 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
     if difference is None:
         finals = [final_digest(run_a), final_digest(run_b)]
         same = states or None in finals or finals[0] == finals[1]
+        agree = (f"{compared} step(s) agree in the receipts' loss and grad-norm bits, whose state digests were not "
+                 "compared (of other shards, or none)")
         if states:
             summary = f"identical: {compared} step(s) agree in every receipt"
-        else:  # receipts of other shards, or no state at all: the per-step states were not compared
-            summary = (f"{'identical' if same else 'diverged'}: {compared} step(s) agree in the receipts' loss and "
-                       "grad-norm bits, whose state digests were not compared (of other shards, or none)"
-                       + ("" if None in finals else ", and the final state digests "
-                          + ("match" if same else f"differ ({finals[0][:16]} vs {finals[1][:16]}): replay both on "
-                             "one layout to find the step")))
+        elif not same:
+            summary = (f"diverged: {agree}, but the final state digests differ ({finals[0][:16]} vs "
+                       f"{finals[1][:16]}): replay both on one layout to find the step")
+        else:
+            summary = f"identical: {agree}" + ("" if None in finals else ", and the final state digests match")
         return {"identical": same, "first_divergent_step": None, "origin": None, "reproduced": None, "attempts": 0,
                 "replayed_from": None, "steps_compared": compared, "difference": None, "diff": None,
                 "per_rank": None, "summary": summary}

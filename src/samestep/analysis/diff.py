@@ -22,7 +22,8 @@ from samestep._state import dotted
 from samestep.env import compare_environments, numerics_differences
 from samestep.rundir import NUMERICS_NEUTRAL, RunDirError, determinism_diff, final_digest, read_metrics, read_run
 from samestep.tracing.selection import LEVELS, format_selection, parse_selection
-from samestep.analysis.layouts import steps_on_one_layout
+from samestep.analysis.layouts import steps_on_other_layouts
+from samestep.analysis.receipt_diff import receipts_compared
 from samestep.analysis.records import chunks, records, steps_recorded
 from samestep.tracing.stream import KEY, traced_ranks
 
@@ -254,8 +255,6 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     # steps one run holds past the other's last are not compared (the verdict names them), not a divergence
     last_both = min(max((r["step"] for r in metrics_a), default=0), max((r["step"] for r in metrics_b), default=0))
     metric_diff = _first_metric_difference(metrics_a, metrics_b, steps, last_both)
-    from samestep.analysis.receipt_diff import receipts_compared
-
     try:
         receipt_diff, receipt_steps, receipt_states, held = receipts_compared(run_a, run_b, steps)
     except ValueError as e:  # a damaged receipts file
@@ -267,11 +266,11 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     final_differs = final_compared and finals[0] != finals[1]
     common = _ranks_to_compare(run_a, run_b, ranks, notes)
     trace_steps, levels = _traced_alike(doc_a, doc_b, steps, notes) if common else (steps, (None, None))
-    if common:
-        kept = steps_on_one_layout(doc_a, doc_b, trace_steps, run_steps, notes)
-        if kept is not trace_steps and not kept:  # no step both wrote on one layout: no record pairs up
-            common = []
-        trace_steps = kept
+    other = steps_on_other_layouts(doc_a, doc_b, run_steps if trace_steps is None else trace_steps, notes) \
+        if common else set()
+    if other:  # their records do not pair up
+        trace_steps = (run_steps if trace_steps is None else trace_steps) - other
+        common = common if trace_steps else []
     per_rank = _compare_ranks(run_a, run_b, common, trace_steps, levels, notes)
     divs = [res.divergence for res in per_rank.values() if res.divergence is not None]
     structural = [d for d in divs if d.kind == "structural"]

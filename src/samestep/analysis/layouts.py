@@ -10,7 +10,7 @@ from typing import Any
 from samestep.rundir import layout_at
 from samestep.tracing.selection import format_selection
 
-__all__ = ["steps_on_one_layout"]
+__all__ = ["steps_on_other_layouts"]
 
 
 def _layout_words(layout: dict[str, Any]) -> str:
@@ -21,19 +21,16 @@ def _layout_words(layout: dict[str, Any]) -> str:
     return "1 process" if n == 1 else f"{n} processes holding whole tensors (data parallel, with collectives)"
 
 
-def steps_on_one_layout(doc_a: dict, doc_b: dict, steps: set[int] | None, run_steps: set[int],
-                        notes: list[str]) -> set[int] | None:
-    """The steps (within ``steps``) that both runs wrote on one layout: only there do trace records pair up
-    one to one (a sharded rank records shards, a run on more processes records collectives). Elsewhere the
-    loss and grad-norm bits, the receipts and the final state digest are what is compared; a note says so."""
-    candidates = sorted(run_steps if steps is None else steps)
-    other = [s for s in candidates if layout_at(doc_a, s) != layout_at(doc_b, s)]
-    if not other:
-        return steps
-    first = other[0]
-    notes.append(f"the runs wrote step(s) {format_selection(other)} on other layouts (A: "
-                 f"{_layout_words(layout_at(doc_a, first))}; B: {_layout_words(layout_at(doc_b, first))}"
-                 f"{' at step ' + str(first) if len(other) < len(candidates) else ''}): trace records are "
-                 "compared only at steps both wrote on one layout; at these, the loss and grad-norm bits (metrics "
-                 "and receipts) and the final state digest are compared")
-    return {s for s in candidates if s not in other}
+def steps_on_other_layouts(doc_a: dict, doc_b: dict, steps: set[int], notes: list[str]) -> set[int]:
+    """The steps of ``steps`` that the runs (their run.json: ``doc_a``, ``doc_b``) wrote on other layouts,
+    where trace records do not pair up one to one; a note names both layouts and what is compared there
+    instead: the loss and grad-norm bits, the receipts and the final state digest."""
+    other = sorted(s for s in steps if layout_at(doc_a, s) != layout_at(doc_b, s))
+    if other:
+        first = other[0]
+        notes.append(f"the runs wrote step(s) {format_selection(other)} on other layouts (A: "
+                     f"{_layout_words(layout_at(doc_a, first))}; B: {_layout_words(layout_at(doc_b, first))}"
+                     f"{' at step ' + str(first) if len(other) < len(steps) else ''}): trace records are "
+                     "compared only at steps both wrote on one layout; at these, the loss and grad-norm bits "
+                     "(metrics and receipts) and the final state digest are compared")
+    return set(other)

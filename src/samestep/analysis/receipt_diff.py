@@ -44,30 +44,33 @@ def _records(run_dir: Path) -> tuple[dict[str, list[dict]], str]:
                   for r in read_metrics(run_dir)]}, "metrics"
 
 
-def compare_receipts(run_a: Path, run_b: Path) -> tuple[dict[str, Any] | None, int, bool]:
-    """The first differing step of two runs by their receipts (see the module docstring), how many steps
-    both hold, and whether their state digests were compared: where both are of the whole state, or both
-    of shards over the same layout; loss and grad-norm bits always."""
-    (a, of_a), (b, of_b) = _records(run_a), _records(run_b)
+def _compare(a: dict[str, list[dict]], of_a: str, b: dict[str, list[dict]],
+             of_b: str) -> tuple[dict[str, Any] | None, int, bool]:
     states = of_a == of_b == "run" or (of_a == of_b == "rank" and set(a) == set(b))
-    steps_a, steps_b = ({r["step"] for r in rs.get("0", [])} for rs in (a, b))
-    common = steps_a & steps_b
+    common = {r["step"] for r in a.get("0", [])} & {r["step"] for r in b.get("0", [])}
     if not common:
         return None, 0, False
     return (first_receipt_difference(a, b, range(1, max(common) + 1), FIELDS if states else FIELDS[:2]),
             len(common), states)
 
 
+def compare_receipts(run_a: Path, run_b: Path) -> tuple[dict[str, Any] | None, int, bool]:
+    """The first differing step of two runs by their receipts (see the module docstring), how many steps
+    both hold, and whether their state digests were compared: where both are of the whole state, or both
+    of shards over the same layout; loss and grad-norm bits always."""
+    return _compare(*_records(run_a), *_records(run_b))
+
+
 def receipts_compared(run_a: Path, run_b: Path,
                       steps: set[int] | None) -> tuple[dict[str, Any] | None, int, bool, list[set[int]]]:
     """What ``samestep diff`` takes from two runs' receipts files: the first step in ``steps`` (None: all) at
     which they differ, how many steps both receipted, whether their state digests were compared, and each
-    run's receipted steps (rank 0's). Raises ValueError for a damaged receipts file."""
-    files = [read_run_receipts(run) for run in (run_a, run_b)]
-    held = [{r["step"] for r in f[0][1]} if f.get(0) else set() for f in files]
+    run's receipted steps (rank 0's; none without a receipts file). Raises ValueError for a damaged one."""
+    (a, of_a), (b, of_b) = _records(run_a), _records(run_b)
+    held = [set() if of == "metrics" else {r["step"] for r in recs.get("0", [])} for recs, of in ((a, of_a), (b, of_b))]
     if not all(held):
         return None, 0, False, held
-    difference, compared, states = compare_receipts(run_a, run_b)
+    difference, compared, states = _compare(a, of_a, b, of_b)
     if difference is not None and steps is not None and difference["step"] not in steps:
         difference = None  # outside the steps asked for
     return difference, compared, states, held

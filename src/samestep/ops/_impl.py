@@ -325,11 +325,8 @@ def bincount(input: torch.Tensor, weights: torch.Tensor, minlength: int, sum_row
         # bit, since a bin that starts at +0.0 never holds -0.0
         tiles = [torch.bincount(input[a:a + TILE], weights[a:a + TILE], minlength)
                  for a in range(0, input.numel(), TILE)]
-        total = tiles[0]
-        bins = max(t.numel() for t in tiles)
-        if total.numel() < bins:
-            total = torch.cat([total, total.new_zeros(bins - total.numel())])
-        for t in tiles[1:]:
+        total = tiles[0].new_zeros(max(t.numel() for t in tiles))  # +0.0 + tile 0's sum is that sum
+        for t in tiles:
             total[:t.numel()].add_(t)
         return total
     low, high = torch.aminmax(input)

@@ -123,7 +123,8 @@ def index_put(input: torch.Tensor, indices, values: torch.Tensor, accumulate: bo
 
 
 def put_by_torch(input: torch.Tensor, index: torch.Tensor) -> bool:
-    """Whether PyTorch's own ``put_(accumulate=True)`` computes the definition here: one tile of sources
+    """Whether PyTorch's own ``put_(accumulate=True)`` computes the definition here, so the routing leaves the
+    op to it (``put`` below is for every other case): one tile of sources
     (the plain left fold), in input's own precision (not half), on the CPU with deterministic algorithms
     on (otherwise PyTorch splits a float32 put over threads with atomic adds)."""
     return on_cpu(input) and input.dtype not in HALF and index.numel() <= TILE \
@@ -136,8 +137,6 @@ def put(input: torch.Tensor, index: torch.Tensor, source: torch.Tensor, accumula
     ``accumulate=True``, deterministically, into a copy with input's strides or into ``out`` (for ``put_``)."""
     if not accumulate:
         return input.put(index, source, accumulate=False)
-    if put_by_torch(input, index):  # PyTorch's serial loop, its checks and errors included
-        return (input.clone() if out is None else out).put_(index, source, accumulate=True)
     if index.dtype != torch.int64 or source.dtype != input.dtype or source.numel() != index.numel() \
             or not check_bounds(index, input.numel(), negative=True):
         raise_as_torch(lambda: input.put(index, source, accumulate=True), "put",

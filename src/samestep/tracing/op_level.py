@@ -174,10 +174,10 @@ class OpMode(TorchDispatchMode):
     """Records every ATen op's inputs (before it runs) and outputs (after)."""
 
     def __init__(self, staging: Staging, scopes: Scopes, perturb: Perturb | None, rank: int,
-                 knobs: Callable[[str], None] | None = None) -> None:
+                 knobs: Callable[[int, Callable[[], str]], None] | None = None) -> None:
         super().__init__()
         self.staging, self.scopes, self.perturb, self.rank = staging, scopes, perturb, rank
-        # called with where each op ran: a knob flipped and restored inside a forward is seen only here
+        # called at each op, with how to name where it ran: a knob a forward flips and puts back is seen here
         self.knobs = knobs
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -213,7 +213,7 @@ class OpMode(TorchDispatchMode):
         scope = self.scopes.backward if phase == "backward" else SCOPE.get()
         occurrence = st.occurrence(phase, scope, name)
         if self.knobs is not None:
-            self.knobs(f"{name} in {scope or 'the top level'} ({phase})")
+            self.knobs(st.step, lambda: f"{name} in {scope or 'the top level'} ({phase})")
         outs = _tensors(out if isinstance(out, (list, tuple)) else (out,))
         if kind.mutates and not outs:  # returns nothing (the _foreach_*_ ops): what it wrote is its output
             outs = [t for a, w in zip(args, kind.written) if w for t in _tensors((a,))]

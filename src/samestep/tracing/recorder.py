@@ -261,11 +261,8 @@ class Recorder:
         self._collectives.new_step()
         # DTensor if torch.distributed.tensor was imported (else no DTensor exists): see Staging.shards
         st.dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-        if self._report is not None and self.numerics_changed is None:
-            probe = knob_probe()
-            if probe != self._probe:  # the whole check at the first step, then whenever a knob moved
-                self._probe = probe
-                self._check_numerics(step)
+        if self._report is not None:
+            self._look_at_knobs(step)
         finished = False
         try:
             yield
@@ -281,10 +278,22 @@ class Recorder:
                     self.record(END, [])
                 self.flush()
 
-    def _check_numerics(self, step: int, inside: str | None = None) -> None:
+    def _look_at_knobs(self, step: int, where: Callable[[], str] | None = None) -> None:
+        """Whether the knobs enable() set still hold: the whole check at the first look, then whenever the
+        cheap probe moved; once one no longer holds, never again (run.json records the first). ``where``
+        names the op running now (op level looks at each, so a knob a forward flips and puts back is seen)."""
+        if self.numerics_changed is not None:
+            return
+        probe = knob_probe()
+        if probe != self._probe:
+            self._probe = probe
+            self._check_numerics(step, where)
+
+    def _check_numerics(self, step: int, where: Callable[[], str] | None = None) -> None:
         changed = drifted(self._report)
         if changed:
             self.numerics_changed = {"step": step, "knobs": {name: list(v) for name, v in changed.items()}}
+            inside = where() if where is not None else None
             if inside is not None:
                 self.numerics_changed["inside"] = inside
             warnings.warn(f"samestep.trace: at step {step} deterministic mode no longer holds what enable() set ("
@@ -293,15 +302,6 @@ class Recorder:
                           + "); the run's numerics changed, and run.json records it", RuntimeWarning,
                           stacklevel=_callers_level())
 
-    def _check_knobs_at_op(self, where: str) -> None:
-        """At op level, each op: a knob that a forward flips and puts back (an attention module's backend
-        switch) is seen while it is flipped, which the check between steps cannot do."""
-        probe = knob_probe()
-        if self.numerics_changed is None and probe != self._probe:
-            self._check_numerics(self._staging.step, inside=where)
-            if self.numerics_changed is None:  # moved, but not away from what enable() set
-                self._probe = probe
-
     @contextlib.contextmanager
     def microbatch(self, index: int) -> Iterator[None]:
         """Everything inside belongs to global microbatch ``index``; at op level, ATen ops are recorded."""
@@ -309,7 +309,7 @@ class Recorder:
         st = self._staging
         st.mb = index
         token = self._scopes.enter_microbatch()
-        knobs = self._check_knobs_at_op if self._report is not None and self.numerics_changed is None else None
+        knobs = self._look_at_knobs if self._report is not None else None
         mode = OpMode(st, self._scopes, self.perturb, self.rank, knobs) if self._rank_level >= _OP and self.active \
             else None
         try:
