@@ -4,7 +4,7 @@
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_checks.py [--json]
 
 One process: the recompute check (``train.sdc_check_every=N``, each N) against none. Under torchrun:
-the cross-rank check (every rank digests its state and reduced gradients on its receipt thread, and the
+the cross-rank check (every rank checksums its state and reduced gradients on its receipt thread, and the
 ranks compare them at the next update) against none, as ``samestep train`` runs them. Two copies of the
 run take blocks of ``--steps`` steps alternately; the cost is the median of per-pair ratios.
 """

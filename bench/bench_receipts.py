@@ -4,7 +4,7 @@
 
 Two copies of the reference run (deterministic mode, one thread, as ``samestep train`` runs it) take
 blocks of ``--steps`` steps alternately in one process; one of them writes a receipt after each step
-(``samestep.receipts.ReceiptWriter``: the state digest on its own thread, the optimizer's next step
+(``samestep.receipts.ReceiptWriter``: the state checksum on its own thread, the optimizer's next step
 waiting for it), as ``samestep train`` does. The cost is the median of per-pair ratios; the training
 thread's own time is what it spends in the receipt calls and waiting for the receipt thread.
 """

@@ -1,18 +1,24 @@
-"""Receipts (format "samestep.receipts", version 1; docs/formats.md): one line per step, chained by hash.
+"""Receipts (format "samestep.receipts", version 2; docs/formats.md): one line per step, chained by hash.
 
-    RUN/receipts/rank_00000.jsonl   a header line, then one receipt per step:
-        {"step": 7, "state": <sha256>, "loss_hex": ..., "grad_norm_hex": ..., "prev": <hash>, "hash": <hash>}
+    RUN/receipts/rank_00000.jsonl   a header line naming the state hash, then one receipt per step:
+        {"step": 7, "state": <checksum>, "state_of": "run", "loss_hex": ..., "grad_norm_hex": ...,
+         "prev": <hash>, "hash": <hash>}
 
-``state`` is the digest of the state after the step's update (``_state.state_digest`` of the parameters,
-optimizer state, data cursor and step: what final.json and a restored checkpoint are digested as), and
-``hash`` is SHA-256 over the receipt without it, so each receipt vouches for every one before it and an
-edit anywhere breaks the chain from there on. The first ``prev`` is the run's genesis: a digest of its
-config and data, so two runs of one config and data (on any layout) have the same chain while they agree.
+``state`` is the state checksum (``checksums.state_checksum`` by the header's ``state_hash``) of the state
+after the step's update: the parameters, optimizer state, data cursor and step, what final.json's
+``state_checksum`` and a restored checkpoint are checksummed as; ``state_of`` says whether it is of the whole
+state ("run") or of the writing rank's shards ("rank"). ``hash`` is SHA-256 over the receipt without it, so
+each receipt vouches for every one before it and an edit anywhere breaks the chain from there on. The first
+``prev`` is the run's genesis: a digest of its config and data, so two runs of one config and data (on any
+layout) have the same chain while they agree. Version 1 (``state``: the SHA-256 state digest, ``state_of`` in
+the header) is read as version 2 with ``state_hash`` "sha256", and a run resumed on a version-1 file goes on
+writing version 1.
 
-The state is digested on a thread of its own while the next step's forward and backward run (they read
-the state, never change it); the optimizer's next ``step()`` waits for it (a pre-hook), so the digest is
+The state is checksummed on a thread of its own while the next step's forward and backward run (they read
+the state, never change it); the optimizer's next ``step()`` waits for it (a pre-hook), so the checksum is
 of the state as the receipt says. Rank 0 writes receipts of the whole state; under sharding each rank
-writes those of its own shards (``state_of: "rank"``).
+writes those of its own shards (``state_of: "rank"``). The cross-rank check's sums come from the same pass
+(``checksums.Checksums``): no tensor is hashed twice a step.
 """
 
 from __future__ import annotations
@@ -27,15 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from samestep._state import canonical_json, dotted, state_digest
+from samestep._state import canonical_json, dotted
+from samestep.checksums import STATE_HASH, STATE_HASHES, Checksums, state_checksum
 from samestep.durable import read_file, replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL, receipts_dir
 
 __all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "chain_break",
-           "check_restored", "genesis", "read_receipts", "read_run_receipts", "receipt_hash", "receipts_path",
-           "receipted_state", "truncate_receipts", "word_sums"]
+           "check_restored", "genesis", "read_receipts", "read_run_receipts", "receipt_hash",
+           "receipts_path", "receipted_state", "receipt_state_of", "state_hash_of", "truncate_receipts"]
 
-RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 1
+RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 2
 
 
 class ReceiptError(ValueError):
@@ -60,8 +67,8 @@ def receipt_hash(receipt: dict[str, Any]) -> str:
 
 
 def _local(tree: Any) -> Any:
-    """A state tree with each DTensor replaced by its local shard: digesting one must not start a collective
-    (this runs on a thread of its own, which joins none)."""
+    """A state tree with each DTensor replaced by its local shard: checksumming one must not start a
+    collective (the receipt thread joins none)."""
     if isinstance(tree, dict):
         return {k: _local(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
@@ -72,31 +79,15 @@ def _local(tree: Any) -> Any:
 
 @dataclass(slots=True)
 class StepSums:
-    """Checksums of one step's tensors for the cross-rank check, by group ("grads", "params") and name: the
-    sum of each tensor's 32-bit words (of its bytes, as int32) in int64. Any one flipped bit changes its
-    tensor's sum; the sums cost one pass over memory, about a tenth of a SHA-256."""
+    """Checksums of one step's tensors for the cross-rank check, by group ("grads", "params") and name
+    (``checksums.Checksums``, the pass the step's receipt shares)."""
 
     step: int
-    sums: dict[str, dict[str, int]] = field(default_factory=dict)
+    sums: dict[str, dict[str, str]] = field(default_factory=dict)
     digest: bytes = b""  # SHA-256 of the sums' JSON: what the ranks compare
 
     def __post_init__(self) -> None:
         self.digest = hashlib.sha256(json.dumps(self.sums).encode()).digest()
-
-
-def word_sums(named: list[tuple[str, Any]]) -> dict[str, int]:
-    """Each tensor's ``StepSums`` checksum, by name (DTensors by their local shard)."""
-    import torch
-
-    out = {}
-    for name, t in named:
-        t = _local(t).detach()
-        if t.numel() * t.element_size() % 4 == 0 and t.is_contiguous():
-            words = t.view(-1).view(torch.uint8).view(torch.int32)
-        else:  # sizes that are no whole number of words: their bytes
-            words = t.contiguous().view(-1).view(torch.uint8)
-        out[name] = int(words.sum(dtype=torch.int64))
-    return out
 
 
 class ReceiptWriter:
@@ -107,22 +98,30 @@ class ReceiptWriter:
     previous receipt (``watch``), and ``sync`` makes every receipt so far durable (before a checkpoint
     commits). A failure of the thread is raised on the training thread at the next wait. Without
     ``run_dir`` no receipt is made or written: the thread makes the cross-rank check's ``last`` sums alone (a
-    rank that keeps no receipts).
+    rank that keeps no receipts). ``hash``: the state hash of a new file (``checksums.state_hash_for`` the
+    state's device) and of the sums (every rank's alike); a file that exists keeps its own, and its version.
     """
 
     def __init__(self, run_dir: str | os.PathLike[str] | None, rank: int, first_prev: str, *,
-                 state_of: str = "run", start: int = 0) -> None:
+                 state_of: str = "run", start: int = 0, hash: str = STATE_HASH) -> None:
         self.path = receipts_path(run_dir, rank) if run_dir is not None else None
         self._file = None
+        self.hash, self.sums_hash, self.version, self.state_of = hash, hash, RECEIPTS_VERSION, state_of
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fresh = not self.path.exists() or self.path.stat().st_size == 0
+            if not fresh:  # a resumed run goes on in its file's format and hash
+                header, _ = read_receipts(self.path)
+                self.hash, self.version = state_hash_of(header), header["version"]
             self._file = open(self.path, "a", encoding="utf-8")
             if fresh:  # durable now: a run killed before its first checkpoint must still read as a run
                 self._file.write(json.dumps({"format": RECEIPTS_FORMAT, "version": RECEIPTS_VERSION, "rank": rank,
-                                             "state_of": state_of, "genesis": first_prev}, sort_keys=True) + "\n")
+                                             "state_hash": hash, "genesis": first_prev}, sort_keys=True) + "\n")
                 self._file.flush()
                 os.fsync(self._file.fileno())
+        for h in (self.hash, self.sums_hash):
+            if h not in STATE_HASHES:
+                raise ReceiptError(f"{self.path}: state hash {h!r} is not one of {', '.join(STATE_HASHES)}")
         self.prev, self.last_step = first_prev, start
         self.last: StepSums | None = None  # of the newest step given ``sums`` (read after ``wait``)
         self._error: BaseException | None = None
@@ -156,10 +155,15 @@ class ReceiptWriter:
         while (job := self._jobs.get()) is not None:
             fields, state, sums = job
             try:
+                memo = Checksums(self.hash)  # one pass over the step's tensors, shared by both
                 if sums is not None:
-                    self.last = StepSums(fields["step"], {group: word_sums(named) for group, named in sums.items()})
+                    of = memo if self.sums_hash == self.hash else Checksums(self.sums_hash)  # a version-1 file's
+                    self.last = StepSums(fields["step"], {group: of.named([(n, _local(t)) for n, t in named])
+                                                          for group, named in sums.items()})
                 if self._file is not None:
-                    receipt = {**fields, "state": state_digest(_local(state())), "prev": self.prev}
+                    receipt = {**fields, "state": state_checksum(_local(state()), self.hash, memo), "prev": self.prev}
+                    if self.version >= 2:
+                        receipt["state_of"] = self.state_of
                     receipt["hash"] = receipt_hash(receipt)
                     self._file.write(json.dumps(receipt, sort_keys=True) + "\n")  # flushed by sync
                     self.prev = receipt["hash"]
@@ -223,14 +227,29 @@ def read_receipts(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[di
         rows.append(row)
     if not rows or rows[0].get("format") != RECEIPTS_FORMAT:
         raise ReceiptError(f"{path}:1: not a receipts header (format {RECEIPTS_FORMAT!r})")
-    if rows[0].get("version") != RECEIPTS_VERSION:
-        raise ReceiptError(f"{path}:1: receipts version {rows[0].get('version')!r}; this samestep reads version "
-                           f"{RECEIPTS_VERSION}")
+    version = rows[0].get("version")
+    if version not in (1, RECEIPTS_VERSION) or isinstance(version, bool):
+        raise ReceiptError(f"{path}:1: receipts version {version!r}; this samestep reads versions 1 to "
+                           f"{RECEIPTS_VERSION} (a newer samestep wrote it: read it with that one)")
+    if version >= 2 and rows[0].get("state_hash") not in STATE_HASHES:
+        raise ReceiptError(f"{path}:1: state_hash {rows[0].get('state_hash')!r} is not one of "
+                           f"{', '.join(STATE_HASHES)}")
+    keys = ("step", "state", "loss_hex", "grad_norm_hex", "prev", "hash") + (("state_of",) if version >= 2 else ())
     for number, row in enumerate(rows[1:], 2):
-        for key in ("step", "state", "loss_hex", "grad_norm_hex", "prev", "hash"):
+        for key in keys:
             if key not in row:
                 raise ReceiptError(f"{path}:{number}: receipt without {key!r}")
     return rows[0], rows[1:]
+
+
+def state_hash_of(header: dict[str, Any]) -> str:
+    """The hash a receipts file's ``state`` fields are made with (version 1: the SHA-256 state digest)."""
+    return header.get("state_hash", "sha256") if header.get("version", 1) >= 2 else "sha256"
+
+
+def receipt_state_of(header: dict[str, Any], receipt: dict[str, Any]) -> str:
+    """What a receipt's ``state`` is of: "run" (the whole state) or "rank" (the writer's shards)."""
+    return receipt.get("state_of", header.get("state_of", "run"))
 
 
 def read_run_receipts(run_dir: str | os.PathLike[str]) -> dict[int, tuple[dict[str, Any], list[dict[str, Any]]]]:
@@ -319,11 +338,11 @@ def check_restored(run_dir: str | os.PathLike[str], rank: int, step: int, tree: 
     path = receipts_path(run_dir, rank)
     if not step or not path.exists():
         return
-    _, receipts = read_receipts(path)
+    header, receipts = read_receipts(path)
     receipt = next((r for r in receipts if r["step"] == step), None)
     if receipt is None:
         return
-    digest = state_digest(_local(tree))
+    digest = state_checksum(_local(tree), state_hash_of(header))
     if digest != receipt["state"]:
         raise ReceiptError(f"the checkpoint of step {step} restores state {digest[:16]}..., but {path} records "
                            f"{receipt['state'][:16]}... for that step: the checkpoint was changed after it was "

@@ -34,6 +34,7 @@ from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoin
 from samestep.distributed.agree import any_rank
 from samestep.protocol import agreed_stop, save_after_records
 from samestep.receipts import ReceiptWriter, check_restored, genesis, truncate_receipts
+from samestep.checksums import state_hash_for
 from samestep._state import state_digest
 from samestep.rundir import checked_run_dir, checkpoints_dir, declared_changes, hold, holds_run, record_declared
 
@@ -91,7 +92,7 @@ class Run:
             change in place, such as ``zero_grad(set_to_none=False)`` before they were digested, raises and
             names this option): what the reference loop does, and cheaper.
         receipts: append a receipt of every step to ``receipts/rank_RRRRR.jsonl`` (rank 0's; see
-            ``samestep.receipts``): the digest of the model, optimizer, scheduler and data cursor state after
+            ``samestep.receipts``): the checksum of the model, optimizer, scheduler and data cursor state after
             the update, the bits of the step's ``loss`` and ``grad_norm`` metrics (NaN where the loop records
             none), chained by hash. ``samestep receipts verify`` checks the chain and the checkpoints.
         config: what else the run holds fixed (a seed, a batch size: any JSON-able dict). With the model's
@@ -165,7 +166,9 @@ class Run:
                            optimizer.register_step_post_hook(self._after_update)]
             if keeps_receipts:
                 prev = truncate_receipts(self.run_dir, 0, self.start)
-                self._receipts = ReceiptWriter(self.run_dir, 0, prev or genesis({}, "samestep.Run"), start=self.start)
+                where = next((p.device for p in model.parameters()), torch.device("cpu"))
+                self._receipts = ReceiptWriter(self.run_dir, 0, prev or genesis({}, "samestep.Run"), start=self.start,
+                                               hash=state_hash_for(where))
                 self._receipts.watch(optimizer)  # the next update waits for the receipt of the last
         except BaseException:
             self.close()

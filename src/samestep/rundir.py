@@ -37,9 +37,10 @@ FINAL_FORMAT, FINAL_VERSION = "samestep.final", 1
 # is sharded, when the combine starts): a resume may change them, and `samestep diff` does not compare them.
 # (trace.perturb changes bits on purpose.)
 NUMERICS_NEUTRAL = frozenset({"train.checkpoint_every", "train.keep_checkpoints", "train.log_every",
-                              "train.exit_signals", "train.receipts", "train.cross_rank_check", "train.sdc_check_every",
-                              "train.sdc_action", "train.nonfinite", "determinism.env_mismatch", "parallel.fsdp", "parallel.overlap",
-                              "trace.level", "trace.steps", "trace.ranks", "trace.copy", "trace.worker"})
+                              "train.exit_signals", "train.receipts", "train.receipt_hash", "train.cross_rank_check",
+                              "train.sdc_check_every", "train.sdc_action", "train.nonfinite", "determinism.env_mismatch",
+                              "parallel.fsdp", "parallel.overlap", "trace.level", "trace.steps", "trace.ranks",
+                              "trace.copy", "trace.worker"})
 
 _PathLike = str | os.PathLike[str]
 
@@ -367,10 +368,15 @@ def last_logged_step(run_dir: _PathLike) -> int:
 
 
 # -- final.json ---------------------------------------------------------------------------------------------
-def final_doc(step: int, state_digest: str, loss: float, world_size: int) -> dict[str, Any]:
-    """final.json's contents: the last step, the final state digest, the last loss bits, the world size."""
-    return {"format": FINAL_FORMAT, "version": FINAL_VERSION, "step": step, "state_digest": state_digest,
-            "loss_hex": loss.hex(), "world_size": world_size}
+def final_doc(step: int, state_digest: str, loss: float, world_size: int,
+              state_checksum: dict[str, str] | None = None) -> dict[str, Any]:
+    """final.json's contents: the last step, the final state digest (SHA-256), the last loss bits, the world
+    size, and the final state's checksum by the receipts' hash (``{hash: value}``; none without receipts)."""
+    doc = {"format": FINAL_FORMAT, "version": FINAL_VERSION, "step": step, "state_digest": state_digest,
+           "loss_hex": loss.hex(), "world_size": world_size}
+    if state_checksum:
+        doc["state_checksum"] = state_checksum
+    return doc
 
 
 def write_final(run_dir: _PathLike, final: dict[str, Any]) -> None:

@@ -105,8 +105,8 @@ def test_cost_model_prices_the_combine_against_ddp():
 
 
 def test_receipt_and_check_benches_run():
-    """`bench/bench_receipts.py` and `bench/bench_checks.py` (one pair of one or two steps): ratios, and the
-    training thread's own time for the receipts."""
+    """`bench/bench_receipts.py`, `bench/bench_checks.py` and `bench/bench_production.py` (one pair of one or two
+    steps): ratios, the training thread's own time for the receipts, every side of the production bench."""
     proc = subprocess.run([sys.executable, "bench/bench_receipts.py", "--pairs", "1", "--steps", "1", "--json"],
                           capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
@@ -116,3 +116,9 @@ def test_receipt_and_check_benches_run():
                            "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["sdc_check_every=2"]["ratio_median"] > 0
+    proc = subprocess.run([sys.executable, "bench/bench_production.py", "--pairs", "1", "--steps", "1", "--json"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert set(result["sides"]) == {"plain", "deterministic", "+receipts", "production"}
+    assert result["sides"]["production"]["vs_plain"] > 0 and result["checksum"]["ns_per_byte"] > 0

@@ -362,7 +362,7 @@ def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "the checkpoint of step 8 restores state" in proc.stderr, proc.stderr[-2000:]
     proc = subprocess.run(train_cmd(run, *TINY, resume=True), capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 2 and "rank 0's shards digest" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 2 and "rank 0's shards checksum" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_a_stream_cut_at_a_batch_boundary_does_not_certify(tmp_path):

@@ -47,12 +47,14 @@ def runs(tmp_path_factory):
 
 
 def test_receipts_are_the_runs_state_and_survive_a_resume(runs):
-    """Every step has a receipt whose chain holds; the last one's state is final.json's digest; a resumed run's
-    receipts file is byte for byte the uninterrupted run's. Control: another seed's receipts differ from step 1."""
+    """Every step has a receipt (version 2, XXH3-128 state checksums of the whole state) whose chain holds; the
+    last one's state is final.json's checksum; a resumed run's receipts file is byte for byte the uninterrupted
+    run's. Control: another seed's receipts differ from step 1."""
     a, b, other = runs / "a", runs / "b", runs / "other"
-    receipts = _receipts(a)
-    assert [r["step"] for r in receipts] == list(range(1, 9))
-    assert receipts[-1]["state"] == json.loads((a / "final.json").read_text())["state_digest"]
+    header, receipts = read_receipts(a / "receipts" / "rank_00000.jsonl")
+    assert (header["version"], header["state_hash"]) == (2, "xxh3-128")
+    assert [r["step"] for r in receipts] == list(range(1, 9)) and {r["state_of"] for r in receipts} == {"run"}
+    assert receipts[-1]["state"] == json.loads((a / "final.json").read_text())["state_checksum"]["xxh3-128"]
     assert (a / "receipts" / "rank_00000.jsonl").read_bytes() == (b / "receipts" / "rank_00000.jsonl").read_bytes()
     assert _receipts(other)[0]["state"] != receipts[0]["state"]
     code, out, err = _cli("receipts", "verify", str(b))

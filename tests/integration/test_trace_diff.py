@@ -139,13 +139,13 @@ def test_one_process_against_fsdp2_compares_what_both_layouts_hold(tmp_path):
     report = diff_runs(tmp_path / "one", tmp_path / "fsdp")
     assert report["identical"], report["summary"]
     assert report["compared"]["trace_records"] == 0 and report["compared"]["final_state"]
-    assert report["compared"]["receipt_steps"] == 4 and not report["compared"]["receipt_state_digests"]
-    assert "state digests are of other shards" in report["summary"]
+    assert report["compared"]["receipt_steps"] == 4 and not report["compared"]["receipt_states"]
+    assert "states are of other shards" in report["summary"]
     assert any("other layouts" in n and "1 process;" in n and "FSDP2 shards" in n for n in report["notes"])
     planted = diff_runs(tmp_path / "one", tmp_path / "planted")
     assert planted["verdict"] == "diverged" and "final state digests differ" in planted["summary"]
     # bisect says the same: its receipts agree in loss and norm bits, their states are of other shards
     agreed = bisect_runs(tmp_path / "one", tmp_path / "fsdp")
-    assert agreed["identical"] and "state digests were not compared" in agreed["summary"]
+    assert agreed["identical"] and "state checksums were not compared" in agreed["summary"]
     caught = bisect_runs(tmp_path / "one", tmp_path / "planted")
     assert not caught["identical"] and "final state digests differ" in caught["summary"]

@@ -11,8 +11,8 @@ import samestep
 MAX_LINES = 500
 # docs/design.md, "Layers": bottom first. A module imports modules of its own layer or lower ones only.
 LAYERS = (
-    ("samestep.digests", "samestep.ops", "samestep.distributed", "samestep._state", "samestep.durable",
-     "samestep.version", "samestep.numerics"),
+    ("samestep.digests", "samestep.ops", "samestep.distributed", "samestep._state", "samestep.checksums",
+     "samestep.durable", "samestep.version", "samestep.numerics"),
     ("samestep.rng", "samestep.env", "samestep.mode", "samestep.data", "samestep.rundir", "samestep.testing",
      "samestep.preempt", "samestep.receipts"),
     ("samestep.checkpoint", "samestep.tracing"),

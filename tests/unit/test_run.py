@@ -257,4 +257,4 @@ def test_verify_refuses_a_loop_of_ones_own_and_receipts_verify_checks_its_checkp
 
     reseal(step_dir, "model.safetensors", flip_a_weight((step_dir / "model.safetensors").read_bytes()))
     assert main(["receipts", "verify", str(tmp_path / "run")]) == 1
-    assert "step_000004: its state digest" in capsys.readouterr().out
+    assert "step_000004: its state checksum" in capsys.readouterr().out

@@ -58,7 +58,7 @@ def test_a_diff_that_compared_nothing_is_not_identical(tmp_path, deterministic, 
     report = diff_runs(tmp_path / "a", tmp_path / "b")
     assert report["verdict"] == "nothing compared" and not report["identical"]
     assert report["compared"] == {"metric_steps": 0, "trace_records": 0, "ranks": 1, "final_state": False,
-                                  "receipt_steps": 0, "receipt_state_digests": False, "steps": "", "steps_held": ""}
+                                  "receipt_steps": 0, "receipt_states": False, "steps": "", "steps_held": ""}
     assert report["summary"].startswith("nothing compared:") and "no evidence" in report["summary"]
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     _loop(tmp_path / "c", steps="1-2", scale=2.0)

@@ -1,6 +1,6 @@
 """``samestep bisect RUN_A RUN_B``: from "they differ" to the op that diverged, with no trace chosen before.
 
-1. The first step whose receipts differ (loss, grad norm, then state digest; metrics.jsonl's bits where
+1. The first step whose receipts differ (loss, grad norm, then state checksum; metrics.jsonl's bits where
    a run has no receipts) is the step S where the runs' paths part.
 2. Both runs are replayed from their newest common checkpoint before S (from scratch if none), each on
    its own layout, into scratch directories, with every rank traced at op level on step S only.
@@ -49,8 +49,8 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
     if difference is None:
         finals = [final_digest(run_a), final_digest(run_b)]
         same = states or None in finals or finals[0] == finals[1]
-        agree = (f"{compared} step(s) agree in the receipts' loss and grad-norm bits, whose state digests were not "
-                 "compared (of other shards, or none)")
+        agree = (f"{compared} step(s) agree in the receipts' loss and grad-norm bits, whose state checksums were not "
+                 "compared (of other shards or hashes, or none)")
         if states:
             summary = f"identical: {compared} step(s) agree in every receipt"
         elif not same:

@@ -326,7 +326,7 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
         "verdict": verdict,
         "compared": {"metric_steps": metric_steps, "trace_records": records, "ranks": len(per_rank),
                      "final_state": final_compared, "receipt_steps": receipt_steps,
-                     "receipt_state_digests": receipt_states,
+                     "receipt_states": receipt_states,
                      "steps": format_selection(held[0]), "steps_held": format_selection(held[1])},
         "first_divergent_step": min([d.step for d in divs] + ([metric_diff["step"]] if metric_diff else [])
                                     + ([receipt_diff["step"]] if receipt_diff else []), default=None),
@@ -442,7 +442,8 @@ def _identical_summary(metric_steps: int, records: int, ranks: int, final_compar
     if metric_steps:
         parts.append(f"the metric bits of {metric_steps} step(s)")
     if receipt_steps:
-        what = "state digests" if receipt_states else "loss and grad-norm bits; their state digests are of other shards"
+        what = ("state checksums" if receipt_states else
+                "loss and grad-norm bits; their states are of other shards or hashes")
         parts.append(f"the receipts ({what}) of {receipt_steps} step(s)")
     if records:
         parts.append(f"{records} trace records on {ranks} rank(s)")

@@ -2,9 +2,9 @@
 
 Checked: each rank's chain (from the genesis of run.json's config and data), metrics.jsonl against rank 0's
 receipts (every step receipted, in order, with the receipt's loss and grad-norm bits), final.json against
-the last receipt (step, loss bits, state digest), and the newest checkpoint against the receipt of its
-step: its state, rebuilt from its files (each rank's shards where the run sharded it), digested as the
-run digests its state. A problem is named by file and step. Nothing to check (no receipt) is an input
+the last receipt (step, loss bits, state checksum), and the newest checkpoint against the receipt of its
+step: its state, rebuilt from its files (each rank's shards where the run sharded it), checksummed by the
+receipts' state hash. A problem is named by file and step. Nothing to check (no receipt) is an input
 error, not a pass.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from samestep._state import state_digest
+from samestep.checksums import state_checksum
 from samestep.durable import read_file
 from samestep.receipts import (
     ReceiptError,
@@ -21,10 +21,12 @@ from samestep.receipts import (
     genesis,
     read_receipts,
     read_run_receipts,
+    receipt_state_of,
     receipted_state,
     receipts_path,
+    state_hash_of,
 )
-from samestep.rundir import checkpoints_dir, final_path, layout_at, metrics_path, read_final, read_metrics, read_run
+from samestep.rundir import checkpoints_dir, final_path, metrics_path, read_final, read_metrics, read_run
 
 __all__ = ["check_receipts", "checkpoint_mismatches"]
 
@@ -35,7 +37,7 @@ def checkpoint_mismatches(run_dir: Path, step_dir: Path, chains: Chains, written
     """Where a checkpoint is not the state the run's receipts of its step record: for each rank that receipted
     it under the layout that wrote it, its part of the checkpoint (the whole state, on rank 0; or, of a sharded
     checkpoint, each rank's own shards) against its receipt. ``written_by`` is run.json's (whose state
-    the receipts digest: ``receipted_state``).
+    the receipts checksum: ``receipted_state``).
 
     Raises:
         CheckpointError: the checkpoint is damaged.
@@ -46,14 +48,23 @@ def checkpoint_mismatches(run_dir: Path, step_dir: Path, chains: Chains, written
     shards = shard_count(step_dir)
     problems = []
     for rank in range(shards) if shards else [0]:
-        receipt = next((r for r in chains.get(rank, ({}, []))[1] if r["step"] == step), None)
+        header, receipts = chains.get(rank, ({}, []))
+        receipt = next((r for r in receipts if r["step"] == step), None)
         if receipt is None:
             problems.append(f"{step_dir}: {receipts_path(run_dir, rank).name} holds no receipt of step {step}")
             continue
-        digest = state_digest(receipted_state(checkpoint_state(step_dir, rank if shards else None), written_by))
+        of = receipt.get("state_of")  # version 2 says; version 1's header may predate a change of layout
+        if of is not None and of != ("rank" if shards else "run"):
+            what = "the whole state" if of == "run" else "one rank's shards"
+            problems.append(f"{step_dir}: {receipts_path(run_dir, rank).name}'s receipt of step {step} is of "
+                            f"{what}, but the checkpoint is "
+                            f"{'sharded' if shards else 'whole'}: a checkpoint of another layout, or changed since")
+            continue
+        tree = receipted_state(checkpoint_state(step_dir, rank if shards else None), written_by)
+        digest = state_checksum(tree, state_hash_of(header))
         if digest != receipt["state"]:
             whose = f"rank {rank}'s shards" if shards else "its state"
-            problems.append(f"{step_dir}: {whose} digest {digest[:16]}... is not the receipt's of step {step} "
+            problems.append(f"{step_dir}: {whose} checksum {digest[:16]}... is not the receipt's of step {step} "
                             f"({receipt['state'][:16]}...): a checkpoint of another run, or changed since")
     return problems
 
@@ -80,16 +91,24 @@ def _check_metrics(run_dir: Path, by_step: dict[int, dict], last: int, finished:
     return []
 
 
-def _check_final(run_dir: Path, final: dict[str, Any], by_step: dict[int, dict], last: int, whole: bool) -> list[str]:
+def _check_final(run_dir: Path, final: dict[str, Any], header: dict[str, Any], by_step: dict[int, dict],
+                 last: int) -> tuple[list[str], str]:
+    """final.json against the last receipt; and what was compared."""
     path = final_path(run_dir)
     if final.get("step") != last:
-        return [f"{path}: says step {final.get('step')!r}, but the receipts end at step {last}"]
+        return [f"{path}: says step {final.get('step')!r}, but the receipts end at step {last}"], ""
     r = by_step[last]
     if final.get("loss_hex") != r["loss_hex"]:
-        return [f"{path}: its loss bits {final.get('loss_hex')!r} are not the receipt's of step {last}"]
-    if whole and r["state"] != final["state_digest"]:
-        return [f"{path}: its state digest is not the receipt's of step {last}"]
-    return []
+        return [f"{path}: its loss bits {final.get('loss_hex')!r} are not the receipt's of step {last}"], ""
+    if receipt_state_of(header, r) != "run":
+        return [], "final.json's step and loss bits against the last receipt (of one rank's shards: no state)"
+    hash_ = state_hash_of(header)
+    held = final["state_digest"] if hash_ == "sha256" else (final.get("state_checksum") or {}).get(hash_)
+    if held is None:
+        return [], f"final.json's step and loss bits against the last receipt (it holds no {hash_} state checksum)"
+    if r["state"] != held:
+        return [f"{path}: its state checksum ({hash_}) is not the receipt's of step {last}"], ""
+    return [], "final.json's step, loss bits and state against the last receipt"
 
 
 def check_receipts(run_dir: str | Path) -> dict[str, Any]:
@@ -123,17 +142,18 @@ def check_receipts(run_dir: str | Path) -> dict[str, Any]:
         elif receipts and receipts[0]["step"] != 1:
             problems.append(f"{path}: starts at step {receipts[0]['step']}, not 1")
     checked.append(f"the hash chain of {len(chains)} rank(s)")
-    _, receipts = chains.get(0, ({}, []))
+    header, receipts = chains.get(0, ({}, []))
     by_step = {r["step"]: r for r in receipts}
     last = receipts[-1]["step"] if receipts else 0
     final = read_final(run_dir)
-    whole = not layout_at(doc, last)["sharded"]
     if doc.get("written_by") != "samestep.trace" and last:  # samestep train writes metrics.jsonl
         problems += _check_metrics(run_dir, by_step, last, final is not None)
         checked.append(f"metrics.jsonl's steps 1-{last} against rank 0's receipts")
     if final is not None and last:
-        problems += _check_final(run_dir, final, by_step, last, whole)
-        checked.append("final.json against the last receipt")
+        found, what = _check_final(run_dir, final, header, by_step, last)
+        problems += found
+        if what:
+            checked.append(what)
     problems += _check_checkpoint(run_dir, doc, chains, checked)
     return {"ok": not problems, "problems": problems, "ranks": {str(k): v for k, v in sorted(ranks.items())},
             "checked": checked}

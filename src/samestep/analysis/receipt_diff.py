@@ -1,6 +1,6 @@
-"""The first step at which two runs' receipts differ: state digests where both are of the same state (the
-whole state, or shards over the same layout), loss and grad-norm bits always; metrics.jsonl's rows stand
-in for a run that wrote no receipts. What ``samestep verify`` compares a replay with, ``samestep bisect``
+"""The first step at which two runs' receipts differ: state checksums where both are of the same state (the
+whole state, or shards over the same layout) by the same hash, loss and grad-norm bits always;
+metrics.jsonl's rows stand in for a run that wrote no receipts. What ``samestep verify`` compares a replay with, ``samestep bisect``
 starts from and ``samestep diff`` reports as the first divergent step."""
 
 from __future__ import annotations
@@ -8,69 +8,86 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from samestep.receipts import read_run_receipts
+from samestep.receipts import read_run_receipts, receipt_state_of, state_hash_of
 from samestep.rundir import read_metrics
 
-__all__ = ["FIELDS", "compare_receipts", "first_receipt_difference", "receipts_compared"]
+__all__ = ["FIELDS", "by_rank", "compare_receipts", "first_receipt_difference", "receipts_compared"]
 
 FIELDS = ("loss_hex", "grad_norm_hex", "state")  # what a receipt says of its step, in the order it arises
 
 
-def first_receipt_difference(a: dict[str, list[dict]], b: dict[str, list[dict]], steps: range,
-                             fields: tuple[str, ...] = FIELDS) -> dict[str, Any] | None:
-    """The first step in ``steps`` (then the lowest rank) where two sets of receipts ({rank: receipts})
-    differ in a field: ``{"step", "rank", "fields", "a", "b"}``; None if they agree on every step both hold."""
+def by_rank(files: dict[int, tuple[dict, list[dict]]]) -> dict[str, list[dict]]:
+    """``read_run_receipts``'s files as ``{rank: receipts}``, each receipt with what its state is of
+    (``state_of``) and by which hash (``state_hash``): what ``first_receipt_difference`` compares."""
+    return {str(rank): [{**r, "state_of": receipt_state_of(header, r), "state_hash": state_hash_of(header)}
+                        for r in receipts] for rank, (header, receipts) in files.items()}
+
+
+def _states_comparable(ra: dict, rb: dict, same_ranks: bool) -> bool:
+    """Whether two receipts' states are of one thing by one hash: both of the whole state, or both of shards
+    over one set of ranks; a receipt without a state (a metrics row) is comparable with none."""
+    of = ra.get("state_of")
+    return (of is not None and of == rb.get("state_of") and ra.get("state_hash") == rb.get("state_hash")
+            and (of == "run" or same_ranks))
+
+
+def first_receipt_difference(a: dict[str, list[dict]], b: dict[str, list[dict]],
+                             steps: range) -> tuple[dict[str, Any] | None, int, int]:
+    """The first step in ``steps`` (then the lowest rank) where two sets of receipts (``by_rank``) differ in a
+    field, ``{"step", "rank", "fields", "a", "b"}`` (None if they agree on every step both hold); how many
+    (step, rank) pairs up to it were compared, and at how many of them their states were
+    (``_states_comparable``; loss and grad-norm bits always are)."""
     by = {side: {rank: {r["step"]: r for r in rs} for rank, rs in recs.items()} for side, recs in (("a", a), ("b", b))}
+    same_ranks, pairs, states = set(a) == set(b), 0, 0
     for step in steps:
         for rank in sorted(set(by["a"]) & set(by["b"]), key=int):
             ra, rb = by["a"][rank].get(step), by["b"][rank].get(step)
             if ra is None or rb is None:
                 continue
+            fields = FIELDS if _states_comparable(ra, rb, same_ranks) else FIELDS[:2]
+            pairs, states = pairs + 1, states + (len(fields) == len(FIELDS))
             differ = [f for f in fields if ra[f] != rb[f]]
             if differ:
                 return {"step": step, "rank": int(rank), "fields": differ, "a": {f: ra[f] for f in differ},
-                        "b": {f: rb[f] for f in differ}}
-    return None
+                        "b": {f: rb[f] for f in differ}}, pairs, states
+    return None, pairs, states
 
 
-def _records(run_dir: Path) -> tuple[dict[str, list[dict]], str]:
-    """A run's receipts ({rank: receipts}) and what they are of: "run" (the whole state, or a rank's shards,
-    "rank"), or metrics.jsonl's rows as receipts without a state ("metrics") where it wrote none."""
+def _records(run_dir: Path) -> tuple[dict[str, list[dict]], bool]:
+    """A run's receipts (``by_rank``), or metrics.jsonl's rows as receipts without a state where it wrote
+    none; and whether they are receipts."""
     files = read_run_receipts(run_dir)
     if files:
-        return ({str(rank): receipts for rank, (_, receipts) in files.items()},
-                files[max(files)][0].get("state_of", "run"))
+        return by_rank(files), True
     return {"0": [{"step": r["step"], "loss_hex": r.get("loss_hex"), "grad_norm_hex": r.get("grad_norm_hex")}
-                  for r in read_metrics(run_dir)]}, "metrics"
+                  for r in read_metrics(run_dir)]}, False
 
 
-def _compare(a: dict[str, list[dict]], of_a: str, b: dict[str, list[dict]],
-             of_b: str) -> tuple[dict[str, Any] | None, int, bool]:
-    states = of_a == of_b == "run" or (of_a == of_b == "rank" and set(a) == set(b))
+def _compare(a: dict[str, list[dict]], b: dict[str, list[dict]]) -> tuple[dict[str, Any] | None, int, bool]:
     common = {r["step"] for r in a.get("0", [])} & {r["step"] for r in b.get("0", [])}
     if not common:
         return None, 0, False
-    return (first_receipt_difference(a, b, range(1, max(common) + 1), FIELDS if states else FIELDS[:2]),
-            len(common), states)
+    difference, pairs, states = first_receipt_difference(a, b, range(1, max(common) + 1))
+    return difference, len(common), 0 < states == pairs
 
 
 def compare_receipts(run_a: Path, run_b: Path) -> tuple[dict[str, Any] | None, int, bool]:
     """The first differing step of two runs by their receipts (see the module docstring), how many steps
-    both hold, and whether their state digests were compared: where both are of the whole state, or both
-    of shards over the same layout; loss and grad-norm bits always."""
-    return _compare(*_records(run_a), *_records(run_b))
+    both hold, and whether their state checksums were compared at every one: where both are of the whole
+    state, or both of shards over the same layout, by one hash; loss and grad-norm bits always."""
+    return _compare(_records(run_a)[0], _records(run_b)[0])
 
 
 def receipts_compared(run_a: Path, run_b: Path,
                       steps: set[int] | None) -> tuple[dict[str, Any] | None, int, bool, list[set[int]]]:
     """What ``samestep diff`` takes from two runs' receipts files: the first step in ``steps`` (None: all) at
-    which they differ, how many steps both receipted, whether their state digests were compared, and each
+    which they differ, how many steps both receipted, whether their state checksums were compared, and each
     run's receipted steps (rank 0's; none without a receipts file). Raises ValueError for a damaged one."""
-    (a, of_a), (b, of_b) = _records(run_a), _records(run_b)
-    held = [set() if of == "metrics" else {r["step"] for r in recs.get("0", [])} for recs, of in ((a, of_a), (b, of_b))]
+    (a, has_a), (b, has_b) = _records(run_a), _records(run_b)
+    held = [{r["step"] for r in recs.get("0", [])} if has else set() for recs, has in ((a, has_a), (b, has_b))]
     if not all(held):
         return None, 0, False, held
-    difference, compared, states = _compare(a, of_a, b, of_b)
+    difference, compared, states = _compare(a, b)
     if difference is not None and steps is not None and difference["step"] not in steps:
         difference = None  # outside the steps asked for
     return difference, compared, states, held

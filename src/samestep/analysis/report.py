@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from samestep.analysis.diff import DiffError, diff_runs, load_metrics, load_run
-from samestep.receipts import read_run_receipts
+from samestep.receipts import read_run_receipts, receipt_state_of, state_hash_of
 
 __all__ = ["KIND_COLOURS", "make_report"]
 
@@ -48,15 +48,20 @@ def _png(fig: Any) -> bytes:
 
 def _rows(run: Path) -> tuple[list[dict[str, Any]], dict[int, str]]:
     """A run's per-step loss and grad-norm bits (metrics.jsonl's rows, or rank 0's receipts for a loop of
-    one's own, which writes no metrics.jsonl), and its state digest per step (rank 0's receipts; none
-    without)."""
+    one's own, which writes no metrics.jsonl), and its state checksum per step (rank 0's receipts; none
+    without) as "HASH:OF:VALUE": two compare only where their hash and what they are of agree (``_kind``)."""
     try:
-        receipts = read_run_receipts(run).get(0, ({}, []))[1]
+        header, receipts = read_run_receipts(run).get(0, ({}, []))
     except ValueError as e:  # a damaged receipts file
         raise DiffError(str(e)) from None
     rows = load_metrics(run) or [{"step": r["step"], "loss_hex": r["loss_hex"], "grad_norm_hex": r["grad_norm_hex"]}
                                  for r in receipts]
-    return rows, {r["step"]: r["state"] for r in receipts}
+    return rows, {r["step"]: f"{state_hash_of(header)}:{receipt_state_of(header, r)}:{r['state']}" for r in receipts}
+
+
+def _kind(state: str) -> str:
+    """A state entry's hash and what it is of (``_rows``)."""
+    return state.rsplit(":", 1)[0]
 
 
 def _title(divergent: int | None, diff: dict[str, Any] | None) -> str:
@@ -74,7 +79,7 @@ def _title(divergent: int | None, diff: dict[str, Any] | None) -> str:
 def _curves(figure: Any, names: list[str], metrics: list[list[dict[str, Any]]], states: list[dict[int, str]],
             divergent: int | None, title: str) -> bytes | None:
     """Loss and grad norm per step of each run, their relative difference from the first run, and where each
-    run's state digest is the first run's; the first divergent step marked. None if no run has metrics."""
+    run's state checksum is the first run's; the first divergent step marked. None if no run has metrics."""
     if not any(metrics):
         return None
     fig = figure(figsize=(8, 9.5))
@@ -110,7 +115,7 @@ def _curves(figure: Any, names: list[str], metrics: list[list[dict[str, Any]]], 
 
 
 def _states(ax: Any, names: list[str], states: list[dict[int, str]]) -> None:
-    """One row per run after the first: a mark at each step both receipted, grey where its state digest is the
+    """One row per run after the first: a mark at each step both receipted, grey where its state checksum is the
     first run's, red where it is not."""
     ax.set_yticks(range(1, len(names)))
     ax.set_yticklabels([f"{n} vs {names[0]}" if len(n) < 24 else f"run {k} vs run 0" for k, n in
@@ -121,7 +126,7 @@ def _states(ax: Any, names: list[str], states: list[dict[int, str]]) -> None:
                 ha="center", va="center", fontsize=8, color="#7f7f7f")
         return
     for k, mine in enumerate(states[1:], 1):
-        both = sorted(set(mine) & set(states[0]))
+        both = sorted(s for s in set(mine) & set(states[0]) if _kind(mine[s]) == _kind(states[0][s]))
         same = [s for s in both if mine[s] == states[0][s]]
         differ = [s for s in both if mine[s] != states[0][s]]
         for steps, colour, label in ((same, "#bbbbbb", "same state"), (differ, KIND_COLOURS["origin"], "other state")):
@@ -238,8 +243,8 @@ def make_report(runs: list[str | Path], out: str | Path, *, force: bool = False)
         png.write_bytes(data)
         pngs.append(str(png))
     out.write_text(_page([str(p) for p in paths], diff, diff_error, images), encoding="utf-8")
-    other_state = sorted(s for s, d in rows[1][1].items() if rows[0][1].get(s) not in (None, d)) if len(rows) > 1 \
-        else []
+    other_state = sorted(s for s, d in rows[1][1].items() if rows[0][1].get(s) not in (None, d)
+                         and _kind(rows[0][1][s]) == _kind(d)) if len(rows) > 1 else []
     return {"html": str(out), "pngs": pngs, "first_divergent_step": divergent,
             "verdict": diff["verdict"] if diff is not None else None, "diff_error": diff_error, "title": title,
             "state_differs_at": other_state[0] if other_state else None}

@@ -1,7 +1,7 @@
 """``samestep verify RUN [--steps A-B]``: replay a run's steps and compare every receipt, bit for bit.
 
 The replay starts from the run's newest checkpoint before step A (from scratch if it has none), runs to
-B in a scratch directory, and every receipt it writes (state digest, loss and grad-norm bits, each rank's
+B in a scratch directory, and every receipt it writes (state checksum, loss and grad-norm bits, each rank's
 where the state is sharded) must equal the one the run recorded. That lets anyone with the run
 directory check what it claims: that these checkpoints and metrics came from this config and data.
 """
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from samestep.analysis.receipt_check import checkpoint_mismatches
-from samestep.analysis.receipt_diff import first_receipt_difference
+from samestep.analysis.receipt_diff import by_rank, first_receipt_difference
 from samestep.analysis.replay import check_replayable, environment_differences, replay, replay_start
-from samestep.receipts import chain_break, read_run_receipts, receipts_path
+from samestep.receipts import chain_break, read_run_receipts, receipts_path, state_hash_of
 from samestep.checkpoint import step_dir_name
 from samestep.rundir import checkpoints_dir, read_run
 
@@ -25,10 +25,6 @@ __all__ = ["VerifyError", "verify_run"]
 
 class VerifyError(ValueError):
     """The run cannot be replayed as asked (no receipts, steps it does not hold, another environment)."""
-
-
-def _by_rank(files: dict[int, tuple[dict, list[dict]]]) -> dict[str, list[dict]]:
-    return {str(rank): receipts for rank, (_, receipts) in files.items()}
 
 
 def _foreign_checkpoint(run_dir: Path, doc: dict[str, Any], files: dict[int, tuple[dict, list[dict]]],
@@ -63,7 +59,7 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
     doc = read_run(run_dir)
     check_replayable(run_dir, doc)
     files = read_run_receipts(run_dir)
-    recorded = _by_rank(files)
+    recorded = by_rank(files)
     if not recorded:
         raise VerifyError(f"{run_dir / 'receipts'}: no receipts; the run wrote none (train.receipts=false), so "
                           "there is nothing to verify against")
@@ -79,7 +75,9 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
     scratch = keep if keep is not None else Path(tempfile.mkdtemp(prefix="samestep-verify-")) / "replay"
     notes = []
     try:
-        replay(run_dir, scratch, start, b, ("train.receipts=true",))  # a resume may have turned them off
+        # receipts on (a resume may have turned them off), by the run's own state hash
+        replay(run_dir, scratch, start, b, ("train.receipts=true",
+                                            f"train.receipt_hash={state_hash_of(files[min(files)][0])}"))
         env = environment_differences(doc, scratch)
         if env and not force:
             raise VerifyError(f"the replay ran in another environment than the run ({', '.join(sorted(env)[:4])}"
@@ -87,14 +85,16 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
                               "pass --force")
         if env:
             notes.append(f"environment differs (verified with --force): {', '.join(sorted(env))}")
-        replayed = _by_rank(read_run_receipts(scratch))
+        replayed = by_rank(read_run_receipts(scratch))
     finally:
         if keep is None:
             shutil.rmtree(scratch.parent, ignore_errors=True)
-    mismatch = first_receipt_difference(recorded, replayed, range(start + 1, b + 1))
-    compared = sum(1 for rank, rs in replayed.items() for r in rs if start < r["step"] <= b and rank in recorded)
+    mismatch, compared, states = first_receipt_difference(recorded, replayed, range(start + 1, b + 1))
+    if states < compared:
+        notes.append(f"the state was compared in {states} of {compared} receipts (the others are of another layout "
+                     "or hash): not reproduced in full")
     chain = {receipts_path(run_dir, rank).name: chain_break(header, receipts) or "holds"
              for rank, (header, receipts) in files.items()}
     holds = all(v == "holds" for v in chain.values())
-    return {"reproduced": mismatch is None and compared > 0 and holds, "steps": f"{a}-{b}", "replayed_from": start,
-            "compared": compared, "first_mismatch": mismatch, "chain": chain, "notes": notes}
+    return {"reproduced": mismatch is None and 0 < states == compared and holds, "steps": f"{a}-{b}",
+            "replayed_from": start, "compared": compared, "first_mismatch": mismatch, "chain": chain, "notes": notes}

@@ -10,7 +10,7 @@ from samestep.cli.errors import InputError
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("receipts", help="check a run's per-step receipts",
-                       description="Receipt tools. Every step of samestep train appends a receipt (the state digest "
+                       description="Receipt tools. Every step of samestep train appends a receipt (the state checksum "
                                    "after the update, loss and grad-norm bits) chained by hash.",
                        epilog="examples:\n  samestep receipts verify runs/a\n  samestep receipts verify runs/a --json",
                        formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -2,9 +2,9 @@
 
 - **Cross-rank check** (``train.cross_rank_check``, data parallel on more than one process): after the
   reduction every rank holds the same reduced gradients, and after the update the same parameters. Each
-  rank's receipt thread sums both (``receipts.StepSums``: one pass over memory); at the next optimizer
-  step the ranks compare them (one all-gather of a 32-byte digest of the sums; only a disagreement moves
-  the sums, to name the first tensor).
+  rank's receipt thread checksums both (``receipts.StepSums``, the pass its receipt shares); at the next
+  optimizer step the ranks compare them (one all-gather of a 32-byte digest of the sums; only a
+  disagreement moves the sums, to name the first tensor).
 - **Recompute check** (``train.sdc_check_every=N``): every N steps each rank runs one of its microbatches'
   forward and backward again, the first of a pair of the canonical tree (so ``p.grad`` holds its gradient
   alone), and compares loss and gradients bit for bit before the update.
@@ -71,7 +71,7 @@ def report_fault(message: str, step: int, run_dir: Path, action: str) -> None:
     raise FaultDetected(text)
 
 
-def _first_difference(mine: dict[str, int], theirs: dict[str, int]) -> str | None:
+def _first_difference(mine: dict[str, str], theirs: dict[str, str]) -> str | None:
     """The first tensor (in the model's parameter order) whose checksum differs."""
     return next((name for name, d in mine.items() if theirs.get(name) != d), None)
 
@@ -125,7 +125,7 @@ class CrossRankCheck:
             report_fault(self._describe(step, maps), step, self.run_dir, self.action)
 
     @staticmethod
-    def _describe(step: int, maps: list[dict[str, dict[str, int]]]) -> str:
+    def _describe(step: int, maps: list[dict[str, dict[str, str]]]) -> str:
         keys = [json.dumps(m, sort_keys=True) for m in maps]
         common, count = Counter(keys).most_common(1)[0]
         majority = count > len(keys) // 2

@@ -19,6 +19,7 @@ from typing import Any
 
 import tomllib
 
+from samestep.checksums import STATE_HASHES
 from samestep.data import SOURCES
 from samestep.durable import read_file
 from samestep.preempt import parse_signals
@@ -113,8 +114,12 @@ class TrainConfig:
     """Compile the model's forward (with its loss) with torch.compile (Inductor, deterministic mode); the
     optimizer step and the gradient reduction run eagerly."""
     receipts: bool = True
-    """Write a receipt of every step (src/samestep/receipts.py): the state digest after the update, the loss
+    """Write a receipt of every step (src/samestep/receipts.py): the state checksum after the update, the loss
     and grad-norm bits, chained by hash; what ``samestep verify``, ``bisect`` and ``receipts verify`` read."""
+    receipt_hash: str = "auto"
+    """The state checksum's hash in a new receipts file (src/samestep/checksums.py): 'auto' (xxh3-128 where
+    the state lies in host memory, samestep-digest-1 on an accelerator), or one of them, or 'sha256'; a
+    resumed run keeps its file's."""
     cross_rank_check: bool = True
     """Data parallel on several processes: compare every rank's reduced gradients and state each step
     (train/checks.py); a rank that disagrees stops the run."""
@@ -152,6 +157,9 @@ class TrainConfig:
             raise ValueError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r} must be 'auto', 'cpu' or 'cuda'")
+        if self.receipt_hash not in ("auto", *STATE_HASHES):
+            raise ValueError(f"train.receipt_hash={self.receipt_hash!r} must be 'auto' or one of "
+                             f"{', '.join(map(repr, STATE_HASHES))}")
         if self.sdc_action not in ("stop", "warn"):
             raise ValueError(f"train.sdc_action={self.sdc_action!r} must be 'stop' or 'warn'")
         if self.nonfinite not in ("stop", "continue"):

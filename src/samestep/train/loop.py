@@ -22,6 +22,7 @@ import torch
 
 from samestep import rng
 from samestep._state import state_digest
+from samestep.checksums import state_checksum, state_hash_for
 from samestep.checkpoint import save_checkpoint
 from samestep.data import DataCursor, load_corpus
 from samestep.distributed import AllReduceGradients, CanonicalGradients, any_rank, validate_layout
@@ -38,7 +39,7 @@ from samestep.distributed.norm import clip_grad_norm_
 from samestep.mode import DeterminismReport, disable, enable
 from samestep.preempt import StopRequest, parse_signals
 from samestep.protocol import agreed_stop, save_after_records
-from samestep.receipts import ReceiptWriter, genesis, truncate_receipts
+from samestep.receipts import ReceiptWriter, genesis, read_receipts, receipts_path, state_hash_of, truncate_receipts
 from samestep.rundir import (
     checked_run_dir,
     checkpoints_dir,
@@ -128,7 +129,7 @@ class Trainer:
         return ShardedModel(self.model), ShardedOptimizer(self.optimizer)
 
     def receipt_state(self, step: int) -> Callable[[], dict[str, Any]]:
-        """The state tree after ``step`` as ``run_state_digest`` reads it, made on the receipt thread. The
+        """The state tree after ``step`` as ``run_state`` makes it, made on the receipt thread. The
         optimizer's is taken here (the next step sets its groups' lr before its update); the model's there,
         but for a sharded run: FSDP2's ``state_dict`` swaps the module's parameters, which the next forward
         must not see."""
@@ -342,8 +343,12 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
     if end < t.steps:
         say(f"stopped after step {end} of {t.steps} (--stop-after); continue with --resume")
         return None
-    final = final_doc(t.steps, run_state_digest(*trainer.savable(), trainer.cursor, t.steps), loss_value,
-                      world)
+    tree = run_state(*trainer.savable(), trainer.cursor, t.steps)
+    checksum = None
+    if rank == 0 and t.receipts:  # by the hash of rank 0's receipts: receipts verify compares the two
+        hash_ = _receipt_hash(trainer, run_dir)
+        checksum = {hash_: state_checksum(tree, hash_)}
+    final = final_doc(t.steps, state_digest(tree), loss_value, world, checksum)
     if rank == 0:
         write_final(run_dir, final)
         elapsed = time.perf_counter() - t0
@@ -433,7 +438,8 @@ def _receipts(trainer: Trainer, run_dir: Path, start: int, dist_: Processes) -> 
     prev = truncate_receipts(run_dir, dist_.rank, start) if writes else None
     writer = ReceiptWriter(run_dir if writes else None, dist_.rank,
                            prev or genesis(trainer.cfg.to_dict(), trainer.corpus.fingerprint),
-                           state_of="rank" if trainer.sharded else "run", start=start)
+                           state_of="rank" if trainer.sharded else "run", start=start,
+                           hash=_configured_hash(trainer))
     writer.watch(trainer.optimizer)
     if not cross:
         return writer, None
@@ -443,8 +449,23 @@ def _receipts(trainer: Trainer, run_dir: Path, start: int, dist_: Processes) -> 
     return writer, check
 
 
-def run_state_digest(model: Any, optimizer: Any, cursor: DataCursor, step: int) -> str:
-    """The digest in ``final.json``: parameters, optimizer state, data cursor and step (of a sharded run:
-    its unsharded state, ``Trainer.savable``)."""
-    return state_digest({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                         "data_cursor": cursor.state_dict(), "step": step})
+def run_state(model: Any, optimizer: Any, cursor: DataCursor, step: int) -> dict[str, Any]:
+    """The state that ``final.json`` digests: parameters, optimizer state, data cursor and step (of a sharded
+    run: its unsharded state, ``Trainer.savable``)."""
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "data_cursor": cursor.state_dict(),
+            "step": step}
+
+
+def _configured_hash(trainer: Trainer) -> str:
+    """train.receipt_hash ('auto': by where the state lies): a new receipts file's, and every rank's for the
+    cross-rank check."""
+    chosen = trainer.cfg.train.receipt_hash
+    return state_hash_for(trainer.device) if chosen == "auto" else chosen
+
+
+def _receipt_hash(trainer: Trainer, run_dir: Path) -> str:
+    """The state hash of rank 0's receipts: its file's (a resumed run keeps it), else the configured one."""
+    path = receipts_path(run_dir, 0)
+    if path.exists() and path.stat().st_size:
+        return state_hash_of(read_receipts(path)[0])
+    return _configured_hash(trainer)
