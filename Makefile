@@ -38,6 +38,7 @@ bench: install
 	$(BIN)/python bench/bench_foundation.py
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py --fsdp
+	$(BIN)/python bench/bench_production.py
 	OMP_NUM_THREADS=1 $(BIN)/torchrun --standalone --nproc_per_node 2 bench/bench_checkpoint.py
 	$(BIN)/python bench/bench_receipts.py
 	$(BIN)/python bench/bench_checks.py

@@ -1,6 +1,6 @@
 """Production benchmark: everything samestep's default turns on, against plain PyTorch, side by side.
 
-    .venv/bin/python bench/bench_production.py [--preset small] [--pairs 9] [--steps 4] [--json]
+    .venv/bin/python bench/bench_production.py [--preset small] [--set K=V ...] [--pairs 9] [--steps 4] [--json]
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_production.py [--json]
 
 The sides are copies of the reference run (or ``--preset``) in one process (one per rank), taking blocks of
@@ -48,12 +48,13 @@ from bench_layout import ddp_step  # noqa: E402  (the DDP user's step, as bench_
 class Side:
     """One side: a trainer and the features on it."""
 
-    def __init__(self, name: str, preset: str | None, corpus, world: int, rank: int, tmp: Path) -> None:
+    def __init__(self, name: str, preset: str | None, settings: list[str], corpus, world: int, rank: int,
+                 tmp: Path) -> None:
         import torch.distributed as dist
 
         self.name, self.world = name, world
         deterministic = name != "plain"
-        cfg = load_config(None, [] if deterministic else ["determinism.enabled=false"], preset=preset)
+        cfg = load_config(None, [*settings, *([] if deterministic else ["determinism.enabled=false"])], preset=preset)
         self.parts = build(cfg, world=world, rank=rank, corpus=corpus)
         self.ddp = None
         if not deterministic and world > 1:
@@ -129,7 +130,7 @@ def _tensors(tree):
             yield from _tensors(v)
 
 
-def run(preset: str | None, pairs: int, steps: int) -> dict:
+def run(preset: str | None, settings: list[str], pairs: int, steps: int) -> dict:
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -139,7 +140,7 @@ def run(preset: str | None, pairs: int, steps: int) -> dict:
     corpus = load_corpus("stdlib")
     names = ["plain", "deterministic", "+receipts", *(["+cross_rank"] if world > 1 else []), "production"]
     with tempfile.TemporaryDirectory() as tmp:
-        sides = [Side(n, preset, corpus, world, rank, Path(tmp)) for n in names]
+        sides = [Side(n, preset, settings, corpus, world, rank, Path(tmp)) for n in names]
         for r in range(pairs + 1):
             order = sides[r % len(sides):] + sides[:r % len(sides)]
             for side in order:
@@ -148,10 +149,13 @@ def run(preset: str | None, pairs: int, steps: int) -> dict:
                 for side in sides:
                     side.times.clear()
                     side.cpu.clear()
+                    if side.writer is not None:
+                        side.writer.cpu_seconds = 0.0
         for side in sides:
             side.close()
     by = {s.name: s for s in sides}
-    result = {"preset": preset or "reference", "world_size": world, "pairs": pairs, "steps_per_side": steps,
+    result = {"preset": preset or "reference", "settings": settings, "world_size": world, "pairs": pairs,
+              "steps_per_side": steps,
               "params": sum(p.numel() for p in by["plain"].parts.model.parameters()), "sides": {}}
     for s in sides:
         entry = {"step_ms": round(1000 * statistics.median(s.times), 2),
@@ -162,6 +166,7 @@ def run(preset: str | None, pairs: int, steps: int) -> dict:
                 a / b for a, b in zip(s.times, by["deterministic"].times)), 4)
             entry["cpu_ms_over_deterministic"] = round(1000 * (statistics.median(s.cpu)
                                                               - statistics.median(by["deterministic"].cpu)), 2)
+            entry["receipt_thread_cpu_ms_per_step"] = round(1000 * s.writer.cpu_seconds / (pairs * steps), 3)
         result["sides"][s.name] = entry
     result["checksum"] = checksum_cost(by["deterministic"].parts)
     if world > 1:
@@ -172,21 +177,24 @@ def run(preset: str | None, pairs: int, steps: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default=None)
+    ap.add_argument("--set", dest="settings", action="append", default=[], metavar="K=V",
+                    help="a config setting for every side (e.g. train.global_batch=32)")
     ap.add_argument("--pairs", type=int, default=9)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    result = run(args.preset, args.pairs, args.steps)
+    result = run(args.preset, args.settings, args.pairs, args.steps)
     if not result:
         return 0
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{result['preset']} ({result['params']:,} parameters), {result['world_size']} process(es), median of "
+    print(f"{result['preset']} {' '.join(result['settings'])} ({result['params']:,} parameters), "
+          f"{result['world_size']} process(es), median of "
           f"{result['pairs']} rounds of {result['steps_per_side']} steps a side:")
     for name, e in result["sides"].items():
-        extra = (f", {e['vs_deterministic']:.4f}x of deterministic (+{e['cpu_ms_over_deterministic']} CPU ms)"
-                 if "vs_deterministic" in e else "")
+        extra = (f", {e['vs_deterministic']:.4f}x of deterministic (+{e['cpu_ms_over_deterministic']} CPU ms; "
+                 f"receipt thread {e['receipt_thread_cpu_ms_per_step']} CPU ms)" if "vs_deterministic" in e else "")
         print(f"  {name:14s} {e['step_ms']:8.2f} ms a step, {e['cpu_ms_per_step']:8.2f} CPU ms; "
               f"{e['vs_plain']:.4f}x of plain{extra}")
     c = result["checksum"]

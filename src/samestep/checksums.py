@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from samestep._state import canonical_json, flatten, sha256_tensor, state_digest, tensor_bytes
+from samestep._state import canonical_json, flatten, state_digest, tensor_bytes
 
 __all__ = ["DEVICE_STATE_HASH", "STATE_HASH", "STATE_HASHES", "Checksums", "state_checksum", "state_hash_for"]
 
@@ -37,11 +37,21 @@ def state_hash_for(device: torch.device | str) -> str:
     return STATE_HASH if torch.device(device).type == "cpu" else DEVICE_STATE_HASH
 
 
-def _xxh3(t: torch.Tensor) -> str:
+def _head(t: torch.Tensor) -> bytes:
+    return f"{t.dtype}|{tuple(t.shape)}|".encode()
+
+
+def _xxh3(head: bytes, data: memoryview) -> str:
     import xxhash
 
-    h = xxhash.xxh3_128(f"{t.dtype}|{tuple(t.shape)}|".encode())
-    h.update(tensor_bytes(t))
+    h = xxhash.xxh3_128(head)
+    h.update(data)  # the interpreter lock is released while it reads the bytes
+    return h.hexdigest()
+
+
+def _sha256(head: bytes, data: memoryview) -> str:
+    h = hashlib.sha256(head)
+    h.update(data)
     return h.hexdigest()
 
 
@@ -63,7 +73,6 @@ class Checksums:
 
     def of(self, tensors: Sequence[torch.Tensor]) -> list[str]:
         """Each tensor's checksum (hex), in order."""
-        tensors = [t.detach() for t in tensors]
         keys = [_key(t) for t in tensors]
         todo: dict[tuple, torch.Tensor] = {}
         for k, t in zip(keys, tensors):
@@ -74,10 +83,10 @@ class Checksums:
             if self.hash == DEVICE_STATE_HASH:  # batched on each device: one copy of the digests to the host
                 from samestep.digests import digest_many
 
-                self._memo.update(zip(todo, digest_many(list(todo.values()))))
+                self._memo.update(zip(todo, digest_many([t.detach() for t in todo.values()])))
             else:
-                one = _xxh3 if self.hash == STATE_HASH else sha256_tensor
-                self._memo.update((k, one(t)) for k, t in todo.items())
+                one = _xxh3 if self.hash == STATE_HASH else _sha256
+                self._memo.update((k, one(_head(t), tensor_bytes(t))) for k, t in todo.items())
         return [self._memo[k] for k in keys]
 
     def named(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str]:

@@ -28,6 +28,7 @@ import json
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,6 +125,7 @@ class ReceiptWriter:
                 raise ReceiptError(f"{self.path}: state hash {h!r} is not one of {', '.join(STATE_HASHES)}")
         self.prev, self.last_step = first_prev, start
         self.last: StepSums | None = None  # of the newest step given ``sums`` (read after ``wait``)
+        self.cpu_seconds = 0.0  # the receipt thread's CPU time, all steps: what the receipts take from the machine
         self._error: BaseException | None = None
         self._hooks: list[Any] = []
         # One thread for the writer's life, fed one step at a time: starting a thread a step costs more.
@@ -139,9 +141,9 @@ class ReceiptWriter:
 
     def add(self, step: int, state: Callable[[], Any] | None, loss: float, grad_norm: float,
             sums: dict[str, list[tuple[str, Any]]] | None = None) -> None:
-        """Starts the receipt of ``step``: ``state()`` is called and digested on the receipt thread (a writer
+        """Starts the receipt of ``step``: ``state()`` is called and checksummed on the receipt thread (a writer
         without a file takes None), and the tensors of ``sums`` (groups of named tensors that stay unchanged
-        until the next wait) are summed for ``last``."""
+        until the next wait) are checksummed for ``last``."""
         self.wait()
         if step != self.last_step + 1:
             raise ReceiptError(f"{self.path}: receipt of step {step} follows step {self.last_step}; steps are receipted "
@@ -154,6 +156,7 @@ class ReceiptWriter:
     def _serve(self) -> None:
         while (job := self._jobs.get()) is not None:
             fields, state, sums = job
+            began = time.thread_time()
             try:
                 memo = Checksums(self.hash)  # one pass over the step's tensors, shared by both
                 if sums is not None:
@@ -170,6 +173,7 @@ class ReceiptWriter:
             except BaseException as e:  # raised on the training thread at the next wait
                 self._error = e
             finally:
+                self.cpu_seconds += time.thread_time() - began
                 self._idle.set()
 
     def wait(self) -> None:

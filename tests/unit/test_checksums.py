@@ -63,22 +63,30 @@ def test_each_hash_is_the_function_formats_md_names():
 
 def test_one_pass_a_step_hashes_each_tensor_once(tmp_path, monkeypatch):
     """The receipt and the cross-rank sums of one step share one pass: a parameter in both (and again in the
-    state's dict) is hashed once; the next step hashes it again. Control: two separate Checksums hash it twice."""
-    seen: list[int] = []
-    real = checksums._xxh3
-    monkeypatch.setattr(checksums, "_xxh3", lambda t: seen.append(t.data_ptr()) or real(t))
+    state's dict) is hashed once a step, and again the next step: a weight changed in place between steps
+    changes its checksum to a fresh pass's. Control: two separate Checksums hash each parameter twice."""
+    hashed = []
+    real_hash = checksums._xxh3
+    monkeypatch.setattr(checksums, "_xxh3", lambda head, data: hashed.append(head) or real_hash(head, data))
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     writer = ReceiptWriter(tmp_path, 0, "g")
     named = list(model.named_parameters())
     grads = [(n, torch.ones_like(p)) for n, p in named]
-    for step in (1, 2):
+    sums = []
+    for step in (1, 2, 3):
+        if step == 3:
+            with torch.no_grad():
+                model.weight[0, 0] += 1.0
         writer.add(step, lambda: {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, 0.5,
                    1.0, {"grads": grads, "params": named})
         writer.wait()
+        sums.append(writer.last.sums["params"])
     writer.close()
     per_step = len(named) + len(grads)  # the state's tensors are the parameters themselves
-    assert len(seen) == 2 * per_step and len(set(seen[:per_step])) == per_step
+    assert len(hashed) == 3 * per_step
+    assert sums[0] == sums[1] and sums[2]["weight"] != sums[1]["weight"] and sums[2]["bias"] == sums[1]["bias"]
+    assert sums[2]["weight"] == Checksums().named(named)["weight"]
     both = Checksums(), Checksums()
     for memo in both:
         memo.of([p for _, p in named])
