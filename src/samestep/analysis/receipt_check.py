@@ -21,12 +21,11 @@ from samestep.receipts import (
     genesis,
     read_receipts,
     read_run_receipts,
-    receipt_state_of,
     receipted_state,
     receipts_path,
     state_hash_of,
 )
-from samestep.rundir import checkpoints_dir, final_path, metrics_path, read_final, read_metrics, read_run
+from samestep.rundir import checkpoints_dir, final_path, layout_at, metrics_path, read_final, read_metrics, read_run
 
 __all__ = ["check_receipts", "checkpoint_mismatches"]
 
@@ -92,15 +91,16 @@ def _check_metrics(run_dir: Path, by_step: dict[int, dict], last: int, finished:
 
 
 def _check_final(run_dir: Path, final: dict[str, Any], header: dict[str, Any], by_step: dict[int, dict],
-                 last: int) -> tuple[list[str], str]:
-    """final.json against the last receipt; and what was compared."""
+                 last: int, sharded: bool) -> tuple[list[str], str]:
+    """final.json against the last receipt; and what was compared. ``sharded``: the layout of the last step
+    (run.json's), what a version-1 receipt, which does not say what its state is of, is taken by."""
     path = final_path(run_dir)
     if final.get("step") != last:
         return [f"{path}: says step {final.get('step')!r}, but the receipts end at step {last}"], ""
     r = by_step[last]
     if final.get("loss_hex") != r["loss_hex"]:
         return [f"{path}: its loss bits {final.get('loss_hex')!r} are not the receipt's of step {last}"], ""
-    if receipt_state_of(header, r) != "run":
+    if r.get("state_of", "rank" if sharded else "run") != "run":
         return [], "final.json's step and loss bits against the last receipt (of one rank's shards: no state)"
     hash_ = state_hash_of(header)
     held = final["state_digest"] if hash_ == "sha256" else (final.get("state_checksum") or {}).get(hash_)
@@ -150,7 +150,7 @@ def check_receipts(run_dir: str | Path) -> dict[str, Any]:
         problems += _check_metrics(run_dir, by_step, last, final is not None)
         checked.append(f"metrics.jsonl's steps 1-{last} against rank 0's receipts")
     if final is not None and last:
-        found, what = _check_final(run_dir, final, header, by_step, last)
+        found, what = _check_final(run_dir, final, header, by_step, last, layout_at(doc, last)["sharded"])
         problems += found
         if what:
             checked.append(what)
