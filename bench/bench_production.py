@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 import samestep
+from samestep._state import flatten
 from samestep.checksums import Checksums
 from samestep.data import load_corpus
 from samestep.receipts import ReceiptWriter, genesis
@@ -52,7 +53,7 @@ class Side:
                  tmp: Path) -> None:
         import torch.distributed as dist
 
-        self.name, self.world = name, world
+        self.name = name
         deterministic = name != "plain"
         cfg = load_config(None, [*settings, *([] if deterministic else ["determinism.enabled=false"])], preset=preset)
         self.parts = build(cfg, world=world, rank=rank, corpus=corpus)
@@ -108,8 +109,9 @@ class Side:
 
 def checksum_cost(parts, repeats: int = 20) -> dict:
     """The state checksum's time per byte over the trainer's state (one pass, as the receipt thread makes it)."""
-    tree = parts.receipt_state(1)()
-    tensors = [t for t in _tensors(tree)]
+    named: dict[str, torch.Tensor] = {}
+    flatten(parts.receipt_state(1)(), "state", named)
+    tensors = list(named.values())
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     best = float("inf")
     for _ in range(repeats):
@@ -117,17 +119,6 @@ def checksum_cost(parts, repeats: int = 20) -> dict:
         Checksums().of(tensors)
         best = min(best, time.perf_counter() - t0)
     return {"state_bytes": nbytes, "ms": round(1000 * best, 3), "ns_per_byte": round(1e9 * best / nbytes, 4)}
-
-
-def _tensors(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _tensors(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _tensors(v)
 
 
 def run(preset: str | None, settings: list[str], pairs: int, steps: int) -> dict:

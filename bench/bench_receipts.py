@@ -107,9 +107,11 @@ def main() -> int:
     args = ap.parse_args()
     result = receipts_overhead(args.pairs, args.steps, args.variant)
     print(json.dumps(result) if args.json else
-          f"receipts ({args.variant}): {result['receipts_ratio_median']:.4f}x ({result['step_ms_receipts']} vs {result['step_ms_plain']} "
+          f"receipts ({args.variant}): {result['receipts_ratio_median']:.4f}x ({result['step_ms_receipts']} vs "
+          f"{result['step_ms_plain']} "
           f"ms a step, median of {args.pairs} pairs of {args.steps} steps); the training thread's own time "
-          f"{result['training_thread_ms']} ms a step, the receipt thread's CPU {result['receipt_thread_cpu_ms']} ms a step")
+          f"{result['training_thread_ms']} ms a step, the receipt thread's CPU {result['receipt_thread_cpu_ms']} ms "
+          "a step")
     return 0
 
 

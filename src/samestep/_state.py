@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -82,21 +83,23 @@ def sha256_tensor(t: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def state_digests(tree: Any) -> tuple[str, dict[str, str]]:
-    """``state_digest(tree)`` and each tensor's SHA-256 by name, in the tree's order (what a check that
-    finds two states differ names the first differing tensor by)."""
+def tree_digest(tree: Any, tensor_digests: Callable[[list[torch.Tensor]], list[str]],
+                new_hash: Callable[[bytes], Any]) -> str:
+    """A state tree's fingerprint (docs/formats.md): ``new_hash`` over its canonical JSON skeleton, then each
+    tensor's name, a zero byte and its hex digest by ``tensor_digests`` (all the tree's tensors in one call),
+    in name order."""
     tensors: dict[str, torch.Tensor] = {}
     skeleton = flatten(tree, "state", tensors)
-    each = {name: sha256_tensor(t) for name, t in tensors.items()}
-    h = hashlib.sha256(canonical_json(skeleton))
+    each = dict(zip(tensors, tensor_digests(list(tensors.values()))))
+    h = new_hash(canonical_json(skeleton))
     for name in sorted(each):
         h.update(name.encode() + b"\0" + each[name].encode())
-    return h.hexdigest(), each
+    return h.hexdigest()
 
 
 def state_digest(tree: Any) -> str:
     """SHA-256 over a state tree: its JSON structure and every tensor's dtype, shape and bytes."""
-    return state_digests(tree)[0]
+    return tree_digest(tree, lambda tensors: [sha256_tensor(t) for t in tensors], hashlib.sha256)
 
 
 def dotted(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from samestep._state import canonical_json, flatten, state_digest, tensor_bytes
+from samestep._state import sha256_tensor, tensor_bytes, tree_digest
 
 __all__ = ["DEVICE_STATE_HASH", "STATE_HASH", "STATE_HASHES", "Checksums", "state_checksum", "state_hash_for"]
 
@@ -37,21 +37,12 @@ def state_hash_for(device: torch.device | str) -> str:
     return STATE_HASH if torch.device(device).type == "cpu" else DEVICE_STATE_HASH
 
 
-def _head(t: torch.Tensor) -> bytes:
-    return f"{t.dtype}|{tuple(t.shape)}|".encode()
-
-
-def _xxh3(head: bytes, data: memoryview) -> str:
+def _xxh3(t: torch.Tensor) -> str:
+    """XXH3-128 over a tensor's dtype, shape and bytes, as ``_state.sha256_tensor`` takes them."""
     import xxhash
 
-    h = xxhash.xxh3_128(head)
-    h.update(data)  # the interpreter lock is released while it reads the bytes
-    return h.hexdigest()
-
-
-def _sha256(head: bytes, data: memoryview) -> str:
-    h = hashlib.sha256(head)
-    h.update(data)
+    h = xxhash.xxh3_128(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(tensor_bytes(t))  # the interpreter lock is released while it reads the bytes
     return h.hexdigest()
 
 
@@ -85,8 +76,8 @@ class Checksums:
 
                 self._memo.update(zip(todo, digest_many([t.detach() for t in todo.values()])))
             else:
-                one = _xxh3 if self.hash == STATE_HASH else _sha256
-                self._memo.update((k, one(_head(t), tensor_bytes(t))) for k, t in todo.items())
+                one = _xxh3 if self.hash == STATE_HASH else sha256_tensor
+                self._memo.update((k, one(t)) for k, t in todo.items())
         return [self._memo[k] for k in keys]
 
     def named(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str]:
@@ -98,20 +89,11 @@ def state_checksum(tree: Any, hash: str = STATE_HASH, memo: Checksums | None = N
     """The checksum of a state tree by ``hash``: its JSON structure and every tensor's checksum, by name.
     ``sha256`` is ``_state.state_digest`` exactly. ``memo``: the step's ``Checksums`` (of this hash), whose
     tensors are not hashed again."""
-    if hash == "sha256" and memo is None:
-        return state_digest(tree)
     memo = memo if memo is not None else Checksums(hash)
     if memo.hash != hash:
         raise ValueError(f"a {memo.hash} memo cannot make a {hash} state checksum")
-    tensors: dict[str, torch.Tensor] = {}
-    skeleton = flatten(tree, "state", tensors)
-    each = dict(zip(tensors, memo.of(list(tensors.values()))))
     if hash == "sha256":
-        h: Any = hashlib.sha256(canonical_json(skeleton))
-    else:
-        import xxhash
+        return tree_digest(tree, memo.of, hashlib.sha256)
+    import xxhash
 
-        h = xxhash.xxh3_128(canonical_json(skeleton))
-    for name in sorted(each):
-        h.update(name.encode() + b"\0" + each[name].encode())
-    return h.hexdigest()
+    return tree_digest(tree, memo.of, xxhash.xxh3_128)

@@ -19,8 +19,9 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSO
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
 
 
-def read_file(path: str | os.PathLike[str]) -> bytes:
-    """A regular file's bytes. The file is opened without blocking and checked before any read.
+def read_file(path: str | os.PathLike[str], first_line: bool = False) -> bytes:
+    """A regular file's bytes (``first_line``: up to and including its first newline, for a header). The file
+    is opened without blocking and checked before any read.
 
     Raises:
         NotAFile: it is something else, named with the fix; FileNotFoundError and the other OSErrors as
@@ -35,7 +36,7 @@ def read_file(path: str | os.PathLike[str]) -> bytes:
                            "file samestep wrote back in its place)")
         with os.fdopen(fd, "rb") as f:
             fd = -1
-            return f.read()
+            return f.readline() if first_line else f.read()
     finally:
         if fd >= 0:
             os.close(fd)

@@ -40,7 +40,7 @@ from samestep.durable import read_file, replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL, receipts_dir
 
 __all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "chain_break",
-           "check_restored", "genesis", "read_receipts", "read_run_receipts", "receipt_hash",
+           "check_restored", "genesis", "read_header", "read_receipts", "read_run_receipts", "receipt_hash",
            "receipts_path", "receipted_state", "receipt_state_of", "state_hash_of", "truncate_receipts"]
 
 RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 2
@@ -112,7 +112,7 @@ class ReceiptWriter:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fresh = not self.path.exists() or self.path.stat().st_size == 0
             if not fresh:  # a resumed run goes on in its file's format and hash
-                header, _ = read_receipts(self.path)
+                header = read_header(self.path)
                 self.hash, self.version = state_hash_of(header), header["version"]
             self._file = open(self.path, "a", encoding="utf-8")
             if fresh:  # durable now: a run killed before its first checkpoint must still read as a run
@@ -120,9 +120,8 @@ class ReceiptWriter:
                                              "state_hash": hash, "genesis": first_prev}, sort_keys=True) + "\n")
                 self._file.flush()
                 os.fsync(self._file.fileno())
-        for h in (self.hash, self.sums_hash):
-            if h not in STATE_HASHES:
-                raise ReceiptError(f"{self.path}: state hash {h!r} is not one of {', '.join(STATE_HASHES)}")
+        if hash not in STATE_HASHES:  # a file's own was checked as it was read
+            raise ReceiptError(f"{self.path}: state hash {hash!r} is not one of {', '.join(STATE_HASHES)}")
         self.prev, self.last_step = first_prev, start
         self.last: StepSums | None = None  # of the newest step given ``sums`` (read after ``wait``)
         self.cpu_seconds = 0.0  # the receipt thread's CPU time, all steps: what the receipts take from the machine
@@ -203,6 +202,43 @@ class ReceiptWriter:
                 self._file.close()
 
 
+def _text(path: Path, first_line: bool = False) -> str:
+    try:
+        return read_file(path, first_line).decode("utf-8")
+    except FileNotFoundError:
+        raise ReceiptError(f"{path}: missing; the run wrote no receipts (a run of samestep before receipts, or "
+                           "not a samestep run directory)") from None
+    except UnicodeDecodeError as e:
+        raise ReceiptError(f"{path}: not UTF-8 text ({e})") from None
+
+
+def _checked_header(path: Path, row: Any) -> dict[str, Any]:
+    """A receipts file's first line, parsed, as this samestep reads it."""
+    if not isinstance(row, dict) or row.get("format") != RECEIPTS_FORMAT:
+        raise ReceiptError(f"{path}:1: not a receipts header (format {RECEIPTS_FORMAT!r})")
+    version = row.get("version")
+    if version not in (1, RECEIPTS_VERSION) or isinstance(version, bool):
+        raise ReceiptError(f"{path}:1: receipts version {version!r}; this samestep reads versions 1 to "
+                           f"{RECEIPTS_VERSION} (a newer samestep wrote it: read it with that one)")
+    if version >= 2 and row.get("state_hash") not in STATE_HASHES:
+        raise ReceiptError(f"{path}:1: state_hash {row.get('state_hash')!r} is not one of {', '.join(STATE_HASHES)}")
+    return row
+
+
+def read_header(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A receipts file's header alone (its first line: the rest is not read).
+
+    Raises:
+        ReceiptError: as ``read_receipts`` for its first line.
+    """
+    path = Path(path)
+    try:
+        row = json.loads(_text(path, first_line=True))
+    except json.JSONDecodeError:
+        raise ReceiptError(f"{path}:1: not valid JSON") from None
+    return _checked_header(path, row)
+
+
 def read_receipts(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """A receipts file's header and receipts, up to a torn last line of a killed run.
 
@@ -211,13 +247,7 @@ def read_receipts(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[di
             naming the file and line.
     """
     path = Path(path)
-    try:
-        lines = read_file(path).decode("utf-8").splitlines()
-    except FileNotFoundError:
-        raise ReceiptError(f"{path}: missing; the run wrote no receipts (a run of samestep before receipts, or "
-                           "not a samestep run directory)") from None
-    except UnicodeDecodeError as e:
-        raise ReceiptError(f"{path}: not UTF-8 text ({e})") from None
+    lines = _text(path).splitlines()
     rows = []
     for number, line in enumerate(lines, 1):
         try:
@@ -229,21 +259,14 @@ def read_receipts(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[di
         if not isinstance(row, dict):
             raise ReceiptError(f"{path}:{number}: {line[:60]!r} is not a table")
         rows.append(row)
-    if not rows or rows[0].get("format") != RECEIPTS_FORMAT:
-        raise ReceiptError(f"{path}:1: not a receipts header (format {RECEIPTS_FORMAT!r})")
-    version = rows[0].get("version")
-    if version not in (1, RECEIPTS_VERSION) or isinstance(version, bool):
-        raise ReceiptError(f"{path}:1: receipts version {version!r}; this samestep reads versions 1 to "
-                           f"{RECEIPTS_VERSION} (a newer samestep wrote it: read it with that one)")
-    if version >= 2 and rows[0].get("state_hash") not in STATE_HASHES:
-        raise ReceiptError(f"{path}:1: state_hash {rows[0].get('state_hash')!r} is not one of "
-                           f"{', '.join(STATE_HASHES)}")
-    keys = ("step", "state", "loss_hex", "grad_norm_hex", "prev", "hash") + (("state_of",) if version >= 2 else ())
+    header = _checked_header(path, rows[0] if rows else None)
+    keys = ("step", "state", "loss_hex", "grad_norm_hex", "prev", "hash")
+    keys += ("state_of",) if header["version"] >= 2 else ()
     for number, row in enumerate(rows[1:], 2):
         for key in keys:
             if key not in row:
                 raise ReceiptError(f"{path}:{number}: receipt without {key!r}")
-    return rows[0], rows[1:]
+    return header, rows[1:]
 
 
 def state_hash_of(header: dict[str, Any]) -> str:

@@ -1,7 +1,7 @@
 """The first step at which two runs' receipts differ: state checksums where both are of the same state (the
 whole state, or shards over the same layout) by the same hash, loss and grad-norm bits always;
-metrics.jsonl's rows stand in for a run that wrote no receipts. What ``samestep verify`` compares a replay with, ``samestep bisect``
-starts from and ``samestep diff`` reports as the first divergent step."""
+metrics.jsonl's rows stand in for a run that wrote no receipts. What ``samestep verify`` compares a replay
+with, ``samestep bisect`` starts from and ``samestep diff`` reports as the first divergent step."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from typing import Any
 from samestep.receipts import read_run_receipts, receipt_state_of, state_hash_of
 from samestep.rundir import read_metrics
 
-__all__ = ["FIELDS", "by_rank", "compare_receipts", "first_receipt_difference", "receipts_compared"]
+__all__ = ["FIELDS", "by_rank", "compare_receipts", "first_receipt_difference", "receipts_compared",
+           "states_comparable"]
 
 FIELDS = ("loss_hex", "grad_norm_hex", "state")  # what a receipt says of its step, in the order it arises
 
@@ -23,7 +24,7 @@ def by_rank(files: dict[int, tuple[dict, list[dict]]]) -> dict[str, list[dict]]:
                         for r in receipts] for rank, (header, receipts) in files.items()}
 
 
-def _states_comparable(ra: dict, rb: dict, same_ranks: bool) -> bool:
+def states_comparable(ra: dict, rb: dict, same_ranks: bool) -> bool:
     """Whether two receipts' states are of one thing by one hash: both of the whole state, or both of shards
     over one set of ranks; a receipt without a state (a metrics row) is comparable with none."""
     of = ra.get("state_of")
@@ -36,7 +37,7 @@ def first_receipt_difference(a: dict[str, list[dict]], b: dict[str, list[dict]],
     """The first step in ``steps`` (then the lowest rank) where two sets of receipts (``by_rank``) differ in a
     field, ``{"step", "rank", "fields", "a", "b"}`` (None if they agree on every step both hold); how many
     (step, rank) pairs up to it were compared, and at how many of them their states were
-    (``_states_comparable``; loss and grad-norm bits always are)."""
+    (``states_comparable``; loss and grad-norm bits always are)."""
     by = {side: {rank: {r["step"]: r for r in rs} for rank, rs in recs.items()} for side, recs in (("a", a), ("b", b))}
     same_ranks, pairs, states = set(a) == set(b), 0, 0
     for step in steps:
@@ -44,7 +45,7 @@ def first_receipt_difference(a: dict[str, list[dict]], b: dict[str, list[dict]],
             ra, rb = by["a"][rank].get(step), by["b"][rank].get(step)
             if ra is None or rb is None:
                 continue
-            fields = FIELDS if _states_comparable(ra, rb, same_ranks) else FIELDS[:2]
+            fields = FIELDS if states_comparable(ra, rb, same_ranks) else FIELDS[:2]
             pairs, states = pairs + 1, states + (len(fields) == len(FIELDS))
             differ = [f for f in fields if ra[f] != rb[f]]
             if differ:

@@ -20,10 +20,11 @@ import base64
 import html
 import io
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from samestep.analysis.diff import DiffError, diff_runs, load_metrics, load_run
-from samestep.receipts import read_run_receipts, receipt_state_of, state_hash_of
+from samestep.analysis.receipt_diff import by_rank, states_comparable
+from samestep.receipts import read_run_receipts
 
 __all__ = ["KIND_COLOURS", "make_report"]
 
@@ -46,22 +47,35 @@ def _png(fig: Any) -> bytes:
     return buf.getvalue()
 
 
-def _rows(run: Path) -> tuple[list[dict[str, Any]], dict[int, str]]:
+class _States(NamedTuple):
+    """A run's receipted ranks, and rank 0's receipts by step (``receipt_diff.by_rank``'s)."""
+
+    ranks: set[int]
+    by_step: dict[int, dict[str, Any]]
+
+
+def _rows(run: Path) -> tuple[list[dict[str, Any]], _States]:
     """A run's per-step loss and grad-norm bits (metrics.jsonl's rows, or rank 0's receipts for a loop of
-    one's own, which writes no metrics.jsonl), and its state checksum per step (rank 0's receipts; none
-    without) as "HASH:OF:VALUE": two compare only where their hash and what they are of agree (``_kind``)."""
+    one's own, which writes no metrics.jsonl), and its receipts' states (none without)."""
     try:
-        header, receipts = read_run_receipts(run).get(0, ({}, []))
+        files = read_run_receipts(run)
     except ValueError as e:  # a damaged receipts file
         raise DiffError(str(e)) from None
+    receipts = by_rank(files).get("0", [])
     rows = load_metrics(run) or [{"step": r["step"], "loss_hex": r["loss_hex"], "grad_norm_hex": r["grad_norm_hex"]}
                                  for r in receipts]
-    return rows, {r["step"]: f"{state_hash_of(header)}:{receipt_state_of(header, r)}:{r['state']}" for r in receipts}
+    return rows, _States(set(files), {r["step"]: r for r in receipts})
 
 
-def _kind(state: str) -> str:
-    """A state entry's hash and what it is of (``_rows``)."""
-    return state.rsplit(":", 1)[0]
+def _same_and_other(mine: _States, first: _States) -> tuple[list[int], list[int]]:
+    """The steps both runs receipted with states of one thing by one hash (``receipt_diff.states_comparable``):
+    those where they are the same, and those where they differ."""
+    same, other = [], []
+    for step in sorted(set(mine.by_step) & set(first.by_step)):
+        a, b = mine.by_step[step], first.by_step[step]
+        if states_comparable(a, b, mine.ranks == first.ranks):
+            (same if a["state"] == b["state"] else other).append(step)
+    return same, other
 
 
 def _title(divergent: int | None, diff: dict[str, Any] | None) -> str:
@@ -76,7 +90,7 @@ def _title(divergent: int | None, diff: dict[str, Any] | None) -> str:
             f"({found['phase']}), rank {found['rank']}, step {found['step']}")
 
 
-def _curves(figure: Any, names: list[str], metrics: list[list[dict[str, Any]]], states: list[dict[int, str]],
+def _curves(figure: Any, names: list[str], metrics: list[list[dict[str, Any]]], states: list[_States],
             divergent: int | None, title: str) -> bytes | None:
     """Loss and grad norm per step of each run, their relative difference from the first run, and where each
     run's state checksum is the first run's; the first divergent step marked. None if no run has metrics."""
@@ -114,21 +128,19 @@ def _curves(figure: Any, names: list[str], metrics: list[list[dict[str, Any]]], 
     return _png(fig)
 
 
-def _states(ax: Any, names: list[str], states: list[dict[int, str]]) -> None:
+def _states(ax: Any, names: list[str], states: list[_States]) -> None:
     """One row per run after the first: a mark at each step both receipted, grey where its state checksum is the
     first run's, red where it is not."""
     ax.set_yticks(range(1, len(names)))
     ax.set_yticklabels([f"{n} vs {names[0]}" if len(n) < 24 else f"run {k} vs run 0" for k, n in
                         enumerate(names[1:], 1)], fontsize=7)
     ax.set_ylim(0.5, max(len(names) - 0.5, 1.5))
-    if not states or not states[0]:
+    if not states or not states[0].by_step:
         ax.text(0.5, 0.5, "no receipts: the state after each step is not known", transform=ax.transAxes,
                 ha="center", va="center", fontsize=8, color="#7f7f7f")
         return
     for k, mine in enumerate(states[1:], 1):
-        both = sorted(s for s in set(mine) & set(states[0]) if _kind(mine[s]) == _kind(states[0][s]))
-        same = [s for s in both if mine[s] == states[0][s]]
-        differ = [s for s in both if mine[s] != states[0][s]]
+        same, differ = _same_and_other(mine, states[0])
         for steps, colour, label in ((same, "#bbbbbb", "same state"), (differ, KIND_COLOURS["origin"], "other state")):
             if steps:  # no legend entry (in red) for what is not there
                 ax.scatter(steps, [k] * len(steps), marker="s", color=colour, s=18, label=label)
@@ -243,8 +255,7 @@ def make_report(runs: list[str | Path], out: str | Path, *, force: bool = False)
         png.write_bytes(data)
         pngs.append(str(png))
     out.write_text(_page([str(p) for p in paths], diff, diff_error, images), encoding="utf-8")
-    other_state = sorted(s for s, d in rows[1][1].items() if rows[0][1].get(s) not in (None, d)
-                         and _kind(rows[0][1][s]) == _kind(d)) if len(rows) > 1 else []
+    other_state = _same_and_other(rows[1][1], rows[0][1])[1] if len(rows) > 1 else []
     return {"html": str(out), "pngs": pngs, "first_divergent_step": divergent,
             "verdict": diff["verdict"] if diff is not None else None, "diff_error": diff_error, "title": title,
             "state_differs_at": other_state[0] if other_state else None}

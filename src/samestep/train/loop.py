@@ -39,7 +39,7 @@ from samestep.distributed.norm import clip_grad_norm_
 from samestep.mode import DeterminismReport, disable, enable
 from samestep.preempt import StopRequest, parse_signals
 from samestep.protocol import agreed_stop, save_after_records
-from samestep.receipts import ReceiptWriter, genesis, read_receipts, receipts_path, state_hash_of, truncate_receipts
+from samestep.receipts import ReceiptWriter, genesis, read_header, receipts_path, state_hash_of, truncate_receipts
 from samestep.rundir import (
     checked_run_dir,
     checkpoints_dir,
@@ -467,5 +467,5 @@ def _receipt_hash(trainer: Trainer, run_dir: Path) -> str:
     """The state hash of rank 0's receipts: its file's (a resumed run keeps it), else the configured one."""
     path = receipts_path(run_dir, 0)
     if path.exists() and path.stat().st_size:
-        return state_hash_of(read_receipts(path)[0])
+        return state_hash_of(read_header(path))
     return _configured_hash(trainer)
