@@ -101,6 +101,53 @@ def train_here(run_dir: Path, *settings: str, resume: bool = False, stop_after: 
                  out=lambda _line: None)
 
 
+def cli_here(*argv: str) -> subprocess.CompletedProcess:
+    """Runs ``samestep *argv`` in this process (no interpreter start to pay): its exit code and what it
+    printed, as ``subprocess.run(..., capture_output=True, text=True)`` gives them. For commands whose
+    claim needs no fresh process, kill or several ranks."""
+    import contextlib
+    import io
+
+    from samestep.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    return subprocess.CompletedProcess(["samestep", *argv], code, out.getvalue(), err.getvalue())
+
+
+def script_here(path: Path, *argv: str) -> subprocess.CompletedProcess:
+    """Runs a script as ``python path *argv`` would (``__main__``, its ``sys.argv``), in this process: its
+    exit code and what it printed. For runs that need no fresh process, kill or signal."""
+    import contextlib
+    import io
+    import runpy
+
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    saved = sys.argv
+    sys.argv = [str(path), *argv]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(str(path), run_name="__main__")
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.argv = saved
+    return subprocess.CompletedProcess([str(path), *argv], code, out.getvalue(), err.getvalue())
+
+
+def spawn(fn, args: tuple, nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(fn, args, nprocs)``, its processes forked from a server that imported
+    torch, samestep and ``fn``'s module once (each spawned interpreter would import them again, seconds
+    apiece). The server imports and never computes, so no thread pool is forked."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "samestep", fn.__module__])
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def side_by_side(*calls):
     """Runs independent ``samestep train`` runs (callables, each starting its own processes) at once: on a
     2-core machine two single-threaded runs take the time of one. Their results, in order."""

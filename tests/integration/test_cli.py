@@ -8,16 +8,17 @@ import sys
 
 import pytest
 
-from tests.conftest import TINY
+from tests.conftest import TINY, cli_here, train_here
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
+    """The command in a fresh process, as a user runs it."""
     return subprocess.run([sys.executable, "-m", "samestep", *args], capture_output=True, text=True, timeout=600)
 
 
 def test_env_json_is_the_fingerprint():
     """`samestep env --json` prints the fingerprint as JSON (exit 0)."""
-    proc = _cli("env", "--json")
+    proc = cli_here("env", "--json")
     assert proc.returncode == 0 and "torch.version" in json.loads(proc.stdout)
 
 
@@ -26,7 +27,7 @@ def test_usage_errors_exit_2_without_traceback(tmp_path):
     for args, needle in ((("train", "--run-dir", str(tmp_path / "r"), "--set", "train.steps=x"), "train.steps='x'"),
                          (("checkpoint", "verify", str(tmp_path / "nope")), "does not exist"),
                          (("train", "--run-dir", str(tmp_path / "r"), "--nproc", "0"), "--nproc=0")):
-        proc = _cli(*args)
+        proc = cli_here(*args)
         assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, args
 
 
@@ -58,23 +59,22 @@ def test_checkpoint_verify_takes_a_run_directory(tmp_path):
     """`samestep checkpoint verify RUN` checks RUN/checkpoints (it is not reported corrupt). Negative
     control: a damaged checkpoint there is still caught (exit 1)."""
     run = tmp_path / "run"
-    subprocess.run([sys.executable, "-m", "samestep", "train", "--run-dir", str(run), *[
-        x for s in (*TINY, "train.steps=2", "train.checkpoint_every=1") for x in ("--set", s)]],
-        check=True, capture_output=True, timeout=600)
-    proc = _cli("checkpoint", "verify", str(run))
+    train_here(run, *TINY, "train.steps=2", "train.checkpoint_every=1")
+    proc = cli_here("checkpoint", "verify", str(run))
     assert proc.returncode == 0 and proc.stdout.startswith(f"intact: {run / 'checkpoints' / 'step_000002'}")
     blob = run / "checkpoints" / "step_000002" / "model.safetensors"
     data = bytearray(blob.read_bytes())
     data[-1] ^= 1
     blob.write_bytes(bytes(data))
-    proc = _cli("checkpoint", "verify", str(run))
+    proc = cli_here("checkpoint", "verify", str(run))
     assert proc.returncode == 1 and proc.stdout.startswith("CORRUPT")
 
 
 def test_unsupported_layout_is_refused_at_start(tmp_path):
-    """3 processes over 4 microbatches is refused before training, naming supported process counts."""
-    proc = _cli("train", "--run-dir", str(tmp_path / "r"), "--nproc", "3", *[x for s in TINY for x in ("--set", s)])
-    assert proc.returncode != 0 and "do not split over 3 processes" in proc.stderr
+    """3 processes over 4 microbatches is refused before any process starts (one line, exit 2), naming
+    supported process counts."""
+    proc = cli_here("train", "--run-dir", str(tmp_path / "r"), "--nproc", "3", *[x for s in TINY for x in ("--set", s)])
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "do not split over 3 processes" in proc.stderr
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import cli_here, script_here
+
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "own_loop.py"
 
@@ -22,9 +24,15 @@ def _together(*runs: tuple[Path, tuple[str, ...], int]) -> list[str]:
     return out
 
 
+def _here(run_dir: Path, *args: str) -> str:
+    """The example run to its end in this process; its digest."""
+    done = script_here(EXAMPLE, str(run_dir), *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip()
+
+
 def _diff(a: Path, b: Path) -> int:
-    return subprocess.run([sys.executable, "-m", "samestep", "diff", str(a), str(b)], capture_output=True,
-                          timeout=300).returncode
+    return cli_here("diff", str(a), str(b)).returncode
 
 
 def test_the_readme_shows_the_quick_start_as_it_is_and_it_runs_as_printed(tmp_path):
@@ -37,8 +45,8 @@ def test_the_readme_shows_the_quick_start_as_it_is_and_it_runs_as_printed(tmp_pa
     code = (ROOT / "examples" / "quickstart.py").read_text(encoding="utf-8")
     assert f"```python\n{code}```" in (ROOT / "README.md").read_text(encoding="utf-8")
     script = str(ROOT / "examples" / "quickstart.py")
-    runs = [subprocess.run([sys.executable, script, str(tmp_path / name)], capture_output=True, text=True,
-                           timeout=300) for name in ("a", "b")]
+    runs = [script_here(script, str(tmp_path / "a")),  # as printed, in a fresh process and in this one
+            subprocess.run([sys.executable, script, str(tmp_path / "b")], capture_output=True, text=True, timeout=300)]
     assert runs[0].returncode == 0 and runs[0].stdout == runs[1].stdout, runs[0].stderr[-2000:]
     proc = subprocess.Popen([sys.executable, script, str(tmp_path / "c")], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -47,7 +55,7 @@ def test_the_readme_shows_the_quick_start_as_it_is_and_it_runs_as_printed(tmp_pa
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
     stopped = proc.communicate(timeout=300)[0]
-    again = subprocess.run([sys.executable, script, str(tmp_path / "c")], capture_output=True, text=True, timeout=300)
+    again = script_here(script, str(tmp_path / "c"))
     assert again.stdout == runs[0].stdout and stopped != runs[0].stdout
 
 
@@ -55,10 +63,11 @@ def test_the_example_resumes_to_the_same_bits_and_diffs_identical(tmp_path):
     """Stopped by a signal after 3 of 6 steps (exit 75, EXIT_PREEMPTED) and resumed, the example ends with
     the parameters' digest of the run straight through, and `samestep diff` says identical (exit 0).
     Negative control: another seed ends elsewhere, and the diff exits 1."""
-    straight, halfway = _together((tmp_path / "straight", (), 0), (tmp_path / "resumed", ("--stop-after", "3"), 75))
+    halfway, = _together((tmp_path / "resumed", ("--stop-after", "3"), 75))  # a signal: in a process of its own
+    straight = _here(tmp_path / "straight")
     assert halfway != straight
     assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").glob("step_*"))[-1] == "step_000003"
-    resumed, other = _together((tmp_path / "resumed", (), 0), (tmp_path / "other", ("--seed", "1"), 0))
+    resumed, other = _here(tmp_path / "resumed"), _here(tmp_path / "other", "--seed", "1")
     assert resumed == straight
     assert _diff(tmp_path / "straight", tmp_path / "resumed") == 0
     assert other != straight

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import cli_here
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -31,8 +33,7 @@ def _digest(proc: subprocess.CompletedProcess) -> str:
 
 
 def _diff(a: Path, b: Path) -> int:
-    return subprocess.run([sys.executable, "-m", "samestep", "diff", str(a), str(b)], capture_output=True,
-                          timeout=300).returncode
+    return cli_here("diff", str(a), str(b)).returncode
 
 
 def test_hf_trainer_killed_and_resumed_is_the_run_straight_through(tmp_path):

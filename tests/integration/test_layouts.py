@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.conftest import TINY, metrics_bytes, run_train, side_by_side
+from tests.conftest import TINY, cli_here, metrics_bytes, run_train, train_here
 
 pytestmark = pytest.mark.slow
 
@@ -19,7 +19,7 @@ LAYOUT = (*[s for s in TINY if not s.startswith(("train.global_batch", "train.st
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     d = tmp_path_factory.mktemp("w1") / "run"
-    return d, run_train(d, *LAYOUT)["state_digest"]
+    return d, train_here(d, *LAYOUT)["state_digest"]
 
 
 @pytest.mark.parametrize("nproc", [2, 4, 8])
@@ -47,7 +47,10 @@ def test_elastic_resume_is_exact(one_process, tmp_path, first, second):
     """Stop a run written by `first` processes after 4 steps, resume on `second`: bits of the 1-process run."""
     ref_dir, ref_digest = one_process
     d = tmp_path / "run"
-    assert run_train(d, *LAYOUT, nproc=first, stop_after=4) is None
+    if first == 1:
+        assert train_here(d, *LAYOUT, stop_after=4) is None
+    else:
+        assert run_train(d, *LAYOUT, nproc=first, stop_after=4) is None
     final = run_train(d, *LAYOUT, nproc=second, resume=True)
     assert final["state_digest"] == ref_digest
     assert metrics_bytes(d) == metrics_bytes(ref_dir)
@@ -65,7 +68,7 @@ def test_fsdp2_gives_the_one_process_bits_and_resumes_across_sharded_layouts(one
     d, fsdp = tmp_path / "run", "parallel.fsdp=true"
     assert run_train(d, *LAYOUT, fsdp, nproc=4, stop_after=2) is None
     assert run_train(d, *LAYOUT, fsdp, nproc=2, stop_after=2, resume=True) is None
-    final = run_train(d, *LAYOUT, resume=True)
+    final = train_here(d, *LAYOUT, resume=True)
     assert final["state_digest"] == ref_digest
     assert metrics_bytes(d) == metrics_bytes(ref_dir)
     run = json.loads((d / "run.json").read_text())
@@ -114,8 +117,7 @@ def test_a_rank_killed_in_a_sharded_save_leaves_the_previous_checkpoint_and_the_
     blob = bytearray(shard.read_bytes())
     blob[-3] ^= 1
     shard.write_bytes(bytes(blob))
-    verify = subprocess.run([sys.executable, "-m", "samestep", "checkpoint", "verify", str(d)],
-                            capture_output=True, text=True)
+    verify = cli_here("checkpoint", "verify", str(d))
     assert verify.returncode == 1 and "model.rank_00001.safetensors: corrupt: tensor(s) '" in verify.stdout + verify.stderr
 
 
@@ -126,24 +128,21 @@ def test_fsdp2_in_bf16_matches_one_process_and_its_own_reduction_differs(tmp_pat
     neither gives the canonical ones."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     llama = (*LAYOUT, "model.arch=llama", "train.precision=bf16", "train.steps=3")
-    one, sharded = side_by_side(lambda: run_train(tmp_path / "l1", *llama)["state_digest"],
-                                lambda: run_train(tmp_path / "l2", *llama, "parallel.fsdp=true", nproc=2)["state_digest"])
+    one = train_here(tmp_path / "l1", *llama)["state_digest"]
+    sharded = run_train(tmp_path / "l2", *llama, "parallel.fsdp=true", nproc=2)["state_digest"]
     assert one == sharded and metrics_bytes(tmp_path / "l1") == metrics_bytes(tmp_path / "l2")
     off = (*llama, "parallel.fsdp=true", "determinism.enabled=false")
-    two, four = side_by_side(lambda: run_train(tmp_path / "w2", *off, nproc=2)["state_digest"],
-                             lambda: run_train(tmp_path / "w4", *off, nproc=4)["state_digest"])
+    two, four = (run_train(tmp_path / f"w{n}", *off, nproc=n)["state_digest"] for n in (2, 4))
     assert len({two, four, one}) == 3
 
 
 def test_unaligned_layout_is_refused_with_alternatives(tmp_path):
-    """12 microbatches on 4 processes (3 each) is not an aligned layout: refused, naming supported ones."""
-    import subprocess
-
+    """12 microbatches on 4 processes (3 each) is not an aligned layout: refused before any process starts
+    (one line, exit 2), naming supported ones."""
     from tests.conftest import train_cmd
 
     bad = (*LAYOUT, "train.global_batch=24")
-    proc = subprocess.run(train_cmd(tmp_path / "run", *bad, nproc=4), capture_output=True, text=True, timeout=300,
-                          env={**os.environ})
-    assert proc.returncode != 0
+    proc = cli_here(*train_cmd(tmp_path / "run", *bad, nproc=4)[3:])
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and not (tmp_path / "run").exists()
     assert "4 processes x 3 microbatches per process is not supported" in proc.stderr
     assert "--nproc 3 (4 microbatches per process)" in proc.stderr

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from tests.conftest import run_train
+from tests.conftest import train_here
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +17,8 @@ MOE = ("train.device=cpu", "train.steps=3", "train.global_batch=16", "train.micr
 
 def test_moe_plain_races_and_deterministic_mode_repeats(tmp_path):
     """Determinism off: the index_put_ combine makes runs differ (real race). On: two runs are identical."""
-    off = {run_train(tmp_path / f"off{i}", *MOE, "determinism.enabled=false")["state_digest"] for i in range(3)}
+    torch.set_num_threads(2)  # determinism off leaves the thread count as it finds it
+    off = {train_here(tmp_path / f"off{i}", *MOE, "determinism.enabled=false")["state_digest"] for i in range(3)}
     assert len(off) > 1, "three MoE runs with a racing combine all agreed"
-    on = [run_train(tmp_path / f"on{i}", *MOE, "determinism.threads=2")["state_digest"] for i in range(2)]
+    on = [train_here(tmp_path / f"on{i}", *MOE, "determinism.threads=2")["state_digest"] for i in range(2)]
     assert on[0] == on[1]

@@ -14,7 +14,7 @@ import torch
 
 import samestep
 from samestep.rundir import RunDirError, last_logged_step
-from tests.conftest import TINY, train_cmd, train_here
+from tests.conftest import TINY, cli_here, train_cmd, train_here
 from tests.forgery import flip_a_weight, move_cursor, reseal, reseal_manifest
 
 # Checkpoints only at the end: a kill before it leaves a run with no checkpoint at all.
@@ -125,7 +125,14 @@ torch.save(model.state_dict(), run_dir + "/weights.pt")
 """
 
 
-def test_a_loop_of_ones_own_killed_before_its_first_checkpoint_goes_on_from_step_0(tmp_path):
+def _own_loop_here(monkeypatch, run_dir: Path, total: int) -> None:
+    """The loop above, run straight through in this process (no kill to survive, so no fresh process)."""
+    with monkeypatch.context() as m:
+        m.setattr(sys, "argv", ["own_loop", str(run_dir), str(total), "0"])
+        exec(compile(_OWN_LOOP, "own_loop", "exec"), {"__name__": "own_loop"})
+
+
+def test_a_loop_of_ones_own_killed_before_its_first_checkpoint_goes_on_from_step_0(tmp_path, monkeypatch):
     """samestep.Run killed before its first checkpoint: the same loop run again continues the run from step 0
     (a new trace segment, receipts afresh) and ends on the straight run's weights and receipts, and its trace
     certifies complete: a segment a kill ended and a resume followed needs no close. Control: right after
@@ -133,8 +140,7 @@ def test_a_loop_of_ones_own_killed_before_its_first_checkpoint_goes_on_from_step
     from samestep.analysis import certify_trace
 
     straight, run = tmp_path / "straight", tmp_path / "run"
-    subprocess.run([sys.executable, "-c", _OWN_LOOP, str(straight), "30", "0"], check=True, capture_output=True,
-                   timeout=300)
+    _own_loop_here(monkeypatch, straight, 30)
     proc = subprocess.Popen([sys.executable, "-c", _OWN_LOOP, str(run), "30", "0.5"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     while int(proc.stdout.readline() or 0) < 3:
@@ -142,9 +148,7 @@ def test_a_loop_of_ones_own_killed_before_its_first_checkpoint_goes_on_from_step
     proc.kill()
     proc.wait()
     assert not certify_trace(run)["complete"]
-    done = subprocess.run([sys.executable, "-c", _OWN_LOOP, str(run), "30", "0"], capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
+    _own_loop_here(monkeypatch, run, 30)
     for name, t in torch.load(straight / "weights.pt").items():
         assert torch.equal(t.view(torch.int32), torch.load(run / "weights.pt")[name].view(torch.int32))
     assert (run / "receipts" / "rank_00000.jsonl").read_bytes() == \
@@ -361,7 +365,7 @@ def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
     proc = subprocess.run(train_cmd(run, *TINY, "parallel.fsdp=true", resume=True, nproc=2),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2 and "the checkpoint of step 8 restores state" in proc.stderr, proc.stderr[-2000:]
-    proc = subprocess.run(train_cmd(run, *TINY, resume=True), capture_output=True, text=True, timeout=600)
+    proc = cli_here(*train_cmd(run, *TINY, resume=True)[3:])
     assert proc.returncode == 2 and "rank 0's shards checksum" in proc.stderr, proc.stderr[-2000:]
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,12 +11,22 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from samestep.preempt import EXIT_PREEMPTED
 from samestep.rundir import last_logged_step
-from tests.conftest import TINY, metrics_bytes, run_train, train_cmd
+from tests.conftest import TINY, metrics_bytes, run_train, train_cmd, train_here
 
 # Checkpoints only at the end: without the signal handler a stop loses every step.
 LONG = (*TINY, "train.steps=120", "train.checkpoint_every=1000")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The run straight through, in this process (its bits are a fresh process's, test_train shows)."""
+    d = tmp_path_factory.mktemp("preempt") / "reference"
+    train_here(d, *LONG)
+    return d
 
 
 def _signalled(run_dir: Path, *settings: str, sig: int = signal.SIGTERM) -> subprocess.CompletedProcess:
@@ -31,11 +42,10 @@ def _signalled(run_dir: Path, *settings: str, sig: int = signal.SIGTERM) -> subp
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def test_sigterm_saves_the_step_and_resume_is_exact(tmp_path):
+def test_sigterm_saves_the_step_and_resume_is_exact(reference, tmp_path):
     """SIGTERM after step 3: the run finishes the step it is in, checkpoints it, exits 75 naming the step;
     --resume ends with the uninterrupted run's final digest and metrics bytes. Negative control: with
     train.exit_signals='' the same signal kills the run at once and nothing is saved."""
-    reference = run_train(tmp_path / "reference", *LONG)
     run = tmp_path / "run"
     proc = _signalled(run)
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-2000:]
@@ -43,9 +53,9 @@ def test_sigterm_saves_the_step_and_resume_is_exact(tmp_path):
     assert 3 <= step < 120
     assert f"samestep train: stopped by SIGTERM after step {step}, with a checkpoint" in proc.stderr
     assert (run / "checkpoints" / "latest").read_text().strip() == f"step_{step:06d}"
-    final = run_train(run, *LONG, resume=True)
-    assert final["state_digest"] == reference["state_digest"]
-    assert metrics_bytes(run) == metrics_bytes(tmp_path / "reference")
+    final = train_here(run, *LONG, resume=True)
+    assert final["state_digest"] == json.loads((reference / "final.json").read_text())["state_digest"]
+    assert metrics_bytes(run) == metrics_bytes(reference)
 
     killed = tmp_path / "killed"
     proc = _signalled(killed, "train.exit_signals=")
@@ -78,12 +88,11 @@ def test_a_second_signal_stops_at_once(tmp_path):
     assert twice.returncode == -signal.SIGTERM and twice.stdout.split() == ["SIGTERM"]
 
 
-def test_two_processes_stop_as_one_job_with_exit_75_and_resume_exact(tmp_path):
+def test_two_processes_stop_as_one_job_with_exit_75_and_resume_exact(reference, tmp_path):
     """`samestep train --nproc 2` signalled as a scheduler or a terminal does (SIGTERM to the launcher's
     whole process group): both processes finish the same step and save it, the job exits 75 (torchrun
     would make it 1), and --resume on 2 processes ends with the one-process run's final digest and
     metrics bytes."""
-    reference = run_train(tmp_path / "reference", *LONG)
     run = tmp_path / "run"
     proc = subprocess.Popen(train_cmd(run, *LONG, nproc=2), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -97,5 +106,5 @@ def test_two_processes_stop_as_one_job_with_exit_75_and_resume_exact(tmp_path):
     step = last_logged_step(run)
     assert 3 <= step < 120 and f"stopped by SIGTERM after step {step}, with a checkpoint" in err
     final = run_train(run, *LONG, resume=True, nproc=2)
-    assert final["state_digest"] == reference["state_digest"]
-    assert metrics_bytes(run) == metrics_bytes(tmp_path / "reference")
+    assert final["state_digest"] == json.loads((reference / "final.json").read_text())["state_digest"]
+    assert metrics_bytes(run) == metrics_bytes(reference)

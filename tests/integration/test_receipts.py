@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
+import torch
 
 from samestep.receipts import read_receipts, receipt_hash
-from tests.conftest import TINY, run_train, side_by_side
+from tests.conftest import TINY, cli_here, run_train, side_by_side, train_here
 
 pytestmark = pytest.mark.slow
 
 
 def _cli(*args: str) -> tuple[int, str, str]:
-    proc = subprocess.run([sys.executable, "-m", "samestep", *args], capture_output=True, text=True, timeout=600)
+    proc = cli_here(*args)  # verify's and bisect's replays start their own processes
     return proc.returncode, proc.stdout, proc.stderr
 
 
@@ -37,12 +36,14 @@ def _rewrite(run_dir, edit) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """An uninterrupted run, one killed after step 3 and resumed, and one of another seed."""
+def runs(tmp_path_factory, tiny_run):
+    """An uninterrupted run (the suite's, copied), one stopped after step 3 and resumed, and one of another
+    seed."""
     root = tmp_path_factory.mktemp("receipts")
-    side_by_side(lambda: run_train(root / "a", *TINY), lambda: run_train(root / "b", *TINY, stop_after=3),
-                 lambda: run_train(root / "other", *TINY, "train.seed=7"))
-    run_train(root / "b", *TINY, resume=True)
+    shutil.copytree(tiny_run, root / "a")
+    assert train_here(root / "b", *TINY, stop_after=3) is None
+    train_here(root / "b", *TINY, resume=True)
+    train_here(root / "other", *TINY, "train.seed=7")
     return root
 
 
@@ -129,9 +130,11 @@ def test_bisect_locates_a_real_race_at_a_step_nobody_traced(tmp_path):
     step-2 checkpoint with op tracing of that step, and names index_put in transformer.wte's backward."""
     for attempt in range(3):  # the race is real; a pair can (rarely) agree on every step
         a, b = tmp_path / f"a{attempt}", tmp_path / f"b{attempt}"
-        run_train(a, *RACY, stop_after=2)
+        torch.set_num_threads(2)  # determinism off leaves the thread count as it finds it
+        train_here(a, *RACY, stop_after=2)
         shutil.copytree(a, b)
-        side_by_side(lambda: run_train(a, *RACY, resume=True), lambda: run_train(b, *RACY, resume=True))
+        train_here(a, *RACY, resume=True)
+        train_here(b, *RACY, resume=True)
         code, out, err = _cli("bisect", str(a), str(b), "--json")
         assert code in (0, 1), err
         report = json.loads(out)
@@ -144,7 +147,7 @@ def test_bisect_locates_a_real_race_at_a_step_nobody_traced(tmp_path):
     assert o["inputs_matched"] and o["step"] == report["first_divergent_step"] and o["rank"] == 0
 
 
-def test_bisect_finds_a_planted_ulp_exactly_across_layouts(tmp_path):
+def test_bisect_finds_a_planted_ulp_exactly_across_layouts(tmp_path, tiny_run):
     """A 2-process run with one ULP planted at step 5 on rank 1 (microbatch 2's final layer norm) against the
     same run on 2 processes: bisect names exactly that op, occurrence, microbatch, step and rank, and rank 0 as
     a receiver through the collective. Control: the
@@ -153,8 +156,8 @@ def test_bisect_finds_a_planted_ulp_exactly_across_layouts(tmp_path):
               "op=aten.native_layer_norm.default")
     side_by_side(lambda: run_train(tmp_path / "two", *TINY, nproc=2),
                  lambda: run_train(tmp_path / "planted", *TINY, "trace.level=op", "trace.steps=5",
-                                   f"trace.perturb={target}", nproc=2),
-                 lambda: run_train(tmp_path / "one", *TINY))
+                                   f"trace.perturb={target}", nproc=2))
+    shutil.copytree(tiny_run, tmp_path / "one")
     code, out, err = _cli("bisect", str(tmp_path / "two"), str(tmp_path / "planted"), "--json")
     assert code == 1, err
     report = json.loads(out)

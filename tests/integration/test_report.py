@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 
 from samestep.analysis import DiffError
 from samestep.analysis.report import KIND_COLOURS, make_report
-from tests.conftest import run_train, side_by_side
+from tests.conftest import cli_here, train_here
 
 pytest.importorskip("matplotlib")  # a test extra: `make test` installs it
 SETTINGS = ("train.steps=4", "train.warmup_steps=1", "train.checkpoint_every=0", "trace.level=op", "trace.steps=1-2")
@@ -22,8 +21,8 @@ PERTURB = "trace.perturb=rank=0,step=2,microbatch=1,phase=forward,scope=lm_head,
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("report")
     out = {name: root / name for name in ("a", "twin", "ulp")}
-    side_by_side(lambda: run_train(out["a"], *SETTINGS), lambda: run_train(out["twin"], *SETTINGS),
-                 lambda: run_train(out["ulp"], *SETTINGS, PERTURB))
+    for name, extra in (("a", ()), ("twin", ()), ("ulp", (PERTURB,))):
+        train_here(out[name], *SETTINGS, *extra)
     return out
 
 
@@ -60,8 +59,7 @@ def test_one_run_is_drawn_and_bad_input_is_one_line(runs, tmp_path):
     it, nothing written. Without matplotlib: a clear error with the fix."""
     one = make_report([runs["a"]], tmp_path / "one.html")
     assert one["verdict"] is None and [Path(p).name for p in one["pngs"]] == ["one_curves.png"]
-    proc = subprocess.run([sys.executable, "-m", "samestep", "report", str(runs["a"]), str(tmp_path / "nope"),
-                           "--out", str(tmp_path / "bad.html")], capture_output=True, text=True, timeout=120)
+    proc = cli_here("report", str(runs["a"]), str(tmp_path / "nope"), "--out", str(tmp_path / "bad.html"))
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip().splitlines() == [f"samestep report: error: {tmp_path / 'nope' / 'run.json'}: missing; "
                                                 f"{tmp_path / 'nope'} is not a samestep run directory"]
@@ -84,7 +82,7 @@ def test_the_pictures_show_a_divergence_the_losses_do_not_yet(tmp_path):
     import torch
 
     import samestep
-    from tests.conftest import TINY, train_here
+    from tests.conftest import TINY
 
     fault = "train.fault=param:rank=0,step=2,name=transformer.h.0.mlp.c_fc.weight,bit=20"
     for name, extra in (("a", ()), ("b", (fault,)), ("c", ())):

@@ -1,4 +1,5 @@
-"""The reference run end to end, in fresh processes: repeat, SIGKILL + resume, crash mid-save, torchrun."""
+"""The reference run end to end: repeats in fresh processes, SIGKILL + resume, crash mid-save, two nodes; what
+needs no fresh process (resumes, refusals, verification) runs in the test's own."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.conftest import TINY, metrics_bytes, run_train, side_by_side, train_cmd
+from tests.conftest import TINY, cli_here, metrics_bytes, run_train, side_by_side, train_cmd, train_here
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +42,12 @@ def test_two_fresh_runs_are_bit_identical(reference, tmp_path):
 
 
 def test_nondeterministic_op_diverges_without_deterministic_mode(tmp_path):
-    """Negative control: determinism off, a racy index_put_ backward makes two runs differ; on, they agree."""
-    off = [run_train(tmp_path / f"off{i}", *RACY, "determinism.enabled=false")["state_digest"] for i in range(3)]
+    """Negative control: determinism off, a racy index_put_ backward makes two runs differ; on, they agree
+    (on 2 threads either way; the runs need no fresh process)."""
+    torch.set_num_threads(2)  # determinism off leaves the thread count as it finds it
+    off = [train_here(tmp_path / f"off{i}", *RACY, "determinism.enabled=false")["state_digest"] for i in range(3)]
     assert len(set(off)) > 1, "three runs with a racing index_put_ all agreed"
-    on = [run_train(tmp_path / f"on{i}", *RACY, "determinism.threads=2")["state_digest"] for i in range(2)]
+    on = [train_here(tmp_path / f"on{i}", *RACY, "determinism.threads=2")["state_digest"] for i in range(2)]
     assert on[0] == on[1]
 
 
@@ -65,7 +69,7 @@ def test_sigkill_at_a_random_step_then_resume_is_identical(reference, tmp_path, 
     _wait_for_step(proc, d / "metrics.jsonl", kill_after)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    final = run_train(d, *TINY, resume=True)
+    final = train_here(d, *TINY, resume=True)
     ref = json.loads((reference / "final.json").read_text())
     assert final["state_digest"] == ref["state_digest"], f"killed after step {kill_after}"
     assert metrics_bytes(d) == metrics_bytes(reference), f"killed after step {kill_after}"
@@ -77,35 +81,27 @@ def _run_python(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600)
 
 
-def test_resume_without_data_cursor_restore_diverges(reference, tmp_path):
+def test_resume_without_data_cursor_restore_diverges(reference, tmp_path, monkeypatch):
     """Negative control: the same stop and resume, but with the checkpoint's data cursor left unrestored
     (load_checkpoint patched), is refused by the run's receipts (the restored state is not the one its
     receipt of step 4 records) and, with receipts off, ends elsewhere than the reference."""
+    import samestep.train.resume as resume
+    from samestep.receipts import ReceiptError
+
     d = tmp_path / "run"
-    run_train(d, *TINY, stop_after=4)
-    proc = _run_python(f"""
-        import sys
-        import samestep.train.resume as resume
-        from samestep.receipts import ReceiptError
-        from samestep.train import load_config, train
-        real = resume.load_checkpoint
-        resume.load_checkpoint = lambda *a, **kw: real(*a, **{{**kw, "data_cursor": None}})
-        try:
-            train(load_config(None, {list(TINY)!r}), {str(d)!r}, resume=True, out=lambda _line: None)
-            sys.exit("resumed without the data cursor, not refused")
-        except ReceiptError as e:
-            print("refused:", e)
-        train(load_config(None, {[*TINY, "train.receipts=false"]!r}), {str(d)!r}, resume=True,
-              out=lambda _line: None)
-    """)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "refused: the checkpoint of step 4 restores state" in proc.stdout, proc.stdout
+    assert train_here(d, *TINY, stop_after=4) is None
+    d2 = tmp_path / "run2"
+    shutil.copytree(d, d2)
+    real = resume.load_checkpoint
+    with monkeypatch.context() as m:
+        m.setattr(resume, "load_checkpoint", lambda *a, **kw: real(*a, **{**kw, "data_cursor": None}))
+        with pytest.raises(ReceiptError, match="the checkpoint of step 4 restores state"):
+            train_here(d, *TINY, resume=True)
+        train_here(d, *TINY, "train.receipts=false", resume=True)
     ref = json.loads((reference / "final.json").read_text())
     assert json.loads((d / "final.json").read_text())["state_digest"] != ref["state_digest"]
     # ...while the same resume with everything restored matches (the positive twin of this control).
-    d2 = tmp_path / "run2"
-    assert run_train(d2, *TINY, stop_after=4) is None
-    assert run_train(d2, *TINY, resume=True)["state_digest"] == ref["state_digest"]
+    assert train_here(d2, *TINY, resume=True)["state_digest"] == ref["state_digest"]
 
 
 # Each crash point SIGKILLs the process inside save_checkpoint of step 4.
@@ -154,10 +150,9 @@ def test_sigkill_during_checkpoint_write_then_resume_is_identical(reference, tmp
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     latest = (d / "checkpoints" / "latest").read_text().strip()
     assert latest == "step_000002"
-    ok = subprocess.run([sys.executable, "-m", "samestep", "checkpoint", "verify", str(d / "checkpoints")],
-                        capture_output=True, text=True)
+    ok = cli_here("checkpoint", "verify", str(d / "checkpoints"))
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    final = run_train(d, *TINY, resume=True)
+    final = train_here(d, *TINY, resume=True)
     assert final["state_digest"] == json.loads((reference / "final.json").read_text())["state_digest"]
     assert metrics_bytes(d) == metrics_bytes(reference)
 
@@ -165,15 +160,14 @@ def test_sigkill_during_checkpoint_write_then_resume_is_identical(reference, tmp
 def test_corrupt_newest_checkpoint_falls_back_on_resume(reference, tmp_path):
     """--resume skips a bit-flipped newest checkpoint, says so, and still ends bit-identical."""
     d = tmp_path / "run"
-    run_train(d, *TINY, stop_after=6)
+    train_here(d, *TINY, stop_after=6)
     model = d / "checkpoints" / "step_000006" / "model.safetensors"
     data = bytearray(model.read_bytes())
     data[-5] ^= 0x10
     model.write_bytes(bytes(data))
-    verify = subprocess.run([sys.executable, "-m", "samestep", "checkpoint", "verify", str(d / "checkpoints")],
-                            capture_output=True, text=True)
+    verify = cli_here("checkpoint", "verify", str(d / "checkpoints"))
     assert verify.returncode == 1 and "model.safetensors" in verify.stdout
-    proc = subprocess.run(train_cmd(d, *TINY, resume=True), capture_output=True, text=True, timeout=600)
+    proc = cli_here(*train_cmd(d, *TINY, resume=True)[3:])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "skipped corrupt checkpoint step_000006" in proc.stdout
     assert json.loads((d / "final.json").read_text())["state_digest"] == \
@@ -186,7 +180,7 @@ def test_resume_with_no_step_left_writes_the_same_final_json(reference, tmp_path
     d = tmp_path / "run"
     shutil.copytree(reference, d)
     (d / "final.json").unlink()
-    run_train(d, *TINY, resume=True)
+    train_here(d, *TINY, resume=True)
     assert (d / "final.json").read_bytes() == (reference / "final.json").read_bytes()
     assert metrics_bytes(d) == metrics_bytes(reference)
     # Negative control: without the last step's loss bits in metrics.jsonl there are none to report, and
@@ -196,7 +190,7 @@ def test_resume_with_no_step_left_writes_the_same_final_json(reference, tmp_path
     (e / "final.json").unlink()
     lines = metrics_bytes(e).splitlines(keepends=True)
     (e / "metrics.jsonl").write_bytes(b"".join(lines[:-1]) + b'{"step": 8}\n')
-    run_train(e, *TINY, resume=True)
+    train_here(e, *TINY, resume=True)
     assert (e / "final.json").read_bytes() != (reference / "final.json").read_bytes()
     assert json.loads((e / "final.json").read_text())["loss_hex"] == "nan"
     # Without the last step's line at all, the metrics would stay incomplete: the resume refuses, naming it
@@ -204,7 +198,7 @@ def test_resume_with_no_step_left_writes_the_same_final_json(reference, tmp_path
     shutil.copytree(reference, f)
     (f / "final.json").unlink()
     (f / "metrics.jsonl").write_bytes(b"".join(lines[:-1]))
-    proc = subprocess.run(train_cmd(f, *TINY, resume=True), capture_output=True, text=True, timeout=600)
+    proc = cli_here(*train_cmd(f, *TINY, resume=True)[3:])
     assert proc.returncode == 2 and "are not 1..8 in order (missing: [8]" in proc.stderr
     assert not (f / "final.json").exists()
 
@@ -278,7 +272,7 @@ def test_a_node_in_another_environment_is_refused_by_name_or_recorded_when_allow
 def test_existing_run_dir_is_not_overwritten(reference, tmp_path):
     """Training into a directory that holds a run without --resume is refused (exit 2); nothing changes."""
     before = metrics_bytes(reference)
-    proc = subprocess.run(train_cmd(reference, *TINY), capture_output=True, text=True, timeout=600)
+    proc = cli_here(*train_cmd(reference, *TINY)[3:])
     assert proc.returncode == 2 and "already holds a run" in proc.stderr
     assert metrics_bytes(reference) == before
 
@@ -286,8 +280,8 @@ def test_existing_run_dir_is_not_overwritten(reference, tmp_path):
 def test_resume_with_a_changed_config_is_refused(reference, tmp_path):
     """--resume under a config that would change the bits names the fields (exit 2)."""
     d = tmp_path / "run"
-    run_train(d, *TINY, stop_after=2)
-    proc = subprocess.run(train_cmd(d, *TINY, "train.lr=0.5", resume=True), capture_output=True, text=True)
+    train_here(d, *TINY, stop_after=2)
+    proc = cli_here(*train_cmd(d, *TINY, "train.lr=0.5", resume=True)[3:])
     assert proc.returncode == 2 and "train.lr: 0.003 -> 0.5" in proc.stderr
 
 
@@ -305,7 +299,7 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_one_blocks_no
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
-        proc = subprocess.run(train_cmd(run, *TINY, resume=True), capture_output=True, text=True, timeout=600)
+        proc = cli_here(*train_cmd(run, *TINY, resume=True)[3:])
         assert proc.returncode == 2
         assert proc.stderr.strip().splitlines() == [
             f"samestep train: error: {run} is in use by pid {holder.pid} on host {socket.gethostname()}, which is "
@@ -314,4 +308,4 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_one_blocks_no
     finally:
         holder.kill()
         holder.wait()
-    assert run_train(run, *TINY, resume=True)["step"] == 8
+    assert train_here(run, *TINY, resume=True)["step"] == 8

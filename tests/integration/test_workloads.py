@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from samestep.rundir import last_logged_step
-from tests.conftest import TINY, metrics_bytes, run_train, side_by_side, train_cmd
+from tests.conftest import TINY, metrics_bytes, run_train, side_by_side, train_cmd, train_here
 
 pytestmark = pytest.mark.slow
 
@@ -22,15 +22,16 @@ BASE = (*[s for s in TINY if not s.startswith("train.steps")], "train.steps=6", 
 CASES = {("llama", "fp32"): 2, ("llama", "bf16"): 4, ("gpt", "bf16"): 2}  # -> a process count besides 1
 
 
-def _killed_then_resumed(run: Path, settings: tuple[str, ...], after: int) -> dict:
-    """A run SIGKILLed once it has logged step ``after``, then resumed to its end; its final.json."""
+def _killed_then_resumed(run: Path, settings: tuple[str, ...], after: int, here: bool = False) -> dict:
+    """A run SIGKILLed once it has logged step ``after``, then resumed to its end (in this process if
+    ``here``: a compiled resume compiles in a fresh one); its final.json."""
     proc = subprocess.Popen(train_cmd(run, *settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 600
     while proc.poll() is None and last_logged_step(run) < after and time.monotonic() < deadline:
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    return run_train(run, *settings, resume=True)
+    return train_here(run, *settings, resume=True) if here else run_train(run, *settings, resume=True)
 
 
 def test_llama_and_bf16_repeat_resume_and_match_across_process_counts(tmp_path):
@@ -41,11 +42,11 @@ def test_llama_and_bf16_repeat_resume_and_match_across_process_counts(tmp_path):
     for (arch, precision), nproc in CASES.items():
         settings = (*BASE, f"model.arch={arch}", f"train.precision={precision}")
         name = f"{arch}_{precision}"
-        a, b = side_by_side(lambda: run_train(tmp_path / f"{name}_a", *settings),
-                            lambda: run_train(tmp_path / f"{name}_b", *settings))
+        a = run_train(tmp_path / f"{name}_a", *settings)  # a fresh process; the others need none
+        b = train_here(tmp_path / f"{name}_b", *settings)
         assert a["state_digest"] == b["state_digest"], name
         assert metrics_bytes(tmp_path / f"{name}_a") == metrics_bytes(tmp_path / f"{name}_b"), name
-        resumed = _killed_then_resumed(tmp_path / f"{name}_k", settings, after=3)
+        resumed = _killed_then_resumed(tmp_path / f"{name}_k", settings, after=3, here=True)
         assert resumed["state_digest"] == a["state_digest"], name
         assert metrics_bytes(tmp_path / f"{name}_k") == metrics_bytes(tmp_path / f"{name}_a"), name
         wide = run_train(tmp_path / f"{name}_w", *settings, nproc=nproc)
@@ -63,16 +64,16 @@ def test_llama_and_bf16_repeat_resume_and_match_across_process_counts(tmp_path):
 # each architecture, precision and process count once (the suite's time: each case compiles four times)
 @pytest.mark.parametrize("arch,precision,nproc", [("llama", "bf16", 2), ("gpt", "fp32", 4)])
 def test_a_compiled_model_repeats_resumes_and_matches_across_process_counts(tmp_path, arch, precision, nproc):
-    """train.compile=true (Inductor in deterministic mode, the forward and its loss compiled): two runs
-    identical; a run killed with SIGKILL after step 3 and resumed in a new process (compiling again)
-    identical; on 2 or 4 processes identical. Negative control: the same comparison tells a run of another
-    seed apart."""
+    """train.compile=true (Inductor in deterministic mode, the forward and its loss compiled), each run in
+    fresh processes that compile: a run killed with SIGKILL after step 3 and resumed in a new process is
+    the run straight through to the bit (every loss line and the final state: two independent compiled
+    runs agree), and so is the run on 2 or 4 processes. Negative control: the same comparison tells a run of
+    another seed apart."""
     settings = (*BASE, f"model.arch={arch}", f"train.precision={precision}", "train.compile=true")
-    a, b = side_by_side(lambda: run_train(tmp_path / "a", *settings), lambda: run_train(tmp_path / "b", *settings))
-    assert a["state_digest"] == b["state_digest"] and metrics_bytes(tmp_path / "a") == metrics_bytes(tmp_path / "b")
-    resumed, wide, other_seed = side_by_side(lambda: _killed_then_resumed(tmp_path / "r", settings, after=3),
-                                             lambda: run_train(tmp_path / "w", *settings, nproc=nproc),
-                                             lambda: run_train(tmp_path / "s", *settings, "train.seed=7"))
+    a, resumed = side_by_side(lambda: run_train(tmp_path / "a", *settings),
+                              lambda: _killed_then_resumed(tmp_path / "r", settings, after=3))
+    wide, other_seed = side_by_side(lambda: run_train(tmp_path / "w", *settings, nproc=nproc),
+                                    lambda: run_train(tmp_path / "s", *settings, "train.seed=7"))
     assert resumed["state_digest"] == a["state_digest"] and metrics_bytes(tmp_path / "r") == metrics_bytes(tmp_path / "a")
     assert wide["state_digest"] == a["state_digest"] and wide["world_size"] == nproc
     assert metrics_bytes(tmp_path / "w") == metrics_bytes(tmp_path / "a")

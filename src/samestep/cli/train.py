@@ -93,6 +93,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from samestep.preempt import EXIT_PREEMPTED, parse_signals
 
     if args.nproc > 1:
+        from samestep.train.loop import check_layout
+
+        check_layout(cfg, args.nproc)  # one line now, not one from each process started
         return _launch(args, cfg.determinism.threads, parse_signals(cfg.train.exit_signals))
     from samestep.cli.launch import follow_launcher
 

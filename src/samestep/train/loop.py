@@ -67,7 +67,7 @@ from samestep.train.resume import check_run_files, restore_run
 from samestep.train.progress import Progress
 from samestep.train.schedule import WarmupCosine
 
-__all__ = ["Preempted", "Trainer", "build", "train"]
+__all__ = ["Preempted", "Trainer", "build", "check_layout", "train"]
 
 
 class Preempted(Exception):
@@ -294,17 +294,25 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
             lock.release()
 
 
-def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
-           out: Callable[[str], None], dist_: Processes, report: DeterminismReport | None,
-           stop: StopRequest) -> dict[str, Any] | None:
-    t, world, rank = cfg.train, dist_.world, dist_.rank
+def check_layout(cfg: Config, world: int) -> None:
+    """Refuses a process count the run's microbatches do not split over (or, in deterministic mode, one
+    whose split the canonical tree does not support), naming the ones that work. The launcher asks before
+    it starts any process, each process again for itself."""
+    t = cfg.train
     if t.microbatches % world:
         raise ValueError(f"train.global_batch={t.global_batch} / train.micro_batch={t.micro_batch} = "
                          f"{t.microbatches} microbatches do not split over {world} processes; use a process count "
                          f"that divides {t.microbatches}")
-    k = t.microbatches // world
     if cfg.determinism.enabled:
-        validate_layout(world, k)
+        validate_layout(world, t.microbatches // world)
+
+
+def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
+           out: Callable[[str], None], dist_: Processes, report: DeterminismReport | None,
+           stop: StopRequest) -> dict[str, Any] | None:
+    t, world, rank = cfg.train, dist_.world, dist_.rank
+    check_layout(cfg, world)
+    k = t.microbatches // world
     say = out if rank == 0 else (lambda _msg: None)
     mixed = dist_.compare_environments(cfg.determinism.env_mismatch)
     trainer = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
