@@ -9,13 +9,12 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel
 
 import samestep
 from samestep.distributed import canonical_sum, combine_across_ranks, ring_allreduce_bytes
 from samestep.tracing import Perturb
-from tests.conftest import traced_step
+from tests.conftest import spawn, traced_step
 
 pytestmark = pytest.mark.slow
 N_MICRO, SIZE = 8, 10_001  # SIZE is not a multiple of any world size: exercises the padding
@@ -44,7 +43,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str, bucket: int) ->
 def _run(world: int, tmp_path, bucket: int) -> dict[str, list[np.ndarray]]:
     out = tmp_path / f"w{world}"
     out.mkdir()
-    mp.spawn(_worker, args=(world, str(tmp_path / f"init{world}"), str(out), bucket), nprocs=world, join=True)
+    spawn(_worker, (world, str(tmp_path / f"init{world}"), str(out), bucket), world)
     kinds = ("canonical", "allreduce", "sent")
     return {kind: [np.load(out / f"{kind}_{r}.npy") for r in range(world)] for kind in kinds}
 
@@ -130,8 +129,7 @@ def test_ddp_comm_hook_records_each_bucket_and_diff_blames_the_rank_that_changed
                           ("opb", "op"), ("opc", "op_ulp")):
         runs[name] = tmp_path / name
         runs[name].mkdir()
-        mp.spawn(_ddp_worker, args=(2, str(tmp_path / f"init_{name}"), str(runs[name]), variant), nprocs=2,
-                 join=True)
+        spawn(_ddp_worker, (2, str(tmp_path / f"init_{name}"), str(runs[name]), variant), 2)
     for r in range(2):
         for name in ("a", "b", "opa"):
             assert np.array_equal(np.load(runs[name] / f"params_{r}.npy"), np.load(runs["plain"] / f"params_{r}.npy"))
@@ -211,8 +209,7 @@ def test_fsdp2_sharded_state_is_traced_as_each_rank_shard(tmp_path):
     for name in ("untraced", "step", "step2", "module", "op", "changed"):
         runs[name] = tmp_path / name
         runs[name].mkdir()
-        mp.spawn(_fsdp_worker, args=(2, str(tmp_path / f"init_{name}"), str(runs[name]), name.rstrip("2")),
-                 nprocs=2, join=True)
+        spawn(_fsdp_worker, (2, str(tmp_path / f"init_{name}"), str(runs[name]), name.rstrip("2")), 2)
     for r in range(2):
         plain = np.load(runs["untraced"] / f"params_{r}.npy")
         for name in ("step", "module", "op"):

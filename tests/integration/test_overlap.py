@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from samestep.distributed import AllReduceGradients, CanonicalGradients, GradientBuckets
+from tests.conftest import spawn
 
 pytestmark = pytest.mark.slow
 N_MICRO = 8
@@ -88,7 +88,7 @@ def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 def _run(world: int, tmp_path) -> tuple[dict[str, list[np.ndarray]], list[dict]]:
     out = tmp_path / f"w{world}"
     out.mkdir()
-    mp.spawn(_worker, args=(world, str(tmp_path / f"init{world}"), str(out)), nprocs=world, join=True)
+    spawn(_worker, (world, str(tmp_path / f"init{world}"), str(out)), world)
     bits = {kind: [np.load(out / f"{kind}_{r}.npy").view(np.int32) for r in range(world)]
             for kind in ("overlap", "after", "plain")}
     return bits, [json.loads((out / f"started_{r}.json").read_text()) for r in range(world)]
@@ -143,7 +143,7 @@ def test_a_second_backward_after_a_bucket_was_sent_is_refused(tmp_path):
     """A loop that runs backward twice through a parameter in its last microbatch would have sent the first
     half of its gradient: with the overlap that is an error naming the parameter and the fix; without it
     (overlap=False) the step reduces."""
-    mp.spawn(_twice_worker, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    spawn(_twice_worker, (2, str(tmp_path / "init"), str(tmp_path)), 2)
     for rank in (0, 1):
         assert (tmp_path / f"twice_False_{rank}.txt").read_text() == "reduced"
         message = (tmp_path / f"twice_True_{rank}.txt").read_text()

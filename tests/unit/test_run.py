@@ -153,15 +153,15 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     3's checkpoint barrier alone), the checkpoint of step 2 is committed by both, and both resume from it."""
     import json
 
-    import torch.multiprocessing as mp
+    from tests.conftest import spawn
 
     run, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
-    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init1"), str(run), str(out), 2), nprocs=2, join=True)
+    spawn(_two_rank_worker, (str(tmp_path / "init1"), str(run), str(out), 2), 2)
     first = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert first == [{"stopped": "a signal to another rank", "start": 0}, {"stopped": "SIGTERM", "start": 0}]
     assert [s for s, _ in committed_steps(run / "checkpoints")][0] == 2
-    mp.spawn(_two_rank_worker, args=(str(tmp_path / "init2"), str(run), str(out), None), nprocs=2, join=True)
+    spawn(_two_rank_worker, (str(tmp_path / "init2"), str(run), str(out), None), 2)
     again = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert again == [{"stopped": None, "start": 2}] * 2
     assert [s for s, _ in committed_steps(run / "checkpoints")][0] == 4
