@@ -1,6 +1,7 @@
 """The step protocol's rules that every loop keeps in the same order (docs/design.md, invariant 4): the
 stop every rank agrees on after a step, and what is made durable before a checkpoint commits.
-``samestep train`` (train/loop.py) and ``samestep.Run`` (run.py) both follow them from here."""
+``samestep train`` (train/loop.py), ``samestep.Run`` (run.py) and the framework callbacks
+(integrations/steps.py) follow them from here."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import IO, Any
 
 from samestep.preempt import StopRequest
 
-__all__ = ["agreed_stop", "save_after_records"]
+__all__ = ["agreed_stop", "make_durable", "save_after_records"]
 
 
 def agreed_stop(stop: StopRequest, any_rank: Callable[[bool], bool]) -> str | None:
@@ -26,16 +27,22 @@ def agreed_stop(stop: StopRequest, any_rank: Callable[[bool], bool]) -> str | No
     return mine
 
 
-def save_after_records(save: Callable[[], Any], recorder: Any = None, receipts: Any = None,
-                       metrics: IO[str] | None = None) -> None:
-    """Saves a checkpoint (``save()``) after the records of every step it holds are durable: the trace
+def make_durable(recorder: Any = None, receipts: Any = None, metrics: IO[str] | None = None) -> None:
+    """Makes the records of every step so far durable, as a checkpoint of them needs: the trace
     (``recorder.sync()``), then the receipts (``receipts.sync()``), then metrics.jsonl (fsync'ed; each line
-    was flushed when written). A crash right after the commit then loses no record of a step the
-    checkpoint holds, and a resume finds every file agreeing with it."""
+    was flushed when written). A framework that saves its own checkpoints calls this right before."""
     if recorder is not None:
         recorder.sync()
     if receipts is not None:
         receipts.sync()
     if metrics is not None:
         os.fsync(metrics.fileno())
+
+
+def save_after_records(save: Callable[[], Any], recorder: Any = None, receipts: Any = None,
+                       metrics: IO[str] | None = None) -> None:
+    """Saves a checkpoint (``save()``) after the records of every step it holds are durable
+    (``make_durable``). A crash right after the commit then loses no record of a step the checkpoint
+    holds, and a resume finds every file agreeing with it."""
+    make_durable(recorder, receipts, metrics)
     save()

@@ -36,11 +36,19 @@ def _diff(a: Path, b: Path) -> int:
     return cli_here("diff", str(a), str(b)).returncode
 
 
+def _same_receipts(straight: Path, resumed: Path) -> None:
+    """The resumed run's receipts are the straight run's byte for byte, and `samestep receipts verify` holds."""
+    mine, theirs = (d / "receipts" / "rank_00000.jsonl" for d in (resumed, straight))
+    assert mine.read_bytes() == theirs.read_bytes() and mine.read_bytes().count(b"\n") > 1
+    verified = cli_here("receipts", "verify", str(resumed))
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+
+
 def test_hf_trainer_killed_and_resumed_is_the_run_straight_through(tmp_path):
     """A GPT-2 (dropout on) under transformers.Trainer with SamestepCallback: killed once checkpoint-3 is
     saved and resumed through the Trainer's own resume_from_checkpoint, it ends on the straight run's
     digest, and `samestep diff` compares the traces of all 6 steps, the first 3 from two independent runs,
-    identical (exit 0). Negative control: the same killed run, its rng_state.pth removed (the Trainer
+    identical (exit 0); its receipts are the straight run's byte for byte, and verify. Negative control: the same killed run, its rng_state.pth removed (the Trainer
     only warns, and goes on elsewhere), is refused before its first step, naming the RNG."""
     straight, killed = _together(("hf_trainer.py", tmp_path / "straight"),
                                  ("hf_trainer.py", tmp_path / "cut", "--kill-after", "3"))
@@ -51,13 +59,15 @@ def test_hf_trainer_killed_and_resumed_is_the_run_straight_through(tmp_path):
                                  ("hf_trainer.py", tmp_path / "norng", "--resume"))
     assert _digest(resumed) == _digest(straight)
     assert _diff(tmp_path / "straight", tmp_path / "cut") == 0
+    _same_receipts(tmp_path / "straight", tmp_path / "cut")
     assert refused.returncode != 0 and "ResumeMismatch" in refused.stderr and "rng differs" in refused.stderr
 
 
 def test_lightning_killed_and_resumed_mid_epoch_is_the_run_straight_through(tmp_path):
     """A Lightning module (dropout, a per-step LR schedule, 2 batches per step) with SamestepCallback and a
     KeyedSampler: killed after checkpoint 3 (6 batches into an 8-batch epoch) and resumed with
-    fit(ckpt_path=...), it ends on the straight run's digest, and the traces are identical (exit 0).
+    fit(ckpt_path=...), it ends on the straight run's digest, the traces are identical (exit 0), and its
+    receipts are the straight run's byte for byte, and verify.
     Lightning saves no RNG state and restarts a plain loader's epoch: negative control, the same resume
     with torch's RandomSampler is refused, naming the fix."""
     straight, killed, plain = _together(("lightning_fit.py", tmp_path / "straight"),
@@ -68,4 +78,5 @@ def test_lightning_killed_and_resumed_mid_epoch_is_the_run_straight_through(tmp_
                                  ("lightning_fit.py", tmp_path / "plain", "--resume", "--plain-sampler"))
     assert _digest(resumed) == _digest(straight)
     assert _diff(tmp_path / "straight", tmp_path / "cut") == 0
+    _same_receipts(tmp_path / "straight", tmp_path / "cut")
     assert refused.returncode != 0 and "ResumeMismatch" in refused.stderr and "KeyedSampler" in refused.stderr

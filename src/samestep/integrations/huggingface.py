@@ -10,8 +10,11 @@ What it does:
 - a trace of every step (or ``steps=``) into ``args.output_dir`` (or ``run_dir``), for ``samestep diff``:
   microbatches numbered by their place in the gradient accumulation, every gradient after clipping and
   before the update, the parameters and optimizer state after it;
+- a receipt of every step (``receipts/rank_00000.jsonl``, ``samestep receipts verify``): the checksum of
+  the model, optimizer and scheduler state after the update, chained by hash (no loss bits: the Trainer
+  gives its callbacks none per step);
 - beside each of the Trainer's checkpoints, ``samestep.json``: the digests of the model, optimizer,
-  scheduler and every RNG state as saved, and the trace made durable before it;
+  scheduler and every RNG state as saved, and the trace and receipts made durable before it;
 - on ``resume_from_checkpoint``, every digest compared with what the Trainer restored, before the first
   resumed step runs: a resume that would leave the checkpointed run's numerical path (its RNG file gone,
   say, which the Trainer only warns about) stops with ``ResumeMismatch`` naming the part.
@@ -47,12 +50,15 @@ class SamestepCallback(TrainerCallback):
         steps: the 1-based optimizer steps to trace (a set, or text like ``"1-5"``); ``None`` traces all.
         threads: the intra-op thread count that deterministic mode pins.
         kernels: route racy ops through samestep's deterministic kernels.
+        receipts: write a receipt of every step (the process that saves, as the Trainer's checkpoints); a
+            resume whose restored state is not its step's receipt is refused.
     """
 
     def __init__(self, run_dir: str | Path | None = None, *, level: str = "step", steps: set[int] | str | None = None,
-                 threads: int | None = 1, kernels: bool = False) -> None:
+                 threads: int | None = 1, kernels: bool = False, receipts: bool = True) -> None:
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.level, self.steps, self.threads, self.kernels = level, steps, threads, kernels
+        self.receipts = receipts
         self._own_mode = False
         self._rec: Any = None
         self._hooked: HookedSteps | None = None
@@ -83,8 +89,18 @@ class SamestepCallback(TrainerCallback):
                 self._pending = (saved, str(checkpoint / FINGERPRINT))
         if not args.should_save and self.level != "off":
             self.level = "off"  # a process that saves nothing writes no trace (the Trainer's rank rule)
+
+        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it; the update is the inner one's
+
+        def receipted(step: int) -> dict[str, Any]:
+            return {"model": model.state_dict(), "optimizer": inner.state_dict(), "step": step,
+                    **({"scheduler": lr_scheduler.state_dict()} if lr_scheduler is not None else {})}
+
         self._hooked = HookedSteps.start(run_dir, level=self.level, steps=self.steps, resume=resumed, model=model,
-                                         how_to_resume="trainer.train(resume_from_checkpoint=...)")
+                                         how_to_resume="trainer.train(resume_from_checkpoint=...)",
+                                         state=receipted if self.receipts and args.should_save else None,
+                                         start=state.global_step if resumed else 0, optimizer=inner,
+                                         source="transformers.Trainer")
         self._rec = self._hooked.rec
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -129,9 +145,9 @@ class SamestepCallback(TrainerCallback):
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self._hooked is not None:
-            self._hooked.end_step()
+            self._hooked.end_step()  # the update and the scheduler's step are made: the receipt's state
             if control.should_save:
-                self._rec.sync()  # the steps the checkpoint holds are in the trace on disk first
+                self._hooked.sync()  # the steps the checkpoint holds are on disk first
 
     def on_save(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                 lr_scheduler: Any = None, **kwargs: Any) -> None:

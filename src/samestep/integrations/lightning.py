@@ -9,9 +9,12 @@ What it does:
 - a trace of every optimizer step (or ``steps=``) for ``samestep diff``: the batches of a gradient
   accumulation as microbatches 0, 1, ..., every gradient before the update (before clipping), the
   parameters and optimizer state after it, and the step's loss;
+- a receipt of every optimizer step (``receipts/rank_00000.jsonl``, ``samestep receipts verify``): the
+  checksum of the model, optimizer and scheduler state after the update and the step's loss bits,
+  chained by hash;
 - in each of Lightning's checkpoints (its callback state): every RNG state of the process, which
-  Lightning does not save, and the digests of the model, optimizer and scheduler, with the trace made
-  durable before the checkpoint is written;
+  Lightning does not save, and the digests of the model, optimizer and scheduler, with the trace and the
+  receipts made durable before the checkpoint is written;
 - on ``fit(..., ckpt_path=...)``: the digests compared with what Lightning restored, the RNG states
   restored before the first resumed step, and the data position: a ``KeyedSampler`` is moved to the
   first sample the checkpoint had not consumed; a mid-epoch resume with a loader that can do neither
@@ -20,6 +23,7 @@ What it does:
 
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import Any
@@ -45,12 +49,15 @@ class SamestepCallback(pl.Callback):
         steps: the 1-based optimizer steps to trace (a set, or text like ``"1-5"``); ``None`` traces all.
         threads: the intra-op thread count that deterministic mode pins.
         kernels: route racy ops through samestep's deterministic kernels.
+        receipts: write a receipt of every optimizer step (global rank 0's); a resume whose restored state is
+            not its step's receipt is refused.
     """
 
     def __init__(self, run_dir: str | Path, *, level: str = "step", steps: set[int] | str | None = None,
-                 threads: int | None = 1, kernels: bool = False) -> None:
+                 threads: int | None = 1, kernels: bool = False, receipts: bool = True) -> None:
         self.run_dir = Path(run_dir)
         self.level, self.steps, self.threads, self.kernels = level, steps, threads, kernels
+        self.receipts = receipts
         self._own_mode = False
         self._rec: Any = None
         self._hooked: HookedSteps | None = None
@@ -75,8 +82,19 @@ class SamestepCallback(pl.Callback):
             saved = self._saved
             check_resume(saved["fingerprint"], self._fingerprint(trainer, pl_module), "the checkpoint's samestep state")
             self._position_data(trainer)
+        opt = trainer.optimizers[0] if trainer.optimizers else None
+
+        def receipted(step: int) -> dict[str, Any]:
+            configs = trainer.lr_scheduler_configs
+            return {"model": pl_module.state_dict(), "step": step,
+                    **({"optimizer": opt.state_dict()} if opt is not None else {}),
+                    **({"scheduler": configs[0].scheduler.state_dict()} if configs else {})}
+
         self._hooked = HookedSteps.start(self.run_dir, level=self.level, steps=self.steps, resume=resumed,
-                                         model=pl_module, how_to_resume="trainer.fit(..., ckpt_path=...)")
+                                         model=pl_module, how_to_resume="trainer.fit(..., ckpt_path=...)",
+                                         state=receipted if self.receipts and trainer.is_global_zero else None,
+                                         start=trainer.global_step if resumed else 0, optimizer=opt,
+                                         source="lightning.Trainer")
         self._rec = self._hooked.rec
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -133,16 +151,18 @@ class SamestepCallback(pl.Callback):
             return  # accumulating: the step goes on with the next batch
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
-            self._rec.metric("loss", loss.detach())
+            loss = loss.detach()
+            self._rec.metric("loss", loss)
         self._rec.state(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
-        hooked.end_step()
+        # the update and the scheduler's step are made (Lightning steps it before this hook): the receipt's state
+        hooked.end_step(float(loss) if isinstance(loss, torch.Tensor) else math.nan)
 
     # -- Lightning's checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Saved in Lightning's checkpoint (after the step's update): the RNG states and the state's digests.
         The trace of the steps it holds is made durable first."""
-        if self._rec is not None:
-            self._rec.sync()
+        if self._hooked is not None:
+            self._hooked.sync()
         trainer = self._trainer
         if trainer is None:
             raise RuntimeError("SamestepCallback.state_dict() outside Trainer.fit: nothing to fingerprint")

@@ -1,28 +1,44 @@
-"""A trace driven by a framework's hooks: the recorder's step and microbatch contexts, opened in one hook
-and closed in another, in the order the recorder expects."""
+"""A run driven by a framework's hooks: the recorder's step and microbatch contexts, opened in one hook
+and closed in another, in the order the recorder expects, and the receipt of each step."""
 
 from __future__ import annotations
 
 import contextlib
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 __all__ = ["HookedSteps"]
 
+State = Callable[[int], dict[str, Any]]  # the state after a step, as its receipt checksums it
+
 
 class HookedSteps:
-    """Opens and closes ``Recorder.step`` and ``Recorder.microbatch`` from separate framework callbacks."""
+    """Opens and closes ``Recorder.step`` and ``Recorder.microbatch`` from separate framework callbacks, and
+    writes a receipt of every step that ends (``samestep.receipts``, rank 0's file)."""
 
     @classmethod
     def start(cls, run_dir: Path, *, level: str, steps: Any, resume: bool, model: Any, how_to_resume: str,
-              ) -> HookedSteps:
-        """Starts the trace of ``run_dir`` (a resume continues its stream) with the model's hooks attached.
+              state: State | None = None, start: int = 0, optimizer: Any = None, source: str = "") -> HookedSteps:
+        """Starts the trace of ``run_dir`` (a resume continues its stream) with the model's hooks attached,
+        and, given ``state``, the receipts: those past ``start`` (the step the framework resumed after, 0
+        for a new run) are cut, and a resume whose restored ``state(start)`` is not its receipt's is refused
+        before anything is written. ``optimizer``: its next step waits for the receipt being made.
+        ``source``: what made the run (in the receipts' genesis).
 
         Raises:
             ValueError: ``run_dir`` holds a traced run and this is no resume: says ``how_to_resume``.
+            ReceiptError: the receipts file is damaged or lacks a step up to ``start``, or the restored state
+                is not the one its receipt of ``start`` records.
         """
+        from samestep.checksums import state_hash_for
+        from samestep.receipts import ReceiptWriter, check_restored, genesis, truncate_receipts
         from samestep.tracing.start import trace
 
+        if state is not None:  # a resume that cannot go on fails before anything is written
+            truncate_receipts(run_dir, 0, start, check_only=True)
+            check_restored(run_dir, 0, start, state(start))
         try:
             rec = trace(run_dir, level=level, steps=steps, resume=resume)
         except ValueError as e:
@@ -30,11 +46,25 @@ class HookedSteps:
                 raise
             raise ValueError(f"{run_dir} already holds a traced run; continue it with {how_to_resume}, or trace "
                              "into another run directory") from None
-        rec.attach(model)
-        return cls(rec)
+        writer = None
+        try:
+            rec.attach(model)
+            if state is not None:
+                prev = truncate_receipts(run_dir, 0, start)
+                where = next((p.device for p in model.parameters()), None)
+                writer = ReceiptWriter(run_dir, 0, prev or genesis({}, source), start=start,
+                                       hash=state_hash_for(where if where is not None else "cpu"))
+                if optimizer is not None:
+                    writer.watch(optimizer)
+        except BaseException:
+            rec.close()
+            raise
+        return cls(rec, writer, state)
 
-    def __init__(self, rec: Any) -> None:
+    def __init__(self, rec: Any, receipts: Any = None, state: State | None = None) -> None:
         self.rec = rec
+        self.receipts = receipts
+        self._state = state
         self.step: int | None = None
         self.microbatch: int | None = None
         self._step: contextlib.ExitStack | None = None
@@ -59,12 +89,24 @@ class HookedSteps:
         if mb is not None:
             mb.close()
 
-    def end_step(self) -> None:
-        """The step finished normally: its ``step.end`` record follows."""
+    def end_step(self, loss: float = math.nan, grad_norm: float = math.nan) -> None:
+        """The step finished normally, its update made: its ``step.end`` record follows, and its receipt
+        (the state after the update, taken now and checksummed on the receipt thread; the loss and grad
+        norm bits where the framework gives them, NaN where not)."""
         self.end_microbatch()
-        st, self._step, self.step = self._step, None, None
+        st, step, self._step, self.step = self._step, self.step, None, None
         if st is not None:
             st.close()
+        if self.receipts is not None and step is not None:
+            tree = self._state(step)
+            self.receipts.add(step, lambda: tree, loss, grad_norm)
+
+    def sync(self) -> None:
+        """The trace and the receipts of every step so far, durable: right before the framework saves a
+        checkpoint of them."""
+        from samestep.protocol import make_durable
+
+        make_durable(self.rec, self.receipts)
 
     def abort(self) -> None:
         """A step left open (the framework raised or stopped inside it) ends as failed: no ``step.end``."""
@@ -78,8 +120,13 @@ class HookedSteps:
         self.step = self.microbatch = None
 
     def close(self) -> None:
-        """Ends a step left open as failed, then closes the trace."""
+        """Ends a step left open as failed, then closes the trace and the receipts."""
         try:
             self.abort()
         finally:
-            self.rec.close()
+            try:
+                self.rec.close()
+            finally:
+                if self.receipts is not None:
+                    self.receipts.close()
+                    self.receipts = None
