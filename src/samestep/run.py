@@ -33,7 +33,7 @@ from samestep import mode, preempt
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from samestep.distributed.agree import any_rank
 from samestep.protocol import agreed_stop, save_after_records
-from samestep.receipts import ReceiptWriter, check_restored, genesis, truncate_receipts
+from samestep.receipts import ReceiptWriter, check_resumable, continue_receipts, genesis
 from samestep.checksums import state_hash_for
 from samestep._state import state_digest
 from samestep.rundir import checked_run_dir, checkpoints_dir, declared_changes, hold, holds_run, record_declared
@@ -147,8 +147,7 @@ class Run:
                                              data_cursor=data_cursor, fallback=True, strict_env=strict_env).step
             keeps_receipts = receipts and _rank() == 0
             if keeps_receipts:  # a resume that cannot go on fails before anything is written
-                truncate_receipts(self.run_dir, 0, self.start, check_only=True)
-                check_restored(self.run_dir, 0, self.start, self._state_tree(self.start))
+                check_resumable(self.run_dir, 0, self.start, self._state_tree(self.start))
             from samestep.tracing.start import trace
 
             # a run killed before its first checkpoint goes on from step 0, in a new trace segment
@@ -165,10 +164,9 @@ class Run:
             self._hooks = [optimizer.register_step_pre_hook(self._before_update),
                            optimizer.register_step_post_hook(self._after_update)]
             if keeps_receipts:
-                prev = truncate_receipts(self.run_dir, 0, self.start)
                 where = next((p.device for p in model.parameters()), torch.device("cpu"))
-                self._receipts = ReceiptWriter(self.run_dir, 0, prev or genesis({}, "samestep.Run"), start=self.start,
-                                               hash=state_hash_for(where))
+                self._receipts = continue_receipts(self.run_dir, 0, self.start, genesis({}, "samestep.Run"),
+                                                   hash=state_hash_for(where))
                 self._receipts.watch(optimizer)  # the next update waits for the receipt of the last
         except BaseException:
             self.close()

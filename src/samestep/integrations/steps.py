@@ -33,12 +33,11 @@ class HookedSteps:
                 is not the one its receipt of ``start`` records.
         """
         from samestep.checksums import state_hash_for
-        from samestep.receipts import ReceiptWriter, check_restored, genesis, truncate_receipts
+        from samestep.receipts import check_resumable, continue_receipts, genesis
         from samestep.tracing.start import trace
 
         if state is not None:  # a resume that cannot go on fails before anything is written
-            truncate_receipts(run_dir, 0, start, check_only=True)
-            check_restored(run_dir, 0, start, state(start))
+            check_resumable(run_dir, 0, start, state(start))
         try:
             rec = trace(run_dir, level=level, steps=steps, resume=resume)
         except ValueError as e:
@@ -50,10 +49,9 @@ class HookedSteps:
         try:
             rec.attach(model)
             if state is not None:
-                prev = truncate_receipts(run_dir, 0, start)
                 where = next((p.device for p in model.parameters()), None)
-                writer = ReceiptWriter(run_dir, 0, prev or genesis({}, source), start=start,
-                                       hash=state_hash_for(where if where is not None else "cpu"))
+                writer = continue_receipts(run_dir, 0, start, genesis({}, source),
+                                           hash=state_hash_for(where if where is not None else "cpu"))
                 if optimizer is not None:
                     writer.watch(optimizer)
         except BaseException:

@@ -39,7 +39,7 @@ from samestep.distributed.norm import clip_grad_norm_
 from samestep.mode import DeterminismReport, disable, enable
 from samestep.preempt import StopRequest, parse_signals
 from samestep.protocol import agreed_stop, save_after_records
-from samestep.receipts import ReceiptWriter, genesis, read_header, receipts_path, state_hash_of, truncate_receipts
+from samestep.receipts import ReceiptWriter, continue_receipts, genesis, read_header, receipts_path, state_hash_of
 from samestep.rundir import (
     checked_run_dir,
     checkpoints_dir,
@@ -443,11 +443,10 @@ def _receipts(trainer: Trainer, run_dir: Path, start: int, dist_: Processes) -> 
     writes = _writes_receipts(trainer, dist_)
     if not (writes or cross):
         return None, None
-    prev = truncate_receipts(run_dir, dist_.rank, start) if writes else None
-    writer = ReceiptWriter(run_dir if writes else None, dist_.rank,
-                           prev or genesis(trainer.cfg.to_dict(), trainer.corpus.fingerprint),
-                           state_of="rank" if trainer.sharded else "run", start=start,
-                           hash=_configured_hash(trainer))
+    first = genesis(trainer.cfg.to_dict(), trainer.corpus.fingerprint)
+    kind = {"state_of": "rank" if trainer.sharded else "run", "hash": _configured_hash(trainer)}
+    writer = (continue_receipts(run_dir, dist_.rank, start, first, **kind) if writes  # no file: the check's sums alone
+              else ReceiptWriter(None, dist_.rank, first, start=start, **kind))
     writer.watch(trainer.optimizer)
     if not cross:
         return writer, None
