@@ -36,14 +36,15 @@ def _killed_then_resumed(run: Path, settings: tuple[str, ...], after: int, here:
 
 def test_llama_and_bf16_repeat_resume_and_match_across_process_counts(tmp_path):
     """{llama, gpt} x {fp32, bf16} (gpt fp32 is test_train's and test_layouts'): two runs identical to the
-    bit; killed with SIGKILL after step 3 and resumed, identical; on 2 or 4 processes, identical. Negative
-    control: the same check tells bf16 from fp32 (the Llama's final digests and loss bits differ)."""
+    bit; killed with SIGKILL after step 3 and resumed, identical; on 2 or 4 processes, identical. The two
+    runs share this process; the killed run's process and the wider run's are fresh ones, compared with
+    them to the bit. Negative control: the same check tells bf16 from fp32 (the Llama's final digests and
+    loss bits differ)."""
     finals = {}
     for (arch, precision), nproc in CASES.items():
         settings = (*BASE, f"model.arch={arch}", f"train.precision={precision}")
         name = f"{arch}_{precision}"
-        a = run_train(tmp_path / f"{name}_a", *settings)  # a fresh process; the others need none
-        b = train_here(tmp_path / f"{name}_b", *settings)
+        a, b = (train_here(tmp_path / f"{name}_{x}", *settings) for x in "ab")
         assert a["state_digest"] == b["state_digest"], name
         assert metrics_bytes(tmp_path / f"{name}_a") == metrics_bytes(tmp_path / f"{name}_b"), name
         resumed = _killed_then_resumed(tmp_path / f"{name}_k", settings, after=3, here=True)
