@@ -101,39 +101,43 @@ def train_here(run_dir: Path, *settings: str, resume: bool = False, stop_after: 
                  out=lambda _line: None)
 
 
-def cli_here(*argv: str) -> subprocess.CompletedProcess:
-    """Runs ``samestep *argv`` in this process (no interpreter start to pay): its exit code and what it
-    printed, as ``subprocess.run(..., capture_output=True, text=True)`` gives them. For commands whose
-    claim needs no fresh process, kill or several ranks."""
+def _here(args: list[str], run) -> subprocess.CompletedProcess:
+    """``run()`` in this process as a command: its exit code (its return value, or its ``SystemExit``'s) and
+    what it printed, as ``subprocess.run(args, capture_output=True, text=True)`` gives them."""
     import contextlib
     import io
 
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = run() or 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def cli_here(*argv: str) -> subprocess.CompletedProcess:
+    """Runs ``samestep *argv`` in this process (no interpreter start to pay). For commands whose claim needs
+    no fresh process, kill or several ranks."""
     from samestep.cli import main
 
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(list(argv))
-    return subprocess.CompletedProcess(["samestep", *argv], code, out.getvalue(), err.getvalue())
+    return _here(["samestep", *argv], lambda: main(list(argv)))
 
 
 def script_here(path: Path, *argv: str) -> subprocess.CompletedProcess:
-    """Runs a script as ``python path *argv`` would (``__main__``, its ``sys.argv``), in this process: its
-    exit code and what it printed. For runs that need no fresh process, kill or signal."""
-    import contextlib
-    import io
+    """Runs a script as ``python path *argv`` would (``__main__``, its ``sys.argv``), in this process. For
+    runs that need no fresh process, kill or signal."""
     import runpy
 
-    out, err, code = io.StringIO(), io.StringIO(), 0
+    def run() -> None:
+        runpy.run_path(str(path), run_name="__main__")
+
     saved = sys.argv
     sys.argv = [str(path), *argv]
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            runpy.run_path(str(path), run_name="__main__")
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return _here([str(path), *argv], run)
     finally:
         sys.argv = saved
-    return subprocess.CompletedProcess([str(path), *argv], code, out.getvalue(), err.getvalue())
 
 
 def spawn(fn, args: tuple, nprocs: int) -> None:

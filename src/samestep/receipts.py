@@ -40,8 +40,9 @@ from samestep.durable import read_file, replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL, receipts_dir
 
 __all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "chain_break",
-           "check_resumable", "check_restored", "continue_receipts", "genesis", "read_header", "read_receipts", "read_run_receipts", "receipt_hash",
-           "receipts_path", "receipted_state", "receipt_state_of", "state_hash_of", "truncate_receipts"]
+           "check_resumable", "check_restored", "continue_receipts", "genesis", "read_header", "read_receipts",
+           "read_run_receipts", "receipt_hash", "receipts_path", "receipted_state", "receipt_state_of",
+           "state_hash_of", "state_tree", "truncate_receipts"]
 
 RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 2
 
@@ -388,10 +389,20 @@ def check_resumable(run_dir: str | os.PathLike[str], rank: int, start: int, tree
     check_restored(run_dir, rank, start, tree)
 
 
-def continue_receipts(run_dir: str | os.PathLike[str], rank: int, start: int, first_prev: str,
+def continue_receipts(run_dir: str | os.PathLike[str] | None, rank: int, start: int, first_prev: str,
                       **kwargs: Any) -> ReceiptWriter:
     """This rank's receipt writer for a run that goes on after step ``start``: the receipts of later steps (a
     killed run wrote them) cut, the chain continued from the last one kept; ``first_prev`` is a new file's
-    genesis. ``kwargs``: ``ReceiptWriter``'s (``hash``, ``state_of``)."""
-    prev = truncate_receipts(run_dir, rank, start)
+    genesis. Without ``run_dir``, a writer of no file (``ReceiptWriter``). ``kwargs``: ``ReceiptWriter``'s
+    (``hash``, ``state_of``)."""
+    prev = truncate_receipts(run_dir, rank, start) if run_dir is not None else None
     return ReceiptWriter(run_dir, rank, prev or first_prev, start=start, **kwargs)
+
+
+def state_tree(step: int, model: Any, optimizer: Any = None, **parts: Any) -> dict[str, Any]:
+    """The state after ``step`` as a loop driven by ``samestep.Run`` or a framework callback receipts it: the
+    step, and the state dict of the model, of the optimizer and of each further part (a scheduler, a data
+    cursor) that is not None."""
+    others = {"optimizer": optimizer, **parts}
+    return {"model": model.state_dict(), "step": step,
+            **{name: obj.state_dict() for name, obj in others.items() if obj is not None}}

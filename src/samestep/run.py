@@ -33,7 +33,7 @@ from samestep import mode, preempt
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from samestep.distributed.agree import any_rank
 from samestep.protocol import agreed_stop, save_after_records
-from samestep.receipts import ReceiptWriter, check_resumable, continue_receipts, genesis
+from samestep.receipts import ReceiptWriter, check_resumable, continue_receipts, genesis, state_tree
 from samestep.checksums import state_hash_for
 from samestep._state import state_digest
 from samestep.rundir import checked_run_dir, checkpoints_dir, declared_changes, hold, holds_run, record_declared
@@ -228,9 +228,7 @@ class Run:
 
     def _state_tree(self, step: int) -> dict[str, Any]:
         """The state after ``step`` as a receipt digests it: every part a checkpoint of it holds."""
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(), "step": step,
-                **{name: obj.state_dict() for name, obj in (("scheduler", self.scheduler),
-                                                            ("data_cursor", self.data_cursor)) if obj is not None}}
+        return state_tree(step, self.model, self.optimizer, scheduler=self.scheduler, data_cursor=self.data_cursor)
 
     def _receipt(self, step: int) -> None:
         """Starts the receipt of ``step``: the state tree is taken here (the optimizer's: a scheduler may

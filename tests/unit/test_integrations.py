@@ -62,11 +62,8 @@ def _hooked_run(run_dir, model, opt, steps: range, start: int = 0):
     """A framework's loop as the callbacks drive HookedSteps: a step per batch, a receipt at each step's end."""
     from samestep.integrations.steps import HookedSteps
 
-    def state(step: int) -> dict:
-        return {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}
-
     hooked = HookedSteps.start(run_dir, level="step", steps=None, resume=start > 0, model=model, how_to_resume="-",
-                               state=state, start=start, optimizer=opt, source="a framework")
+                               receipts=True, start=start, optimizer=opt, source="a framework")
     try:
         for step in steps:
             hooked.begin_step(step)

@@ -90,17 +90,13 @@ class SamestepCallback(TrainerCallback):
         if not args.should_save and self.level != "off":
             self.level = "off"  # a process that saves nothing writes no trace (the Trainer's rank rule)
 
-        inner = getattr(optimizer, "optimizer", optimizer)  # accelerate wraps it; the update is the inner one's
-
-        def receipted(step: int) -> dict[str, Any]:
-            return {"model": model.state_dict(), "optimizer": inner.state_dict(), "step": step,
-                    **({"scheduler": lr_scheduler.state_dict()} if lr_scheduler is not None else {})}
-
         self._hooked = HookedSteps.start(run_dir, level=self.level, steps=self.steps, resume=resumed, model=model,
                                          how_to_resume="trainer.train(resume_from_checkpoint=...)",
-                                         state=receipted if self.receipts and args.should_save else None,
-                                         start=state.global_step if resumed else 0, optimizer=inner,
-                                         source="transformers.Trainer")
+                                         receipts=self.receipts and args.should_save,
+                                         start=state.global_step if resumed else 0,
+                                         # accelerate wraps the optimizer; the update is the inner one's
+                                         optimizer=getattr(optimizer, "optimizer", optimizer),
+                                         scheduler=lr_scheduler, source="transformers.Trainer")
         self._rec = self._hooked.rec
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -82,18 +82,13 @@ class SamestepCallback(pl.Callback):
             saved = self._saved
             check_resume(saved["fingerprint"], self._fingerprint(trainer, pl_module), "the checkpoint's samestep state")
             self._position_data(trainer)
-        opt = trainer.optimizers[0] if trainer.optimizers else None
-
-        def receipted(step: int) -> dict[str, Any]:
-            configs = trainer.lr_scheduler_configs
-            return {"model": pl_module.state_dict(), "step": step,
-                    **({"optimizer": opt.state_dict()} if opt is not None else {}),
-                    **({"scheduler": configs[0].scheduler.state_dict()} if configs else {})}
-
+        configs = trainer.lr_scheduler_configs
         self._hooked = HookedSteps.start(self.run_dir, level=self.level, steps=self.steps, resume=resumed,
                                          model=pl_module, how_to_resume="trainer.fit(..., ckpt_path=...)",
-                                         state=receipted if self.receipts and trainer.is_global_zero else None,
-                                         start=trainer.global_step if resumed else 0, optimizer=opt,
+                                         receipts=self.receipts and trainer.is_global_zero,
+                                         start=trainer.global_step if resumed else 0,
+                                         optimizer=trainer.optimizers[0] if trainer.optimizers else None,
+                                         scheduler=configs[0].scheduler if configs else None,
                                          source="lightning.Trainer")
         self._rec = self._hooked.rec
 

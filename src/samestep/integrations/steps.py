@@ -11,21 +11,20 @@ from typing import Any
 
 __all__ = ["HookedSteps"]
 
-State = Callable[[int], dict[str, Any]]  # the state after a step, as its receipt checksums it
-
-
 class HookedSteps:
     """Opens and closes ``Recorder.step`` and ``Recorder.microbatch`` from separate framework callbacks, and
     writes a receipt of every step that ends (``samestep.receipts``, rank 0's file)."""
 
     @classmethod
     def start(cls, run_dir: Path, *, level: str, steps: Any, resume: bool, model: Any, how_to_resume: str,
-              state: State | None = None, start: int = 0, optimizer: Any = None, source: str = "") -> HookedSteps:
+              receipts: bool = False, start: int = 0, optimizer: Any = None, scheduler: Any = None,
+              source: str = "") -> HookedSteps:
         """Starts the trace of ``run_dir`` (a resume continues its stream) with the model's hooks attached,
-        and, given ``state``, the receipts: those past ``start`` (the step the framework resumed after, 0
-        for a new run) are cut, and a resume whose restored ``state(start)`` is not its receipt's is refused
-        before anything is written. ``optimizer``: its next step waits for the receipt being made.
-        ``source``: what made the run (in the receipts' genesis).
+        and, with ``receipts``, the receipts of the state of ``model``, ``optimizer`` and ``scheduler``
+        (``receipts.state_tree``): those past ``start`` (the step the framework resumed after, 0 for a new
+        run) are cut, and a resume whose restored state is not its receipt's is refused before anything is
+        written; the optimizer's next step waits for the receipt being made. ``source``: what made the run
+        (in the receipts' genesis).
 
         Raises:
             ValueError: ``run_dir`` holds a traced run and this is no resume: says ``how_to_resume``.
@@ -33,10 +32,13 @@ class HookedSteps:
                 is not the one its receipt of ``start`` records.
         """
         from samestep.checksums import state_hash_for
-        from samestep.receipts import check_resumable, continue_receipts, genesis
+        from samestep.receipts import check_resumable, continue_receipts, genesis, state_tree
         from samestep.tracing.start import trace
 
-        if state is not None:  # a resume that cannot go on fails before anything is written
+        def state(step: int) -> dict[str, Any]:
+            return state_tree(step, model, optimizer, scheduler=scheduler)
+
+        if receipts:  # a resume that cannot go on fails before anything is written
             check_resumable(run_dir, 0, start, state(start))
         try:
             rec = trace(run_dir, level=level, steps=steps, resume=resume)
@@ -48,10 +50,9 @@ class HookedSteps:
         writer = None
         try:
             rec.attach(model)
-            if state is not None:
-                where = next((p.device for p in model.parameters()), None)
+            if receipts:
                 writer = continue_receipts(run_dir, 0, start, genesis({}, source),
-                                           hash=state_hash_for(where if where is not None else "cpu"))
+                                           hash=state_hash_for(next((p.device for p in model.parameters()), "cpu")))
                 if optimizer is not None:
                     writer.watch(optimizer)
         except BaseException:
@@ -59,7 +60,8 @@ class HookedSteps:
             raise
         return cls(rec, writer, state)
 
-    def __init__(self, rec: Any, receipts: Any = None, state: State | None = None) -> None:
+    def __init__(self, rec: Any, receipts: Any = None,
+                 state: Callable[[int], dict[str, Any]] | None = None) -> None:
         self.rec = rec
         self.receipts = receipts
         self._state = state

@@ -445,8 +445,8 @@ def _receipts(trainer: Trainer, run_dir: Path, start: int, dist_: Processes) -> 
         return None, None
     first = genesis(trainer.cfg.to_dict(), trainer.corpus.fingerprint)
     kind = {"state_of": "rank" if trainer.sharded else "run", "hash": _configured_hash(trainer)}
-    writer = (continue_receipts(run_dir, dist_.rank, start, first, **kind) if writes  # no file: the check's sums alone
-              else ReceiptWriter(None, dist_.rank, first, start=start, **kind))
+    # a rank that keeps no receipts: a writer of no file, for the check's sums alone
+    writer = continue_receipts(run_dir if writes else None, dist_.rank, start, first, **kind)
     writer.watch(trainer.optimizer)
     if not cross:
         return writer, None
