@@ -1,17 +1,25 @@
-"""The step protocol's rules that every loop keeps in the same order (docs/design.md, invariant 4): the
-stop every rank agrees on after a step, and what is made durable before a checkpoint commits.
-``samestep train`` (train/loop.py), ``samestep.Run`` (run.py) and the framework callbacks
-(integrations/steps.py) follow them from here."""
+"""The step protocol, in one place (docs/design.md, invariant 4 and "The step protocol"): ``Session`` owns one
+process's part in a run, from deterministic mode on to the run directory released, and the rules every
+loop keeps in the same order: the stop every rank agrees on after a step, and what is made durable before a
+checkpoint commits. ``samestep train`` (train/loop.py), ``samestep.Run`` (run.py) and the framework
+callbacks (integrations/steps.py) drive it."""
 
 from __future__ import annotations
 
+import contextlib
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from pathlib import Path
 from typing import IO, Any
 
+from samestep import mode
+from samestep.mode import DeterminismReport
 from samestep.preempt import StopRequest
+from samestep.receipts import ReceiptWriter, check_resumable, continue_receipts
+from samestep.rundir import hold
 
-__all__ = ["agreed_stop", "make_durable", "save_after_records"]
+__all__ = ["Session", "agreed_stop", "make_durable", "save_after_records"]
 
 
 def agreed_stop(stop: StopRequest, any_rank: Callable[[bool], bool]) -> str | None:
@@ -46,3 +54,150 @@ def save_after_records(save: Callable[[], Any], recorder: Any = None, receipts: 
     holds, and a resume finds every file agreeing with it."""
     make_durable(recorder, receipts, metrics)
     save()
+
+
+class Session:
+    """One process's part in a run, in the protocol's order; each loop calls the parts it has.
+
+    1. ``Session(run_dir, hold=...)``: the run directory taken (one writer per run directory: another live
+       writer is refused before anything); ``enable(...)``: deterministic mode on.
+    2. ``check_receipts(...)``: a resume whose receipts cannot go on is refused before any file changes.
+    3. ``trace(...)`` (or ``adopt``): the recorder; ``open_receipts(...)``: the receipts, continued after the
+       step the run resumed from.
+    4. Within ``watching(signals)``, after each step: ``receipt(step, ...)``, ``agreed_stop(any_rank)``,
+       and ``save(...)`` (the trace, the receipts and metrics.jsonl durable, then the checkpoint).
+    5. ``end()``: the trace, then the receipts, closed; ``close()``: that, deterministic mode off if this
+       session turned it on, and the run directory released.
+
+    ``run_dir`` may be set after the session starts (a framework names it when training begins, after
+    deterministic mode had to be on), before ``trace`` or ``open_receipts``.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str] | None = None, *, hold_dir: bool = False) -> None:
+        self.run_dir = None if run_dir is None else Path(run_dir)
+        self.report: DeterminismReport | None = None
+        self.recorder: Any = None
+        self.receipts: ReceiptWriter | None = None
+        self.stop = StopRequest(())
+        self._own_mode = False
+        self._state: Callable[[int], Callable[[], Any]] | None = None
+        self.lock = hold(self.run_dir) if hold_dir and self.run_dir is not None else None
+
+    # -- 1. before anything --------------------------------------------------------------------------------
+    def enable(self, *, threads: int | None = 1, kernels: bool = False, warn_only: bool = False,
+               who: str = "this run") -> DeterminismReport:
+        """Deterministic mode on (``samestep.enable``), turned off again at ``close``. Where this process has
+        it on already with the same thread count and kernels, that one is used and left on.
+
+        Raises:
+            ValueError: it is on with another thread count or kernel routing (the bits depend on both);
+                names both and the fix. Or ``enable`` refused a setting (its message).
+        """
+        active = mode.active_report()
+        if active is None:
+            self.report = mode.enable(threads=threads, kernels=kernels, warn_only=warn_only)
+            self._own_mode = True
+            return self.report
+        want = mode.available_threads() if threads is None else threads
+        routed = any(k.name == "samestep.kernels" and k.after for k in active.knobs)
+        if (active.threads, routed) != (want, kernels):
+            raise ValueError(f"{who}: deterministic mode is already on in this process with threads={active.threads}, "
+                             f"kernels={routed}, and {who} asks for threads={want}, kernels={kernels}: the bits "
+                             "depend on both; ask for the same, or call samestep.disable() first")
+        self.report = active
+        return active
+
+    # -- 2. before any file changes ------------------------------------------------------------------------
+    def check_receipts(self, rank: int, start: int, tree: Any) -> None:
+        """This rank's receipts can go on after step ``start``: their chain whole up to it, and ``tree`` (the
+        restored state) that step's receipt (``receipts.check_resumable``)."""
+        check_resumable(self._dir("check_receipts"), rank, start, tree)
+
+    # -- 3. the records ------------------------------------------------------------------------------------
+    def trace(self, model: Any = None, **kwargs: Any) -> Any:
+        """Starts the trace of the run directory (``samestep.trace``, with ``kwargs``; the session's hold of
+        the run directory passed on) and attaches its hooks to ``model``."""
+        from samestep.tracing.start import trace
+
+        self.recorder = trace(self._dir("trace"), held=self.lock, **kwargs)
+        if model is not None:
+            self.recorder.attach(model)
+        return self.recorder
+
+    def adopt(self, recorder: Any) -> None:
+        """A recorder the loop built itself (the reference trainer's, built with its model), flushed before each
+        save and closed by ``end`` as one this session started."""
+        self.recorder = recorder
+
+    def open_receipts(self, rank: int, start: int, first_prev: str, *,
+                      state: Callable[[int], Callable[[], Any]] | None, optimizer: Any = None, keep_file: bool = True,
+                      **kind: Any) -> ReceiptWriter:
+        """This rank's receipts of the steps after ``start`` (``receipts.continue_receipts``; ``first_prev``: a new
+        file's genesis; ``kind``: the writer's ``hash`` and ``state_of``). ``state(step)`` is called at each
+        step's end and returns what makes the state tree on the receipt thread. ``optimizer``: its next
+        ``step()`` waits for the receipt being made. Without ``keep_file`` a writer of no file (the
+        cross-rank check's sums alone)."""
+        self.receipts = continue_receipts(self._dir("open_receipts") if keep_file else None, rank, start,
+                                          first_prev, **kind)
+        self._state = state
+        if optimizer is not None:
+            self.receipts.watch(optimizer)
+        return self.receipts
+
+    # -- 4. after each step --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def watching(self, signals: tuple[str, ...]) -> Generator[StopRequest, None, None]:
+        """While inside, ``signals`` ask the loop to stop at the next step boundary (``preempt.StopRequest``)."""
+        self.stop = StopRequest(signals)
+        with self.stop:
+            yield self.stop
+
+    def receipt(self, step: int, loss: float = math.nan, grad_norm: float = math.nan, sums: Any = None) -> None:
+        """The receipt of ``step``, its update made: the state after it (``open_receipts``'s ``state``, taken now),
+        the loss and gradient norm bits (NaN where the loop gives none), and the cross-rank check's ``sums``."""
+        if self.receipts is None:
+            return
+        state = self._state(step) if self._state is not None and self.receipts.path else None
+        self.receipts.add(step, state, loss, grad_norm, sums)
+
+    def agreed_stop(self, any_rank: Callable[[bool], bool]) -> str | None:
+        """``agreed_stop`` for the signals being watched (a collective where there are any)."""
+        return agreed_stop(self.stop, any_rank)
+
+    def sync(self, metrics: IO[str] | None = None) -> None:
+        """The trace, the receipts and ``metrics`` of every step so far durable (``make_durable``)."""
+        make_durable(self.recorder, self.receipts, metrics)
+
+    def save(self, save: Callable[[], Any], metrics: IO[str] | None = None) -> None:
+        """``save()`` (a checkpoint) after ``sync(metrics)`` (``save_after_records``)."""
+        save_after_records(save, self.recorder, self.receipts, metrics)
+
+    # -- 5. the end ----------------------------------------------------------------------------------------
+    def end(self) -> None:
+        """Closes the trace, then the receipts (the last receipt written); a second call does nothing."""
+        recorder, self.recorder = self.recorder, None
+        receipts, self.receipts = self.receipts, None
+        try:
+            if recorder is not None:
+                recorder.close()
+        finally:
+            if receipts is not None:
+                receipts.close()
+
+    def close(self) -> None:
+        """``end()``, then deterministic mode off if this session turned it on, and the run directory
+        released."""
+        try:
+            self.end()
+        finally:
+            if self._own_mode and mode.is_enabled():
+                mode.disable()
+            self._own_mode = False
+            lock, self.lock = self.lock, None
+            if lock is not None:
+                lock.release()
+
+    def _dir(self, what: str) -> Path:
+        if self.run_dir is None:
+            raise RuntimeError(f"Session.{what}: the session has no run directory yet; set run_dir first")
+        return self.run_dir

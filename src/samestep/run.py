@@ -32,11 +32,11 @@ import torch
 from samestep import mode, preempt
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from samestep.distributed.agree import any_rank
-from samestep.protocol import agreed_stop, save_after_records
-from samestep.receipts import ReceiptWriter, check_resumable, continue_receipts, genesis, state_tree
+from samestep.protocol import Session
+from samestep.receipts import genesis, state_tree
 from samestep.checksums import state_hash_for
 from samestep._state import state_digest
-from samestep.rundir import checked_run_dir, checkpoints_dir, declared_changes, hold, holds_run, record_declared
+from samestep.rundir import checked_run_dir, checkpoints_dir, declared_changes, holds_run, record_declared
 
 __all__ = ["Run"]
 
@@ -121,13 +121,10 @@ class Run:
         self.checkpoint_every, self.keep = checkpoint_every, keep
         self.stopped: str | None = None  # the signal that stopped the loop, if one did
         self.start = 0  # the step the run resumed after (0: a new run)
-        self._own_mode = deterministic and not mode.is_enabled()
-        self._stop = preempt.StopRequest(stop_signals)
+        self._signals = stop_signals
         self._hooks: list[Any] = []
-        self._rec = None
         self._step: int | None = None
         self._loop: Generator[int, None, None] | None = None
-        self._receipts: ReceiptWriter | None = None
         self._metrics: dict[str, float] = {}
         held = bool(committed_steps(self.checkpoints))
         if held and resume is False:
@@ -136,38 +133,36 @@ class Run:
         if not held and resume is True:
             raise ValueError(f"samestep.Run: resume=True, but {self.checkpoints} holds no checkpoint")
         # one writer per run directory, as samestep train and samestep.trace take it (refused before anything)
-        self._lock = hold(self.run_dir) if _rank() == 0 else None
+        self._session = Session(self.run_dir, hold_dir=_rank() == 0)
         try:
             self._declared = _declared(model, optimizer, scheduler, data_cursor, config)
             if resume is not False:  # another run's settings are refused before anything is restored or written
                 _refuse_changes(self.run_dir, self._declared)
-            self.report = mode.enable(threads=threads, kernels=kernels) if self._own_mode else mode.active_report()
+            self.report = (self._session.enable(threads=threads, kernels=kernels, who="samestep.Run") if deterministic
+                           else mode.active_report())
             if held:
                 self.start = load_checkpoint(self.checkpoints, model=model, optimizer=optimizer, scheduler=scheduler,
                                              data_cursor=data_cursor, fallback=True, strict_env=strict_env).step
             keeps_receipts = receipts and _rank() == 0
             if keeps_receipts:  # a resume that cannot go on fails before anything is written
-                check_resumable(self.run_dir, 0, self.start, self._state_tree(self.start))
-            from samestep.tracing.start import trace
-
+                self._session.check_receipts(0, self.start, self._state_tree(self.start))
             # a run killed before its first checkpoint goes on from step 0, in a new trace segment
             continues = self.start > 0 or (resume is not False and holds_run(self.run_dir))
-            self._rec = trace(self.run_dir, level=level, steps=trace_steps, resume=continues, copy=copy,
-                              held=self._lock)
+            self._session.trace(model, level=level, steps=trace_steps, resume=continues, copy=copy)
             if _rank() == 0:
                 record_declared(self.run_dir, self._declared)
-            self._rec.attach(model)
             # kept from step to step, as the reference loop keeps them: a model gains or loses no parameter
             self._params = list(model.named_parameters())
-            self._buffers = self._rec.persistent_buffers(model)
+            self._buffers = self.recorder.persistent_buffers(model)
             self._grad_copy: bool | str = True if copy or level != "step" else "checked"
             self._hooks = [optimizer.register_step_pre_hook(self._before_update),
                            optimizer.register_step_post_hook(self._after_update)]
-            if keeps_receipts:
+            if keeps_receipts:  # the state tree taken at the step's end: a scheduler may change the optimizer's
+                # groups before the next update; the next update waits for the receipt of the last
                 where = next((p.device for p in model.parameters()), torch.device("cpu"))
-                self._receipts = continue_receipts(self.run_dir, 0, self.start, genesis({}, "samestep.Run"),
-                                                   hash=state_hash_for(where))
-                self._receipts.watch(optimizer)  # the next update waits for the receipt of the last
+                self._session.open_receipts(0, self.start, genesis({}, "samestep.Run"), optimizer=optimizer,
+                                            state=lambda step: (lambda tree=self._state_tree(step): tree),
+                                            hash=state_hash_for(where))
         except BaseException:
             self.close()
             raise
@@ -175,15 +170,15 @@ class Run:
     @property
     def recorder(self) -> Any:
         """The ``samestep.trace`` recorder (for a collective, a DDP hook, or a further record)."""
-        return self._rec
+        return self._session.recorder
 
     def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._step is not None:
-            self._rec.grads(self._params, copy=self._grad_copy)
+            self.recorder.grads(self._params, copy=self._grad_copy)
 
     def _after_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._step is not None:
-            self._rec.state(self.model, optimizer, named_params=self._params, named_buffers=self._buffers)
+            self.recorder.state(self.model, optimizer, named_params=self._params, named_buffers=self._buffers)
 
     def steps(self, total: int) -> Generator[int, None, None]:
         """Yields the steps ``start + 1`` .. ``total`` (1-based), each inside the recorder's step; after each,
@@ -197,20 +192,21 @@ class Run:
         _refuse_changes(self.run_dir, {"steps": total})
         if _rank() == 0:
             record_declared(self.run_dir, {"steps": total})
-        with self._stop:
+        session = self._session
+        with session.watching(self._signals):
             for step in range(self.start + 1, total + 1):
                 self._step = step
-                with self._rec.step(step):
+                with self.recorder.step(step):
                     yield step
                 self._step = None
-                if self._receipts is not None:
-                    self._receipt(step)
-                stop = agreed_stop(self._stop, any_rank)  # so every rank reaches the checkpoint's barriers
+                if session.receipts is not None:  # the metrics' bits read only for a receipt (a device sync)
+                    session.receipt(step, *(float(self._metrics.get(k, float("nan"))) for k in ("loss", "grad_norm")))
+                self._metrics.clear()
+                stop = session.agreed_stop(any_rank)  # so every rank reaches the checkpoint's barriers
                 if stop is not None or step == total or step % self.checkpoint_every == 0:
-                    save_after_records(lambda: save_checkpoint(
+                    session.save(lambda: save_checkpoint(
                         self.checkpoints, step, model=self.model, optimizer=self.optimizer,
-                        scheduler=self.scheduler, data_cursor=self.data_cursor, keep=self.keep),
-                        self._rec, self._receipts)
+                        scheduler=self.scheduler, data_cursor=self.data_cursor, keep=self.keep))
                 if stop is not None:
                     self.stopped = stop
                     return
@@ -218,24 +214,17 @@ class Run:
     def microbatch(self, index: int) -> contextlib.AbstractContextManager[None]:
         """Everything inside belongs to global microbatch ``index`` (the same index whatever the number of
         processes): module and op records are named by it."""
-        return self._rec.microbatch(index)
+        return self.recorder.microbatch(index)
 
     def metric(self, name: str, value: float | torch.Tensor) -> None:
         """A scalar of the step (a loss, a gradient norm), recorded as its exact bits."""
-        self._rec.metric(name, value)
+        self.recorder.metric(name, value)
         if name in ("loss", "grad_norm"):
             self._metrics[name] = value.detach() if isinstance(value, torch.Tensor) else value
 
     def _state_tree(self, step: int) -> dict[str, Any]:
         """The state after ``step`` as a receipt digests it: every part a checkpoint of it holds."""
         return state_tree(step, self.model, self.optimizer, scheduler=self.scheduler, data_cursor=self.data_cursor)
-
-    def _receipt(self, step: int) -> None:
-        """Starts the receipt of ``step``: the state tree is taken here (the optimizer's: a scheduler may
-        change its groups before the next update), digested on the receipt thread."""
-        tree = self._state_tree(step)
-        loss, norm = (float(self._metrics.pop(k, float("nan"))) for k in ("loss", "grad_norm"))
-        self._receipts.add(step, lambda: tree, loss, norm)
 
     def close(self) -> None:
         """Closes the trace, removes the hooks, and turns deterministic mode off if this run turned it on."""
@@ -245,19 +234,7 @@ class Run:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        try:
-            if self._rec is not None:
-                self._rec.close()
-        finally:
-            self._rec = None
-            if self._receipts is not None:
-                self._receipts.close()
-                self._receipts = None
-            if self._own_mode and mode.is_enabled():
-                mode.disable()
-            if self._lock is not None:
-                self._lock.release()
-                self._lock = None
+        self._session.close()
 
     def __enter__(self) -> Run:
         return self

@@ -45,3 +45,84 @@ def test_every_rank_stops_after_the_same_step():
         raise AssertionError("called a collective though no signal is watched")
 
     assert agreed_stop(StopRequest(()), no_collective) is None
+
+
+def test_a_session_owns_deterministic_mode_it_turned_on_and_refuses_other_settings(tmp_path):
+    """A session turns deterministic mode on and, at its close, off again; one that finds it on with the same
+    settings uses it and leaves it on. Negative control: other settings (a thread count the bits depend on)
+    are refused, naming both, and the mode in force is left as it was."""
+    import pytest
+
+    from samestep import mode
+    from samestep.protocol import Session
+
+    assert not mode.is_enabled()
+    own = Session()
+    report = own.enable(threads=1)
+    assert mode.is_enabled() and report is mode.active_report()
+    guest = Session()
+    assert guest.enable(threads=1) is report
+    guest.close()
+    assert mode.is_enabled()  # the guest did not turn it on, so it leaves it on
+    with pytest.raises(ValueError, match=r"already on in this process with threads=1.*asks for threads=2"):
+        Session().enable(threads=2, who="a loop")
+    assert mode.active_report() is report
+    own.close()
+    assert not mode.is_enabled()
+    own.close()  # a second close does nothing
+
+
+def test_a_session_holds_the_run_directory_and_closes_the_trace_before_the_receipts(tmp_path):
+    """The run directory is held from the session's start (a second writer is refused before anything) to its
+    close; ``end`` closes the trace, then the receipts; the receipts' last step is in the file after it."""
+    import pytest
+
+    from samestep.protocol import Session
+    from samestep.rundir import RunDirError, hold
+
+    calls: list[str] = []
+
+    class _Closes(_Synced):
+        def close(self) -> None:
+            self.calls.append(self.name)
+
+    session = Session(tmp_path / "run", hold_dir=True)
+    with pytest.raises(RunDirError):
+        Session(tmp_path / "run", hold_dir=True)
+    session.adopt(_Closes("trace", calls))
+    session.receipts = _Closes("receipts", calls)
+    session.save(lambda: calls.append("save"))
+    session.close()
+    assert calls == ["trace", "receipts", "save", "trace", "receipts"]
+    hold(tmp_path / "run").release()  # released at the close
+
+
+def test_the_protocol_is_driven_from_the_session_alone():
+    """The reference trainer, samestep.Run and both callbacks reach deterministic mode, the run directory's hold,
+    the receipts' lifecycle, the stop signals and the durable order through ``protocol.Session`` only: none of
+    them calls those mechanisms itself. Negative control: a module that turns the mode on itself is caught."""
+    import ast
+    from pathlib import Path
+
+    import samestep
+
+    owned = {"enable", "disable", "hold", "continue_receipts", "check_resumable", "save_after_records",
+             "make_durable", "StopRequest", "agreed_stop", "trace"}
+    modules = {"samestep", "mode", "rundir", "receipts", "preempt", "protocol", "start"}
+
+    def calls(source: str) -> set[str]:
+        found = set()
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Call):
+                f = node.func  # a function imported by name, or called on its module; not a session's method
+                if isinstance(f, ast.Name):
+                    found.add(f.id)
+                elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in modules:
+                    found.add(f.attr)
+        return found & owned
+
+    root = Path(samestep.__file__).parent
+    drivers = [root / "train" / "loop.py", root / "run.py", root / "integrations" / "steps.py",
+               root / "integrations" / "huggingface.py", root / "integrations" / "lightning.py"]
+    assert {d.name: calls(d.read_text(encoding="utf-8")) for d in drivers} == {d.name: set() for d in drivers}
+    assert calls("from samestep import mode\nmode.enable(threads=1)\nsession.enable()\n") == {"enable"}

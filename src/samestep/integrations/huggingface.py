@@ -31,10 +31,10 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from samestep import mode
 from samestep.durable import read_file, write_durable
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, rng_digest, state_fingerprint
 from samestep.integrations.steps import HookedSteps
+from samestep.protocol import Session
 
 __all__ = ["FINGERPRINT", "ResumeMismatch", "SamestepCallback"]
 
@@ -59,16 +59,14 @@ class SamestepCallback(TrainerCallback):
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.level, self.steps, self.threads, self.kernels = level, steps, threads, kernels
         self.receipts = receipts
-        self._own_mode = False
+        self._session = Session()  # deterministic mode from the Trainer's construction; the trace from train()
         self._rec: Any = None
         self._hooked: HookedSteps | None = None
         self._pending: tuple[dict[str, Any], str] | None = None  # a resume's RNG digest, checked at its first step
 
     # -- start and end -----------------------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if not mode.is_enabled():
-            mode.enable(threads=self.threads, kernels=self.kernels)
-            self._own_mode = True
+        self._session.enable(threads=self.threads, kernels=self.kernels, who="SamestepCallback")
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
@@ -90,13 +88,12 @@ class SamestepCallback(TrainerCallback):
         if not args.should_save and self.level != "off":
             self.level = "off"  # a process that saves nothing writes no trace (the Trainer's rank rule)
 
-        self._hooked = HookedSteps.start(run_dir, level=self.level, steps=self.steps, resume=resumed, model=model,
-                                         how_to_resume="trainer.train(resume_from_checkpoint=...)",
-                                         receipts=self.receipts and args.should_save,
-                                         start=state.global_step if resumed else 0,
-                                         # accelerate wraps the optimizer; the update is the inner one's
-                                         optimizer=getattr(optimizer, "optimizer", optimizer),
-                                         scheduler=lr_scheduler, source="transformers.Trainer")
+        self._hooked = HookedSteps.start(
+            self._session, run_dir, level=self.level, steps=self.steps, resume=resumed, model=model,
+            how_to_resume="trainer.train(resume_from_checkpoint=...)", receipts=self.receipts and args.should_save,
+            start=state.global_step if resumed else 0,
+            optimizer=getattr(optimizer, "optimizer", optimizer),  # accelerate wraps it; the update is the inner one's
+            scheduler=lr_scheduler, source="transformers.Trainer")
         self._rec = self._hooked.rec
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -111,9 +108,7 @@ class SamestepCallback(TrainerCallback):
         """Closes the trace and turns deterministic mode off if this callback turned it on (for a process
         that goes on after training; the Trainer itself does not call it)."""
         self._end()
-        if self._own_mode and mode.is_enabled():
-            mode.disable()
-        self._own_mode = False
+        self._session.close()
 
     # -- each step -----------------------------------------------------------------------------------------
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

@@ -31,10 +31,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from samestep import mode
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, state_fingerprint
 from samestep.integrations.sampler import KeyedSampler
 from samestep.integrations.steps import HookedSteps
+from samestep.protocol import Session
 from samestep.rng import capture_rng, restore_rng
 
 __all__ = ["KeyedSampler", "ResumeMismatch", "SamestepCallback"]
@@ -58,7 +58,7 @@ class SamestepCallback(pl.Callback):
         self.run_dir = Path(run_dir)
         self.level, self.steps, self.threads, self.kernels = level, steps, threads, kernels
         self.receipts = receipts
-        self._own_mode = False
+        self._session = Session()  # deterministic mode from fit's setup; the trace from training's start
         self._rec: Any = None
         self._hooked: HookedSteps | None = None
         self._saved: dict[str, Any] | None = None  # the state a resume loaded, until its first step
@@ -72,9 +72,8 @@ class SamestepCallback(pl.Callback):
 
     # -- start and end -----------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and not mode.is_enabled():
-            mode.enable(threads=self.threads, kernels=self.kernels)
-            self._own_mode = True
+        if stage == "fit":
+            self._session.enable(threads=self.threads, kernels=self.kernels, who="SamestepCallback")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         resumed = self._saved is not None and trainer.global_step > 0
@@ -83,13 +82,12 @@ class SamestepCallback(pl.Callback):
             check_resume(saved["fingerprint"], self._fingerprint(trainer, pl_module), "the checkpoint's samestep state")
             self._position_data(trainer)
         configs = trainer.lr_scheduler_configs
-        self._hooked = HookedSteps.start(self.run_dir, level=self.level, steps=self.steps, resume=resumed,
-                                         model=pl_module, how_to_resume="trainer.fit(..., ckpt_path=...)",
-                                         receipts=self.receipts and trainer.is_global_zero,
-                                         start=trainer.global_step if resumed else 0,
-                                         optimizer=trainer.optimizers[0] if trainer.optimizers else None,
-                                         scheduler=configs[0].scheduler if configs else None,
-                                         source="lightning.Trainer")
+        self._hooked = HookedSteps.start(
+            self._session, self.run_dir, level=self.level, steps=self.steps, resume=resumed, model=pl_module,
+            how_to_resume="trainer.fit(..., ckpt_path=...)", receipts=self.receipts and trainer.is_global_zero,
+            start=trainer.global_step if resumed else 0,
+            optimizer=trainer.optimizers[0] if trainer.optimizers else None,
+            scheduler=configs[0].scheduler if configs else None, source="lightning.Trainer")
         self._rec = self._hooked.rec
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -100,9 +98,8 @@ class SamestepCallback(pl.Callback):
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._end()
-        if stage == "fit" and self._own_mode and mode.is_enabled():
-            mode.disable()
-            self._own_mode = False
+        if stage == "fit":
+            self._session.close()
 
     def _end(self) -> None:
         hooked, self._hooked, self._rec = self._hooked, None, None

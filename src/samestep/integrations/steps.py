@@ -1,30 +1,33 @@
-"""A run driven by a framework's hooks: the recorder's step and microbatch contexts, opened in one hook
-and closed in another, in the order the recorder expects, and the receipt of each step."""
+"""A run driven by a framework's hooks: the session's trace and receipts (``protocol.Session``) started when
+training begins, and the recorder's step and microbatch contexts, opened in one hook and closed in another,
+in the order the recorder expects."""
 
 from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from samestep.protocol import Session
+
 __all__ = ["HookedSteps"]
+
 
 class HookedSteps:
     """Opens and closes ``Recorder.step`` and ``Recorder.microbatch`` from separate framework callbacks, and
-    writes a receipt of every step that ends (``samestep.receipts``, rank 0's file)."""
+    has the session write a receipt of every step that ends (``samestep.receipts``, rank 0's file)."""
 
     @classmethod
-    def start(cls, run_dir: Path, *, level: str, steps: Any, resume: bool, model: Any, how_to_resume: str,
-              receipts: bool = False, start: int = 0, optimizer: Any = None, scheduler: Any = None,
-              source: str = "") -> HookedSteps:
-        """Starts the trace of ``run_dir`` (a resume continues its stream) with the model's hooks attached,
-        and, with ``receipts``, the receipts of the state of ``model``, ``optimizer`` and ``scheduler``
-        (``receipts.state_tree``): those past ``start`` (the step the framework resumed after, 0 for a new
-        run) are cut, and a resume whose restored state is not its receipt's is refused before anything is
-        written; the optimizer's next step waits for the receipt being made. ``source``: what made the run
-        (in the receipts' genesis).
+    def start(cls, session: Session, run_dir: Path, *, level: str, steps: Any, resume: bool, model: Any,
+              how_to_resume: str, receipts: bool = False, start: int = 0, optimizer: Any = None,
+              scheduler: Any = None, source: str = "") -> HookedSteps:
+        """Starts the session's trace of ``run_dir`` (a resume continues its stream) with the model's hooks
+        attached, and, with ``receipts``, the receipts of the state of ``model``, ``optimizer`` and
+        ``scheduler`` (``receipts.state_tree``): those past ``start`` (the step the framework resumed after,
+        0 for a new run) are cut, and a resume whose restored state is not its receipt's is refused before
+        anything is written; the optimizer's next step waits for the receipt being made. ``source``: what
+        made the run (in the receipts' genesis).
 
         Raises:
             ValueError: ``run_dir`` holds a traced run and this is no resume: says ``how_to_resume``.
@@ -32,43 +35,42 @@ class HookedSteps:
                 is not the one its receipt of ``start`` records.
         """
         from samestep.checksums import state_hash_for
-        from samestep.receipts import check_resumable, continue_receipts, genesis, state_tree
-        from samestep.tracing.start import trace
+        from samestep.receipts import genesis, state_tree
 
         def state(step: int) -> dict[str, Any]:
             return state_tree(step, model, optimizer, scheduler=scheduler)
 
+        session.run_dir = Path(run_dir)
         if receipts:  # a resume that cannot go on fails before anything is written
-            check_resumable(run_dir, 0, start, state(start))
+            session.check_receipts(0, start, state(start))
         try:
-            rec = trace(run_dir, level=level, steps=steps, resume=resume)
+            session.trace(model, level=level, steps=steps, resume=resume)
         except ValueError as e:
             if "already holds a trace" not in str(e):
                 raise
             raise ValueError(f"{run_dir} already holds a traced run; continue it with {how_to_resume}, or trace "
                              "into another run directory") from None
-        writer = None
         try:
-            rec.attach(model)
             if receipts:
-                writer = continue_receipts(run_dir, 0, start, genesis({}, source),
-                                           hash=state_hash_for(next((p.device for p in model.parameters()), "cpu")))
-                if optimizer is not None:
-                    writer.watch(optimizer)
+                session.open_receipts(0, start, genesis({}, source), optimizer=optimizer,
+                                      state=lambda step: (lambda tree=state(step): tree),
+                                      hash=state_hash_for(next((p.device for p in model.parameters()), "cpu")))
         except BaseException:
-            rec.close()
+            session.end()
             raise
-        return cls(rec, writer, state)
+        return cls(session)
 
-    def __init__(self, rec: Any, receipts: Any = None,
-                 state: Callable[[int], dict[str, Any]] | None = None) -> None:
-        self.rec = rec
-        self.receipts = receipts
-        self._state = state
+    def __init__(self, session: Session) -> None:
+        self.session = session
         self.step: int | None = None
         self.microbatch: int | None = None
         self._step: contextlib.ExitStack | None = None
         self._mb: contextlib.ExitStack | None = None
+
+    @property
+    def rec(self) -> Any:
+        """The session's recorder (for the gradients, the state and the metrics the framework's hooks see)."""
+        return self.session.recorder
 
     def begin_step(self, step: int) -> None:
         self.abort()
@@ -97,16 +99,13 @@ class HookedSteps:
         st, step, self._step, self.step = self._step, self.step, None, None
         if st is not None:
             st.close()
-        if self.receipts is not None and step is not None:
-            tree = self._state(step)
-            self.receipts.add(step, lambda: tree, loss, grad_norm)
+        if step is not None:
+            self.session.receipt(step, loss, grad_norm)
 
     def sync(self) -> None:
         """The trace and the receipts of every step so far, durable: right before the framework saves a
         checkpoint of them."""
-        from samestep.protocol import make_durable
-
-        make_durable(self.rec, self.receipts)
+        self.session.sync()
 
     def abort(self) -> None:
         """A step left open (the framework raised or stopped inside it) ends as failed: no ``step.end``."""
@@ -120,13 +119,9 @@ class HookedSteps:
         self.step = self.microbatch = None
 
     def close(self) -> None:
-        """Ends a step left open as failed, then closes the trace and the receipts."""
+        """Ends a step left open as failed, then closes the trace and the receipts (the session goes on:
+        deterministic mode stays as the framework's callback left it)."""
         try:
             self.abort()
         finally:
-            try:
-                self.rec.close()
-            finally:
-                if self.receipts is not None:
-                    self.receipts.close()
-                    self.receipts = None
+            self.session.end()

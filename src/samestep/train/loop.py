@@ -36,15 +36,13 @@ from samestep.distributed.fsdp import (
     shard_model,
 )
 from samestep.distributed.norm import clip_grad_norm_
-from samestep.mode import DeterminismReport, disable, enable
-from samestep.preempt import StopRequest, parse_signals
-from samestep.protocol import agreed_stop, save_after_records
-from samestep.receipts import ReceiptWriter, continue_receipts, genesis, read_header, receipts_path, state_hash_of
+from samestep.preempt import parse_signals
+from samestep.protocol import Session
+from samestep.receipts import genesis, read_header, receipts_path, state_hash_of
 from samestep.rundir import (
     checked_run_dir,
     checkpoints_dir,
     final_doc,
-    hold,
     holds_run,
     logged_loss,
     metrics_line,
@@ -275,23 +273,20 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
     run_dir = checked_run_dir(run_dir)
     # One writer per run directory: a second trainer (a requeued job beside the live one) is refused
     # before it touches anything; rank 0 holds it for the whole job.
-    lock = hold(run_dir) if int(os.environ.get("RANK", "0")) == 0 else None
-    report = None
+    session = Session(run_dir, hold_dir=int(os.environ.get("RANK", "0")) == 0)
     try:
         if cfg.determinism.enabled:
             # Before any process group exists: NCCL reads NCCL_ALGO when its communicator starts.
-            report = enable(threads=cfg.determinism.threads, warn_only=cfg.determinism.warn_only)
+            session.enable(threads=cfg.determinism.threads, warn_only=cfg.determinism.warn_only,
+                           who="determinism.threads")
         dist_ = Processes(device_kind(cfg))
         try:
-            with StopRequest(parse_signals(cfg.train.exit_signals)) as stop:
-                return _train(cfg, run_dir, resume, stop_after, out, dist_, report, stop)
+            with session.watching(parse_signals(cfg.train.exit_signals)):
+                return _train(cfg, run_dir, resume, stop_after, out, dist_, session)
         finally:
             dist_.close()
     finally:
-        if report is not None:
-            disable()
-        if lock is not None:
-            lock.release()
+        session.close()
 
 
 def check_layout(cfg: Config, world: int) -> None:
@@ -308,9 +303,8 @@ def check_layout(cfg: Config, world: int) -> None:
 
 
 def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
-           out: Callable[[str], None], dist_: Processes, report: DeterminismReport | None,
-           stop: StopRequest) -> dict[str, Any] | None:
-    t, world, rank = cfg.train, dist_.world, dist_.rank
+           out: Callable[[str], None], dist_: Processes, session: Session) -> dict[str, Any] | None:
+    t, world, rank, report = cfg.train, dist_.world, dist_.rank, session.report
     check_layout(cfg, world)
     k = t.microbatches // world
     say = out if rank == 0 else (lambda _msg: None)
@@ -344,10 +338,10 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
     t0 = time.perf_counter()
     # a resume from the last step trains nothing: the last loss is the one logged for it
     loss_value, stopped = _run_steps(trainer, run_dir, start, end, rank == 0, out,
-                                     logged_loss(run_dir, start) if start else float("nan"), stop, dist_)
+                                     logged_loss(run_dir, start) if start else float("nan"), session, dist_)
     if stopped is not None:
         dist_.barrier()
-        raise Preempted(stopped, stop.requested or "a signal to another rank")
+        raise Preempted(stopped, session.stop.requested or "a signal to another rank")
     if end < t.steps:
         say(f"stopped after step {end} of {t.steps} (--stop-after); continue with --resume")
         return None
@@ -368,24 +362,26 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
 
 
 def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bool, out: Callable[[str], None],
-               loss_value: float, stop: StopRequest, dist_: Processes) -> tuple[float, int | None]:
+               loss_value: float, session: Session, dist_: Processes) -> tuple[float, int | None]:
     """Trains steps ``start`` to ``end`` (0-based, end excluded), logging metrics (if ``writer``) and
     saving checkpoints; returns the last step's loss (``loss_value`` if there is no step to train) and
     the step after which a stop request ended it early, with a checkpoint (None if none did). The
-    recorder is closed at the end."""
+    session's recorder and receipts are closed at the end."""
     t = trainer.cfg.train
     tokens_per_step = trainer.tokens_per_step
     progress = Progress(writer, start, t.steps, t.log_every, out)
     metrics = open(metrics_path(run_dir), "a", encoding="utf-8") if writer else None
     trainer.model.train()
     t0, start_timed = time.perf_counter(), start
-    receipts, cross = _receipts(trainer, run_dir, start, dist_)
+    session.adopt(trainer.recorder)
+    cross = _receipts(trainer, session, start, dist_)
+
     def save(done: int) -> None:
         # a sharded run: each rank writes its own shards, nothing gathered
-        save_after_records(lambda: save_checkpoint(
+        session.save(lambda: save_checkpoint(
             checkpoints_dir(run_dir), done, model=trainer.model, optimizer=trainer.optimizer,
             scheduler=trainer.schedule, data_cursor=trainer.cursor, config=trainer.cfg.to_dict(),
-            keep=t.keep_checkpoints, sharded=trainer.sharded), trainer.recorder, receipts, metrics)
+            keep=t.keep_checkpoints, sharded=trainer.sharded), metrics)
 
     saved = start
     try:
@@ -397,9 +393,9 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
                     save(step)
                 raise
             done = step + 1
-            if receipts is not None:  # the state as final.json digests it, on the receipt thread
-                receipts.add(done, trainer.receipt_state(done) if receipts.path else None, loss_value, grad_norm,
-                             None if cross is None else {"grads": trainer.reduced, "params": trainer.named_params})
+            # the state as final.json digests it, on the receipt thread
+            session.receipt(done, loss_value, grad_norm,
+                            None if cross is None else {"grads": trainer.reduced, "params": trainer.named_params})
             if metrics is not None:
                 metrics.write(metrics_line(done, loss_value, grad_norm, lr, done * tokens_per_step))
                 metrics.flush()
@@ -407,7 +403,7 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
                 t0, start_timed = time.perf_counter(), done
             elapsed = time.perf_counter() - t0
             progress.update(done, loss_value, (done - start_timed) * tokens_per_step / max(elapsed, 1e-9))
-            stopping = done < end and agreed_stop(stop, dist_.any) is not None
+            stopping = done < end and session.agreed_stop(dist_.any) is not None
             if done == end or stopping or (t.checkpoint_every and done % t.checkpoint_every == 0):
                 save(done)
                 saved = done
@@ -419,9 +415,7 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
         if cross is not None:
             cross.close()
         progress.close()
-        trainer.recorder.close()
-        if receipts is not None:
-            receipts.close()
+        session.end()
         if metrics is not None:
             metrics.close()
     return loss_value, None
@@ -432,28 +426,27 @@ def _writes_receipts(trainer: Trainer, dist_: Processes) -> bool:
     return trainer.cfg.train.receipts and (dist_.rank == 0 or trainer.sharded)
 
 
-def _receipts(trainer: Trainer, run_dir: Path, start: int, dist_: Processes) -> tuple[ReceiptWriter | None,
-                                                                                  CrossRankCheck | None]:
-    """This rank's receipt writer (train.receipts): rank 0's, of the whole state, or under sharding every
-    rank's, of its shards; the receipts of steps after ``start`` (of a killed run) are dropped. With the
-    cross-rank check (data parallel, several processes), every rank digests its state and reduced gradients
-    (a rank that keeps no receipts writes none) and the check compares them."""
+def _receipts(trainer: Trainer, session: Session, start: int, dist_: Processes) -> CrossRankCheck | None:
+    """Opens this rank's receipts (train.receipts) in ``session``: rank 0's, of the whole state, or under
+    sharding every rank's, of its shards; the receipts of steps after ``start`` (of a killed run) are dropped.
+    With the cross-rank check (data parallel, several processes), every rank digests its state and reduced
+    gradients (a rank that keeps no receipts writes none) and the returned check compares them."""
     t = trainer.cfg.train
     cross = t.cross_rank_check and dist_.world > 1 and not trainer.sharded
     writes = _writes_receipts(trainer, dist_)
     if not (writes or cross):
-        return None, None
+        return None
     first = genesis(trainer.cfg.to_dict(), trainer.corpus.fingerprint)
-    kind = {"state_of": "rank" if trainer.sharded else "run", "hash": _configured_hash(trainer)}
     # a rank that keeps no receipts: a writer of no file, for the check's sums alone
-    writer = continue_receipts(run_dir if writes else None, dist_.rank, start, first, **kind)
-    writer.watch(trainer.optimizer)
+    writer = session.open_receipts(dist_.rank, start, first, state=trainer.receipt_state, optimizer=trainer.optimizer,
+                                   keep_file=writes, state_of="rank" if trainer.sharded else "run",
+                                   hash=_configured_hash(trainer))
     if not cross:
-        return writer, None
+        return None
     trainer.reduced = []
-    check = CrossRankCheck(writer, dist_.device, run_dir, t.sdc_action)
+    check = CrossRankCheck(writer, dist_.device, run_dir=session.run_dir, action=t.sdc_action)
     check.watch(trainer.optimizer)  # after the writer's wait
-    return writer, check
+    return check
 
 
 def run_state(model: Any, optimizer: Any, cursor: DataCursor, step: int) -> dict[str, Any]:
