@@ -16,7 +16,14 @@ from typing import IO, Any
 from samestep import mode
 from samestep.mode import DeterminismReport
 from samestep.preempt import StopRequest
-from samestep.receipts import ReceiptWriter, check_resumable, continue_receipts
+from samestep.receipts import (
+    ReceiptError,
+    ReceiptWriter,
+    check_restored,
+    continue_receipts,
+    read_run_receipts,
+    truncate_receipts,
+)
 from samestep.rundir import hold
 
 __all__ = ["Session", "agreed_stop", "make_durable", "save_after_records"]
@@ -108,10 +115,36 @@ class Session:
         return active
 
     # -- 2. before any file changes ------------------------------------------------------------------------
-    def check_receipts(self, rank: int, start: int, tree: Any) -> None:
-        """This rank's receipts can go on after step ``start``: their chain whole up to it, and ``tree`` (the
-        restored state) that step's receipt (``receipts.check_resumable``)."""
-        check_resumable(self._dir("check_receipts"), rank, start, tree)
+    def check_receipts(self, rank: int, start: int, state: Callable[[], Any] | None, *, checkpoint: Any = None,
+                       sharded_over: int | None = None) -> None:
+        """What going on after step ``start`` needs of the receipts, checked before any file changes. Where this
+        rank keeps receipts (``state`` makes the restored state tree they checksum; None: it keeps none),
+        their chain whole up to ``start``. Then the restored state against the run's receipts of ``start``:
+        where this job has the layout that wrote ``checkpoint`` (a ``LoadedCheckpoint``; whole, or sharded
+        over ``sharded_over`` ranks), each rank's restored state against its own receipt; where it has
+        another (the receipts are of other shards), rank 0 checks the checkpoint's files against the
+        receipts of every rank that wrote them.
+
+        Raises:
+            ReceiptError: names the file, the step and what to do.
+        """
+        run_dir = self._dir("check_receipts")
+        if state is not None:
+            truncate_receipts(run_dir, rank, start, check_only=True)
+        if not start:
+            return
+        if checkpoint is None or checkpoint.shards == sharded_over:
+            if state is not None:
+                check_restored(run_dir, rank, start, state())
+        elif rank == 0:
+            from samestep.analysis.receipt_check import checkpoint_mismatches
+
+            chains = read_run_receipts(run_dir)
+            if not any(r["step"] == start for _, receipts in chains.values() for r in receipts):
+                return  # nothing to compare (a run without receipts), as check_restored
+            problems = checkpoint_mismatches(run_dir, checkpoint.path, chains, None)
+            if problems:
+                raise ReceiptError(f"{problems[0]}; restore it, or resume from an older checkpoint")
 
     # -- 3. the records ------------------------------------------------------------------------------------
     def trace(self, model: Any = None, **kwargs: Any) -> Any:
@@ -129,14 +162,21 @@ class Session:
         save and closed by ``end`` as one this session started."""
         self.recorder = recorder
 
+    @staticmethod
+    def keeps_receipts(rank: int, sharded: bool) -> bool:
+        """Whether this rank keeps a receipts file: rank 0, of the whole state; under sharding every rank, of
+        its own shards."""
+        return rank == 0 or sharded
+
     def open_receipts(self, rank: int, start: int, first_prev: str, *,
-                      state: Callable[[int], Callable[[], Any]] | None, optimizer: Any = None, keep_file: bool = True,
-                      **kind: Any) -> ReceiptWriter:
+                      state: Callable[[int], Callable[[], Any]] | None, optimizer: Any = None, sharded: bool = False,
+                      keep_file: bool = True, hash: str | None = None) -> ReceiptWriter:
         """This rank's receipts of the steps after ``start`` (``receipts.continue_receipts``; ``first_prev``: a new
-        file's genesis; ``kind``: the writer's ``hash`` and ``state_of``). ``state(step)`` is called at each
-        step's end and returns what makes the state tree on the receipt thread. ``optimizer``: its next
-        ``step()`` waits for the receipt being made. Without ``keep_file`` a writer of no file (the
-        cross-rank check's sums alone)."""
+        file's genesis; ``hash``: a new file's state hash; ``sharded``: of this rank's shards). ``state(step)``
+        is called at each step's end and returns what makes the state tree on the receipt thread.
+        ``optimizer``: its next ``step()`` waits for the receipt being made. Without ``keep_file`` a writer of
+        no file (the cross-rank check's sums alone)."""
+        kind: dict[str, Any] = {"state_of": "rank" if sharded else "run"} | ({"hash": hash} if hash else {})
         self.receipts = continue_receipts(self._dir("open_receipts") if keep_file else None, rank, start,
                                           first_prev, **kind)
         self._state = state

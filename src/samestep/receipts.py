@@ -40,7 +40,7 @@ from samestep.durable import read_file, replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL, receipts_dir
 
 __all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "chain_break",
-           "check_resumable", "check_restored", "continue_receipts", "genesis", "read_header", "read_receipts",
+           "check_restored", "continue_receipts", "genesis", "read_header", "read_receipts",
            "read_run_receipts", "receipt_hash", "receipts_path", "receipted_state", "receipt_state_of",
            "state_hash_of", "state_tree", "truncate_receipts"]
 
@@ -375,18 +375,6 @@ def check_restored(run_dir: str | os.PathLike[str], rank: int, step: int, tree: 
         raise ReceiptError(f"the checkpoint of step {step} restores state {digest[:16]}..., but {path} records "
                            f"{receipt['state'][:16]}... for that step: the checkpoint was changed after it was "
                            "written, or is another run's; restore it, or resume from an older checkpoint")
-
-
-def check_resumable(run_dir: str | os.PathLike[str], rank: int, start: int, tree: Any) -> None:
-    """What going on after step ``start`` (0: a new run) needs of this rank's receipts, checked before
-    anything is written: their chain whole up to ``start``, and the restored state (``tree``) that step's
-    receipt (``truncate_receipts``, ``check_restored``).
-
-    Raises:
-        ReceiptError: names the file, the step and what to do.
-    """
-    truncate_receipts(run_dir, rank, start, check_only=True)
-    check_restored(run_dir, rank, start, tree)
 
 
 def continue_receipts(run_dir: str | os.PathLike[str] | None, rank: int, start: int, first_prev: str,

@@ -17,6 +17,12 @@ the step, saves, and ends the loop, on every rank after the same step (``run.sto
 signal; exit with ``samestep.preempt.EXIT_PREEMPTED``). What stays the loop's: the data must be a pure
 function of where the run stands (the step and microbatch, or a ``data_cursor`` whose ``state_dict``
 holds its position).
+
+On several processes it takes the model as the loop built it: replicated (DDP, or a plain module), rank 0
+saves and receipts the whole state; sharded by FSDP2 (its parameters are DTensors), every rank saves and
+receipts its own shards, through the model's own ``state_dict`` and ``load_state_dict`` (their hooks run on
+every rank), and a checkpoint resumes on any number of processes. Every rank calls what may be a
+collective at the same points. The protocol itself is ``protocol.Session``'s.
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import torch
 from samestep import mode, preempt
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from samestep.distributed.agree import any_rank
+from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer
 from samestep.protocol import Session
 from samestep.receipts import genesis, state_tree
 from samestep.checksums import state_hash_for
@@ -41,10 +48,27 @@ from samestep.rundir import checked_run_dir, checkpoints_dir, declared_changes, 
 __all__ = ["Run"]
 
 
-def _rank() -> int:
+def _rank_and_world() -> tuple[int, int]:
     import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _rank() -> int:
+    return _rank_and_world()[0]
+
+
+def _is_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards the model: its parameters are DTensors."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return False  # DTensors need a process group
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def _declared(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data_cursor: Any,
@@ -91,16 +115,21 @@ class Run:
             themselves. Without it they are digested where they lie and checked unchanged until then (a
             change in place, such as ``zero_grad(set_to_none=False)`` before they were digested, raises and
             names this option): what the reference loop does, and cheaper.
-        receipts: append a receipt of every step to ``receipts/rank_RRRRR.jsonl`` (rank 0's; see
-            ``samestep.receipts``): the checksum of the model, optimizer, scheduler and data cursor state after
-            the update, the bits of the step's ``loss`` and ``grad_norm`` metrics (NaN where the loop records
-            none), chained by hash. ``samestep receipts verify`` checks the chain and the checkpoints.
+        receipts: append a receipt of every step to ``receipts/rank_RRRRR.jsonl`` (rank 0's, of the whole state;
+            of a sharded model every rank's, of its own shards; see ``samestep.receipts``): the checksum of the
+            model, optimizer, scheduler and data cursor state after the update, the bits of the step's ``loss``
+            and ``grad_norm`` metrics (NaN where the loop records none), chained by hash. ``samestep receipts
+            verify`` checks the chain and the checkpoints.
         config: what else the run holds fixed (a seed, a batch size: any JSON-able dict). With the model's
             parameter names, shapes and dtypes, the optimizer's class and hyperparameters, the scheduler's and
             data cursor's state as built, and the step count given to ``steps()``, it is recorded in run.json
             at the start; a run directory continued under other values is refused, naming them.
         deterministic: turn deterministic mode on (``samestep.enable``); False runs with PyTorch's defaults
             (the other half of an A/B), recorded as such in run.json.
+
+    Attributes:
+        start: the step the run resumed after (0: a new run). stopped: the signal that stopped the loop, or
+            None. sharded: FSDP2 shards the model (each rank saves and receipts its own shards).
     """
 
     def __init__(self, run_dir: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -133,23 +162,32 @@ class Run:
         if not held and resume is True:
             raise ValueError(f"samestep.Run: resume=True, but {self.checkpoints} holds no checkpoint")
         # one writer per run directory, as samestep train and samestep.trace take it (refused before anything)
-        self._session = Session(self.run_dir, hold_dir=_rank() == 0)
+        rank, world = _rank_and_world()
+        self.sharded = _is_sharded(model)
+        self._session = Session(self.run_dir, hold_dir=rank == 0)
         try:
             self._declared = _declared(model, optimizer, scheduler, data_cursor, config)
             if resume is not False:  # another run's settings are refused before anything is restored or written
                 _refuse_changes(self.run_dir, self._declared)
             self.report = (self._session.enable(threads=threads, kernels=kernels, who="samestep.Run") if deterministic
                            else mode.active_report())
-            if held:
-                self.start = load_checkpoint(self.checkpoints, model=model, optimizer=optimizer, scheduler=scheduler,
-                                             data_cursor=data_cursor, fallback=True, strict_env=strict_env).step
-            keeps_receipts = receipts and _rank() == 0
-            if keeps_receipts:  # a resume that cannot go on fails before anything is written
-                self._session.check_receipts(0, self.start, self._state_tree(self.start))
+            loaded = None
+            if held:  # whole tensors, whichever layout wrote them: a sharded model takes its shards of them
+                loaded = load_checkpoint(self.checkpoints, model=ShardedModel(model) if self.sharded else model,
+                                         optimizer=ShardedOptimizer(optimizer) if self.sharded else optimizer,
+                                         scheduler=scheduler, data_cursor=data_cursor, fallback=True,
+                                         strict_env=strict_env)
+                self.start = loaded.step
+            # rank 0's receipts of the whole state; sharded, every rank's of its own shards
+            keeps_receipts = receipts and Session.keeps_receipts(rank, self.sharded)
+            if receipts:  # a resume that cannot go on fails before anything is written
+                self._session.check_receipts(rank, self.start,
+                                             (lambda: self._state_tree(self.start)) if keeps_receipts else None,
+                                             checkpoint=loaded, sharded_over=world if self.sharded else None)
             # a run killed before its first checkpoint goes on from step 0, in a new trace segment
             continues = self.start > 0 or (resume is not False and holds_run(self.run_dir))
             self._session.trace(model, level=level, steps=trace_steps, resume=continues, copy=copy)
-            if _rank() == 0:
+            if rank == 0:
                 record_declared(self.run_dir, self._declared)
             # kept from step to step, as the reference loop keeps them: a model gains or loses no parameter
             self._params = list(model.named_parameters())
@@ -160,9 +198,9 @@ class Run:
             if keeps_receipts:  # the state tree taken at the step's end: a scheduler may change the optimizer's
                 # groups before the next update; the next update waits for the receipt of the last
                 where = next((p.device for p in model.parameters()), torch.device("cpu"))
-                self._session.open_receipts(0, self.start, genesis({}, "samestep.Run"), optimizer=optimizer,
+                self._session.open_receipts(rank, self.start, genesis({}, "samestep.Run"), optimizer=optimizer,
                                             state=lambda step: (lambda tree=self._state_tree(step): tree),
-                                            hash=state_hash_for(where))
+                                            hash=state_hash_for(where), sharded=self.sharded)
         except BaseException:
             self.close()
             raise
@@ -206,7 +244,8 @@ class Run:
                 if stop is not None or step == total or step % self.checkpoint_every == 0:
                     session.save(lambda: save_checkpoint(
                         self.checkpoints, step, model=self.model, optimizer=self.optimizer,
-                        scheduler=self.scheduler, data_cursor=self.data_cursor, keep=self.keep))
+                        scheduler=self.scheduler, data_cursor=self.data_cursor, keep=self.keep,
+                        sharded=self.sharded))
                 if stop is not None:
                     self.stopped = stop
                     return

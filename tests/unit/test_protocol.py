@@ -106,8 +106,8 @@ def test_the_protocol_is_driven_from_the_session_alone():
 
     import samestep
 
-    owned = {"enable", "disable", "hold", "continue_receipts", "check_resumable", "save_after_records",
-             "make_durable", "StopRequest", "agreed_stop", "trace"}
+    owned = {"enable", "disable", "hold", "continue_receipts", "check_restored", "truncate_receipts",
+             "save_after_records", "make_durable", "StopRequest", "agreed_stop", "trace"}
     modules = {"samestep", "mode", "rundir", "receipts", "preempt", "protocol", "start"}
 
     def calls(source: str) -> set[str]:
@@ -122,7 +122,7 @@ def test_the_protocol_is_driven_from_the_session_alone():
         return found & owned
 
     root = Path(samestep.__file__).parent
-    drivers = [root / "train" / "loop.py", root / "run.py", root / "integrations" / "steps.py",
-               root / "integrations" / "huggingface.py", root / "integrations" / "lightning.py"]
+    drivers = [root / "train" / "loop.py", root / "train" / "resume.py", root / "run.py",
+               *(root / "integrations" / f"{name}.py" for name in ("steps", "huggingface", "lightning"))]
     assert {d.name: calls(d.read_text(encoding="utf-8")) for d in drivers} == {d.name: set() for d in drivers}
     assert calls("from samestep import mode\nmode.enable(threads=1)\nsession.enable()\n") == {"enable"}

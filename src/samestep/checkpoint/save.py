@@ -271,7 +271,7 @@ def _split(tensors: dict[str, Any], world: int) -> tuple[dict[str, torch.Tensor]
                                                          dict[str, Any], dict[str, str]]:
     """Plain tensors, this rank's local shards of the DTensors, the DTensors' layout (global shape and each
     rank's rows), and the names that are another name's DTensor (a tied weight): one shard each."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     plain: dict[str, torch.Tensor] = {}
     local: dict[str, torch.Tensor] = {}
@@ -286,9 +286,12 @@ def _split(tensors: dict[str, Any], world: int) -> tuple[dict[str, torch.Tensor]
             aliases[name] = first[id(t)]
             continue
         first[id(t)] = name
+        if all(p == Replicate() for p in t.placements):  # every rank holds it whole: stored once, as a plain tensor
+            plain[name] = t.to_local().detach()
+            continue
         if tuple(t.placements) != (Shard(0),):
             raise CheckpointError(f"sharded checkpoint: {name!r} is placed {t.placements}, but only Shard(0) "
-                                  "(FSDP2's) is stored; save its full_tensor() instead")
+                                  "(FSDP2's) and Replicate are stored; save its full_tensor() instead")
         rows = shard_rows(t.shape[0], world)
         shard = t.to_local().detach()
         r = t.device_mesh.get_local_rank()

@@ -205,27 +205,21 @@ def _shard_like(full: torch.Tensor, like: Any) -> Any:
 
 
 class ShardedModel:
-    """``load_state_dict`` of an unsharded state into a sharded model (each rank keeps its shard)."""
+    """``load_state_dict`` of an unsharded state into a sharded model (each rank keeps its shard): each whole
+    tensor becomes a DTensor placed as the model's own ``state_dict`` places that entry, and the model's own
+    ``load_state_dict`` takes them, so its state-dict hooks run (a fused weight split on save is fused again).
+    Both ``state_dict`` and ``load_state_dict`` may run collectives in those hooks: every rank calls this."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
 
     def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-        from torch.distributed.tensor import DTensor
-
         own = self.model.state_dict(keep_vars=True)
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if strict and (missing or unexpected):
             raise RuntimeError(f"sharded model state: missing keys {missing}, unexpected keys {unexpected}")
-        with torch.no_grad():
-            for key, target in own.items():
-                if key not in state:
-                    continue
-                value = _shard_like(state[key], target)
-                if isinstance(target, DTensor):
-                    target.to_local().copy_(value.to_local())
-                else:
-                    target.copy_(value)
+        self.model.load_state_dict({key: _shard_like(value, own[key]) if key in own else value
+                                    for key, value in state.items()}, strict=strict)
 
 
 class ShardedOptimizer:

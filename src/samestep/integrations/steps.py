@@ -42,7 +42,7 @@ class HookedSteps:
 
         session.run_dir = Path(run_dir)
         if receipts:  # a resume that cannot go on fails before anything is written
-            session.check_receipts(0, start, state(start))
+            session.check_receipts(0, start, lambda: state(start))
         try:
             session.trace(model, level=level, steps=steps, resume=resume)
         except ValueError as e:

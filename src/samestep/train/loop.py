@@ -311,9 +311,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
     mixed = dist_.compare_environments(cfg.determinism.env_mismatch)
     trainer = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
     start, loaded = restore_run(trainer, run_dir, resume, world, say)
-    check_run_files(run_dir, start, rank, trainer.receipt_state(start) if _writes_receipts(trainer, dist_) else None,
-                    checkpoint=loaded,
-                    sharded_over=world if trainer.sharded else None)
+    check_run_files(session, start, rank, trainer.receipt_state(start) if _writes_receipts(trainer, dist_) else None,
+                    checkpoint=loaded, sharded_over=world if trainer.sharded else None)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
         truncate_metrics(run_dir, start)  # first: a damaged metrics.jsonl refuses the resume before run.json records it
@@ -423,7 +422,7 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
 
 def _writes_receipts(trainer: Trainer, dist_: Processes) -> bool:
     """Whether this rank keeps receipts (train.receipts): rank 0, or under sharding every rank."""
-    return trainer.cfg.train.receipts and (dist_.rank == 0 or trainer.sharded)
+    return trainer.cfg.train.receipts and Session.keeps_receipts(dist_.rank, trainer.sharded)
 
 
 def _receipts(trainer: Trainer, session: Session, start: int, dist_: Processes) -> CrossRankCheck | None:
@@ -439,8 +438,7 @@ def _receipts(trainer: Trainer, session: Session, start: int, dist_: Processes) 
     first = genesis(trainer.cfg.to_dict(), trainer.corpus.fingerprint)
     # a rank that keeps no receipts: a writer of no file, for the check's sums alone
     writer = session.open_receipts(dist_.rank, start, first, state=trainer.receipt_state, optimizer=trainer.optimizer,
-                                   keep_file=writes, state_of="rank" if trainer.sharded else "run",
-                                   hash=_configured_hash(trainer))
+                                   sharded=trainer.sharded, keep_file=writes, hash=_configured_hash(trainer))
     if not cross:
         return None
     trainer.reduced = []

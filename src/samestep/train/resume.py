@@ -10,8 +10,7 @@ from typing import Any
 
 from samestep._state import dotted
 from samestep.checkpoint import LoadedCheckpoint, load_checkpoint
-from samestep.analysis.receipt_check import checkpoint_mismatches
-from samestep.receipts import ReceiptError, check_restored, read_run_receipts, truncate_receipts
+from samestep.protocol import Session
 from samestep.rundir import (
     NUMERICS_NEUTRAL,
     checkpoints_dir,
@@ -67,31 +66,15 @@ def restore_run(trainer: Any, run_dir: Path, resume: bool, world: int,
     return 0, None
 
 
-def check_run_files(run_dir: Path, start: int, rank: int, state: Callable[[], Any] | None,
+def check_run_files(session: Session, start: int, rank: int, state: Callable[[], Any] | None,
                     checkpoint: LoadedCheckpoint | None = None, sharded_over: int | None = None) -> None:
-    """What a resume from ``start`` will change, checked before anything is: rank 0's metrics.jsonl, and where
-    this rank keeps receipts (``state`` makes the state tree its receipts digest) their chain up to ``start``.
-    Then the restored state against the run's receipts of ``start``: where this job has the layout that
-    wrote ``checkpoint`` (whole, or sharded over ``sharded_over`` ranks), each rank's restored state against
-    its own receipt; where it has another (the receipts are of other shards), rank 0 checks the
-    checkpoint's files against the receipts of every rank that wrote them.
+    """What a resume from ``start`` will change, checked before anything is: rank 0's metrics.jsonl, then the
+    receipts (``Session.check_receipts``: where this rank keeps them, ``state`` makes the state tree they
+    checksum; the restored state against them, on the layout that wrote ``checkpoint`` or another).
 
     Raises:
         RunDirError, ReceiptError, CheckpointError: names the file and what is wrong.
     """
     if rank == 0:
-        truncate_metrics(run_dir, start, check_only=True)
-    if state is not None:
-        truncate_receipts(run_dir, rank, start, check_only=True)
-    if not start or checkpoint is None:
-        return
-    if checkpoint.shards == sharded_over:
-        if state is not None:
-            check_restored(run_dir, rank, start, state())
-    elif rank == 0:
-        chains = read_run_receipts(run_dir)
-        if not any(r["step"] == start for _, receipts in chains.values() for r in receipts):
-            return  # nothing to compare (a run without receipts), as check_restored
-        problems = checkpoint_mismatches(run_dir, checkpoint.path, chains, None)
-        if problems:
-            raise ReceiptError(f"{problems[0]}; restore it, or resume from an older checkpoint")
+        truncate_metrics(session.run_dir, start, check_only=True)
+    session.check_receipts(rank, start, state, checkpoint=checkpoint, sharded_over=sharded_over)
