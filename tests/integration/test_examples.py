@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import cli_here, script_here
+import pytest
+
+from tests.conftest import cli_here, script_here, side_by_side
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "own_loop.py"
@@ -72,3 +75,26 @@ def test_the_example_resumes_to_the_same_bits_and_diffs_identical(tmp_path):
     assert _diff(tmp_path / "straight", tmp_path / "resumed") == 0
     assert other != straight
     assert _diff(tmp_path / "straight", tmp_path / "other") == 1
+
+
+@pytest.mark.slow
+def test_the_parallel_loop_example_prints_one_digest_on_one_process_ddp_and_fsdp2(tmp_path):
+    """examples/parallel_loop.py as its docstring prints it: on one process, and under torchrun on 2 processes
+    with DDP (samestep's communication hook) and with FSDP2 (samestep's reduce-scatter), each through
+    samestep.Run: the same digest of the final parameters (the bits of one process; the hook's and the
+    reduce-scatter's negative controls are in test_ddp_hook.py and test_run_sharded.py). Run again, the
+    finished run resumes after its last step and prints it again."""
+    script = str(ROOT / "examples" / "parallel_loop.py")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script]
+    cmds = [[sys.executable, script, str(tmp_path / "one")], [*torchrun, str(tmp_path / "ddp"), "--layout", "ddp"],
+            [*torchrun, str(tmp_path / "fsdp"), "--layout", "fsdp"]]
+    runs = side_by_side(*(lambda c=c: subprocess.run(c, capture_output=True, text=True, timeout=300, env=env)
+                          for c in cmds))
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    digests = [run.stdout.strip() for run in runs]
+    assert len(digests[0]) == 32 and digests == [digests[0]] * 3
+    assert (tmp_path / "fsdp" / "checkpoints" / "step_000006" / "model.rank_00001.safetensors").is_file()
+    again = subprocess.run(cmds[0], capture_output=True, text=True, timeout=300, env=env)
+    assert again.stdout.strip() == digests[0]

@@ -1,11 +1,20 @@
-"""Layout-invariant data parallelism: the canonical gradient reduction and layout validation."""
+"""Layout-invariant data parallelism: the canonical gradient reduction (on its own, as DDP's communication
+hook, or as FSDP2's reduce-scatter), the canonical gradient norm, and layout validation."""
 
 from samestep.distributed.agree import any_rank
 from samestep.distributed.buckets import GradientBuckets
+from samestep.distributed.ddp import CanonicalDdpState, canonical_ddp_hook
+from samestep.distributed.fsdp import FsdpGradients, ShardedModel, ShardedOptimizer, full_state, shard_model
 from samestep.distributed.norm import canonical_grad_norm, clip_grad_norm_
-from samestep.distributed.reduce import AllReduceGradients, CanonicalGradients, combine_across_ranks, ring_allreduce_bytes
+from samestep.distributed.reduce import (
+    AllReduceGradients,
+    CanonicalGradients,
+    combine_across_ranks,
+    ring_allreduce_bytes,
+)
 from samestep.distributed.tree import BinaryCounter, canonical_sum, validate_layout
 
-__all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalGradients", "GradientBuckets", "any_rank",
-           "canonical_grad_norm", "canonical_sum", "clip_grad_norm_", "combine_across_ranks", "ring_allreduce_bytes",
-           "validate_layout"]
+__all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalDdpState", "CanonicalGradients", "FsdpGradients",
+           "GradientBuckets", "ShardedModel", "ShardedOptimizer", "any_rank", "canonical_ddp_hook",
+           "canonical_grad_norm", "canonical_sum", "clip_grad_norm_", "combine_across_ranks", "full_state",
+           "ring_allreduce_bytes", "shard_model", "validate_layout"]

@@ -1,0 +1,110 @@
+"""DDP with the canonical reduction, as a communication hook: the user keeps ``DistributedDataParallel``, and
+its gradients come out with the bits of one process on any number of processes (docs/layouts.md).
+
+    ddp = DistributedDataParallel(model)
+    state = CanonicalDdpState(microbatches_per_process=k)
+    ddp.register_comm_hook(state, canonical_ddp_hook)
+    state.watch(optimizer)                                # an update before the last microbatch is refused
+    for step in steps:
+        for i in state.microbatches:                      # this rank's global microbatch indices
+            loss = loss_of(ddp, batch(step, i)) / (k * world_size)   # a sum over the global batch
+            loss.backward()                               # no no_sync(): every backward reaches the hook
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+DDP hands the hook each bucket after every backward. The hook keeps each parameter's gradient of every
+microbatch (keyed by the parameter, so DDP's rebuild of its buckets after the first backward moves
+nothing) and folds them along the canonical tree as they come (``BinaryCounter``, as ``CanonicalGradients``
+does); until the process's last microbatch it hands DDP negative zeros, the exact additive identity, so
+the next backward's gradient lands in ``p.grad`` alone. At the last microbatch each bucket's local sums are
+combined across ranks in rank order (``combine_across_ranks``: an all-to-all, the bytes of a ring
+reduce-scatter) and DDP writes them into ``p.grad``. The hook sums: it does not divide by the world size as
+DDP's own hook does, so the loss is normalised by the global batch, which the number of processes does not
+change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from samestep.distributed.reduce import combine_across_ranks
+from samestep.distributed.tree import BinaryCounter, validate_layout
+
+__all__ = ["CanonicalDdpState", "canonical_ddp_hook"]
+
+
+class CanonicalDdpState:
+    """The state of ``canonical_ddp_hook`` (``ddp.register_comm_hook(state, canonical_ddp_hook)``, as DDP's
+    own stateful hooks take theirs): each parameter's gradients reduced along the canonical tree over this
+    process's ``microbatches_per_process`` microbatches, then across ranks in rank order.
+    ``microbatches``: this rank's global microbatch indices. ``bytes_sent``: what the combine sent.
+
+    Raises:
+        ValueError: a layout the canonical tree cannot make invariant (``validate_layout``), naming one it can.
+    """
+
+    def __init__(self, microbatches_per_process: int, *, world_size: int | None = None, rank: int | None = None,
+                 group: Any = None) -> None:
+        import torch.distributed as dist
+
+        self.group = group
+        self.world_size = dist.get_world_size(group) if world_size is None else world_size
+        self.rank = dist.get_rank(group) if rank is None else rank
+        self.k = microbatches_per_process
+        validate_layout(self.world_size, self.k)
+        self.bytes_sent = 0
+        self._sums: dict[int, BinaryCounter] = {}
+        self._seen: dict[int, int] = {}
+
+    @property
+    def microbatches(self) -> range:
+        """The global microbatch indices this process owns."""
+        return range(self.rank * self.k, (self.rank + 1) * self.k)
+
+    def watch(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuses an update made before this process's last microbatch of the step (a step pre-hook): its
+        gradients would be the negative zeros handed to DDP meanwhile, not the step's."""
+        optimizer.register_step_pre_hook(self._check_complete)
+
+    def _check_complete(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if self._seen:
+            done = max(self._seen.values())
+            raise RuntimeError(f"canonical_ddp_hook: the optimizer stepped after {done} of the {self.k} microbatches "
+                               "this process owns in a step; run backward on all of them first (the gradients are "
+                               "reduced at the last)")
+
+    def reduce_bucket(self, params: list[torch.Tensor], grads: list[torch.Tensor],
+                      buffer: torch.Tensor) -> torch.Tensor:
+        """What DDP writes back into the bucket after a backward: ``grads`` (views of ``buffer``) join each
+        parameter's tree; before the process's last microbatch, negative zeros; at it, the canonical sums
+        across ranks."""
+        counts = set()
+        for p, g in zip(params, grads):
+            key = id(p)
+            self._seen[key] = self._seen.get(key, 0) + 1
+            counts.add(self._seen[key])
+            self._sums.setdefault(key, BinaryCounter()).push(g.detach().clone())
+        if len(counts) != 1:
+            raise RuntimeError("canonical_ddp_hook: a bucket's parameters got gradients in different numbers of "
+                               "microbatches (a parameter unused in some); give every parameter a gradient in "
+                               "every microbatch")
+        if counts.pop() < self.k:
+            # -0.0 + x is x for every x (+0.0 + -0.0 would not be): the next backward's gradient alone
+            return torch.full_like(buffer, -0.0)
+        for p, g in zip(params, grads):
+            g.copy_(self._sums.pop(id(p)).result())
+            del self._seen[id(p)]
+        total, sent = combine_across_ranks(buffer.detach().clone(), self.world_size, group=self.group)
+        self.bytes_sent += sent
+        return total
+
+
+# No annotations on bucket and the return: DDP refuses any but dist.GradBucket and Future[Tensor] as objects,
+# and this module's annotations are strings
+def canonical_ddp_hook(state, bucket):  # noqa: ANN001, ANN201
+    """DDP's communication hook for a ``CanonicalDdpState`` (the module docstring says what it does)."""
+    fut = torch.futures.Future()
+    fut.set_result(state.reduce_bucket(bucket.parameters(), bucket.gradients(), bucket.buffer()))
+    return fut

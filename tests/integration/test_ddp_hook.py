@@ -1,0 +1,113 @@
+"""DDP kept, its reduction canonical (``samestep.distributed.CanonicalDdpHook``): a loop of one's own gives the
+bits of one process on 2 and 4 processes, gradient clipping by the canonical norm included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+import samestep
+from tests.conftest import spawn
+
+pytestmark = pytest.mark.slow
+MICROBATCHES, STEPS = 8, 3
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4))
+
+
+def _batch(step: int, i: int) -> torch.Tensor:
+    g = samestep.rng.generator(0, step, i, "data")
+    return torch.randn(5, 16, generator=g) * torch.exp(torch.randn(5, 16, generator=g) * 3)  # wide range: order shows
+
+
+def _worker(rank: int, world: int, init: str, out: str, how: str) -> None:
+    """STEPS steps of MICROBATCHES global microbatches: ``how`` is "hook" (DDP with the canonical hook), "one"
+    (one process, ``CanonicalGradients``) or "ddp" (DDP's own all-reduce of autograd's accumulation)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from samestep.distributed import CanonicalDdpState, CanonicalGradients, canonical_ddp_hook, clip_grad_norm_
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        with samestep.enable(threads=1):
+            model = _model()
+            opt = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
+            k = MICROBATCHES // world
+            if how == "one":
+                net, grads = model, CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=1,
+                                                       rank=0)
+                mine = grads.microbatches
+            else:
+                net = DistributedDataParallel(model)
+                if how == "hook":
+                    state = CanonicalDdpState(microbatches_per_process=k)
+                    net.register_comm_hook(state, canonical_ddp_hook)
+                    state.watch(opt)
+                mine = range(rank * k, (rank + 1) * k)
+            for step in range(STEPS):
+                for i in mine:
+                    loss = net(_batch(step, i)).square().mean() / MICROBATCHES
+                    if how == "ddp":
+                        loss = loss * world  # DDP averages over the processes
+                    loss.backward()
+                    if how == "one":
+                        grads.accumulate(i)
+                if how == "one":
+                    grads.reduce()
+                norm = clip_grad_norm_(list(model.parameters()), 1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if rank == 0:
+                bits = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().view(np.int32)
+                np.save(Path(out) / f"{how}_{world}.npy", bits)
+                np.save(Path(out) / f"{how}_{world}_norm.npy", norm.reshape(1).numpy().view(np.int32))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_with_the_canonical_hook_gives_one_process_bits_on_2_and_4_processes(tmp_path):
+    """DDP with CanonicalDdpHook, the gradients clipped by samestep's canonical norm, on 2 and 4 gloo
+    processes: the parameters and the last gradient norm are one process's (CanonicalGradients) to the bit.
+    Negative control: DDP's own all-reduce of autograd's accumulation, on 2 and 4 processes, gives other bits."""
+    for world, how in ((1, "one"), (2, "hook"), (4, "hook"), (2, "ddp"), (4, "ddp")):
+        spawn(_worker, (world, str(tmp_path / f"init_{how}{world}"), str(tmp_path), how), world)
+    one = np.load(tmp_path / "one_1.npy")
+    for world in (2, 4):
+        assert np.array_equal(np.load(tmp_path / f"hook_{world}.npy"), one), world
+        assert np.array_equal(np.load(tmp_path / f"hook_{world}_norm.npy"), np.load(tmp_path / "one_1_norm.npy"))
+        assert not np.array_equal(np.load(tmp_path / f"ddp_{world}.npy"), one), world
+
+
+def test_the_hook_refuses_a_layout_it_cannot_make_invariant_and_an_update_before_the_last_microbatch():
+    """3 microbatches per process over 2 processes is not an aligned layout: refused by name, before any
+    training. The state hands back negative zeros until the last microbatch, then the canonical sum; an
+    optimizer step before the last microbatch (its gradients would be those zeros) is refused."""
+    from samestep.distributed import CanonicalDdpState
+
+    with pytest.raises(ValueError, match="microbatches"):
+        CanonicalDdpState(3, world_size=2, rank=0)
+    state = CanonicalDdpState(2, world_size=1, rank=0)
+    assert list(state.microbatches) == [0, 1]
+    w, g = torch.nn.Parameter(torch.zeros(3)), torch.tensor([1.0, -0.0, 2.0])
+
+    def bucket() -> list:  # the gradient a view of the bucket's buffer, as DDP hands them
+        buffer = g.clone()
+        return [[w], [buffer.view(3)], buffer]
+
+    first = state.reduce_bucket(*bucket())
+    assert torch.equal(first.view(torch.int32), torch.full((3,), -0.0).view(torch.int32))
+    assert torch.equal(state.reduce_bucket(*bucket()).view(torch.int32), (g + g).view(torch.int32))
+    opt = torch.optim.SGD([w], lr=0.1)
+    state.watch(opt)
+    w.grad = torch.zeros(3)
+    opt.step()  # between steps: nothing pending
+    state.reduce_bucket(*bucket())
+    with pytest.raises(RuntimeError, match="stepped after 1 of the 2 microbatches"):
+        opt.step()
