@@ -82,8 +82,7 @@ def test_the_parallel_loop_example_prints_one_digest_on_one_process_ddp_and_fsdp
     """examples/parallel_loop.py as its docstring prints it: on one process, and under torchrun on 2 processes
     with DDP (samestep's communication hook) and with FSDP2 (samestep's reduce-scatter), each through
     samestep.Run: the same digest of the final parameters (the bits of one process; the hook's and the
-    reduce-scatter's negative controls are in test_ddp_hook.py and test_run_sharded.py). Run again, the
-    finished run resumes after its last step and prints it again."""
+    reduce-scatter's negative controls are in test_ddp_hook.py and test_run_sharded.py)."""
     script = str(ROOT / "examples" / "parallel_loop.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script]
@@ -96,5 +95,3 @@ def test_the_parallel_loop_example_prints_one_digest_on_one_process_ddp_and_fsdp
     digests = [run.stdout.strip() for run in runs]
     assert len(digests[0]) == 32 and digests == [digests[0]] * 3
     assert (tmp_path / "fsdp" / "checkpoints" / "step_000006" / "model.rank_00001.safetensors").is_file()
-    again = subprocess.run(cmds[0], capture_output=True, text=True, timeout=300, env=env)
-    assert again.stdout.strip() == digests[0]

@@ -23,7 +23,7 @@ from samestep.analysis.receipt_check import check_receipts
 from tests.conftest import spawn
 
 pytestmark = pytest.mark.slow
-MICROBATCHES, TOTAL, VOCAB = 4, 5, 2048
+MICROBATCHES, TOTAL, VOCAB = 4, 4, 2048
 
 
 class CausalSDPA(torch.nn.Module):
@@ -62,7 +62,7 @@ def _worker(rank: int, world: int, init: str, run_dir: str, out: str, kill_at: i
                 for i in grads.microbatches:
                     with run.microbatch(i):
                         seed = 1 if seed_from is not None and step >= seed_from else 0
-                        x = torch.randint(0, VOCAB, (2, 33), generator=samestep.rng.generator(seed, step, i, "data"))
+                        x = torch.randint(0, VOCAB, (2, 17), generator=samestep.rng.generator(seed, step, i, "data"))
                         logits = model(x[:, :-1])
                         loss = F.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1)) / MICROBATCHES
                         if step == kill_at:
@@ -97,24 +97,24 @@ def _run(tmp_path: Path, name: str, world: int, *, run_dir: Path | None = None, 
 def test_torchtitan_llama3_under_fsdp2_reruns_resumes_and_moves_from_2_processes_to_1(tmp_path):
     """torchtitan's debug Llama 3 (fused QKV) sharded by its FSDP2 helper over 2 processes through
     samestep.Run: the state of one process, bit for bit (samestep's canonical reduce-scatter); killed in
-    step 4 and resumed on 2 processes, and the same killed run resumed on 1, both end on it too; the
+    step 3 and resumed on 2 processes, and the same killed run resumed on 1, both end on it too; the
     checkpoints hold each rank's shards, their state dicts name the fused weight as torchtitan's hook splits
-    it, and `receipts verify` holds. Negative control: the 2 -> 1 resume with step 4's data from another seed
+    it, and `receipts verify` holds. Negative control: the 2 -> 1 resume with step 3's data from another seed
     ends elsewhere."""
     one = _run(tmp_path, "one", 1)
     two = _run(tmp_path, "two", 2)
     assert one["sharded"] is False and two["sharded"] is True and two["digest"] == one["digest"]
     # the fused weight as torchtitan's state-dict hook names it apart, gathered from FSDP2's shards
     assert "layers.0.attention.qkv_linear.wq.weight" in two["keys"] and not any("wqkv" in k for k in two["keys"])
-    _run(tmp_path, "killed", 2, kill_at=4)
+    _run(tmp_path, "killed", 2, kill_at=3)
     for copy in ("to1", "off"):
         shutil.copytree(tmp_path / "killed", tmp_path / copy)
     resumed = _run(tmp_path, "resumed", 2, run_dir=tmp_path / "killed")
-    assert resumed["start"] == 3 and resumed["digest"] == one["digest"]
-    assert (tmp_path / "killed" / "checkpoints" / "step_000005" / "model.rank_00001.safetensors").is_file()
+    assert resumed["start"] == 2 and resumed["digest"] == one["digest"]
+    assert (tmp_path / "killed" / "checkpoints" / "step_000004" / "model.rank_00001.safetensors").is_file()
     assert check_receipts(tmp_path / "killed")["ok"]
     moved = _run(tmp_path, "moved", 1, run_dir=tmp_path / "to1")
-    assert moved["start"] == 3 and moved["digest"] == one["digest"]
+    assert moved["start"] == 2 and moved["digest"] == one["digest"]
     assert check_receipts(tmp_path / "to1")["ok"]
-    other = _run(tmp_path, "other", 1, run_dir=tmp_path / "off", seed_from=4)
+    other = _run(tmp_path, "other", 1, run_dir=tmp_path / "off", seed_from=3)
     assert other["digest"] != one["digest"]
