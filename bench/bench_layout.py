@@ -9,7 +9,9 @@ CanonicalGradients, its combine started bucket by bucket in the last microbatch'
 variant wraps the same model in DistributedDataParallel, skips the all-reduce with no_sync() on all but
 the last microbatch (the usual gradient-accumulation idiom), and lets DDP's bucketed,
 backward-overlapped all-reduce run; a third is the canonical step with the combine after the whole
-backward (parallel.overlap=false). Reported on rank 0: the medians of per-pair step-time ratios to DDP,
+backward (parallel.overlap=false); a fourth keeps DDP with samestep's communication hook
+(``canonical_ddp_hook``: every backward reaches it, the combine runs inside it at the last microbatch) and
+clips by the canonical norm, what a loop of one's own that keeps DDP runs. Reported on rank 0: the medians of per-pair step-time ratios to DDP,
 and bytes sent per process per step (by collective semantics) against a ring all-reduce of the same
 gradient. With --fsdp both variants are the reference run's step with
 parallel.fsdp=true: deterministic mode on (distributed/fsdp.py's reduce-scatter) against off (FSDP2's
@@ -33,24 +35,28 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import samestep
 from samestep import rng
 from samestep.data import load_corpus
-from samestep.distributed import ring_allreduce_bytes
+from samestep.distributed import CanonicalDdpState, canonical_ddp_hook, clip_grad_norm_, ring_allreduce_bytes
 from samestep.train import load_config
 from samestep.train.loop import build
 
 
-def ddp_step(parts, ddp: DDP, step: int) -> None:
-    """One step the way a DDP user writes it: no_sync() for all but the last microbatch."""
+def ddp_step(parts, ddp: DDP, step: int, hooked: bool = False) -> None:
+    """One step the way a DDP user writes it: no_sync() for all but the last microbatch; ``hooked``: every
+    backward synced, reaching the canonical hook, and the canonical norm clips."""
     t = parts.cfg.train
     for group in parts.optimizer.param_groups:
         group["lr"] = parts.schedule(step)
     owned = list(parts.grads.microbatches)
     for i in owned:
         x, y = parts.cursor.samples(parts.cursor.position + i * t.micro_batch, t.micro_batch)
-        sync = contextlib.nullcontext() if i == owned[-1] else ddp.no_sync()
+        sync = contextlib.nullcontext() if i == owned[-1] or hooked else ddp.no_sync()
         with sync:
             _, loss = ddp(x, y, rng.generator(t.seed, step, i, "dropout"))
             (loss / parts.tokens_per_step).backward()
-    torch.nn.utils.clip_grad_norm_(ddp.parameters(), t.grad_clip, foreach=False)
+    if hooked:
+        clip_grad_norm_(list(parts.model.parameters()), t.grad_clip)
+    else:
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), t.grad_clip, foreach=False)
     parts.optimizer.step()
     parts.optimizer.zero_grad(set_to_none=True)
     parts.cursor.advance(t.global_batch)
@@ -75,6 +81,14 @@ def main() -> int:
     # The canonical combine started after the whole backward (parallel.overlap=false), for the overlap's share.
     after = None if args.fsdp else build(load_config(None, ["determinism.threads=1", "parallel.overlap=false"]),
                                          world=world, rank=rank, corpus=corpus)
+    # DDP kept, its reduction samestep's hook (a user's own loop): the canonical config's model, wrapped
+    hooked = hooked_ddp = None
+    if not args.fsdp:
+        hooked = build(cfg, world=world, rank=rank, corpus=corpus)
+        hooked_ddp = DDP(hooked.model)
+        hook_state = CanonicalDdpState(microbatches_per_process=hooked.grads.k)
+        hooked_ddp.register_comm_hook(hook_state, canonical_ddp_hook)
+        hook_state.watch(hooked.optimizer)
 
     def other(step: int) -> None:
         if ddp is None:
@@ -82,7 +96,8 @@ def main() -> int:
         else:
             ddp_step(plain, ddp, step)
 
-    sides = [canon.step, other] + ([after.step] if after is not None else [])
+    sides = [canon.step, other] + ([after.step, lambda step: ddp_step(hooked, hooked_ddp, step, hooked=True)]
+                                   if after is not None else [])
     times: list[list[float]] = [[] for _ in sides]
     for p in range(args.pairs + 1):
         marks = [0.0] * len(sides)
@@ -118,6 +133,8 @@ def main() -> int:
             [a / b for a, b in zip(times[2], t_ddp)]), 4)
         result["time_ratio_overlap_to_after_median"] = round(statistics.median(
             [a / b for a, b in zip(t_canon, times[2])]), 4)
+        result["step_ms_ddp_hook"] = round(1000 * statistics.median(times[3]), 2)
+        result["time_ratio_ddp_hook_median"] = round(statistics.median([a / b for a, b in zip(times[3], t_ddp)]), 4)
     if rank == 0:
         if args.json:
             print(json.dumps(result))
@@ -128,6 +145,8 @@ def main() -> int:
             if after is not None:
                 print(f"combine after the whole backward (parallel.overlap=false): {result['step_ms_after_backward']} "
                       f"ms/step; ratio to DDP {result['time_ratio_after_backward_median']}")
+                print(f"DDP with canonical_ddp_hook: {result['step_ms_ddp_hook']} ms/step; ratio to DDP's own "
+                      f"{result['time_ratio_ddp_hook_median']}")
             print(f"bytes sent per process per step: {result['bytes_sent_per_step']:,} vs {against} "
                   f"{ring:,} (ratio {result['bytes_ratio']})")
     dist.destroy_process_group()

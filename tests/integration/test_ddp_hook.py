@@ -88,27 +88,37 @@ def test_ddp_with_the_canonical_hook_gives_one_process_bits_on_2_and_4_processes
 
 def test_the_hook_refuses_a_layout_it_cannot_make_invariant_and_an_update_before_the_last_microbatch():
     """3 microbatches per process over 2 processes is not an aligned layout: refused by name, before any
-    training. The state hands back negative zeros until the last microbatch, then the canonical sum; an
-    optimizer step before the last microbatch (its gradients would be those zeros) is refused."""
+    training. Over 4 microbatches the state hands the first of each pair back as it is (the next backward
+    adds into it), negative zeros after the second, and the canonical sum ((g0 + g1) + (g2 + g3)) at the
+    last; an optimizer step before the last microbatch (its gradients would be those zeros) is refused."""
     from samestep.distributed import CanonicalDdpState
 
     with pytest.raises(ValueError, match="microbatches"):
         CanonicalDdpState(3, world_size=2, rank=0)
-    state = CanonicalDdpState(2, world_size=1, rank=0)
-    assert list(state.microbatches) == [0, 1]
-    w, g = torch.nn.Parameter(torch.zeros(3)), torch.tensor([1.0, -0.0, 2.0])
+    state = CanonicalDdpState(4, world_size=1, rank=0)
+    assert list(state.microbatches) == [0, 1, 2, 3]
+    w = torch.nn.Parameter(torch.zeros(3))
+    g = [torch.tensor([1.0, -0.0, 2.0**-30]), torch.tensor([1e8, -0.0, 1.0]), torch.tensor([-1e8, -0.0, 3.0]),
+         torch.tensor([0.5, -0.0, -1.0])]
 
-    def bucket() -> list:  # the gradient a view of the bucket's buffer, as DDP hands them
-        buffer = g.clone()
-        return [[w], [buffer.view(3)], buffer]
+    def backward(grad: torch.Tensor) -> torch.Tensor:  # the gradient a view of the bucket's buffer, as in DDP
+        buffer = grad.clone()
+        return state.reduce_bucket([w], [buffer.view(3)], buffer)
 
-    first = state.reduce_bucket(*bucket())
-    assert torch.equal(first.view(torch.int32), torch.full((3,), -0.0).view(torch.int32))
-    assert torch.equal(state.reduce_bucket(*bucket()).view(torch.int32), (g + g).view(torch.int32))
+    kept = backward(g[0])
+    assert torch.equal(kept.view(torch.int32), g[0].view(torch.int32))  # the first of a pair, as it was
+    zeros = backward(kept + g[1])  # what autograd's add leaves in p.grad
+    assert torch.equal(zeros.view(torch.int32), torch.full((3,), -0.0).view(torch.int32))
+    kept = backward(zeros + g[2])
+    assert torch.equal(kept.view(torch.int32), g[2].view(torch.int32))  # -0.0 + x is x, -0.0 kept
+    total = backward(kept + g[3])
+    want = (g[0] + g[1]) + (g[2] + g[3])
+    assert torch.equal(total.view(torch.int32), want.view(torch.int32))
+    assert not torch.equal(total, ((g[0] + g[1]) + g[2]) + g[3])  # control: plain accumulation's bits differ
     opt = torch.optim.SGD([w], lr=0.1)
     state.watch(opt)
     w.grad = torch.zeros(3)
     opt.step()  # between steps: nothing pending
-    state.reduce_bucket(*bucket())
-    with pytest.raises(RuntimeError, match="stepped after 1 of the 2 microbatches"):
+    backward(g[0])
+    with pytest.raises(RuntimeError, match="stepped after 1 of the 4 microbatches"):
         opt.step()

@@ -13,14 +13,14 @@ its gradients come out with the bits of one process on any number of processes (
         optimizer.zero_grad(set_to_none=True)
 
 DDP hands the hook each bucket after every backward. The hook keeps each parameter's gradient of every
-microbatch (keyed by the parameter, so DDP's rebuild of its buckets after the first backward moves
+microbatch pair (keyed by the parameter, so DDP's rebuild of its buckets after the first backward moves
 nothing) and folds them along the canonical tree as they come (``BinaryCounter``, as ``CanonicalGradients``
-does); until the process's last microbatch it hands DDP negative zeros, the exact additive identity, so
-the next backward's gradient lands in ``p.grad`` alone. At the last microbatch each bucket's local sums are
-combined across ranks in rank order (``combine_across_ranks``: an all-to-all, the bytes of a ring
-reduce-scatter) and DDP writes them into ``p.grad``. The hook sums: it does not divide by the world size as
-DDP's own hook does, so the loss is normalised by the global batch, which the number of processes does not
-change.
+does): the first of a pair stays in ``p.grad`` for the next backward to add into, after the second DDP gets
+negative zeros, the exact additive identity, so the next pair starts alone in ``p.grad``. At the last
+microbatch each bucket's local sums are combined across ranks in rank order (``combine_across_ranks``: an
+all-to-all, the bytes of a ring reduce-scatter) and DDP writes them into ``p.grad``. The hook sums: it does
+not divide by the world size as DDP's own hook does, so the loss is normalised by the global batch, which
+the number of processes does not change.
 """
 
 from __future__ import annotations
@@ -77,20 +77,25 @@ class CanonicalDdpState:
 
     def reduce_bucket(self, params: list[torch.Tensor], grads: list[torch.Tensor],
                       buffer: torch.Tensor) -> torch.Tensor:
-        """What DDP writes back into the bucket after a backward: ``grads`` (views of ``buffer``) join each
-        parameter's tree; before the process's last microbatch, negative zeros; at it, the canonical sums
-        across ranks."""
+        """What DDP writes back into the bucket after a backward (``grads``: views of ``buffer``). The tree's
+        first level adds microbatches in pairs, as ``CanonicalGradients`` does: after the first of a pair the
+        bucket goes back as it is, and the next backward adds into ``p.grad`` (autograd's in-place add, the
+        bits of ``left + right``); after the second the pair's sum joins each parameter's tree and DDP gets
+        negative zeros; after the process's last microbatch, the canonical sums across ranks."""
         counts = set()
-        for p, g in zip(params, grads):
-            key = id(p)
-            self._seen[key] = self._seen.get(key, 0) + 1
-            counts.add(self._seen[key])
-            self._sums.setdefault(key, BinaryCounter()).push(g.detach().clone())
+        for p in params:
+            self._seen[id(p)] = self._seen.get(id(p), 0) + 1
+            counts.add(self._seen[id(p)])
         if len(counts) != 1:
             raise RuntimeError("canonical_ddp_hook: a bucket's parameters got gradients in different numbers of "
                                "microbatches (a parameter unused in some); give every parameter a gradient in "
                                "every microbatch")
-        if counts.pop() < self.k:
+        done = counts.pop()
+        if done % 2 == 1 and done < self.k:
+            return buffer  # the first of a pair: kept, the next backward adds into it
+        for p, g in zip(params, grads):
+            self._sums.setdefault(id(p), BinaryCounter()).push(g.detach().clone(), size=2 if done % 2 == 0 else 1)
+        if done < self.k:
             # -0.0 + x is x for every x (+0.0 + -0.0 would not be): the next backward's gradient alone
             return torch.full_like(buffer, -0.0)
         for p, g in zip(params, grads):
