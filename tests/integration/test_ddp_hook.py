@@ -103,7 +103,7 @@ def test_the_hook_refuses_a_layout_it_cannot_make_invariant_and_an_update_before
 
     def backward(grad: torch.Tensor) -> torch.Tensor:  # the gradient a view of the bucket's buffer, as in DDP
         buffer = grad.clone()
-        return state.reduce_bucket([w], [buffer.view(3)], buffer)
+        return state.reduce_bucket([w], [buffer.view(3)], buffer).wait()
 
     kept = backward(g[0])
     assert torch.equal(kept.view(torch.int32), g[0].view(torch.int32))  # the first of a pair, as it was

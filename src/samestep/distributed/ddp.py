@@ -17,10 +17,11 @@ microbatch pair (keyed by the parameter, so DDP's rebuild of its buckets after t
 nothing) and folds them along the canonical tree as they come (``BinaryCounter``, as ``CanonicalGradients``
 does): the first of a pair stays in ``p.grad`` for the next backward to add into, after the second DDP gets
 negative zeros, the exact additive identity, so the next pair starts alone in ``p.grad``. At the last
-microbatch each bucket's local sums are combined across ranks in rank order (``combine_across_ranks``: an
-all-to-all, the bytes of a ring reduce-scatter) and DDP writes them into ``p.grad``. The hook sums: it does
-not divide by the world size as DDP's own hook does, so the loss is normalised by the global batch, which
-the number of processes does not change.
+microbatch each bucket's local sums are combined across ranks in rank order (``PendingCombine``, as
+``combine_across_ranks``: the bytes of a ring all-reduce): its all-to-all starts as DDP hands the bucket
+over, and the sums and all-gathers run at DDP's last bucket; DDP writes the result into ``p.grad``. The
+hook sums: it does not divide by the world size as DDP's own hook does, so the loss is normalised by the
+global batch, which the number of processes does not change.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 
 import torch
 
-from samestep.distributed.reduce import combine_across_ranks
+from samestep.distributed.reduce import PendingCombine
 from samestep.distributed.tree import BinaryCounter, validate_layout
 
 __all__ = ["CanonicalDdpState", "canonical_ddp_hook"]
@@ -57,6 +58,7 @@ class CanonicalDdpState:
         self.bytes_sent = 0
         self._sums: dict[int, BinaryCounter] = {}
         self._seen: dict[int, int] = {}
+        self._started: list[tuple[PendingCombine, torch.futures.Future]] = []
 
     @property
     def microbatches(self) -> range:
@@ -75,13 +77,15 @@ class CanonicalDdpState:
                                "this process owns in a step; run backward on all of them first (the gradients are "
                                "reduced at the last)")
 
-    def reduce_bucket(self, params: list[torch.Tensor], grads: list[torch.Tensor],
-                      buffer: torch.Tensor) -> torch.Tensor:
+    def reduce_bucket(self, params: list[torch.Tensor], grads: list[torch.Tensor], buffer: torch.Tensor,
+                      last: bool = True) -> torch.futures.Future:
         """What DDP writes back into the bucket after a backward (``grads``: views of ``buffer``). The tree's
         first level adds microbatches in pairs, as ``CanonicalGradients`` does: after the first of a pair the
         bucket goes back as it is, and the next backward adds into ``p.grad`` (autograd's in-place add, the
         bits of ``left + right``); after the second the pair's sum joins each parameter's tree and DDP gets
-        negative zeros; after the process's last microbatch, the canonical sums across ranks."""
+        negative zeros; after the process's last microbatch, the canonical sums across ranks: each bucket's
+        all-to-all starts as DDP hands it over (the rest of the backward runs meanwhile), and at DDP's
+        ``last`` bucket every started bucket is summed over ranks and gathered, in bucket order."""
         counts = set()
         for p in params:
             self._seen[id(p)] = self._seen.get(id(p), 0) + 1
@@ -91,25 +95,35 @@ class CanonicalDdpState:
                                "microbatches (a parameter unused in some); give every parameter a gradient in "
                                "every microbatch")
         done = counts.pop()
+        fut: torch.futures.Future = torch.futures.Future()
         if done % 2 == 1 and done < self.k:
-            return buffer  # the first of a pair: kept, the next backward adds into it
+            fut.set_result(buffer)  # the first of a pair: kept, the next backward adds into it
+            return fut
         for p, g in zip(params, grads):
             self._sums.setdefault(id(p), BinaryCounter()).push(g.detach().clone(), size=2 if done % 2 == 0 else 1)
         if done < self.k:
             # -0.0 + x is x for every x (+0.0 + -0.0 would not be): the next backward's gradient alone
-            return torch.full_like(buffer, -0.0)
+            fut.set_result(torch.full_like(buffer, -0.0))
+            return fut
         for p, g in zip(params, grads):
             g.copy_(self._sums.pop(id(p)).result())
             del self._seen[id(p)]
-        total, sent = combine_across_ranks(buffer.detach().clone(), self.world_size, group=self.group)
-        self.bytes_sent += sent
-        return total
+        if self.world_size == 1:
+            fut.set_result(buffer)
+            return fut
+        self._started.append((PendingCombine(buffer.detach(), self.world_size, self.group), fut))
+        if last:
+            started, self._started = self._started, []
+            for combine, _ in started:
+                combine.gather()
+            for combine, pending in started:
+                self.bytes_sent += combine.sent
+                pending.set_result(combine.wait())
+        return fut
 
 
 # No annotations on bucket and the return: DDP refuses any but dist.GradBucket and Future[Tensor] as objects,
 # and this module's annotations are strings
 def canonical_ddp_hook(state, bucket):  # noqa: ANN001, ANN201
     """DDP's communication hook for a ``CanonicalDdpState`` (the module docstring says what it does)."""
-    fut = torch.futures.Future()
-    fut.set_result(state.reduce_bucket(bucket.parameters(), bucket.gradients(), bucket.buffer()))
-    return fut
+    return state.reduce_bucket(bucket.parameters(), bucket.gradients(), bucket.buffer(), bucket.is_last())

@@ -26,7 +26,8 @@ import torch
 from samestep.distributed.buckets import BUCKET_ELEMENTS, GradientBuckets
 from samestep.distributed.tree import BinaryCounter, validate_layout
 
-__all__ = ["AllReduceGradients", "CanonicalGradients", "combine_across_ranks", "ring_allreduce_bytes"]
+__all__ = ["AllReduceGradients", "CanonicalGradients", "PendingCombine", "combine_across_ranks",
+           "ring_allreduce_bytes"]
 
 _NOTHING = contextlib.nullcontext()  # reusable: it holds no state
 
@@ -43,53 +44,73 @@ def ring_allreduce_bytes(numel: int, element_size: int, world_size: int) -> int:
     return 2 * (world_size - 1) * -(-numel // world_size) * element_size
 
 
+class PendingCombine:
+    """One block's combine across ranks (``combine_across_ranks``), started: the all-to-all that hands rank j
+    the j-th chunk of every rank's block is in flight. ``gather()`` waits for it, sums this rank's W chunks
+    along the tree over rank index and starts the all-gather; ``wait()`` returns the sum (``local``'s shape).
+    Every rank starts, gathers and waits its blocks in one order. ``sent``: the bytes this process sends."""
+
+    def __init__(self, local: torch.Tensor, world_size: int, group: object = None) -> None:
+        import torch.distributed as dist
+
+        self.shape, self.world, self.group = local.shape, world_size, group
+        self.n = local.numel()
+        self.chunk = -(-self.n // world_size)
+        padded = torch.zeros(self.chunk * world_size, dtype=local.dtype, device=local.device)
+        padded[: self.n] = local.reshape(-1)
+        self._received = torch.empty_like(padded)
+        self._gathered: torch.Tensor | None = None
+        self._work = dist.all_to_all_single(self._received, padded, group=group, async_op=True)
+        self.sent = 2 * (world_size - 1) * self.chunk * local.element_size()
+
+    def gather(self) -> None:
+        self._work.wait()  # row j = rank j's copy of my chunk
+        counter = BinaryCounter()
+        for row in self._received.view(self.world, self.chunk):
+            counter.push(row.clone())
+        mine = counter.result()
+        self._gathered = torch.empty(self.chunk * self.world, dtype=mine.dtype, device=mine.device)
+        self._work = _all_gather(self._gathered, mine, self.group)
+
+    def wait(self) -> torch.Tensor:
+        if self._gathered is None:
+            raise RuntimeError("PendingCombine.wait() before gather()")
+        self._work.wait()
+        return self._gathered[: self.n].view(self.shape)
+
+
 def combine_across_ranks(local: torch.Tensor, world_size: int, group: object = None,
                          bucket_elements: int = BUCKET_ELEMENTS) -> tuple[torch.Tensor, int]:
     """Sums one equal-sized block per rank in rank order along the canonical tree; same bits on all ranks.
 
     Per bucket: an all-to-all hands rank j the j-th chunk of every rank's bucket (a reduce-scatter whose
     summing order we choose), rank j sums the W chunks with the binary counter over rank index, and
-    an all-gather returns the summed chunks to everyone. Buckets are pipelined: bucket b+1's
-    all-to-all is in flight while bucket b is summed. Element-wise sums do not depend on the chunking,
+    an all-gather returns the summed chunks to everyone (``PendingCombine``). Buckets are pipelined: bucket
+    b+1's all-to-all is in flight while bucket b is summed. Element-wise sums do not depend on the chunking,
     so the bucket size changes no bit.
 
     Returns:
         The sum (``local``'s shape and dtype) and the bytes this process sent.
     """
-    import torch.distributed as dist
-
     if world_size == 1:
         return local, 0
     n, sent = local.numel(), 0
-    out = torch.empty_like(local)
+    flat = local.reshape(-1)
+    out = torch.empty(local.shape, dtype=local.dtype, device=local.device)
     step = max(bucket_elements, world_size)
     spans = [(a, min(a + step, n)) for a in range(0, n, step)]
-
-    def launch(a: int, b: int):
-        chunk = -(-(b - a) // world_size)
-        padded = torch.zeros(chunk * world_size, dtype=local.dtype, device=local.device)
-        padded[: b - a] = local[a:b]
-        received = torch.empty_like(padded)
-        work = dist.all_to_all_single(received, padded, group=group, async_op=True)
-        return work, received, chunk
-
-    gathers = []
-    pending = launch(*spans[0])
+    started = []
+    pending = PendingCombine(flat[spans[0][0]:spans[0][1]], world_size, group)
     for idx, (a, b) in enumerate(spans):
-        work, received, chunk = pending
+        current = pending
         if idx + 1 < len(spans):
-            pending = launch(*spans[idx + 1])
-        work.wait()  # row j = rank j's copy of my chunk
-        counter = BinaryCounter()
-        for row in received.view(world_size, chunk):
-            counter.push(row.clone())
-        mine = counter.result()
-        gathered = torch.empty(chunk * world_size, dtype=local.dtype, device=local.device)
-        gathers.append((_all_gather(gathered, mine, group), gathered, a, b))
-        sent += 2 * (world_size - 1) * chunk * local.element_size()
-    for work, gathered, a, b in gathers:
-        work.wait()
-        out[a:b] = gathered[: b - a]
+            pending = PendingCombine(flat[spans[idx + 1][0]:spans[idx + 1][1]], world_size, group)
+        current.gather()
+        started.append((current, a, b))
+        sent += current.sent
+    out_flat = out.view(-1)
+    for current, a, b in started:
+        out_flat[a:b] = current.wait()
     return out, sent
 
 
