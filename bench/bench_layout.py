@@ -10,8 +10,8 @@ variant wraps the same model in DistributedDataParallel, skips the all-reduce wi
 the last microbatch (the usual gradient-accumulation idiom), and lets DDP's bucketed,
 backward-overlapped all-reduce run; a third is the canonical step with the combine after the whole
 backward (parallel.overlap=false); a fourth keeps DDP with samestep's communication hook
-(``canonical_ddp_hook``: every backward reaches it, the combine runs inside it at the last microbatch) and
-clips by the canonical norm, what a loop of one's own that keeps DDP runs. Reported on rank 0: the medians of per-pair step-time ratios to DDP,
+(``canonical_ddp_hook``, the first of each microbatch pair under no_sync() by ``CanonicalDdpState.microbatch``)
+and clips by the canonical norm, what a loop of one's own that keeps DDP runs. Reported on rank 0: the medians of per-pair step-time ratios to DDP,
 and bytes sent per process per step (by collective semantics) against a ring all-reduce of the same
 gradient. With --fsdp both variants are the reference run's step with
 parallel.fsdp=true: deterministic mode on (distributed/fsdp.py's reduce-scatter) against off (FSDP2's
@@ -40,20 +40,24 @@ from samestep.train import load_config
 from samestep.train.loop import build
 
 
-def ddp_step(parts, ddp: DDP, step: int, hooked: bool = False) -> None:
-    """One step the way a DDP user writes it: no_sync() for all but the last microbatch; ``hooked``: every
-    backward synced, reaching the canonical hook, and the canonical norm clips."""
+def ddp_step(parts, ddp: DDP, step: int, hooked: CanonicalDdpState | None = None) -> None:
+    """One step the way a DDP user writes it: no_sync() for all but the last microbatch; ``hooked``: the
+    canonical hook's state, whose ``microbatch`` runs the first of each pair under no_sync(), and the
+    canonical norm clips."""
     t = parts.cfg.train
     for group in parts.optimizer.param_groups:
         group["lr"] = parts.schedule(step)
     owned = list(parts.grads.microbatches)
     for i in owned:
         x, y = parts.cursor.samples(parts.cursor.position + i * t.micro_batch, t.micro_batch)
-        sync = contextlib.nullcontext() if i == owned[-1] or hooked else ddp.no_sync()
+        if hooked is not None:
+            sync = hooked.microbatch(ddp, i)
+        else:
+            sync = contextlib.nullcontext() if i == owned[-1] else ddp.no_sync()
         with sync:
             _, loss = ddp(x, y, rng.generator(t.seed, step, i, "dropout"))
             (loss / parts.tokens_per_step).backward()
-    if hooked:
+    if hooked is not None:
         clip_grad_norm_(list(parts.model.parameters()), t.grad_clip)
     else:
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), t.grad_clip, foreach=False)
@@ -96,7 +100,7 @@ def main() -> int:
         else:
             ddp_step(plain, ddp, step)
 
-    sides = [canon.step, other] + ([after.step, lambda step: ddp_step(hooked, hooked_ddp, step, hooked=True)]
+    sides = [canon.step, other] + ([after.step, lambda step: ddp_step(hooked, hooked_ddp, step, hook_state)]
                                    if after is not None else [])
     times: list[list[float]] = [[] for _ in sides]
     for p in range(args.pairs + 1):

@@ -10,6 +10,7 @@ canonical norm, and samestep.Run checkpoints (each FSDP2 rank its own shards), t
 """
 
 import argparse
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -61,7 +62,8 @@ def main(run_dir: Path, layout: str) -> str:
     with samestep.Run(run_dir, model=net, optimizer=optimizer) as run:
         for step in run.steps(STEPS):
             for i in mine:
-                with run.microbatch(i):
+                # DDP: the first of each microbatch pair under no_sync(), which changes no bit and saves its copies
+                with run.microbatch(i), ddp.microbatch(net, i) if layout == "ddp" else contextlib.nullcontext():
                     x, y = batch(step, i)
                     # a sum over the global batch, normalised by its size: no process count in it
                     loss = torch.nn.functional.mse_loss(net(x), y) / MICROBATCHES

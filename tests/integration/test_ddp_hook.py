@@ -3,6 +3,7 @@ bits of one process on 2 and 4 processes, gradient clipping by the canonical nor
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -28,8 +29,10 @@ def _batch(step: int, i: int) -> torch.Tensor:
 
 
 def _worker(rank: int, world: int, init: str, out: str, how: str) -> None:
-    """STEPS steps of MICROBATCHES global microbatches: ``how`` is "hook" (DDP with the canonical hook), "one"
-    (one process, ``CanonicalGradients``) or "ddp" (DDP's own all-reduce of autograd's accumulation)."""
+    """STEPS steps of MICROBATCHES global microbatches: ``how`` is "hook" (DDP with the canonical hook, every
+    backward reaching it), "paired" (the same, the first of each pair under no_sync(): CanonicalDdpState.
+    microbatch), "one" (one process, ``CanonicalGradients``) or "ddp" (DDP's own all-reduce of autograd's
+    accumulation)."""
     from torch.nn.parallel import DistributedDataParallel
 
     from samestep.distributed import CanonicalDdpState, CanonicalGradients, canonical_ddp_hook, clip_grad_norm_
@@ -46,17 +49,18 @@ def _worker(rank: int, world: int, init: str, out: str, how: str) -> None:
                 mine = grads.microbatches
             else:
                 net = DistributedDataParallel(model)
-                if how == "hook":
+                if how in ("hook", "paired"):
                     state = CanonicalDdpState(microbatches_per_process=k)
                     net.register_comm_hook(state, canonical_ddp_hook)
                     state.watch(opt)
                 mine = range(rank * k, (rank + 1) * k)
             for step in range(STEPS):
                 for i in mine:
-                    loss = net(_batch(step, i)).square().mean() / MICROBATCHES
-                    if how == "ddp":
-                        loss = loss * world  # DDP averages over the processes
-                    loss.backward()
+                    with state.microbatch(net, i) if how == "paired" else contextlib.nullcontext():
+                        loss = net(_batch(step, i)).square().mean() / MICROBATCHES
+                        if how == "ddp":
+                            loss = loss * world  # DDP averages over the processes
+                        loss.backward()
                     if how == "one":
                         grads.accumulate(i)
                 if how == "one":
@@ -73,15 +77,18 @@ def _worker(rank: int, world: int, init: str, out: str, how: str) -> None:
 
 
 def test_ddp_with_the_canonical_hook_gives_one_process_bits_on_2_and_4_processes(tmp_path):
-    """DDP with CanonicalDdpHook, the gradients clipped by samestep's canonical norm, on 2 and 4 gloo
-    processes: the parameters and the last gradient norm are one process's (CanonicalGradients) to the bit.
+    """DDP with canonical_ddp_hook, the gradients clipped by samestep's canonical norm, on 2 and 4 gloo
+    processes, every backward reaching the hook or the first of each pair under no_sync()
+    (CanonicalDdpState.microbatch): the parameters and the last gradient norm are one process's
+    (CanonicalGradients) to the bit.
     Negative control: DDP's own all-reduce of autograd's accumulation, on 2 processes, gives other bits."""
-    for world, how in ((1, "one"), (2, "hook"), (4, "hook"), (2, "ddp")):
+    for world, how in ((1, "one"), (2, "hook"), (4, "hook"), (2, "paired"), (4, "paired"), (2, "ddp")):
         spawn(_worker, (world, str(tmp_path / f"init_{how}{world}"), str(tmp_path), how), world)
     one = np.load(tmp_path / "one_1.npy")
     for world in (2, 4):
-        assert np.array_equal(np.load(tmp_path / f"hook_{world}.npy"), one), world
-        assert np.array_equal(np.load(tmp_path / f"hook_{world}_norm.npy"), np.load(tmp_path / "one_1_norm.npy"))
+        for how in ("hook", "paired"):
+            assert np.array_equal(np.load(tmp_path / f"{how}_{world}.npy"), one), (how, world)
+            assert np.array_equal(np.load(tmp_path / f"{how}_{world}_norm.npy"), np.load(tmp_path / "one_1_norm.npy"))
     assert not np.array_equal(np.load(tmp_path / "ddp_2.npy"), one)
 
 
@@ -122,3 +129,17 @@ def test_the_hook_refuses_a_layout_it_cannot_make_invariant_and_an_update_before
     backward(g[0])
     with pytest.raises(RuntimeError, match="stepped after 1 of the 4 microbatches"):
         opt.step()
+    # the first of a pair run under no_sync() (CanonicalDdpState.microbatch): an update right after it is refused
+    class NoSync:
+        def no_sync(self) -> contextlib.AbstractContextManager:
+            return contextlib.nullcontext()
+
+    paired = CanonicalDdpState(2, world_size=1, rank=0)
+    opt = torch.optim.SGD([w], lr=0.1)
+    paired.watch(opt)
+    with paired.microbatch(NoSync(), 0):
+        pass
+    with pytest.raises(RuntimeError, match="stepped after 1 of the 2 microbatches"):
+        opt.step()
+    with pytest.raises(ValueError, match="owns 0..1"), paired.microbatch(NoSync(), 2):
+        pass

@@ -7,8 +7,9 @@ its gradients come out with the bits of one process on any number of processes (
     state.watch(optimizer)                                # an update before the last microbatch is refused
     for step in steps:
         for i in state.microbatches:                      # this rank's global microbatch indices
-            loss = loss_of(ddp, batch(step, i)) / (k * world_size)   # a sum over the global batch
-            loss.backward()                               # no no_sync(): every backward reaches the hook
+            with state.microbatch(ddp, i):                # no_sync() for the first of each pair
+                loss = loss_of(ddp, batch(step, i)) / (k * world_size)   # a sum over the global batch
+                loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
@@ -26,6 +27,8 @@ global batch, which the number of processes does not change.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Generator
 from typing import Any
 
 import torch
@@ -59,11 +62,32 @@ class CanonicalDdpState:
         self._sums: dict[int, BinaryCounter] = {}
         self._seen: dict[int, int] = {}
         self._started: list[tuple[PendingCombine, torch.futures.Future]] = []
+        self._carried = False  # the first of a pair ran under no_sync(): p.grad holds it, the hook never saw it
 
     @property
     def microbatches(self) -> range:
         """The global microbatch indices this process owns."""
         return range(self.rank * self.k, (self.rank + 1) * self.k)
+
+    @contextlib.contextmanager
+    def microbatch(self, ddp: Any, microbatch: int) -> Generator[None, None, None]:
+        """Around a microbatch's forward and backward (global index ``microbatch``, of this process's range): the
+        first of each pair runs under ``ddp.no_sync()``, so DDP neither copies its gradients into its buckets
+        nor calls the hook, and the next backward adds into ``p.grad`` (the tree's first level, the same bits
+        as without this context, at DDP's own cost). Optional: without it every backward reaches the hook."""
+        j = microbatch - self.microbatches.start
+        if not 0 <= j < self.k:
+            raise ValueError(f"CanonicalDdpState.microbatch({microbatch}): rank {self.rank} owns "
+                             f"{self.microbatches.start}..{self.microbatches.stop - 1}")
+        if j % 2 == 0 and j + 1 < self.k:
+            with ddp.no_sync():
+                yield
+            self._carried = True
+            return
+        try:
+            yield
+        finally:
+            self._carried = False
 
     def watch(self, optimizer: torch.optim.Optimizer) -> None:
         """Refuses an update made before this process's last microbatch of the step (a step pre-hook): its
@@ -71,8 +95,8 @@ class CanonicalDdpState:
         optimizer.register_step_pre_hook(self._check_complete)
 
     def _check_complete(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self._seen:
-            done = max(self._seen.values())
+        if self._seen or self._carried:
+            done = max(self._seen.values(), default=0) + self._carried
             raise RuntimeError(f"canonical_ddp_hook: the optimizer stepped after {done} of the {self.k} microbatches "
                                "this process owns in a step; run backward on all of them first (the gradients are "
                                "reduced at the last)")
@@ -87,8 +111,9 @@ class CanonicalDdpState:
         all-to-all starts as DDP hands it over (the rest of the backward runs meanwhile), and at DDP's
         ``last`` bucket every started bucket is summed over ranks and gathered, in bucket order."""
         counts = set()
+        ran = 2 if self._carried else 1  # a pair whose first ran under no_sync() (``microbatch``) comes whole
         for p in params:
-            self._seen[id(p)] = self._seen.get(id(p), 0) + 1
+            self._seen[id(p)] = self._seen.get(id(p), 0) + ran
             counts.add(self._seen[id(p)])
         if len(counts) != 1:
             raise RuntimeError("canonical_ddp_hook: a bucket's parameters got gradients in different numbers of "
