@@ -1,4 +1,4 @@
-"""The step protocol, in one place (docs/design.md, invariant 4 and "The step protocol"): ``Session`` owns one
+"""The step protocol, in one place (docs/design.md, invariant 4 and "The step protocol"): ``RunProtocol`` owns one
 process's part in a run, from deterministic mode on to the run directory released, and the rules every
 loop keeps in the same order: the stop every rank agrees on after a step, and what is made durable before a
 checkpoint commits. ``samestep train`` (train/loop.py), ``samestep.Run`` (run.py) and the framework
@@ -26,7 +26,7 @@ from samestep.receipts import (
 )
 from samestep.rundir import hold
 
-__all__ = ["Session", "agreed_stop", "make_durable", "save_after_records"]
+__all__ = ["RunProtocol", "agreed_stop", "make_durable", "save_after_records"]
 
 
 def agreed_stop(stop: StopRequest, any_rank: Callable[[bool], bool]) -> str | None:
@@ -63,10 +63,10 @@ def save_after_records(save: Callable[[], Any], recorder: Any = None, receipts: 
     save()
 
 
-class Session:
+class RunProtocol:
     """One process's part in a run, in the protocol's order; each loop calls the parts it has.
 
-    1. ``Session(run_dir, hold=...)``: the run directory taken (one writer per run directory: another live
+    1. ``RunProtocol(run_dir, hold_dir=...)``: the run directory taken (one writer per run directory: another live
        writer is refused before anything); ``enable(...)``: deterministic mode on.
     2. ``check_receipts(...)``: a resume whose receipts cannot go on is refused before any file changes.
     3. ``trace(...)`` (or ``adopt``): the recorder; ``open_receipts(...)``: the receipts, continued after the
@@ -74,9 +74,9 @@ class Session:
     4. Within ``watching(signals)``, after each step: ``receipt(step, ...)``, ``agreed_stop(any_rank)``,
        and ``save(...)`` (the trace, the receipts and metrics.jsonl durable, then the checkpoint).
     5. ``end()``: the trace, then the receipts, closed; ``close()``: that, deterministic mode off if this
-       session turned it on, and the run directory released.
+       object turned it on, and the run directory released.
 
-    ``run_dir`` may be set after the session starts (a framework names it when training begins, after
+    ``run_dir`` may be set after the RunProtocol starts (a framework names it when training begins, after
     deterministic mode had to be on), before ``trace`` or ``open_receipts``.
     """
 
@@ -148,7 +148,7 @@ class Session:
 
     # -- 3. the records ------------------------------------------------------------------------------------
     def trace(self, model: Any = None, **kwargs: Any) -> Any:
-        """Starts the trace of the run directory (``samestep.trace``, with ``kwargs``; the session's hold of
+        """Starts the trace of the run directory (``samestep.trace``, with ``kwargs``; the RunProtocol's hold of
         the run directory passed on) and attaches its hooks to ``model``."""
         from samestep.tracing.start import trace
 
@@ -159,7 +159,7 @@ class Session:
 
     def adopt(self, recorder: Any) -> None:
         """A recorder the loop built itself (the reference trainer's, built with its model), flushed before each
-        save and closed by ``end`` as one this session started."""
+        save and closed by ``end`` as one this RunProtocol started."""
         self.recorder = recorder
 
     @staticmethod
@@ -225,7 +225,7 @@ class Session:
                 receipts.close()
 
     def close(self) -> None:
-        """``end()``, then deterministic mode off if this session turned it on, and the run directory
+        """``end()``, then deterministic mode off if this RunProtocol turned it on, and the run directory
         released."""
         try:
             self.end()
@@ -239,5 +239,5 @@ class Session:
 
     def _dir(self, what: str) -> Path:
         if self.run_dir is None:
-            raise RuntimeError(f"Session.{what}: the session has no run directory yet; set run_dir first")
+            raise RuntimeError(f"RunProtocol.{what}: it has no run directory yet; set run_dir first")
         return self.run_dir

@@ -22,7 +22,7 @@ On several processes it takes the model as the loop built it: replicated (DDP, o
 saves and receipts the whole state; sharded by FSDP2 (its parameters are DTensors), every rank saves and
 receipts its own shards, through the model's own ``state_dict`` and ``load_state_dict`` (their hooks run on
 every rank), and a checkpoint resumes on any number of processes. Every rank calls what may be a
-collective at the same points. The protocol itself is ``protocol.Session``'s.
+collective at the same points. The protocol itself is ``protocol.RunProtocol``'s.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from samestep import mode, preempt
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from samestep.distributed.agree import any_rank
 from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer
-from samestep.protocol import Session
+from samestep.protocol import RunProtocol
 from samestep.receipts import genesis, state_tree
 from samestep.checksums import state_hash_for
 from samestep._state import state_digest
@@ -164,12 +164,12 @@ class Run:
         # one writer per run directory, as samestep train and samestep.trace take it (refused before anything)
         rank, world = _rank_and_world()
         self.sharded = _is_sharded(model)
-        self._session = Session(self.run_dir, hold_dir=rank == 0)
+        self._proto = RunProtocol(self.run_dir, hold_dir=rank == 0)
         try:
             self._declared = _declared(model, optimizer, scheduler, data_cursor, config)
             if resume is not False:  # another run's settings are refused before anything is restored or written
                 _refuse_changes(self.run_dir, self._declared)
-            self.report = (self._session.enable(threads=threads, kernels=kernels, who="samestep.Run") if deterministic
+            self.report = (self._proto.enable(threads=threads, kernels=kernels, who="samestep.Run") if deterministic
                            else mode.active_report())
             loaded = None
             if held:  # whole tensors, whichever layout wrote them: a sharded model takes its shards of them
@@ -179,14 +179,14 @@ class Run:
                                          strict_env=strict_env)
                 self.start = loaded.step
             # rank 0's receipts of the whole state; sharded, every rank's of its own shards
-            keeps_receipts = receipts and Session.keeps_receipts(rank, self.sharded)
+            keeps_receipts = receipts and RunProtocol.keeps_receipts(rank, self.sharded)
             if receipts:  # a resume that cannot go on fails before anything is written
-                self._session.check_receipts(rank, self.start,
+                self._proto.check_receipts(rank, self.start,
                                              (lambda: self._state_tree(self.start)) if keeps_receipts else None,
                                              checkpoint=loaded, sharded_over=world if self.sharded else None)
             # a run killed before its first checkpoint goes on from step 0, in a new trace segment
             continues = self.start > 0 or (resume is not False and holds_run(self.run_dir))
-            self._session.trace(model, level=level, steps=trace_steps, resume=continues, copy=copy)
+            self._proto.trace(model, level=level, steps=trace_steps, resume=continues, copy=copy)
             if rank == 0:
                 record_declared(self.run_dir, self._declared)
             # kept from step to step, as the reference loop keeps them: a model gains or loses no parameter
@@ -198,7 +198,7 @@ class Run:
             if keeps_receipts:  # the state tree taken at the step's end: a scheduler may change the optimizer's
                 # groups before the next update; the next update waits for the receipt of the last
                 where = next((p.device for p in model.parameters()), torch.device("cpu"))
-                self._session.open_receipts(rank, self.start, genesis({}, "samestep.Run"), optimizer=optimizer,
+                self._proto.open_receipts(rank, self.start, genesis({}, "samestep.Run"), optimizer=optimizer,
                                             state=lambda step: (lambda tree=self._state_tree(step): tree),
                                             hash=state_hash_for(where), sharded=self.sharded)
         except BaseException:
@@ -208,7 +208,7 @@ class Run:
     @property
     def recorder(self) -> Any:
         """The ``samestep.trace`` recorder (for a collective, a DDP hook, or a further record)."""
-        return self._session.recorder
+        return self._proto.recorder
 
     def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._step is not None:
@@ -230,19 +230,19 @@ class Run:
         _refuse_changes(self.run_dir, {"steps": total})
         if _rank() == 0:
             record_declared(self.run_dir, {"steps": total})
-        session = self._session
-        with session.watching(self._signals):
+        proto = self._proto
+        with proto.watching(self._signals):
             for step in range(self.start + 1, total + 1):
                 self._step = step
                 with self.recorder.step(step):
                     yield step
                 self._step = None
-                if session.receipts is not None:  # the metrics' bits read only for a receipt (a device sync)
-                    session.receipt(step, *(float(self._metrics.get(k, float("nan"))) for k in ("loss", "grad_norm")))
+                if proto.receipts is not None:  # the metrics' bits read only for a receipt (a device sync)
+                    proto.receipt(step, *(float(self._metrics.get(k, float("nan"))) for k in ("loss", "grad_norm")))
                 self._metrics.clear()
-                stop = session.agreed_stop(any_rank)  # so every rank reaches the checkpoint's barriers
+                stop = proto.agreed_stop(any_rank)  # so every rank reaches the checkpoint's barriers
                 if stop is not None or step == total or step % self.checkpoint_every == 0:
-                    session.save(lambda: save_checkpoint(
+                    proto.save(lambda: save_checkpoint(
                         self.checkpoints, step, model=self.model, optimizer=self.optimizer,
                         scheduler=self.scheduler, data_cursor=self.data_cursor, keep=self.keep,
                         sharded=self.sharded))
@@ -273,7 +273,7 @@ class Run:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
-        self._session.close()
+        self._proto.close()
 
     def __enter__(self) -> Run:
         return self

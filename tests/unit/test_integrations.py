@@ -61,9 +61,9 @@ def test_the_keyed_sampler_is_a_pure_function_of_seed_and_epoch_and_resumes_part
 def _hooked_run(run_dir, model, opt, steps: range, start: int = 0):
     """A framework's loop as the callbacks drive HookedSteps: a step per batch, a receipt at each step's end."""
     from samestep.integrations.steps import HookedSteps
-    from samestep.protocol import Session
+    from samestep.protocol import RunProtocol
 
-    hooked = HookedSteps.start(Session(), run_dir, level="step", steps=None, resume=start > 0, model=model,
+    hooked = HookedSteps.start(RunProtocol(), run_dir, level="step", steps=None, resume=start > 0, model=model,
                                how_to_resume="-", receipts=True, start=start, optimizer=opt, source="a framework")
     try:
         for step in steps:

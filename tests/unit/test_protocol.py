@@ -47,37 +47,37 @@ def test_every_rank_stops_after_the_same_step():
     assert agreed_stop(StopRequest(()), no_collective) is None
 
 
-def test_a_session_owns_deterministic_mode_it_turned_on_and_refuses_other_settings(tmp_path):
-    """A session turns deterministic mode on and, at its close, off again; one that finds it on with the same
+def test_a_run_protocol_owns_deterministic_mode_it_turned_on_and_refuses_other_settings(tmp_path):
+    """A RunProtocol turns deterministic mode on and, at its close, off again; one that finds it on with the same
     settings uses it and leaves it on. Negative control: other settings (a thread count the bits depend on)
     are refused, naming both, and the mode in force is left as it was."""
     import pytest
 
     from samestep import mode
-    from samestep.protocol import Session
+    from samestep.protocol import RunProtocol
 
     assert not mode.is_enabled()
-    own = Session()
+    own = RunProtocol()
     report = own.enable(threads=1)
     assert mode.is_enabled() and report is mode.active_report()
-    guest = Session()
+    guest = RunProtocol()
     assert guest.enable(threads=1) is report
     guest.close()
     assert mode.is_enabled()  # the guest did not turn it on, so it leaves it on
     with pytest.raises(ValueError, match=r"already on in this process with threads=1.*asks for threads=2"):
-        Session().enable(threads=2, who="a loop")
+        RunProtocol().enable(threads=2, who="a loop")
     assert mode.active_report() is report
     own.close()
     assert not mode.is_enabled()
     own.close()  # a second close does nothing
 
 
-def test_a_session_holds_the_run_directory_and_closes_the_trace_before_the_receipts(tmp_path):
-    """The run directory is held from the session's start (a second writer is refused before anything) to its
+def test_a_run_protocol_holds_the_run_directory_and_closes_the_trace_before_the_receipts(tmp_path):
+    """The run directory is held from the RunProtocol's start (a second writer is refused before anything) to its
     close; ``end`` closes the trace, then the receipts; the receipts' last step is in the file after it."""
     import pytest
 
-    from samestep.protocol import Session
+    from samestep.protocol import RunProtocol
     from samestep.rundir import RunDirError, hold
 
     calls: list[str] = []
@@ -86,20 +86,20 @@ def test_a_session_holds_the_run_directory_and_closes_the_trace_before_the_recei
         def close(self) -> None:
             self.calls.append(self.name)
 
-    session = Session(tmp_path / "run", hold_dir=True)
+    proto = RunProtocol(tmp_path / "run", hold_dir=True)
     with pytest.raises(RunDirError):
-        Session(tmp_path / "run", hold_dir=True)
-    session.adopt(_Closes("trace", calls))
-    session.receipts = _Closes("receipts", calls)
-    session.save(lambda: calls.append("save"))
-    session.close()
+        RunProtocol(tmp_path / "run", hold_dir=True)
+    proto.adopt(_Closes("trace", calls))
+    proto.receipts = _Closes("receipts", calls)
+    proto.save(lambda: calls.append("save"))
+    proto.close()
     assert calls == ["trace", "receipts", "save", "trace", "receipts"]
     hold(tmp_path / "run").release()  # released at the close
 
 
-def test_the_protocol_is_driven_from_the_session_alone():
+def test_the_protocol_is_driven_from_run_protocol_alone():
     """The reference trainer, samestep.Run and both callbacks reach deterministic mode, the run directory's hold,
-    the receipts' lifecycle, the stop signals and the durable order through ``protocol.Session`` only: none of
+    the receipts' lifecycle, the stop signals and the durable order through ``protocol.RunProtocol`` only: none of
     them calls those mechanisms itself. Negative control: a module that turns the mode on itself is caught."""
     import ast
     from pathlib import Path
@@ -114,7 +114,7 @@ def test_the_protocol_is_driven_from_the_session_alone():
         found = set()
         for node in ast.walk(ast.parse(source)):
             if isinstance(node, ast.Call):
-                f = node.func  # a function imported by name, or called on its module; not a session's method
+                f = node.func  # a function imported by name, or called on its module; not a RunProtocol's method
                 if isinstance(f, ast.Name):
                     found.add(f.id)
                 elif isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and f.value.id in modules:
@@ -125,4 +125,4 @@ def test_the_protocol_is_driven_from_the_session_alone():
     drivers = [root / "train" / "loop.py", root / "train" / "resume.py", root / "run.py",
                *(root / "integrations" / f"{name}.py" for name in ("steps", "huggingface", "lightning"))]
     assert {d.name: calls(d.read_text(encoding="utf-8")) for d in drivers} == {d.name: set() for d in drivers}
-    assert calls("from samestep import mode\nmode.enable(threads=1)\nsession.enable()\n") == {"enable"}
+    assert calls("from samestep import mode\nmode.enable(threads=1)\nproto.enable()\n") == {"enable"}

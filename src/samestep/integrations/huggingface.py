@@ -34,7 +34,7 @@ from transformers import TrainerCallback
 from samestep.durable import read_file, write_durable
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, rng_digest, state_fingerprint
 from samestep.integrations.steps import HookedSteps
-from samestep.protocol import Session
+from samestep.protocol import RunProtocol
 
 __all__ = ["FINGERPRINT", "ResumeMismatch", "SamestepCallback"]
 
@@ -59,14 +59,14 @@ class SamestepCallback(TrainerCallback):
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.level, self.steps, self.threads, self.kernels = level, steps, threads, kernels
         self.receipts = receipts
-        self._session = Session()  # deterministic mode from the Trainer's construction; the trace from train()
+        self._proto = RunProtocol()  # deterministic mode from the Trainer's construction; the trace from train()
         self._rec: Any = None
         self._hooked: HookedSteps | None = None
         self._pending: tuple[dict[str, Any], str] | None = None  # a resume's RNG digest, checked at its first step
 
     # -- start and end -----------------------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        self._session.enable(threads=self.threads, kernels=self.kernels, who="SamestepCallback")
+        self._proto.enable(threads=self.threads, kernels=self.kernels, who="SamestepCallback")
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
@@ -89,7 +89,7 @@ class SamestepCallback(TrainerCallback):
             self.level = "off"  # a process that saves nothing writes no trace (the Trainer's rank rule)
 
         self._hooked = HookedSteps.start(
-            self._session, run_dir, level=self.level, steps=self.steps, resume=resumed, model=model,
+            self._proto, run_dir, level=self.level, steps=self.steps, resume=resumed, model=model,
             how_to_resume="trainer.train(resume_from_checkpoint=...)", receipts=self.receipts and args.should_save,
             start=state.global_step if resumed else 0,
             optimizer=getattr(optimizer, "optimizer", optimizer),  # accelerate wraps it; the update is the inner one's
@@ -108,7 +108,7 @@ class SamestepCallback(TrainerCallback):
         """Closes the trace and turns deterministic mode off if this callback turned it on (for a process
         that goes on after training; the Trainer itself does not call it)."""
         self._end()
-        self._session.close()
+        self._proto.close()
 
     # -- each step -----------------------------------------------------------------------------------------
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:

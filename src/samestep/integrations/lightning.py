@@ -34,7 +34,7 @@ import torch
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, state_fingerprint
 from samestep.integrations.sampler import KeyedSampler
 from samestep.integrations.steps import HookedSteps
-from samestep.protocol import Session
+from samestep.protocol import RunProtocol
 from samestep.rng import capture_rng, restore_rng
 
 __all__ = ["KeyedSampler", "ResumeMismatch", "SamestepCallback"]
@@ -58,7 +58,7 @@ class SamestepCallback(pl.Callback):
         self.run_dir = Path(run_dir)
         self.level, self.steps, self.threads, self.kernels = level, steps, threads, kernels
         self.receipts = receipts
-        self._session = Session()  # deterministic mode from fit's setup; the trace from training's start
+        self._proto = RunProtocol()  # deterministic mode from fit's setup; the trace from training's start
         self._rec: Any = None
         self._hooked: HookedSteps | None = None
         self._saved: dict[str, Any] | None = None  # the state a resume loaded, until its first step
@@ -73,7 +73,7 @@ class SamestepCallback(pl.Callback):
     # -- start and end -----------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._session.enable(threads=self.threads, kernels=self.kernels, who="SamestepCallback")
+            self._proto.enable(threads=self.threads, kernels=self.kernels, who="SamestepCallback")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         resumed = self._saved is not None and trainer.global_step > 0
@@ -83,7 +83,7 @@ class SamestepCallback(pl.Callback):
             self._position_data(trainer)
         configs = trainer.lr_scheduler_configs
         self._hooked = HookedSteps.start(
-            self._session, self.run_dir, level=self.level, steps=self.steps, resume=resumed, model=pl_module,
+            self._proto, self.run_dir, level=self.level, steps=self.steps, resume=resumed, model=pl_module,
             how_to_resume="trainer.fit(..., ckpt_path=...)", receipts=self.receipts and trainer.is_global_zero,
             start=trainer.global_step if resumed else 0,
             optimizer=trainer.optimizers[0] if trainer.optimizers else None,
@@ -99,7 +99,7 @@ class SamestepCallback(pl.Callback):
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         self._end()
         if stage == "fit":
-            self._session.close()
+            self._proto.close()
 
     def _end(self) -> None:
         hooked, self._hooked, self._rec = self._hooked, None, None

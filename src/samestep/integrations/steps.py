@@ -1,4 +1,4 @@
-"""A run driven by a framework's hooks: the session's trace and receipts (``protocol.Session``) started when
+"""A run driven by a framework's hooks: the RunProtocol's trace and receipts (``protocol.RunProtocol``) started when
 training begins, and the recorder's step and microbatch contexts, opened in one hook and closed in another,
 in the order the recorder expects."""
 
@@ -9,20 +9,20 @@ import math
 from pathlib import Path
 from typing import Any
 
-from samestep.protocol import Session
+from samestep.protocol import RunProtocol
 
 __all__ = ["HookedSteps"]
 
 
 class HookedSteps:
     """Opens and closes ``Recorder.step`` and ``Recorder.microbatch`` from separate framework callbacks, and
-    has the session write a receipt of every step that ends (``samestep.receipts``, rank 0's file)."""
+    has the RunProtocol write a receipt of every step that ends (``samestep.receipts``, rank 0's file)."""
 
     @classmethod
-    def start(cls, session: Session, run_dir: Path, *, level: str, steps: Any, resume: bool, model: Any,
+    def start(cls, proto: RunProtocol, run_dir: Path, *, level: str, steps: Any, resume: bool, model: Any,
               how_to_resume: str, receipts: bool = False, start: int = 0, optimizer: Any = None,
               scheduler: Any = None, source: str = "") -> HookedSteps:
-        """Starts the session's trace of ``run_dir`` (a resume continues its stream) with the model's hooks
+        """Starts the RunProtocol's trace of ``run_dir`` (a resume continues its stream) with the model's hooks
         attached, and, with ``receipts``, the receipts of the state of ``model``, ``optimizer`` and
         ``scheduler`` (``receipts.state_tree``): those past ``start`` (the step the framework resumed after,
         0 for a new run) are cut, and a resume whose restored state is not its receipt's is refused before
@@ -40,11 +40,11 @@ class HookedSteps:
         def state(step: int) -> dict[str, Any]:
             return state_tree(step, model, optimizer, scheduler=scheduler)
 
-        session.run_dir = Path(run_dir)
+        proto.run_dir = Path(run_dir)
         if receipts:  # a resume that cannot go on fails before anything is written
-            session.check_receipts(0, start, lambda: state(start))
+            proto.check_receipts(0, start, lambda: state(start))
         try:
-            session.trace(model, level=level, steps=steps, resume=resume)
+            proto.trace(model, level=level, steps=steps, resume=resume)
         except ValueError as e:
             if "already holds a trace" not in str(e):
                 raise
@@ -52,16 +52,16 @@ class HookedSteps:
                              "into another run directory") from None
         try:
             if receipts:
-                session.open_receipts(0, start, genesis({}, source), optimizer=optimizer,
+                proto.open_receipts(0, start, genesis({}, source), optimizer=optimizer,
                                       state=lambda step: (lambda tree=state(step): tree),
                                       hash=state_hash_for(next((p.device for p in model.parameters()), "cpu")))
         except BaseException:
-            session.end()
+            proto.end()
             raise
-        return cls(session)
+        return cls(proto)
 
-    def __init__(self, session: Session) -> None:
-        self.session = session
+    def __init__(self, proto: RunProtocol) -> None:
+        self.proto = proto
         self.step: int | None = None
         self.microbatch: int | None = None
         self._step: contextlib.ExitStack | None = None
@@ -69,8 +69,8 @@ class HookedSteps:
 
     @property
     def rec(self) -> Any:
-        """The session's recorder (for the gradients, the state and the metrics the framework's hooks see)."""
-        return self.session.recorder
+        """The RunProtocol's recorder (for the gradients, the state and the metrics the framework's hooks see)."""
+        return self.proto.recorder
 
     def begin_step(self, step: int) -> None:
         self.abort()
@@ -100,12 +100,12 @@ class HookedSteps:
         if st is not None:
             st.close()
         if step is not None:
-            self.session.receipt(step, loss, grad_norm)
+            self.proto.receipt(step, loss, grad_norm)
 
     def sync(self) -> None:
         """The trace and the receipts of every step so far, durable: right before the framework saves a
         checkpoint of them."""
-        self.session.sync()
+        self.proto.sync()
 
     def abort(self) -> None:
         """A step left open (the framework raised or stopped inside it) ends as failed: no ``step.end``."""
@@ -119,9 +119,9 @@ class HookedSteps:
         self.step = self.microbatch = None
 
     def close(self) -> None:
-        """Ends a step left open as failed, then closes the trace and the receipts (the session goes on:
+        """Ends a step left open as failed, then closes the trace and the receipts (the RunProtocol goes on:
         deterministic mode stays as the framework's callback left it)."""
         try:
             self.abort()
         finally:
-            self.session.end()
+            self.proto.end()

@@ -37,7 +37,7 @@ from samestep.distributed.fsdp import (
 )
 from samestep.distributed.norm import clip_grad_norm_
 from samestep.preempt import parse_signals
-from samestep.protocol import Session
+from samestep.protocol import RunProtocol
 from samestep.receipts import genesis, read_header, receipts_path, state_hash_of
 from samestep.rundir import (
     checked_run_dir,
@@ -273,20 +273,20 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
     run_dir = checked_run_dir(run_dir)
     # One writer per run directory: a second trainer (a requeued job beside the live one) is refused
     # before it touches anything; rank 0 holds it for the whole job.
-    session = Session(run_dir, hold_dir=int(os.environ.get("RANK", "0")) == 0)
+    proto = RunProtocol(run_dir, hold_dir=int(os.environ.get("RANK", "0")) == 0)
     try:
         if cfg.determinism.enabled:
             # Before any process group exists: NCCL reads NCCL_ALGO when its communicator starts.
-            session.enable(threads=cfg.determinism.threads, warn_only=cfg.determinism.warn_only,
+            proto.enable(threads=cfg.determinism.threads, warn_only=cfg.determinism.warn_only,
                            who="determinism.threads")
         dist_ = Processes(device_kind(cfg))
         try:
-            with session.watching(parse_signals(cfg.train.exit_signals)):
-                return _train(cfg, run_dir, resume, stop_after, out, dist_, session)
+            with proto.watching(parse_signals(cfg.train.exit_signals)):
+                return _train(cfg, run_dir, resume, stop_after, out, dist_, proto)
         finally:
             dist_.close()
     finally:
-        session.close()
+        proto.close()
 
 
 def check_layout(cfg: Config, world: int) -> None:
@@ -303,15 +303,15 @@ def check_layout(cfg: Config, world: int) -> None:
 
 
 def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
-           out: Callable[[str], None], dist_: Processes, session: Session) -> dict[str, Any] | None:
-    t, world, rank, report = cfg.train, dist_.world, dist_.rank, session.report
+           out: Callable[[str], None], dist_: Processes, proto: RunProtocol) -> dict[str, Any] | None:
+    t, world, rank, report = cfg.train, dist_.world, dist_.rank, proto.report
     check_layout(cfg, world)
     k = t.microbatches // world
     say = out if rank == 0 else (lambda _msg: None)
     mixed = dist_.compare_environments(cfg.determinism.env_mismatch)
     trainer = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
     start, loaded = restore_run(trainer, run_dir, resume, world, say)
-    check_run_files(session, start, rank, trainer.receipt_state(start) if _writes_receipts(trainer, dist_) else None,
+    check_run_files(proto, start, rank, trainer.receipt_state(start) if _writes_receipts(trainer, dist_) else None,
                     checkpoint=loaded, sharded_over=world if trainer.sharded else None)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
@@ -337,10 +337,10 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
     t0 = time.perf_counter()
     # a resume from the last step trains nothing: the last loss is the one logged for it
     loss_value, stopped = _run_steps(trainer, run_dir, start, end, rank == 0, out,
-                                     logged_loss(run_dir, start) if start else float("nan"), session, dist_)
+                                     logged_loss(run_dir, start) if start else float("nan"), proto, dist_)
     if stopped is not None:
         dist_.barrier()
-        raise Preempted(stopped, session.stop.requested or "a signal to another rank")
+        raise Preempted(stopped, proto.stop.requested or "a signal to another rank")
     if end < t.steps:
         say(f"stopped after step {end} of {t.steps} (--stop-after); continue with --resume")
         return None
@@ -361,23 +361,23 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
 
 
 def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bool, out: Callable[[str], None],
-               loss_value: float, session: Session, dist_: Processes) -> tuple[float, int | None]:
+               loss_value: float, proto: RunProtocol, dist_: Processes) -> tuple[float, int | None]:
     """Trains steps ``start`` to ``end`` (0-based, end excluded), logging metrics (if ``writer``) and
     saving checkpoints; returns the last step's loss (``loss_value`` if there is no step to train) and
     the step after which a stop request ended it early, with a checkpoint (None if none did). The
-    session's recorder and receipts are closed at the end."""
+    protocol's recorder and receipts are closed at the end."""
     t = trainer.cfg.train
     tokens_per_step = trainer.tokens_per_step
     progress = Progress(writer, start, t.steps, t.log_every, out)
     metrics = open(metrics_path(run_dir), "a", encoding="utf-8") if writer else None
     trainer.model.train()
     t0, start_timed = time.perf_counter(), start
-    session.adopt(trainer.recorder)
-    cross = _receipts(trainer, session, start, dist_)
+    proto.adopt(trainer.recorder)
+    cross = _receipts(trainer, proto, start, dist_)
 
     def save(done: int) -> None:
         # a sharded run: each rank writes its own shards, nothing gathered
-        session.save(lambda: save_checkpoint(
+        proto.save(lambda: save_checkpoint(
             checkpoints_dir(run_dir), done, model=trainer.model, optimizer=trainer.optimizer,
             scheduler=trainer.schedule, data_cursor=trainer.cursor, config=trainer.cfg.to_dict(),
             keep=t.keep_checkpoints, sharded=trainer.sharded), metrics)
@@ -393,7 +393,7 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
                 raise
             done = step + 1
             # the state as final.json digests it, on the receipt thread
-            session.receipt(done, loss_value, grad_norm,
+            proto.receipt(done, loss_value, grad_norm,
                             None if cross is None else {"grads": trainer.reduced, "params": trainer.named_params})
             if metrics is not None:
                 metrics.write(metrics_line(done, loss_value, grad_norm, lr, done * tokens_per_step))
@@ -402,7 +402,7 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
                 t0, start_timed = time.perf_counter(), done
             elapsed = time.perf_counter() - t0
             progress.update(done, loss_value, (done - start_timed) * tokens_per_step / max(elapsed, 1e-9))
-            stopping = done < end and session.agreed_stop(dist_.any) is not None
+            stopping = done < end and proto.agreed_stop(dist_.any) is not None
             if done == end or stopping or (t.checkpoint_every and done % t.checkpoint_every == 0):
                 save(done)
                 saved = done
@@ -414,7 +414,7 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
         if cross is not None:
             cross.close()
         progress.close()
-        session.end()
+        proto.end()
         if metrics is not None:
             metrics.close()
     return loss_value, None
@@ -422,11 +422,11 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
 
 def _writes_receipts(trainer: Trainer, dist_: Processes) -> bool:
     """Whether this rank keeps receipts (train.receipts): rank 0, or under sharding every rank."""
-    return trainer.cfg.train.receipts and Session.keeps_receipts(dist_.rank, trainer.sharded)
+    return trainer.cfg.train.receipts and RunProtocol.keeps_receipts(dist_.rank, trainer.sharded)
 
 
-def _receipts(trainer: Trainer, session: Session, start: int, dist_: Processes) -> CrossRankCheck | None:
-    """Opens this rank's receipts (train.receipts) in ``session``: rank 0's, of the whole state, or under
+def _receipts(trainer: Trainer, proto: RunProtocol, start: int, dist_: Processes) -> CrossRankCheck | None:
+    """Opens this rank's receipts (train.receipts) in ``proto`` (a RunProtocol): rank 0's, of the whole state, or under
     sharding every rank's, of its shards; the receipts of steps after ``start`` (of a killed run) are dropped.
     With the cross-rank check (data parallel, several processes), every rank digests its state and reduced
     gradients (a rank that keeps no receipts writes none) and the returned check compares them."""
@@ -437,12 +437,12 @@ def _receipts(trainer: Trainer, session: Session, start: int, dist_: Processes) 
         return None
     first = genesis(trainer.cfg.to_dict(), trainer.corpus.fingerprint)
     # a rank that keeps no receipts: a writer of no file, for the check's sums alone
-    writer = session.open_receipts(dist_.rank, start, first, state=trainer.receipt_state, optimizer=trainer.optimizer,
+    writer = proto.open_receipts(dist_.rank, start, first, state=trainer.receipt_state, optimizer=trainer.optimizer,
                                    sharded=trainer.sharded, keep_file=writes, hash=_configured_hash(trainer))
     if not cross:
         return None
     trainer.reduced = []
-    check = CrossRankCheck(writer, dist_.device, run_dir=session.run_dir, action=t.sdc_action)
+    check = CrossRankCheck(writer, dist_.device, run_dir=proto.run_dir, action=t.sdc_action)
     check.watch(trainer.optimizer)  # after the writer's wait
     return check
 

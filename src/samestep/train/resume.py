@@ -10,7 +10,7 @@ from typing import Any
 
 from samestep._state import dotted
 from samestep.checkpoint import LoadedCheckpoint, load_checkpoint
-from samestep.protocol import Session
+from samestep.protocol import RunProtocol
 from samestep.rundir import (
     NUMERICS_NEUTRAL,
     checkpoints_dir,
@@ -66,15 +66,15 @@ def restore_run(trainer: Any, run_dir: Path, resume: bool, world: int,
     return 0, None
 
 
-def check_run_files(session: Session, start: int, rank: int, state: Callable[[], Any] | None,
+def check_run_files(proto: RunProtocol, start: int, rank: int, state: Callable[[], Any] | None,
                     checkpoint: LoadedCheckpoint | None = None, sharded_over: int | None = None) -> None:
     """What a resume from ``start`` will change, checked before anything is: rank 0's metrics.jsonl, then the
-    receipts (``Session.check_receipts``: where this rank keeps them, ``state`` makes the state tree they
+    receipts (``RunProtocol.check_receipts``: where this rank keeps them, ``state`` makes the state tree they
     checksum; the restored state against them, on the layout that wrote ``checkpoint`` or another).
 
     Raises:
         RunDirError, ReceiptError, CheckpointError: names the file and what is wrong.
     """
     if rank == 0:
-        truncate_metrics(session.run_dir, start, check_only=True)
-    session.check_receipts(rank, start, state, checkpoint=checkpoint, sharded_over=sharded_over)
+        truncate_metrics(proto.run_dir, start, check_only=True)
+    proto.check_receipts(rank, start, state, checkpoint=checkpoint, sharded_over=sharded_over)
