@@ -140,16 +140,22 @@ def script_here(path: Path, *argv: str) -> subprocess.CompletedProcess:
         sys.argv = saved
 
 
-def spawn(fn, args: tuple, nprocs: int) -> None:
+def spawn(fn, args: tuple, nprocs: int, exit_code: int | None = None) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs)``, its processes forked from a server that imported
     torch, samestep and ``fn``'s module once (each spawned interpreter would import them again, seconds
-    apiece). The server imports and never computes, so no thread pool is forked."""
+    apiece). The server imports and never computes, so no thread pool is forked. ``exit_code``: a process
+    must end with it (a rank that kills itself, ``os._exit``), and the others are stopped."""
     import multiprocessing
 
     import torch.multiprocessing as mp
 
     multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "samestep", fn.__module__])
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+    if exit_code is None:
+        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+        return
+    with pytest.raises(mp.ProcessExitedException) as exited:
+        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+    assert exited.value.exit_code == exit_code, exited.value
 
 
 def side_by_side(*calls):
