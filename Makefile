@@ -22,12 +22,13 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/samestep demo
 
-# Tests run in TEST_WORKERS processes (pytest-xdist); each starts its own trainers and ranks, so two
-# fill a 2-core machine. TEST_WORKERS=0 runs them in this one process.
-TEST_WORKERS ?= 2
+# Tests run in TEST_WORKERS processes (pytest-xdist), each handed the next test as it frees up, longest
+# first (tests/conftest.py). Each waits on its trainers and ranks at times, so three fill a 2-core machine.
+# TEST_WORKERS=0 runs them in this one process.
+TEST_WORKERS ?= 3
 
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=30 tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load --durations=30 tests
 
 # The edit-test loop: the unit tests but the slow ones, and the demo end to end.
 test-fast: install

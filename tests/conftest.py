@@ -26,6 +26,19 @@ TINY = ("train.device=cpu", "train.steps=8", "train.global_batch=8", "train.micr
         "train.warmup_steps=2", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32")
 
 
+def pytest_collection_modifyitems(config, items):
+    """Longest first (make test's workers take the next test as they free up, and a long test started last
+    would run alone): modules by their longest test in tests/durations.json (a --durations=0 run's seconds,
+    tests over 2 s), each module's tests kept together so its fixtures are made once per worker."""
+    known = json.loads((Path(__file__).parent / "durations.json").read_text())
+    longest: dict[str, float] = {}
+    for item in items:
+        longest[item.module.__name__] = max(longest.get(item.module.__name__, 0), known.get(item.nodeid, 0))
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda it: (-longest[it.module.__name__], it.module.__name__, -known.get(it.nodeid, 0),
+                               order[id(it)]))
+
+
 @pytest.fixture(autouse=True)
 def restore_global_state():
     """Undoes deterministic mode, thread count and environment changes a test made."""
