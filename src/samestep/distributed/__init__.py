@@ -1,5 +1,6 @@
-"""Layout-invariant data parallelism: the canonical gradient reduction (on its own, as DDP's communication
-hook, or as FSDP2's reduce-scatter), the canonical gradient norm, and layout validation."""
+"""Layout-invariant parallelism: the canonical gradient reduction (on its own, as DDP's communication hook,
+or as FSDP2's reduce-scatter), the canonical gradient norm, tensor-parallel linears whose sums do not depend
+on the degree, and layout validation."""
 
 from samestep.distributed.agree import any_rank
 from samestep.distributed.buckets import GradientBuckets
@@ -12,9 +13,17 @@ from samestep.distributed.reduce import (
     combine_across_ranks,
     ring_allreduce_bytes,
 )
+from samestep.distributed.tensor_parallel import (
+    CanonicalColwiseParallel,
+    CanonicalRowwiseParallel,
+    column_linear,
+    row_linear,
+    validate_tp,
+)
 from samestep.distributed.tree import BinaryCounter, canonical_sum, validate_layout
 
-__all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalDdpState", "CanonicalGradients", "FsdpGradients",
-           "GradientBuckets", "ShardedModel", "ShardedOptimizer", "any_rank", "canonical_ddp_hook",
-           "canonical_grad_norm", "canonical_sum", "clip_grad_norm_", "combine_across_ranks", "full_state",
-           "ring_allreduce_bytes", "shard_model", "validate_layout"]
+__all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalColwiseParallel", "CanonicalDdpState",
+           "CanonicalGradients", "CanonicalRowwiseParallel", "FsdpGradients", "GradientBuckets", "ShardedModel",
+           "ShardedOptimizer", "any_rank", "canonical_ddp_hook", "canonical_grad_norm", "canonical_sum",
+           "clip_grad_norm_", "column_linear", "combine_across_ranks", "full_state", "ring_allreduce_bytes",
+           "row_linear", "shard_model", "validate_layout", "validate_tp"]

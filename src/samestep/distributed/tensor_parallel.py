@@ -1,0 +1,204 @@
+"""Tensor-parallel linear layers whose bits do not depend on the tensor-parallel degree
+(docs/layouts.md, "Tensor parallelism").
+
+A linear layer ``y = x W^T + b`` split over T ranks sums over the split dimension somewhere: a row-parallel
+layer (W split along K) in its forward, a column-parallel one (W split along N) in its input gradient.
+PyTorch's parallel styles leave that sum to an all-reduce whose order the collective picks, and each rank
+calls one matmul over its whole shard, whose blocking (and so its bits) follows the shard's width.
+
+Here the split dimension is cut into ``chunks`` fixed chunks whatever the degree (T must divide ``chunks``,
+both powers of two), and every matmul runs chunk by chunk, so each has the same shapes unsplit and on any
+number of ranks. The chunks that a reduction sums are summed along the canonical tree over chunk index
+(``tree.BinaryCounter``): a rank holds an aligned run of ``chunks / T`` chunks, a subtree, sums it, and the
+ranks combine their subtree sums in rank order with ``reduce.combine_across_ranks``, the bytes of a ring
+all-reduce. Unsplit (no group) the same function runs the whole tree in one process.
+
+The parameters are sharded by PyTorch's own styles (``ColwiseParallel``: weight and bias ``Shard(0)``;
+``RowwiseParallel``: weight ``Shard(1)``, bias ``Replicate``), so state dicts, FSDP2 and checkpoints see
+ordinary DTensors; only the layer's forward and backward are samestep's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from samestep.distributed.reduce import combine_across_ranks
+from samestep.distributed.tree import BinaryCounter
+
+__all__ = ["CanonicalColwiseParallel", "CanonicalRowwiseParallel", "column_linear", "row_linear",
+           "validate_tp"]
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def validate_tp(degree: int, chunks: int, dims: dict[str, int]) -> None:
+    """Refuses a tensor-parallel degree that does not cut every split dimension into whole chunks.
+
+    ``dims`` names each split dimension (e.g. ``{"n_embd": 64, "n_head": 4}``); each must be divisible by
+    ``chunks``, except head counts, which only ``degree`` must divide.
+
+    Raises:
+        ValueError: names the value and the degrees or chunk counts that would do.
+    """
+    if not _is_pow2(chunks):
+        raise ValueError(f"parallel.tp_chunks={chunks} is not a power of two. Fix: 1, 2, 4, 8 or 16")
+    if not _is_pow2(degree) or chunks % degree:
+        ok = ", ".join(str(1 << i) for i in range(chunks.bit_length()))
+        raise ValueError(f"parallel.tp={degree} does not divide parallel.tp_chunks={chunks} into a power of two "
+                         f"chunks per rank. Fix: parallel.tp in {ok}, or a larger parallel.tp_chunks")
+    for name, size in dims.items():
+        need, key = (degree, "parallel.tp") if "head" in name else (chunks, "parallel.tp_chunks")
+        if size % need:
+            raise ValueError(f"{name}={size} is not divisible by {key}={need}: tensor parallelism cuts it into "
+                             f"whole pieces. Fix: a multiple of {need}")
+
+
+def _degree(group: Any) -> int:
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def _tree_across(partials: list[torch.Tensor], group: Any) -> torch.Tensor:
+    """The canonical sum of every rank's ``partials`` (its aligned run of chunks), in chunk order."""
+    counter = BinaryCounter()
+    for p in partials:
+        counter.push(p)
+    local = counter.result()
+    return combine_across_ranks(local, _degree(group), group)[0]
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, t.shape[-1])
+
+
+class _Column(torch.autograd.Function):
+    """y = x W^T + b with W this rank's ``local_chunks`` chunks of output rows."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, local_chunks, group):
+        x2 = _rows(x)
+        ws = weight.chunk(local_chunks, 0)
+        bs = bias.chunk(local_chunks, 0) if bias is not None else [None] * local_chunks
+        y = torch.cat([nn.functional.linear(x2, w, b) for w, b in zip(ws, bs)], dim=1)
+        ctx.save_for_backward(x, weight)
+        ctx.local_chunks, ctx.group, ctx.has_bias = local_chunks, group, bias is not None
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        x2, g2 = _rows(x), _rows(grad_y)
+        ws = weight.chunk(ctx.local_chunks, 0)
+        gs = [g.contiguous() for g in g2.chunk(ctx.local_chunks, 1)]  # a chunk's matmuls: one shape anywhere
+        grad_x = _tree_across([g @ w for g, w in zip(gs, ws)], ctx.group).view(x.shape)
+        grad_w = torch.cat([g.t() @ x2 for g in gs], dim=0)
+        grad_b = torch.cat([g.sum(0) for g in gs]) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+class _Row(torch.autograd.Function):
+    """y = sum over K chunks of x_c W_c^T, + b once: x this rank's ``local_chunks`` chunks of the input's last
+    dimension, W the matching columns; y whole (and the same bits) on every rank."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, local_chunks, group):
+        x2 = _rows(x)
+        xs = [c.contiguous() for c in x2.chunk(local_chunks, 1)]
+        ws = [c.contiguous() for c in weight.chunk(local_chunks, 1)]
+        y = _tree_across([xc @ wc.t() for xc, wc in zip(xs, ws)], group)
+        if bias is not None:
+            y = y + bias
+        ctx.save_for_backward(x, weight)
+        ctx.local_chunks, ctx.has_bias = local_chunks, bias is not None
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, weight = ctx.saved_tensors
+        x2, g2 = _rows(x), _rows(grad_y).contiguous()
+        xs = [c.contiguous() for c in x2.chunk(ctx.local_chunks, 1)]
+        ws = [c.contiguous() for c in weight.chunk(ctx.local_chunks, 1)]
+        grad_x = torch.cat([g2 @ wc for wc in ws], dim=1).view(x.shape)
+        grad_w = torch.cat([g2.t() @ xc for xc in xs], dim=1)
+        grad_b = g2.sum(0) if ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    return t.to_local() if t is not None and hasattr(t, "to_local") else t
+
+
+def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int,
+                  group: Any = None) -> torch.Tensor:
+    """Column-parallel ``x W^T + b``: ``x`` whole on every rank, ``weight``/``bias`` this rank's rows (or
+    DTensors sharded ``Shard(0)``), the output this rank's slice of the last dimension. The input's
+    gradient sums the ``chunks`` chunks along the canonical tree across the group."""
+    local_chunks = chunks // _degree(group)
+    return _Column.apply(x, _local(weight), _local(bias), local_chunks, group)
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int,
+               group: Any = None) -> torch.Tensor:
+    """Row-parallel ``x W^T + b``: ``x`` this rank's slice of the last dimension, ``weight`` the matching
+    columns (or a DTensor sharded ``Shard(1)``), ``bias`` whole; the output whole on every rank, the
+    ``chunks`` partial products summed along the canonical tree across the group."""
+    local_chunks = chunks // _degree(group)
+    return _Row.apply(x, _local(weight), _local(bias), local_chunks, group)
+
+
+def _style_apply(stock: Any, module: nn.Module, device_mesh: Any, fn: Any, chunks: int) -> nn.Module:
+    """Shards ``module``'s parameters with the stock style's own partition, then routes its forward through
+    ``fn`` (local tensors in and out)."""
+    from torch.distributed.tensor import distribute_module
+
+    if not isinstance(module, nn.Linear):
+        raise NotImplementedError(f"{type(stock).__name__} shards nn.Linear only, got {type(module).__name__}")
+    distribute_module(module, device_mesh, stock._partition_linear_fn)
+    group = device_mesh.get_group() if device_mesh.size() > 1 else None
+    validate_tp(device_mesh.size(), chunks, {"in_features": module.in_features, "out_features": module.out_features})
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return fn(x, module.weight, module.bias, chunks, group)
+
+    module.forward = forward
+    return module
+
+
+try:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+except ImportError:  # a torch built without distributed
+    ColwiseParallel = RowwiseParallel = object  # type: ignore[misc,assignment]
+
+
+class CanonicalColwiseParallel(ColwiseParallel):  # type: ignore[misc,valid-type]
+    """``ColwiseParallel`` (weight and bias ``Shard(0)``) whose forward and backward are ``column_linear``:
+    input and output are local tensors, the input whole, the output this rank's slice of the last
+    dimension. ``chunks``: the fixed chunk count (parallel.tp_chunks) that every degree used divides."""
+
+    def __init__(self, chunks: int = 8) -> None:
+        super().__init__()
+        self.chunks = chunks
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        return _style_apply(self, module, device_mesh, column_linear, self.chunks)
+
+
+class CanonicalRowwiseParallel(RowwiseParallel):  # type: ignore[misc,valid-type]
+    """``RowwiseParallel`` (weight ``Shard(1)``, bias ``Replicate``) whose forward and backward are
+    ``row_linear``: the input this rank's slice of the last dimension, the output whole on every rank
+    with the same bits at every degree."""
+
+    def __init__(self, chunks: int = 8) -> None:
+        super().__init__()
+        self.chunks = chunks
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        return _style_apply(self, module, device_mesh, row_linear, self.chunks)
