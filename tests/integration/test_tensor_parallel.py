@@ -1,7 +1,8 @@
 """Tensor parallelism on PyTorch's own styles with the reductions made canonical
 (``samestep.distributed.CanonicalColwiseParallel`` / ``CanonicalRowwiseParallel``): a decoder block (attention
-with column-parallel q, k, v and a row-parallel output, an MLP column- then row-parallel) trained for a few
-steps gives the bits of one process at TP 2 and TP 4: every loss and every parameter, gathered whole."""
+with column-parallel q, k, v, separate or fused, and a row-parallel output, an MLP column- then row-parallel)
+trained for a few steps gives the bits of one process at TP 2 and TP 4 (every loss, every gradient norm and
+every parameter, gathered whole), and its checkpoints move between degrees."""
 
 from __future__ import annotations
 
@@ -16,28 +17,32 @@ import torch.distributed as dist
 from torch import nn
 
 import samestep
-from samestep.distributed.tensor_parallel import column_linear, row_linear, validate_tp
+from samestep.distributed.tensor_parallel import validate_tp
 from tests.conftest import spawn
 
 pytestmark = pytest.mark.slow
-C, HEADS, T, CHUNKS, STEPS = 64, 4, 16, 8, 3
+C, HEADS, T, CHUNKS, STEPS, SAVE_AT = 64, 4, 16, 8, 5, 3
 
 
 class Block(nn.Module):
-    """Pre-norm attention + MLP. ``tp``: the tensor-parallel degree its heads and hidden units are split by
-    (its projections are sharded by the styles applied to it); ``canonical``: run the projections through
-    samestep's chunked forms (on one process too), else through ``nn.Linear``/DTensor as PyTorch does."""
+    """Pre-norm attention + MLP; ``fused``: q, k and v one projection (as the reference GPT's c_attn). Its
+    heads and hidden units are split by the styles applied to it; it computes on whatever its projections
+    return (local heads under tensor parallelism)."""
 
-    def __init__(self) -> None:
+    def __init__(self, fused: bool) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(C), nn.LayerNorm(C)
-        self.q, self.k, self.v, self.o = (nn.Linear(C, C) for _ in range(4))
+        if fused:
+            self.qkv = nn.Linear(C, 3 * C)
+        else:
+            self.q, self.k, self.v = (nn.Linear(C, C) for _ in range(3))
+        self.o = nn.Linear(C, C)
         self.up, self.down = nn.Linear(C, 4 * C), nn.Linear(4 * C, C)
-        self.heads = HEADS
+        self.fused = fused
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         B, L, _ = x.shape
-        q, k, v = (proj(x) for proj in (self.q, self.k, self.v))
+        q, k, v = self.qkv(x).chunk(3, dim=-1) if self.fused else (proj(x) for proj in (self.q, self.k, self.v))
         hs = C // HEADS
         q, k, v = (t.reshape(B, L, -1, hs).transpose(1, 2) for t in (q, k, v))  # (B, local heads, L, hs)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))
@@ -50,14 +55,6 @@ class Block(nn.Module):
         return x + self.down(nn.functional.gelu(self.up(self.norm2(x))))
 
 
-def _canonical_unsplit(block: Block) -> None:
-    """One process, no mesh: each projection's forward is the canonical chunked form over the whole layer."""
-    for name, fn in (("q", column_linear), ("k", column_linear), ("v", column_linear), ("up", column_linear),
-                     ("o", row_linear), ("down", row_linear)):
-        lin = getattr(block, name)
-        lin.forward = (lambda f, m: lambda x: f(x, m.weight, m.bias, CHUNKS))(fn, lin)
-
-
 def _batch(step: int) -> torch.Tensor:
     g = samestep.rng.generator(0, step, 0, "data")
     return torch.randn(2, T, C, generator=g) * torch.exp(torch.randn(2, T, C, generator=g) * 2)
@@ -67,62 +64,83 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def _train(block: Block) -> tuple[list[str], str]:
-    opt = torch.optim.AdamW(block.parameters(), lr=0.01, foreach=False)
+def _train(block: Block, clip, opt, steps: range) -> list[str]:
     losses = []
-    for step in range(STEPS):
+    for step in steps:
         loss = block(_batch(step)).square().mean()
         loss.backward()
+        norm = _full(clip(block.parameters(), 0.5)) if clip else loss  # clips: the norms here are in the hundreds
         opt.step()
         opt.zero_grad()
-        losses.append(loss.detach().view(torch.int32).item())
+        losses += [loss.detach().view(torch.int32).item(), norm.detach().view(torch.int32).item()]
+    return [f"{v:08x}" for v in losses]
+
+
+def _digest(block: Block) -> str:
     h = hashlib.sha256()
     for name, p in sorted(block.named_parameters()):
         h.update(name.encode() + _full(p.detach()).contiguous().view(torch.uint8).numpy().tobytes())
-    return [f"{v:08x}" for v in losses], h.hexdigest()
+    return h.hexdigest()
 
 
-def _worker(rank: int, world: int, init: str, out: str, how: str) -> None:
+def _worker(rank: int, world: int, init: str, out: str, how: str, ckpt: str, phase: str) -> None:
+    """``how``: "canonical" (samestep's styles and norm), "stock" (PyTorch's), "fused" (samestep's, q, k and v
+    one projection: ``CanonicalColwiseParallel(parts=3)``), "fresh_moments" (as "fused", a resume that loads
+    no optimizer state). ``phase``: "straight" (steps 0..STEPS-1), "save" (the same, a
+    sharded checkpoint after step SAVE_AT-1 into ``ckpt``) or "resume" (from ``ckpt``, steps SAVE_AT..)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from samestep.distributed import CanonicalColwiseParallel, CanonicalRowwiseParallel
+    from samestep.checkpoint import load_checkpoint, save_checkpoint
+    from samestep.distributed import (CanonicalColwiseParallel, CanonicalRowwiseParallel, ShardedModel,
+                                      ShardedOptimizer, clip_grad_norm_)
 
-    if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     try:
         with samestep.enable(threads=1):
             torch.manual_seed(0)
-            block = Block()
-            if world > 1:
-                mesh = init_device_mesh("cpu", (world,))
-                col, row = ((CanonicalColwiseParallel(CHUNKS), CanonicalRowwiseParallel(CHUNKS)) if how == "canonical"
-                            else (ColwiseParallel(), RowwiseParallel()))
-                parallelize_module(block, mesh, {"q": col, "k": col, "v": col, "up": col, "o": row, "down": row})
-            elif how == "canonical":
-                _canonical_unsplit(block)
-            losses, digest = _train(block)
+            fused = how in ("fused", "fresh_moments")
+            block = Block(fused)
+            mesh = init_device_mesh("cpu", (world,))  # one process: a mesh of one, the same placements
+            if how == "stock":
+                col, row, clip = ColwiseParallel(), RowwiseParallel(), None  # its DTensor and plain gradients mix
+            else:
+                col, row, clip = CanonicalColwiseParallel(CHUNKS), CanonicalRowwiseParallel(CHUNKS), clip_grad_norm_
+            plan = {"up": col, "o": row, "down": row}
+            plan |= {"qkv": CanonicalColwiseParallel(CHUNKS, parts=3)} if fused else {"q": col, "k": col, "v": col}
+            if how != "stock" or world > 1:
+                parallelize_module(block, mesh, plan)
+            opt = torch.optim.AdamW(block.parameters(), lr=0.01, foreach=False)
+            if phase == "resume":
+                load_checkpoint(ckpt, model=ShardedModel(block), restore_rng=False,
+                                optimizer=None if how == "fresh_moments" else ShardedOptimizer(opt))
+                losses = _train(block, clip, opt, range(SAVE_AT, STEPS))
+            else:
+                losses = _train(block, clip, opt, range(SAVE_AT))
+                if phase == "save":
+                    save_checkpoint(ckpt, SAVE_AT, model=block, optimizer=opt, sharded=True)
+                losses += _train(block, clip, opt, range(SAVE_AT, STEPS))
+            digest = _digest(block)
         if rank == 0:
             Path(out).write_text(json.dumps({"losses": losses, "digest": digest}))
     finally:
-        if world > 1:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
-def _run(tmp_path: Path, world: int, how: str) -> dict:
-    out = tmp_path / f"{how}_{world}.json"
-    if world == 1:
-        _worker(0, 1, "", str(out), how)
-    else:
-        spawn(_worker, (world, str(tmp_path / f"init_{how}_{world}"), str(out), how), world)
+def _run(tmp_path: Path, world: int, how: str, phase: str = "straight") -> dict:
+    out = tmp_path / f"{how}_{world}_{phase}.json"
+    spawn(_worker, (world, str(tmp_path / f"init_{how}_{world}_{phase}"), str(out), how, str(tmp_path / "ckpt"),
+                    phase), world)
     return json.loads(out.read_text())
 
 
 def test_tp_2_and_4_give_the_one_process_bits_and_stock_styles_do_not(tmp_path):
-    """Every step's loss bits and the final parameters, gathered whole, at TP 2 and TP 4 equal one process
-    running the same chunked forms unsplit. Negative control: PyTorch's own ColwiseParallel/RowwiseParallel
-    (each rank one matmul over its shard, the row-parallel sum an all-reduce) at TP 2 repeat themselves but
-    give other parameter bits than the same block unsplit."""
+    """Every step's loss and canonical gradient-norm bits (clipping on) and the final parameters, gathered
+    whole, at TP 2 and TP 4 equal one process (the same styles on a mesh of one). Negative control: PyTorch's
+    own ColwiseParallel/RowwiseParallel (each rank one matmul over its shard, the row-parallel sum an
+    all-reduce; no clipping, which torch's clip_grad_norm_ refuses over its mix of DTensor and plain
+    gradients) at TP 2 repeat themselves but give other parameter bits than the plain block on one
+    process."""
     one = _run(tmp_path, 1, "canonical")
     for world in (2, 4):
         assert _run(tmp_path, world, "canonical") == one, world
@@ -130,6 +148,23 @@ def test_tp_2_and_4_give_the_one_process_bits_and_stock_styles_do_not(tmp_path):
     (tmp_path / "again").mkdir()
     assert _run(tmp_path / "again", 2, "stock") == plain_two
     assert plain_two["digest"] != plain_one["digest"]
+
+
+def test_fused_qkv_and_a_checkpoint_written_at_tp_2_resume_at_tp_4_and_1_bit_for_bit(tmp_path):
+    """q, k and v fused in one projection (each rank its heads of each: DTensor's _StridedShard): TP 2 gives
+    the one-process bits; its sharded checkpoint (version 3: the fused weight in parts, the row-parallel
+    weights split along dim 1) written after step SAVE_AT-1, resumed at TP 4 and on one process, gives the
+    remaining steps' loss and norm bits and the final parameters of the run straight through. Negative
+    control: a resume that loads the model but not the optimizer state (AdamW's moments afresh) ends
+    elsewhere."""
+    straight = _run(tmp_path, 2, "fused", "save")
+    assert _run(tmp_path, 1, "fused") == straight
+    manifest = json.loads(next((tmp_path / "ckpt").glob("step_*/manifest.json")).read_text())
+    assert manifest["version"] == 3 and manifest["world_size"] == 2
+    for world in (4, 1):
+        resumed = _run(tmp_path, world, "fused", "resume")
+        assert resumed["losses"] == straight["losses"][2 * SAVE_AT:] and resumed["digest"] == straight["digest"], world
+    assert _run(tmp_path, 1, "fresh_moments", "resume")["digest"] != straight["digest"]
 
 
 def test_a_degree_that_does_not_cut_whole_chunks_is_refused():
@@ -143,3 +178,35 @@ def test_a_degree_that_does_not_cut_whole_chunks_is_refused():
         with pytest.raises(ValueError, match="Fix:") as e:
             validate_tp(degree, chunks, dims)
         assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def _two_d_worker(rank: int, init: str, root: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from samestep.checkpoint import CheckpointError, save_checkpoint
+    from samestep.distributed import canonical_grad_norm
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    try:
+        flat, square = init_device_mesh("cpu", (1,)), init_device_mesh("cpu", (1, 1))
+        ok = distribute_tensor(torch.ones(4, 4), flat, [Shard(1)])
+        canonical_grad_norm([ok])  # one placement: bracketed
+        model = nn.Linear(4, 4, bias=False)
+        model.weight = nn.Parameter(distribute_tensor(torch.ones(4, 4), square, [Shard(0), Shard(1)]))
+        with pytest.raises(ValueError, match=r"2-D mesh.*Fix: pass full_tensor\(\)"):
+            canonical_grad_norm([model.weight.detach()])
+        with pytest.raises(CheckpointError, match=r"'weight' is placed .*full_tensor\(\) instead"):
+            save_checkpoint(root, 1, model=model, sharded=True)
+        model.weight = nn.Parameter(ok)
+        save_checkpoint(root, 1, model=model, sharded=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_two_dimensional_placement_is_refused_by_the_norm_and_the_checkpoint(tmp_path):
+    """A tensor sharded over a 2-D mesh: canonical_grad_norm and a sharded save refuse it, naming it and the
+    fix (full_tensor()); nothing is committed. Negative control: the same tensor on a 1-D mesh is taken by
+    both."""
+    spawn(_two_d_worker, (str(tmp_path / "init"), str(tmp_path / "ckpt")), 1)
+    assert [p.name for p in (tmp_path / "ckpt").glob("step_*")] == ["step_000001"]

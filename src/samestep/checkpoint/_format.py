@@ -35,6 +35,9 @@ VERSION = 1
 # Version 2 adds sharded state: each rank's shards in its own files (``shard_names``), described in
 # state.json's ``shards``. Unsharded checkpoints stay version 1; loaders read both.
 SHARDED_VERSION = 2
+# Version 3: a sharded tensor split along a dimension other than 0 (tensor parallelism's Shard(1)), its
+# layout entry naming that dimension ("dim"). Written only when one is; loaders read 1, 2 and 3.
+SPLIT_VERSION = 3
 MANIFEST = "manifest.json"
 LATEST = "latest"
 SUPERSEDED = "superseded"
@@ -59,8 +62,9 @@ def shard_names(rank: int) -> tuple[str, str]:
 
 
 def shard_rows(rows: int, world: int) -> list[list[int]]:
-    """The dim-0 rows [start, end) each of ``world`` ranks holds of a tensor of ``rows`` rows, as DTensor's
-    Shard(0) splits it (``torch.chunk``: ceil-sized pieces, the last ones short or empty)."""
+    """The rows [start, end) along the split dimension each of ``world`` ranks holds of a tensor of ``rows``
+    rows there, as DTensor's Shard splits it (``torch.chunk``: ceil-sized pieces, the last ones short or
+    empty)."""
     size = -(-rows // world) if rows else 0
     return [[min(r * size, rows), min((r + 1) * size, rows)] for r in range(world)]
 

@@ -19,6 +19,7 @@ from samestep.checkpoint._format import (
     FORMAT,
     MANIFEST,
     SHARDED_VERSION,
+    SPLIT_VERSION,
     STEP_DIR,
     VERSION,
     CheckpointError,
@@ -85,10 +86,10 @@ def _verify(path: Path, only: set[str] | None = None) -> _Verified:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: format is {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
                               f"expected {FORMAT!r}")
-    if manifest.get("version") not in (VERSION, SHARDED_VERSION):
+    if manifest.get("version") not in (VERSION, SHARDED_VERSION, SPLIT_VERSION):
         raise CheckpointError(f"{mpath}: version {manifest.get('version')!r} is not supported (this samestep "
-                              f"reads versions {VERSION} and {SHARDED_VERSION}); use the samestep release that "
-                              "wrote it")
+                              f"reads versions {VERSION}, {SHARDED_VERSION} and {SPLIT_VERSION}); use the samestep "
+                              "release that wrote it")
     if manifest.get("manifest_sha256") != manifest_digest(manifest):
         raise CheckpointError(f"{mpath}: its contents do not match manifest_sha256; the manifest was edited "
                               "or damaged")
@@ -330,8 +331,10 @@ def _unsharded(verified: _Verified, state: dict[str, Any], part: str) -> dict[st
     out = {}
     for name, info in shards[part].items():
         try:
-            pieces = [f[name] for f, (a, b) in zip(files, info["rows"]) if b > a]
-            whole = torch.cat(pieces) if pieces else torch.empty(0)
+            dim, parts = info.get("dim", 0), info.get("parts", 1)
+            pieces = [f[name].chunk(parts, dim) for f, (a, b) in zip(files, info["rows"]) if b > a]
+            whole = (torch.cat([torch.cat([p[i] for p in pieces], dim) for i in range(parts)], dim) if pieces
+                     else torch.empty(0))
         except (KeyError, RuntimeError) as e:
             raise CheckpointError(f"{verified.path}: the shards of {name!r} do not fit together ({e})") from None
         if list(whole.shape) != info["shape"]:

@@ -21,6 +21,7 @@ from samestep.checkpoint._format import (
     LATEST,
     MANIFEST,
     SHARDED_VERSION,
+    SPLIT_VERSION,
     SUPERSEDED,
     VERSION,
     CheckpointError,
@@ -148,7 +149,7 @@ def save_checkpoint(
                     files.update(json.loads(entries.read_bytes()))
                     entries.unlink()
             _supersede(root, step)
-            old = _commit(root, tmp, final, {"format": FORMAT, "version": SHARDED_VERSION if sharded else VERSION,
+            old = _commit(root, tmp, final, {"format": FORMAT, "version": _version(tmp) if sharded else VERSION,
                                              "step": step, "world_size": world, "files": dict(sorted(files.items()))})
         with _guarded(final, tmp, root, committed=True):
             replace_atomic(root / LATEST, (final.name + "\n").encode())
@@ -272,6 +273,7 @@ def _split(tensors: dict[str, Any], world: int) -> tuple[dict[str, torch.Tensor]
     """Plain tensors, this rank's local shards of the DTensors, the DTensors' layout (global shape and each
     rank's rows), and the names that are another name's DTensor (a tied weight): one shard each."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     plain: dict[str, torch.Tensor] = {}
     local: dict[str, torch.Tensor] = {}
@@ -289,18 +291,33 @@ def _split(tensors: dict[str, Any], world: int) -> tuple[dict[str, torch.Tensor]
         if all(p == Replicate() for p in t.placements):  # every rank holds it whole: stored once, as a plain tensor
             plain[name] = t.to_local().detach()
             continue
-        if tuple(t.placements) != (Shard(0),):
-            raise CheckpointError(f"sharded checkpoint: {name!r} is placed {t.placements}, but only Shard(0) "
-                                  "(FSDP2's) and Replicate are stored; save its full_tensor() instead")
-        rows = shard_rows(t.shape[0], world)
+        placed = t.placements[0]
+        parts = getattr(placed, "split_factor", 1)  # _StridedShard: fused parts, each split alike
+        if (len(t.placements) != 1 or type(placed) not in (Shard, _StridedShard) or t.device_mesh.size() != world
+                or t.shape[placed.dim % t.dim()] % parts):
+            raise CheckpointError(f"sharded checkpoint: {name!r} is placed {t.placements} on a mesh of "
+                                  f"{t.device_mesh.size()} of {world} ranks, but only one Shard (FSDP2's Shard(0), "
+                                  "tensor parallelism's) or Replicate over every rank is stored; save its "
+                                  "full_tensor() instead")
+        dim = placed.dim % t.dim()
+        rows = shard_rows(t.shape[dim] // parts, world)
         shard = t.to_local().detach()
         r = t.device_mesh.get_local_rank()
-        if shard.shape[0] != rows[r][1] - rows[r][0]:
-            raise CheckpointError(f"sharded checkpoint: {name!r} holds {shard.shape[0]} rows on rank {r}, not "
-                                  f"the {rows[r][1] - rows[r][0]} of an even Shard(0) split")
+        if shard.shape[dim] != parts * (rows[r][1] - rows[r][0]):
+            raise CheckpointError(f"sharded checkpoint: {name!r} holds {shard.shape[dim]} rows on rank {r}, not "
+                                  f"the {parts * (rows[r][1] - rows[r][0])} of an even {placed} split")
         local[name] = shard
-        layout[name] = {"shape": list(t.shape), "rows": rows}
+        layout[name] = {"shape": list(t.shape), "rows": rows, **({"dim": dim} if dim else {}),
+                        **({"parts": parts} if parts > 1 else {})}
     return plain, local, layout, aliases
+
+
+def _version(tmp: Path) -> int:
+    """A sharded checkpoint's version: 3 if a tensor is split along a dimension other than 0 or in fused
+    parts, else 2."""
+    shards = json.loads((tmp / "state.json").read_bytes())["shards"]
+    split = any("dim" in info or "parts" in info for part in ("model", "optimizer") for info in shards[part].values())
+    return SPLIT_VERSION if split else SHARDED_VERSION
 
 
 def _write_sharded(tmp: Path, step: int, rank: int, world: int, model: torch.nn.Module,

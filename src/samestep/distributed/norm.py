@@ -5,6 +5,9 @@ total norm (a norm per tensor, then the norm of those) brackets by tensor, which
 holds a slice of dim 0 of each on each rank) cannot reproduce. Here the bracketing follows rows: each
 dim-0 row of each gradient is summed alone (a row never straddles two shards), and the row sums, in
 parameter and row order, are summed as one vector: the same vector, the same sum, whatever the sharding.
+A DTensor sharded along another dimension (a tensor-parallel ``Shard(1)``) is bracketed by slices along
+that dimension, so its placement, the same at every degree (a mesh of one process included), picks the
+bracketing; a replicated one is summed from this rank's copy alone.
 """
 
 from __future__ import annotations
@@ -23,37 +26,76 @@ def row_squares(g: torch.Tensor) -> torch.Tensor:
     return (rows * rows).sum(dim=1)
 
 
-def _gather_rows(local: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each parameter's row sums over all ranks (its shards' rows, in rank order): every rank the same."""
+def _gather_rows(local: list[torch.Tensor], group: object = None) -> list[torch.Tensor]:
+    """Each parameter's row sums over all ranks of ``group`` (its shards' rows, in rank order): every rank
+    the same."""
     import torch.distributed as dist
 
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     device = local[0].device
     counts = torch.tensor([t.numel() for t in local], dtype=torch.int64, device=device)
     all_counts = [torch.empty_like(counts) for _ in range(world)]
-    dist.all_gather(all_counts, counts)
+    dist.all_gather(all_counts, counts, group=group)
     flat = torch.cat(local)
     longest = max(int(c.sum()) for c in all_counts)
     padded = torch.zeros(longest, dtype=flat.dtype, device=device)
     padded[: flat.numel()] = flat
     gathered = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded)
+    dist.all_gather(gathered, padded, group=group)
     per_rank = [list(g[: int(c.sum())].split(c.tolist())) for g, c in zip(gathered, all_counts)]
     return [torch.cat([per_rank[r][i] for r in range(world)]) for i in range(len(local))]
 
 
+def _sharded_along(g: object) -> tuple[int | None, int, object]:
+    """(the dimension a DTensor is sharded along or None if replicated, its fused parts, its mesh); refuses
+    what the bracketing cannot follow."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placements = tuple(g.placements)  # type: ignore[attr-defined]
+    if len(placements) != 1 or type(placements[0]) not in (Shard, _StridedShard, Replicate):
+        raise ValueError(f"canonical_grad_norm: a gradient placed {placements} on a {len(placements)}-D mesh; "
+                         "it brackets one Shard or Replicate placement. Fix: pass full_tensor() of that gradient")
+    p = placements[0]
+    if isinstance(p, Replicate):
+        return None, 1, g.device_mesh  # type: ignore[attr-defined]
+    return p.dim % g.dim(), getattr(p, "split_factor", 1), g.device_mesh  # type: ignore[attr-defined]
+
+
+def _part_by_part(rows: torch.Tensor, world: int, fused: int) -> torch.Tensor:
+    """Row sums gathered in rank order (each rank's rows of every fused part) in the whole tensor's order."""
+    return rows if fused == 1 else rows.view(world, fused, -1).transpose(0, 1).reshape(-1)
+
+
 def canonical_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all ``grads`` together, bracketed by rows (see the module docstring). DTensor
-    gradients (sharded) are gathered as row sums only, a few bytes per row: a collective then, which
-    every rank calls with its shards of the same parameters."""
-    from samestep.distributed.fsdp import iter_local
-
+    gradients (sharded) are gathered as row sums only, a few bytes per row: a collective over their mesh
+    then, which every rank of it calls with its shards of the same parameters."""
     grads = list(grads)
-    sharded = any(type(g).__name__ == "DTensor" for g in grads)
-    rows = [row_squares(g) for g in iter_local(grads)] if sharded else [row_squares(g) for g in grads]
-    if sharded and rows:
-        rows = _gather_rows(rows)
-    return torch.cat(rows).sum().sqrt() if rows else torch.zeros(())
+    if not any(type(g).__name__ == "DTensor" for g in grads):
+        rows = [row_squares(g) for g in grads]
+        return torch.cat(rows).sum().sqrt() if rows else torch.zeros(())
+    parts: list[tuple[int, torch.Tensor]] = []  # (0: this rank's own, else the fused parts it is gathered in)
+    meshes = set()
+    for g in grads:
+        if type(g).__name__ != "DTensor":
+            parts.append((0, row_squares(g)))
+            continue
+        dim, fused, mesh = _sharded_along(g)
+        local = g.to_local()  # type: ignore[attr-defined]
+        parts.append((0 if dim is None else fused, row_squares(local if not dim else local.movedim(dim, 0))))
+        if dim is not None:
+            meshes.add(mesh)
+    if len(meshes) > 1:
+        raise ValueError(f"canonical_grad_norm: gradients sharded over {len(meshes)} different meshes; it gathers "
+                         "over one. Fix: one norm per mesh, or full_tensor() of the others")
+    if meshes:
+        mesh = meshes.pop()
+        gathered = iter(_gather_rows([r for fused, r in parts if fused], mesh.get_group()))
+        # rank order holds each rank's rows of every fused part; the whole tensor's order is part by part
+        parts = [(fused, r if not fused else _part_by_part(next(gathered), mesh.size(), fused))
+                 for fused, r in parts]
+    return torch.cat([r for _, r in parts]).sum().sqrt()
 
 
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, *,

@@ -80,28 +80,36 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Column(torch.autograd.Function):
-    """y = x W^T + b with W this rank's ``local_chunks`` chunks of output rows."""
+    """y = x W^T + b with W this rank's rows: ``parts`` fused projections (q, k, v), each this rank's
+    ``local_chunks`` chunks of its rows, part after part; y laid out the same way."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, local_chunks, group):
+    def forward(ctx, x, weight, bias, local_chunks, parts, group):
         x2 = _rows(x)
-        ws = weight.chunk(local_chunks, 0)
-        bs = bias.chunk(local_chunks, 0) if bias is not None else [None] * local_chunks
+        ws = weight.chunk(parts * local_chunks, 0)  # part p's chunk c at p * local_chunks + c
+        bs = bias.chunk(parts * local_chunks, 0) if bias is not None else [None] * len(ws)
         y = torch.cat([nn.functional.linear(x2, w, b) for w, b in zip(ws, bs)], dim=1)
         ctx.save_for_backward(x, weight)
-        ctx.local_chunks, ctx.group, ctx.has_bias = local_chunks, group, bias is not None
+        ctx.local_chunks, ctx.parts, ctx.group, ctx.has_bias = local_chunks, parts, group, bias is not None
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
+        k, parts = ctx.local_chunks, ctx.parts
         x2, g2 = _rows(x), _rows(grad_y)
-        ws = weight.chunk(ctx.local_chunks, 0)
-        gs = [g.contiguous() for g in g2.chunk(ctx.local_chunks, 1)]  # a chunk's matmuls: one shape anywhere
-        grad_x = _tree_across([g @ w for g, w in zip(gs, ws)], ctx.group).view(x.shape)
+        ws = weight.chunk(parts * k, 0)
+        gs = [g.contiguous() for g in g2.chunk(parts * k, 1)]  # a chunk's matmuls: one shape anywhere
+        leaves = []  # chunk c: its parts' products summed in part order, all on the rank that holds chunk c
+        for c in range(k):
+            leaf = gs[c] @ ws[c]
+            for p in range(1, parts):
+                leaf.add_(gs[p * k + c] @ ws[p * k + c])
+            leaves.append(leaf)
+        grad_x = _tree_across(leaves, ctx.group).view(x.shape)
         grad_w = torch.cat([g.t() @ x2 for g in gs], dim=0)
         grad_b = torch.cat([g.sum(0) for g in gs]) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 class _Row(torch.autograd.Function):
@@ -137,12 +145,13 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int,
-                  group: Any = None) -> torch.Tensor:
+                  group: Any = None, parts: int = 1) -> torch.Tensor:
     """Column-parallel ``x W^T + b``: ``x`` whole on every rank, ``weight``/``bias`` this rank's rows (or
-    DTensors sharded ``Shard(0)``), the output this rank's slice of the last dimension. The input's
-    gradient sums the ``chunks`` chunks along the canonical tree across the group."""
+    DTensors sharded ``Shard(0)``; of ``parts`` fused projections, this rank's rows of each, part after
+    part), the output this rank's slice of the last dimension (of each part). The input's gradient sums
+    the ``chunks`` chunks along the canonical tree across the group, a chunk's parts in part order."""
     local_chunks = chunks // _degree(group)
-    return _Column.apply(x, _local(weight), _local(bias), local_chunks, group)
+    return _Column.apply(x, _local(weight), _local(bias), local_chunks, parts, group)
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int,
@@ -154,19 +163,42 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return _Row.apply(x, _local(weight), _local(bias), local_chunks, group)
 
 
-def _style_apply(stock: Any, module: nn.Module, device_mesh: Any, fn: Any, chunks: int) -> nn.Module:
-    """Shards ``module``'s parameters with the stock style's own partition, then routes its forward through
-    ``fn`` (local tensors in and out)."""
+def _strided_partition(parts: int) -> Any:
+    """A partition that gives each rank its rows of each of ``parts`` fused projections, part after part
+    (DTensor's ``_StridedShard``: the whole tensor keeps its unsplit layout, so state dicts and checkpoints
+    do not depend on the degree)."""
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    def partition(name: str, module: nn.Module, device_mesh: Any) -> None:
+        for pname, param in list(module.named_parameters(recurse=False)):
+            placed = distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=parts)])
+            module.register_parameter(pname, nn.Parameter(placed, requires_grad=param.requires_grad))
+
+    return partition
+
+
+def _style_apply(stock: Any, module: nn.Module, device_mesh: Any, fn: Any, chunks: int,
+                 parts: int = 1) -> nn.Module:
+    """Shards ``module``'s parameters with the stock style's own partition (of ``parts`` fused projections:
+    each part split alike), then routes its forward through ``fn`` (local tensors in and out)."""
     from torch.distributed.tensor import distribute_module
 
     if not isinstance(module, nn.Linear):
         raise NotImplementedError(f"{type(stock).__name__} shards nn.Linear only, got {type(module).__name__}")
-    distribute_module(module, device_mesh, stock._partition_linear_fn)
+    if module.out_features % parts:
+        raise ValueError(f"{type(stock).__name__}(parts={parts}): out_features={module.out_features} is not "
+                         f"{parts} equal projections. Fix: parts must divide it")
+    split = ({"in_features": module.in_features} if fn is row_linear
+             else {"out_features / parts": module.out_features // parts})
+    validate_tp(device_mesh.size(), chunks, split)
+    distribute_module(module, device_mesh, stock._partition_linear_fn if parts == 1 else _strided_partition(parts))
     group = device_mesh.get_group() if device_mesh.size() > 1 else None
-    validate_tp(device_mesh.size(), chunks, {"in_features": module.in_features, "out_features": module.out_features})
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        return fn(x, module.weight, module.bias, chunks, group)
+        if parts == 1:
+            return fn(x, module.weight, module.bias, chunks, group)
+        return fn(x, module.weight, module.bias, chunks, group, parts)
 
     module.forward = forward
     return module
@@ -181,14 +213,16 @@ except ImportError:  # a torch built without distributed
 class CanonicalColwiseParallel(ColwiseParallel):  # type: ignore[misc,valid-type]
     """``ColwiseParallel`` (weight and bias ``Shard(0)``) whose forward and backward are ``column_linear``:
     input and output are local tensors, the input whole, the output this rank's slice of the last
-    dimension. ``chunks``: the fixed chunk count (parallel.tp_chunks) that every degree used divides."""
+    dimension. ``chunks``: the fixed chunk count (parallel.tp_chunks) that every degree used divides.
+    ``parts``: the layer is that many fused projections of equal width (a fused q, k, v: 3), each split
+    alike, so a rank holds whole heads of each; its output is this rank's slice of each, part after part."""
 
-    def __init__(self, chunks: int = 8) -> None:
+    def __init__(self, chunks: int = 8, parts: int = 1) -> None:
         super().__init__()
-        self.chunks = chunks
+        self.chunks, self.parts = chunks, parts
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        return _style_apply(self, module, device_mesh, column_linear, self.chunks)
+        return _style_apply(self, module, device_mesh, column_linear, self.chunks, self.parts)
 
 
 class CanonicalRowwiseParallel(RowwiseParallel):  # type: ignore[misc,valid-type]
