@@ -23,7 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture_rng", "generator", "key", "register_generator", "restore_rng", "unregister_generator"]
+__all__ = ["capture_rng", "generator", "key", "positional_keep", "register_generator", "restore_rng",
+           "unregister_generator"]
 
 _MASK63 = (1 << 63) - 1
 _registered: dict[str, torch.Generator] = {}
@@ -56,6 +57,44 @@ def generator(seed: int, step: int, microbatch: int, purpose: str,
     g = torch.Generator(device=device)
     g.manual_seed(key(seed, step, microbatch, purpose))
     return g
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) of int64 values below 2**32: every product
+    stays below 2**59, so int64 arithmetic gives the same bits on any device."""
+    for _ in range(2):
+        x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
+    return (x >> 16) ^ x
+
+
+def positional_keep(stream_key: int, global_shape: tuple[int, ...], starts: tuple[int, ...],
+                    local_shape: tuple[int, ...], p: float, device: str | torch.device = "cpu") -> torch.Tensor:
+    """The keep-mask of dropout with probability ``p`` over the block ``local_shape`` at ``starts`` of a
+    tensor of ``global_shape``: an element is kept by a hash of ``stream_key`` (``key(...)``) and its flat
+    position in the whole tensor alone, so however the tensor is split (heads over tensor-parallel ranks,
+    a sequence over sequence-parallel ones) each rank draws its block of the one whole mask.
+
+    Raises:
+        ValueError: a block that does not lie inside the tensor, or ``p`` outside [0, 1).
+    """
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"rng.positional_keep: p={p!r} must be in [0, 1)")
+    if not (len(global_shape) == len(starts) == len(local_shape)) or any(
+            s < 0 or s + n > g for g, s, n in zip(global_shape, starts, local_shape)):
+        raise ValueError(f"rng.positional_keep: block {tuple(local_shape)} at {tuple(starts)} does not lie inside "
+                         f"a tensor of shape {tuple(global_shape)}")
+    flat = torch.zeros((), dtype=torch.int64, device=device)
+    stride = 1
+    for d in reversed(range(len(global_shape))):
+        pos = torch.arange(starts[d], starts[d] + local_shape[d], dtype=torch.int64, device=device) * stride
+        flat = flat + pos.view(-1, *([1] * (len(global_shape) - 1 - d)))
+        stride *= global_shape[d]
+    lo, hi = stream_key & _M32, (stream_key >> 32) & _M32
+    h = _mix32(_mix32((flat & _M32) ^ lo) ^ (flat >> 32) ^ hi)
+    return h >= int(p * 2**32)
 
 
 def register_generator(name: str, gen: torch.Generator) -> None:

@@ -64,3 +64,35 @@ def test_restore_names_an_unregistered_generator():
     meta, tensors = capture_rng({"sampler": torch.Generator().manual_seed(0)})
     with pytest.raises(ValueError, match="'sampler'"):
         restore_rng(meta, tensors)
+
+
+def test_a_positional_dropout_mask_does_not_depend_on_how_the_tensor_is_split():
+    """positional_keep: the mask of a (2, 8, 16, 16) attention tensor split over 2 or 4 ranks by heads (dim 1),
+    or over a sequence (dim 2), is the whole tensor's mask, block for block, bit for bit; it keeps about
+    1 - p, and another stream key draws another mask. Negative control: each block drawn from the same keyed
+    generator (the usual way, a draw per tensor) is not the whole tensor's block."""
+    shape, p, k = (2, 8, 16, 16), 0.25, rng.key(0, 3, 5, "dropout")
+    whole = rng.positional_keep(k, shape, (0, 0, 0, 0), shape, p)
+    assert whole.shape == shape and abs(whole.float().mean().item() - (1 - p)) < 0.02
+    for dim in (1, 2):
+        for ranks in (2, 4):
+            n = shape[dim] // ranks
+            for r in range(ranks):
+                starts = tuple(r * n if d == dim else 0 for d in range(4))
+                local = tuple(n if d == dim else s for d, s in enumerate(shape))
+                block = rng.positional_keep(k, shape, starts, local, p)
+                assert torch.equal(block, whole.narrow(dim, r * n, n)), (dim, ranks, r)
+    assert not torch.equal(rng.positional_keep(rng.key(0, 3, 6, "dropout"), shape, (0,) * 4, shape, p), whole)
+    drawn = torch.rand(shape, generator=rng.generator(0, 3, 5, "dropout")) >= p
+    second = torch.rand((2, 4, 16, 16), generator=rng.generator(0, 3, 5, "dropout")) >= p  # rank 1 of 2's own draw
+    assert not torch.equal(drawn.narrow(1, 4, 4), second)
+
+
+def test_a_positional_mask_outside_its_tensor_or_of_a_bad_probability_is_refused():
+    """A block past the tensor's end and p = 1 are refused, naming the values. Negative control: the last
+    block that fits is drawn."""
+    rng.positional_keep(1, (4, 4), (2, 0), (2, 4), 0.5)
+    with pytest.raises(ValueError, match=r"block \(3, 4\) at \(2, 0\) does not lie inside a tensor of shape \(4, 4\)"):
+        rng.positional_keep(1, (4, 4), (2, 0), (3, 4), 0.5)
+    with pytest.raises(ValueError, match=r"p=1.0 must be in \[0, 1\)"):
+        rng.positional_keep(1, (4, 4), (0, 0), (4, 4), 1.0)
