@@ -210,3 +210,65 @@ def test_a_two_dimensional_placement_is_refused_by_the_norm_and_the_checkpoint(t
     both."""
     spawn(_two_d_worker, (str(tmp_path / "init"), str(tmp_path / "ckpt")), 1)
     assert [p.name for p in (tmp_path / "ckpt").glob("step_*")] == ["step_000001"]
+
+
+VOCAB = 256
+
+
+def _loss_worker(rank: int, world: int, init: str, out: str, how: str) -> None:
+    """An output layer over VOCAB ids, column-parallel, and each token's cross-entropy: ``how`` "canonical"
+    (CanonicalColwiseParallel, vocab_parallel_cross_entropy) or "stock" (ColwiseParallel and DTensor's
+    loss_parallel(), F.cross_entropy unsplit on one process)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, loss_parallel, parallelize_module
+
+    from samestep.distributed import CanonicalColwiseParallel, vocab_parallel_cross_entropy
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    try:
+        with samestep.enable(threads=1):
+            torch.manual_seed(0)
+            head = nn.Linear(C, VOCAB, bias=False)
+            mesh = init_device_mesh("cpu", (world,))
+            g = samestep.rng.generator(0, 0, 0, "data")
+            x = (torch.randn(4, T, C, generator=g) * 3).requires_grad_()
+            targets = torch.randint(0, VOCAB, (4, T), generator=g)
+            if how == "canonical":
+                parallelize_module(head, mesh, CanonicalColwiseParallel(CHUNKS))
+                group = mesh.get_group() if world > 1 else None
+                per_token = vocab_parallel_cross_entropy(head(x), targets, CHUNKS, group)
+            elif world > 1:
+                parallelize_module(head, mesh, ColwiseParallel(use_local_output=False))
+                with loss_parallel():
+                    per_token = nn.functional.cross_entropy(head(x).flatten(0, 1), targets.flatten(),
+                                                            reduction="none").full_tensor()
+                    per_token.sum().backward()
+            else:
+                per_token = nn.functional.cross_entropy(head(x).flatten(0, 1), targets.flatten(), reduction="none")
+            if how == "canonical" or world == 1:
+                per_token.sum().backward()
+            bits = {"loss": per_token.detach().contiguous().view(torch.uint8).numpy().tobytes().hex(),
+                    "x_grad": hashlib.sha256(x.grad.view(torch.uint8).numpy().tobytes()).hexdigest(),
+                    "w_grad": hashlib.sha256(_full(head.weight.grad).contiguous().view(torch.uint8).numpy()
+                                             .tobytes()).hexdigest()}
+        if rank == 0:
+            Path(out).write_text(json.dumps(bits))
+    finally:
+        dist.destroy_process_group()
+
+
+def _loss_run(tmp_path: Path, world: int, how: str) -> dict:
+    out = tmp_path / f"loss_{how}_{world}.json"
+    spawn(_loss_worker, (world, str(tmp_path / f"init_loss_{how}_{world}"), str(out), how), world)
+    return json.loads(out.read_text())
+
+
+def test_a_vocabulary_parallel_cross_entropy_gives_one_process_bits_at_tp_2_and_4(tmp_path):
+    """Every token's loss, the hidden states' gradient and the output layer's gradient, gathered whole: TP 2
+    and TP 4 give one process's bits (the sum over the vocabulary in 8 fixed chunks along the canonical
+    tree). Negative control: PyTorch's ColwiseParallel and loss_parallel() at TP 2 give other loss bits than
+    F.cross_entropy on one process."""
+    one = _loss_run(tmp_path, 1, "canonical")
+    for world in (2, 4):
+        assert _loss_run(tmp_path, world, "canonical") == one, world
+    assert _loss_run(tmp_path, 2, "stock")["loss"] != _loss_run(tmp_path, 1, "stock")["loss"]

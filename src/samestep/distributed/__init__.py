@@ -21,9 +21,10 @@ from samestep.distributed.tensor_parallel import (
     validate_tp,
 )
 from samestep.distributed.tree import BinaryCounter, canonical_sum, validate_layout
+from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
 
 __all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalColwiseParallel", "CanonicalDdpState",
            "CanonicalGradients", "CanonicalRowwiseParallel", "FsdpGradients", "GradientBuckets", "ShardedModel",
            "ShardedOptimizer", "any_rank", "canonical_ddp_hook", "canonical_grad_norm", "canonical_sum",
            "clip_grad_norm_", "column_linear", "combine_across_ranks", "full_state", "ring_allreduce_bytes",
-           "row_linear", "shard_model", "validate_layout", "validate_tp"]
+           "row_linear", "shard_model", "validate_layout", "validate_tp", "vocab_parallel_cross_entropy"]

@@ -27,7 +27,7 @@ from samestep.distributed.buckets import BUCKET_ELEMENTS, GradientBuckets
 from samestep.distributed.tree import BinaryCounter, validate_layout
 
 __all__ = ["AllReduceGradients", "CanonicalGradients", "PendingCombine", "combine_across_ranks",
-           "ring_allreduce_bytes"]
+           "ring_allreduce_bytes", "tree_across_ranks"]
 
 _NOTHING = contextlib.nullcontext()  # reusable: it holds no state
 
@@ -112,6 +112,22 @@ def combine_across_ranks(local: torch.Tensor, world_size: int, group: object = N
     for current, a, b in started:
         out_flat[a:b] = current.wait()
     return out, sent
+
+
+def tree_across_ranks(leaves: list[torch.Tensor], group: object = None) -> torch.Tensor:
+    """The canonical-tree sum of leaves laid out over ranks: this rank's ``leaves`` are its aligned,
+    power-of-two run of them, in order (a rank of ``group`` holds the run after the one before it). The
+    rank sums its run, then the ranks combine their sums in rank order (``combine_across_ranks``): the
+    bits of one process summing them all, on every rank. Consumes ``leaves``."""
+    counter = BinaryCounter()
+    for leaf in leaves:
+        counter.push(leaf)
+    local = counter.result()
+    if group is None:
+        return local
+    import torch.distributed as dist
+
+    return combine_across_ranks(local, dist.get_world_size(group), group)[0]
 
 
 def _flat_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:

@@ -25,8 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from samestep.distributed.reduce import combine_across_ranks
-from samestep.distributed.tree import BinaryCounter
+from samestep.distributed.reduce import tree_across_ranks
 
 __all__ = ["CanonicalColwiseParallel", "CanonicalRowwiseParallel", "column_linear", "row_linear",
            "validate_tp"]
@@ -66,15 +65,6 @@ def _degree(group: Any) -> int:
     return dist.get_world_size(group)
 
 
-def _tree_across(partials: list[torch.Tensor], group: Any) -> torch.Tensor:
-    """The canonical sum of every rank's ``partials`` (its aligned run of chunks), in chunk order."""
-    counter = BinaryCounter()
-    for p in partials:
-        counter.push(p)
-    local = counter.result()
-    return combine_across_ranks(local, _degree(group), group)[0]
-
-
 def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
@@ -106,7 +96,7 @@ class _Column(torch.autograd.Function):
             for p in range(1, parts):
                 leaf.add_(gs[p * k + c] @ ws[p * k + c])
             leaves.append(leaf)
-        grad_x = _tree_across(leaves, ctx.group).view(x.shape)
+        grad_x = tree_across_ranks(leaves, ctx.group).view(x.shape)
         grad_w = torch.cat([g.t() @ x2 for g in gs], dim=0)
         grad_b = torch.cat([g.sum(0) for g in gs]) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None, None, None
@@ -121,7 +111,7 @@ class _Row(torch.autograd.Function):
         x2 = _rows(x)
         xs = [c.contiguous() for c in x2.chunk(local_chunks, 1)]
         ws = [c.contiguous() for c in weight.chunk(local_chunks, 1)]
-        y = _tree_across([xc @ wc.t() for xc, wc in zip(xs, ws)], group)
+        y = tree_across_ranks([xc @ wc.t() for xc, wc in zip(xs, ws)], group)
         if bias is not None:
             y = y + bias
         ctx.save_for_backward(x, weight)
