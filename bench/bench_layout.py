@@ -1,7 +1,7 @@
 """Layout benchmark: canonical reduction vs PyTorch DDP's all-reduce (or, with --fsdp, the canonical
 FSDP2 reduce-scatter vs FSDP2's own), 2 processes, side by side.
 
-    .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py [--fsdp] [--pairs 60] [--steps 1] [--json]
+    .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py [--fsdp | --tp] [--pairs 60] [--json]
 
 The variants run the reference config's step in the same processes, in turn (so machine noise hits
 them alike): the canonical variant is the reference run's own step (samestep.enable +
@@ -16,6 +16,8 @@ and bytes sent per process per step (by collective semantics) against a ring all
 gradient. With --fsdp both variants are the reference run's step with
 parallel.fsdp=true: deterministic mode on (distributed/fsdp.py's reduce-scatter) against off (FSDP2's
 own reduce-scatter of every microbatch), bytes against a ring reduce-scatter of the same gradient.
+With --tp the processes are one tensor-parallel group training one decoder block (``TpBlock``) under
+samestep's CanonicalColwiseParallel/CanonicalRowwiseParallel against PyTorch's ColwiseParallel/RowwiseParallel.
 """
 
 from __future__ import annotations
@@ -66,13 +68,104 @@ def ddp_step(parts, ddp: DDP, step: int, hooked: CanonicalDdpState | None = None
     parts.cursor.advance(t.global_batch)
 
 
+def alternate(sides: list, pairs: int, steps: int) -> list[list[float]]:
+    """Each side's seconds per step in ``pairs`` rounds after a warm-up round, the sides taking turns and
+    each round starting with the next one (no side always first); barriers around each side's turn."""
+    times: list[list[float]] = [[] for _ in sides]
+    for p in range(pairs + 1):
+        marks = [0.0] * len(sides)
+        for i in (p + j for j in range(len(sides))):
+            side = i % len(sides)
+            dist.barrier()
+            t0 = time.perf_counter()
+            for s in range(steps):
+                sides[side](p * steps + s)
+            dist.barrier()
+            marks[side] = (time.perf_counter() - t0) / steps
+        if p:  # round 0 warms up
+            for i, t in enumerate(marks):
+                times[i].append(t)
+    return times
+
+
+class TpBlock(torch.nn.Module):
+    """A pre-norm decoder block (attention with q, k, v and an output projection, a 4x MLP) whose heads and
+    hidden units the tensor-parallel styles split: it computes on whatever its projections return."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.norm1, self.norm2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.head_dim = width // heads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, _ = x.shape
+        h = self.norm1(x)
+        q, k, v = (proj(h).reshape(b, n, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(b, n, -1))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm2(x))))
+
+
+def tp_main(args: argparse.Namespace) -> int:
+    """--tp: one TpBlock's training step (forward, backward, AdamW) under samestep's canonical styles against
+    PyTorch's ColwiseParallel/RowwiseParallel, on every process as one tensor-parallel group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from samestep.distributed import CanonicalColwiseParallel, CanonicalRowwiseParallel
+
+    samestep.enable(threads=1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mesh = init_device_mesh("cpu", (world,))
+    steps = []
+    for col, row in ((CanonicalColwiseParallel(args.tp_chunks), CanonicalRowwiseParallel(args.tp_chunks)),
+                     (ColwiseParallel(), RowwiseParallel())):
+        torch.manual_seed(0)
+        block = parallelize_module(TpBlock(args.width, args.heads), mesh,
+                                   {"q": col, "k": col, "v": col, "up": col, "o": row, "down": row})
+        opt = torch.optim.AdamW(block.parameters(), lr=1e-3, foreach=False)
+        x = torch.randn(args.batch, args.seq, args.width, generator=rng.generator(0, 0, 0, "data"))
+
+        def step(_: int, block=block, opt=opt, x=x) -> None:
+            block(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+        steps.append(step)
+    times = alternate(steps, args.pairs, args.steps)
+    result = {"world_size": world, "pairs": args.pairs, "width": args.width, "seq": args.seq, "batch": args.batch,
+              "tp_chunks": args.tp_chunks, "step_ms_canonical": round(1000 * statistics.median(times[0]), 2),
+              "step_ms_plain_tp": round(1000 * statistics.median(times[1]), 2),
+              "time_ratio_median": round(statistics.median([a / b for a, b in zip(*times)]), 4)}
+    if rank == 0:
+        print(json.dumps(result) if args.json else
+              f"TP {world}: canonical {result['step_ms_canonical']} ms/step vs PyTorch's styles "
+              f"{result['step_ms_plain_tp']} ms/step; ratio median of {args.pairs} pairs: "
+              f"{result['time_ratio_median']}")
+    dist.destroy_process_group()
+    samestep.disable()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=60)
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--fsdp", action="store_true", help="FSDP2: canonical reduce-scatter vs FSDP2's own")
+    ap.add_argument("--tp", action="store_true", help="tensor parallelism: canonical styles vs PyTorch's own")
+    ap.add_argument("--width", type=int, default=256, help="--tp: the block's width")
+    ap.add_argument("--heads", type=int, default=8, help="--tp: its attention heads")
+    ap.add_argument("--seq", type=int, default=128, help="--tp: tokens per sequence")
+    ap.add_argument("--batch", type=int, default=8, help="--tp: sequences per step")
+    ap.add_argument("--tp-chunks", type=int, default=8, help="--tp: parallel.tp_chunks")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.tp:
+        return tp_main(args)
     samestep.enable(threads=1)  # before the process group: NCCL_ALGO and friends
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -102,20 +195,7 @@ def main() -> int:
 
     sides = [canon.step, other] + ([after.step, lambda step: ddp_step(hooked, hooked_ddp, step, hook_state)]
                                    if after is not None else [])
-    times: list[list[float]] = [[] for _ in sides]
-    for p in range(args.pairs + 1):
-        marks = [0.0] * len(sides)
-        for i in (p + j for j in range(len(sides))):  # each round starts with the next side: no side always first
-            side = i % len(sides)
-            dist.barrier()
-            t0 = time.perf_counter()
-            for s in range(args.steps):
-                sides[side](p * args.steps + s)
-            dist.barrier()
-            marks[side] = (time.perf_counter() - t0) / args.steps
-        if p:  # round 0 warms up
-            for i, t in enumerate(marks):
-                times[i].append(t)
+    times = alternate(sides, args.pairs, args.steps)
     t_canon, t_ddp = times[0], times[1]
     ratios = [a / b for a, b in zip(t_canon, t_ddp)]
     sent_per_step = canon.grads.bytes_sent / ((args.pairs + 1) * args.steps)

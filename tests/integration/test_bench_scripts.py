@@ -122,3 +122,16 @@ def test_receipt_and_check_benches_run():
     result = json.loads(proc.stdout)
     assert set(result["sides"]) == {"plain", "deterministic", "+receipts", "production"}
     assert result["sides"]["production"]["vs_plain"] > 0 and result["checksum"]["ns_per_byte"] > 0
+
+
+def test_layout_bench_times_canonical_tensor_parallelism_against_pytorchs():
+    """`bench/bench_layout.py --tp` on 2 processes (2 pairs, a small block): both sides' step times and their
+    ratio are reported (the bench that measures what canonical tensor parallelism costs)."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "bench/bench_layout.py", "--tp", "--pairs", "2", "--width", "64", "--seq", "16",
+                           "--batch", "2", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["world_size"] == 2 and r["step_ms_canonical"] > 0 and r["step_ms_plain_tp"] > 0
+    assert r["time_ratio_median"] > 0

@@ -118,7 +118,10 @@ def tree_across_ranks(leaves: list[torch.Tensor], group: object = None) -> torch
     """The canonical-tree sum of leaves laid out over ranks: this rank's ``leaves`` are its aligned,
     power-of-two run of them, in order (a rank of ``group`` holds the run after the one before it). The
     rank sums its run, then the ranks combine their sums in rank order (``combine_across_ranks``): the
-    bits of one process summing them all, on every rank. Consumes ``leaves``."""
+    bits of one process summing them all, on every rank. Consumes ``leaves``.
+
+    On 2 ranks an all-gather of the two sums is the ring all-reduce's bytes in one collective instead of
+    two (their sum in rank order is the tree's), so it goes that way."""
     counter = BinaryCounter()
     for leaf in leaves:
         counter.push(leaf)
@@ -127,7 +130,13 @@ def tree_across_ranks(leaves: list[torch.Tensor], group: object = None) -> torch
         return local
     import torch.distributed as dist
 
-    return combine_across_ranks(local, dist.get_world_size(group), group)[0]
+    world = dist.get_world_size(group)
+    if world != 2:
+        return combine_across_ranks(local, world, group)[0]
+    n = local.numel()
+    both = torch.empty(2 * n, dtype=local.dtype, device=local.device)
+    _all_gather(both, local.reshape(-1).contiguous(), group).wait()
+    return both[:n].add_(both[n:]).view(local.shape)
 
 
 def _flat_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
