@@ -135,3 +135,12 @@ def test_layout_bench_times_canonical_tensor_parallelism_against_pytorchs():
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["world_size"] == 2 and r["step_ms_canonical"] > 0 and r["step_ms_plain_tp"] > 0
     assert r["time_ratio_median"] > 0
+
+
+def test_chunks_bench_times_the_chunked_layers_against_plain_ones():
+    """`bench/bench_chunks.py` (1 round of 1 step a side): both sides' step times and their ratio."""
+    proc = subprocess.run([sys.executable, "bench/bench_chunks.py", "--pairs", "1", "--steps", "1", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["chunks"] == 8 and r["step_ms_plain"] > 0 and r["step_ms_chunked"] > 0 and r["ratio_median"] > 0

@@ -130,17 +130,24 @@ def check_receipts(run_dir: str | Path) -> dict[str, Any]:
     data = doc.get("data") if isinstance(doc.get("data"), dict) else {}
     first = genesis(doc["config"], data["fingerprint"]) if "fingerprint" in data else None
     problems, checked, ranks = [], [], {}
+    resumed = {r["step"] for r in doc.get("resumes", []) if isinstance(r, dict) and isinstance(r.get("step"), int)}
+
+    def joined(rank: int, first: int) -> bool:
+        """Whether ``rank`` first ran at step ``first``: a resume from the step before it onto more processes."""
+        return (first - 1 in resumed and layout_at(doc, first - 1)["world_size"] <= rank
+                < layout_at(doc, first)["world_size"])
+
     for rank, (header, receipts) in chains.items():
         path = receipts_path(run_dir, rank)
-        ranks[rank] = {"steps": f"1-{receipts[-1]['step']}" if receipts else "none",
+        ranks[rank] = {"steps": f"{receipts[0]['step']}-{receipts[-1]['step']}" if receipts else "none",
                        "state_of": header.get("state_of")}
         if first is not None and header.get("genesis") != first:
             problems.append(f"{path}: its genesis is not of run.json's config and data (receipts of another run?)")
         why = chain_break(header, receipts)
         if why is not None:
             problems.append(f"{path}: chain broken at {why}")
-        elif receipts and receipts[0]["step"] != 1:
-            problems.append(f"{path}: starts at step {receipts[0]['step']}, not 1")
+        elif receipts and receipts[0]["step"] != 1 and not joined(rank, receipts[0]["step"]):
+            problems.append(f"{path}: starts at step {receipts[0]['step']}, not 1 (nor after a resume)")
     checked.append(f"the hash chain of {len(chains)} rank(s)")
     header, receipts = chains.get(0, ({}, []))
     by_step = {r["step"]: r for r in receipts}

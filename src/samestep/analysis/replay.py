@@ -76,6 +76,7 @@ def replay(run_dir: Path, scratch: Path, start: int, end: int, settings: tuple[s
     layout = layout_at(doc, start + 1)  # the layout that ran the first step replayed
     config = dotted(doc["config"])
     config["parallel.fsdp"] = layout.get("sharded") == "fsdp2"
+    config["parallel.tp"] = layout["tensor_parallel"]
     args = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in config.items()]
     cmd = [sys.executable, "-m", "samestep", "train", "--run-dir", str(scratch), "--nproc",
            str(layout.get("world_size", 1)), "--stop-after", str(end - start),

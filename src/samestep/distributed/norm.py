@@ -83,7 +83,9 @@ def canonical_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
             continue
         dim, fused, mesh = _sharded_along(g)
         local = g.to_local()  # type: ignore[attr-defined]
-        parts.append((0 if dim is None else fused, row_squares(local if not dim else local.movedim(dim, 0))))
+        # a slice contiguous: a strided reduction's order follows the shard's width
+        slices = local if not dim else local.movedim(dim, 0).contiguous()
+        parts.append((0 if dim is None else fused, row_squares(slices)))
         if dim is not None:
             meshes.add(mesh)
     if len(meshes) > 1:

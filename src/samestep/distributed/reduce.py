@@ -139,10 +139,26 @@ def tree_across_ranks(leaves: list[torch.Tensor], group: object = None) -> torch
     return both[:n].add_(both[n:]).view(local.shape)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank (a tensor-parallel parameter's or gradient's); any other tensor itself."""
+    return t.to_local() if type(t).__name__ == "DTensor" else t  # type: ignore[attr-defined]
+
+
 def _flat_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
-    """Each parameter's gradient as a 1-D tensor (zeros for a parameter that received none)."""
-    return [p.grad.reshape(-1) if p.grad is not None else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-            for p in params]
+    """Each parameter's gradient (of a DTensor parameter, this rank's shard of it) as a 1-D tensor (zeros for a
+    parameter that received none)."""
+    return [_local(p.grad).reshape(-1) if p.grad is not None
+            else torch.zeros(_local(p).numel(), dtype=p.dtype, device=p.device) for p in params]
+
+
+def _grad_like(g: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
+    """``g`` (flat, this rank's part) shaped as ``p.grad``: a DTensor placed as ``p`` where ``p`` is one."""
+    if type(p).__name__ != "DTensor":
+        return g.view_as(p)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(g.view(p.to_local().shape), p.device_mesh, p.placements,  # type: ignore[attr-defined]
+                              run_check=False, shape=p.shape, stride=p.stride())
 
 
 class CanonicalGradients:
@@ -173,6 +189,9 @@ class CanonicalGradients:
 
         validate_layout(world_size, microbatches_per_process)
         self.params = [p for p in params if p.requires_grad]
+        if world_size > 1 and any(type(p).__name__ == "DTensor" for p in self.params):
+            raise NotImplementedError("CanonicalGradients over several processes takes whole parameters; a "
+                                      "tensor-parallel (DTensor) one is summed over one process's microbatches only")
         self.k, self.world_size, self.rank, self.group = microbatches_per_process, world_size, rank, group
         self._counter = BinaryCounter()
         self._next = rank * self.k
@@ -272,7 +291,7 @@ class CanonicalGradients:
         if self.buckets is None:  # no collective: the tree sums are the gradients, without a flat copy
             parts = self._counter.result()
             for p, g in zip(self.params, parts):
-                p.grad = g.view_as(p)
+                p.grad = _grad_like(g, p)
             return parts[-1].clone()
         reduced, extra = self.buckets.finish()
         if self.observer is not None:

@@ -69,36 +69,54 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
+def _dtypes(x: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
+    """(the dtype the layer computes in: autocast's where it is on, else the input's; the dtype its products
+    accumulate in: float32 for a half type). A chunk's product rounds its operands to the first and
+    accumulates in the second, as a half-precision matmul does; the sums over chunks run in the first, the
+    bytes of a half-precision all-reduce."""
+    kind = x.device.type
+    cd = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    return cd, torch.float32 if cd in (torch.float16, torch.bfloat16) else cd
+
+
+def _as(t: torch.Tensor | None, cd: torch.dtype, acc: torch.dtype) -> torch.Tensor | None:
+    """``t`` rounded to ``cd``, held in ``acc`` (both no-ops in float32)."""
+    return None if t is None else t.to(cd).to(acc)
+
+
 class _Column(torch.autograd.Function):
     """y = x W^T + b with W this rank's rows: ``parts`` fused projections (q, k, v), each this rank's
     ``local_chunks`` chunks of its rows, part after part; y laid out the same way."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, local_chunks, parts, group):
-        x2 = _rows(x)
-        ws = weight.chunk(parts * local_chunks, 0)  # part p's chunk c at p * local_chunks + c
-        bs = bias.chunk(parts * local_chunks, 0) if bias is not None else [None] * len(ws)
-        y = torch.cat([nn.functional.linear(x2, w, b) for w, b in zip(ws, bs)], dim=1)
+        cd, acc = _dtypes(x)
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = _as(_rows(x), cd, acc)
+            ws = _as(weight, cd, acc).chunk(parts * local_chunks, 0)  # part p's chunk c at p * local_chunks + c
+            bs = _as(bias, cd, acc).chunk(parts * local_chunks, 0) if bias is not None else [None] * len(ws)
+            y = torch.cat([nn.functional.linear(x2, w, b) for w, b in zip(ws, bs)], dim=1).to(cd)
         ctx.save_for_backward(x, weight)
         ctx.local_chunks, ctx.parts, ctx.group, ctx.has_bias = local_chunks, parts, group, bias is not None
+        ctx.dtypes = cd, acc
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
-        k, parts = ctx.local_chunks, ctx.parts
-        x2, g2 = _rows(x), _rows(grad_y)
-        ws = weight.chunk(parts * k, 0)
+        k, parts, (cd, acc) = ctx.local_chunks, ctx.parts, ctx.dtypes
+        x2, g2 = _as(_rows(x), cd, acc), _as(_rows(grad_y), cd, acc)
+        ws = _as(weight, cd, acc).chunk(parts * k, 0)
         gs = [g.contiguous() for g in g2.chunk(parts * k, 1)]  # a chunk's matmuls: one shape anywhere
         leaves = []  # chunk c: its parts' products summed in part order, all on the rank that holds chunk c
         for c in range(k):
             leaf = gs[c] @ ws[c]
             for p in range(1, parts):
                 leaf.add_(gs[p * k + c] @ ws[p * k + c])
-            leaves.append(leaf)
-        grad_x = tree_across_ranks(leaves, ctx.group).view(x.shape)
-        grad_w = torch.cat([g.t() @ x2 for g in gs], dim=0)
-        grad_b = torch.cat([g.sum(0) for g in gs]) if ctx.has_bias else None
+            leaves.append(leaf.to(cd))
+        grad_x = tree_across_ranks(leaves, ctx.group).view(x.shape).to(x.dtype)
+        grad_w = torch.cat([g.t() @ x2 for g in gs], dim=0).to(cd).to(weight.dtype)
+        grad_b = torch.cat([g.sum(0) for g in gs]).to(cd).to(weight.dtype) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -108,25 +126,28 @@ class _Row(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, local_chunks, group):
-        x2 = _rows(x)
-        xs = [c.contiguous() for c in x2.chunk(local_chunks, 1)]
-        ws = [c.contiguous() for c in weight.chunk(local_chunks, 1)]
-        y = tree_across_ranks([xc @ wc.t() for xc, wc in zip(xs, ws)], group)
-        if bias is not None:
-            y = y + bias
+        cd, acc = _dtypes(x)
+        with torch.autocast(x.device.type, enabled=False):
+            x2 = _as(_rows(x), cd, acc)
+            xs = [c.contiguous() for c in x2.chunk(local_chunks, 1)]
+            ws = [c.contiguous() for c in _as(weight, cd, acc).chunk(local_chunks, 1)]
+            y = tree_across_ranks([(xc @ wc.t()).to(cd) for xc, wc in zip(xs, ws)], group)
+            if bias is not None:
+                y = y + bias.to(cd)
         ctx.save_for_backward(x, weight)
-        ctx.local_chunks, ctx.has_bias = local_chunks, bias is not None
+        ctx.local_chunks, ctx.has_bias, ctx.dtypes = local_chunks, bias is not None, (cd, acc)
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
-        x2, g2 = _rows(x), _rows(grad_y).contiguous()
+        cd, acc = ctx.dtypes
+        x2, g2 = _as(_rows(x), cd, acc), _as(_rows(grad_y), cd, acc).contiguous()
         xs = [c.contiguous() for c in x2.chunk(ctx.local_chunks, 1)]
-        ws = [c.contiguous() for c in weight.chunk(ctx.local_chunks, 1)]
-        grad_x = torch.cat([g2 @ wc for wc in ws], dim=1).view(x.shape)
-        grad_w = torch.cat([g2.t() @ xc for xc in xs], dim=1)
-        grad_b = g2.sum(0) if ctx.has_bias else None
+        ws = [c.contiguous() for c in _as(weight, cd, acc).chunk(ctx.local_chunks, 1)]
+        grad_x = torch.cat([g2 @ wc for wc in ws], dim=1).view(x.shape).to(cd).to(x.dtype)
+        grad_w = torch.cat([g2.t() @ xc for xc in xs], dim=1).to(cd).to(weight.dtype)
+        grad_b = g2.sum(0).to(cd).to(weight.dtype) if ctx.has_bias else None
         return grad_x, grad_w, grad_b, None, None
 
 

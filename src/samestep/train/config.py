@@ -333,6 +333,22 @@ class ParallelConfig:
     overlap: bool = True
     """Start the combine across processes (its all-to-alls) during the last microbatch's backward, bucket by
     bucket, as DDP does; false waits for the whole backward. The same bits either way (docs/layouts.md)."""
+    tp_chunks: int = 0
+    """0: plain linear layers. N (a power of two, 8 is usual): every linear layer of the decoder blocks computes
+    in N fixed chunks of its split dimension, summed along the canonical tree, the numerical path of tensor
+    parallelism at every degree that divides N (one process included; docs/layouts.md)."""
+    tp: int = 1
+    """Tensor-parallel degree: the decoder's heads and MLP units split over this many processes (needs
+    parallel.tp_chunks; --nproc equal to it). Runs with the same parallel.tp_chunks give the same bits at any
+    degree, and a checkpoint resumes at any other."""
+
+    def __post_init__(self) -> None:
+        _positive("parallel", self, "tp")
+        if self.tp_chunks < 0:
+            raise ValueError(f"parallel.tp_chunks={self.tp_chunks} is negative; use 0 (plain layers) or 1, 2, 4, 8, 16")
+        if self.tp > 1 and not self.tp_chunks:
+            raise ValueError(f"parallel.tp={self.tp} needs parallel.tp_chunks, the fixed chunks every degree computes "
+                             "in. Fix: --set parallel.tp_chunks=8")
 
 
 @dataclass(kw_only=True, slots=True)

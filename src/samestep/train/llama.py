@@ -55,19 +55,22 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.n_kv = cfg.n_head, cfg.kv_heads
         self.head_dim = cfg.n_embd // cfg.n_head
+        self.first_head: int | None = None  # set by parallel.tp_chunks: this rank's first head
         self.q = nn.Linear(cfg.n_embd, self.n_head * self.head_dim, bias=False)
         self.kv = nn.Linear(cfg.n_embd, 2 * self.n_kv * self.head_dim, bias=False)
         self.o = nn.Linear(self.n_head * self.head_dim, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k, v = self.kv(x).view(B, T, 2, self.n_kv, self.head_dim).permute(2, 0, 3, 1, 4)  # 2 x (B, nkv, T, hd)
+        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k, v = self.kv(x).view(B, T, 2, -1, self.head_dim).permute(2, 0, 3, 1, 4)  # 2 x (B, nkv, T, hd)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         group = self.n_head // self.n_kv
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # (B, nh, T, hd)
+        if self.first_head is not None:  # one head's strided operand may take another kernel path on CPU
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=0.0)
-        return self.o(y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim))
+        return self.o(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class SwiGLU(nn.Module):

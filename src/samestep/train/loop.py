@@ -62,6 +62,7 @@ from samestep.train.llama import Llama
 from samestep.train.model import GPT
 from samestep.train.processes import Processes, device_kind
 from samestep.train.resume import check_run_files, restore_run
+from samestep.train.tp import apply_tp, check_tp, data_ranks
 from samestep.train.progress import Progress
 from samestep.train.schedule import WarmupCosine
 
@@ -108,8 +109,9 @@ class Trainer:
 
     @property
     def sharded(self) -> bool:
-        """Whether FSDP2 shards the model over the processes (parallel.fsdp on more than one)."""
-        return isinstance(self.grads, FsdpGradients)
+        """Whether the model's parameters are DTensors, each rank holding its shards: FSDP2 (parallel.fsdp on
+        more than one process) or tensor parallelism (parallel.tp_chunks, a mesh of one included)."""
+        return isinstance(self.grads, FsdpGradients) or self.cfg.parallel.tp_chunks > 0
 
     def savable(self) -> tuple[Any, Any]:
         """What the final digest reads ``state_dict()`` from: the model and optimizer, or of a sharded run
@@ -210,6 +212,9 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     check_capacity(cfg, vocab, int(corpus.tokens.size), device, world)
     arch = Llama if cfg.model.arch == "llama" else GPT
     model = arch(cfg.model, vocab, t.seed, deterministic=cfg.determinism.enabled).to(device)
+    check_tp(cfg, world)
+    if cfg.parallel.tp_chunks:
+        apply_tp(model, cfg, rank, device.type)
     sharded = cfg.parallel.fsdp and world > 1
     if sharded and t.compile:
         raise ValueError("parallel.fsdp=true with train.compile=true is not supported yet; use one of them")
@@ -220,16 +225,19 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
         raise ValueError("train.sdc_check_every with parallel.fsdp=true is not supported yet; use one of them")
     if t.compile:
         model.compile()  # in place: the state_dict keys stay the model's own
-    k = t.microbatches // world
+    data_world = data_ranks(cfg, world)
+    data_rank = rank // (world // data_world)  # a data rank's tensor ranks are consecutive
+    k = t.microbatches // data_world
     if sharded:
         shard_model(model, world)
         grads: Any = (FsdpGradients(model, microbatches_per_process=k, world_size=world, rank=rank)
                       if cfg.determinism.enabled else FsdpDefaultGradients(model, microbatches_per_process=k,
                                                                            world_size=world, rank=rank))
     else:
-        grads = (CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank,
-                                    overlap=cfg.parallel.overlap) if cfg.determinism.enabled else
-                 AllReduceGradients(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank))
+        grads = (CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=data_world,
+                                    rank=data_rank, overlap=cfg.parallel.overlap) if cfg.determinism.enabled else
+                 AllReduceGradients(model.parameters(), microbatches_per_process=k, world_size=data_world,
+                                    rank=data_rank))
     tc = cfg.trace
     recorder = Recorder(run_dir if run_dir is not None else ".", level=tc.level if run_dir is not None else "off",
                         steps=parse_selection(tc.steps, "trace.steps"), ranks=parse_selection(tc.ranks, "trace.ranks"),
@@ -279,7 +287,7 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
             # Before any process group exists: NCCL reads NCCL_ALGO when its communicator starts.
             proto.enable(threads=cfg.determinism.threads, warn_only=cfg.determinism.warn_only,
                            who="determinism.threads")
-        dist_ = Processes(device_kind(cfg))
+        dist_ = Processes(device_kind(cfg), group_of_one=cfg.parallel.tp_chunks > 0)
         try:
             with proto.watching(parse_signals(cfg.train.exit_signals)):
                 return _train(cfg, run_dir, resume, stop_after, out, dist_, proto)
@@ -294,6 +302,8 @@ def check_layout(cfg: Config, world: int) -> None:
     whose split the canonical tree does not support), naming the ones that work. The launcher asks before
     it starts any process, each process again for itself."""
     t = cfg.train
+    check_tp(cfg, world)
+    world = data_ranks(cfg, world)
     if t.microbatches % world:
         raise ValueError(f"train.global_batch={t.global_batch} / train.micro_batch={t.micro_batch} = "
                          f"{t.microbatches} microbatches do not split over {world} processes; use a process count "
@@ -306,7 +316,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
            out: Callable[[str], None], dist_: Processes, proto: RunProtocol) -> dict[str, Any] | None:
     t, world, rank, report = cfg.train, dist_.world, dist_.rank, proto.report
     check_layout(cfg, world)
-    k = t.microbatches // world
+    k = t.microbatches // data_ranks(cfg, world)
     say = out if rank == 0 else (lambda _msg: None)
     mixed = dist_.compare_environments(cfg.determinism.env_mismatch)
     trainer = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
@@ -317,7 +327,8 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
     if rank == 0:
         truncate_metrics(run_dir, start)  # first: a damaged metrics.jsonl refuses the resume before run.json records it
         layout = {"world_size": world, "microbatches_per_process": k,
-                  **({"sharded": "fsdp2"} if trainer.sharded else {})}
+                  **({"sharded": "fsdp2"} if cfg.parallel.fsdp and world > 1 else {}),
+                  **({"tensor_parallel": cfg.parallel.tp} if cfg.parallel.tp_chunks else {})}
         if holds_run(run_dir):
             record_resume(run_dir, {"step": start, **layout, "checkpoint": loaded.path.name if loaded else None,
                                     "skipped": [p.name for p, _ in loaded.skipped] if loaded else [],

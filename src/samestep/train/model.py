@@ -39,23 +39,46 @@ def dropout(x: torch.Tensor, p: float, gen: torch.Generator | None, training: bo
     return x * keep / (1.0 - p)
 
 
+def head_dropout(att: torch.Tensor, p: float, gen: torch.Generator | None, training: bool, n_head: int,
+                 first_head: int) -> torch.Tensor:
+    """Dropout on attention weights (B, local heads, T, T), heads ``first_head`` on of ``n_head``: each element
+    kept by its position in the whole (B, n_head, T, T) tensor under one key drawn from ``gen``, so the heads
+    a tensor-parallel rank holds draw their part of the one mask, and ``gen`` advances alike on every rank."""
+    if not training or p == 0.0:
+        return att
+    if gen is None:
+        raise RuntimeError("GPT.forward(training) with dropout > 0 needs a counter-keyed generator")
+    key = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
+    B, h, T, S = att.shape
+    keep = _rng.positional_keep(key, (B, n_head, T, S), (0, first_head, 0, 0), (B, h, T, S), p, att.device)
+    return att * keep / (1.0 - p)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.n_head, self.p = cfg.n_head, cfg.dropout
+        self.n_head, self.p, self.head_size = cfg.n_head, cfg.dropout, cfg.n_embd // cfg.n_head
+        # set by parallel.tp_chunks: this rank's first head (the dropout mask keyed by head position)
+        self.first_head: int | None = None
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
         self.register_buffer("mask", mask.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        B, T, _ = x.shape
+        qkv = self.c_attn(x)  # (B, T, 3 x this rank's heads' width): all heads but under tensor parallelism
+        q, k, v = qkv.split(qkv.size(-1) // 3, dim=2)
+        q, k, v = (t.view(B, T, -1, self.head_size).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
+        if self.first_head is not None:  # one head's strided operand takes another GEMM path (other bits) on CPU
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(k.size(-1)))  # (B, nh, T, T)
         att = att.masked_fill(~self.mask[:, :, :T, :T], float("-inf")).softmax(dim=-1)
-        att = dropout(att, self.p, gen, self.training)
-        y = (att @ v).transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        if self.first_head is None:
+            att = dropout(att, self.p, gen, self.training)
+        else:
+            att = head_dropout(att, self.p, gen, self.training, self.n_head, self.first_head)
+        y = (att @ v).transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C)
         return dropout(self.c_proj(y), self.p, gen, self.training)
 
 

@@ -19,7 +19,8 @@ __all__ = ["Processes", "device_kind"]
 class Processes:
     """torch.distributed set-up when launched by torchrun (WORLD_SIZE > 1), else a single process."""
 
-    def __init__(self, device_kind: str) -> None:
+    def __init__(self, device_kind: str, group_of_one: bool = False) -> None:
+        """``group_of_one``: a process group even for a single process (a tensor-parallel mesh of one)."""
         import torch.distributed as dist
 
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -35,6 +36,10 @@ class Processes:
         self.owned = False
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+            self.owned = True
+        elif group_of_one and self.world == 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=dist.HashStore(),
+                                    rank=0, world_size=1)
             self.owned = True
 
     def barrier(self) -> None:

@@ -1,0 +1,86 @@
+"""Tensor parallelism in the reference run: parallel.tp and parallel.tp_chunks (docs/layouts.md, "Tensor
+parallelism").
+
+With parallel.tp_chunks set, every decoder block's linear layers are sharded with samestep's canonical styles
+(``CanonicalColwiseParallel``, ``CanonicalRowwiseParallel``) over a mesh of the tensor-parallel ranks, a mesh
+of one process included: the placements, and with them the bracketing of every sum (a layer's chunks, the
+gradient norm's slices), are then the same at every degree. Embeddings, norms and the tied head stay whole
+on every rank: each layer's output and input gradient are whole and the same on every rank, so what they
+compute is too, with no sum across ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from samestep.distributed.tensor_parallel import CanonicalColwiseParallel, CanonicalRowwiseParallel, validate_tp
+from samestep.train.config import Config
+
+__all__ = ["apply_tp", "check_tp", "data_ranks"]
+
+
+def data_ranks(cfg: Config, world: int) -> int:
+    """How many ranks split the data: the processes over the tensor-parallel degree."""
+    return world // cfg.parallel.tp if cfg.parallel.tp_chunks else world
+
+
+def check_tp(cfg: Config, world: int) -> None:
+    """Refuses a tensor-parallel config this run cannot keep on one numerical path, naming the fix.
+
+    Raises:
+        ValueError: the field, its value and what would do.
+    """
+    par, m, t = cfg.parallel, cfg.model, cfg.train
+    if not par.tp_chunks:
+        return
+    others = {"parallel.fsdp=true": par.fsdp, "train.compile=true": t.compile,
+              f"model.moe_experts={m.moe_experts}": m.moe_experts, f"train.sdc_check_every={t.sdc_check_every}":
+              t.sdc_check_every, f"train.fault={t.fault!r}": t.fault,
+              f"trace.level={cfg.trace.level!r}": cfg.trace.level != "off"}
+    for what, on in others.items():
+        if on:
+            raise ValueError(f"parallel.tp_chunks={par.tp_chunks} with {what} is not supported yet; use one of them")
+    head = m.n_embd // m.n_head
+    dims = {"n_embd": m.n_embd, "n_head": m.n_head}
+    if m.arch == "llama":
+        dims |= {"n_kv_head": m.kv_heads, "n_kv_head x head size": m.kv_heads * head, "mlp width": m.mlp_width}
+    else:
+        dims |= {"4 x n_embd": 4 * m.n_embd}
+    validate_tp(par.tp, par.tp_chunks, dims)
+    if world != par.tp:
+        raise ValueError(f"parallel.tp={par.tp} on {world} process(es): every process is a tensor rank (data "
+                         f"ranks beside tensor ranks are not supported yet). Fix: --nproc {par.tp}, or "
+                         f"parallel.tp={world}")
+
+
+def _plan(model: nn.Module, chunks: int) -> dict[str, Any]:
+    """Each decoder block's linear layers and their canonical style (fused projections split part by part)."""
+    col, row = CanonicalColwiseParallel(chunks), CanonicalRowwiseParallel(chunks)
+    if type(model).__name__ == "Llama":
+        styles = {"attn.q": col, "attn.kv": CanonicalColwiseParallel(chunks, parts=2), "attn.o": row,
+                  "mlp.gate": col, "mlp.up": col, "mlp.down": row}
+        blocks = model.layers  # type: ignore[attr-defined]
+        prefix = "layers"
+    else:
+        styles = {"attn.c_attn": CanonicalColwiseParallel(chunks, parts=3), "attn.c_proj": row,
+                  "mlp.c_fc": col, "mlp.c_proj": row}
+        blocks = model.transformer.h  # type: ignore[attr-defined]
+        prefix = "transformer.h"
+    return {f"{prefix}.{i}.{name}": style for i in range(len(blocks)) for name, style in styles.items()}
+
+
+def apply_tp(model: nn.Module, cfg: Config, rank: int, device_type: str) -> None:
+    """Shards ``model``'s decoder blocks over the tensor-parallel ranks (every process, ``parallel.tp`` of them;
+    one process on a mesh of one) and keys the GPT's attention dropout by head position. A collective: every
+    rank calls it, after the process group exists."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp, chunks = cfg.parallel.tp, cfg.parallel.tp_chunks
+    mesh = init_device_mesh(device_type, (tp,))
+    parallelize_module(model, mesh, _plan(model, chunks))
+    for module in model.modules():
+        if hasattr(module, "first_head"):
+            module.first_head = rank * (cfg.model.n_head // tp)

@@ -1,0 +1,138 @@
+"""Tensor parallelism in the reference run (`samestep train --set parallel.tp=N`): TP 2 and 4 give the one-process
+bits of the same parallel.tp_chunks, gpt and llama, fp32 and bf16, dropout on; a TP-2 run killed by SIGKILL
+resumes at TP 4 and on one process bit for bit; the receipts of a run that grew hold."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import TINY, cli_here, metrics_bytes, run_train, train_cmd, train_here
+
+pytestmark = pytest.mark.slow
+
+# 4 heads of 8 (TP 4: one head a rank), dropout on: the attention's mask is keyed by head position
+TP = (*[s for s in TINY if not s.startswith(("model.n_head", "train.steps"))], "model.n_head=4", "model.dropout=0.1",
+      "train.steps=4", "parallel.tp_chunks=8")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tp1") / "run"
+    return d, train_here(d, *TP)["state_digest"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tp_2_and_4_give_the_one_process_bits(one_process, tmp_path, tp):
+    """The final state digest and metrics.jsonl's bytes at TP 2 and 4 are the one process's; run.json records
+    the layout."""
+    ref_dir, ref_digest = one_process
+    final = run_train(tmp_path / "run", *TP, f"parallel.tp={tp}", nproc=tp)
+    assert final["state_digest"] == ref_digest and metrics_bytes(tmp_path / "run") == metrics_bytes(ref_dir)
+    layout = json.loads((tmp_path / "run" / "run.json").read_text())["layout"]
+    assert layout == {"world_size": tp, "microbatches_per_process": 4, "tensor_parallel": tp}
+
+
+@pytest.mark.parametrize("what", [("model.arch=llama", "model.n_kv_head=2"), ("train.precision=bf16",)],
+                         ids=["llama", "bf16"])
+def test_llama_and_bf16_at_tp_2_give_the_one_process_bits(tmp_path, what):
+    """A Llama (grouped-query attention, its k and v one projection) and a GPT computing in bf16 give at TP 2
+    the bits of one process."""
+    settings = (*TP, *what, "train.steps=3")
+    one = train_here(tmp_path / "one", *settings)["state_digest"]
+    two = run_train(tmp_path / "two", *settings, "parallel.tp=2", nproc=2)["state_digest"]
+    assert one == two and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "two")
+
+
+def _torchrun(tmp_path, name: str, patch: str, run_dir, *settings: str, nproc: int = 2) -> subprocess.CompletedProcess:
+    """``samestep train`` on ``nproc`` torchrun processes, ``patch`` run first in each."""
+    script = tmp_path / f"{name}.py"
+    script.write_text(textwrap.dedent(patch) + textwrap.dedent(f"""
+        from samestep.cli import main
+        sys.exit(main({train_cmd(run_dir, *settings)[3:]!r}))
+    """))
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(nproc), str(script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_a_tp_2_run_killed_resumes_at_tp_4_and_on_one_process_bit_for_bit(one_process, tmp_path):
+    """Rank 1 of a TP-2 run is SIGKILLed in step 4 (the newest checkpoint: step 2). Resumed at TP 4, and
+    from a copy on one process, each run ends on the one-process bits; the grown run's receipts hold (ranks 2
+    and 3 keep theirs from step 3) and run.json records each segment's layout."""
+    ref_dir, ref_digest = one_process
+    d = tmp_path / "run"
+    proc = _torchrun(tmp_path, "killed", """
+        import os, signal, sys
+        from samestep.train import loop
+        step = loop.Trainer.step
+        def dying(self, s):
+            if s == 3 and os.environ["RANK"] == "1":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return step(self, s)
+        loop.Trainer.step = dying
+    """, d, *TP, "parallel.tp=2")
+    assert proc.returncode != 0 and "Signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-3000:]
+    assert (d / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    shutil.copytree(d, tmp_path / "copy")
+    four = run_train(d, *TP, "parallel.tp=4", nproc=4, resume=True)
+    one = train_here(tmp_path / "copy", *TP, resume=True)
+    for run_dir, final in ((d, four), (tmp_path / "copy", one)):
+        assert final["state_digest"] == ref_digest and metrics_bytes(run_dir) == metrics_bytes(ref_dir)
+    resumes = json.loads((d / "run.json").read_text())["resumes"]
+    assert [(r["step"], r["world_size"], r["tensor_parallel"]) for r in resumes] == [(2, 4, 4)]
+    verify = cli_here("receipts", "verify", str(d))
+    assert verify.returncode == 0 and "rank 2: steps 3-4" in verify.stdout, verify.stdout + verify.stderr
+
+
+def test_a_receipt_chain_that_starts_late_without_a_grown_resume_is_broken(one_process, tmp_path):
+    """Negative control of the grown run's receipts: a rank-1 file that starts at step 3 in a run that ran on 2
+    processes from step 1 is named."""
+    d = tmp_path / "run"
+    run_train(d, *TP, "parallel.tp=2", nproc=2)
+    path = d / "receipts" / "rank_00001.jsonl"
+    header, *receipts = path.read_text().splitlines()
+    path.write_text("\n".join([header, *receipts[2:]]) + "\n")
+    verify = cli_here("receipts", "verify", str(d))
+    assert verify.returncode != 0 and "rank_00001.jsonl: " in verify.stdout + verify.stderr
+
+
+def test_dropout_drawn_per_rank_from_the_generator_gives_other_bits(one_process, tmp_path):
+    """Negative control: the attention dropout drawn from the microbatch's generator over each rank's own heads
+    (what a model that does not key it by head position does) gives other bits at TP 2 than on one process."""
+    _, ref_digest = one_process
+    d = tmp_path / "run"
+    proc = _torchrun(tmp_path, "per_rank", """
+        import sys
+        from samestep.train import loop
+        apply = loop.apply_tp
+        def unkeyed(model, *args):
+            apply(model, *args)
+            for m in model.modules():
+                if hasattr(m, "first_head"):
+                    m.first_head = None
+        loop.apply_tp = unkeyed
+    """, d, *TP, "parallel.tp=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads((d / "final.json").read_text())["state_digest"] != ref_digest
+
+
+@pytest.mark.parametrize("settings,nproc,says", [
+    (("parallel.tp=2",), 1, "parallel.tp=2 needs parallel.tp_chunks"),
+    (("parallel.tp_chunks=8", "parallel.tp=3"), 1, "parallel.tp=3 does not divide parallel.tp_chunks=8"),
+    (("parallel.tp_chunks=8", "parallel.tp=2"), 1, "parallel.tp=2 on 1 process(es): every process is a tensor rank"),
+    (("parallel.tp_chunks=8", "parallel.fsdp=true"), 1, "with parallel.fsdp=true is not supported yet"),
+    (("parallel.tp_chunks=8", "model.n_head=3", "model.n_embd=48", "parallel.tp=2"), 2, "n_head=3 is not divisible"),
+])
+def test_a_tensor_parallel_config_it_cannot_keep_on_one_path_is_refused(tmp_path, settings, nproc, says):
+    """One line naming the field, the value and the fix; exit code 2 (a bad config); no run written."""
+    proc = subprocess.run(train_cmd(tmp_path / "run", *TINY, *settings, nproc=nproc), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "run" / "run.json").exists()
