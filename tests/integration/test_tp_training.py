@@ -136,3 +136,28 @@ def test_a_tensor_parallel_config_it_cannot_keep_on_one_path_is_refused(tmp_path
                           text=True, timeout=300)
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run" / "run.json").exists()
+
+
+def test_diff_names_the_op_rank_and_module_of_a_planted_difference_at_tp_2(tmp_path):
+    """Two TP-2 runs traced at op level in step 3, one with one ULP planted on tensor rank 1 in the final norm's
+    op: `samestep diff` names step 3, rank 1, the module and the op, and `bisect` (replaying both at TP 2 from
+    step 2) the same; the pair without the plant is identical (every record, rank by rank: the same layout)."""
+    from samestep.analysis.bisect import bisect_runs
+    from samestep.analysis.diff import diff_runs
+
+    traced = (*TP, "parallel.tp=2", "trace.level=op", "trace.steps=3")
+    target = "rank=1,step=3,microbatch=2,phase=forward,scope=transformer.ln_f,op=aten.native_layer_norm.default"
+    for name, extra in (("a", ()), ("b", ()), ("planted", (f"trace.perturb={target}",))):
+        run_train(tmp_path / name, *traced, *extra, nproc=2)
+    same = diff_runs(tmp_path / "a", tmp_path / "b")
+    assert same["identical"] and same["compared"]["trace_records"] > 0, same["summary"]
+    planted = diff_runs(tmp_path / "a", tmp_path / "planted")
+    assert planted["verdict"] == "diverged", planted["summary"]
+    o = planted["origin"]
+    assert o is not None, planted["summary"]
+    assert (o["step"], o["rank"], o["microbatch"], o["scope"], o["op"]) == (
+        3, 1, 2, "transformer.ln_f", "aten.native_layer_norm.default"), o
+    caught = bisect_runs(tmp_path / "a", tmp_path / "planted")
+    o = caught["origin"]
+    assert o is not None and caught["replayed_from"] == 2, caught["summary"]
+    assert (o["step"], o["rank"], o["scope"], o["op"]) == (3, 1, "transformer.ln_f", "aten.native_layer_norm.default")

@@ -37,8 +37,7 @@ def check_tp(cfg: Config, world: int) -> None:
         return
     others = {"parallel.fsdp=true": par.fsdp, "train.compile=true": t.compile,
               f"model.moe_experts={m.moe_experts}": m.moe_experts, f"train.sdc_check_every={t.sdc_check_every}":
-              t.sdc_check_every, f"train.fault={t.fault!r}": t.fault,
-              f"trace.level={cfg.trace.level!r}": cfg.trace.level != "off"}
+              t.sdc_check_every, f"train.fault={t.fault!r}": t.fault}
     for what, on in others.items():
         if on:
             raise ValueError(f"parallel.tp_chunks={par.tp_chunks} with {what} is not supported yet; use one of them")
