@@ -15,6 +15,18 @@ its all-to-alls start in the backward as DDP's all-reduces do, while the sums an
 backward's end (distributed/buckets.py: a wait inside the backward could deadlock), so they are exposed;
 "whole overlap" prices every bucket's whole combine started in the backward, which is not built.
 Reported: seconds exposed per step and the step-time ratio to DDP for a given backward.
+
+    .venv/bin/python bench/cost_model.py --tp [--message-mb 64] [--layers 32] [--microbatches 8]
+                                         [--nvlink-gbps 450] [--nvlink-alpha-us 3] [--chunk-cost 0.03] [--json]
+
+With --tp, tensor parallelism within a node (docs/layouts.md, "Tensor parallelism") at TP 2, 4 and 8 x DP
+8 to 4,096: every decoder layer sums an activation-sized message across the T tensor ranks four times a
+microbatch (two row-parallel outputs forward, two column-parallel input gradients backward), on the
+critical path for plain TP and canonical TP alike. Plain TP: a ring all-reduce, 2(T-1)(alpha + m/(T beta)).
+Canonical: on 2 ranks one all-gather of the two sums (alpha + m/beta) and their sum; beyond, the all-to-all,
+the fixed-order sum of T chunks and the all-gather, the ring's messages and bytes. The chunked matmuls cost
+``--chunk-cost`` of the step more (a fraction; smaller GEMMs). Each tensor rank's 1/T of the gradient is
+combined over the DP ranks as above (DDP's ring against the canonical combine as built).
 """
 
 from __future__ import annotations
@@ -56,6 +68,25 @@ def estimate(w: int, grad: float, buckets: int, alpha: float, beta: float, sum_b
             "ratio_to_ddp_whole_overlap": (step + full) / (step + ddp_exposed)}
 
 
+def tp_estimate(t: int, dp: int, a: argparse.Namespace) -> dict:
+    """Exposed seconds per step of plain and canonical tensor parallelism at degree ``t`` over ``dp`` data
+    ranks, and the step-time ratio (see the module docstring)."""
+    m, alpha, beta, hbm = a.message_mb * 1e6, a.nvlink_alpha_us * 1e-6, a.nvlink_gbps * 1e9, a.hbm_gbps * 1e9
+    ring = ring_bucket(m, t, alpha, beta)
+    canon = (alpha + m / beta + m / hbm) if t == 2 else canonical_bucket(m, t, alpha, beta, hbm)
+    count = 4 * a.layers * a.microbatches
+    dp_rows = estimate(dp, a.grad_mb * 1e6 / t, a.buckets, a.alpha_us * 1e-6, a.gbps * 1e9, a.sum_gbps * 1e9,
+                       a.backward_ms * 1e-3)
+    step = a.backward_ms * 1e-3 * 1.5
+    plain = count * ring + dp_rows["ddp_exposed_ms"] * 1e-3
+    canonical = count * canon + dp_rows["canonical_overlapped_exposed_ms"] * 1e-3 + a.chunk_cost * step
+    return {"tp": t, "dp": dp, "ranks": t * dp, "plain_tp_sums_ms": 1e3 * count * ring,
+            "canonical_tp_sums_ms": 1e3 * count * canon, "plain_dp_exposed_ms": dp_rows["ddp_exposed_ms"],
+            "canonical_dp_exposed_ms": dp_rows["canonical_overlapped_exposed_ms"],
+            "plain_tp_exposed_ms": 1e3 * plain, "canonical_tp_exposed_ms": 1e3 * canonical,
+            "ratio_to_plain_tp": (step + canonical) / (step + plain)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--grad-mb", type=float, default=1000.0, help="gradient bytes per step (fp32: 4 per parameter)")
@@ -64,8 +95,31 @@ def main() -> int:
     ap.add_argument("--backward-ms", type=float, default=300.0)
     ap.add_argument("--buckets", type=int, default=25)
     ap.add_argument("--sum-gbps", type=float, default=200.0, help="memory bandwidth of the fixed-order sum")
+    ap.add_argument("--tp", action="store_true", help="tensor parallelism at TP 2-8 x DP 8-4,096")
+    ap.add_argument("--message-mb", type=float, default=64.0,
+                    help="--tp: bytes of one activation sum (bf16 tokens x hidden of a microbatch)")
+    ap.add_argument("--layers", type=int, default=32, help="--tp: decoder layers")
+    ap.add_argument("--microbatches", type=int, default=8, help="--tp: microbatches per step and rank")
+    ap.add_argument("--nvlink-gbps", type=float, default=450.0, help="--tp: bandwidth per GPU within a node")
+    ap.add_argument("--nvlink-alpha-us", type=float, default=3.0, help="--tp: latency per message within a node")
+    ap.add_argument("--chunk-cost", type=float, default=0.03, help="--tp: the chunked matmuls' extra, of a step")
+    ap.add_argument("--hbm-gbps", type=float, default=3000.0, help="--tp: device memory bandwidth of a sum")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.tp:
+        tp_rows = [tp_estimate(t, dp, a) for t in (2, 4, 8) for dp in (8, 64, 512, 4096)]
+        if a.json:
+            print(json.dumps(tp_rows))
+            return 0
+        print("| TP x DP | TP sums, plain / canonical | DP exposed, DDP / canonical | exposed, plain / canonical "
+              "(+ chunks) | ratio to plain TP |")
+        print("|---|---|---|---|---|")
+        for r in tp_rows:
+            print(f"| {r['tp']} x {r['dp']} | {r['plain_tp_sums_ms']:.1f} / {r['canonical_tp_sums_ms']:.1f} ms | "
+                  f"{r['plain_dp_exposed_ms']:.1f} / {r['canonical_dp_exposed_ms']:.1f} ms | "
+                  f"{r['plain_tp_exposed_ms']:.1f} / {r['canonical_tp_exposed_ms']:.1f} ms | "
+                  f"{r['ratio_to_plain_tp']:.3f}x |")
+        return 0
     rows = [estimate(w, a.grad_mb * 1e6, a.buckets, a.alpha_us * 1e-6, a.gbps * 1e9, a.sum_gbps * 1e9,
                      a.backward_ms * 1e-3) for w in (8, 64, 512, 4096)]
     if a.json:

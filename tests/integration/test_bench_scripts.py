@@ -144,3 +144,23 @@ def test_chunks_bench_times_the_chunked_layers_against_plain_ones():
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["chunks"] == 8 and r["step_ms_plain"] > 0 and r["step_ms_chunked"] > 0 and r["ratio_median"] > 0
+
+
+def test_cost_model_prices_canonical_tensor_parallelism_against_plain():
+    """`bench/cost_model.py --tp --json`: TP 2, 4 and 8 x DP 8 to 4,096; the canonical sums across tensor ranks
+    cost the ring's messages and bytes plus their fixed-order sum on the device, so more than plain TP's,
+    and the step more. Control: with a free device sum and no chunk cost, from TP 4 on the canonical sums
+    price exactly as the ring (the model tells the sum apart from the messages)."""
+    def rows(*extra):
+        proc = subprocess.run([sys.executable, "bench/cost_model.py", "--tp", "--json", *extra], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    priced = rows()
+    assert [(r["tp"], r["dp"]) for r in priced] == [(t, d) for t in (2, 4, 8) for d in (8, 64, 512, 4096)]
+    for r in priced:
+        assert r["canonical_tp_sums_ms"] > r["plain_tp_sums_ms"] and r["ratio_to_plain_tp"] > 1
+    for r in rows("--hbm-gbps", "1e12", "--chunk-cost", "0"):
+        if r["tp"] >= 4:
+            assert abs(r["canonical_tp_sums_ms"] - r["plain_tp_sums_ms"]) < 1e-6
