@@ -1,6 +1,7 @@
-"""Tensor parallelism in the reference run (`samestep train --set parallel.tp=N`): TP 2 and 4 give the one-process
-bits of the same parallel.tp_chunks, gpt and llama, fp32 and bf16, dropout on; a TP-2 run killed by SIGKILL
-resumes at TP 4 and on one process bit for bit; the receipts of a run that grew hold."""
+"""Tensor parallelism in the reference run (`samestep train --set parallel.tp=N`): TP 2, TP 4 and 2 data x 2
+tensor ranks give the one-process bits of the same parallel.tp_chunks, gpt and llama, fp32 and bf16, dropout
+on; a TP-2 run killed by SIGKILL resumes at TP 4, on one process and on 2 x 2 bit for bit; the receipts of a
+run that grew hold; diff and bisect name a planted difference's tensor rank, module and op."""
 
 from __future__ import annotations
 
@@ -28,25 +29,25 @@ def one_process(tmp_path_factory):
     return d, train_here(d, *TP)["state_digest"]
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tp_2_and_4_give_the_one_process_bits(one_process, tmp_path, tp):
-    """The final state digest and metrics.jsonl's bytes at TP 2 and 4 are the one process's; run.json records
-    the layout."""
+@pytest.mark.parametrize("nproc,tp", [(2, 2), (4, 4), (4, 2)], ids=["tp2", "tp4", "dp2xtp2"])
+def test_tp_2_and_4_and_2_data_by_2_tensor_ranks_give_the_one_process_bits(one_process, tmp_path, nproc, tp):
+    """The final state digest and metrics.jsonl's bytes at TP 2, TP 4 and 2 data x 2 tensor ranks are the one
+    process's; run.json records the layout."""
     ref_dir, ref_digest = one_process
-    final = run_train(tmp_path / "run", *TP, f"parallel.tp={tp}", nproc=tp)
+    final = run_train(tmp_path / "run", *TP, f"parallel.tp={tp}", nproc=nproc)
     assert final["state_digest"] == ref_digest and metrics_bytes(tmp_path / "run") == metrics_bytes(ref_dir)
     layout = json.loads((tmp_path / "run" / "run.json").read_text())["layout"]
-    assert layout == {"world_size": tp, "microbatches_per_process": 4, "tensor_parallel": tp}
+    assert layout == {"world_size": nproc, "microbatches_per_process": 4 * tp // nproc, "tensor_parallel": tp}
 
 
-@pytest.mark.parametrize("what", [("model.arch=llama", "model.n_kv_head=2"), ("train.precision=bf16",)],
-                         ids=["llama", "bf16"])
-def test_llama_and_bf16_at_tp_2_give_the_one_process_bits(tmp_path, what):
-    """A Llama (grouped-query attention, its k and v one projection) and a GPT computing in bf16 give at TP 2
-    the bits of one process."""
+@pytest.mark.parametrize("what,nproc", [(("model.arch=llama", "model.n_kv_head=2"), 2), (("train.precision=bf16",), 4)],
+                         ids=["llama-tp2", "bf16-dp2xtp2"])
+def test_llama_and_bf16_give_the_one_process_bits(tmp_path, what, nproc):
+    """A Llama (grouped-query attention, its k and v one projection) at TP 2, and a GPT computing in bf16 on 2
+    data x 2 tensor ranks, give the bits of one process."""
     settings = (*TP, *what, "train.steps=3")
     one = train_here(tmp_path / "one", *settings)["state_digest"]
-    two = run_train(tmp_path / "two", *settings, "parallel.tp=2", nproc=2)["state_digest"]
+    two = run_train(tmp_path / "two", *settings, "parallel.tp=2", nproc=nproc)["state_digest"]
     assert one == two and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "two")
 
 
@@ -63,9 +64,9 @@ def _torchrun(tmp_path, name: str, patch: str, run_dir, *settings: str, nproc: i
 
 
 def test_a_tp_2_run_killed_resumes_at_tp_4_and_on_one_process_bit_for_bit(one_process, tmp_path):
-    """Rank 1 of a TP-2 run is SIGKILLed in step 4 (the newest checkpoint: step 2). Resumed at TP 4, and
-    from a copy on one process, each run ends on the one-process bits; the grown run's receipts hold (ranks 2
-    and 3 keep theirs from step 3) and run.json records each segment's layout."""
+    """Rank 1 of a TP-2 run is SIGKILLed in step 4 (the newest checkpoint: step 2). Resumed at TP 4, and from
+    copies on one process and on 2 data x 2 tensor ranks, each run ends on the one-process bits; the grown
+    run's receipts hold (ranks 2 and 3 keep theirs from step 3) and run.json records each segment's layout."""
     ref_dir, ref_digest = one_process
     d = tmp_path / "run"
     proc = _torchrun(tmp_path, "killed", """
@@ -81,9 +82,11 @@ def test_a_tp_2_run_killed_resumes_at_tp_4_and_on_one_process_bit_for_bit(one_pr
     assert proc.returncode != 0 and "Signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-3000:]
     assert (d / "checkpoints" / "latest").read_text().strip() == "step_000002"
     shutil.copytree(d, tmp_path / "copy")
+    shutil.copytree(d, tmp_path / "grid")
     four = run_train(d, *TP, "parallel.tp=4", nproc=4, resume=True)
     one = train_here(tmp_path / "copy", *TP, resume=True)
-    for run_dir, final in ((d, four), (tmp_path / "copy", one)):
+    grid = run_train(tmp_path / "grid", *TP, "parallel.tp=2", nproc=4, resume=True)  # 2 data x 2 tensor ranks
+    for run_dir, final in ((d, four), (tmp_path / "copy", one), (tmp_path / "grid", grid)):
         assert final["state_digest"] == ref_digest and metrics_bytes(run_dir) == metrics_bytes(ref_dir)
     resumes = json.loads((d / "run.json").read_text())["resumes"]
     assert [(r["step"], r["world_size"], r["tensor_parallel"]) for r in resumes] == [(2, 4, 4)]
@@ -126,7 +129,7 @@ def test_dropout_drawn_per_rank_from_the_generator_gives_other_bits(one_process,
 @pytest.mark.parametrize("settings,nproc,says", [
     (("parallel.tp=2",), 1, "parallel.tp=2 needs parallel.tp_chunks"),
     (("parallel.tp_chunks=8", "parallel.tp=3"), 1, "parallel.tp=3 does not divide parallel.tp_chunks=8"),
-    (("parallel.tp_chunks=8", "parallel.tp=2"), 1, "parallel.tp=2 on 1 process(es): every process is a tensor rank"),
+    (("parallel.tp_chunks=8", "parallel.tp=2"), 1, "parallel.tp=2 does not divide the 1 process(es)"),
     (("parallel.tp_chunks=8", "parallel.fsdp=true"), 1, "with parallel.fsdp=true is not supported yet"),
     (("parallel.tp_chunks=8", "model.n_head=3", "model.n_embd=48", "parallel.tp=2"), 2, "n_head=3 is not divisible"),
 ])

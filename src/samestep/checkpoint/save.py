@@ -135,7 +135,7 @@ def save_checkpoint(
         write_json(tmp / j_name, meta)
         stateful = {"scheduler": scheduler, "data_cursor": data_cursor}
         if sharded:
-            files = _write_sharded(tmp, step, rank, world, model, optimizer, stateful, extra, config)
+            files, shards = _write_sharded(tmp, step, rank, world, model, optimizer, stateful, extra, config)
         elif rank == 0:
             files = _write_state(tmp, step, model, optimizer, stateful, extra, config)
     barrier()
@@ -144,7 +144,7 @@ def save_checkpoint(
             for r in range(world):
                 for name in rank_names(r):
                     files[name] = _file_entry((tmp / name).read_bytes())
-                if sharded:  # each rank's shard entries, which it digested itself: no shard is read here
+                if sharded and r < shards:  # each writer's shard entries, digested by it: no shard is read here
                     entries = tmp / _ENTRIES.format(r)
                     files.update(json.loads(entries.read_bytes()))
                     entries.unlink()
@@ -296,9 +296,9 @@ def _split(tensors: dict[str, Any], world: int) -> tuple[dict[str, torch.Tensor]
         if (len(t.placements) != 1 or type(placed) not in (Shard, _StridedShard) or t.device_mesh.size() != world
                 or t.shape[placed.dim % t.dim()] % parts):
             raise CheckpointError(f"sharded checkpoint: {name!r} is placed {t.placements} on a mesh of "
-                                  f"{t.device_mesh.size()} of {world} ranks, but only one Shard (FSDP2's Shard(0), "
-                                  "tensor parallelism's) or Replicate over every rank is stored; save its "
-                                  "full_tensor() instead")
+                                  f"{t.device_mesh.size()} ranks, but only one Shard (FSDP2's Shard(0), tensor "
+                                  f"parallelism's) or Replicate over the {world} ranks that shard the others is "
+                                  "stored; save its full_tensor() instead")
         dim = placed.dim % t.dim()
         rows = shard_rows(t.shape[dim] // parts, world)
         shard = t.to_local().detach()
@@ -320,29 +320,49 @@ def _version(tmp: Path) -> int:
     return SPLIT_VERSION if split else SHARDED_VERSION
 
 
+def _shard_mesh(tensors: dict[str, Any], rank: int, world: int) -> tuple[int, int, bool]:
+    """(how many ranks the DTensors are split over, this rank's index among them, whether it writes them).
+    A mesh over every rank: each writes its own. A mesh of a subset (the tensor ranks of one data rank, a
+    tensor-parallel mesh inside data parallelism): the replicas of the subset that holds rank 0 write, the
+    others hold the same shards."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    for t in tensors.values():
+        if isinstance(t, DTensor) and not all(p == Replicate() for p in t.placements):
+            mesh = t.device_mesh
+            if mesh.size() == world:
+                return world, rank, True
+            return mesh.size(), mesh.get_local_rank(), 0 in mesh.mesh.flatten().tolist()
+    return world, rank, True
+
+
 def _write_sharded(tmp: Path, step: int, rank: int, world: int, model: torch.nn.Module,
                    optimizer: torch.optim.Optimizer | None, stateful: dict[str, Any], extra: dict[str, Any] | None,
-                   config: dict[str, Any] | None) -> dict[str, Any]:
-    """Every rank writes its shards of the model and optimizer state and their manifest entries; rank 0
-    also the plain tensors and state.json (with the shards' layout). Returns rank 0's entries."""
-    model_plain, model_local, model_layout, tied = _split(model.state_dict(keep_vars=True), world)
+                   config: dict[str, Any] | None) -> tuple[dict[str, Any], int]:
+    """Every rank that writes shards (``_shard_mesh``) writes its shards of the model and optimizer state and
+    their manifest entries; rank 0 also the plain tensors and state.json (with the shards' layout). Returns
+    rank 0's entries and the number of shard files of each kind."""
+    own = model.state_dict(keep_vars=True)
+    shards, index, writes = _shard_mesh(own, rank, world)
+    model_plain, model_local, model_layout, tied = _split(own, shards)
     opt_tensors: dict[str, Any] = {}
     state: dict[str, Any] = {"step": step, "config": config, "environment": environment(),
                              **_skeletons(optimizer, stateful, extra, opt_tensors)}
-    opt_plain, opt_local, opt_layout, _ = _split(opt_tensors, world)
-    m_name, o_name = shard_names(rank)
-    mine = {m_name: _write_tensors(tmp / m_name, model_local), o_name: _write_tensors(tmp / o_name, opt_local)}
-    write_json(tmp / _ENTRIES.format(rank), mine)
+    opt_plain, opt_local, opt_layout, _ = _split(opt_tensors, shards)
+    if writes:
+        m_name, o_name = shard_names(index)
+        mine = {m_name: _write_tensors(tmp / m_name, model_local), o_name: _write_tensors(tmp / o_name, opt_local)}
+        write_json(tmp / _ENTRIES.format(index), mine)
     if rank != 0:
-        return {}
+        return {}, shards
     files: dict[str, Any] = {}
     unique, aliases = _unique_tensors(model_plain)
     files["model.safetensors"] = _write_tensors(tmp / "model.safetensors", unique)
     files["optimizer.safetensors"] = _write_tensors(tmp / "optimizer.safetensors", opt_plain)
     state["model_aliases"] = {**aliases, **tied}
-    state["shards"] = {"world_size": world, "model": model_layout, "optimizer": opt_layout}
+    state["shards"] = {"world_size": shards, "model": model_layout, "optimizer": opt_layout}
     files["state.json"] = _file_entry(write_json(tmp / "state.json", state))
-    return files
+    return files, shards
 
 
 def _commit(root: Path, tmp: Path, final: Path, manifest: dict[str, Any]) -> Path | None:

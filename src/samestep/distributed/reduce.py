@@ -189,9 +189,6 @@ class CanonicalGradients:
 
         validate_layout(world_size, microbatches_per_process)
         self.params = [p for p in params if p.requires_grad]
-        if world_size > 1 and any(type(p).__name__ == "DTensor" for p in self.params):
-            raise NotImplementedError("CanonicalGradients over several processes takes whole parameters; a "
-                                      "tensor-parallel (DTensor) one is summed over one process's microbatches only")
         self.k, self.world_size, self.rank, self.group = microbatches_per_process, world_size, rank, group
         self._counter = BinaryCounter()
         self._next = rank * self.k
@@ -205,7 +202,9 @@ class CanonicalGradients:
             # gradient on one rank holds its bucket back to the backward's end there, and not on another).
             group = dist.new_group()
         self.group = group
-        self.buckets = (GradientBuckets(self.params, world_size=world_size, group=group, **bucket_options)
+        # a tensor-parallel (DTensor) parameter: its shard is what this rank combines with the other data ranks
+        self.buckets = (GradientBuckets([_local(p) for p in self.params], world_size=world_size, group=group,
+                                        **bucket_options)
                         if world_size > 1 else None)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(j)) for j, p in enumerate(self.params)
                        ] if overlap else []
@@ -231,7 +230,7 @@ class CanonicalGradients:
             # Not one of the model's ops: an op-level trace recorder (a dispatch mode) must not see it. Entered
             # only under one: it costs more than the packing's own Python.
             with _disable_current_modes() if _get_current_dispatch_mode_stack() else _NOTHING:
-                buckets.pack(j, self._counter, p.grad)
+                buckets.pack(j, self._counter, _local(p.grad))  # the hook runs once p.grad exists
                 buckets.start_ready()
 
         return packed_when_final
@@ -278,7 +277,8 @@ class CanonicalGradients:
         overlap; a parameter that got no gradient in it), the extra, and starts every bucket."""
         buckets = self.buckets
         for j in buckets.unpacked():
-            buckets.pack(j, self._counter, self.params[j].grad)
+            grad = self.params[j].grad
+            buckets.pack(j, self._counter, _local(grad) if grad is not None else None)
         buckets.pack_extra(self._counter, extra)
         buckets.start_ready()
         self._counter.clear()
@@ -298,7 +298,7 @@ class CanonicalGradients:
             local = torch.cat([self.buckets.local(j) for j in range(len(self.params) + 1)])
             self.observer("canonical_combine", local, torch.cat([*reduced, extra]))
         for p, g in zip(self.params, reduced):
-            p.grad = g.view_as(p)
+            p.grad = _grad_like(g, p)
         return extra.clone()
 
 
@@ -342,7 +342,8 @@ class AllReduceGradients:
             self.bytes_sent += ring_allreduce_bytes(total.numel(), total.element_size(), self.world_size)
         offset = 0
         for p in self.params:
-            p.grad = total[offset: offset + p.numel()].view_as(p)
-            offset += p.numel()
+            n = _local(p).numel()
+            p.grad = _grad_like(total[offset: offset + n], p)
+            offset += n
         self._extra = None
         return total[offset:].clone()

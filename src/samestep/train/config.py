@@ -339,8 +339,8 @@ class ParallelConfig:
     parallelism at every degree that divides N (one process included; docs/layouts.md)."""
     tp: int = 1
     """Tensor-parallel degree: the decoder's heads and MLP units split over this many processes (needs
-    parallel.tp_chunks; --nproc equal to it). Runs with the same parallel.tp_chunks give the same bits at any
-    degree, and a checkpoint resumes at any other."""
+    parallel.tp_chunks), the data over --nproc / tp data ranks. Runs with the same parallel.tp_chunks give the
+    same bits at any degree and data rank count, and a checkpoint resumes at any other."""
 
     def __post_init__(self) -> None:
         _positive("parallel", self, "tp")

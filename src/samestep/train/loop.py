@@ -213,8 +213,7 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     arch = Llama if cfg.model.arch == "llama" else GPT
     model = arch(cfg.model, vocab, t.seed, deterministic=cfg.determinism.enabled).to(device)
     check_tp(cfg, world)
-    if cfg.parallel.tp_chunks:
-        apply_tp(model, cfg, rank, device.type)
+    data_group = apply_tp(model, cfg, world, rank, device.type) if cfg.parallel.tp_chunks else None
     sharded = cfg.parallel.fsdp and world > 1
     if sharded and t.compile:
         raise ValueError("parallel.fsdp=true with train.compile=true is not supported yet; use one of them")
@@ -235,9 +234,10 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
                                                                            world_size=world, rank=rank))
     else:
         grads = (CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=data_world,
-                                    rank=data_rank, overlap=cfg.parallel.overlap) if cfg.determinism.enabled else
+                                    rank=data_rank, group=data_group, overlap=cfg.parallel.overlap)
+                 if cfg.determinism.enabled else
                  AllReduceGradients(model.parameters(), microbatches_per_process=k, world_size=data_world,
-                                    rank=data_rank))
+                                    rank=data_rank, group=data_group))
     tc = cfg.trace
     recorder = Recorder(run_dir if run_dir is not None else ".", level=tc.level if run_dir is not None else "off",
                         steps=parse_selection(tc.steps, "trace.steps"), ranks=parse_selection(tc.ranks, "trace.ranks"),
@@ -322,7 +322,7 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
     trainer = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
     start, loaded = restore_run(trainer, run_dir, resume, world, say)
     check_run_files(proto, start, rank, trainer.receipt_state(start) if _writes_receipts(trainer, dist_) else None,
-                    checkpoint=loaded, sharded_over=world if trainer.sharded else None)
+                    checkpoint=loaded, sharded_over=_shards(trainer, world))
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
         truncate_metrics(run_dir, start)  # first: a damaged metrics.jsonl refuses the resume before run.json records it
@@ -429,6 +429,14 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
         if metrics is not None:
             metrics.close()
     return loss_value, None
+
+
+def _shards(trainer: Trainer, world: int) -> int | None:
+    """How many ranks a checkpoint of this job splits its tensors over (None: whole): each tensor rank's
+    shards once, whatever the data ranks."""
+    if not trainer.sharded:
+        return None
+    return trainer.cfg.parallel.tp if trainer.cfg.parallel.tp_chunks else world
 
 
 def _writes_receipts(trainer: Trainer, dist_: Processes) -> bool:

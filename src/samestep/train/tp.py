@@ -48,10 +48,9 @@ def check_tp(cfg: Config, world: int) -> None:
     else:
         dims |= {"4 x n_embd": 4 * m.n_embd}
     validate_tp(par.tp, par.tp_chunks, dims)
-    if world != par.tp:
-        raise ValueError(f"parallel.tp={par.tp} on {world} process(es): every process is a tensor rank (data "
-                         f"ranks beside tensor ranks are not supported yet). Fix: --nproc {par.tp}, or "
-                         f"parallel.tp={world}")
+    if world % par.tp:
+        raise ValueError(f"parallel.tp={par.tp} does not divide the {world} process(es) into data ranks of "
+                         f"{par.tp} tensor ranks each. Fix: --nproc a multiple of {par.tp}")
 
 
 def _plan(model: nn.Module, chunks: int) -> dict[str, Any]:
@@ -70,16 +69,22 @@ def _plan(model: nn.Module, chunks: int) -> dict[str, Any]:
     return {f"{prefix}.{i}.{name}": style for i in range(len(blocks)) for name, style in styles.items()}
 
 
-def apply_tp(model: nn.Module, cfg: Config, rank: int, device_type: str) -> None:
-    """Shards ``model``'s decoder blocks over the tensor-parallel ranks (every process, ``parallel.tp`` of them;
-    one process on a mesh of one) and keys the GPT's attention dropout by head position. A collective: every
-    rank calls it, after the process group exists."""
+def apply_tp(model: nn.Module, cfg: Config, world: int, rank: int, device_type: str) -> Any:
+    """Shards ``model``'s decoder blocks over its rank's ``parallel.tp`` tensor ranks (one process: a mesh of
+    one) and keys the GPT's attention dropout by head position; returns the process group of the data ranks
+    that hold the same shards (None where there is one data rank). The processes form a (data, tensor) mesh,
+    a data rank's tensor ranks consecutive. A collective: every rank calls it, after the process group exists."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp, chunks = cfg.parallel.tp, cfg.parallel.tp_chunks
-    mesh = init_device_mesh(device_type, (tp,))
+    if world == tp:
+        mesh, data = init_device_mesh(device_type, (tp,)), None
+    else:
+        grid = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("data", "tensor"))
+        mesh, data = grid["tensor"], grid["data"].get_group()
     parallelize_module(model, mesh, _plan(model, chunks))
     for module in model.modules():
         if hasattr(module, "first_head"):
-            module.first_head = rank * (cfg.model.n_head // tp)
+            module.first_head = (rank % tp) * (cfg.model.n_head // tp)
+    return data
