@@ -107,34 +107,35 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.tp:
-        tp_rows = [tp_estimate(t, dp, a) for t in (2, 4, 8) for dp in (8, 64, 512, 4096)]
-        if a.json:
-            print(json.dumps(tp_rows))
-            return 0
-        print("| TP x DP | TP sums, plain / canonical | DP exposed, DDP / canonical | exposed, plain / canonical "
-              "(+ chunks) | ratio to plain TP |")
-        print("|---|---|---|---|---|")
-        for r in tp_rows:
-            print(f"| {r['tp']} x {r['dp']} | {r['plain_tp_sums_ms']:.1f} / {r['canonical_tp_sums_ms']:.1f} ms | "
-                  f"{r['plain_dp_exposed_ms']:.1f} / {r['canonical_dp_exposed_ms']:.1f} ms | "
-                  f"{r['plain_tp_exposed_ms']:.1f} / {r['canonical_tp_exposed_ms']:.1f} ms | "
-                  f"{r['ratio_to_plain_tp']:.3f}x |")
-        return 0
+        return _report([tp_estimate(t, dp, a) for t in (2, 4, 8) for dp in (8, 64, 512, 4096)], a.json,
+                       ["TP x DP", "TP sums, plain / canonical", "DP exposed, DDP / canonical",
+                        "exposed, plain / canonical (+ chunks)", "ratio to plain TP"],
+                       lambda r: [f"{r['tp']} x {r['dp']}",
+                                  f"{r['plain_tp_sums_ms']:.1f} / {r['canonical_tp_sums_ms']:.1f} ms",
+                                  f"{r['plain_dp_exposed_ms']:.1f} / {r['canonical_dp_exposed_ms']:.1f} ms",
+                                  f"{r['plain_tp_exposed_ms']:.1f} / {r['canonical_tp_exposed_ms']:.1f} ms",
+                                  f"{r['ratio_to_plain_tp']:.3f}x"])
     rows = [estimate(w, a.grad_mb * 1e6, a.buckets, a.alpha_us * 1e-6, a.gbps * 1e9, a.sum_gbps * 1e9,
                      a.backward_ms * 1e-3) for w in (8, 64, 512, 4096)]
-    if a.json:
+    return _report(rows, a.json, ["ranks", "DDP ring exposed", "canonical after backward", "ratio to DDP",
+                                  "canonical as built", "ratio", "whole overlap", "ratio"],
+                   lambda r: [str(r["ranks"]), f"{r['ddp_exposed_ms']:.1f} ms", f"{r['canonical_exposed_ms']:.1f} ms",
+                              f"{r['ratio_to_ddp']:.3f}x", f"{r['canonical_overlapped_exposed_ms']:.1f} ms",
+                              f"{r['ratio_to_ddp_overlapped']:.3f}x",
+                              f"{r['canonical_whole_overlap_exposed_ms']:.1f} ms",
+                              f"{r['ratio_to_ddp_whole_overlap']:.3f}x"])
+
+
+def _report(rows: list[dict], as_json: bool, header: list[str], cells) -> int:
+    """Prints ``rows`` as JSON, or as a markdown table of ``header`` and each row's ``cells(row)``."""
+    if as_json:
         print(json.dumps(rows))
         return 0
-    print("| ranks | DDP ring exposed | canonical after backward | ratio to DDP | canonical as built | ratio "
-          "| whole overlap | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
     for r in rows:
-        print(f"| {r['ranks']} | {r['ddp_exposed_ms']:.1f} ms | {r['canonical_exposed_ms']:.1f} ms | "
-              f"{r['ratio_to_ddp']:.3f}x | {r['canonical_overlapped_exposed_ms']:.1f} ms | "
-              f"{r['ratio_to_ddp_overlapped']:.3f}x | {r['canonical_whole_overlap_exposed_ms']:.1f} ms | "
-              f"{r['ratio_to_ddp_whole_overlap']:.3f}x |")
+        print("| " + " | ".join(cells(r)) + " |")
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
