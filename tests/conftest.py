@@ -153,6 +153,11 @@ def script_here(path: Path, *argv: str) -> subprocess.CompletedProcess:
         sys.argv = saved
 
 
+# What the spawn server imports once: deterministic mode's torch.use_deterministic_algorithms imports
+# Inductor's config (and with it Dynamo), most of two seconds a process would pay again.
+PRELOAD = ["torch", "torch.distributed", "torch._inductor.config", "samestep"]
+
+
 def spawn(fn, args: tuple, nprocs: int, exit_code: int | None = None) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs)``, its processes forked from a server that imported
     torch, samestep and ``fn``'s module once (each spawned interpreter would import them again, seconds
@@ -162,13 +167,46 @@ def spawn(fn, args: tuple, nprocs: int, exit_code: int | None = None) -> None:
 
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload(["torch", "torch.distributed", "samestep", fn.__module__])
+    multiprocessing.set_forkserver_preload([*PRELOAD, fn.__module__])
     if exit_code is None:
         mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
         return
     with pytest.raises(mp.ProcessExitedException) as exited:
         mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
     assert exited.value.exit_code == exit_code, exited.value
+
+
+def _train_rank(rank: int, nproc: int, port: int, threads: int, argv: list[str], patch) -> None:
+    """One process of ``samestep train --nproc nproc``: what the launcher sets (its variables, and the thread
+    count its OMP_NUM_THREADS gives a fresh interpreter), ``patch()`` (a module-level function, or None)
+    first, then the command; a nonzero code is the process's exit code."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
+    torch.set_num_threads(threads)
+    sys.stdout = open(os.devnull, "w")  # the progress lines of every rank
+    if patch is not None:
+        patch()
+    from samestep.cli import main
+
+    code = main(argv)
+    if code:
+        raise SystemExit(code)
+
+
+def train_ranks(run_dir: Path, *settings: str, nproc: int, resume: bool = False, stop_after: int | None = None,
+                patch=None, exit_code: int | None = None) -> dict | None:
+    """The ``nproc`` processes of ``samestep train --nproc nproc``, forked from the spawn server (no interpreter
+    start or imports to pay); returns final.json (None if none was written). For claims about several ranks,
+    not about the launcher (its signals and exit codes: ``run_train``). ``patch``: a module-level function
+    each process calls first; ``exit_code``: a process must end with it (see ``spawn``)."""
+    from samestep.cli.launch import free_port
+    from samestep.train import load_config
+
+    argv = train_cmd(run_dir, *settings, resume=resume, stop_after=stop_after)[3:]
+    threads = load_config(None, list(settings)).determinism.threads
+    spawn(_train_rank, (nproc, free_port(), threads, argv, patch), nproc, exit_code)
+    final = run_dir / "final.json"
+    return json.loads(final.read_text()) if final.exists() else None
 
 
 def side_by_side(*calls):

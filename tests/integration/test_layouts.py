@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.conftest import TINY, cli_here, metrics_bytes, run_train, train_here
+from tests.conftest import TINY, cli_here, metrics_bytes, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -26,7 +26,7 @@ def one_process(tmp_path_factory):
 def test_world_sizes_give_the_one_process_bits(one_process, tmp_path, nproc):
     """(2 x 4), (4 x 2) and (8 x 1) give the (1 x 8) per-step loss bits and final digest."""
     ref_dir, ref_digest = one_process
-    final = run_train(tmp_path / "run", *LAYOUT, nproc=nproc)
+    final = train_ranks(tmp_path / "run", *LAYOUT, nproc=nproc)
     assert final["state_digest"] == ref_digest and final["world_size"] == nproc
     assert metrics_bytes(tmp_path / "run") == metrics_bytes(ref_dir)
 
@@ -36,8 +36,8 @@ def test_plain_allreduce_differs_across_world_sizes(tmp_path, monkeypatch):
     count) repeats at a fixed world size but gives different bits at 2 and 4 processes."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     off = (*LAYOUT, "determinism.enabled=false", "train.steps=3")
-    two = [run_train(tmp_path / f"w2_{i}", *off, nproc=2)["state_digest"] for i in range(2)]
-    four = run_train(tmp_path / "w4", *off, nproc=4)["state_digest"]
+    two = [train_ranks(tmp_path / f"w2_{i}", *off, nproc=2)["state_digest"] for i in range(2)]
+    four = train_ranks(tmp_path / "w4", *off, nproc=4)["state_digest"]
     assert two[0] == two[1]
     assert four != two[0]
 
@@ -50,8 +50,8 @@ def test_elastic_resume_is_exact(one_process, tmp_path, first, second):
     if first == 1:
         assert train_here(d, *LAYOUT, stop_after=4) is None
     else:
-        assert run_train(d, *LAYOUT, nproc=first, stop_after=4) is None
-    final = run_train(d, *LAYOUT, nproc=second, resume=True)
+        assert train_ranks(d, *LAYOUT, nproc=first, stop_after=4) is None
+    final = train_ranks(d, *LAYOUT, nproc=second, resume=True)
     assert final["state_digest"] == ref_digest
     assert metrics_bytes(d) == metrics_bytes(ref_dir)
     run = json.loads((d / "run.json").read_text())
@@ -66,8 +66,8 @@ def test_fsdp2_gives_the_one_process_bits_and_resumes_across_sharded_layouts(one
     grad-norm bits and final digest; run.json records each layout."""
     ref_dir, ref_digest = one_process
     d, fsdp = tmp_path / "run", "parallel.fsdp=true"
-    assert run_train(d, *LAYOUT, fsdp, nproc=4, stop_after=2) is None
-    assert run_train(d, *LAYOUT, fsdp, nproc=2, stop_after=2, resume=True) is None
+    assert train_ranks(d, *LAYOUT, fsdp, nproc=4, stop_after=2) is None
+    assert train_ranks(d, *LAYOUT, fsdp, nproc=2, stop_after=2, resume=True) is None
     final = train_here(d, *LAYOUT, resume=True)
     assert final["state_digest"] == ref_digest
     assert metrics_bytes(d) == metrics_bytes(ref_dir)
@@ -111,7 +111,7 @@ def test_a_rank_killed_in_a_sharded_save_leaves_the_previous_checkpoint_and_the_
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0 and "Signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-3000:]
     assert (d / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    final = run_train(d, *LAYOUT, fsdp, nproc=2, resume=True)
+    final = train_ranks(d, *LAYOUT, fsdp, nproc=2, resume=True)
     assert final["state_digest"] == ref_digest and metrics_bytes(d) == metrics_bytes(ref_dir)
     shard = d / "checkpoints" / "step_000006" / "model.rank_00001.safetensors"
     blob = bytearray(shard.read_bytes())
@@ -129,10 +129,10 @@ def test_fsdp2_in_bf16_matches_one_process_and_its_own_reduction_differs(tmp_pat
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     llama = (*LAYOUT, "model.arch=llama", "train.precision=bf16", "train.steps=3")
     one = train_here(tmp_path / "l1", *llama)["state_digest"]
-    sharded = run_train(tmp_path / "l2", *llama, "parallel.fsdp=true", nproc=2)["state_digest"]
+    sharded = train_ranks(tmp_path / "l2", *llama, "parallel.fsdp=true", nproc=2)["state_digest"]
     assert one == sharded and metrics_bytes(tmp_path / "l1") == metrics_bytes(tmp_path / "l2")
     off = (*llama, "parallel.fsdp=true", "determinism.enabled=false")
-    two, four = (run_train(tmp_path / f"w{n}", *off, nproc=n)["state_digest"] for n in (2, 4))
+    two, four = (train_ranks(tmp_path / f"w{n}", *off, nproc=n)["state_digest"] for n in (2, 4))
     assert len({two, four, one}) == 3
 
 

@@ -336,10 +336,10 @@ def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
     Control: unswapped, the checkpoint passes that check on 1 process (a resume of 0 further steps)."""
     from samestep.analysis.receipt_check import check_receipts
     from samestep.checkpoint import verify_checkpoint
-    from tests.conftest import run_train
+    from tests.conftest import train_ranks
 
     run = tmp_path / "run"
-    run_train(run, *TINY, "parallel.fsdp=true", nproc=2)
+    train_ranks(run, *TINY, "parallel.fsdp=true", nproc=2)
     report = check_receipts(run)
     assert report["ok"] and "checkpoint step_000008 against its step's receipt(s)" in report["checked"], report
     # an input error on rank 1 alone (its receipts cut short): the job's exit is rank 1's 2, not the

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from samestep.receipts import read_receipts, receipt_hash
-from tests.conftest import TINY, cli_here, run_train, side_by_side, train_here
+from tests.conftest import TINY, cli_here, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -154,9 +154,8 @@ def test_bisect_finds_a_planted_ulp_exactly_across_layouts(tmp_path, tiny_run):
     unplanted 2-process run against a 1-process run of the same config is identical."""
     target = ("rank=1,step=5,microbatch=2,phase=forward,scope=transformer.ln_f,"
               "op=aten.native_layer_norm.default")
-    side_by_side(lambda: run_train(tmp_path / "two", *TINY, nproc=2),
-                 lambda: run_train(tmp_path / "planted", *TINY, "trace.level=op", "trace.steps=5",
-                                   f"trace.perturb={target}", nproc=2))
+    train_ranks(tmp_path / "two", *TINY, nproc=2)
+    train_ranks(tmp_path / "planted", *TINY, "trace.level=op", "trace.steps=5", f"trace.perturb={target}", nproc=2)
     shutil.copytree(tiny_run, tmp_path / "one")
     code, out, err = _cli("bisect", str(tmp_path / "two"), str(tmp_path / "planted"), "--json")
     assert code == 1, err

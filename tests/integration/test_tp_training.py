@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from tests.conftest import TINY, cli_here, metrics_bytes, run_train, train_cmd, train_here
+from tests.conftest import TINY, cli_here, metrics_bytes, train_cmd, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -34,7 +34,7 @@ def test_tp_2_and_4_and_2_data_by_2_tensor_ranks_give_the_one_process_bits(one_p
     """The final state digest and metrics.jsonl's bytes at TP 2, TP 4 and 2 data x 2 tensor ranks are the one
     process's; run.json records the layout."""
     ref_dir, ref_digest = one_process
-    final = run_train(tmp_path / "run", *TP, f"parallel.tp={tp}", nproc=nproc)
+    final = train_ranks(tmp_path / "run", *TP, f"parallel.tp={tp}", nproc=nproc)
     assert final["state_digest"] == ref_digest and metrics_bytes(tmp_path / "run") == metrics_bytes(ref_dir)
     layout = json.loads((tmp_path / "run" / "run.json").read_text())["layout"]
     assert layout == {"world_size": nproc, "microbatches_per_process": 4 * tp // nproc, "tensor_parallel": tp}
@@ -47,7 +47,7 @@ def test_llama_and_bf16_give_the_one_process_bits(tmp_path, what, nproc):
     data x 2 tensor ranks, give the bits of one process."""
     settings = (*TP, *what, "train.steps=3")
     one = train_here(tmp_path / "one", *settings)["state_digest"]
-    two = run_train(tmp_path / "two", *settings, "parallel.tp=2", nproc=nproc)["state_digest"]
+    two = train_ranks(tmp_path / "two", *settings, "parallel.tp=2", nproc=nproc)["state_digest"]
     assert one == two and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "two")
 
 
@@ -83,9 +83,9 @@ def test_a_tp_2_run_killed_resumes_at_tp_4_and_on_one_process_bit_for_bit(one_pr
     assert (d / "checkpoints" / "latest").read_text().strip() == "step_000002"
     shutil.copytree(d, tmp_path / "copy")
     shutil.copytree(d, tmp_path / "grid")
-    four = run_train(d, *TP, "parallel.tp=4", nproc=4, resume=True)
+    four = train_ranks(d, *TP, "parallel.tp=4", nproc=4, resume=True)
     one = train_here(tmp_path / "copy", *TP, resume=True)
-    grid = run_train(tmp_path / "grid", *TP, "parallel.tp=2", nproc=4, resume=True)  # 2 data x 2 tensor ranks
+    grid = train_ranks(tmp_path / "grid", *TP, "parallel.tp=2", nproc=4, resume=True)  # 2 data x 2 tensor ranks
     for run_dir, final in ((d, four), (tmp_path / "copy", one), (tmp_path / "grid", grid)):
         assert final["state_digest"] == ref_digest and metrics_bytes(run_dir) == metrics_bytes(ref_dir)
     resumes = json.loads((d / "run.json").read_text())["resumes"]
@@ -98,7 +98,7 @@ def test_a_receipt_chain_that_starts_late_without_a_grown_resume_is_broken(one_p
     """Negative control of the grown run's receipts: a rank-1 file that starts at step 3 in a run that ran on 2
     processes from step 1 is named."""
     d = tmp_path / "run"
-    run_train(d, *TP, "parallel.tp=2", nproc=2)
+    train_ranks(d, *TP, "parallel.tp=2", nproc=2)
     path = d / "receipts" / "rank_00001.jsonl"
     header, *receipts = path.read_text().splitlines()
     path.write_text("\n".join([header, *receipts[2:]]) + "\n")
@@ -106,24 +106,28 @@ def test_a_receipt_chain_that_starts_late_without_a_grown_resume_is_broken(one_p
     assert verify.returncode != 0 and "rank_00001.jsonl: " in verify.stdout + verify.stderr
 
 
+def _unkeyed_dropout() -> None:
+    """Each rank's attention dropout drawn from the microbatch's generator over its own heads."""
+    from samestep.train import loop
+
+    apply = loop.apply_tp
+
+    def unkeyed(model, *args):
+        data = apply(model, *args)
+        for m in model.modules():
+            if hasattr(m, "first_head"):
+                m.first_head = None
+        return data
+
+    loop.apply_tp = unkeyed
+
+
 def test_dropout_drawn_per_rank_from_the_generator_gives_other_bits(one_process, tmp_path):
     """Negative control: the attention dropout drawn from the microbatch's generator over each rank's own heads
     (what a model that does not key it by head position does) gives other bits at TP 2 than on one process."""
     _, ref_digest = one_process
-    d = tmp_path / "run"
-    proc = _torchrun(tmp_path, "per_rank", """
-        import sys
-        from samestep.train import loop
-        apply = loop.apply_tp
-        def unkeyed(model, *args):
-            apply(model, *args)
-            for m in model.modules():
-                if hasattr(m, "first_head"):
-                    m.first_head = None
-        loop.apply_tp = unkeyed
-    """, d, *TP, "parallel.tp=2")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads((d / "final.json").read_text())["state_digest"] != ref_digest
+    final = train_ranks(tmp_path / "run", *TP, "parallel.tp=2", nproc=2, patch=_unkeyed_dropout)
+    assert final["state_digest"] != ref_digest
 
 
 @pytest.mark.parametrize("settings,nproc,says", [
@@ -135,8 +139,7 @@ def test_dropout_drawn_per_rank_from_the_generator_gives_other_bits(one_process,
 ])
 def test_a_tensor_parallel_config_it_cannot_keep_on_one_path_is_refused(tmp_path, settings, nproc, says):
     """One line naming the field, the value and the fix; exit code 2 (a bad config); no run written."""
-    proc = subprocess.run(train_cmd(tmp_path / "run", *TINY, *settings, nproc=nproc), capture_output=True,
-                          text=True, timeout=300)
+    proc = cli_here(*train_cmd(tmp_path / "run", *TINY, *settings, nproc=nproc)[3:])
     assert proc.returncode == 2 and says in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "run" / "run.json").exists()
 
@@ -151,7 +154,7 @@ def test_diff_names_the_op_rank_and_module_of_a_planted_difference_at_tp_2(tmp_p
     traced = (*TP, "parallel.tp=2", "trace.level=op", "trace.steps=3")
     target = "rank=1,step=3,microbatch=2,phase=forward,scope=transformer.ln_f,op=aten.native_layer_norm.default"
     for name, extra in (("a", ()), ("b", ()), ("planted", (f"trace.perturb={target}",))):
-        run_train(tmp_path / name, *traced, *extra, nproc=2)
+        train_ranks(tmp_path / name, *traced, *extra, nproc=2)
     same = diff_runs(tmp_path / "a", tmp_path / "b")
     assert same["identical"] and same["compared"]["trace_records"] > 0, same["summary"]
     planted = diff_runs(tmp_path / "a", tmp_path / "planted")

@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import TINY, cli_here, run_train, side_by_side, train_here
+from tests.conftest import TINY, cli_here, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -131,9 +131,9 @@ def test_one_process_against_fsdp2_compares_what_both_layouts_hold(tmp_path):
     settings = (*[s for s in TINY if not s.startswith("train.steps")], "train.steps=4", "trace.level=step")
     target = "rank=1,step=3,microbatch=2,phase=forward,scope=transformer.ln_f,op=aten.native_layer_norm.default"
     train_here(tmp_path / "one", *settings)
-    side_by_side(lambda: run_train(tmp_path / "fsdp", *settings, "parallel.fsdp=true", nproc=2),
-                 lambda: run_train(tmp_path / "planted", *settings, "parallel.fsdp=true", "trace.level=op",
-                                   "trace.steps=3", f"trace.perturb={target}", nproc=2))
+    train_ranks(tmp_path / "fsdp", *settings, "parallel.fsdp=true", nproc=2)
+    train_ranks(tmp_path / "planted", *settings, "parallel.fsdp=true", "trace.level=op", "trace.steps=3",
+                f"trace.perturb={target}", nproc=2)
     report = diff_runs(tmp_path / "one", tmp_path / "fsdp")
     assert report["identical"], report["summary"]
     assert report["compared"]["trace_records"] == 0 and report["compared"]["final_state"]

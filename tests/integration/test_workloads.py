@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from samestep.rundir import last_logged_step
-from tests.conftest import TINY, metrics_bytes, run_train, side_by_side, train_cmd, train_here
+from tests.conftest import TINY, metrics_bytes, run_train, side_by_side, train_cmd, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_llama_and_bf16_repeat_resume_and_match_across_process_counts(tmp_path):
         resumed = _killed_then_resumed(tmp_path / f"{name}_k", settings, after=3, here=True)
         assert resumed["state_digest"] == a["state_digest"], name
         assert metrics_bytes(tmp_path / f"{name}_k") == metrics_bytes(tmp_path / f"{name}_a"), name
-        wide = run_train(tmp_path / f"{name}_w", *settings, nproc=nproc)
+        wide = train_ranks(tmp_path / f"{name}_w", *settings, nproc=nproc)
         assert wide["state_digest"] == a["state_digest"] and wide["world_size"] == nproc, name
         assert metrics_bytes(tmp_path / f"{name}_w") == metrics_bytes(tmp_path / f"{name}_a"), name
         finals[name] = a["state_digest"]
@@ -73,7 +73,7 @@ def test_a_compiled_model_repeats_resumes_and_matches_across_process_counts(tmp_
     settings = (*BASE, f"model.arch={arch}", f"train.precision={precision}", "train.compile=true")
     a, resumed = side_by_side(lambda: run_train(tmp_path / "a", *settings),
                               lambda: _killed_then_resumed(tmp_path / "r", settings, after=3))
-    wide, other_seed = side_by_side(lambda: run_train(tmp_path / "w", *settings, nproc=nproc),
+    wide, other_seed = side_by_side(lambda: train_ranks(tmp_path / "w", *settings, nproc=nproc),
                                     lambda: run_train(tmp_path / "s", *settings, "train.seed=7"))
     assert resumed["state_digest"] == a["state_digest"] and metrics_bytes(tmp_path / "r") == metrics_bytes(tmp_path / "a")
     assert wide["state_digest"] == a["state_digest"] and wide["world_size"] == nproc

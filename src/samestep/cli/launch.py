@@ -25,7 +25,7 @@ from types import FrameType
 
 from samestep.preempt import EXIT_PREEMPTED
 
-__all__ = ["GRACE_S", "LAUNCHER_PID", "follow_launcher", "launch"]
+__all__ = ["GRACE_S", "LAUNCHER_PID", "follow_launcher", "free_port", "launch"]
 
 GRACE_S = 10.0
 FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP")  # always passed on, besides the run's exit signals
@@ -49,7 +49,8 @@ def follow_launcher() -> None:
     if os.getppid() != int(launcher):
         raise SystemExit(EXIT_PREEMPTED)  # nothing trained here yet, nothing lost
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that no one listens on now (the job's MASTER_PORT)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -63,7 +64,7 @@ def _code(returncode: int) -> int:
 def launch(argv: list[str], nproc: int, threads: int, signals: tuple[str, ...]) -> int:
     """Runs ``python -m samestep *argv`` as ``nproc`` processes of one job; returns the job's exit code: the
     first failing process's, else 75 if they stopped on a signal with a checkpoint, else 0."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), **{LAUNCHER_PID: str(os.getpid())})
     procs: list[subprocess.Popen] = []
 

@@ -13,13 +13,6 @@ from samestep.distributed.reduce import (
     combine_across_ranks,
     ring_allreduce_bytes,
 )
-from samestep.distributed.tensor_parallel import (
-    CanonicalColwiseParallel,
-    CanonicalRowwiseParallel,
-    column_linear,
-    row_linear,
-    validate_tp,
-)
 from samestep.distributed.tree import BinaryCounter, canonical_sum, validate_layout
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
 
@@ -28,3 +21,15 @@ __all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalColwiseParallel", "C
            "ShardedOptimizer", "any_rank", "canonical_ddp_hook", "canonical_grad_norm", "canonical_sum",
            "clip_grad_norm_", "column_linear", "combine_across_ranks", "full_state", "ring_allreduce_bytes",
            "row_linear", "shard_model", "validate_layout", "validate_tp", "vocab_parallel_cross_entropy"]
+
+# tensor_parallel is loaded when one of its names is first used: it imports DTensor's parallel styles (most
+# of a second of start-up), which a run without tensor parallelism never needs.
+_LAZY = {"CanonicalColwiseParallel", "CanonicalRowwiseParallel", "column_linear", "row_linear", "validate_tp"}
+
+
+def __getattr__(name: str) -> object:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'samestep.distributed' has no attribute {name!r}")
+    from samestep.distributed import tensor_parallel
+
+    return getattr(tensor_parallel, name)

@@ -15,7 +15,6 @@ from typing import Any
 
 from torch import nn
 
-from samestep.distributed.tensor_parallel import CanonicalColwiseParallel, CanonicalRowwiseParallel, validate_tp
 from samestep.train.config import Config
 
 __all__ = ["apply_tp", "check_tp", "data_ranks"]
@@ -35,6 +34,8 @@ def check_tp(cfg: Config, world: int) -> None:
     par, m, t = cfg.parallel, cfg.model, cfg.train
     if not par.tp_chunks:
         return
+    from samestep.distributed.tensor_parallel import validate_tp  # DTensor's styles: only for a TP run
+
     others = {"parallel.fsdp=true": par.fsdp, "train.compile=true": t.compile,
               f"model.moe_experts={m.moe_experts}": m.moe_experts, f"train.sdc_check_every={t.sdc_check_every}":
               t.sdc_check_every, f"train.fault={t.fault!r}": t.fault}
@@ -55,6 +56,8 @@ def check_tp(cfg: Config, world: int) -> None:
 
 def _plan(model: nn.Module, chunks: int) -> dict[str, Any]:
     """Each decoder block's linear layers and their canonical style (fused projections split part by part)."""
+    from samestep.distributed.tensor_parallel import CanonicalColwiseParallel, CanonicalRowwiseParallel
+
     col, row = CanonicalColwiseParallel(chunks), CanonicalRowwiseParallel(chunks)
     if type(model).__name__ == "Llama":
         styles = {"attn.q": col, "attn.kv": CanonicalColwiseParallel(chunks, parts=2), "attn.o": row,
