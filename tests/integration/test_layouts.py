@@ -31,10 +31,9 @@ def test_world_sizes_give_the_one_process_bits(one_process, tmp_path, nproc):
     assert metrics_bytes(tmp_path / "run") == metrics_bytes(ref_dir)
 
 
-def test_plain_allreduce_differs_across_world_sizes(tmp_path, monkeypatch):
+def test_plain_allreduce_differs_across_world_sizes(tmp_path):
     """Negative control: determinism off (plain .grad accumulation + all-reduce, DDP's path, same thread
     count) repeats at a fixed world size but gives different bits at 2 and 4 processes."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     off = (*LAYOUT, "determinism.enabled=false", "train.steps=3")
     two = [train_ranks(tmp_path / f"w2_{i}", *off, nproc=2)["state_digest"] for i in range(2)]
     four = train_ranks(tmp_path / "w4", *off, nproc=4)["state_digest"]
@@ -121,12 +120,11 @@ def test_a_rank_killed_in_a_sharded_save_leaves_the_previous_checkpoint_and_the_
     assert verify.returncode == 1 and "model.rank_00001.safetensors: corrupt: tensor(s) '" in verify.stdout + verify.stderr
 
 
-def test_fsdp2_in_bf16_matches_one_process_and_its_own_reduction_differs(tmp_path, monkeypatch):
+def test_fsdp2_in_bf16_matches_one_process_and_its_own_reduction_differs(tmp_path):
     """A Llama in bf16 compute (fp32 gradients and reduction) sharded over 2 processes gives the 1-process
     bits. Negative control: FSDP2 with its own reduce-scatter (determinism off: every microbatch reduced
     in the collective's order and added into the shard) gives other bits on 2 and on 4 processes, and
     neither gives the canonical ones."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     llama = (*LAYOUT, "model.arch=llama", "train.precision=bf16", "train.steps=3")
     one = train_here(tmp_path / "l1", *llama)["state_digest"]
     sharded = train_ranks(tmp_path / "l2", *llama, "parallel.fsdp=true", nproc=2)["state_digest"]

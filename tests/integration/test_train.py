@@ -203,19 +203,13 @@ def test_resume_with_no_step_left_writes_the_same_final_json(reference, tmp_path
     assert not (f / "final.json").exists()
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def two_nodes(run_dir: Path, *settings: str, node1_env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
     """``samestep train`` as a job of two "nodes" on this machine: two torchrun agents, one process each,
     meeting through the c10d rendezvous on 127.0.0.1 (as two machines would through the first one's
     address). ``node1_env``: what the second node's environment has on top of this one's."""
-    port = _free_port()
+    from samestep.cli.launch import free_port
+
+    port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", f"samestep-{port}",
            *train_cmd(run_dir, *settings)[1:]]
