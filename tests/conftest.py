@@ -158,22 +158,72 @@ def script_here(path: Path, *argv: str) -> subprocess.CompletedProcess:
 PRELOAD = ["torch", "torch.distributed", "torch._inductor.config", "samestep"]
 
 
+# A spawned process still running after this long is stuck (the longest take a minute on a busy 2-core
+# machine): its stacks are shown and every process is killed, so a hang fails its test, not the suite.
+SPAWN_DEADLINE_S = 600
+
+
+def _spawned(rank: int, fn, stacks: str, args: tuple) -> None:
+    """One spawned process: its Python stacks go to ``stacks``/rank<N>.txt on SIGUSR1; ``fn(rank, *args)``;
+    then the default process group, if ``fn`` made one, is destroyed. Here, not in ``fn``: by now ``fn``'s
+    objects are gone, so the group dies by its Python reference, whose destructor lets go of the GIL. A DDP
+    alive at ``destroy_process_group`` would hold the last reference instead, and its reducer's destructor
+    joins gloo's threads holding the GIL that a thread finishing a collective waits for (pytorch#56297)."""
+    import faulthandler
+    import gc
+    import signal
+
+    import torch.distributed as dist
+
+    faulthandler.register(signal.SIGUSR1, file=open(Path(stacks) / f"rank{rank}.txt", "w"), all_threads=True)
+    fn(rank, *args)
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _stuck(ctx, stacks: Path) -> str:
+    """The stacks of ``ctx``'s processes still running (SIGUSR1, see ``_spawned``), then every one killed."""
+    import signal
+    import time
+
+    alive = [(rank, p) for rank, p in enumerate(ctx.processes) if p.is_alive()]
+    for _, p in alive:
+        os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(2)
+    for p in ctx.processes:
+        p.kill()
+        p.join()
+    return "\n".join(f"rank {rank} (pid {p.pid}):\n" + (stacks / f"rank{rank}.txt").read_text() for rank, p in alive)
+
+
 def spawn(fn, args: tuple, nprocs: int, exit_code: int | None = None) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs)``, its processes forked from a server that imported
     torch, samestep and ``fn``'s module once (each spawned interpreter would import them again, seconds
     apiece). The server imports and never computes, so no thread pool is forked. ``exit_code``: a process
-    must end with it (a rank that kills itself, ``os._exit``), and the others are stopped."""
+    must end with it (a rank that kills itself, ``os._exit``), and the others are stopped. A process still
+    running after ``SPAWN_DEADLINE_S`` fails the test with the stacks of those still running."""
     import multiprocessing
+    import tempfile
+    import time
 
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload([*PRELOAD, fn.__module__])
-    if exit_code is None:
-        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
-        return
-    with pytest.raises(mp.ProcessExitedException) as exited:
-        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
-    assert exited.value.exit_code == exit_code, exited.value
+    multiprocessing.set_forkserver_preload([*PRELOAD, __name__, fn.__module__])
+    with tempfile.TemporaryDirectory() as stacks:
+        ctx = mp.start_processes(_spawned, args=(fn, stacks, args), nprocs=nprocs, join=False,
+                                 start_method="forkserver")
+        deadline = time.monotonic() + SPAWN_DEADLINE_S
+        try:
+            while not ctx.join(timeout=1):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{fn.__name__}'s processes still running after {SPAWN_DEADLINE_S} s; their "
+                                f"stacks:\n{_stuck(ctx, Path(stacks))}", pytrace=False)
+        except mp.ProcessExitedException as exited:
+            if exit_code is None or exited.exit_code != exit_code:
+                raise
+            return
+    assert exit_code is None, f"no process of {fn.__name__} ended with exit code {exit_code}"
 
 
 def _train_rank(rank: int, nproc: int, port: int, threads: int, argv: list[str], patch) -> None:

@@ -38,42 +38,39 @@ def _worker(rank: int, world: int, init: str, out: str, how: str) -> None:
     from samestep.distributed import CanonicalDdpState, CanonicalGradients, canonical_ddp_hook, clip_grad_norm_
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        with samestep.enable(threads=1):
-            model = _model()
-            opt = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
-            k = MICROBATCHES // world
-            if how == "one":
-                net, grads = model, CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=1,
-                                                       rank=0)
-                mine = grads.microbatches
-            else:
-                net = DistributedDataParallel(model)
-                if how in ("hook", "paired"):
-                    state = CanonicalDdpState(microbatches_per_process=k)
-                    net.register_comm_hook(state, canonical_ddp_hook)
-                    state.watch(opt)
-                mine = range(rank * k, (rank + 1) * k)
-            for step in range(STEPS):
-                for i in mine:
-                    with state.microbatch(net, i) if how == "paired" else contextlib.nullcontext():
-                        loss = net(_batch(step, i)).square().mean() / MICROBATCHES
-                        if how == "ddp":
-                            loss = loss * world  # DDP averages over the processes
-                        loss.backward()
-                    if how == "one":
-                        grads.accumulate(i)
+    with samestep.enable(threads=1):
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
+        k = MICROBATCHES // world
+        if how == "one":
+            net, grads = model, CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=1,
+                                                   rank=0)
+            mine = grads.microbatches
+        else:
+            net = DistributedDataParallel(model)
+            if how in ("hook", "paired"):
+                state = CanonicalDdpState(microbatches_per_process=k)
+                net.register_comm_hook(state, canonical_ddp_hook)
+                state.watch(opt)
+            mine = range(rank * k, (rank + 1) * k)
+        for step in range(STEPS):
+            for i in mine:
+                with state.microbatch(net, i) if how == "paired" else contextlib.nullcontext():
+                    loss = net(_batch(step, i)).square().mean() / MICROBATCHES
+                    if how == "ddp":
+                        loss = loss * world  # DDP averages over the processes
+                    loss.backward()
                 if how == "one":
-                    grads.reduce()
-                norm = clip_grad_norm_(list(model.parameters()), 1.0)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            if rank == 0:
-                bits = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().view(np.int32)
-                np.save(Path(out) / f"{how}_{world}.npy", bits)
-                np.save(Path(out) / f"{how}_{world}_norm.npy", norm.reshape(1).numpy().view(np.int32))
-    finally:
-        dist.destroy_process_group()
+                    grads.accumulate(i)
+            if how == "one":
+                grads.reduce()
+            norm = clip_grad_norm_(list(model.parameters()), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        if rank == 0:
+            bits = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().view(np.int32)
+            np.save(Path(out) / f"{how}_{world}.npy", bits)
+            np.save(Path(out) / f"{how}_{world}_norm.npy", norm.reshape(1).numpy().view(np.int32))
 
 
 def test_ddp_with_the_canonical_hook_gives_one_process_bits_on_2_and_4_processes(tmp_path):

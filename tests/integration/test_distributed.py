@@ -27,17 +27,14 @@ def _leaves() -> list[torch.Tensor]:
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str, bucket: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        k = N_MICRO // world
-        local = canonical_sum(_leaves()[rank * k:(rank + 1) * k])
-        combined, sent = combine_across_ranks(local, world, bucket_elements=bucket)
-        plain = local.clone()
-        dist.all_reduce(plain)  # PyTorch's path, for the negative control
-        np.save(f"{out_dir}/canonical_{rank}.npy", combined.numpy())
-        np.save(f"{out_dir}/allreduce_{rank}.npy", plain.numpy())
-        np.save(f"{out_dir}/sent_{rank}.npy", np.array([sent]))
-    finally:
-        dist.destroy_process_group()
+    k = N_MICRO // world
+    local = canonical_sum(_leaves()[rank * k:(rank + 1) * k])
+    combined, sent = combine_across_ranks(local, world, bucket_elements=bucket)
+    plain = local.clone()
+    dist.all_reduce(plain)  # PyTorch's path, for the negative control
+    np.save(f"{out_dir}/canonical_{rank}.npy", combined.numpy())
+    np.save(f"{out_dir}/allreduce_{rank}.npy", plain.numpy())
+    np.save(f"{out_dir}/sent_{rank}.npy", np.array([sent]))
 
 
 def _run(world: int, tmp_path, bucket: int) -> dict[str, list[np.ndarray]]:
@@ -82,30 +79,27 @@ def _ddp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: st
     "op" (traced at op level), "op_ulp" (and one ULP planted on rank 1 at step 2) or "untraced" (no hook,
     no trace)); writes the final parameters' bits."""
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        with samestep.enable(threads=1):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(64, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 64))
-            # Small buckets: from step 2 on (DDP rebuilds them after the first), two reductions per step
-            ddp = DistributedDataParallel(model, bucket_cap_mb=0.25, gradient_as_bucket_view=variant == "view")
-            opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-            views = []
-            opt.register_step_pre_hook(lambda *_: views.append(
-                any(p.grad.untyped_storage().nbytes() > p.grad.nbytes for p in model.parameters())))
-            level = {"untraced": "off", "op": "op", "op_ulp": "op"}.get(variant, "step")
-            # the last layer's weight gradient on rank 1 (a ULP in a forward activation can round away)
-            perturb = Perturb(rank=1, step=2, microbatch=1, phase="backward", scope="module.2", op="aten.mm.default",
-                              occurrence=1) if variant == "op_ulp" else None
-            rec = samestep.trace(run_dir, level=level, steps="1-3", perturb=perturb)
-            if variant != "untraced":
-                rec.attach(ddp)
-                ddp.register_comm_hook(None, rec.ddp_comm_hook())
-            _three_steps(rec, model, opt, rank, 64, variant == "changed", ddp)
-            assert views == [variant == "view"] * 3, views  # the gradients are views of DDP's buckets in "view" only
-            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-            np.save(f"{run_dir}/params_{rank}.npy", flat.numpy().view(np.int32))
-    finally:
-        dist.destroy_process_group()
+    with samestep.enable(threads=1):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 4096), torch.nn.Tanh(), torch.nn.Linear(4096, 64))
+        # Small buckets: from step 2 on (DDP rebuilds them after the first), two reductions per step
+        ddp = DistributedDataParallel(model, bucket_cap_mb=0.25, gradient_as_bucket_view=variant == "view")
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        views = []
+        opt.register_step_pre_hook(lambda *_: views.append(
+            any(p.grad.untyped_storage().nbytes() > p.grad.nbytes for p in model.parameters())))
+        level = {"untraced": "off", "op": "op", "op_ulp": "op"}.get(variant, "step")
+        # the last layer's weight gradient on rank 1 (a ULP in a forward activation can round away)
+        perturb = Perturb(rank=1, step=2, microbatch=1, phase="backward", scope="module.2", op="aten.mm.default",
+                          occurrence=1) if variant == "op_ulp" else None
+        rec = samestep.trace(run_dir, level=level, steps="1-3", perturb=perturb)
+        if variant != "untraced":
+            rec.attach(ddp)
+            ddp.register_comm_hook(None, rec.ddp_comm_hook())
+        _three_steps(rec, model, opt, rank, 64, variant == "changed", ddp)
+        assert views == [variant == "view"] * 3, views  # the gradients are views of DDP's buckets in "view" only
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        np.save(f"{run_dir}/params_{rank}.npy", flat.numpy().view(np.int32))
     # Done, its results on disk: skip the interpreter's teardown, where gloo's threads may still hold the
     # hooks' futures and abort the process (pytorch/pytorch#179291), under load, after the work is done
     os._exit(0)
@@ -172,26 +166,23 @@ def _fsdp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: s
     from torch.distributed.fsdp import fully_shard
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        with samestep.enable(threads=1):
-            torch.manual_seed(0)
-            model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
-            mesh = init_device_mesh("cpu", (world,))
+    with samestep.enable(threads=1):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8))
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (model[0], model[2], model):
+            fully_shard(layer, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        level = {"untraced": "off", "changed": "step"}.get(variant, variant)
+        rec = samestep.trace(run_dir, level=level, steps="1-3")
+        rec.attach(model)
+        if variant != "untraced":
             for layer in (model[0], model[2], model):
-                fully_shard(layer, mesh=mesh)
-            opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-            level = {"untraced": "off", "changed": "step"}.get(variant, variant)
-            rec = samestep.trace(run_dir, level=level, steps="1-3")
-            rec.attach(model)
-            if variant != "untraced":
-                for layer in (model[0], model[2], model):
-                    layer.set_custom_reduce_scatter(rec.fsdp_reduce_scatter())
-            _three_steps(rec, model, opt, rank, 16, variant == "changed", model)
-            shards = [p._local_tensor.detach().reshape(-1) for p in model.parameters()]
-            np.save(f"{run_dir}/params_{rank}.npy", torch.cat(shards).numpy().view(np.int32))
-            (Path(run_dir) / f"weight_{rank}.txt").write_text(samestep.digest(model[0].weight._local_tensor))
-    finally:
-        dist.destroy_process_group()
+                layer.set_custom_reduce_scatter(rec.fsdp_reduce_scatter())
+        _three_steps(rec, model, opt, rank, 16, variant == "changed", model)
+        shards = [p._local_tensor.detach().reshape(-1) for p in model.parameters()]
+        np.save(f"{run_dir}/params_{rank}.npy", torch.cat(shards).numpy().view(np.int32))
+        (Path(run_dir) / f"weight_{rank}.txt").write_text(samestep.digest(model[0].weight._local_tensor))
 
 
 def test_fsdp2_sharded_state_is_traced_as_each_rank_shard(tmp_path):

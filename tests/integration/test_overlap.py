@@ -73,16 +73,13 @@ def _step(world: int, rank: int, kind: str) -> tuple[list[torch.Tensor], torch.T
 
 def _worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        report = {}
-        for kind in ("overlap", "after", "plain"):
-            grads, extra, started = _step(world, rank, kind)
-            np.save(f"{out_dir}/{kind}_{rank}.npy", torch.cat([*(g.reshape(-1) for g in grads), extra]).numpy())
-            report[kind] = started
-        report["buckets"] = len(GradientBuckets(list(_Net().parameters()), world_size=world, **BUCKETS).buckets)
-        Path(out_dir, f"started_{rank}.json").write_text(json.dumps(report))
-    finally:
-        dist.destroy_process_group()
+    report = {}
+    for kind in ("overlap", "after", "plain"):
+        grads, extra, started = _step(world, rank, kind)
+        np.save(f"{out_dir}/{kind}_{rank}.npy", torch.cat([*(g.reshape(-1) for g in grads), extra]).numpy())
+        report[kind] = started
+    report["buckets"] = len(GradientBuckets(list(_Net().parameters()), world_size=world, **BUCKETS).buckets)
+    Path(out_dir, f"started_{rank}.json").write_text(json.dumps(report))
 
 
 def _run(world: int, tmp_path) -> tuple[dict[str, list[np.ndarray]], list[dict]]:
@@ -121,22 +118,19 @@ def test_buckets_started_in_the_backward_give_the_one_process_bits(tmp_path):
 
 def _twice_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        for overlap in (False, True):
-            net = _Net()
-            grads = CanonicalGradients(net.parameters(), microbatches_per_process=1, world_size=world, rank=rank,
-                                       overlap=overlap, **BUCKETS)
-            try:  # the last (only) microbatch runs backward twice through every parameter
-                net.loss(N_MICRO - 1).backward()
-                net.loss(N_MICRO - 1).backward()
-                grads.accumulate(rank, extra=torch.zeros(1))
-                grads.reduce()
-                outcome = "reduced"
-            except RuntimeError as e:
-                outcome = str(e)
-            Path(out_dir, f"twice_{overlap}_{rank}.txt").write_text(outcome)
-    finally:
-        dist.destroy_process_group()
+    for overlap in (False, True):
+        net = _Net()
+        grads = CanonicalGradients(net.parameters(), microbatches_per_process=1, world_size=world, rank=rank,
+                                   overlap=overlap, **BUCKETS)
+        try:  # the last (only) microbatch runs backward twice through every parameter
+            net.loss(N_MICRO - 1).backward()
+            net.loss(N_MICRO - 1).backward()
+            grads.accumulate(rank, extra=torch.zeros(1))
+            grads.reduce()
+            outcome = "reduced"
+        except RuntimeError as e:
+            outcome = str(e)
+        Path(out_dir, f"twice_{overlap}_{rank}.txt").write_text(outcome)
 
 
 def test_a_second_backward_after_a_bucket_was_sent_is_refused(tmp_path):

@@ -81,45 +81,42 @@ def _worker(rank: int, world: int, init: str, run_dir: str, out: str, layout: st
     from samestep.distributed.fsdp import FsdpGradients
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        torch.manual_seed(0)
-        model = Fused()
-        k = MICROBATCHES // world
-        if layout == "fsdp":
-            from torch.distributed.device_mesh import init_device_mesh
-            from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    model = Fused()
+    k = MICROBATCHES // world
+    if layout == "fsdp":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
 
-            mesh = init_device_mesh("cpu", (world,))
-            fully_shard(model.wqkv, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            grads = FsdpGradients(model, microbatches_per_process=k, world_size=world, rank=rank)
-        else:
-            grads = CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=False)
-        if layout == "ddp":  # DDP kept; its own all-reduce left out (no_sync), the canonical tree reduces
-            from torch.nn.parallel import DistributedDataParallel
+        mesh = init_device_mesh("cpu", (world,))
+        fully_shard(model.wqkv, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        grads = FsdpGradients(model, microbatches_per_process=k, world_size=world, rank=rank)
+    else:
+        grads = CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=False)
+    if layout == "ddp":  # DDP kept; its own all-reduce left out (no_sync), the canonical tree reduces
+        from torch.nn.parallel import DistributedDataParallel
 
-            model = DistributedDataParallel(model)
-        with samestep.Run(run_dir, model=model, optimizer=opt) as run:
-            for step in run.steps(TOTAL):
-                for i in grads.microbatches:
-                    with run.microbatch(i), model.no_sync() if layout == "ddp" else contextlib.nullcontext():
-                        seed = 1 if seed_from is not None and step >= seed_from else 0
-                        x = torch.randn(3, 8, generator=samestep.rng.generator(seed, step, i, "data"))
-                        loss = model(x).square().mean() / MICROBATCHES
-                        if step == kill_at:
-                            os._exit(9)  # killed mid-step: no close, no save of this step
-                        loss.backward()
-                    grads.accumulate(i, extra=loss.detach())
-                run.metric("loss", grads.reduce()[0])
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        bits = _params(model)
-        if rank == 0:
-            np.save(Path(out) / "params.npy", bits)
-            Path(out, "run.json").write_text(json.dumps({"start": run.start, "sharded": run.sharded}))
-    finally:
-        dist.destroy_process_group()
+        model = DistributedDataParallel(model)
+    with samestep.Run(run_dir, model=model, optimizer=opt) as run:
+        for step in run.steps(TOTAL):
+            for i in grads.microbatches:
+                with run.microbatch(i), model.no_sync() if layout == "ddp" else contextlib.nullcontext():
+                    seed = 1 if seed_from is not None and step >= seed_from else 0
+                    x = torch.randn(3, 8, generator=samestep.rng.generator(seed, step, i, "data"))
+                    loss = model(x).square().mean() / MICROBATCHES
+                    if step == kill_at:
+                        os._exit(9)  # killed mid-step: no close, no save of this step
+                    loss.backward()
+                grads.accumulate(i, extra=loss.detach())
+            run.metric("loss", grads.reduce()[0])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    bits = _params(model)
+    if rank == 0:
+        np.save(Path(out) / "params.npy", bits)
+        Path(out, "run.json").write_text(json.dumps({"start": run.start, "sharded": run.sharded}))
 
 
 def _run(tmp_path: Path, name: str, layout: str, world: int, *, kill_at: int | None = None,

@@ -96,35 +96,32 @@ def _worker(rank: int, world: int, init: str, out: str, how: str, ckpt: str, pha
                                       ShardedOptimizer, clip_grad_norm_)
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        with samestep.enable(threads=1):
-            torch.manual_seed(0)
-            fused = how in ("fused", "fresh_moments")
-            block = Block(fused)
-            mesh = init_device_mesh("cpu", (world,))  # one process: a mesh of one, the same placements
-            if how == "stock":
-                col, row, clip = ColwiseParallel(), RowwiseParallel(), None  # its DTensor and plain gradients mix
-            else:
-                col, row, clip = CanonicalColwiseParallel(CHUNKS), CanonicalRowwiseParallel(CHUNKS), clip_grad_norm_
-            plan = {"up": col, "o": row, "down": row}
-            plan |= {"qkv": CanonicalColwiseParallel(CHUNKS, parts=3)} if fused else {"q": col, "k": col, "v": col}
-            if how != "stock" or world > 1:
-                parallelize_module(block, mesh, plan)
-            opt = torch.optim.AdamW(block.parameters(), lr=0.01, foreach=False)
-            if phase == "resume":
-                load_checkpoint(ckpt, model=ShardedModel(block), restore_rng=False,
-                                optimizer=None if how == "fresh_moments" else ShardedOptimizer(opt))
-                losses = _train(block, clip, opt, range(SAVE_AT, STEPS))
-            else:
-                losses = _train(block, clip, opt, range(SAVE_AT))
-                if phase == "save":
-                    save_checkpoint(ckpt, SAVE_AT, model=block, optimizer=opt, sharded=True)
-                losses += _train(block, clip, opt, range(SAVE_AT, STEPS))
-            digest = _digest(block)
-        if rank == 0:
-            Path(out).write_text(json.dumps({"losses": losses, "digest": digest}))
-    finally:
-        dist.destroy_process_group()
+    with samestep.enable(threads=1):
+        torch.manual_seed(0)
+        fused = how in ("fused", "fresh_moments")
+        block = Block(fused)
+        mesh = init_device_mesh("cpu", (world,))  # one process: a mesh of one, the same placements
+        if how == "stock":
+            col, row, clip = ColwiseParallel(), RowwiseParallel(), None  # its DTensor and plain gradients mix
+        else:
+            col, row, clip = CanonicalColwiseParallel(CHUNKS), CanonicalRowwiseParallel(CHUNKS), clip_grad_norm_
+        plan = {"up": col, "o": row, "down": row}
+        plan |= {"qkv": CanonicalColwiseParallel(CHUNKS, parts=3)} if fused else {"q": col, "k": col, "v": col}
+        if how != "stock" or world > 1:
+            parallelize_module(block, mesh, plan)
+        opt = torch.optim.AdamW(block.parameters(), lr=0.01, foreach=False)
+        if phase == "resume":
+            load_checkpoint(ckpt, model=ShardedModel(block), restore_rng=False,
+                            optimizer=None if how == "fresh_moments" else ShardedOptimizer(opt))
+            losses = _train(block, clip, opt, range(SAVE_AT, STEPS))
+        else:
+            losses = _train(block, clip, opt, range(SAVE_AT))
+            if phase == "save":
+                save_checkpoint(ckpt, SAVE_AT, model=block, optimizer=opt, sharded=True)
+            losses += _train(block, clip, opt, range(SAVE_AT, STEPS))
+        digest = _digest(block)
+    if rank == 0:
+        Path(out).write_text(json.dumps({"losses": losses, "digest": digest}))
 
 
 def _run(tmp_path: Path, world: int, how: str, phase: str = "straight") -> dict:
@@ -188,20 +185,17 @@ def _two_d_worker(rank: int, init: str, root: str) -> None:
     from samestep.distributed import canonical_grad_norm
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    try:
-        flat, square = init_device_mesh("cpu", (1,)), init_device_mesh("cpu", (1, 1))
-        ok = distribute_tensor(torch.ones(4, 4), flat, [Shard(1)])
-        canonical_grad_norm([ok])  # one placement: bracketed
-        model = nn.Linear(4, 4, bias=False)
-        model.weight = nn.Parameter(distribute_tensor(torch.ones(4, 4), square, [Shard(0), Shard(1)]))
-        with pytest.raises(ValueError, match=r"2-D mesh.*Fix: pass full_tensor\(\)"):
-            canonical_grad_norm([model.weight.detach()])
-        with pytest.raises(CheckpointError, match=r"'weight' is placed .*full_tensor\(\) instead"):
-            save_checkpoint(root, 1, model=model, sharded=True)
-        model.weight = nn.Parameter(ok)
+    flat, square = init_device_mesh("cpu", (1,)), init_device_mesh("cpu", (1, 1))
+    ok = distribute_tensor(torch.ones(4, 4), flat, [Shard(1)])
+    canonical_grad_norm([ok])  # one placement: bracketed
+    model = nn.Linear(4, 4, bias=False)
+    model.weight = nn.Parameter(distribute_tensor(torch.ones(4, 4), square, [Shard(0), Shard(1)]))
+    with pytest.raises(ValueError, match=r"2-D mesh.*Fix: pass full_tensor\(\)"):
+        canonical_grad_norm([model.weight.detach()])
+    with pytest.raises(CheckpointError, match=r"'weight' is placed .*full_tensor\(\) instead"):
         save_checkpoint(root, 1, model=model, sharded=True)
-    finally:
-        dist.destroy_process_group()
+    model.weight = nn.Parameter(ok)
+    save_checkpoint(root, 1, model=model, sharded=True)
 
 
 def test_a_two_dimensional_placement_is_refused_by_the_norm_and_the_checkpoint(tmp_path):
@@ -225,36 +219,33 @@ def _loss_worker(rank: int, world: int, init: str, out: str, how: str) -> None:
     from samestep.distributed import CanonicalColwiseParallel, vocab_parallel_cross_entropy
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        with samestep.enable(threads=1):
-            torch.manual_seed(0)
-            head = nn.Linear(C, VOCAB, bias=False)
-            mesh = init_device_mesh("cpu", (world,))
-            g = samestep.rng.generator(0, 0, 0, "data")
-            x = (torch.randn(4, T, C, generator=g) * 3).requires_grad_()
-            targets = torch.randint(0, VOCAB, (4, T), generator=g)
-            if how == "canonical":
-                parallelize_module(head, mesh, CanonicalColwiseParallel(CHUNKS))
-                group = mesh.get_group() if world > 1 else None
-                per_token = vocab_parallel_cross_entropy(head(x), targets, CHUNKS, group)
-            elif world > 1:
-                parallelize_module(head, mesh, ColwiseParallel(use_local_output=False))
-                with loss_parallel():
-                    per_token = nn.functional.cross_entropy(head(x).flatten(0, 1), targets.flatten(),
-                                                            reduction="none").full_tensor()
-                    per_token.sum().backward()
-            else:
-                per_token = nn.functional.cross_entropy(head(x).flatten(0, 1), targets.flatten(), reduction="none")
-            if how == "canonical" or world == 1:
+    with samestep.enable(threads=1):
+        torch.manual_seed(0)
+        head = nn.Linear(C, VOCAB, bias=False)
+        mesh = init_device_mesh("cpu", (world,))
+        g = samestep.rng.generator(0, 0, 0, "data")
+        x = (torch.randn(4, T, C, generator=g) * 3).requires_grad_()
+        targets = torch.randint(0, VOCAB, (4, T), generator=g)
+        if how == "canonical":
+            parallelize_module(head, mesh, CanonicalColwiseParallel(CHUNKS))
+            group = mesh.get_group() if world > 1 else None
+            per_token = vocab_parallel_cross_entropy(head(x), targets, CHUNKS, group)
+        elif world > 1:
+            parallelize_module(head, mesh, ColwiseParallel(use_local_output=False))
+            with loss_parallel():
+                per_token = nn.functional.cross_entropy(head(x).flatten(0, 1), targets.flatten(),
+                                                        reduction="none").full_tensor()
                 per_token.sum().backward()
-            bits = {"loss": per_token.detach().contiguous().view(torch.uint8).numpy().tobytes().hex(),
-                    "x_grad": hashlib.sha256(x.grad.view(torch.uint8).numpy().tobytes()).hexdigest(),
-                    "w_grad": hashlib.sha256(_full(head.weight.grad).contiguous().view(torch.uint8).numpy()
-                                             .tobytes()).hexdigest()}
-        if rank == 0:
-            Path(out).write_text(json.dumps(bits))
-    finally:
-        dist.destroy_process_group()
+        else:
+            per_token = nn.functional.cross_entropy(head(x).flatten(0, 1), targets.flatten(), reduction="none")
+        if how == "canonical" or world == 1:
+            per_token.sum().backward()
+        bits = {"loss": per_token.detach().contiguous().view(torch.uint8).numpy().tobytes().hex(),
+                "x_grad": hashlib.sha256(x.grad.view(torch.uint8).numpy().tobytes()).hexdigest(),
+                "w_grad": hashlib.sha256(_full(head.weight.grad).contiguous().view(torch.uint8).numpy()
+                                         .tobytes()).hexdigest()}
+    if rank == 0:
+        Path(out).write_text(json.dumps(bits))
 
 
 def _loss_run(tmp_path: Path, world: int, how: str) -> dict:

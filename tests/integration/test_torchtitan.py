@@ -42,43 +42,40 @@ def _worker(rank: int, world: int, init: str, run_dir: str, out: str, kill_at: i
     from samestep.distributed import CanonicalGradients, FsdpGradients, full_state
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    try:
-        config = llama3_configs["debugmodel"](attn_backend="flex")
-        config = dataclasses.replace(config, layers=config.layers[:2])  # 2 of its 6 blocks: the same kinds
-        torch.manual_seed(0)
-        model = config.build()
-        for layer in model.layers.values():
-            layer.attention.inner_attention = CausalSDPA()
-        k = MICROBATCHES // world
-        if sharded:  # torchtitan's helper: each block an FSDP2 group, the root the rest
-            apply_fsdp_to_decoder(model, init_device_mesh("cpu", (world,)), param_dtype=torch.float32,
-                                  reduce_dtype=torch.float32, pp_enabled=False)
-            grads = FsdpGradients(model, microbatches_per_process=k, world_size=world, rank=rank)
-        else:
-            grads = CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-        with samestep.Run(run_dir, model=model, optimizer=opt) as run:
-            for step in run.steps(TOTAL):
-                for i in grads.microbatches:
-                    with run.microbatch(i):
-                        seed = 1 if seed_from is not None and step >= seed_from else 0
-                        x = torch.randint(0, VOCAB, (2, 17), generator=samestep.rng.generator(seed, step, i, "data"))
-                        logits = model(x[:, :-1])
-                        loss = F.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1)) / MICROBATCHES
-                        if step == kill_at:
-                            os._exit(9)  # killed mid-step
-                        loss.backward()
-                    grads.accumulate(i, extra=loss.detach())
-                run.metric("loss", grads.reduce()[0])
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        state = full_state(model)[0]  # every rank: a collective
-        if rank == 0:
-            digest = samestep.digest(torch.cat([t.reshape(-1) for t in state.values()]))
-            Path(out).write_text(json.dumps({"digest": digest, "start": run.start, "sharded": run.sharded,
-                                             "keys": sorted(state)}))
-    finally:
-        dist.destroy_process_group()
+    config = llama3_configs["debugmodel"](attn_backend="flex")
+    config = dataclasses.replace(config, layers=config.layers[:2])  # 2 of its 6 blocks: the same kinds
+    torch.manual_seed(0)
+    model = config.build()
+    for layer in model.layers.values():
+        layer.attention.inner_attention = CausalSDPA()
+    k = MICROBATCHES // world
+    if sharded:  # torchtitan's helper: each block an FSDP2 group, the root the rest
+        apply_fsdp_to_decoder(model, init_device_mesh("cpu", (world,)), param_dtype=torch.float32,
+                              reduce_dtype=torch.float32, pp_enabled=False)
+        grads = FsdpGradients(model, microbatches_per_process=k, world_size=world, rank=rank)
+    else:
+        grads = CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
+    with samestep.Run(run_dir, model=model, optimizer=opt) as run:
+        for step in run.steps(TOTAL):
+            for i in grads.microbatches:
+                with run.microbatch(i):
+                    seed = 1 if seed_from is not None and step >= seed_from else 0
+                    x = torch.randint(0, VOCAB, (2, 17), generator=samestep.rng.generator(seed, step, i, "data"))
+                    logits = model(x[:, :-1])
+                    loss = F.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1)) / MICROBATCHES
+                    if step == kill_at:
+                        os._exit(9)  # killed mid-step
+                    loss.backward()
+                grads.accumulate(i, extra=loss.detach())
+            run.metric("loss", grads.reduce()[0])
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    state = full_state(model)[0]  # every rank: a collective
+    if rank == 0:
+        digest = samestep.digest(torch.cat([t.reshape(-1) for t in state.values()]))
+        Path(out).write_text(json.dumps({"digest": digest, "start": run.start, "sharded": run.sharded,
+                                         "keys": sorted(state)}))
 
 
 def _run(tmp_path: Path, name: str, world: int, *, run_dir: Path | None = None, kill_at: int | None = None,

@@ -130,20 +130,17 @@ def _two_rank_worker(rank: int, init: str, run_dir: str, out: str, signal_at: in
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        with samestep.Run(run_dir, model=model, optimizer=opt) as run:
-            for step in run.steps(4):
-                model(torch.full((2, 4), float(step))).sum().backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                if step == signal_at and rank == 1:
-                    signal.raise_signal(signal.SIGTERM)  # this rank only
-        Path(out, f"rank{rank}.json").write_text(json.dumps({"stopped": run.stopped, "start": run.start}))
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with samestep.Run(run_dir, model=model, optimizer=opt) as run:
+        for step in run.steps(4):
+            model(torch.full((2, 4), float(step))).sum().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step == signal_at and rank == 1:
+                signal.raise_signal(signal.SIGTERM)  # this rank only
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"stopped": run.stopped, "start": run.start}))
 
 
 @pytest.mark.slow
