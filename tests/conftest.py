@@ -78,10 +78,10 @@ def train_cmd(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 
 
 def run_train(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 1,
               stop_after: int | None = None) -> dict | None:
-    """Runs ``samestep train`` in a fresh process; returns final.json (None if it stopped early)."""
-    proc = subprocess.run(train_cmd(run_dir, *settings, resume=resume, nproc=nproc, stop_after=stop_after),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    """Runs ``samestep train`` in a process of its own (``Forked``); returns final.json (None if it stopped
+    early)."""
+    proc = Forked(train_cmd(run_dir, *settings, resume=resume, nproc=nproc, stop_after=stop_after)[3:])
+    assert proc.wait() == 0, proc.stderr[-4000:]
     final = run_dir / "final.json"
     return json.loads(final.read_text()) if final.exists() else None
 
@@ -161,6 +161,9 @@ PRELOAD = ["torch", "torch.distributed", "torch._inductor.config", "samestep"]
 # A spawned process still running after this long is stuck (the longest take a minute on a busy 2-core
 # machine): its stacks are shown and every process is killed, so a hang fails its test, not the suite.
 SPAWN_DEADLINE_S = 600
+# Once a process has ended with an error, how long the others have to end by themselves (every rank of a run
+# that a check stops reports what it found) before they are stopped (the peers of a rank that killed itself).
+GRACE_S = 10
 
 
 def _spawned(rank: int, fn, stacks: str, args: tuple) -> None:
@@ -201,8 +204,9 @@ def spawn(fn, args: tuple, nprocs: int, exit_code: int | None = None) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs)``, its processes forked from a server that imported
     torch, samestep and ``fn``'s module once (each spawned interpreter would import them again, seconds
     apiece). The server imports and never computes, so no thread pool is forked. ``exit_code``: a process
-    must end with it (a rank that kills itself, ``os._exit``), and the others are stopped. A process still
-    running after ``SPAWN_DEADLINE_S`` fails the test with the stacks of those still running."""
+    must end with it (a rank that kills itself, ``os._exit``), and the others end or are stopped
+    (``GRACE_S``). A process still running after ``SPAWN_DEADLINE_S`` fails the test with the stacks of
+    those still running."""
     import multiprocessing
     import tempfile
     import time
@@ -215,7 +219,7 @@ def spawn(fn, args: tuple, nprocs: int, exit_code: int | None = None) -> None:
                                  start_method="forkserver")
         deadline = time.monotonic() + SPAWN_DEADLINE_S
         try:
-            while not ctx.join(timeout=1):
+            while not ctx.join(timeout=1, grace_period=GRACE_S):
                 if time.monotonic() > deadline:
                     pytest.fail(f"{fn.__name__}'s processes still running after {SPAWN_DEADLINE_S} s; their "
                                 f"stacks:\n{_stuck(ctx, Path(stacks))}", pytrace=False)
@@ -226,14 +230,79 @@ def spawn(fn, args: tuple, nprocs: int, exit_code: int | None = None) -> None:
     assert exit_code is None, f"no process of {fn.__name__} ended with exit code {exit_code}"
 
 
-def _train_rank(rank: int, nproc: int, port: int, threads: int, argv: list[str], patch) -> None:
+def _command(argv: list[str], env: dict[str, str], cwd: str, stderr: str) -> None:
+    """``samestep *argv`` as a fresh process runs it: the caller's environment and directory, the progress
+    lines dropped, stderr to the file ``stderr``; the command's code is the process's exit code."""
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.dup2(os.open(stderr, os.O_WRONLY | os.O_APPEND), 2)
+    from samestep.cli import main
+
+    raise SystemExit(main(argv))
+
+
+class Forked:
+    """``subprocess.Popen([python, "-m", "samestep", *argv])`` as the tests use it (``pid``, ``poll``,
+    ``send_signal``, ``wait``, ``returncode``; ``stderr``, the text, once it has ended), the process forked
+    from the spawn server: a process of its own to kill or signal, without an interpreter start and imports
+    to pay. Settings read as torch or Inductor are imported (TORCHINDUCTOR_*, OMP_NUM_THREADS) are the
+    server's: a claim about them runs a fresh interpreter."""
+
+    def __init__(self, argv: list[str]) -> None:
+        import multiprocessing
+        import tempfile
+
+        multiprocessing.set_forkserver_preload([*PRELOAD, __name__])
+        fd, self._stderr_path = tempfile.mkstemp(prefix="samestep-stderr-")
+        os.close(fd)
+        self.stderr: str | None = None
+        self._process = multiprocessing.get_context("forkserver").Process(
+            target=_command, args=(argv, dict(os.environ), os.getcwd(), self._stderr_path))
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def send_signal(self, sig: int) -> None:
+        if self._process.exitcode is None:
+            os.kill(self.pid, sig)
+
+    def wait(self, timeout: float = 600) -> int:
+        """The exit code (minus the signal that ended it); a process still running after ``timeout`` seconds
+        is killed and fails the test."""
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            self._process.kill()
+            self._process.join()
+            pytest.fail(f"samestep still running after {timeout} s; its stderr:\n{self._read_stderr()[-4000:]}")
+        self._read_stderr()
+        return self._process.exitcode
+
+    def _read_stderr(self) -> str:
+        if self.stderr is None and os.path.exists(self._stderr_path):
+            self.stderr = Path(self._stderr_path).read_text(errors="replace")
+            os.unlink(self._stderr_path)
+        return self.stderr or ""
+
+
+def _train_rank(rank: int, nproc: int, port: int, threads: int, argv: list[str], patch, stderr: str | None) -> None:
     """One process of ``samestep train --nproc nproc``: what the launcher sets (its variables, and the thread
     count its OMP_NUM_THREADS gives a fresh interpreter), ``patch()`` (a module-level function, or None)
-    first, then the command; a nonzero code is the process's exit code."""
+    first, then the command; a nonzero code is the process's exit code. ``stderr``: a file the rank's
+    stderr is added to."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
     sys.stdout = open(os.devnull, "w")  # the progress lines of every rank
+    if stderr is not None:
+        os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
     if patch is not None:
         patch()
     from samestep.cli import main
@@ -244,17 +313,19 @@ def _train_rank(rank: int, nproc: int, port: int, threads: int, argv: list[str],
 
 
 def train_ranks(run_dir: Path, *settings: str, nproc: int, resume: bool = False, stop_after: int | None = None,
-                patch=None, exit_code: int | None = None) -> dict | None:
+                patch=None, exit_code: int | None = None, stderr: Path | None = None) -> dict | None:
     """The ``nproc`` processes of ``samestep train --nproc nproc``, forked from the spawn server (no interpreter
     start or imports to pay); returns final.json (None if none was written). For claims about several ranks,
     not about the launcher (its signals and exit codes: ``run_train``). ``patch``: a module-level function
-    each process calls first; ``exit_code``: a process must end with it (see ``spawn``)."""
+    each process calls first; ``exit_code``: a process must end with it (see ``spawn``); ``stderr``: a file
+    every rank's stderr goes to."""
     from samestep.cli.launch import free_port
     from samestep.train import load_config
 
     argv = train_cmd(run_dir, *settings, resume=resume, stop_after=stop_after)[3:]
     threads = load_config(None, list(settings)).determinism.threads
-    spawn(_train_rank, (nproc, free_port(), threads, argv, patch), nproc, exit_code)
+    spawn(_train_rank, (nproc, free_port(), threads, argv, patch, None if stderr is None else str(stderr)), nproc,
+          exit_code)
     final = run_dir / "final.json"
     return json.loads(final.read_text()) if final.exists() else None
 

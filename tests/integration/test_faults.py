@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
-from tests.conftest import TINY, side_by_side, train_cmd
+from tests.conftest import TINY, side_by_side, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -15,11 +14,12 @@ LN_F = "module=transformer.ln_f"  # a layer norm keeps its input, not its output
 PARAM = "name=transformer.h.0.mlp.c_fc.weight"
 
 
-def _train(run_dir, *settings, nproc=2) -> tuple[int, str, str | None]:
-    """Exit code, stderr, and the final state digest (None without final.json)."""
-    proc = subprocess.run(train_cmd(run_dir, *settings, nproc=nproc), capture_output=True, text=True, timeout=600)
-    final = run_dir / "final.json"
-    return proc.returncode, proc.stderr, json.loads(final.read_text())["state_digest"] if final.exists() else None
+def _train(run_dir, *settings, code: int = 0) -> tuple[int, str, str | None]:
+    """A run on 2 ranks that ends with exit code ``code``: that code, its ranks' stderr, and the final state
+    digest (None without final.json)."""
+    stderr = run_dir.parent / f"{run_dir.name}.stderr"
+    final = train_ranks(run_dir, *settings, nproc=2, exit_code=code or None, stderr=stderr)
+    return code, stderr.read_text() if stderr.exists() else "", final and final["state_digest"]
 
 
 def test_checks_raise_no_false_alarm_and_change_no_bit(tmp_path):
@@ -40,7 +40,7 @@ def test_recompute_check_names_a_transient_fault(tmp_path, tiny_run):
     changes the run."""
     fault = f"train.fault=output:rank=1,step=3,microbatch=2,{LN_F},bit=20"
     (code, err, final), (code_c, err_c, silent) = side_by_side(
-        lambda: _train(tmp_path / "checked", *TINY, "train.sdc_check_every=1", fault),
+        lambda: _train(tmp_path / "checked", *TINY, "train.sdc_check_every=1", fault, code=4),
         lambda: _train(tmp_path / "unchecked", *TINY, fault))
     assert code == 4 and final is None, err
     assert "recompute check at step 3, microbatch 2 on rank 1: its loss differs" in err
@@ -56,6 +56,6 @@ def test_recompute_check_names_a_transient_fault(tmp_path, tiny_run):
 def test_cross_rank_check_names_a_rank_whose_memory_changed(tmp_path, kind, what):
     """A bit flipped in one rank's parameter after step 3's update, or in its reduced gradient: the cross-rank
     check stops the run at that step (exit 4), naming the tensor."""
-    code, err, final = _train(tmp_path / "run", *TINY, f"train.fault={kind}:rank=1,step=3,{PARAM},bit=20")
+    code, err, final = _train(tmp_path / "run", *TINY, f"train.fault={kind}:rank=1,step=3,{PARAM},bit=20", code=4)
     assert code == 4 and final is None, err
     assert "cross-rank check at step 3: rank 1 and rank 0 disagree" in err and what in err, err

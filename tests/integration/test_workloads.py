@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from samestep.rundir import last_logged_step
-from tests.conftest import TINY, metrics_bytes, run_train, side_by_side, train_cmd, train_here, train_ranks
+from tests.conftest import TINY, Forked, metrics_bytes, run_train, side_by_side, train_cmd, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -25,12 +25,12 @@ CASES = {("llama", "fp32"): 2, ("llama", "bf16"): 4, ("gpt", "bf16"): 2}  # -> a
 def _killed_then_resumed(run: Path, settings: tuple[str, ...], after: int, here: bool = False) -> dict:
     """A run SIGKILLed once it has logged step ``after``, then resumed to its end (in this process if
     ``here``: a compiled resume compiles in a fresh one); its final.json."""
-    proc = subprocess.Popen(train_cmd(run, *settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = Forked(train_cmd(run, *settings)[3:])
     deadline = time.monotonic() + 600
     while proc.poll() is None and last_logged_step(run) < after and time.monotonic() < deadline:
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert proc.wait() == -signal.SIGKILL, proc.stderr[-3000:]
     return train_here(run, *settings, resume=True) if here else run_train(run, *settings, resume=True)
 
 
