@@ -204,9 +204,9 @@ def spawn(fn, args: tuple, nprocs: int, exit_code: int | None = None) -> None:
     """``torch.multiprocessing.spawn(fn, args, nprocs)``, its processes forked from a server that imported
     torch, samestep and ``fn``'s module once (each spawned interpreter would import them again, seconds
     apiece). The server imports and never computes, so no thread pool is forked. ``exit_code``: a process
-    must end with it (a rank that kills itself, ``os._exit``), and the others end or are stopped
-    (``GRACE_S``). A process still running after ``SPAWN_DEADLINE_S`` fails the test with the stacks of
-    those still running."""
+    must end with it (a rank that kills itself: ``os._exit``'s code, or minus the signal), and the others
+    end or are stopped (``GRACE_S``). A process still running after ``SPAWN_DEADLINE_S`` fails the test with
+    the stacks of those still running."""
     import multiprocessing
     import tempfile
     import time
@@ -223,8 +223,9 @@ def spawn(fn, args: tuple, nprocs: int, exit_code: int | None = None) -> None:
                 if time.monotonic() > deadline:
                     pytest.fail(f"{fn.__name__}'s processes still running after {SPAWN_DEADLINE_S} s; their "
                                 f"stacks:\n{_stuck(ctx, Path(stacks))}", pytrace=False)
-        except mp.ProcessExitedException as exited:
-            if exit_code is None or exited.exit_code != exit_code:
+        except (mp.ProcessExitedException, mp.ProcessRaisedException):
+            # any process, not the first one found: the peers of a rank that killed itself fail too
+            if exit_code is None or exit_code not in [p.exitcode for p in ctx.processes]:
                 raise
             return
     assert exit_code is None, f"no process of {fn.__name__} ended with exit code {exit_code}"
@@ -273,6 +274,11 @@ class Forked:
     def send_signal(self, sig: int) -> None:
         if self._process.exitcode is None:
             os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        import signal
+
+        self.send_signal(signal.SIGKILL)
 
     def wait(self, timeout: float = 600) -> int:
         """The exit code (minus the signal that ended it); a process still running after ``timeout`` seconds

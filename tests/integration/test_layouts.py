@@ -79,36 +79,33 @@ def test_fsdp2_gives_the_one_process_bits_and_resumes_across_sharded_layouts(one
     assert [(r["step"], r["world_size"], r.get("sharded")) for r in run["resumes"]] == [(2, 2, "fsdp2"), (4, 1, None)]
 
 
+def _dies_writing_its_optimizer_shard_of_step_4() -> None:
+    """Rank 1 SIGKILLs itself as it writes its optimizer shard into step 4's checkpoint."""
+    import signal
+
+    import samestep.checkpoint.save as save
+
+    write = save._write_tensors
+
+    def dying(path, tensors):
+        if path.name == "optimizer.rank_00001.safetensors" and path.parent.name == ".step_000004.tmp":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return write(path, tensors)
+
+    save._write_tensors = dying
+
+
 def test_a_rank_killed_in_a_sharded_save_leaves_the_previous_checkpoint_and_the_resume_is_exact(
         one_process, tmp_path):
     """Rank 1 of a 2-process sharded run is SIGKILLed while writing its optimizer shard of step 4: the job
     dies, step 2 stays the newest checkpoint, intact, and a sharded resume gives the 1-process bits. Then a
     flipped byte in one shard is named by `samestep checkpoint verify` (exit 1): file and tensor."""
-    import subprocess
-    import sys
-    import textwrap
-
-    from tests.conftest import train_cmd
+    import signal
 
     ref_dir, ref_digest = one_process
     d, fsdp = tmp_path / "run", "parallel.fsdp=true"
-    script = tmp_path / "killed.py"
-    script.write_text(textwrap.dedent(f"""
-        import os, signal, sys
-        import samestep.checkpoint.save as save
-        write = save._write_tensors
-        def dying(path, tensors):
-            if path.name == "optimizer.rank_00001.safetensors" and path.parent.name == ".step_000004.tmp":
-                os.kill(os.getpid(), signal.SIGKILL)
-            return write(path, tensors)
-        save._write_tensors = dying
-        from samestep.cli import main
-        sys.exit(main({train_cmd(d, *LAYOUT, fsdp)[3:]!r}))
-    """))
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(script)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode != 0 and "Signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-3000:]
+    train_ranks(d, *LAYOUT, fsdp, nproc=2, patch=_dies_writing_its_optimizer_shard_of_step_4,
+                exit_code=-signal.SIGKILL)
     assert (d / "checkpoints" / "latest").read_text().strip() == "step_000002"
     final = train_ranks(d, *LAYOUT, fsdp, nproc=2, resume=True)
     assert final["state_digest"] == ref_digest and metrics_bytes(d) == metrics_bytes(ref_dir)

@@ -4,6 +4,7 @@ every input error is one line with exit 2."""
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import torch
 
 import samestep
 from samestep.rundir import RunDirError, last_logged_step
-from tests.conftest import TINY, cli_here, train_cmd, train_here
+from tests.conftest import TINY, Forked, cli_here, train_cmd, train_here
 from tests.forgery import flip_a_weight, move_cursor, reseal, reseal_manifest
 
 # Checkpoints only at the end: a kill before it leaves a run with no checkpoint at all.
@@ -28,12 +29,12 @@ def _files(run_dir: Path) -> dict[str, bytes]:
 
 def _kill_after(run_dir: Path, step: int, *settings: str) -> None:
     """Starts ``samestep train``, SIGKILLs it once it has logged ``step``."""
-    proc = subprocess.Popen(train_cmd(run_dir, *settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = Forked(train_cmd(run_dir, *settings)[3:])
     deadline = time.monotonic() + 300
     while proc.poll() is None and last_logged_step(run_dir) < step and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert proc.poll() is None, f"the run ended before step {step}: {proc.stderr.read()[-2000:]}"
-    proc.kill()
+    assert proc.poll() is None, f"the run ended before step {step}: {proc.wait()} {proc.stderr[-2000:]}"
+    proc.send_signal(signal.SIGKILL)
     proc.wait()
 
 
@@ -94,8 +95,7 @@ def test_every_writer_of_a_run_directory_takes_the_same_lock(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
     trained = tmp_path / "trained"
-    holder = subprocess.Popen(train_cmd(trained, *UNSAVED, "train.steps=2000"), stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+    holder = Forked(train_cmd(trained, *UNSAVED, "train.steps=2000")[3:])
     try:
         deadline = time.monotonic() + 300
         while last_logged_step(trained) < 1 and time.monotonic() < deadline:

@@ -15,7 +15,7 @@ import pytest
 
 from samestep.preempt import EXIT_PREEMPTED
 from samestep.rundir import last_logged_step
-from tests.conftest import TINY, metrics_bytes, run_train, train_cmd, train_here
+from tests.conftest import TINY, Forked, metrics_bytes, run_train, train_cmd, train_here
 
 # Checkpoints only at the end: without the signal handler a stop loses every step.
 LONG = (*TINY, "train.steps=120", "train.checkpoint_every=1000")
@@ -29,17 +29,16 @@ def reference(tmp_path_factory) -> Path:
     return d
 
 
-def _signalled(run_dir: Path, *settings: str, sig: int = signal.SIGTERM) -> subprocess.CompletedProcess:
+def _signalled(run_dir: Path, *settings: str, sig: int = signal.SIGTERM) -> Forked:
     """Starts a run, sends it ``sig`` once it has logged step 3; returns the finished process."""
-    proc = subprocess.Popen(train_cmd(run_dir, *LONG, *settings), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = Forked(train_cmd(run_dir, *LONG, *settings)[3:])
     deadline = time.monotonic() + 300
     while proc.poll() is None and last_logged_step(run_dir) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert proc.poll() is None, "the run ended before it could be signalled"
     proc.send_signal(sig)
-    out, err = proc.communicate(timeout=300)
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    proc.wait(timeout=300)
+    return proc
 
 
 def test_sigterm_saves_the_step_and_resume_is_exact(reference, tmp_path):

@@ -8,9 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
-import sys
-import textwrap
+import signal
 
 import pytest
 
@@ -51,16 +49,18 @@ def test_llama_and_bf16_give_the_one_process_bits(tmp_path, what, nproc):
     assert one == two and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "two")
 
 
-def _torchrun(tmp_path, name: str, patch: str, run_dir, *settings: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    """``samestep train`` on ``nproc`` torchrun processes, ``patch`` run first in each."""
-    script = tmp_path / f"{name}.py"
-    script.write_text(textwrap.dedent(patch) + textwrap.dedent(f"""
-        from samestep.cli import main
-        sys.exit(main({train_cmd(run_dir, *settings)[3:]!r}))
-    """))
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(nproc), str(script)], capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+def _rank_1_dies_in_step_4() -> None:
+    """Rank 1 SIGKILLs itself as it starts step 4 (the steps count from 0 here)."""
+    from samestep.train import loop
+
+    step = loop.Trainer.step
+
+    def dying(self, s):
+        if s == 3 and os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return step(self, s)
+
+    loop.Trainer.step = dying
 
 
 def test_a_tp_2_run_killed_resumes_at_tp_4_and_on_one_process_bit_for_bit(one_process, tmp_path):
@@ -69,17 +69,7 @@ def test_a_tp_2_run_killed_resumes_at_tp_4_and_on_one_process_bit_for_bit(one_pr
     run's receipts hold (ranks 2 and 3 keep theirs from step 3) and run.json records each segment's layout."""
     ref_dir, ref_digest = one_process
     d = tmp_path / "run"
-    proc = _torchrun(tmp_path, "killed", """
-        import os, signal, sys
-        from samestep.train import loop
-        step = loop.Trainer.step
-        def dying(self, s):
-            if s == 3 and os.environ["RANK"] == "1":
-                os.kill(os.getpid(), signal.SIGKILL)
-            return step(self, s)
-        loop.Trainer.step = dying
-    """, d, *TP, "parallel.tp=2")
-    assert proc.returncode != 0 and "Signal 9 (SIGKILL)" in proc.stderr, proc.stderr[-3000:]
+    train_ranks(d, *TP, "parallel.tp=2", nproc=2, patch=_rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
     assert (d / "checkpoints" / "latest").read_text().strip() == "step_000002"
     shutil.copytree(d, tmp_path / "copy")
     shutil.copytree(d, tmp_path / "grid")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TINY, cli_here, metrics_bytes, run_train, side_by_side, train_cmd, train_here
+from tests.conftest import TINY, Forked, cli_here, metrics_bytes, run_train, side_by_side, train_cmd, train_here
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +51,7 @@ def test_nondeterministic_op_diverges_without_deterministic_mode(tmp_path):
     assert on[0] == on[1]
 
 
-def _wait_for_step(proc: subprocess.Popen, metrics: Path, step: int) -> None:
+def _wait_for_step(proc, metrics: Path, step: int) -> None:
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None:
         if metrics.exists() and sum(1 for ln in metrics.read_text().splitlines() if ln.endswith("}")) >= step:
@@ -65,10 +65,10 @@ def test_sigkill_at_a_random_step_then_resume_is_identical(reference, tmp_path, 
     the reference."""
     kill_after = rng.randrange(1, 8)
     d = tmp_path / "killed"
-    proc = subprocess.Popen(train_cmd(d, *TINY), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = Forked(train_cmd(d, *TINY)[3:])
     _wait_for_step(proc, d / "metrics.jsonl", kill_after)
     proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    assert proc.wait() == -signal.SIGKILL, proc.stderr[-2000:]
     final = train_here(d, *TINY, resume=True)
     ref = json.loads((reference / "final.json").read_text())
     assert final["state_digest"] == ref["state_digest"], f"killed after step {kill_after}"

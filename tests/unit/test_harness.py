@@ -30,3 +30,21 @@ def test_a_stuck_spawned_process_fails_its_test_with_its_stack_and_is_killed(mon
     for rank in (0, 1):
         assert f"rank {rank} (pid " in message
     assert message.count("in _stuck_forever") == 2, message  # each rank's stack names the function it is stuck in
+
+
+def _rank_1_exits_3_and_rank_0_fails_after(rank: int) -> None:
+    import os
+
+    if rank == 1:
+        os._exit(3)
+    time.sleep(0.5)
+    raise RuntimeError("a peer's error, found first or not")
+
+
+@pytest.mark.slow
+def test_an_expected_exit_code_is_looked_for_in_every_process():
+    """``spawn(..., exit_code=3)`` passes when any process ended with 3, though a peer failed too; the same
+    check fails when none did (the control)."""
+    conftest.spawn(_rank_1_exits_3_and_rank_0_fails_after, (), 2, exit_code=3)
+    with pytest.raises(AssertionError, match="no process of _quick ended with exit code 3"):
+        conftest.spawn(_quick, (), 2, exit_code=3)
