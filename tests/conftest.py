@@ -231,36 +231,48 @@ def spawn(fn, args: tuple, nprocs: int, exit_code: int | None = None) -> None:
     assert exit_code is None, f"no process of {fn.__name__} ended with exit code {exit_code}"
 
 
-def _command(argv: list[str], env: dict[str, str], cwd: str, stderr: str) -> None:
-    """``samestep *argv`` as a fresh process runs it: the caller's environment and directory, the progress
-    lines dropped, stderr to the file ``stderr``; the command's code is the process's exit code."""
+def _command(argv: list[str], script: str | None, env: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
+    """``samestep *argv``, or ``python script *argv``, as a fresh process runs it: the caller's environment and
+    directory, stdout and stderr to those files; the command's code is the process's exit code."""
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
-    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.dup2(os.open(stdout, os.O_WRONLY | os.O_APPEND), 1)
     os.dup2(os.open(stderr, os.O_WRONLY | os.O_APPEND), 2)
+    if script is not None:
+        import runpy
+
+        sys.argv = [script, *argv]
+        sys.path.insert(0, str(Path(script).parent))  # as python puts a script's folder first
+        runpy.run_path(script, run_name="__main__")
+        return
     from samestep.cli import main
 
     raise SystemExit(main(argv))
 
 
 class Forked:
-    """``subprocess.Popen([python, "-m", "samestep", *argv])`` as the tests use it (``pid``, ``poll``,
-    ``send_signal``, ``wait``, ``returncode``; ``stderr``, the text, once it has ended), the process forked
-    from the spawn server: a process of its own to kill or signal, without an interpreter start and imports
-    to pay. Settings read as torch or Inductor are imported (TORCHINDUCTOR_*, OMP_NUM_THREADS) are the
-    server's: a claim about them runs a fresh interpreter."""
+    """``subprocess.Popen([python, "-m", "samestep", *argv])``, or ``[python, script, *argv]``, as the tests use
+    it (``pid``, ``poll``, ``send_signal``, ``wait``, ``returncode``; ``stdout`` and ``stderr``, the text, once
+    it has ended), the process forked from the spawn server: a process of its own to kill or signal, without
+    an interpreter start and imports to pay. Settings read as torch or Inductor are imported
+    (TORCHINDUCTOR_*, OMP_NUM_THREADS) are the server's: a claim about them runs a fresh interpreter."""
 
-    def __init__(self, argv: list[str]) -> None:
+    def __init__(self, argv: list[str], script: Path | None = None) -> None:
         import multiprocessing
         import tempfile
 
         multiprocessing.set_forkserver_preload([*PRELOAD, __name__])
-        fd, self._stderr_path = tempfile.mkstemp(prefix="samestep-stderr-")
-        os.close(fd)
+        self._paths = []
+        for _ in range(2):
+            fd, path = tempfile.mkstemp(prefix="samestep-output-")
+            os.close(fd)
+            self._paths.append(path)
+        self.stdout: str | None = None
         self.stderr: str | None = None
         self._process = multiprocessing.get_context("forkserver").Process(
-            target=_command, args=(argv, dict(os.environ), os.getcwd(), self._stderr_path))
+            target=_command, args=(argv, None if script is None else str(script), dict(os.environ), os.getcwd(),
+                                   *self._paths))
         self._process.start()
         self.pid = self._process.pid
 
@@ -287,15 +299,17 @@ class Forked:
         if self._process.exitcode is None:
             self._process.kill()
             self._process.join()
-            pytest.fail(f"samestep still running after {timeout} s; its stderr:\n{self._read_stderr()[-4000:]}")
-        self._read_stderr()
+            pytest.fail(f"samestep still running after {timeout} s; its stderr:\n{self._read()[-4000:]}")
+        self._read()
         return self._process.exitcode
 
-    def _read_stderr(self) -> str:
-        if self.stderr is None and os.path.exists(self._stderr_path):
-            self.stderr = Path(self._stderr_path).read_text(errors="replace")
-            os.unlink(self._stderr_path)
-        return self.stderr or ""
+    def _read(self) -> str:
+        """Takes in what the process printed; its stderr."""
+        if self.stderr is None:
+            self.stdout, self.stderr = (Path(p).read_text(errors="replace") for p in self._paths)
+            for p in self._paths:
+                os.unlink(p)
+        return self.stderr
 
 
 def _train_rank(rank: int, nproc: int, port: int, threads: int, argv: list[str], patch, stderr: str | None) -> None:

@@ -9,21 +9,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_here, script_here, side_by_side
+from tests.conftest import Forked, cli_here, script_here, side_by_side
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "own_loop.py"
 
 
 def _together(*runs: tuple[Path, tuple[str, ...], int]) -> list[str]:
-    """Runs the example side by side (independent runs), each expected to exit with its code; their digests."""
-    procs = [subprocess.Popen([sys.executable, str(EXAMPLE), str(run_dir), *args], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for run_dir, args, _ in runs]
+    """Runs the example side by side (independent runs), each in a process of its own (``Forked``) and
+    expected to exit with its code; their digests."""
+    procs = [Forked([str(run_dir), *args], script=EXAMPLE) for run_dir, args, _ in runs]
     out = []
     for p, (_, _, code) in zip(procs, runs):
-        stdout, stderr = p.communicate(timeout=300)
-        assert p.returncode == code, stderr[-3000:]
-        out.append(stdout.strip())
+        assert p.wait() == code, p.stderr[-3000:]
+        out.append(p.stdout.strip())
     return out
 
 

@@ -7,27 +7,23 @@ from __future__ import annotations
 
 import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
-from tests.conftest import cli_here
+from tests.conftest import Forked, cli_here
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _together(*runs: tuple) -> list[subprocess.CompletedProcess]:
-    """Runs the examples side by side (independent runs; the machine's cores are shared)."""
-    procs = [subprocess.Popen([sys.executable, str(ROOT / "examples" / example), str(out), *args], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE) for example, out, *args in runs]
-    done = []
+def _together(*runs: tuple) -> list[Forked]:
+    """Runs the examples side by side (independent runs; the machine's cores are shared), each as
+    ``python examples/<example> ...`` runs it, in a process of its own (``Forked``); the ended processes."""
+    procs = [Forked([str(out), *args], script=ROOT / "examples" / example) for example, out, *args in runs]
     for p in procs:
-        out, err = p.communicate(timeout=600)
-        done.append(subprocess.CompletedProcess(p.args, p.returncode, out, err))
-    return done
+        p.wait()
+    return procs
 
 
-def _digest(proc: subprocess.CompletedProcess) -> str:
+def _digest(proc: Forked) -> str:
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip().splitlines()[-1]
 
