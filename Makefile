@@ -30,9 +30,9 @@ TEST_WORKERS ?= 3
 test: install
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load --durations=30 tests
 
-# The edit-test loop: the unit tests but the slow ones, and the demo end to end.
+# The edit-test loop: the unit tests but the slow ones (in two workers), and the demo end to end.
 test-fast: install
-	$(BIN)/python -m pytest -q -m "not slow and not opinfo" tests/unit
+	$(BIN)/python -m pytest -q -n 2 -m "not slow and not opinfo" tests/unit
 	$(BIN)/python -m pytest -q -m smoke tests/integration
 
 bench: install
