@@ -258,7 +258,7 @@ class Forked:
     an interpreter start and imports to pay. Settings read as torch or Inductor are imported
     (TORCHINDUCTOR_*, OMP_NUM_THREADS) are the server's: a claim about them runs a fresh interpreter."""
 
-    def __init__(self, argv: list[str], script: Path | None = None) -> None:
+    def __init__(self, argv: list[str], script: Path | None = None, cwd: Path | None = None) -> None:
         import multiprocessing
         import tempfile
 
@@ -271,8 +271,8 @@ class Forked:
         self.stdout: str | None = None
         self.stderr: str | None = None
         self._process = multiprocessing.get_context("forkserver").Process(
-            target=_command, args=(argv, None if script is None else str(script), dict(os.environ), os.getcwd(),
-                                   *self._paths))
+            target=_command, args=(argv, None if script is None else str(script), dict(os.environ),
+                                   str(cwd or os.getcwd()), *self._paths))
         self._process.start()
         self.pid = self._process.pid
 

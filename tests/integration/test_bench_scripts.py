@@ -9,7 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.conftest import Forked
+
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _bench(script: str, *args: str, timeout: float = 600) -> Forked:
+    """``python bench/<script> *args`` from the repository's root, in a process of its own (``Forked``); the
+    ended process."""
+    proc = Forked(list(args), script=ROOT / "bench" / script, cwd=ROOT)
+    proc.wait(timeout)
+    return proc
 
 
 def test_gpu_check_runs_its_cpu_sections(tmp_path):
@@ -44,10 +54,9 @@ def test_trace_bench_times_the_recorder_calls(tmp_path):
     """`bench_trace.py --recorder-calls --own-share` (one pair of one step, small diff sets): the step
     level's time inside the recorder's calls is reported, a positive share of the untraced step, while
     the worker drops each batch once it is described (--own-share ran into a TypeError once unnoticed)."""
-    proc = subprocess.run([sys.executable, "bench/bench_trace.py", "--levels", "step", "--pairs", "1", "--steps", "1",
-                           "--records", "1000", "--ranks", "2", "--records-per-rank", "10", "--contention-rounds", "0",
-                           "--recorder-calls", "--own-share", "--json"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
+    proc = _bench("bench_trace.py", "--levels", "step", "--pairs", "1", "--steps", "1", "--records", "1000",
+                  "--ranks", "2", "--records-per-rank", "10", "--contention-rounds", "0", "--recorder-calls",
+                  "--own-share", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     step = json.loads(proc.stdout)["trace_overhead"]["step"]
     assert step["recorder_calls_ms_per_step"] > 0 and 0 < step["recorder_calls_share"] < 0.5
@@ -56,8 +65,7 @@ def test_trace_bench_times_the_recorder_calls(tmp_path):
 def test_user_loop_bench_runs_and_counts_records():
     """`bench/bench_user_loop.py` (one pair of one step, step level): a ratio, and the records each traced
     step writes (28 gradients, 28 parameters and 56 AdamW moments at least) with their cost."""
-    proc = subprocess.run([sys.executable, "bench/bench_user_loop.py", "--levels", "step", "--pairs", "1", "--steps",
-                           "1", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = _bench("bench_user_loop.py", "--levels", "step", "--pairs", "1", "--steps", "1", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     step = json.loads(proc.stdout)["step"]
     assert step["ratio_median"] > 0 and step["records_per_step"] >= 112 and step["step_ms_traced"] > 0
@@ -70,9 +78,8 @@ def test_fault_harness_finds_every_outcome_as_documented(rng):
     whole malformed-input corpus: every resume exact, no step lost beyond the checkpoint interval, every
     input refused as documented, nothing blocking. Negative control: a case that expects the wrong outcome
     (a flipped checkpoint byte called intact) is caught by the same check."""
-    proc = subprocess.run([sys.executable, "bench/bench_faults.py", "--kills", "1", "--signals", "1", "--writers", "1",
-                           "--launcher", "1", "--save-ops", "none", "--seed", str(rng.randrange(2**31)), "--json"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=1200)
+    proc = _bench("bench_faults.py", "--kills", "1", "--signals", "1", "--writers", "1", "--launcher", "1",
+                  "--save-ops", "none", "--seed", str(rng.randrange(2**31)), "--json")
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     r = json.loads(proc.stdout)
     for kills in (r["kills"], r["kills_before_a_checkpoint"]):
@@ -90,8 +97,7 @@ def test_cost_model_prices_the_combine_against_ddp():
     with the whole combine in the backward less again, no less than one bucket's.
     A model with a free network (huge bandwidth, no latency) prices both alike: the check can tell."""
     def rows(*extra):
-        proc = subprocess.run([sys.executable, "bench/cost_model.py", "--json", *extra], cwd=ROOT,
-                              capture_output=True, text=True, timeout=60)
+        proc = _bench("cost_model.py", "--json", *extra, timeout=60)
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout)
 
@@ -107,17 +113,14 @@ def test_cost_model_prices_the_combine_against_ddp():
 def test_receipt_and_check_benches_run():
     """`bench/bench_receipts.py`, `bench/bench_checks.py` and `bench/bench_production.py` (one pair of one or two
     steps): ratios, the training thread's own time for the receipts, every side of the production bench."""
-    proc = subprocess.run([sys.executable, "bench/bench_receipts.py", "--pairs", "1", "--steps", "1", "--json"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = _bench("bench_receipts.py", "--pairs", "1", "--steps", "1", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["receipts_ratio_median"] > 0 and result["training_thread_ms"] > 0
-    proc = subprocess.run([sys.executable, "bench/bench_checks.py", "--every", "2", "--pairs", "1", "--steps", "2",
-                           "--json"], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = _bench("bench_checks.py", "--every", "2", "--pairs", "1", "--steps", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["sdc_check_every=2"]["ratio_median"] > 0
-    proc = subprocess.run([sys.executable, "bench/bench_production.py", "--pairs", "1", "--steps", "1", "--json"],
-                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    proc = _bench("bench_production.py", "--pairs", "1", "--steps", "1", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert set(result["sides"]) == {"plain", "deterministic", "+receipts", "production"}
@@ -139,8 +142,7 @@ def test_layout_bench_times_canonical_tensor_parallelism_against_pytorchs():
 
 def test_chunks_bench_times_the_chunked_layers_against_plain_ones():
     """`bench/bench_chunks.py` (1 round of 1 step a side): both sides' step times and their ratio."""
-    proc = subprocess.run([sys.executable, "bench/bench_chunks.py", "--pairs", "1", "--steps", "1", "--json"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = _bench("bench_chunks.py", "--pairs", "1", "--steps", "1", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["chunks"] == 8 and r["step_ms_plain"] > 0 and r["step_ms_chunked"] > 0 and r["ratio_median"] > 0
@@ -152,8 +154,7 @@ def test_cost_model_prices_canonical_tensor_parallelism_against_plain():
     and the step more. Control: with a free device sum and no chunk cost, from TP 4 on the canonical sums
     price exactly as the ring (the model tells the sum apart from the messages)."""
     def rows(*extra):
-        proc = subprocess.run([sys.executable, "bench/cost_model.py", "--tp", "--json", *extra], cwd=ROOT,
-                              capture_output=True, text=True, timeout=60)
+        proc = _bench("cost_model.py", "--tp", "--json", *extra, timeout=60)
         assert proc.returncode == 0, proc.stderr
         return json.loads(proc.stdout)
 
