@@ -2,8 +2,8 @@
 
     .venv/bin/python bench/bench_faults.py [--kills 10] [--signals 4] [--save-ops all] [--json]
 
-Every trial runs `samestep train` in fresh processes on a small config and checks the outcome against an
-uninterrupted reference run, bit for bit (final state digest and metrics.jsonl bytes):
+Every trial runs `samestep train` in fresh processes on a small config (its resume in this one) and checks the
+outcome against an uninterrupted reference run, bit for bit (final state digest and metrics.jsonl bytes):
   kills     SIGKILL at a random instant (after a random step, at a random delay), then --resume; as many
             again before the run's first checkpoint (the resume starts from step 0)
   save ops  SIGKILL at each filesystem operation of a checkpoint save, in turn, then --resume
@@ -22,6 +22,8 @@ the documented one. The counts go to docs/performance.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import random
@@ -67,10 +69,14 @@ def _outcome(run: Path) -> tuple[str | None, bytes]:
 
 
 def _resume(run: Path, settings: tuple[str, ...]) -> tuple[int, int | None]:
-    """Resumes a run to its end; the exit code and the step it resumed from."""
-    proc = subprocess.run(_cmd(run, settings, "--resume"), capture_output=True, text=True, timeout=600, env=_env())
+    """Resumes a run to its end, in this process (a resume's bits are a fresh process's: tests/integration
+    shows it); the exit code and the step it resumed from."""
+    from samestep.cli import main
+
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        code = main(_cmd(run, settings, "--resume")[3:])
     resumes = json.loads((run / "run.json").read_text()).get("resumes", []) if (run / "run.json").exists() else []
-    return proc.returncode, (resumes[-1]["step"] if resumes else 0)
+    return code, (resumes[-1]["step"] if resumes else 0)
 
 
 def _signal_after(run: Path, settings: tuple[str, ...], step: int, delay: float, sig: int,
