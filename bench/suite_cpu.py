@@ -1,0 +1,59 @@
+"""The test suite's CPU, test by test: a pytest plugin, and a summary of what it wrote.
+
+    PYTHONPATH=bench .venv/bin/python -m pytest -q -n 3 --dist load -p suite_cpu tests
+    .venv/bin/python bench/suite_cpu.py suite_cpu.jsonl
+
+Around each test, the plugin reads the CPU time (user and system) of the worker itself, of its children
+that it waited for (subprocesses), and of the children of its fork server (``tests/conftest.py``'s spawned
+ranks and ``Forked`` processes, which the server reaps), and adds one line to $SUITE_CPU_OUT
+(suite_cpu.jsonl by default). A process that nobody waits for (an orphan) is not counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import pytest
+
+
+def _fork_server_cpu() -> float:
+    """The fork server's CPU and that of the children it reaped (0 when it is not running)."""
+    try:
+        import multiprocessing.forkserver as forkserver
+
+        pid = forkserver._forkserver._forkserver_pid
+        if not pid:
+            return 0.0
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    except (OSError, AttributeError, ImportError):
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime stime cutime cstime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    t0, c0, f0 = time.monotonic(), os.times(), _fork_server_cpu()
+    yield
+    t1, c1, f1 = time.monotonic(), os.times(), _fork_server_cpu()
+    row = {"test": item.nodeid, "wall": round(t1 - t0, 2),
+           "own": round(c1.user - c0.user + c1.system - c0.system, 2),
+           "children": round(c1.children_user - c0.children_user + c1.children_system - c0.children_system, 2),
+           "forked": round(f1 - f0, 2)}
+    with open(os.environ.get("SUITE_CPU_OUT", "suite_cpu.jsonl"), "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def main(path: str) -> None:
+    rows = [json.loads(line) for line in open(path)]
+    for r in rows:
+        r["cpu"] = r["own"] + r["children"] + r["forked"]
+    print(f"{len(rows)} tests, {sum(r['cpu'] for r in rows):,.0f} s of CPU")
+    for r in sorted(rows, key=lambda r: -r["cpu"])[:15]:
+        print(f"{r['cpu']:7.1f} s CPU {r['wall']:7.1f} s  {r['test']}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "suite_cpu.jsonl")
