@@ -140,10 +140,17 @@ def assert_replays_bit_exact(fn: Callable[..., Any], *inputs: Any, replays: int 
                 raise AssertionError(f"output {k} of replay {r} differs from replay 0: {problem}")
 
 
-def count_differing_replays(fn: Callable[..., Any], *inputs: Any, replays: int = 6, contention: bool = True) -> int:
-    """How many replays differ from the first (for negative controls: a racy kernel gives > 0)."""
-    runs = _replay(fn, inputs, replays, contention)
-    return sum(any(first_difference(a, b) is not None for a, b in zip(runs[0], outs)) for outs in runs[1:])
+def count_differing_replays(fn: Callable[..., Any], *inputs: Any, replays: int = 6, contention: bool = True,
+                            attempts: int = 1) -> int:
+    """How many replays differ from the first (for negative controls: a racy kernel gives > 0). With
+    ``attempts`` > 1, sets of ``replays`` run until one differs, at most ``attempts`` of them: on a busy
+    machine a race may not show in one set."""
+    for _ in range(attempts):
+        runs = _replay(fn, inputs, replays, contention)
+        differing = sum(any(first_difference(a, b) is not None for a, b in zip(runs[0], outs)) for outs in runs[1:])
+        if differing:
+            return differing
+    return 0
 
 
 # Fields of the environment fingerprint that decide a kernel's bits.
