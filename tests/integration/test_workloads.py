@@ -6,6 +6,7 @@ processes give the same bits (docs/design.md, "The contract")."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import time
@@ -19,18 +20,23 @@ from tests.conftest import TINY, Forked, metrics_bytes, run_train, side_by_side,
 pytestmark = pytest.mark.slow
 
 BASE = (*[s for s in TINY if not s.startswith("train.steps")], "train.steps=6", "model.n_kv_head=1")
+# Inductor generates every kernel again instead of loading its graph from the caches
+UNCACHED = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
 CASES = {("llama", "fp32"): 2, ("llama", "bf16"): 4, ("gpt", "bf16"): 2}  # -> a process count besides 1
 
 
-def _killed_then_resumed(run: Path, settings: tuple[str, ...], after: int, here: bool = False) -> dict:
+def _killed_then_resumed(run: Path, settings: tuple[str, ...], after: int, here: bool = False,
+                         resume: bool = True) -> dict | None:
     """A run SIGKILLed once it has logged step ``after``, then resumed to its end (in this process if
-    ``here``: a compiled resume compiles in a fresh one); its final.json."""
+    ``here``; not at all without ``resume``); its final.json."""
     proc = Forked(train_cmd(run, *settings)[3:])
     deadline = time.monotonic() + 600
     while proc.poll() is None and last_logged_step(run) < after and time.monotonic() < deadline:
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL, proc.stderr[-3000:]
+    if not resume:
+        return None
     return train_here(run, *settings, resume=True) if here else run_train(run, *settings, resume=True)
 
 
@@ -67,14 +73,25 @@ def test_llama_and_bf16_repeat_resume_and_match_across_process_counts(tmp_path):
 def test_a_compiled_model_repeats_resumes_and_matches_across_process_counts(tmp_path, arch, precision, nproc):
     """train.compile=true (Inductor in deterministic mode, the forward and its loss compiled), each run in
     fresh processes that compile: a run killed with SIGKILL after step 3 and resumed in a new process is
-    the run straight through to the bit (every loss line and the final state: two independent compiled
-    runs agree), and so is the run on 2 or 4 processes. Negative control: the same comparison tells a run of
-    another seed apart."""
+    the run straight through to the bit (every loss line and the final state), and so is the run on 2 or 4
+    processes. The first run fills Inductor's caches, which the others load as a resumed job does; the
+    resume generates every kernel again with the graph caches off (a fresh process, FX graph and
+    AOTAutograd caches disabled), so two independent compilations agree (its identical kernel sources find
+    their compiled objects: gcc runs once). Negative control: the same comparison tells a run of another
+    seed apart."""
     settings = (*BASE, f"model.arch={arch}", f"train.precision={precision}", "train.compile=true")
-    a, resumed = side_by_side(lambda: run_train(tmp_path / "a", *settings),
-                              lambda: _killed_then_resumed(tmp_path / "r", settings, after=3))
-    wide, other_seed = side_by_side(lambda: train_ranks(tmp_path / "w", *settings, nproc=nproc),
-                                    lambda: run_train(tmp_path / "s", *settings, "train.seed=7"))
+    a = run_train(tmp_path / "a", *settings)
+
+    def killed_then_recompiled() -> dict:
+        _killed_then_resumed(tmp_path / "r", settings, after=3, resume=False)
+        proc = subprocess.run(train_cmd(tmp_path / "r", *settings, resume=True), capture_output=True, text=True,
+                              timeout=600, env={**os.environ, **UNCACHED})
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        return json.loads((tmp_path / "r" / "final.json").read_text())
+
+    resumed, wide, other_seed = side_by_side(killed_then_recompiled,
+                                             lambda: train_ranks(tmp_path / "w", *settings, nproc=nproc),
+                                             lambda: run_train(tmp_path / "s", *settings, "train.seed=7"))
     assert resumed["state_digest"] == a["state_digest"] and metrics_bytes(tmp_path / "r") == metrics_bytes(tmp_path / "a")
     assert wide["state_digest"] == a["state_digest"] and wide["world_size"] == nproc
     assert metrics_bytes(tmp_path / "w") == metrics_bytes(tmp_path / "a")
@@ -84,8 +101,6 @@ def test_a_compiled_model_repeats_resumes_and_matches_across_process_counts(tmp_
 def test_a_compiled_run_with_autotuning_by_timing_is_refused(tmp_path):
     """max-autotune under train.compile: refused before anything runs, exit 2, one line naming the setting
     and the fix; nothing is written. Negative control: without it the same run starts (test above)."""
-    import os
-
     proc = subprocess.run(train_cmd(tmp_path / "run", *BASE, "model.arch=llama", "train.compile=true"),
                           capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
