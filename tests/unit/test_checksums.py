@@ -6,6 +6,7 @@ import json
 
 import pytest
 import torch
+import xxhash
 
 from samestep import checksums
 from samestep._state import state_digest
@@ -57,6 +58,10 @@ def test_each_hash_is_the_function_formats_md_names():
     t = tree["model"]["w"]
     assert Checksums("samestep-digest-1").of([t]) == [digest(t)]
     assert Checksums().of([t.t()]) == Checksums().of([t.t().contiguous()]) != Checksums().of([t])
+    for x in (t, t.t(), torch.tensor(1.5)):  # formats.md's words, computed apart from checksums.py
+        h = xxhash.xxh3_128(f"{x.dtype}|{tuple(x.shape)}|".encode())
+        h.update(x.detach().contiguous().numpy().tobytes())
+        assert Checksums().of([x]) == [h.hexdigest()]
     with pytest.raises(ValueError, match="state hash 'md5'"):
         Checksums("md5")
 
@@ -67,7 +72,7 @@ def test_one_pass_a_step_hashes_each_tensor_once(tmp_path, monkeypatch):
     changes its checksum to a fresh pass's. Control: two separate Checksums hash each parameter twice."""
     hashed = []
     real_hash = checksums._xxh3
-    monkeypatch.setattr(checksums, "_xxh3", lambda t: hashed.append(t.data_ptr()) or real_hash(t))
+    monkeypatch.setattr(checksums, "_xxh3", lambda t, key=None: hashed.append(t.data_ptr()) or real_hash(t, key))
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     writer = ReceiptWriter(tmp_path, 0, "g")
