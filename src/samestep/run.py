@@ -110,7 +110,8 @@ class Run:
         resume: ``"auto"`` resumes when ``run_dir`` holds a checkpoint; ``False`` refuses a run directory
             that holds one (start a new run elsewhere); ``True`` requires one.
         stop_signals: the signals that ask the loop to stop at the next step boundary.
-        strict_env: a different environment fingerprint at resume is an error, not a warning.
+        strict_env: an environment fingerprint at resume that differs in a field that can change a bit is an
+            error, not a warning (``checkpoint.load_checkpoint``).
         copy: digest copies of gradients (and, at module level, of module outputs) instead of the tensors
             themselves. Without it they are digested where they lie and checked unchanged until then (a
             change in place, such as ``zero_grad(set_to_none=False)`` before they were digested, raises and

@@ -194,6 +194,30 @@ def test_environment_mismatch_warns_or_refuses(tmp_path, monkeypatch):
         load_checkpoint(root, strict_env=True)
 
 
+def test_a_launchers_thread_variable_under_one_pinned_thread_count_is_recorded_not_refused(tmp_path, monkeypatch):
+    """A checkpoint written under torchrun (OMP_NUM_THREADS=1) loads in a process without the variable at the
+    same intra-op thread count, as deterministic mode pins it: no warning, strict_env=True loads it, and the
+    difference is recorded in env_diff. Negative control: another intra-op thread count is refused by name."""
+    import warnings
+
+    import samestep.checkpoint.load as load_mod
+
+    real = load_mod.environment()
+    root = _saved(tmp_path, steps=(2,))
+    saved = json.loads((root / "step_000002" / "state.json").read_text())["environment"]
+    assert saved.get("threads.intra_op") is not None
+    monkeypatch.setattr(load_mod, "environment", lambda: {**real, "env.OMP_NUM_THREADS": "7"})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = load_checkpoint(root, strict_env=True)
+    assert loaded.env_diff == {"env.OMP_NUM_THREADS": (saved.get("env.OMP_NUM_THREADS"), "7")}
+    other = saved["threads.intra_op"] + 1
+    monkeypatch.setattr(load_mod, "environment", lambda: {**real, "env.OMP_NUM_THREADS": "7",
+                                                          "threads.intra_op": other})
+    with pytest.raises(CheckpointError, match=r"env\.OMP_NUM_THREADS .*threads\.intra_op|threads\.intra_op.*env\.OMP"):
+        load_checkpoint(root, strict_env=True)
+
+
 def test_keep_deletes_old_checkpoints_and_tied_weights_load(tmp_path):
     """keep=2 leaves the two newest; the tied lm_head/wte weight is stored once and restored into both."""
     model, opt, cursor = _setup()

@@ -30,7 +30,7 @@ from samestep.checkpoint._format import (
     shard_names,
 )
 from samestep.durable import NotAFile, read_file
-from samestep.env import compare_environments, environment
+from samestep.env import compare_environments, environment, numerics_differences
 
 __all__ = ["LoadedCheckpoint", "checkpoint_state", "load_checkpoint", "shard_count", "verify_checkpoint"]
 
@@ -203,7 +203,8 @@ def load_checkpoint(
         path: a step directory, or a checkpoints root (its newest committed checkpoint).
         model, optimizer, scheduler, data_cursor: restored in place from their saved ``state_dict()``.
         fallback: if the newest checkpoint is corrupt, warn and use the newest intact one.
-        strict_env: a different environment fingerprint is an error instead of a warning.
+        strict_env: an environment fingerprint that differs in a field that can change a bit
+            (``env.numerics_differences``) is an error instead of a warning; ``env_diff`` records every field.
         restore_rng: restore this rank's python/numpy/torch/CUDA/registered generator states;
             ``"same_world_size"`` restores them only if the checkpoint was written by as many ranks as
             there are now (for loops whose training randomness is counter-keyed, like samestep train).
@@ -308,11 +309,14 @@ def _first_intact(path: Path, fallback: bool) -> tuple[_Verified, list[tuple[Pat
 
 
 def _check_environment(path: Path, saved: dict[str, Any], strict: bool) -> dict[str, tuple[Any, Any]]:
-    """The fields in which this environment differs from the saved one: an error if ``strict``, else a
-    warning."""
-    diff = compare_environments(saved, environment())
-    if diff:
-        fields = ", ".join(f"{k} ({a!r} -> {b!r})" for k, (a, b) in diff.items())
+    """The fields in which this environment differs from the saved one (all of them: the resume's record).
+    Those that can change a bit (``env.numerics_differences``: not a launcher's thread variable under one
+    pinned thread count, nor a rank's GPU binding or core count) are an error if ``strict``, else a warning."""
+    now = environment()
+    diff = compare_environments(saved, now)
+    bits = numerics_differences(saved, now)
+    if bits:
+        fields = ", ".join(f"{k} ({a!r} -> {b!r})" for k, (a, b) in bits.items())
         msg = f"{path} was written in another environment; differing fields: {fields}"
         if strict:
             raise CheckpointError(msg + ". Bits may differ; pass strict_env=False to load anyway")
