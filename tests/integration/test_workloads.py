@@ -25,18 +25,19 @@ UNCACHED = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE":
 CASES = {("llama", "fp32"): 2, ("llama", "bf16"): 4, ("gpt", "bf16"): 2}  # -> a process count besides 1
 
 
-def _killed_then_resumed(run: Path, settings: tuple[str, ...], after: int, here: bool = False,
-                         resume: bool = True) -> dict | None:
-    """A run SIGKILLed once it has logged step ``after``, then resumed to its end (in this process if
-    ``here``; not at all without ``resume``); its final.json."""
+def _killed(run: Path, settings: tuple[str, ...], after: int) -> None:
+    """A run SIGKILLed once it has logged step ``after``."""
     proc = Forked(train_cmd(run, *settings)[3:])
     deadline = time.monotonic() + 600
     while proc.poll() is None and last_logged_step(run) < after and time.monotonic() < deadline:
         time.sleep(0.005)
     proc.send_signal(signal.SIGKILL)
     assert proc.wait() == -signal.SIGKILL, proc.stderr[-3000:]
-    if not resume:
-        return None
+
+
+def _killed_then_resumed(run: Path, settings: tuple[str, ...], after: int, here: bool = False) -> dict:
+    """``_killed``, then resumed to its end (in this process if ``here``); its final.json."""
+    _killed(run, settings, after)
     return train_here(run, *settings, resume=True) if here else run_train(run, *settings, resume=True)
 
 
@@ -83,7 +84,7 @@ def test_a_compiled_model_repeats_resumes_and_matches_across_process_counts(tmp_
     a = run_train(tmp_path / "a", *settings)
 
     def killed_then_recompiled() -> dict:
-        _killed_then_resumed(tmp_path / "r", settings, after=3, resume=False)
+        _killed(tmp_path / "r", settings, after=3)
         proc = subprocess.run(train_cmd(tmp_path / "r", *settings, resume=True), capture_output=True, text=True,
                               timeout=600, env={**os.environ, **UNCACHED})
         assert proc.returncode == 0, proc.stderr[-4000:]
