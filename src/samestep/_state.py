@@ -8,6 +8,7 @@ optimizer's). ``flatten`` turns it into a JSON-able tree, where tensors become r
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable
@@ -80,9 +81,16 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+@functools.lru_cache(maxsize=4096)
+def tensor_header(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
+    """What a tensor's hash takes before its bytes (docs/formats.md): its dtype and shape. Made once per dtype
+    and shape: formatting them costs more than hashing a small tensor."""
+    return f"{dtype}|{shape}|".encode()
+
+
 def sha256_tensor(t: torch.Tensor) -> str:
     """SHA-256 over a tensor's dtype, shape and bytes."""
-    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h = hashlib.sha256(tensor_header(t.dtype, tuple(t.shape)))
     h.update(tensor_bytes(t))
     return h.hexdigest()
 

@@ -17,14 +17,13 @@ digested; the chain that links the receipts, the genesis and final.json's state 
 
 from __future__ import annotations
 
-import functools
 import hashlib
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from samestep._state import sha256_tensor, tensor_bytes, tree_digest
+from samestep._state import sha256_tensor, tensor_bytes, tensor_header, tree_digest
 
 __all__ = ["DEVICE_STATE_HASH", "STATE_HASH", "STATE_HASHES", "Checksums", "state_checksum", "state_hash_for"]
 
@@ -38,19 +37,12 @@ def state_hash_for(device: torch.device | str) -> str:
     return STATE_HASH if torch.device(device).type == "cpu" else DEVICE_STATE_HASH
 
 
-@functools.lru_cache(maxsize=4096)
-def _head(dtype: torch.dtype, shape: tuple[int, ...]) -> bytes:
-    """What a tensor's hash starts with, as ``_state.sha256_tensor`` writes it (made once per dtype and shape:
-    formatting them costs more than hashing a small tensor)."""
-    return f"{dtype}|{shape}|".encode()
-
-
-def _xxh3(t: torch.Tensor, key: tuple | None = None) -> str:
+def _xxh3(t: torch.Tensor, key: tuple) -> str:
     """XXH3-128 over a tensor's dtype, shape and bytes, as ``_state.sha256_tensor`` takes them (``key``: its
     ``_key``, which holds the dtype and shape already read)."""
     import xxhash
 
-    h = xxhash.xxh3_128(_head(t.dtype, tuple(t.shape)) if key is None else _head(key[2], key[3]))
+    h = xxhash.xxh3_128(tensor_header(key[2], key[3]))
     h.update(tensor_bytes(t))  # the interpreter lock is released while it reads the bytes
     return h.hexdigest()
 
@@ -84,11 +76,10 @@ class Checksums:
                 from samestep.digests import digest_many
 
                 self._memo.update(zip(todo, digest_many([t.detach() for t in todo.values()])))
+            elif self.hash == STATE_HASH:
+                self._memo.update((k, _xxh3(t, k)) for k, t in todo.items())
             else:
-                if self.hash == STATE_HASH:
-                    self._memo.update((k, _xxh3(t, k)) for k, t in todo.items())
-                else:
-                    self._memo.update((k, sha256_tensor(t)) for k, t in todo.items())
+                self._memo.update((k, sha256_tensor(t)) for k, t in todo.items())
         return [self._memo[k] for k in keys]
 
     def named(self, named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str]:

@@ -72,7 +72,7 @@ def test_one_pass_a_step_hashes_each_tensor_once(tmp_path, monkeypatch):
     changes its checksum to a fresh pass's. Control: two separate Checksums hash each parameter twice."""
     hashed = []
     real_hash = checksums._xxh3
-    monkeypatch.setattr(checksums, "_xxh3", lambda t, key=None: hashed.append(t.data_ptr()) or real_hash(t, key))
+    monkeypatch.setattr(checksums, "_xxh3", lambda t, key: hashed.append(t.data_ptr()) or real_hash(t, key))
     model = torch.nn.Linear(8, 4)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     writer = ReceiptWriter(tmp_path, 0, "g")
