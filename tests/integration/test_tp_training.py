@@ -126,6 +126,9 @@ def test_dropout_drawn_per_rank_from_the_generator_gives_other_bits(one_process,
     (("parallel.tp_chunks=8", "parallel.tp=2"), 1, "parallel.tp=2 does not divide the 1 process(es)"),
     (("parallel.tp_chunks=8", "parallel.fsdp=true"), 1, "with parallel.fsdp=true is not supported yet"),
     (("parallel.tp_chunks=8", "model.n_head=3", "model.n_embd=48", "parallel.tp=2"), 2, "n_head=3 is not divisible"),
+    (("parallel.tp_chunks=8", "model.vocab_size=260"), 1,
+     "model.vocab_size=260 (0: the data's) is not divisible by parallel.tp_chunks=8: the embedding and the head split "
+     "by vocabulary into whole chunks. Fix: --set model.vocab_size=264"),
 ])
 def test_a_tensor_parallel_config_it_cannot_keep_on_one_path_is_refused(tmp_path, settings, nproc, says):
     """One line naming the field, the value and the fix; exit code 2 (a bad config); no run written."""

@@ -26,9 +26,10 @@ import torch
 from torch import nn
 
 from samestep.distributed.reduce import tree_across_ranks
+from samestep.distributed.vocab_parallel import vocab_parallel_embedding
 
-__all__ = ["CanonicalColwiseParallel", "CanonicalRowwiseParallel", "column_linear", "row_linear",
-           "validate_tp"]
+__all__ = ["CanonicalColwiseParallel", "CanonicalRowwiseParallel", "CanonicalVocabEmbedding", "column_linear",
+           "row_linear", "validate_tp"]
 
 
 def _is_pow2(n: int) -> bool:
@@ -189,6 +190,29 @@ def _strided_partition(parts: int) -> Any:
     return partition
 
 
+def _placed(module: nn.Module, device_mesh: Any, rows: bool) -> bool:
+    """Whether ``module``'s parameters are already sharded, as a weight tied to a vocabulary-parallel
+    embedding is (wrapping it again would make a second parameter and untie it): True only where every one
+    is a DTensor on ``device_mesh`` sharded by rows and ``rows`` (the style shards rows) says that is right.
+
+    Raises:
+        ValueError: some are placed and some not, or placed otherwise than the style would.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    params = list(module.named_parameters(recurse=False))
+    placed = [name for name, p in params if isinstance(p, DTensor)]
+    if not placed:
+        return False
+    wrong = [name for name, p in params if not (isinstance(p, DTensor) and rows and p.device_mesh == device_mesh
+                                                 and tuple(p.placements) == (Shard(0),))]
+    if wrong:
+        raise ValueError(f"{type(module).__name__}.{wrong[0]} is not placed as this style shards it (Shard(0) on "
+                         "its mesh) while another parameter of the layer already is a DTensor. Fix: tie only a "
+                         "column-parallel layer without bias to a vocabulary-parallel embedding")
+    return True
+
+
 def _style_apply(stock: Any, module: nn.Module, device_mesh: Any, fn: Any, chunks: int,
                  parts: int = 1) -> nn.Module:
     """Shards ``module``'s parameters with the stock style's own partition (of ``parts`` fused projections:
@@ -203,7 +227,9 @@ def _style_apply(stock: Any, module: nn.Module, device_mesh: Any, fn: Any, chunk
     split = ({"in_features": module.in_features} if fn is row_linear
              else {"out_features / parts": module.out_features // parts})
     validate_tp(device_mesh.size(), chunks, split)
-    distribute_module(module, device_mesh, stock._partition_linear_fn if parts == 1 else _strided_partition(parts))
+    if not _placed(module, device_mesh, fn is column_linear and parts == 1):
+        distribute_module(module, device_mesh,
+                          stock._partition_linear_fn if parts == 1 else _strided_partition(parts))
     group = device_mesh.get_group() if device_mesh.size() > 1 else None
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -247,3 +273,33 @@ class CanonicalRowwiseParallel(RowwiseParallel):  # type: ignore[misc,valid-type
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         return _style_apply(self, module, device_mesh, row_linear, self.chunks)
+
+
+class CanonicalVocabEmbedding(RowwiseParallel):  # type: ignore[misc,valid-type]
+    """``RowwiseParallel`` for an ``nn.Embedding`` (weight ``Shard(0)``: rows split by vocabulary) whose
+    forward and backward are ``vocab_parallel_embedding``: the token ids whole on every rank, the output whole
+    with the unsplit lookup's bits at every degree. ``chunks`` (parallel.tp_chunks) only checks the degree:
+    the vocabulary must split into whole chunks for the head tied to it or paired with it
+    (``CanonicalColwiseParallel``)."""
+
+    def __init__(self, chunks: int = 8) -> None:
+        super().__init__()
+        self.chunks = chunks
+
+    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
+        from torch.distributed.tensor import distribute_module
+
+        if not isinstance(module, nn.Embedding):
+            raise NotImplementedError(f"CanonicalVocabEmbedding shards nn.Embedding only, got {type(module).__name__}")
+        if module.padding_idx is not None or module.max_norm is not None or module.sparse:
+            raise NotImplementedError("CanonicalVocabEmbedding does not support padding_idx, max_norm or sparse "
+                                      "gradients. Fix: an nn.Embedding without them")
+        validate_tp(device_mesh.size(), self.chunks, {"num_embeddings": module.num_embeddings})
+        distribute_module(module, device_mesh, self._partition_embedding_fn)
+        group = device_mesh.get_group() if device_mesh.size() > 1 else None
+
+        def forward(idx: torch.Tensor) -> torch.Tensor:
+            return vocab_parallel_embedding(idx, module.weight, group)
+
+        module.forward = forward
+        return module

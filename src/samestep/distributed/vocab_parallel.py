@@ -1,5 +1,12 @@
-"""Cross-entropy over logits split by vocabulary across tensor-parallel ranks, with the bits of one process
-at every degree (docs/layouts.md, "Tensor parallelism").
+"""An embedding and a cross-entropy split by vocabulary across tensor-parallel ranks, with the bits of one
+process at every degree (docs/layouts.md, "Tensor parallelism").
+
+A vocabulary-parallel embedding holds rows ``[r V/T, (r+1) V/T)`` on rank r. Each rank looks up the tokens
+it holds and puts -0.0 (the exact identity of addition) for the others, and an all-reduce sums the ranks'
+outputs: each element is one rank's value plus -0.0s, exact in any order. Its weight gradient folds every
+token's output gradient into the rank's rows, the tokens it does not hold into a spare row that is dropped,
+so each row takes its tokens at the same positions of the same fold (``samestep.ops.index_add``'s tiles) as
+unsplit.
 
 A column-parallel output layer leaves each rank the logits of its slice of the vocabulary. The loss of a
 token is ``log(sum_v exp(l_v - m)) - (l_target - m)`` with ``m`` the largest logit: the maximum is exact in
@@ -17,7 +24,7 @@ import torch
 
 from samestep.distributed.reduce import tree_across_ranks
 
-__all__ = ["vocab_parallel_cross_entropy"]
+__all__ = ["vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
 
 
 def _world(group: Any) -> tuple[int, int]:
@@ -46,8 +53,8 @@ class _CrossEntropy(torch.autograd.Function):
         start = rank * v_local
         mine = (t >= start) & (t < start + v_local)
         local_t = torch.where(mine, t - start, torch.zeros_like(t))
-        picked = torch.where(mine, shifted.gather(1, local_t[:, None]).squeeze(1), torch.zeros_like(s))
-        picked = tree_across_ranks([picked], group)  # one rank's value and exact zeros
+        picked = torch.where(mine, shifted.gather(1, local_t[:, None]).squeeze(1), torch.full_like(s, -0.0))
+        picked = tree_across_ranks([picked], group)  # one rank's value and -0.0s: exact
         ctx.save_for_backward(e, s, mine, local_t)
         ctx.shape = logits.shape
         return (s.log() - picked).view(targets.shape)
@@ -80,3 +87,41 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ch
                          f"{logits.shape[-1]} logits into whole chunks. Fix: a vocabulary divisible by chunks, and "
                          "a degree that divides chunks")
     return _CrossEntropy.apply(logits, targets, chunks, group)
+
+
+class _Embedding(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, idx, weight, group):
+        world, rank = _world(group)
+        rows = weight.shape[0]
+        start = rank * rows
+        mine = (idx >= start) & (idx < start + rows)
+        local = torch.where(mine, idx - start, rows)  # row ``rows``: the spare one, for the tokens of other ranks
+        out = weight[local.clamp(max=rows - 1)].masked_fill_(~mine.unsqueeze(-1), -0.0)
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.all_reduce(out, group=group)  # each element one rank's value and -0.0s: exact in any order
+        ctx.save_for_backward(local)
+        ctx.shape = weight.shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        from samestep import ops
+
+        (local,) = ctx.saved_tensors
+        rows, dim = ctx.shape
+        g = grad_out.reshape(-1, dim)
+        grad = ops.index_add(torch.zeros(rows + 1, dim, dtype=g.dtype, device=g.device), 0, local.reshape(-1), g)
+        return None, grad[:rows], None
+
+
+def vocab_parallel_embedding(idx: torch.Tensor, weight: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """``weight[idx]`` with ``weight`` this rank's even slice of the vocabulary's rows (rank r holding ids
+    ``[r V/T, (r+1) V/T)``; a DTensor sharded ``Shard(0)`` is taken locally) and ``idx`` global ids, the same
+    on every rank: the output whole, with the same bits on every rank and at every degree, and the weight's
+    gradient this rank's rows of the unsplit one's. Unsplit: ``group`` None."""
+    if hasattr(weight, "to_local"):
+        weight = weight.to_local()
+    return _Embedding.apply(idx, weight, group)

@@ -334,13 +334,14 @@ class ParallelConfig:
     """Start the combine across processes (its all-to-alls) during the last microbatch's backward, bucket by
     bucket, as DDP does; false waits for the whole backward. The same bits either way (docs/layouts.md)."""
     tp_chunks: int = 0
-    """0: plain linear layers. N (a power of two, 8 is usual): every linear layer of the decoder blocks computes
-    in N fixed chunks of its split dimension, summed along the canonical tree, the numerical path of tensor
+    """0: plain linear layers. N (a power of two, 8 is usual): every linear layer of the decoder blocks and the
+    head computes in N fixed chunks of its split dimension, summed along the canonical tree, and the embedding
+    and the loss split by vocabulary (model.vocab_size a multiple of N), the numerical path of tensor
     parallelism at every degree that divides N (one process included; docs/layouts.md)."""
     tp: int = 1
-    """Tensor-parallel degree: the decoder's heads and MLP units split over this many processes (needs
-    parallel.tp_chunks), the data over --nproc / tp data ranks. Runs with the same parallel.tp_chunks give the
-    same bits at any degree and data rank count, and a checkpoint resumes at any other."""
+    """Tensor-parallel degree: the decoder's heads and MLP units and the vocabulary split over this many
+    processes (needs parallel.tp_chunks), the data over --nproc / tp data ranks. Runs with the same
+    parallel.tp_chunks give the same bits at any degree and data rank count, and a checkpoint resumes at any other."""
 
     def __post_init__(self) -> None:
         _positive("parallel", self, "tp")

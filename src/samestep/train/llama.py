@@ -10,12 +10,14 @@ does. Attention dropout is 0: SDPA would draw its mask from the global RNG.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from samestep import rng as _rng
+from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
 from samestep.train.config import ModelConfig
 from samestep.train.model import dropout
 
@@ -106,6 +108,8 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd)
         self.output = nn.Linear(cfg.n_embd, vocab_size, bias=False)
+        # set by parallel.tp_chunks: (chunks, tensor group) of the vocabulary-parallel loss
+        self.vocab_parallel: tuple[int, Any] | None = None
         cos, sin = rotary_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -131,9 +135,11 @@ class Llama(nn.Module):
         cos, sin = self.cos[:T], self.sin[:T]
         for block in self.layers:
             x = block(x, cos, sin, self.cfg.dropout, gen)
-        logits = self.output(self.norm(x))
+        logits = self.output(self.norm(x))  # this rank's slice of the vocabulary: see vocab_parallel
         if targets is None:
             return logits, None
+        if self.vocab_parallel is not None:
+            return logits, vocab_parallel_cross_entropy(logits.float(), targets, *self.vocab_parallel).sum()
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), reduction="sum")
         return logits, loss
 

@@ -212,7 +212,7 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     check_capacity(cfg, vocab, int(corpus.tokens.size), device, world)
     arch = Llama if cfg.model.arch == "llama" else GPT
     model = arch(cfg.model, vocab, t.seed, deterministic=cfg.determinism.enabled).to(device)
-    check_tp(cfg, world)
+    check_tp(cfg, world, vocab)
     data_group = apply_tp(model, cfg, world, rank, device.type) if cfg.parallel.tp_chunks else None
     sharded = cfg.parallel.fsdp and world > 1
     if sharded and t.compile:

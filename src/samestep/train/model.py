@@ -17,6 +17,7 @@ Differences from nanoGPT, all for determinism:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,7 @@ from torch import nn
 
 from samestep import ops
 from samestep import rng as _rng
+from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
 from samestep.train.config import ModelConfig
 
 __all__ = ["GPT"]
@@ -164,6 +166,8 @@ class GPT(nn.Module):
         })
         self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying
+        # set by parallel.tp_chunks: (chunks, tensor group) of the vocabulary-parallel loss
+        self.vocab_parallel: tuple[int, Any] | None = None
         self._init_weights(_rng.generator(seed, 0, 0, "init"))
 
     @torch.no_grad()
@@ -189,9 +193,11 @@ class GPT(nn.Module):
         x = dropout(tok + pos, self.cfg.dropout, gen, self.training)
         for block in self.transformer.h:
             x = block(x, gen)
-        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab)
+        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab; this rank's slice: vocab_parallel)
         if targets is None:
             return logits, None
+        if self.vocab_parallel is not None:
+            return logits, vocab_parallel_cross_entropy(logits, targets, *self.vocab_parallel).sum()
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction="sum")
         return logits, loss
 

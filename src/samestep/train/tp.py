@@ -4,9 +4,11 @@ parallelism").
 With parallel.tp_chunks set, every decoder block's linear layers are sharded with samestep's canonical styles
 (``CanonicalColwiseParallel``, ``CanonicalRowwiseParallel``) over a mesh of the tensor-parallel ranks, a mesh
 of one process included: the placements, and with them the bracketing of every sum (a layer's chunks, the
-gradient norm's slices), are then the same at every degree. Embeddings, norms and the tied head stay whole
-on every rank: each layer's output and input gradient are whole and the same on every rank, so what they
-compute is too, with no sum across ranks.
+gradient norm's slices), are then the same at every degree. The token embedding and the output head are split
+by vocabulary (``CanonicalVocabEmbedding``, a column-parallel head: the GPT's tied to the embedding's
+sharded weight) and the loss is ``vocab_parallel_cross_entropy``. Position embeddings and norms stay whole on
+every rank: their inputs and output gradients are whole and the same on every rank, so what they compute is
+too, with no sum across ranks.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ def data_ranks(cfg: Config, world: int) -> int:
     return world // cfg.parallel.tp if cfg.parallel.tp_chunks else world
 
 
-def check_tp(cfg: Config, world: int) -> None:
-    """Refuses a tensor-parallel config this run cannot keep on one numerical path, naming the fix.
+def check_tp(cfg: Config, world: int, vocab: int | None = None) -> None:
+    """Refuses a tensor-parallel config this run cannot keep on one numerical path, naming the fix
+    (``vocab``: the model's vocabulary, where it is known).
 
     Raises:
         ValueError: the field, its value and what would do.
@@ -49,32 +52,42 @@ def check_tp(cfg: Config, world: int) -> None:
     else:
         dims |= {"4 x n_embd": 4 * m.n_embd}
     validate_tp(par.tp, par.tp_chunks, dims)
+    if vocab is not None and vocab % par.tp_chunks:
+        raise ValueError(f"model.vocab_size={vocab} (0: the data's) is not divisible by parallel.tp_chunks="
+                         f"{par.tp_chunks}: the embedding and the head split by vocabulary into whole chunks. Fix: "
+                         f"--set model.vocab_size={-(-vocab // par.tp_chunks) * par.tp_chunks}")
     if world % par.tp:
         raise ValueError(f"parallel.tp={par.tp} does not divide the {world} process(es) into data ranks of "
                          f"{par.tp} tensor ranks each. Fix: --nproc a multiple of {par.tp}")
 
 
 def _plan(model: nn.Module, chunks: int) -> dict[str, Any]:
-    """Each decoder block's linear layers and their canonical style (fused projections split part by part)."""
-    from samestep.distributed.tensor_parallel import CanonicalColwiseParallel, CanonicalRowwiseParallel
+    """The token embedding, each decoder block's linear layers and the Llama's head, each with its canonical
+    style (fused projections split part by part); the GPT's head is tied (see apply_tp)."""
+    from samestep.distributed.tensor_parallel import (
+        CanonicalColwiseParallel,
+        CanonicalRowwiseParallel,
+        CanonicalVocabEmbedding,
+    )
 
     col, row = CanonicalColwiseParallel(chunks), CanonicalRowwiseParallel(chunks)
     if type(model).__name__ == "Llama":
         styles = {"attn.q": col, "attn.kv": CanonicalColwiseParallel(chunks, parts=2), "attn.o": row,
                   "mlp.gate": col, "mlp.up": col, "mlp.down": row}
         blocks = model.layers  # type: ignore[attr-defined]
-        prefix = "layers"
+        prefix, ends = "layers", {"embed": CanonicalVocabEmbedding(chunks), "output": col}
     else:
         styles = {"attn.c_attn": CanonicalColwiseParallel(chunks, parts=3), "attn.c_proj": row,
                   "mlp.c_fc": col, "mlp.c_proj": row}
         blocks = model.transformer.h  # type: ignore[attr-defined]
-        prefix = "transformer.h"
-    return {f"{prefix}.{i}.{name}": style for i in range(len(blocks)) for name, style in styles.items()}
+        prefix, ends = "transformer.h", {"transformer.wte": CanonicalVocabEmbedding(chunks)}
+    return ends | {f"{prefix}.{i}.{name}": style for i in range(len(blocks)) for name, style in styles.items()}
 
 
 def apply_tp(model: nn.Module, cfg: Config, world: int, rank: int, device_type: str) -> Any:
-    """Shards ``model``'s decoder blocks over its rank's ``parallel.tp`` tensor ranks (one process: a mesh of
-    one) and keys the GPT's attention dropout by head position; returns the process group of the data ranks
+    """Shards ``model``'s token embedding, decoder blocks and head over its rank's ``parallel.tp`` tensor ranks
+    (one process: a mesh of one), sets its vocabulary-parallel loss and keys the GPT's attention dropout by
+    head position; returns the process group of the data ranks
     that hold the same shards (None where there is one data rank). The processes form a (data, tensor) mesh,
     a data rank's tensor ranks consecutive. A collective: every rank calls it, after the process group exists."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -87,6 +100,12 @@ def apply_tp(model: nn.Module, cfg: Config, world: int, rank: int, device_type: 
         grid = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("data", "tensor"))
         mesh, data = grid["tensor"], grid["data"].get_group()
     parallelize_module(model, mesh, _plan(model, chunks))
+    if hasattr(model, "lm_head"):  # the GPT's head is the embedding's weight: tied again to its sharded parameter
+        from samestep.distributed.tensor_parallel import CanonicalColwiseParallel
+
+        model.lm_head.weight = model.transformer.wte.weight  # type: ignore[attr-defined]
+        parallelize_module(model, mesh, {"lm_head": CanonicalColwiseParallel(chunks)})
+    model.vocab_parallel = (chunks, mesh.get_group() if tp > 1 else None)  # type: ignore[assignment]
     for module in model.modules():
         if hasattr(module, "first_head"):
             module.first_head = (rank % tp) * (cfg.model.n_head // tp)
