@@ -1,7 +1,8 @@
 """Tensor parallelism in the reference run (`samestep train --set parallel.tp=N`): TP 2, TP 4 and 2 data x 2
 tensor ranks give the one-process bits of the same parallel.tp_chunks, gpt and llama, fp32 and bf16, dropout
 on; a TP-2 run killed by SIGKILL resumes at TP 4, on one process and on 2 x 2 bit for bit; the receipts of a
-run that grew hold; diff and bisect name a planted difference's tensor rank, module and op."""
+run that grew hold; diff and bisect name a planted difference's tensor rank, module and op; with sequence
+parallelism (parallel.sp) the same at TP 2 and 4, and across a kill."""
 
 from __future__ import annotations
 
@@ -126,6 +127,8 @@ def test_dropout_drawn_per_rank_from_the_generator_gives_other_bits(one_process,
     (("parallel.tp_chunks=8", "parallel.tp=2"), 1, "parallel.tp=2 does not divide the 1 process(es)"),
     (("parallel.tp_chunks=8", "parallel.fsdp=true"), 1, "with parallel.fsdp=true is not supported yet"),
     (("parallel.tp_chunks=8", "model.n_head=3", "model.n_embd=48", "parallel.tp=2"), 2, "n_head=3 is not divisible"),
+    (("parallel.tp_chunks=8", "parallel.sp=true", "model.block_size=36"), 1,
+     "model.block_size (parallel.sp)=36 is not divisible by parallel.tp_chunks=8"),
     (("parallel.tp_chunks=8", "model.vocab_size=260"), 1,
      "model.vocab_size=260 (0: the data's) is not divisible by parallel.tp_chunks=8: the embedding and the head split "
      "by vocabulary into whole chunks. Fix: --set model.vocab_size=264"),
@@ -160,3 +163,73 @@ def test_diff_names_the_op_rank_and_module_of_a_planted_difference_at_tp_2(tmp_p
     o = caught["origin"]
     assert o is not None and caught["replayed_from"] == 2, caught["summary"]
     assert (o["step"], o["rank"], o["scope"], o["op"]) == (3, 1, "transformer.ln_f", "aten.native_layer_norm.default")
+
+
+SP = (*TP, "parallel.sp=true")
+
+
+def _plain_norm_gradients() -> None:
+    """A norm's weight and bias gradients as PyTorch's SequenceParallel leaves them: each rank sums its block of
+    the sequence at once, and an all-reduce adds the ranks' sums."""
+    import torch.distributed as dist
+
+    from samestep.distributed import sequence_parallel
+
+    def backward(ctx, grad):
+        y, weight = ctx.saved_tensors
+        dims = tuple(range(grad.dim() - 1))
+        sums = [(grad * y).sum(dims)] + ([grad.sum(dims)] if ctx.has_bias else [])
+        if ctx.group is not None:
+            for t in sums:
+                dist.all_reduce(t, group=ctx.group)
+        return ((grad * weight).to(y.dtype), sums[0].to(weight.dtype),
+                sums[1].to(weight.dtype) if ctx.has_bias else None, None, None)
+
+    sequence_parallel._Affine.backward = staticmethod(backward)
+
+
+def _dropout_per_block() -> None:
+    """Each rank's dropout on its block of the sequence drawn from the microbatch's generator (no position)."""
+    from samestep.train import model
+
+    dropout = model.dropout
+    model.dropout = lambda x, p, gen, training, sequence=None: dropout(x, p, gen, training)
+
+
+@pytest.fixture(scope="module")
+def sp_one_process(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sp1") / "run"
+    return d, train_here(d, *SP)["state_digest"]
+
+
+def test_sequence_parallelism_at_tp_2_and_across_a_kill_resumed_at_tp_4_gives_the_one_process_bits(
+        sp_one_process, tmp_path):
+    """parallel.sp=true: the norms, residual adds and dropout on each rank's block of the sequence. A TP-2 run,
+    and a TP-2 run SIGKILLed in step 4 and resumed at TP 4, end on the one-process bits (final state digest,
+    metrics.jsonl); a resume that turns sequence parallelism off is refused by name."""
+    ref_dir, ref_digest = sp_one_process
+    two = train_ranks(tmp_path / "two", *SP, "parallel.tp=2", nproc=2)
+    assert two["state_digest"] == ref_digest and metrics_bytes(tmp_path / "two") == metrics_bytes(ref_dir)
+    d = tmp_path / "killed"
+    train_ranks(d, *SP, "parallel.tp=2", nproc=2, patch=_rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
+    four = train_ranks(d, *SP, "parallel.tp=4", nproc=4, resume=True)
+    assert four["state_digest"] == ref_digest and metrics_bytes(d) == metrics_bytes(ref_dir)
+    off = cli_here(*train_cmd(d, *TP, "parallel.sp=false", resume=True)[3:])
+    assert off.returncode == 2 and "parallel.sp: True -> False" in off.stderr, off.stderr[-2000:]
+
+
+def test_sequence_parallel_llama_in_bf16_gives_the_one_process_bits(tmp_path):
+    """A Llama (RMSNorm, its norms without bias) computing in bf16 with sequence parallelism at TP 2."""
+    settings = (*SP, "model.arch=llama", "model.n_kv_head=2", "train.precision=bf16", "train.steps=3")
+    one = train_here(tmp_path / "one", *settings)["state_digest"]
+    two = train_ranks(tmp_path / "two", *settings, "parallel.tp=2", nproc=2)["state_digest"]
+    assert one == two and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "two")
+
+
+@pytest.mark.parametrize("patch", [_plain_norm_gradients, _dropout_per_block], ids=["norm-sums", "dropout"])
+def test_plain_sequence_parallel_norms_or_dropout_give_other_bits_at_tp_2(tmp_path, patch):
+    """Negative controls: with the norms' gradients summed per rank and all-reduced, or with dropout drawn per
+    rank's block from the generator, TP 2 gives other bits than one process doing the same."""
+    one, two = (train_ranks(tmp_path / f"tp{tp}", *SP, f"parallel.tp={tp}", nproc=tp, patch=patch)["state_digest"]
+                for tp in (1, 2))
+    assert one != two

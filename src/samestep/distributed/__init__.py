@@ -1,6 +1,6 @@
 """Layout-invariant parallelism: the canonical gradient reduction (on its own, as DDP's communication hook,
-or as FSDP2's reduce-scatter), the canonical gradient norm, tensor-parallel linears, embedding and loss whose
-sums do not depend on the degree, and layout validation."""
+or as FSDP2's reduce-scatter), the canonical gradient norm, tensor-parallel linears, embedding, loss and
+sequence-parallel norms whose sums do not depend on the degree, and layout validation."""
 
 from samestep.distributed.agree import any_rank
 from samestep.distributed.buckets import GradientBuckets
@@ -13,20 +13,28 @@ from samestep.distributed.reduce import (
     combine_across_ranks,
     ring_allreduce_bytes,
 )
+from samestep.distributed.sequence_parallel import (
+    SequenceShard,
+    gather_sequence,
+    parallelize_norm,
+    scatter_sequence,
+    sequence_affine,
+)
 from samestep.distributed.tree import BinaryCounter, canonical_sum, validate_layout
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 __all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalColwiseParallel", "CanonicalDdpState",
            "CanonicalGradients", "CanonicalRowwiseParallel", "CanonicalVocabEmbedding", "FsdpGradients",
-           "GradientBuckets", "ShardedModel", "ShardedOptimizer", "any_rank", "canonical_ddp_hook",
+           "GradientBuckets", "SequenceShard", "ShardedModel", "ShardedOptimizer", "any_rank", "canonical_ddp_hook",
            "canonical_grad_norm", "canonical_sum", "clip_grad_norm_", "column_linear", "combine_across_ranks",
-           "full_state", "ring_allreduce_bytes", "row_linear", "shard_model", "validate_layout", "validate_tp",
+           "full_state", "gather_sequence", "parallelize_norm", "ring_allreduce_bytes", "row_linear",
+           "scatter_sequence", "sequence_affine", "sequence_shard", "shard_model", "validate_layout", "validate_tp",
            "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
 
 # tensor_parallel is loaded when one of its names is first used: it imports DTensor's parallel styles (most
 # of a second of start-up), which a run without tensor parallelism never needs.
 _LAZY = {"CanonicalColwiseParallel", "CanonicalRowwiseParallel", "CanonicalVocabEmbedding", "column_linear",
-         "row_linear", "validate_tp"}
+         "row_linear", "sequence_shard", "validate_tp"}
 
 
 def __getattr__(name: str) -> object:

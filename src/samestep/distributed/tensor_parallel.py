@@ -26,10 +26,11 @@ import torch
 from torch import nn
 
 from samestep.distributed.reduce import tree_across_ranks
+from samestep.distributed.sequence_parallel import SequenceShard, scatter_sequence
 from samestep.distributed.vocab_parallel import vocab_parallel_embedding
 
 __all__ = ["CanonicalColwiseParallel", "CanonicalRowwiseParallel", "CanonicalVocabEmbedding", "column_linear",
-           "row_linear", "validate_tp"]
+           "row_linear", "sequence_shard", "validate_tp"]
 
 
 def _is_pow2(n: int) -> bool:
@@ -213,6 +214,12 @@ def _placed(module: nn.Module, device_mesh: Any, rows: bool) -> bool:
     return True
 
 
+def sequence_shard(device_mesh: Any) -> SequenceShard:
+    """This rank's place among the ranks of a one-dimensional ``device_mesh`` that split sequences."""
+    size = device_mesh.size()
+    return SequenceShard(device_mesh.get_local_rank(), size, device_mesh.get_group() if size > 1 else None)
+
+
 def _style_apply(stock: Any, module: nn.Module, device_mesh: Any, fn: Any, chunks: int,
                  parts: int = 1) -> nn.Module:
     """Shards ``module``'s parameters with the stock style's own partition (of ``parts`` fused projections:
@@ -265,14 +272,19 @@ class CanonicalColwiseParallel(ColwiseParallel):  # type: ignore[misc,valid-type
 class CanonicalRowwiseParallel(RowwiseParallel):  # type: ignore[misc,valid-type]
     """``RowwiseParallel`` (weight ``Shard(1)``, bias ``Replicate``) whose forward and backward are
     ``row_linear``: the input this rank's slice of the last dimension, the output whole on every rank
-    with the same bits at every degree."""
+    with the same bits at every degree. ``sequence_dim``: the output is cut to this rank's block along that
+    dimension instead (sequence parallelism, ``sequence_parallel.scatter_sequence``)."""
 
-    def __init__(self, chunks: int = 8) -> None:
+    def __init__(self, chunks: int = 8, sequence_dim: int | None = None) -> None:
         super().__init__()
-        self.chunks = chunks
+        self.chunks, self.sequence_dim = chunks, sequence_dim
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        return _style_apply(self, module, device_mesh, row_linear, self.chunks)
+        module = _style_apply(self, module, device_mesh, row_linear, self.chunks)
+        if self.sequence_dim is not None:
+            whole, dim, shard = module.forward, self.sequence_dim, sequence_shard(device_mesh)
+            module.forward = lambda x: scatter_sequence(whole(x), shard, dim)
+        return module
 
 
 class CanonicalVocabEmbedding(RowwiseParallel):  # type: ignore[misc,valid-type]

@@ -342,6 +342,11 @@ class ParallelConfig:
     """Tensor-parallel degree: the decoder's heads and MLP units and the vocabulary split over this many
     processes (needs parallel.tp_chunks), the data over --nproc / tp data ranks. Runs with the same
     parallel.tp_chunks give the same bits at any degree and data rank count, and a checkpoint resumes at any other."""
+    sp: bool = False
+    """Sequence parallelism (needs parallel.tp_chunks): between the tensor-parallel layers the residual stream,
+    the norms and dropout are split by sequence position over the tensor ranks; each norm's weight gradient
+    sums the sequence in parallel.tp_chunks fixed chunks and dropout masks are keyed by position, a numerical
+    path of its own (a resume may not change it) with the same bits at every degree (docs/layouts.md)."""
 
     def __post_init__(self) -> None:
         _positive("parallel", self, "tp")
@@ -350,6 +355,9 @@ class ParallelConfig:
         if self.tp > 1 and not self.tp_chunks:
             raise ValueError(f"parallel.tp={self.tp} needs parallel.tp_chunks, the fixed chunks every degree computes "
                              "in. Fix: --set parallel.tp_chunks=8")
+        if self.sp and not self.tp_chunks:
+            raise ValueError("parallel.sp=true needs parallel.tp_chunks, the fixed chunks the norms' gradients sum "
+                             "the sequence in. Fix: --set parallel.tp_chunks=8")
 
 
 @dataclass(kw_only=True, slots=True)

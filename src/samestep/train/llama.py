@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from samestep import rng as _rng
+from samestep.distributed.sequence_parallel import SequenceShard, scatter_sequence
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
 from samestep.train.config import ModelConfig
 from samestep.train.model import dropout
@@ -30,9 +31,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def normalize(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()  # normalised in fp32 under autocast too
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.normalize(x) * self.weight
 
 
 def rotary_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,11 +95,12 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(cfg.n_embd), Attention(cfg)
         self.mlp_norm, self.mlp = RMSNorm(cfg.n_embd), SwiGLU(cfg)
+        self.sequence: SequenceShard | None = None  # set by parallel.sp: the residual stream's block of the sequence
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p: float,
                 gen: torch.Generator | None) -> torch.Tensor:
-        x = x + dropout(self.attn(self.attn_norm(x), cos, sin), p, gen, self.training)
-        return x + dropout(self.mlp(self.mlp_norm(x)), p, gen, self.training)
+        x = x + dropout(self.attn(self.attn_norm(x), cos, sin), p, gen, self.training, self.sequence)
+        return x + dropout(self.mlp(self.mlp_norm(x)), p, gen, self.training, self.sequence)
 
 
 class Llama(nn.Module):
@@ -110,6 +115,8 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.n_embd, vocab_size, bias=False)
         # set by parallel.tp_chunks: (chunks, tensor group) of the vocabulary-parallel loss
         self.vocab_parallel: tuple[int, Any] | None = None
+        # set by parallel.sp: this rank's block of the sequence, between the embedding and the final norm
+        self.sequence: SequenceShard | None = None
         cos, sin = rotary_tables(cfg.n_embd // cfg.n_head, cfg.block_size, cfg.rope_theta)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -131,7 +138,10 @@ class Llama(nn.Module):
         B, T = idx.shape
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds model.block_size={self.cfg.block_size}")
-        x = dropout(self.embed(idx), self.cfg.dropout, gen, self.training)
+        x = self.embed(idx)
+        if self.sequence is not None:
+            x = scatter_sequence(x, self.sequence)
+        x = dropout(x, self.cfg.dropout, gen, self.training, self.sequence)
         cos, sin = self.cos[:T], self.sin[:T]
         for block in self.layers:
             x = block(x, cos, sin, self.cfg.dropout, gen)

@@ -25,18 +25,29 @@ from torch import nn
 
 from samestep import ops
 from samestep import rng as _rng
+from samestep.distributed.sequence_parallel import SequenceShard, scatter_sequence
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
 from samestep.train.config import ModelConfig
 
 __all__ = ["GPT"]
 
 
-def dropout(x: torch.Tensor, p: float, gen: torch.Generator | None, training: bool) -> torch.Tensor:
-    """Inverted dropout with a mask drawn from ``gen`` (identity when not training or p == 0)."""
+def dropout(x: torch.Tensor, p: float, gen: torch.Generator | None, training: bool,
+            sequence: SequenceShard | None = None) -> torch.Tensor:
+    """Inverted dropout with a mask drawn from ``gen`` (identity when not training or p == 0). ``sequence``:
+    ``x`` (batch, positions, features) is this rank's block of a sequence split over ``sequence.degree``
+    ranks, and each element is kept by its position in the whole tensor under one key drawn from ``gen`` (the
+    same draw on every rank), so the ranks draw their blocks of the one mask."""
     if not training or p == 0.0:
         return x
     if gen is None:
         raise RuntimeError("GPT.forward(training) with dropout > 0 needs a counter-keyed generator")
+    if sequence is not None:
+        key = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
+        B, L, C = x.shape
+        keep = _rng.positional_keep(key, (B, L * sequence.degree, C), (0, L * sequence.rank, 0), (B, L, C), p,
+                                    x.device)
+        return x * keep / (1.0 - p)
     keep = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p, generator=gen)
     return x * keep / (1.0 - p)
 
@@ -62,6 +73,7 @@ class CausalSelfAttention(nn.Module):
         self.n_head, self.p, self.head_size = cfg.n_head, cfg.dropout, cfg.n_embd // cfg.n_head
         # set by parallel.tp_chunks: this rank's first head (the dropout mask keyed by head position)
         self.first_head: int | None = None
+        self.sequence: SequenceShard | None = None  # set by parallel.sp: the output's block of the sequence
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         mask = torch.tril(torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool))
@@ -81,18 +93,19 @@ class CausalSelfAttention(nn.Module):
         else:
             att = head_dropout(att, self.p, gen, self.training, self.n_head, self.first_head)
         y = (att @ v).transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C)
-        return dropout(self.c_proj(y), self.p, gen, self.training)
+        return dropout(self.c_proj(y), self.p, gen, self.training, self.sequence)
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.p = cfg.dropout
+        self.sequence: SequenceShard | None = None  # set by parallel.sp: the output's block of the sequence
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
-        return dropout(self.c_proj(F.gelu(self.c_fc(x))), self.p, gen, self.training)  # (B, T, C)
+        return dropout(self.c_proj(F.gelu(self.c_fc(x))), self.p, gen, self.training, self.sequence)  # (B, T, C)
 
 
 class MoE(nn.Module):
@@ -168,6 +181,8 @@ class GPT(nn.Module):
         self.lm_head.weight = self.transformer.wte.weight  # weight tying
         # set by parallel.tp_chunks: (chunks, tensor group) of the vocabulary-parallel loss
         self.vocab_parallel: tuple[int, Any] | None = None
+        # set by parallel.sp: this rank's block of the sequence, between the embedding and the final norm
+        self.sequence: SequenceShard | None = None
         self._init_weights(_rng.generator(seed, 0, 0, "init"))
 
     @torch.no_grad()
@@ -190,7 +205,10 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {T} exceeds model.block_size={self.cfg.block_size}")
         tok = self.transformer.wte(idx)  # (B, T, C)
         pos = self.transformer.wpe(torch.arange(T, device=idx.device))  # (T, C)
-        x = dropout(tok + pos, self.cfg.dropout, gen, self.training)
+        x = tok + pos
+        if self.sequence is not None:
+            x = scatter_sequence(x, self.sequence)
+        x = dropout(x, self.cfg.dropout, gen, self.training, self.sequence)
         for block in self.transformer.h:
             x = block(x, gen)
         logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab; this rank's slice: vocab_parallel)

@@ -51,6 +51,8 @@ def check_tp(cfg: Config, world: int, vocab: int | None = None) -> None:
         dims |= {"n_kv_head": m.kv_heads, "n_kv_head x head size": m.kv_heads * head, "mlp width": m.mlp_width}
     else:
         dims |= {"4 x n_embd": 4 * m.n_embd}
+    if par.sp:
+        dims["model.block_size (parallel.sp)"] = m.block_size
     validate_tp(par.tp, par.tp_chunks, dims)
     if vocab is not None and vocab % par.tp_chunks:
         raise ValueError(f"model.vocab_size={vocab} (0: the data's) is not divisible by parallel.tp_chunks="
@@ -61,16 +63,17 @@ def check_tp(cfg: Config, world: int, vocab: int | None = None) -> None:
                          f"{par.tp} tensor ranks each. Fix: --nproc a multiple of {par.tp}")
 
 
-def _plan(model: nn.Module, chunks: int) -> dict[str, Any]:
+def _plan(model: nn.Module, chunks: int, sp: bool) -> dict[str, Any]:
     """The token embedding, each decoder block's linear layers and the Llama's head, each with its canonical
-    style (fused projections split part by part); the GPT's head is tied (see apply_tp)."""
+    style (fused projections split part by part; with ``sp`` the row-parallel layers' outputs cut to the
+    rank's block of the sequence); the GPT's head is tied (see apply_tp)."""
     from samestep.distributed.tensor_parallel import (
         CanonicalColwiseParallel,
         CanonicalRowwiseParallel,
         CanonicalVocabEmbedding,
     )
 
-    col, row = CanonicalColwiseParallel(chunks), CanonicalRowwiseParallel(chunks)
+    col, row = CanonicalColwiseParallel(chunks), CanonicalRowwiseParallel(chunks, sequence_dim=1 if sp else None)
     if type(model).__name__ == "Llama":
         styles = {"attn.q": col, "attn.kv": CanonicalColwiseParallel(chunks, parts=2), "attn.o": row,
                   "mlp.gate": col, "mlp.up": col, "mlp.down": row}
@@ -82,6 +85,28 @@ def _plan(model: nn.Module, chunks: int) -> dict[str, Any]:
         blocks = model.transformer.h  # type: ignore[attr-defined]
         prefix, ends = "transformer.h", {"transformer.wte": CanonicalVocabEmbedding(chunks)}
     return ends | {f"{prefix}.{i}.{name}": style for i in range(len(blocks)) for name, style in styles.items()}
+
+
+def _sequence_parallel(model: nn.Module, chunks: int, mesh: Any) -> None:
+    """Splits the residual stream by sequence over the mesh (parallel.sp): every norm computes on the rank's
+    block and gathers its output whole, and the modules whose outputs are blocks (the embedding's, the
+    row-parallel layers' after dropout) key their dropout by position."""
+    import torch.nn.functional as F
+
+    from samestep.distributed.sequence_parallel import parallelize_norm
+    from samestep.distributed.tensor_parallel import sequence_shard
+
+    shard = sequence_shard(mesh)
+    for module in list(model.modules()):
+        if isinstance(module, nn.LayerNorm):
+            def normalize(x: Any, norm: nn.LayerNorm = module) -> Any:
+                return F.layer_norm(x, norm.normalized_shape, None, None, norm.eps)
+
+            parallelize_norm(module, normalize, chunks, shard)
+        elif hasattr(module, "normalize"):  # the Llama's RMSNorm
+            parallelize_norm(module, module.normalize, chunks, shard)
+        if hasattr(module, "sequence"):
+            module.sequence = shard
 
 
 def apply_tp(model: nn.Module, cfg: Config, world: int, rank: int, device_type: str) -> Any:
@@ -99,7 +124,7 @@ def apply_tp(model: nn.Module, cfg: Config, world: int, rank: int, device_type: 
     else:
         grid = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("data", "tensor"))
         mesh, data = grid["tensor"], grid["data"].get_group()
-    parallelize_module(model, mesh, _plan(model, chunks))
+    parallelize_module(model, mesh, _plan(model, chunks, cfg.parallel.sp))
     if hasattr(model, "lm_head"):  # the GPT's head is the embedding's weight: tied again to its sharded parameter
         from samestep.distributed.tensor_parallel import CanonicalColwiseParallel
 
@@ -109,4 +134,6 @@ def apply_tp(model: nn.Module, cfg: Config, world: int, rank: int, device_type: 
     for module in model.modules():
         if hasattr(module, "first_head"):
             module.first_head = (rank % tp) * (cfg.model.n_head // tp)
+    if cfg.parallel.sp:
+        _sequence_parallel(model, chunks, mesh)
     return data
