@@ -1,7 +1,8 @@
 """Fault detection while training: silent data corruption caught when it happens, not when it makes a NaN.
 
 - **Cross-rank check** (``train.cross_rank_check``, data parallel on more than one process): after the
-  reduction every rank holds the same reduced gradients, and after the update the same parameters. Each
+  reduction every rank holds the same reduced gradients, and after the update the same parameters (under
+  tensor parallelism, the data ranks of one tensor rank hold the same shards, and they compare). Each
   rank's receipt thread checksums both (``receipts.StepSums``, the pass its receipt shares); at the next
   optimizer step the ranks compare them (one all-gather of a 32-byte digest of the sums; only a
   disagreement moves the sums, to name the first tensor).
@@ -82,10 +83,15 @@ class CrossRankCheck:
 
     Each step's 32-byte digest of the sums (made on the receipt thread) is all-gathered asynchronously, started at the next update and
     read at the one after, so the collective's latency overlaps a step of training instead of adding to it;
-    a fault is named one step later than it could be, with the same step, rank and tensor."""
+    a fault is named one step later than it could be, with the same step, rank and tensor.
 
-    def __init__(self, writer: ReceiptWriter, device: torch.device, run_dir: Path, action: str) -> None:
-        self.writer, self.device, self.run_dir, self.action = writer, device, run_dir, action
+    ``peers``: the sets of ranks that hold the same tensors and compare them (None: every rank one set; under
+    tensor parallelism each tensor rank's data ranks). Every rank gathers every digest, so a disagreement in
+    any set stops every rank at the same step."""
+
+    def __init__(self, writer: ReceiptWriter, device: torch.device, run_dir: Path, action: str,
+                 peers: list[list[int]] | None = None) -> None:
+        self.writer, self.device, self.run_dir, self.action, self.peers = writer, device, run_dir, action, peers
         self.checked = 0
         self._pending: tuple | None = None  # (step, its sums, the all-gather's work, its output)
         self._hook = None
@@ -119,24 +125,29 @@ class CrossRankCheck:
         step, sums, work, out = self._pending
         self._pending = None
         work.wait()
-        if len({bytes(o.cpu().numpy()) for o in out}) > 1:  # every rank sees the same: every rank goes on here
+        digests = [bytes(o.cpu().numpy()) for o in out]
+        sets = self.peers if self.peers is not None else [list(range(len(out)))]
+        odd = [ranks for ranks in sets if len({digests[r] for r in ranks}) > 1]
+        if odd:  # every rank sees the same: every rank goes on here
             doc = json.dumps(sums).encode()
             maps = [json.loads(x) for x in gather_if_different(doc, doc, self.device) or [doc] * len(out)]
-            report_fault(self._describe(step, maps), step, self.run_dir, self.action)
+            report_fault(self._describe(step, [maps[r] for r in odd[0]], odd[0]), step, self.run_dir, self.action)
 
     @staticmethod
-    def _describe(step: int, maps: list[dict[str, dict[str, str]]]) -> str:
+    def _describe(step: int, maps: list[dict[str, dict[str, str]]], ranks: list[int] | None = None) -> str:
         keys = [json.dumps(m, sort_keys=True) for m in maps]
         common, count = Counter(keys).most_common(1)[0]
         majority = count > len(keys) // 2
         ref = keys.index(common) if majority else 0
         odd = [r for r, k in enumerate(keys) if k != keys[ref]]
         r = odd[0]
+        name = (lambda i: ranks[i]) if ranks is not None else (lambda i: i)
         grad = _first_difference(maps[r]["grads"], maps[ref]["grads"])
         what = (f"the reduced gradient {grad!r} differs" if grad is not None else
                 f"the parameter {_first_difference(maps[r]['params'], maps[ref]['params'])!r} differs after the update")
-        who = (f"rank {', '.join(map(str, odd))} disagree(s) with the other {len(keys) - len(odd)} rank(s)" if majority
-               else f"rank {r} and rank {ref} disagree (no majority of {len(keys)} ranks tells which is wrong)")
+        who = (f"rank {', '.join(str(name(i)) for i in odd)} disagree(s) with the other {len(keys) - len(odd)} rank(s)"
+               if majority else
+               f"rank {name(r)} and rank {name(ref)} disagree (no majority of {len(keys)} ranks tells which is wrong)")
         return f"cross-rank check at step {step}: {who}: {what}"
 
     def close(self) -> None:
@@ -190,7 +201,9 @@ class RecomputeCheck:
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit: same dtype, shape and bytes (NaNs with the same payload are the same)."""
+    """Bit for bit: same dtype, shape and bytes (NaNs with the same payload are the same); of DTensors, this
+    rank's shards (DTensor's own ``equal`` is a collective over their mesh)."""
+    a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]

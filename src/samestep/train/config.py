@@ -121,8 +121,8 @@ class TrainConfig:
     the state lies in host memory, samestep-digest-1 on an accelerator), or one of them, or 'sha256'; a
     resumed run keeps its file's."""
     cross_rank_check: bool = True
-    """Data parallel on several processes: compare every rank's reduced gradients and state each step
-    (train/checks.py); a rank that disagrees stops the run."""
+    """Data parallel on several processes: compare every rank's reduced gradients and state each step (under
+    tensor parallelism, each tensor rank's data ranks; train/checks.py); a rank that disagrees stops the run."""
     sdc_check_every: int = 0
     """Every N steps, run one microbatch's forward and backward again on each rank and compare bit for bit
     (0: never); a mismatch stops the run."""

@@ -28,7 +28,10 @@ _KEYS = {"output": ("rank", "step", "microbatch", "module", "bit"), "param": ("r
 
 
 def flip_bit(t: torch.Tensor, bit: int) -> None:
-    """Flips bit ``bit`` of element 0 of ``t``, in place, as autograd does not see."""
+    """Flips bit ``bit`` of element 0 of ``t`` (of a DTensor, of this rank's shard), in place, as autograd does
+    not see."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
     if not 0 <= bit < 8 * t.element_size():
         raise ValueError(f"train.fault: bit={bit} is not a bit of a {8 * t.element_size()}-bit {t.dtype} value")
     with torch.no_grad():
@@ -79,10 +82,16 @@ class Fault:
         """Where training is: the step (0-based) and global microbatch about to run."""
         self._now = (step + 1, microbatch)
 
-    def _hook(self, module: torch.nn.Module, args: Any, out: Any) -> None:
+    def _hook(self, module: torch.nn.Module, args: Any, out: Any) -> Any:
         if not self.fired and self._now == (self.step, self.microbatch):
             self.fired = True
-            flip_bit(out if isinstance(out, torch.Tensor) else out[0], self.bit)
+            t = out if isinstance(out, torch.Tensor) else out[0]
+            if t._base is not None:  # a view a custom autograd function made (a tensor-parallel layer's
+                t = t.clone()  # output): autograd refuses it changed in place, so the flipped copy replaces it
+                out = t if isinstance(out, torch.Tensor) else (t, *out[1:])
+            flip_bit(t, self.bit)
+            return out
+        return None
 
     def after(self, stage: str, step: int, named_params: list[tuple[str, torch.nn.Parameter]], rank: int) -> None:
         """At ``stage`` "reduce" (the reduced gradients, before clipping) or "update" (after the optimizer

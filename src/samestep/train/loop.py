@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +106,10 @@ class Trainer:
     fault: Fault | None = None  # train.fault: a bit flip planted to test the checks
     recompute: RecomputeCheck | None = None  # train.sdc_check_every
     reduced: list[tuple[str, torch.Tensor]] | None = None  # the last reduced gradients, if kept (cross-rank check)
+    # the sets of ranks that hold the same tensors (unsharded: all of them; under tensor parallelism: each tensor
+    # rank's data ranks; under FSDP2: none), which the cross-rank check compares
+    peers: list[list[int]] = field(default_factory=list)
+    rank: int = 0  # this process's rank (the gradients' is its data rank's)
 
     @property
     def sharded(self) -> bool:
@@ -179,7 +183,7 @@ class Trainer:
             # measures faster there (bench_trace.py --levels module, with and without trace.copy).
             rec.grads(self.named_params, copy="checked" if rec.level == "step" and not self.cfg.trace.copy else True)
             if self.fault is not None:
-                self.fault.after("reduce", step, self.named_params, self.grads.rank)
+                self.fault.after("reduce", step, self.named_params, self.rank)
             if self.reduced is not None:  # clipping out of place leaves these tensors as they are
                 self.reduced = [(n, p.grad) for n, p in self.named_params if p.grad is not None]
             max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
@@ -190,7 +194,7 @@ class Trainer:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             if self.fault is not None:
-                self.fault.after("update", step, self.named_params, self.grads.rank)
+                self.fault.after("update", step, self.named_params, self.rank)
             rec.state(self.model, self.optimizer, named_params=self.named_params, named_buffers=self.named_buffers)
         self.cursor.advance(t.global_batch)
         return float(loss_sum), float(grad_norm), lr
@@ -250,9 +254,15 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
                       schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
                       cursor=DataCursor(corpus, cfg.model.block_size, t.seed), grads=grads, device=device,
                       recorder=recorder, named_params=list(model.named_parameters()),
-                      named_buffers=Recorder.persistent_buffers(model), fault=fault)
+                      named_buffers=Recorder.persistent_buffers(model), fault=fault, rank=rank)
+    if cfg.parallel.tp_chunks:
+        tp = cfg.parallel.tp
+        trainer.peers = [[d * tp + r for d in range(data_world)] for r in range(tp)]
+    elif not sharded:
+        trainer.peers = [list(range(world))]
     if t.sdc_check_every:  # the first of each pair of the canonical tree; of plain accumulation, the first
-        firsts = list(range(rank * k, (rank + 1) * k, 2 if cfg.determinism.enabled else k))
+        # a data rank's microbatches: its tensor ranks recompute the same one together (their layers' collectives)
+        firsts = list(range(data_rank * k, (data_rank + 1) * k, 2 if cfg.determinism.enabled else k))
         trainer.recompute = RecomputeCheck(t.sdc_check_every, trainer.forward, trainer.named_params, firsts, rank,
                                            run_dir or Path("."), t.sdc_action,
                                            lambda flag: flag if world == 1 else any_rank(flag, device))
@@ -447,10 +457,11 @@ def _writes_receipts(trainer: Trainer, dist_: Processes) -> bool:
 def _receipts(trainer: Trainer, proto: RunProtocol, start: int, dist_: Processes) -> CrossRankCheck | None:
     """Opens this rank's receipts (train.receipts) in ``proto`` (a RunProtocol): rank 0's, of the whole state, or under
     sharding every rank's, of its shards; the receipts of steps after ``start`` (of a killed run) are dropped.
-    With the cross-rank check (data parallel, several processes), every rank digests its state and reduced
-    gradients (a rank that keeps no receipts writes none) and the returned check compares them."""
+    With the cross-rank check (several ranks that hold the same tensors: ``Trainer.peers``), every rank digests
+    its state and reduced gradients (a rank that keeps no receipts writes none) and the returned check compares
+    them among its peers."""
     t = trainer.cfg.train
-    cross = t.cross_rank_check and dist_.world > 1 and not trainer.sharded
+    cross = t.cross_rank_check and any(len(ranks) > 1 for ranks in trainer.peers)
     writes = _writes_receipts(trainer, dist_)
     if not (writes or cross):
         return None
@@ -461,7 +472,7 @@ def _receipts(trainer: Trainer, proto: RunProtocol, start: int, dist_: Processes
     if not cross:
         return None
     trainer.reduced = []
-    check = CrossRankCheck(writer, dist_.device, run_dir=proto.run_dir, action=t.sdc_action)
+    check = CrossRankCheck(writer, dist_.device, run_dir=proto.run_dir, action=t.sdc_action, peers=trainer.peers)
     check.watch(trainer.optimizer)  # after the writer's wait
     return check
 

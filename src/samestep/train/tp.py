@@ -40,8 +40,7 @@ def check_tp(cfg: Config, world: int, vocab: int | None = None) -> None:
     from samestep.distributed.tensor_parallel import validate_tp  # DTensor's styles: only for a TP run
 
     others = {"parallel.fsdp=true": par.fsdp, "train.compile=true": t.compile,
-              f"model.moe_experts={m.moe_experts}": m.moe_experts, f"train.sdc_check_every={t.sdc_check_every}":
-              t.sdc_check_every, f"train.fault={t.fault!r}": t.fault}
+              f"model.moe_experts={m.moe_experts}": m.moe_experts}
     for what, on in others.items():
         if on:
             raise ValueError(f"parallel.tp_chunks={par.tp_chunks} with {what} is not supported yet; use one of them")
