@@ -40,7 +40,7 @@ def check_tp(cfg: Config, world: int, vocab: int | None = None) -> None:
     from samestep.distributed.tensor_parallel import validate_tp  # DTensor's styles: only for a TP run
 
     others = {"parallel.fsdp=true": par.fsdp, "train.compile=true": t.compile,
-              f"model.moe_experts={m.moe_experts}": m.moe_experts}
+              f"model.moe_experts={m.moe_experts} with parallel.sp=true": m.moe_experts and par.sp}
     for what, on in others.items():
         if on:
             raise ValueError(f"parallel.tp_chunks={par.tp_chunks} with {what} is not supported yet; use one of them")
@@ -79,8 +79,10 @@ def _plan(model: nn.Module, chunks: int, sp: bool) -> dict[str, Any]:
         blocks = model.layers  # type: ignore[attr-defined]
         prefix, ends = "layers", {"embed": CanonicalVocabEmbedding(chunks), "output": col}
     else:
-        styles = {"attn.c_attn": CanonicalColwiseParallel(chunks, parts=3), "attn.c_proj": row,
-                  "mlp.c_fc": col, "mlp.c_proj": row}
+        styles = {"attn.c_attn": CanonicalColwiseParallel(chunks, parts=3), "attn.c_proj": row}
+        experts = model.cfg.moe_experts  # type: ignore[attr-defined]
+        mlps = [f"mlp.experts.{e}." for e in range(experts)] if experts else ["mlp."]
+        styles |= {f"{mlp}{name}": style for mlp in mlps for name, style in (("c_fc", col), ("c_proj", row))}
         blocks = model.transformer.h  # type: ignore[attr-defined]
         prefix, ends = "transformer.h", {"transformer.wte": CanonicalVocabEmbedding(chunks)}
     return ends | {f"{prefix}.{i}.{name}": style for i in range(len(blocks)) for name, style in styles.items()}
