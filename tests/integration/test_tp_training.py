@@ -39,13 +39,11 @@ def test_tp_2_and_4_and_2_data_by_2_tensor_ranks_give_the_one_process_bits(one_p
     assert layout == {"world_size": nproc, "microbatches_per_process": 4 * tp // nproc, "tensor_parallel": tp}
 
 
-@pytest.mark.parametrize("what,nproc", [(("model.arch=llama", "model.n_kv_head=2"), 2), (("train.precision=bf16",), 4),
-                                        (("model.moe_experts=32", "model.moe_top_k=1"), 2)],
-                         ids=["llama-tp2", "bf16-dp2xtp2", "moe-tp2"])
-def test_llama_bf16_and_moe_give_the_one_process_bits(tmp_path, what, nproc):
-    """A Llama (grouped-query attention, its k and v one projection) at TP 2, a GPT computing in bf16 on 2
-    data x 2 tensor ranks, and a GPT whose MLPs are 32 experts, each split like the dense MLP, with top-1
-    routing of 64 tokens a microbatch (so some experts get none) at TP 2, give the bits of one process."""
+@pytest.mark.parametrize("what,nproc", [(("model.arch=llama", "model.n_kv_head=2"), 2), (("train.precision=bf16",), 4)],
+                         ids=["llama-tp2", "bf16-dp2xtp2"])
+def test_llama_and_bf16_give_the_one_process_bits(tmp_path, what, nproc):
+    """A Llama (grouped-query attention, its k and v one projection) at TP 2, and a GPT computing in bf16 on 2
+    data x 2 tensor ranks, give the bits of one process."""
     settings = (*TP, *what, "train.steps=3")
     one = train_here(tmp_path / "one", *settings)["state_digest"]
     two = train_ranks(tmp_path / "two", *settings, "parallel.tp=2", nproc=nproc)["state_digest"]
@@ -129,8 +127,6 @@ def test_dropout_drawn_per_rank_from_the_generator_gives_other_bits(one_process,
     (("parallel.tp_chunks=8", "parallel.tp=2"), 1, "parallel.tp=2 does not divide the 1 process(es)"),
     (("parallel.tp_chunks=8", "parallel.fsdp=true"), 1, "with parallel.fsdp=true is not supported yet"),
     (("parallel.tp_chunks=8", "model.n_head=3", "model.n_embd=48", "parallel.tp=2"), 2, "n_head=3 is not divisible"),
-    (("parallel.tp_chunks=8", "parallel.sp=true", "model.moe_experts=2"), 1,
-     "model.moe_experts=2 with parallel.sp=true is not supported yet"),
     (("parallel.tp_chunks=8", "parallel.sp=true", "model.block_size=36"), 1,
      "model.block_size (parallel.sp)=36 is not divisible by parallel.tp_chunks=8"),
     (("parallel.tp_chunks=8", "model.vocab_size=260"), 1,
@@ -228,6 +224,16 @@ def test_sequence_parallel_llama_in_bf16_gives_the_one_process_bits(tmp_path):
     one = train_here(tmp_path / "one", *settings)["state_digest"]
     two = train_ranks(tmp_path / "two", *settings, "parallel.tp=2", nproc=2)["state_digest"]
     assert one == two and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "two")
+
+
+def test_moe_with_sequence_parallelism_at_tp_4_gives_the_one_process_bits(tmp_path):
+    """A GPT whose MLPs are 32 experts, each split like the dense MLP, top-1 routing of 64 tokens a microbatch
+    (so some experts get none: their layers sum empty blocks across the 4 ranks), with sequence parallelism,
+    at TP 4: the bits of one process."""
+    settings = (*SP, "model.moe_experts=32", "model.moe_top_k=1", "train.steps=2")
+    one = train_here(tmp_path / "one", *settings)["state_digest"]
+    four = train_ranks(tmp_path / "four", *settings, "parallel.tp=4", nproc=4)["state_digest"]
+    assert one == four and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "four")
 
 
 @pytest.mark.parametrize("patch", [_plain_norm_gradients, _dropout_per_block], ids=["norm-sums", "dropout"])

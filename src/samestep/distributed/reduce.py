@@ -94,6 +94,8 @@ def combine_across_ranks(local: torch.Tensor, world_size: int, group: object = N
     """
     if world_size == 1:
         return local, 0
+    if local.numel() == 0:  # nothing to sum (an expert that got no token): every rank's block is empty alike
+        return local.clone(), 0
     n, sent = local.numel(), 0
     flat = local.reshape(-1)
     out = torch.empty(local.shape, dtype=local.dtype, device=local.device)

@@ -117,6 +117,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, deterministic: bool) -> None:
         super().__init__()
         self.k, self.p, self.deterministic = cfg.moe_top_k, cfg.dropout, deterministic
+        self.sequence: SequenceShard | None = None  # set by parallel.sp: the output cut to this rank's block
         self.router = nn.Linear(cfg.n_embd, cfg.moe_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.moe_experts))
 
@@ -142,7 +143,8 @@ class MoE(nn.Module):
             y = ops.moe_combine(expert_out, token, w, n)
         else:  # what MoE code writes; on CPU this index_put_ accumulate races between threads
             y = xt.new_zeros(n, C).index_put_((token,), expert_out * w.unsqueeze(-1), accumulate=True)
-        return y.view(B, T, C)
+        y = y.view(B, T, C)  # whole: the experts saw every token
+        return y if self.sequence is None else scatter_sequence(y, self.sequence)
 
 
 class Block(nn.Module):

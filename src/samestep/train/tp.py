@@ -39,8 +39,7 @@ def check_tp(cfg: Config, world: int, vocab: int | None = None) -> None:
         return
     from samestep.distributed.tensor_parallel import validate_tp  # DTensor's styles: only for a TP run
 
-    others = {"parallel.fsdp=true": par.fsdp, "train.compile=true": t.compile,
-              f"model.moe_experts={m.moe_experts} with parallel.sp=true": m.moe_experts and par.sp}
+    others = {"parallel.fsdp=true": par.fsdp, "train.compile=true": t.compile}
     for what, on in others.items():
         if on:
             raise ValueError(f"parallel.tp_chunks={par.tp_chunks} with {what} is not supported yet; use one of them")
@@ -81,8 +80,12 @@ def _plan(model: nn.Module, chunks: int, sp: bool) -> dict[str, Any]:
     else:
         styles = {"attn.c_attn": CanonicalColwiseParallel(chunks, parts=3), "attn.c_proj": row}
         experts = model.cfg.moe_experts  # type: ignore[attr-defined]
-        mlps = [f"mlp.experts.{e}." for e in range(experts)] if experts else ["mlp."]
-        styles |= {f"{mlp}{name}": style for mlp in mlps for name, style in (("c_fc", col), ("c_proj", row))}
+        if experts:  # each expert split like the dense MLP; its rows are routed tokens, not a sequence to cut
+            whole_row = CanonicalRowwiseParallel(chunks)
+            styles |= {f"mlp.experts.{e}.{name}": style for e in range(experts)
+                       for name, style in (("c_fc", col), ("c_proj", whole_row))}
+        else:
+            styles |= {"mlp.c_fc": col, "mlp.c_proj": row}
         blocks = model.transformer.h  # type: ignore[attr-defined]
         prefix, ends = "transformer.h", {"transformer.wte": CanonicalVocabEmbedding(chunks)}
     return ends | {f"{prefix}.{i}.{name}": style for i in range(len(blocks)) for name, style in styles.items()}
@@ -98,7 +101,7 @@ def _sequence_parallel(model: nn.Module, chunks: int, mesh: Any) -> None:
     from samestep.distributed.tensor_parallel import sequence_shard
 
     shard = sequence_shard(mesh)
-    for module in list(model.modules()):
+    for name, module in list(model.named_modules()):
         if isinstance(module, nn.LayerNorm):
             def normalize(x: Any, norm: nn.LayerNorm = module) -> Any:
                 return F.layer_norm(x, norm.normalized_shape, None, None, norm.eps)
@@ -106,7 +109,7 @@ def _sequence_parallel(model: nn.Module, chunks: int, mesh: Any) -> None:
             parallelize_norm(module, normalize, chunks, shard)
         elif hasattr(module, "normalize"):  # the Llama's RMSNorm
             parallelize_norm(module, module.normalize, chunks, shard)
-        if hasattr(module, "sequence"):
+        if hasattr(module, "sequence") and ".experts." not in name:  # an expert's rows are routed tokens
             module.sequence = shard
 
 
