@@ -227,10 +227,11 @@ def test_sequence_parallel_llama_in_bf16_gives_the_one_process_bits(tmp_path):
 
 
 def test_moe_with_sequence_parallelism_at_tp_4_gives_the_one_process_bits(tmp_path):
-    """A GPT whose MLPs are 32 experts, each split like the dense MLP, top-1 routing of 64 tokens a microbatch
+    """A GPT whose MLPs are 16 experts, each split like the dense MLP, top-1 routing of 16 tokens a microbatch
     (so some experts get none: their layers sum empty blocks across the 4 ranks), with sequence parallelism,
     at TP 4: the bits of one process."""
-    settings = (*SP, "model.moe_experts=32", "model.moe_top_k=1", "train.steps=2")
+    settings = (*SP, "model.moe_experts=16", "model.moe_top_k=1", "model.block_size=8", "model.n_layer=1",
+                "train.steps=2")
     one = train_here(tmp_path / "one", *settings)["state_digest"]
     four = train_ranks(tmp_path / "four", *settings, "parallel.tp=4", nproc=4)["state_digest"]
     assert one == four and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "four")
