@@ -15,21 +15,23 @@ from samestep.distributed.reduce import (
 )
 from samestep.distributed.sequence_parallel import (
     SequenceShard,
+    all_gather_blocks,
     gather_sequence,
     parallelize_norm,
     scatter_sequence,
     sequence_affine,
+    tree_to_block,
 )
 from samestep.distributed.tree import BinaryCounter, canonical_sum, validate_layout
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 __all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalColwiseParallel", "CanonicalDdpState",
            "CanonicalGradients", "CanonicalRowwiseParallel", "CanonicalVocabEmbedding", "FsdpGradients",
-           "GradientBuckets", "SequenceShard", "ShardedModel", "ShardedOptimizer", "any_rank", "canonical_ddp_hook",
-           "canonical_grad_norm", "canonical_sum", "clip_grad_norm_", "column_linear", "combine_across_ranks",
-           "full_state", "gather_sequence", "parallelize_norm", "ring_allreduce_bytes", "row_linear",
-           "scatter_sequence", "sequence_affine", "sequence_shard", "shard_model", "validate_layout", "validate_tp",
-           "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
+           "GradientBuckets", "SequenceShard", "ShardedModel", "ShardedOptimizer", "all_gather_blocks", "any_rank",
+           "canonical_ddp_hook", "canonical_grad_norm", "canonical_sum", "clip_grad_norm_", "column_linear",
+           "combine_across_ranks", "full_state", "gather_sequence", "parallelize_norm", "ring_allreduce_bytes",
+           "row_linear", "scatter_sequence", "sequence_affine", "sequence_shard", "shard_model", "tree_to_block",
+           "validate_layout", "validate_tp", "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
 
 # tensor_parallel is loaded when one of its names is first used: it imports DTensor's parallel styles (most
 # of a second of start-up), which a run without tensor parallelism never needs.

@@ -3,9 +3,10 @@
 
 Between the tensor-parallel layers, the residual stream is split by sequence position over the tensor ranks:
 rank r of T holds positions ``[r L/T, (r+1) L/T)`` of every sequence, and the norms, the residual adds and
-dropout run on that block only. A norm's output is gathered whole for the column-parallel layers after it
-(``gather_sequence``: an all-gather, exact) and a row-parallel layer's whole output is cut to the rank's block
-(``scatter_sequence``); their backwards are each other.
+dropout run on that block only. A column-parallel layer gathers its input whole (``all_gather_blocks``: exact)
+and hands back only the rank's block of the input gradient, and a row-parallel layer keeps only the rank's
+block of its output, so their sums across ranks reduce to blocks (``tree_to_block``: a reduce-scatter whose
+order is the canonical tree's), the bytes of the all-reduce they replace (tensor_parallel.py).
 
 What sequence parallelism splits that is a sum: the gradient of a norm's scale and shift, summed over every
 token. ``sequence_affine`` computes it in ``chunks`` fixed chunks of the sequence, each the sum over its
@@ -22,8 +23,10 @@ from typing import Any
 import torch
 
 from samestep.distributed.reduce import tree_across_ranks
+from samestep.distributed.tree import BinaryCounter
 
-__all__ = ["SequenceShard", "gather_sequence", "parallelize_norm", "scatter_sequence", "sequence_affine"]
+__all__ = ["SequenceShard", "all_gather_blocks", "gather_sequence", "parallelize_norm", "scatter_sequence",
+           "sequence_affine", "tree_to_block"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,33 @@ def _all_gather(x: torch.Tensor, dim: int, group: Any) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, x, group=group)
     return torch.cat(parts, dim=dim)
+
+
+def all_gather_blocks(x: torch.Tensor, shard: SequenceShard, dim: int = 1) -> torch.Tensor:
+    """The whole tensor from every rank's block along ``dim`` (no autograd; ``x`` itself without a group)."""
+    return x if shard.group is None else _all_gather(x, dim, shard.group)
+
+
+def tree_to_block(leaves: list[torch.Tensor], shard: SequenceShard, dim: int = 1) -> torch.Tensor:
+    """This rank's block along ``dim`` of the canonical-tree sum of leaves laid out over ranks (as
+    ``reduce.tree_across_ranks``: the rank's leaves are its aligned run, summed locally): an all-to-all hands
+    rank j the j-th block of every rank's sum, which it adds in rank order along the tree. Each element has
+    the bits of ``tree_across_ranks``'s, at half its bytes. Consumes ``leaves``."""
+    counter = BinaryCounter()
+    for leaf in leaves:
+        counter.push(leaf)
+    local = counter.result()
+    if shard.group is None:
+        return local
+    import torch.distributed as dist
+
+    blocks = [b.contiguous() for b in local.chunk(shard.degree, dim)]
+    received = [torch.empty_like(blocks[shard.rank]) for _ in range(shard.degree)]
+    dist.all_to_all(received, blocks, group=shard.group)
+    counter = BinaryCounter()
+    for block in received:
+        counter.push(block)
+    return counter.result()
 
 
 def _own(x: torch.Tensor, dim: int, shard: SequenceShard) -> torch.Tensor:
@@ -125,11 +155,10 @@ def sequence_affine(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
 def parallelize_norm(norm: torch.nn.Module, normalize: Callable[[torch.Tensor], torch.Tensor], chunks: int,
                      shard: SequenceShard) -> torch.nn.Module:
     """Routes a norm's forward (its parameters ``weight`` and, if it has one, ``bias``, left as they are) through
-    ``normalize`` on this rank's block of the sequence, ``sequence_affine`` and ``gather_sequence``: its
-    input a block, its output whole for the column-parallel layers after it."""
+    ``normalize`` on this rank's block of the sequence and ``sequence_affine``: its input and output blocks
+    (the column-parallel layers after it gather their input)."""
     def forward(x: torch.Tensor) -> torch.Tensor:
-        y = sequence_affine(normalize(x), norm.weight, getattr(norm, "bias", None), chunks, shard)
-        return gather_sequence(y, shard)
+        return sequence_affine(normalize(x), norm.weight, getattr(norm, "bias", None), chunks, shard)
 
     norm.forward = forward
     return norm

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from samestep.distributed.reduce import tree_across_ranks
-from samestep.distributed.sequence_parallel import SequenceShard, scatter_sequence
+from samestep.distributed.sequence_parallel import SequenceShard, all_gather_blocks, tree_to_block
 from samestep.distributed.vocab_parallel import vocab_parallel_embedding
 
 __all__ = ["CanonicalColwiseParallel", "CanonicalRowwiseParallel", "CanonicalVocabEmbedding", "column_linear",
@@ -91,7 +91,9 @@ class _Column(torch.autograd.Function):
     ``local_chunks`` chunks of its rows, part after part; y laid out the same way."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, local_chunks, parts, group):
+    def forward(ctx, x, weight, bias, local_chunks, parts, group, sequence):
+        if sequence is not None:  # x is this rank's block of the sequence: the layer takes the whole
+            x = all_gather_blocks(x, sequence)
         cd, acc = _dtypes(x)
         with torch.autocast(x.device.type, enabled=False):
             x2 = _as(_rows(x), cd, acc)
@@ -100,7 +102,7 @@ class _Column(torch.autograd.Function):
             y = torch.cat([nn.functional.linear(x2, w, b) for w, b in zip(ws, bs)], dim=1).to(cd)
         ctx.save_for_backward(x, weight)
         ctx.local_chunks, ctx.parts, ctx.group, ctx.has_bias = local_chunks, parts, group, bias is not None
-        ctx.dtypes = cd, acc
+        ctx.dtypes, ctx.sequence = (cd, acc), sequence
         return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -116,41 +118,52 @@ class _Column(torch.autograd.Function):
             for p in range(1, parts):
                 leaf.add_(gs[p * k + c] @ ws[p * k + c])
             leaves.append(leaf.to(cd))
-        grad_x = tree_across_ranks(leaves, ctx.group).view(x.shape).to(x.dtype)
+        if ctx.sequence is None:
+            grad_x = tree_across_ranks(leaves, ctx.group).view(x.shape).to(x.dtype)
+        else:  # the input's gradient of this rank's block only
+            grad_x = tree_to_block([leaf.view(x.shape) for leaf in leaves], ctx.sequence).to(x.dtype)
         grad_w = torch.cat([g.t() @ x2 for g in gs], dim=0).to(cd).to(weight.dtype)
         grad_b = torch.cat([g.sum(0) for g in gs]).to(cd).to(weight.dtype) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None
 
 
 class _Row(torch.autograd.Function):
     """y = sum over K chunks of x_c W_c^T, + b once: x this rank's ``local_chunks`` chunks of the input's last
-    dimension, W the matching columns; y whole (and the same bits) on every rank."""
+    dimension, W the matching columns; y whole (and the same bits) on every rank, or with ``sequence`` this
+    rank's block of it."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, local_chunks, group):
+    def forward(ctx, x, weight, bias, local_chunks, group, sequence):
         cd, acc = _dtypes(x)
+        shape = (*x.shape[:-1], weight.shape[0])
         with torch.autocast(x.device.type, enabled=False):
             x2 = _as(_rows(x), cd, acc)
             xs = [c.contiguous() for c in x2.chunk(local_chunks, 1)]
             ws = [c.contiguous() for c in _as(weight, cd, acc).chunk(local_chunks, 1)]
-            y = tree_across_ranks([(xc @ wc.t()).to(cd) for xc, wc in zip(xs, ws)], group)
+            leaves = [(xc @ wc.t()).to(cd) for xc, wc in zip(xs, ws)]
+            if sequence is None:
+                y = tree_across_ranks(leaves, group).view(shape)
+            else:  # this rank's block of the sum only
+                y = tree_to_block([leaf.view(shape) for leaf in leaves], sequence)
             if bias is not None:
                 y = y + bias.to(cd)
         ctx.save_for_backward(x, weight)
-        ctx.local_chunks, ctx.has_bias, ctx.dtypes = local_chunks, bias is not None, (cd, acc)
-        return y.view(*x.shape[:-1], weight.shape[0])
+        ctx.local_chunks, ctx.has_bias, ctx.dtypes, ctx.sequence = local_chunks, bias is not None, (cd, acc), sequence
+        return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
         cd, acc = ctx.dtypes
+        if ctx.sequence is not None:  # this rank's block of the output's gradient: the layer needs the whole
+            grad_y = all_gather_blocks(grad_y, ctx.sequence)
         x2, g2 = _as(_rows(x), cd, acc), _as(_rows(grad_y), cd, acc).contiguous()
         xs = [c.contiguous() for c in x2.chunk(ctx.local_chunks, 1)]
         ws = [c.contiguous() for c in _as(weight, cd, acc).chunk(ctx.local_chunks, 1)]
         grad_x = torch.cat([g2 @ wc for wc in ws], dim=1).view(x.shape).to(cd).to(x.dtype)
         grad_w = torch.cat([g2.t() @ xc for xc in xs], dim=1).to(cd).to(weight.dtype)
         grad_b = g2.sum(0).to(cd).to(weight.dtype) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -158,22 +171,24 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int,
-                  group: Any = None, parts: int = 1) -> torch.Tensor:
-    """Column-parallel ``x W^T + b``: ``x`` whole on every rank, ``weight``/``bias`` this rank's rows (or
-    DTensors sharded ``Shard(0)``; of ``parts`` fused projections, this rank's rows of each, part after
-    part), the output this rank's slice of the last dimension (of each part). The input's gradient sums
-    the ``chunks`` chunks along the canonical tree across the group, a chunk's parts in part order."""
+                  group: Any = None, parts: int = 1, sequence: SequenceShard | None = None) -> torch.Tensor:
+    """Column-parallel ``x W^T + b``: ``x`` whole on every rank (with ``sequence``: this rank's block of the
+    sequence, gathered whole first), ``weight``/``bias`` this rank's rows (or DTensors sharded ``Shard(0)``;
+    of ``parts`` fused projections, this rank's rows of each, part after part), the output this rank's slice
+    of the last dimension (of each part). The input's gradient sums the ``chunks`` chunks along the canonical
+    tree across the group, a chunk's parts in part order (with ``sequence``: this rank's block of it)."""
     local_chunks = chunks // _degree(group)
-    return _Column.apply(x, _local(weight), _local(bias), local_chunks, parts, group)
+    return _Column.apply(x, _local(weight), _local(bias), local_chunks, parts, group, sequence)
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int,
-               group: Any = None) -> torch.Tensor:
+               group: Any = None, sequence: SequenceShard | None = None) -> torch.Tensor:
     """Row-parallel ``x W^T + b``: ``x`` this rank's slice of the last dimension, ``weight`` the matching
-    columns (or a DTensor sharded ``Shard(1)``), ``bias`` whole; the output whole on every rank, the
-    ``chunks`` partial products summed along the canonical tree across the group."""
+    columns (or a DTensor sharded ``Shard(1)``), ``bias`` whole; the output whole on every rank (with
+    ``sequence``: this rank's block of the sequence), the ``chunks`` partial products summed along the
+    canonical tree across the group."""
     local_chunks = chunks // _degree(group)
-    return _Row.apply(x, _local(weight), _local(bias), local_chunks, group)
+    return _Row.apply(x, _local(weight), _local(bias), local_chunks, group, sequence)
 
 
 def _strided_partition(parts: int) -> Any:
@@ -220,10 +235,11 @@ def sequence_shard(device_mesh: Any) -> SequenceShard:
     return SequenceShard(device_mesh.get_local_rank(), size, device_mesh.get_group() if size > 1 else None)
 
 
-def _style_apply(stock: Any, module: nn.Module, device_mesh: Any, fn: Any, chunks: int,
-                 parts: int = 1) -> nn.Module:
+def _style_apply(stock: Any, module: nn.Module, device_mesh: Any, fn: Any, chunks: int, parts: int = 1,
+                 sequence_dim: int | None = None) -> nn.Module:
     """Shards ``module``'s parameters with the stock style's own partition (of ``parts`` fused projections:
-    each part split alike), then routes its forward through ``fn`` (local tensors in and out)."""
+    each part split alike), then routes its forward through ``fn`` (local tensors in and out; with
+    ``sequence_dim``, the layer's side that is not split by features is this rank's block of the sequence)."""
     from torch.distributed.tensor import distribute_module
 
     if not isinstance(module, nn.Linear):
@@ -238,11 +254,15 @@ def _style_apply(stock: Any, module: nn.Module, device_mesh: Any, fn: Any, chunk
         distribute_module(module, device_mesh,
                           stock._partition_linear_fn if parts == 1 else _strided_partition(parts))
     group = device_mesh.get_group() if device_mesh.size() > 1 else None
+    sequence = sequence_shard(device_mesh) if sequence_dim is not None else None
+    if sequence_dim not in (None, 1):
+        raise ValueError(f"{type(stock).__name__}: sequence_dim={sequence_dim}; the sequence is dimension 1 "
+                         "(batch, positions, features)")
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        if parts == 1:
-            return fn(x, module.weight, module.bias, chunks, group)
-        return fn(x, module.weight, module.bias, chunks, group, parts)
+        if fn is row_linear:
+            return fn(x, module.weight, module.bias, chunks, group, sequence)
+        return fn(x, module.weight, module.bias, chunks, group, parts, sequence)
 
     module.forward = forward
     return module
@@ -259,32 +279,31 @@ class CanonicalColwiseParallel(ColwiseParallel):  # type: ignore[misc,valid-type
     input and output are local tensors, the input whole, the output this rank's slice of the last
     dimension. ``chunks``: the fixed chunk count (parallel.tp_chunks) that every degree used divides.
     ``parts``: the layer is that many fused projections of equal width (a fused q, k, v: 3), each split
-    alike, so a rank holds whole heads of each; its output is this rank's slice of each, part after part."""
+    alike, so a rank holds whole heads of each; its output is this rank's slice of each, part after part.
+    ``sequence_dim`` (1; sequence parallelism): the input is this rank's block of the sequence, gathered whole,
+    and its gradient comes back as that block (``sequence_parallel.tree_to_block``)."""
 
-    def __init__(self, chunks: int = 8, parts: int = 1) -> None:
+    def __init__(self, chunks: int = 8, parts: int = 1, sequence_dim: int | None = None) -> None:
         super().__init__()
-        self.chunks, self.parts = chunks, parts
+        self.chunks, self.parts, self.sequence_dim = chunks, parts, sequence_dim
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        return _style_apply(self, module, device_mesh, column_linear, self.chunks, self.parts)
+        return _style_apply(self, module, device_mesh, column_linear, self.chunks, self.parts, self.sequence_dim)
 
 
 class CanonicalRowwiseParallel(RowwiseParallel):  # type: ignore[misc,valid-type]
     """``RowwiseParallel`` (weight ``Shard(1)``, bias ``Replicate``) whose forward and backward are
     ``row_linear``: the input this rank's slice of the last dimension, the output whole on every rank
-    with the same bits at every degree. ``sequence_dim``: the output is cut to this rank's block along that
-    dimension instead (sequence parallelism, ``sequence_parallel.scatter_sequence``)."""
+    with the same bits at every degree. ``sequence_dim`` (1; sequence parallelism): the output is this rank's
+    block of the sequence instead, its sum reduced to that block (``sequence_parallel.tree_to_block``), and
+    the output's gradient blocks are gathered whole."""
 
     def __init__(self, chunks: int = 8, sequence_dim: int | None = None) -> None:
         super().__init__()
         self.chunks, self.sequence_dim = chunks, sequence_dim
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        module = _style_apply(self, module, device_mesh, row_linear, self.chunks)
-        if self.sequence_dim is not None:
-            whole, dim, shard = module.forward, self.sequence_dim, sequence_shard(device_mesh)
-            module.forward = lambda x: scatter_sequence(whole(x), shard, dim)
-        return module
+        return _style_apply(self, module, device_mesh, row_linear, self.chunks, sequence_dim=self.sequence_dim)
 
 
 class CanonicalVocabEmbedding(RowwiseParallel):  # type: ignore[misc,valid-type]

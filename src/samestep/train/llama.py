@@ -67,8 +67,9 @@ class Attention(nn.Module):
         self.o = nn.Linear(self.n_head * self.head_dim, cfg.n_embd, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        q = self.q(x)
+        B, T = q.shape[:2]  # the whole sequence (x is a block of it under sequence parallelism)
+        q = q.view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k, v = self.kv(x).view(B, T, 2, -1, self.head_dim).permute(2, 0, 3, 1, 4)  # 2 x (B, nkv, T, hd)
         q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         group = self.n_head // self.n_kv

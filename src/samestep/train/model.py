@@ -25,7 +25,7 @@ from torch import nn
 
 from samestep import ops
 from samestep import rng as _rng
-from samestep.distributed.sequence_parallel import SequenceShard, scatter_sequence
+from samestep.distributed.sequence_parallel import SequenceShard, gather_sequence, scatter_sequence
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
 from samestep.train.config import ModelConfig
 
@@ -80,8 +80,8 @@ class CausalSelfAttention(nn.Module):
         self.register_buffer("mask", mask.view(1, 1, cfg.block_size, cfg.block_size), persistent=False)
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
-        B, T, _ = x.shape
         qkv = self.c_attn(x)  # (B, T, 3 x this rank's heads' width): all heads but under tensor parallelism
+        B, T = qkv.shape[:2]  # the whole sequence (x is a block of it under sequence parallelism)
         q, k, v = qkv.split(qkv.size(-1) // 3, dim=2)
         q, k, v = (t.view(B, T, -1, self.head_size).transpose(1, 2) for t in (q, k, v))  # (B, nh, T, hs)
         if self.first_head is not None:  # one head's strided operand takes another GEMM path (other bits) on CPU
@@ -117,11 +117,13 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, deterministic: bool) -> None:
         super().__init__()
         self.k, self.p, self.deterministic = cfg.moe_top_k, cfg.dropout, deterministic
-        self.sequence: SequenceShard | None = None  # set by parallel.sp: the output cut to this rank's block
+        self.sequence: SequenceShard | None = None  # set by parallel.sp: input gathered, output cut to the block
         self.router = nn.Linear(cfg.n_embd, cfg.moe_experts, bias=False)
         self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.moe_experts))
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        if self.sequence is not None:  # the router and the experts see every token
+            x = gather_sequence(x, self.sequence)
         B, T, C = x.shape
         xt = x.reshape(-1, C)  # (N, C)
         n = xt.shape[0]

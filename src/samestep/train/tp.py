@@ -71,19 +71,19 @@ def _plan(model: nn.Module, chunks: int, sp: bool) -> dict[str, Any]:
         CanonicalVocabEmbedding,
     )
 
-    col, row = CanonicalColwiseParallel(chunks), CanonicalRowwiseParallel(chunks, sequence_dim=1 if sp else None)
+    seq = 1 if sp else None  # with sequence parallelism the layers' outer sides are blocks of the sequence
+    col, row = CanonicalColwiseParallel(chunks, sequence_dim=seq), CanonicalRowwiseParallel(chunks, sequence_dim=seq)
     if type(model).__name__ == "Llama":
-        styles = {"attn.q": col, "attn.kv": CanonicalColwiseParallel(chunks, parts=2), "attn.o": row,
+        styles = {"attn.q": col, "attn.kv": CanonicalColwiseParallel(chunks, parts=2, sequence_dim=seq), "attn.o": row,
                   "mlp.gate": col, "mlp.up": col, "mlp.down": row}
         blocks = model.layers  # type: ignore[attr-defined]
         prefix, ends = "layers", {"embed": CanonicalVocabEmbedding(chunks), "output": col}
     else:
-        styles = {"attn.c_attn": CanonicalColwiseParallel(chunks, parts=3), "attn.c_proj": row}
+        styles = {"attn.c_attn": CanonicalColwiseParallel(chunks, parts=3, sequence_dim=seq), "attn.c_proj": row}
         experts = model.cfg.moe_experts  # type: ignore[attr-defined]
-        if experts:  # each expert split like the dense MLP; its rows are routed tokens, not a sequence to cut
-            whole_row = CanonicalRowwiseParallel(chunks)
-            styles |= {f"mlp.experts.{e}.{name}": style for e in range(experts)
-                       for name, style in (("c_fc", col), ("c_proj", whole_row))}
+        if experts:  # each expert split like the dense MLP; its rows are routed tokens, not a sequence
+            pair = (("c_fc", CanonicalColwiseParallel(chunks)), ("c_proj", CanonicalRowwiseParallel(chunks)))
+            styles |= {f"mlp.experts.{e}.{name}": style for e in range(experts) for name, style in pair}
         else:
             styles |= {"mlp.c_fc": col, "mlp.c_proj": row}
         blocks = model.transformer.h  # type: ignore[attr-defined]
@@ -93,8 +93,10 @@ def _plan(model: nn.Module, chunks: int, sp: bool) -> dict[str, Any]:
 
 def _sequence_parallel(model: nn.Module, chunks: int, mesh: Any) -> None:
     """Splits the residual stream by sequence over the mesh (parallel.sp): every norm computes on the rank's
-    block and gathers its output whole, and the modules whose outputs are blocks (the embedding's, the
-    row-parallel layers' after dropout) key their dropout by position."""
+    block (the column-parallel layers after it gather it), and the modules that hold a ``sequence`` (the
+    models, the attention and MLP, the MoE layer, a Llama block) learn the rank's block: they cut whole
+    outputs, gather an MoE layer's input and key dropout by position. An expert's rows are routed tokens,
+    so it keeps none."""
     import torch.nn.functional as F
 
     from samestep.distributed.sequence_parallel import parallelize_norm
@@ -133,7 +135,8 @@ def apply_tp(model: nn.Module, cfg: Config, world: int, rank: int, device_type: 
         from samestep.distributed.tensor_parallel import CanonicalColwiseParallel
 
         model.lm_head.weight = model.transformer.wte.weight  # type: ignore[attr-defined]
-        parallelize_module(model, mesh, {"lm_head": CanonicalColwiseParallel(chunks)})
+        head = CanonicalColwiseParallel(chunks, sequence_dim=1 if cfg.parallel.sp else None)
+        parallelize_module(model, mesh, {"lm_head": head})
     model.vocab_parallel = (chunks, mesh.get_group() if tp > 1 else None)  # type: ignore[assignment]
     for module in model.modules():
         if hasattr(module, "first_head"):
