@@ -38,6 +38,9 @@ SHARDED_VERSION = 2
 # Version 3: a sharded tensor split along a dimension other than 0 (tensor parallelism's Shard(1)), its
 # layout entry naming that dimension ("dim"). Written only when one is; loaders read 1, 2 and 3.
 SPLIT_VERSION = 3
+# Version 4: FSDP2 over tensor parallelism (a 2-D mesh): every rank writes its own shards, each a tensor rank's
+# part cut into rows over the data ranks (a layout entry's "data"). Written only then; loaders read 1 to 4.
+GRID_VERSION = 4
 MANIFEST = "manifest.json"
 LATEST = "latest"
 SUPERSEDED = "superseded"

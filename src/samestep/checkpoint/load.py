@@ -20,6 +20,7 @@ from samestep.checkpoint._format import (
     MANIFEST,
     SHARDED_VERSION,
     SPLIT_VERSION,
+    GRID_VERSION,
     STEP_DIR,
     VERSION,
     CheckpointError,
@@ -86,10 +87,9 @@ def _verify(path: Path, only: set[str] | None = None) -> _Verified:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: format is {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
                               f"expected {FORMAT!r}")
-    if manifest.get("version") not in (VERSION, SHARDED_VERSION, SPLIT_VERSION):
+    if manifest.get("version") not in (VERSION, SHARDED_VERSION, SPLIT_VERSION, GRID_VERSION):
         raise CheckpointError(f"{mpath}: version {manifest.get('version')!r} is not supported (this samestep "
-                              f"reads versions {VERSION}, {SHARDED_VERSION} and {SPLIT_VERSION}); use the samestep "
-                              "release that wrote it")
+                              f"reads versions {VERSION} to {GRID_VERSION}); use the samestep release that wrote it")
     if manifest.get("manifest_sha256") != manifest_digest(manifest):
         raise CheckpointError(f"{mpath}: its contents do not match manifest_sha256; the manifest was edited "
                               "or damaged")
@@ -326,20 +326,32 @@ def _check_environment(path: Path, saved: dict[str, Any], strict: bool) -> dict[
 
 def _unsharded(verified: _Verified, state: dict[str, Any], part: str) -> dict[str, torch.Tensor]:
     """The whole tensors of a sharded checkpoint's ``part`` ("model" or "optimizer"): each one's rows from
-    every rank's shard file, in rank order (any world size then takes its own shards of them)."""
+    every rank's shard file, in rank order (any world size then takes its own shards of them). Of version 4,
+    each tensor rank's part first, from its data ranks' rows (rank = data rank x tensor ranks + tensor rank)."""
     shards = state.get("shards")
     if not shards:
         return {}
     index = 0 if part == "model" else 1
-    files = [safetensors_load(verified.data[shard_names(r)[index]]) for r in range(shards["world_size"])]
+    world = shards["world_size"]
+    files = [safetensors_load(verified.data[shard_names(r)[index]]) for r in range(world)]
     out = {}
     for name, info in shards[part].items():
         try:
-            dim, parts = info.get("dim", 0), info.get("parts", 1)
-            pieces = [f[name].chunk(parts, dim) for f, (a, b) in zip(files, info["rows"]) if b > a]
-            whole = (torch.cat([torch.cat([p[i] for p in pieces], dim) for i in range(parts)], dim) if pieces
-                     else torch.empty(0))
-        except (KeyError, RuntimeError) as e:
+            if "data" in info:
+                data = len(info["data"])
+                tensor = world // data
+                held = [torch.cat([files[d * tensor + t][name] for d, (a, b) in enumerate(info["data"]) if b > a])
+                        for t in range(tensor)]
+            else:
+                held = [f[name] for f in files]
+            if "rows" not in info:  # whole on every tensor rank (version 4)
+                whole = held[0]
+            else:
+                dim, parts = info.get("dim", 0), info.get("parts", 1)
+                pieces = [h.chunk(parts, dim) for h, (a, b) in zip(held, info["rows"]) if b > a]
+                whole = (torch.cat([torch.cat([p[i] for p in pieces], dim) for i in range(parts)], dim) if pieces
+                         else torch.empty(0))
+        except (KeyError, RuntimeError, ZeroDivisionError) as e:
             raise CheckpointError(f"{verified.path}: the shards of {name!r} do not fit together ({e})") from None
         if list(whole.shape) != info["shape"]:
             raise CheckpointError(f"{verified.path}: the shards of {name!r} make shape {list(whole.shape)}, "

@@ -22,6 +22,7 @@ from samestep.checkpoint._format import (
     MANIFEST,
     SHARDED_VERSION,
     SPLIT_VERSION,
+    GRID_VERSION,
     SUPERSEDED,
     VERSION,
     CheckpointError,
@@ -268,6 +269,40 @@ def _write_state(tmp: Path, step: int, model: torch.nn.Module, optimizer: torch.
 _ENTRIES = ".entries.rank_{:05d}.json"  # a rank's shard files' manifest entries, until the commit
 
 
+def _grid_layout(name: str, t: Any) -> dict[str, Any]:
+    """The layout entry of a DTensor of FSDP2 over tensor parallelism (version 4): a 2-D one (data ranks x
+    tensor ranks), or one on the data ranks alone (a norm's, whole on every tensor rank). "rows" and "dim"
+    or "parts" split it over the tensor ranks as version 3 does (absent: each holds it whole); "data" cuts
+    each tensor rank's part into rows of dim 0 over the data ranks, as FSDP2 does (``torch.chunk``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = t.device_mesh
+    outer, inner = (t.placements[0], Replicate()) if mesh.ndim == 1 else t.placements
+    data, tensor = mesh.size(0), 1 if mesh.ndim == 1 else mesh.size(1)
+    if type(outer) not in (Shard, _StridedShard) or outer.dim % t.dim() or type(inner) not in (
+            Shard, _StridedShard, Replicate):
+        raise CheckpointError(f"sharded checkpoint: {name!r} is placed {t.placements} on the mesh "
+                              f"{mesh.mesh_dim_names}; FSDP2 over tensor parallelism is stored as FSDP2's rows of dim "
+                              "0 of a Shard or Replicate tensor-parallel part. Save its full_tensor() instead")
+    entry: dict[str, Any] = {"shape": list(t.shape)}
+    part = list(t.shape)
+    if not isinstance(inner, Replicate):
+        dim, parts = inner.dim % t.dim(), getattr(inner, "split_factor", 1)
+        if t.shape[dim] % (parts * tensor):
+            raise CheckpointError(f"sharded checkpoint: {name!r} (shape {list(t.shape)}) is not split evenly by "
+                                  f"{inner} over {tensor} tensor ranks; save its full_tensor() instead")
+        entry |= {"rows": shard_rows(t.shape[dim] // parts, tensor), **({"dim": dim} if dim else {}),
+                  **({"parts": parts} if parts > 1 else {})}
+        part[dim] //= tensor
+    entry["data"] = shard_rows(part[0], data)
+    a, b = entry["data"][mesh.get_local_rank(0)]
+    if t.to_local().shape[0] != b - a:
+        raise CheckpointError(f"sharded checkpoint: {name!r} holds {t.to_local().shape[0]} rows on data rank "
+                              f"{mesh.get_local_rank(0)}, not the {b - a} of FSDP2's split")
+    return entry
+
+
 def _split(tensors: dict[str, Any], world: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
                                                          dict[str, Any], dict[str, str]]:
     """Plain tensors, this rank's local shards of the DTensors, the DTensors' layout (global shape and each
@@ -280,6 +315,7 @@ def _split(tensors: dict[str, Any], world: int) -> tuple[dict[str, torch.Tensor]
     layout: dict[str, Any] = {}
     aliases: dict[str, str] = {}
     first: dict[int, str] = {}
+    grid = _grid(tensors)
     for name, t in tensors.items():
         if not isinstance(t, DTensor):
             plain[name] = t
@@ -290,6 +326,10 @@ def _split(tensors: dict[str, Any], world: int) -> tuple[dict[str, torch.Tensor]
         first[id(t)] = name
         if all(p == Replicate() for p in t.placements):  # every rank holds it whole: stored once, as a plain tensor
             plain[name] = t.to_local().detach()
+            continue
+        if grid is not None and t.device_mesh.mesh_dim_names in (grid, grid[:1]):  # FSDP2 over TP: every rank's own
+            layout[name] = _grid_layout(name, t)
+            local[name] = t.to_local().detach()
             continue
         placed = t.placements[0]
         parts = getattr(placed, "split_factor", 1)  # _StridedShard: fused parts, each split alike
@@ -312,12 +352,23 @@ def _split(tensors: dict[str, Any], world: int) -> tuple[dict[str, torch.Tensor]
     return plain, local, layout, aliases
 
 
+def _grid(tensors: dict[str, Any]) -> tuple[str, ...] | None:
+    """The dimension names of the 2-D mesh (data ranks, tensor ranks) that FSDP2 over tensor parallelism
+    places some of ``tensors`` on, or None."""
+    from torch.distributed.tensor import DTensor
+
+    return next((t.device_mesh.mesh_dim_names for t in tensors.values()
+                 if isinstance(t, DTensor) and t.device_mesh.ndim == 2), None)
+
+
 def _version(tmp: Path) -> int:
-    """A sharded checkpoint's version: 3 if a tensor is split along a dimension other than 0 or in fused
-    parts, else 2."""
+    """A sharded checkpoint's version: 4 if a tensor is cut over data ranks within tensor ranks (FSDP2 over
+    tensor parallelism), 3 if one is split along a dimension other than 0 or in fused parts, else 2."""
     shards = json.loads((tmp / "state.json").read_bytes())["shards"]
-    split = any("dim" in info or "parts" in info for part in ("model", "optimizer") for info in shards[part].values())
-    return SPLIT_VERSION if split else SHARDED_VERSION
+    infos = [info for part in ("model", "optimizer") for info in shards[part].values()]
+    if any("data" in info for info in infos):
+        return GRID_VERSION
+    return SPLIT_VERSION if any("dim" in info or "parts" in info for info in infos) else SHARDED_VERSION
 
 
 def _shard_mesh(tensors: dict[str, Any], rank: int, world: int) -> tuple[int, int, bool]:
@@ -327,6 +378,8 @@ def _shard_mesh(tensors: dict[str, Any], rank: int, world: int) -> tuple[int, in
     others hold the same shards."""
     from torch.distributed.tensor import DTensor, Replicate
 
+    if _grid(tensors) is not None:  # FSDP2 over tensor parallelism: every rank holds shards of its own
+        return world, rank, True
     for t in tensors.values():
         if isinstance(t, DTensor) and not all(p == Replicate() for p in t.placements):
             mesh = t.device_mesh

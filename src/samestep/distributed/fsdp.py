@@ -29,17 +29,18 @@ from samestep.distributed.reduce import combine_across_ranks
 from samestep.distributed.tree import BinaryCounter, validate_layout
 
 __all__ = ["CanonicalReduceScatter", "FsdpDefaultGradients", "FsdpGradients", "Held", "ShardedModel",
-           "ShardedOptimizer", "full_state", "iter_local", "shard_model"]
+           "ShardedOptimizer", "full_state", "iter_local", "shard_model", "tensor_ranks_part"]
 
 
-def shard_model(model: torch.nn.Module, world_size: int) -> torch.nn.Module:
-    """Applies FSDP2 over the default process group: each decoder block (a module whose class is named
-    ``Block``) is a group, and the root holds the rest (embeddings, the tied head, the final norm)."""
+def shard_model(model: torch.nn.Module, world_size: int, mesh: Any = None) -> torch.nn.Module:
+    """Applies FSDP2 over the default process group (or ``mesh``: the data ranks of a tensor-parallel
+    model's 2-D mesh): each decoder block (a module whose class is named ``Block``) is a group, and the root
+    holds the rest (embeddings, the tied head, the final norm)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     device = next(model.parameters()).device
-    mesh = init_device_mesh(device.type, (world_size,))
+    mesh = mesh if mesh is not None else init_device_mesh(device.type, (world_size,))
     for module in list(model.modules()):
         if module is not model and type(module).__name__ == "Block":
             fully_shard(module, mesh=mesh)
@@ -91,12 +92,13 @@ class FsdpGradients:
 
     canonical = True  # each group's reduce-scatter is a CanonicalReduceScatter
 
-    def __init__(self, model: torch.nn.Module, *, microbatches_per_process: int, world_size: int, rank: int) -> None:
+    def __init__(self, model: torch.nn.Module, *, microbatches_per_process: int, world_size: int, rank: int,
+                 group: Any = None) -> None:
         from torch.distributed.fsdp import FSDPModule
 
         validate_layout(world_size, microbatches_per_process)
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.k, self.world_size, self.rank = microbatches_per_process, world_size, rank
+        self.k, self.world_size, self.rank, self.group = microbatches_per_process, world_size, rank, group
         self.bytes_sent = 0
         self.observer: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
         self.comms = []
@@ -135,7 +137,7 @@ class FsdpGradients:
             raise RuntimeError("an FSDP group's reduce-scatter ran fewer times than the microbatches: a group "
                                "whose parameters got no gradient in some microbatch")
         self._next = self.microbatches.start
-        total, sent = combine_across_ranks(self._extra.result(), self.world_size)
+        total, sent = combine_across_ranks(self._extra.result(), self.world_size, self.group)
         self.bytes_sent += sent
         return total
 
@@ -164,7 +166,9 @@ class FsdpDefaultGradients(FsdpGradients):
 def _full(t: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
-    return t.full_tensor() if isinstance(t, DTensor) else t.detach() if isinstance(t, torch.Tensor) else t
+    # a 2-D one through its tensor ranks' part: DTensor's full_tensor misplaces doubly strided rows
+    return (tensor_ranks_part(t).full_tensor() if isinstance(t, DTensor) else t.detach() if isinstance(t, torch.Tensor)
+            else t)
 
 
 def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -195,13 +199,69 @@ class Held:
         return self._state
 
 
+def _data_chunks(size: int, dim: int, world: int) -> list[int]:
+    """The sizes along ``dim`` of FSDP2's ``world`` shards of a tensor of ``size`` there (``torch.chunk``'s,
+    ranks past the last chunk holding none)."""
+    sizes = [c.shape[dim] for c in torch.empty([0] * dim + [size], device="meta").chunk(world, dim)]
+    return sizes + [0] * (world - len(sizes))
+
+
+def tensor_ranks_part(t: Any) -> Any:
+    """A DTensor of FSDP2 over tensor parallelism (a 2-D mesh: data ranks x tensor ranks) as the tensor ranks
+    alone hold it, placed as the tensor-parallel style placed it: FSDP2 cuts each tensor rank's part into
+    ``torch.chunk`` pieces over the data ranks, so an all-gather over them (the part's bytes) and a
+    concatenation restore it; any other tensor as it is. A collective over the data ranks.
+
+    DTensor's own redistribute is not used: it misplaces rows where both placements are strided (a fused
+    projection's ``_StridedShard`` under FSDP2's)."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    if not isinstance(t, DTensor) or t.device_mesh.ndim == 1:
+        return t
+    import torch.distributed as dist
+
+    mesh = t.device_mesh
+    if mesh.ndim != 2:
+        raise ValueError(f"a DTensor on a {mesh.ndim}-D mesh {mesh.mesh_dim_names}: FSDP2 over tensor "
+                         "parallelism is 2-D (data ranks x tensor ranks)")
+    outer, inner = t.placements
+    tensor_ranks = mesh[mesh.mesh_dim_names[1]]
+    local = t.to_local()
+    if not isinstance(outer, Replicate):
+        dim, world = outer.dim % t.dim(), mesh.size(0)
+        whole = list(t.shape)
+        if not isinstance(inner, Replicate):
+            whole[inner.dim % t.dim()] //= tensor_ranks.size()
+        sizes = _data_chunks(whole[dim], dim, world)
+        padded = list(local.shape)
+        padded[dim] = max(sizes)
+        mine = torch.zeros(padded, dtype=local.dtype, device=local.device)
+        mine.narrow(dim, 0, local.shape[dim]).copy_(local)
+        gathered = [torch.empty_like(mine) for _ in range(world)]
+        dist.all_gather(gathered, mine, group=mesh.get_group(0))
+        local = torch.cat([g.narrow(dim, 0, n) for g, n in zip(gathered, sizes)], dim)
+    return DTensor.from_local(local, tensor_ranks, [inner], run_check=False, shape=t.shape, stride=t.stride())
+
+
 def _shard_like(full: torch.Tensor, like: Any) -> Any:
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
     if not isinstance(like, DTensor):
         return full
     # every rank holds the whole tensor (each read the checkpoint): its own chunk, without communication
-    return distribute_tensor(full.to(like.device), like.device_mesh, like.placements, src_data_rank=None)
+    mesh = like.device_mesh
+    if mesh.ndim == 1:
+        return distribute_tensor(full.to(like.device), mesh, like.placements, src_data_rank=None)
+    # FSDP2 over tensor parallelism: the tensor rank's part, then the data rank's chunk of it (tensor_ranks_part)
+    outer, inner = like.placements
+    local = distribute_tensor(full.to(like.device), mesh[mesh.mesh_dim_names[1]], [inner],
+                              src_data_rank=None).to_local()
+    if not isinstance(outer, Replicate):
+        dim, world = outer.dim % like.dim(), mesh.size(0)
+        sizes = _data_chunks(local.shape[dim], dim, world)
+        r = mesh.get_local_rank(0)
+        local = local.narrow(dim, sum(sizes[:r]), sizes[r]).contiguous()
+    return DTensor.from_local(local, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
 
 
 class ShardedModel:

@@ -69,35 +69,33 @@ def _part_by_part(rows: torch.Tensor, world: int, fused: int) -> torch.Tensor:
 
 def canonical_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all ``grads`` together, bracketed by rows (see the module docstring). DTensor
-    gradients (sharded) are gathered as row sums only, a few bytes per row: a collective over their mesh
-    then, which every rank of it calls with its shards of the same parameters."""
-    grads = list(grads)
+    gradients (sharded) are gathered as row sums only, a few bytes per row: a collective over each of their
+    meshes then, which every rank of it calls with its shards of the same parameters. A gradient of FSDP2
+    over tensor parallelism (a 2-D mesh) is bracketed as the tensor ranks alone would hold it, gathered across
+    its data ranks first (``tensor_ranks_part``: its bytes, one gradient at a time)."""
+    from samestep.distributed.fsdp import tensor_ranks_part
+
+    grads = [tensor_ranks_part(g) for g in grads]
     if not any(type(g).__name__ == "DTensor" for g in grads):
         rows = [row_squares(g) for g in grads]
         return torch.cat(rows).sum().sqrt() if rows else torch.zeros(())
-    parts: list[tuple[int, torch.Tensor]] = []  # (0: this rank's own, else the fused parts it is gathered in)
-    meshes = set()
+    parts: list[tuple[int, object, torch.Tensor]] = []  # (fused parts, the mesh gathered over or None, row sums)
     for g in grads:
         if type(g).__name__ != "DTensor":
-            parts.append((0, row_squares(g)))
+            parts.append((1, None, row_squares(g)))
             continue
         dim, fused, mesh = _sharded_along(g)
         local = g.to_local()  # type: ignore[attr-defined]
         # a slice contiguous: a strided reduction's order follows the shard's width
         slices = local if not dim else local.movedim(dim, 0).contiguous()
-        parts.append((0 if dim is None else fused, row_squares(slices)))
-        if dim is not None:
-            meshes.add(mesh)
-    if len(meshes) > 1:
-        raise ValueError(f"canonical_grad_norm: gradients sharded over {len(meshes)} different meshes; it gathers "
-                         "over one. Fix: one norm per mesh, or full_tensor() of the others")
-    if meshes:
-        mesh = meshes.pop()
-        gathered = iter(_gather_rows([r for fused, r in parts if fused], mesh.get_group()))
+        parts.append((fused, None if dim is None else mesh, row_squares(slices)))
+    # FSDP2's data ranks (a norm's weight) and the tensor ranks: one gather each, in the same order on every rank
+    for mesh in dict.fromkeys(m for _, m, _ in parts if m is not None):
+        gathered = iter(_gather_rows([r for _, m, r in parts if m == mesh], mesh.get_group()))  # type: ignore
         # rank order holds each rank's rows of every fused part; the whole tensor's order is part by part
-        parts = [(fused, r if not fused else _part_by_part(next(gathered), mesh.size(), fused))
-                 for fused, r in parts]
-    return torch.cat([r for _, r in parts]).sum().sqrt()
+        parts = [(fused, m, r if m != mesh else _part_by_part(next(gathered), mesh.size(), fused))  # type: ignore
+                 for fused, m, r in parts]
+    return torch.cat([r for _, _, r in parts]).sum().sqrt()
 
 
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, *,
