@@ -116,14 +116,16 @@ class RunProtocol:
 
     # -- 2. before any file changes ------------------------------------------------------------------------
     def check_receipts(self, rank: int, start: int, state: Callable[[], Any] | None, *, checkpoint: Any = None,
-                       sharded_over: int | None = None) -> None:
+                       sharded_over: int | None = None, same_layout: bool | None = None) -> None:
         """What going on after step ``start`` needs of the receipts, checked before any file changes. Where this
         rank keeps receipts (``state`` makes the restored state tree they checksum; None: it keeps none),
         their chain whole up to ``start``. Then the restored state against the run's receipts of ``start``:
         where this job has the layout that wrote ``checkpoint`` (a ``LoadedCheckpoint``; whole, or sharded
         over ``sharded_over`` ranks), each rank's restored state against its own receipt; where it has
         another (the receipts are of other shards), rank 0 checks the checkpoint's files against the
-        receipts of every rank that wrote them.
+        receipts of every rank that wrote them. ``same_layout``: whether this job splits tensors as the one
+        that wrote ``checkpoint`` did (None: where both split them over as many ranks; a caller that knows the
+        placements says, as the same count may split them otherwise).
 
         Raises:
             ReceiptError: names the file, the step and what to do.
@@ -133,7 +135,9 @@ class RunProtocol:
             truncate_receipts(run_dir, rank, start, check_only=True)
         if not start:
             return
-        if checkpoint is None or checkpoint.shards == sharded_over:
+        if same_layout is None:
+            same_layout = checkpoint is None or checkpoint.shards == sharded_over
+        if checkpoint is None or same_layout:
             if state is not None:
                 check_restored(run_dir, rank, start, state())
         elif rank == 0:

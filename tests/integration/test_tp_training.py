@@ -1,6 +1,7 @@
 """Tensor parallelism in the reference run (`samestep train --set parallel.tp=N`): TP 2, TP 4 and 2 data x 2
-tensor ranks give the one-process bits of the same parallel.tp_chunks, gpt and llama, fp32 and bf16, dropout
-on; a TP-2 run killed by SIGKILL resumes at TP 4, on one process and on 2 x 2 bit for bit; the receipts of a
+tensor ranks (FSDP2 off and on) give the one-process bits of the same parallel.tp_chunks, gpt and llama, fp32
+and bf16, dropout on; a TP-2 run killed by SIGKILL resumes at TP 4, on one process and on 2 x 2 bit for bit, and
+an FSDP2 one on 2 x 2, at TP 4 and on one process; the receipts of a
 run that grew hold; diff and bisect name a planted difference's tensor rank, module and op; with sequence
 parallelism (parallel.sp) the same at TP 2 and 4, and across a kill."""
 
@@ -28,22 +29,27 @@ def one_process(tmp_path_factory):
     return d, train_here(d, *TP)["state_digest"]
 
 
-@pytest.mark.parametrize("nproc,tp", [(2, 2), (4, 4), (4, 2)], ids=["tp2", "tp4", "dp2xtp2"])
-def test_tp_2_and_4_and_2_data_by_2_tensor_ranks_give_the_one_process_bits(one_process, tmp_path, nproc, tp):
-    """The final state digest and metrics.jsonl's bytes at TP 2, TP 4 and 2 data x 2 tensor ranks are the one
-    process's; run.json records the layout."""
+@pytest.mark.parametrize("nproc,tp,fsdp", [(2, 2, False), (4, 4, False), (4, 2, False), (4, 2, True)],
+                         ids=["tp2", "tp4", "dp2xtp2", "fsdp-dp2xtp2"])
+def test_tp_2_and_4_and_2_data_by_2_tensor_ranks_give_the_one_process_bits(one_process, tmp_path, nproc, tp, fsdp):
+    """The final state digest and metrics.jsonl's bytes at TP 2, TP 4 and 2 data x 2 tensor ranks, FSDP2 off and
+    on (each tensor rank's part sharded over the data ranks), are the one process's; run.json records the
+    layout."""
     ref_dir, ref_digest = one_process
-    final = train_ranks(tmp_path / "run", *TP, f"parallel.tp={tp}", nproc=nproc)
+    final = train_ranks(tmp_path / "run", *TP, f"parallel.tp={tp}", f"parallel.fsdp={str(fsdp).lower()}", nproc=nproc)
     assert final["state_digest"] == ref_digest and metrics_bytes(tmp_path / "run") == metrics_bytes(ref_dir)
     layout = json.loads((tmp_path / "run" / "run.json").read_text())["layout"]
-    assert layout == {"world_size": nproc, "microbatches_per_process": 4 * tp // nproc, "tensor_parallel": tp}
+    assert layout == {"world_size": nproc, "microbatches_per_process": 4 * tp // nproc, "tensor_parallel": tp,
+                      **({"sharded": "fsdp2"} if fsdp else {})}
 
 
-@pytest.mark.parametrize("what,nproc", [(("model.arch=llama", "model.n_kv_head=2"), 2), (("train.precision=bf16",), 4)],
-                         ids=["llama-tp2", "bf16-dp2xtp2"])
+@pytest.mark.parametrize("what,nproc", [
+    (("model.arch=llama", "model.n_kv_head=2"), 2), (("train.precision=bf16",), 4),
+    (("model.arch=llama", "model.n_kv_head=2", "train.precision=bf16", "parallel.fsdp=true"), 4),
+], ids=["llama-tp2", "bf16-dp2xtp2", "llama-bf16-fsdp-dp2xtp2"])
 def test_llama_and_bf16_give_the_one_process_bits(tmp_path, what, nproc):
-    """A Llama (grouped-query attention, its k and v one projection) at TP 2, and a GPT computing in bf16 on 2
-    data x 2 tensor ranks, give the bits of one process."""
+    """A Llama (grouped-query attention, its k and v one projection) at TP 2, a GPT computing in bf16 on 2
+    data x 2 tensor ranks, and a Llama in bf16 under FSDP2 on 2 x 2 give the bits of one process."""
     settings = (*TP, *what, "train.steps=3")
     one = train_here(tmp_path / "one", *settings)["state_digest"]
     two = train_ranks(tmp_path / "two", *settings, "parallel.tp=2", nproc=nproc)["state_digest"]
@@ -83,6 +89,44 @@ def test_a_tp_2_run_killed_resumes_at_tp_4_and_on_one_process_bit_for_bit(one_pr
     assert [(r["step"], r["world_size"], r["tensor_parallel"]) for r in resumes] == [(2, 4, 4)]
     verify = cli_here("receipts", "verify", str(d))
     assert verify.returncode == 0 and "rank 2: steps 3-4" in verify.stdout, verify.stdout + verify.stderr
+
+
+def test_an_fsdp2_over_tp_run_killed_resumes_on_2_x_2_at_tp_4_and_on_one_process_bit_for_bit(one_process, tmp_path):
+    """FSDP2 over TP 2 on 4 processes (2 data x 2 tensor ranks), rank 1 SIGKILLed in step 4: its checkpoint of
+    step 2 holds every rank's own shards (version 4). Resumed under the same layout, at TP 4 (as many shards,
+    cut otherwise: its receipts are checked against the checkpoint's files) and on one process, each run ends
+    on the one-process bits and its receipts verify."""
+    ref_dir, ref_digest = one_process
+    d, grid = tmp_path / "run", ("parallel.tp=2", "parallel.fsdp=true")
+    train_ranks(d, *TP, *grid, nproc=4, patch=_rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
+    assert json.loads((d / "checkpoints" / "step_000002" / "manifest.json").read_text())["version"] == 4
+    for name in ("tp4", "one"):
+        shutil.copytree(d, tmp_path / name)
+    finals = {"grid": train_ranks(d, *TP, *grid, nproc=4, resume=True),
+              "tp4": train_ranks(tmp_path / "tp4", *TP, "parallel.tp=4", nproc=4, resume=True),
+              "one": train_here(tmp_path / "one", *TP, resume=True)}
+    for name, final in finals.items():
+        run_dir = d if name == "grid" else tmp_path / name
+        assert final["state_digest"] == ref_digest and metrics_bytes(run_dir) == metrics_bytes(ref_dir), name
+    verify = cli_here("receipts", "verify", str(d))
+    assert verify.returncode == 0 and "rank 3: steps 1-4" in verify.stdout, verify.stdout + verify.stderr
+
+
+def _dtensor_full_tensor() -> None:
+    """The final state of FSDP2 over TP gathered by DTensor's own full_tensor."""
+    from samestep.distributed import fsdp
+
+    fsdp._full = lambda t: t.full_tensor() if type(t).__name__ == "DTensor" else t.detach()
+
+
+def test_dtensors_own_full_tensor_under_fsdp2_over_tp_gives_another_state(one_process, tmp_path):
+    """Negative control of tensor_ranks_part: DTensor's own full_tensor of a tensor placed by FSDP2 over TP (the
+    fused q, k, v's rows strided twice) misplaces rows, so the final state digest is not the one process's,
+    though the run (its metrics) is."""
+    ref_dir, ref_digest = one_process
+    final = train_ranks(tmp_path / "run", *TP, "parallel.tp=2", "parallel.fsdp=true", nproc=4,
+                        patch=_dtensor_full_tensor)
+    assert final["state_digest"] != ref_digest and metrics_bytes(tmp_path / "run") == metrics_bytes(ref_dir)
 
 
 def test_a_receipt_chain_that_starts_late_without_a_grown_resume_is_broken(one_process, tmp_path):
@@ -125,7 +169,7 @@ def test_dropout_drawn_per_rank_from_the_generator_gives_other_bits(one_process,
     (("parallel.tp=2",), 1, "parallel.tp=2 needs parallel.tp_chunks"),
     (("parallel.tp_chunks=8", "parallel.tp=3"), 1, "parallel.tp=3 does not divide parallel.tp_chunks=8"),
     (("parallel.tp_chunks=8", "parallel.tp=2"), 1, "parallel.tp=2 does not divide the 1 process(es)"),
-    (("parallel.tp_chunks=8", "parallel.fsdp=true"), 1, "with parallel.fsdp=true is not supported yet"),
+    (("parallel.tp_chunks=8", "train.compile=true"), 1, "with train.compile=true is not supported yet"),
     (("parallel.tp_chunks=8", "model.n_head=3", "model.n_embd=48", "parallel.tp=2"), 2, "n_head=3 is not divisible"),
     (("parallel.tp_chunks=8", "parallel.sp=true", "model.block_size=36"), 1,
      "model.block_size (parallel.sp)=36 is not divisible by parallel.tp_chunks=8"),

@@ -329,7 +329,8 @@ class ParallelConfig:
     fsdp: bool = False
     """Shard parameters, gradients and optimizer state over the processes with FSDP2 (fully_shard); with
     deterministic mode on, its reduce-scatter follows the canonical order, so the bits are those of the
-    unsharded run on any process count. One process runs unsharded."""
+    unsharded run on any process count. One process runs unsharded; with parallel.tp, FSDP2 shards each tensor
+    rank's part over the data ranks (a 2-D mesh), and one data rank runs unsharded."""
     overlap: bool = True
     """Start the combine across processes (its all-to-alls) during the last microbatch's backward, bucket by
     bucket, as DDP does; false waits for the whole backward. The same bits either way (docs/layouts.md)."""

@@ -62,6 +62,7 @@ from samestep.train.llama import Llama
 from samestep.train.model import GPT
 from samestep.train.processes import Processes, device_kind
 from samestep.train.resume import check_run_files, restore_run
+from samestep.train.layout import job_layout, written_layout
 from samestep.train.tp import apply_tp, check_tp, data_ranks
 from samestep.train.progress import Progress
 from samestep.train.schedule import WarmupCosine
@@ -217,7 +218,8 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     arch = Llama if cfg.model.arch == "llama" else GPT
     model = arch(cfg.model, vocab, t.seed, deterministic=cfg.determinism.enabled).to(device)
     check_tp(cfg, world, vocab)
-    data_group = apply_tp(model, cfg, world, rank, device.type) if cfg.parallel.tp_chunks else None
+    data_mesh = apply_tp(model, cfg, world, rank, device.type) if cfg.parallel.tp_chunks else None
+    data_group = data_mesh.get_group() if data_mesh is not None else None
     sharded = cfg.parallel.fsdp and world > 1
     if sharded and t.compile:
         raise ValueError("parallel.fsdp=true with train.compile=true is not supported yet; use one of them")
@@ -231,11 +233,11 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     data_world = data_ranks(cfg, world)
     data_rank = rank // (world // data_world)  # a data rank's tensor ranks are consecutive
     k = t.microbatches // data_world
+    sharded = sharded and data_world > 1  # FSDP2 shards over the data ranks
     if sharded:
-        shard_model(model, world)
-        grads: Any = (FsdpGradients(model, microbatches_per_process=k, world_size=world, rank=rank)
-                      if cfg.determinism.enabled else FsdpDefaultGradients(model, microbatches_per_process=k,
-                                                                           world_size=world, rank=rank))
+        shard_model(model, data_world, data_mesh)
+        kind = FsdpGradients if cfg.determinism.enabled else FsdpDefaultGradients
+        grads: Any = kind(model, microbatches_per_process=k, world_size=data_world, rank=data_rank, group=data_group)
     else:
         grads = (CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=data_world,
                                     rank=data_rank, group=data_group, overlap=cfg.parallel.overlap)
@@ -255,7 +257,7 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
                       cursor=DataCursor(corpus, cfg.model.block_size, t.seed), grads=grads, device=device,
                       recorder=recorder, named_params=list(model.named_parameters()),
                       named_buffers=Recorder.persistent_buffers(model), fault=fault, rank=rank)
-    if cfg.parallel.tp_chunks:
+    if cfg.parallel.tp_chunks and not sharded:
         tp = cfg.parallel.tp
         trainer.peers = [[d * tp + r for d in range(data_world)] for r in range(tp)]
     elif not sharded:
@@ -326,19 +328,17 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
            out: Callable[[str], None], dist_: Processes, proto: RunProtocol) -> dict[str, Any] | None:
     t, world, rank, report = cfg.train, dist_.world, dist_.rank, proto.report
     check_layout(cfg, world)
-    k = t.microbatches // data_ranks(cfg, world)
     say = out if rank == 0 else (lambda _msg: None)
     mixed = dist_.compare_environments(cfg.determinism.env_mismatch)
     trainer = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
     start, loaded = restore_run(trainer, run_dir, resume, world, say)
+    layout = job_layout(cfg, world)
+    same = None if loaded is None else written_layout(loaded) == layout
     check_run_files(proto, start, rank, trainer.receipt_state(start) if _writes_receipts(trainer, dist_) else None,
-                    checkpoint=loaded, sharded_over=_shards(trainer, world))
+                    checkpoint=loaded, sharded_over=_shards(trainer, world), same_layout=same)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
         truncate_metrics(run_dir, start)  # first: a damaged metrics.jsonl refuses the resume before run.json records it
-        layout = {"world_size": world, "microbatches_per_process": k,
-                  **({"sharded": "fsdp2"} if cfg.parallel.fsdp and world > 1 else {}),
-                  **({"tensor_parallel": cfg.parallel.tp} if cfg.parallel.tp_chunks else {})}
         if holds_run(run_dir):
             record_resume(run_dir, {"step": start, **layout, "checkpoint": loaded.path.name if loaded else None,
                                     "skipped": [p.name for p, _ in loaded.skipped] if loaded else [],
@@ -442,11 +442,11 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
 
 
 def _shards(trainer: Trainer, world: int) -> int | None:
-    """How many ranks a checkpoint of this job splits its tensors over (None: whole): each tensor rank's
-    shards once, whatever the data ranks."""
+    """How many ranks a checkpoint of this job splits its tensors over (None: whole): under FSDP2 every rank;
+    under tensor parallelism alone each tensor rank's shards once, whatever the data ranks."""
     if not trainer.sharded:
         return None
-    return trainer.cfg.parallel.tp if trainer.cfg.parallel.tp_chunks else world
+    return world if isinstance(trainer.grads, FsdpGradients) else trainer.cfg.parallel.tp
 
 
 def _writes_receipts(trainer: Trainer, dist_: Processes) -> bool:

@@ -39,10 +39,9 @@ def check_tp(cfg: Config, world: int, vocab: int | None = None) -> None:
         return
     from samestep.distributed.tensor_parallel import validate_tp  # DTensor's styles: only for a TP run
 
-    others = {"parallel.fsdp=true": par.fsdp, "train.compile=true": t.compile}
-    for what, on in others.items():
-        if on:
-            raise ValueError(f"parallel.tp_chunks={par.tp_chunks} with {what} is not supported yet; use one of them")
+    if t.compile:
+        raise ValueError(f"parallel.tp_chunks={par.tp_chunks} with train.compile=true is not supported yet; use one "
+                         "of them")
     head = m.n_embd // m.n_head
     dims = {"n_embd": m.n_embd, "n_head": m.n_head}
     if m.arch == "llama":
@@ -129,7 +128,7 @@ def apply_tp(model: nn.Module, cfg: Config, world: int, rank: int, device_type: 
         mesh, data = init_device_mesh(device_type, (tp,)), None
     else:
         grid = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("data", "tensor"))
-        mesh, data = grid["tensor"], grid["data"].get_group()
+        mesh, data = grid["tensor"], grid["data"]
     parallelize_module(model, mesh, _plan(model, chunks, cfg.parallel.sp))
     if hasattr(model, "lm_head"):  # the GPT's head is the embedding's weight: tied again to its sharded parameter
         from samestep.distributed.tensor_parallel import CanonicalColwiseParallel
