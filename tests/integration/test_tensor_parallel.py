@@ -199,8 +199,9 @@ def _two_d_worker(rank: int, init: str, root: str) -> None:
 
 
 def test_a_two_dimensional_placement_is_refused_by_the_norm_and_the_checkpoint(tmp_path):
-    """A tensor sharded over a 2-D mesh: canonical_grad_norm and a sharded save refuse it, naming it and the
-    fix (full_tensor()); nothing is committed. Negative control: the same tensor on a 1-D mesh is taken by
+    """A tensor sharded over a 2-D mesh whose dimensions have no names (not FSDP2 over tensor parallelism's):
+    canonical_grad_norm and a sharded save refuse it, naming it and the fix (full_tensor()); nothing is
+    committed. Negative control: the same tensor on a 1-D mesh is taken by
     both."""
     spawn(_two_d_worker, (str(tmp_path / "init"), str(tmp_path / "ckpt")), 1)
     assert [p.name for p in (tmp_path / "ckpt").glob("step_*")] == ["step_000001"]

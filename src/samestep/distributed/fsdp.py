@@ -50,13 +50,20 @@ def shard_model(model: torch.nn.Module, world_size: int, mesh: Any = None) -> to
 
 class CanonicalReduceScatter:
     """FSDP2's reduce-scatter interface (``allocate`` and the call) for one FSDP group, reducing along the
-    canonical tree over global microbatches (see the module docstring). ``k``: microbatches per process;
-    the k-th call of a step is the last microbatch's."""
+    canonical tree over global microbatches (see the module docstring). ``k``: microbatches per process.
+    A group may reduce more than once per backward (torchtitan's chunked loss takes the head's gradient apart
+    from its norm's): each call keeps a tree of its own, by its place among the calls of its microbatch, and
+    the calls of the owner's last microbatch reduce them."""
 
     def __init__(self, k: int, owner: FsdpGradients) -> None:
         self.k, self.owner = k, owner
-        self.calls = 0
-        self._counter = BinaryCounter()
+        self._counters: dict[int, BinaryCounter] = {}  # by the call's place in its microbatch
+        self._microbatch, self._place = -1, 0
+
+    @property
+    def pending(self) -> bool:
+        """Gradients pushed whose microbatches' last one has not reduced them."""
+        return bool(self._counters)
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -65,13 +72,18 @@ class CanonicalReduceScatter:
                  async_op: bool = False) -> None:
         import torch.distributed as dist
 
-        self._counter.push(input_tensor.detach().clone())
-        self.calls += 1
-        if self.calls < self.k:
+        microbatch = self.owner.current_microbatch
+        if microbatch != self._microbatch:
+            self._microbatch, self._place = microbatch, 0
+        place, self._place = self._place, self._place + 1
+        counter = self._counters.setdefault(place, BinaryCounter())
+        counter.push(input_tensor.detach().clone())
+        if microbatch != self.owner.microbatches.stop - 1:
             output_tensor.zero_()  # dropped by FsdpGradients.accumulate: FSDP2 adds nothing of it
             return None
-        self.calls = 0
-        local = self._counter.result()
+        local = self._counters.pop(place).result()
+        if not self._counters:
+            self._microbatch = -1  # the next step's first microbatch starts at place 0 again
         world = dist.get_world_size(group)
         received = torch.empty_like(local)
         dist.all_to_all_single(received, local, group=group)  # row r: rank r's sum of my chunk
@@ -102,11 +114,16 @@ class FsdpGradients:
         self.bytes_sent = 0
         self.observer: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
         self.comms = []
+        states: set[int] = set()
         for module in model.modules() if self.canonical else ():
-            if isinstance(module, FSDPModule):
-                comm = CanonicalReduceScatter(self.k, self)
-                module.set_custom_reduce_scatter(comm)
-                self.comms.append(comm)
+            # one comm per FSDP group: modules sharded together (a list to fully_shard) share one state, and a
+            # root whose parameters all went to the groups below it has none to reduce
+            if isinstance(module, FSDPModule) and id(state := module._get_fsdp_state()) not in states:
+                states.add(id(state))
+                if state._fsdp_param_groups:
+                    comm = CanonicalReduceScatter(self.k, self)
+                    module.set_custom_reduce_scatter(comm)
+                    self.comms.append(comm)
         self._extra = BinaryCounter()
         self._next = rank * self.k
 
@@ -114,6 +131,11 @@ class FsdpGradients:
     def microbatches(self) -> range:
         """The global microbatch indices this process owns."""
         return range(self.rank * self.k, (self.rank + 1) * self.k)
+
+    @property
+    def current_microbatch(self) -> int:
+        """The global index of the microbatch whose backward is running (the next to ``accumulate``)."""
+        return self._next
 
     def accumulate(self, microbatch: int, extra: torch.Tensor | None = None) -> None:
         """Microbatch ``microbatch`` (global index, the next of this process's range) is done: its extra
@@ -133,7 +155,7 @@ class FsdpGradients:
         """The canonical sum of the extras over all microbatches of all processes (same on every rank)."""
         if self._next != self.microbatches.stop:
             raise RuntimeError(f"reduce() after {self._next - self.microbatches.start} of {self.k} microbatches")
-        if any(c.calls for c in self.comms):
+        if any(c.pending for c in self.comms):
             raise RuntimeError("an FSDP group's reduce-scatter ran fewer times than the microbatches: a group "
                                "whose parameters got no gradient in some microbatch")
         self._next = self.microbatches.start
@@ -221,9 +243,10 @@ def tensor_ranks_part(t: Any) -> Any:
     import torch.distributed as dist
 
     mesh = t.device_mesh
-    if mesh.ndim != 2:
-        raise ValueError(f"a DTensor on a {mesh.ndim}-D mesh {mesh.mesh_dim_names}: FSDP2 over tensor "
-                         "parallelism is 2-D (data ranks x tensor ranks)")
+    if mesh.ndim != 2 or mesh.mesh_dim_names is None:
+        raise ValueError(f"a DTensor placed {t.placements} on a {mesh.ndim}-D mesh with dimension names "
+                         f"{mesh.mesh_dim_names}: FSDP2 over tensor parallelism is a 2-D mesh of named dimensions "
+                         "(data ranks, tensor ranks). Fix: pass full_tensor() of it, or name the mesh's dimensions")
     outer, inner = t.placements
     tensor_ranks = mesh[mesh.mesh_dim_names[1]]
     local = t.to_local()
