@@ -16,18 +16,19 @@ __all__ = ["HookedSteps"]
 
 class HookedSteps:
     """Opens and closes ``Recorder.step`` and ``Recorder.microbatch`` from separate framework callbacks, and
-    has the RunProtocol write a receipt of every step that ends (``samestep.receipts``, rank 0's file)."""
+    has the RunProtocol write a receipt of every step that ends (``samestep.receipts``, the rank's file)."""
 
     @classmethod
     def start(cls, proto: RunProtocol, run_dir: Path, *, level: str, steps: Any, resume: bool, model: Any,
               how_to_resume: str, receipts: bool = False, start: int = 0, optimizer: Any = None,
-              scheduler: Any = None, source: str = "") -> HookedSteps:
+              scheduler: Any = None, source: str = "", rank: int = 0, sharded: bool = False) -> HookedSteps:
         """Starts the RunProtocol's trace of ``run_dir`` (a resume continues its stream) with the model's hooks
         attached, and, with ``receipts``, the receipts of the state of ``model``, ``optimizer`` and
         ``scheduler`` (``receipts.state_tree``): those past ``start`` (the step the framework resumed after,
         0 for a new run) are cut, and a resume whose restored state is not its receipt's is refused before
         anything is written; the optimizer's next step waits for the receipt being made. ``source``: what
-        made the run (in the receipts' genesis).
+        made the run (in the receipts' genesis). ``rank``: the receipts file's; ``sharded``: the model's
+        parameters are this rank's shards (the receipts are of them).
 
         Raises:
             ValueError: ``run_dir`` holds a traced run and this is no resume: says ``how_to_resume``.
@@ -42,7 +43,7 @@ class HookedSteps:
 
         proto.run_dir = Path(run_dir)
         if receipts:  # a resume that cannot go on fails before anything is written
-            proto.check_receipts(0, start, lambda: state(start))
+            proto.check_receipts(rank, start, lambda: state(start))
         try:
             proto.trace(model, level=level, steps=steps, resume=resume)
         except ValueError as e:
@@ -52,9 +53,9 @@ class HookedSteps:
                              "into another run directory") from None
         try:
             if receipts:
-                proto.open_receipts(0, start, genesis({}, source), optimizer=optimizer,
-                                      state=lambda step: (lambda tree=state(step): tree),
-                                      hash=state_hash_for(next((p.device for p in model.parameters()), "cpu")))
+                proto.open_receipts(rank, start, genesis({}, source), optimizer=optimizer, sharded=sharded,
+                                    state=lambda step: (lambda tree=state(step): tree),
+                                    hash=state_hash_for(next((p.device for p in model.parameters()), "cpu")))
         except BaseException:
             proto.end()
             raise

@@ -1,0 +1,220 @@
+"""torchtitan's trainer on samestep's numerical path: ``SamestepTrainer``, a ``torchtitan.trainer.Trainer``
+whose ``Config`` builds it, as torchtitan builds a trainer of an extension module.
+
+What it changes of torchtitan's step, on one process or FSDP2 over every process (torchtitan's
+``data_parallel_shard_degree``):
+
+- deterministic mode (``samestep.enable``) from before torchtitan makes its process group;
+- the gradients of a step's microbatches summed along the canonical tree across the data ranks
+  (``CanonicalGradients`` on one process, ``FsdpGradients`` in place of FSDP2's reduce-scatter), and the loss
+  with them, so one process and any number of data ranks give the same bits (docs/layouts.md);
+- the gradient norm and its clipping by ``samestep.distributed.clip_grad_norm_``;
+- a trace of every step into the run directory (``samestep.level``) and a receipt of every step (rank 0's of
+  the whole state, or every rank's of its own shards), continued on a resume through torchtitan's checkpoint,
+  which is refused where the restored state is not the receipt of its step;
+- every rank's RNG states in torchtitan's checkpoint (the trainer's ``train_state``), as tensors.
+
+Other parallelisms (tensor, pipeline, context, expert, replicated data) are refused by name. Run it as
+torchtitan runs an extension module::
+
+    torchrun --nproc_per_node 2 -m torchtitan.train --module samestep.integrations.torchtitan \\
+        --config llama3_debugmodel --training.global_batch_size 16
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.trainer import Trainer
+
+from samestep.integrations.steps import HookedSteps
+from samestep.integrations.torchtitan.data import CorpusLoader
+from samestep.protocol import RunProtocol
+from samestep.rng import capture_rng, restore_rng
+
+__all__ = ["Samestep", "SamestepTrainer"]
+
+_RNG_BYTES = 16384  # the JSON of a process's RNG metadata, padded: DCP loads into tensors of the saved shapes
+
+
+@dataclass(kw_only=True, slots=True)
+class Samestep:
+    """samestep's options (``--samestep.level op`` on torchtitan's command line)."""
+
+    run_dir: str = ""
+    """Where the trace, the receipts and run.json go (default: the job's ``dump_folder``)."""
+    level: str = "step"
+    """The trace level: ``step``, ``module``, ``op`` or ``off``."""
+    steps: str = ""
+    """The 1-based steps to trace (``1-5``; empty: all)."""
+    threads: int = 1
+    """The intra-op thread count that deterministic mode pins (the bits depend on it)."""
+    kernels: bool = False
+    """Route racy ops through samestep's deterministic kernels."""
+    receipts: bool = True
+    """A receipt of every step; a resume whose restored state is not its step's receipt is refused."""
+    canonical: bool = True
+    """False: torchtitan's own accumulation, reduction and norm (the other half of an A/B), traced alike."""
+
+
+class SamestepTrainer(Trainer):
+    """torchtitan's ``Trainer`` with samestep's deterministic mode, canonical reduction and norm, trace,
+    receipts and RNG in the checkpoint (see the module docstring)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        samestep: Samestep = field(default_factory=Samestep)
+
+    def __init__(self, config: Config) -> None:
+        opts = config.samestep
+        self.rank = int(os.environ.get("RANK", "0"))
+        self._proto = RunProtocol(Path(opts.run_dir or config.dump_folder), hold_dir=self.rank == 0)
+        self._hooked: HookedSteps | None = None
+        self._rng: dict[str, torch.Tensor] | None = None  # the checkpoint's, until the first step restores it
+        try:
+            # before torchtitan's process group and model exist
+            if config.debug.seed is None:
+                raise ValueError("SamestepTrainer: debug.seed is unset, so torchtitan draws the initial weights from a "
+                                 "seed of its own choosing each run; fix: --debug.seed 0")
+            self._proto.enable(threads=opts.threads, kernels=opts.kernels, who="SamestepTrainer")
+            if isinstance(config.dataloader, CorpusLoader.Config) and not config.dataloader.global_batch_size:
+                config.dataloader.global_batch_size = config.training.global_batch_size
+            super().__init__(config)
+            self._refuse_layout()
+            self.sharded = self.parallel_dims.fsdp_enabled
+            self._grads = self._gradients(opts.canonical)
+        except BaseException:
+            self._proto.close()
+            raise
+
+    def _refuse_layout(self) -> None:
+        dims = self.parallel_dims
+        other = {"tensor parallelism (tp)": dims.tp, "pipeline parallelism (pp)": dims.pp,
+                 "context parallelism (cp)": dims.cp, "expert parallelism (ep)": dims.ep,
+                 "replicated data parallelism (dp_replicate)": dims.dp_replicate}
+        used = [f"{name} = {degree}" for name, degree in other.items() if degree > 1]
+        if used:
+            raise ValueError(f"SamestepTrainer: {', '.join(used)} is not supported yet; it runs on one process or "
+                             "FSDP2 over every process (parallelism.data_parallel_shard_degree = -1)")
+        if len(self.model_parts) != 1:
+            raise ValueError(f"SamestepTrainer: {len(self.model_parts)} model parts; it trains one")
+
+    def _gradients(self, canonical: bool) -> Any:
+        """The rank's gradient accumulation and combine: samestep's canonical tree, or torchtitan's own order."""
+        from samestep.distributed import AllReduceGradients, CanonicalGradients, FsdpGradients
+        from samestep.distributed.fsdp import FsdpDefaultGradients
+
+        model, k = self.model_parts[0], self.gradient_accumulation_steps
+        if self.sharded:
+            mesh = self.parallel_dims.get_mesh("batch")
+            kind = FsdpGradients if canonical else FsdpDefaultGradients
+            return kind(model, microbatches_per_process=k, world_size=mesh.size(), rank=mesh.get_local_rank(),
+                        group=mesh.get_group())
+        kind = CanonicalGradients if canonical else AllReduceGradients
+        return kind(model.parameters(), microbatches_per_process=k)
+
+    # -- the protocol, from the first step (torchtitan has restored its checkpoint by then) ----------------
+    def _begin(self) -> HookedSteps:
+        opts, start = self.config.samestep, self.step - 1
+        if self._rng is not None:  # the RNG states as the checkpoint holds them, before anything draws
+            _restore_rng(self._rng)
+            self._rng = None
+        model = self.model_parts[0]
+        self._hooked = HookedSteps.start(
+            self._proto, self._proto.run_dir, level=opts.level, steps=opts.steps or None, resume=start > 0,
+            model=model, how_to_resume="torchtitan's checkpoint (checkpoint.enable, the same dump_folder)",
+            receipts=opts.receipts and RunProtocol.keeps_receipts(self.rank, self.sharded), start=start,
+            optimizer=self.optimizers, scheduler=self.lr_schedulers, source="torchtitan", rank=self.rank,
+            sharded=self.sharded)
+        self._params = list(model.named_parameters())
+        return self._hooked
+
+    def train_step(self, data_iterator: Any) -> None:
+        """torchtitan's step (its data, forward, loss and backward, optimizer, scheduler and metrics) with the
+        microbatches summed by ``self._grads`` and the norm clipped by samestep's."""
+        hooked = self._hooked or self._begin()
+        step, grads = self.step, self._grads
+        hooked.begin_step(step)
+        rec = hooked.rec
+        self.optimizers.zero_grad(set_to_none=True)
+        lr_metrics = self.lr_schedulers.get_metrics()
+        batches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
+        local_tokens = sum(((labels != IGNORE_INDEX).sum() for _, labels in batches), torch.tensor(0))
+        # an integer sum across ranks: exact in any order
+        tokens = (dist_utils.dist_sum_tensor(local_tokens.to(self.device), self.parallel_dims.get_mesh("batch"))
+                  if self.parallel_dims.dp_enabled else local_tokens.to(self.device))
+        for i, (input_dict, labels) in zip(grads.microbatches, batches):
+            inputs = {key: v.to(self.device) if isinstance(v, torch.Tensor) else v for key, v in input_dict.items()}
+            hooked.begin_microbatch(i)
+            loss = self.forward_backward_step(input_dict=inputs, labels=labels.to(self.device),
+                                              global_valid_tokens=tokens)
+            hooked.end_microbatch()
+            grads.accumulate(i, extra=loss.detach())
+        loss = grads.reduce().reshape(())
+        params = [p for _, p in self._params]
+        if self.config.samestep.canonical:
+            from samestep.distributed import clip_grad_norm_
+
+            grad_norm = clip_grad_norm_(params, self.config.training.max_norm)
+        else:
+            grad_norm = dist_utils.clip_grad_norm_(params, self.config.training.max_norm, foreach=True)
+        rec.metric("loss", loss)
+        rec.metric("grad_norm", grad_norm)
+        rec.grads(self._params)
+        self.checkpointer.maybe_wait_for_staging()
+        self.optimizers.step()
+        self.lr_schedulers.step()
+        rec.state(self.model_parts[0], self.optimizers, named_params=self._params)
+        hooked.end_step(float(loss), float(grad_norm))
+        if self._saves(step):
+            hooked.sync()  # the steps the checkpoint holds are durable first
+        if self.metrics_processor.should_log(step):
+            self.metrics_processor.log(step, float(loss), float(loss), float(grad_norm),
+                                       extra_metrics={"n_tokens_seen": self.ntokens_seen, **lr_metrics})
+
+    def _saves(self, step: int) -> bool:
+        ck = self.config.checkpoint
+        return bool(ck.enable) and (step % ck.interval == 0 or step == self.config.training.steps)
+
+    # -- torchtitan's checkpoint: the trainer's train_state --------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """torchtitan's ``step`` and ``ntokens_seen``, and this rank's RNG states (``samestep.rng_rank_R``)."""
+        return {**super().state_dict(), f"samestep.rng_rank_{self.rank}": _rng_tensors()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        self._rng = state_dict.get(f"samestep.rng_rank_{self.rank}")
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            hooked, self._hooked = self._hooked, None
+            try:
+                if hooked is not None:
+                    hooked.close()
+            finally:
+                self._proto.close()
+
+
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    """This process's RNG states as tensors of fixed shapes (their metadata as padded JSON bytes)."""
+    meta, tensors = capture_rng()
+    text = json.dumps(meta, sort_keys=True).encode()
+    if len(text) > _RNG_BYTES:
+        raise ValueError(f"the RNG metadata takes {len(text)} bytes, more than the {_RNG_BYTES} kept for it")
+    padded = torch.full((_RNG_BYTES,), ord(" "), dtype=torch.uint8)
+    padded[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    return {"meta": padded, **{name: t.clone() for name, t in tensors.items()}}
+
+
+def _restore_rng(saved: dict[str, torch.Tensor]) -> None:
+    meta = json.loads(bytes(saved["meta"].tolist()).decode())
+    restore_rng(meta, {name: t for name, t in saved.items() if name != "meta"})

@@ -1,0 +1,173 @@
+"""torchtitan's own trainer under ``--module samestep.integrations.torchtitan`` (its Llama 3 debug model, its
+FSDP2 helper, its DCP checkpoint), run through torchtitan's entry point on 1 and 2 gloo processes: the same
+loss and grad-norm bits and the same checkpointed model and optimizer bytes on both, and after a kill and a
+resume through torchtitan's checkpoint; with torchtitan's own accumulation and reduction instead, other
+bytes on 2 processes; a resume that restores another optimizer state is refused by its receipts.
+
+What torchtitan needs CUDA for is stood in for in each trainer process, never in the shipped module: its
+device-type fallback ("cuda" on a CPU-only torch), its device memory monitor, the device barrier of its
+timeout change, FlexAttention (no CPU backward), for which each block runs torchtitan's own SDPA module,
+and NCCL's PREMUL_SUM in FSDP2's own reduce-scatter (gloo has none: a sum, then the scale). Every run
+starts from one seed checkpoint (torchtitan's way to the same initial weights on any layout)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import cli_here, spawn
+
+pytestmark = pytest.mark.slow
+
+ARGS = ("--module", "samestep.integrations.torchtitan", "--config", "llama3_debugmodel", "--training.seq_len", "16",
+        "--training.local_batch_size", "2", "--training.global_batch_size", "8", "--training.steps", "4",
+        "--checkpoint.enable", "--checkpoint.interval", "2", "--training.disable_cuda_graphs",
+        "--parallelism.spmd_backend", "partial_dtensor", "--metrics.log_freq", "1")
+
+
+def _on_cpu() -> None:
+    """The stand-ins (see the module docstring), in a trainer process before torchtitan builds anything."""
+    import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives
+    import torchtitan.components.metrics as metrics
+    import torchtitan.distributed.parallel_dims as parallel_dims
+    import torchtitan.distributed.utils as dist_utils
+    import torchtitan.models.llama3 as llama3
+    import torchtitan.tools.utils as utils
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for module in (utils, metrics, dist_utils, parallel_dims):
+        module.device_type = "cpu"
+        if hasattr(module, "device_module"):
+            module.device_module = torch.cpu
+    for name, fn in {"get_device_name": lambda *a: "cpu", "memory_stats": lambda *a: {},
+                     "get_device_properties": lambda *a: types.SimpleNamespace(total_memory=1 << 34),
+                     "reset_peak_memory_stats": lambda *a: None, "empty_cache": lambda *a: None}.items():
+        if not hasattr(torch.cpu, name):
+            setattr(torch.cpu, name, fn)
+    dist_utils.set_pg_timeouts = lambda timeout, parallel_dims: torch.distributed.barrier()
+    llama3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
+    divide = collectives._get_gradient_divide_factors  # NCCL's PREMUL_SUM, which gloo refuses: a sum, then a scale
+    collectives._get_gradient_divide_factors = lambda group, all_reduce, dtype, kind="", factor=None, _=False: divide(
+        group, all_reduce, dtype, kind, factor, True)
+
+
+def _trainer(rank: int, world: int, port: int, argv: list[str], kill_at: int | None) -> None:
+    """One process of torchtitan's entry point (``python -m torchtitan.train ARGV``), as torchrun starts it."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    sys.stdout = open(os.devnull, "w")
+    _on_cpu()
+    if kill_at is not None:
+        from samestep.integrations.torchtitan import SamestepTrainer
+
+        step = SamestepTrainer.train_step
+
+        def dying(self, data_iterator):
+            if self.step == kill_at and rank == world - 1:
+                os._exit(9)  # killed as the step starts
+            return step(self, data_iterator)
+
+        SamestepTrainer.train_step = dying
+    from torchtitan.train import main
+
+    sys.argv = ["torchtitan.train", *argv]
+    main()
+
+
+def titan(dump: Path, *extra: str, nproc: int = 1, kill_at: int | None = None, seed: Path | None = None) -> None:
+    """torchtitan's trainer with ``ARGS`` and ``extra`` into ``dump`` on ``nproc`` processes, from the seed
+    checkpoint ``seed`` (copied in as step 0) where given."""
+    from samestep.cli.launch import free_port
+
+    if seed is not None and not (dump / "checkpoint").exists():
+        shutil.copytree(seed, dump / "checkpoint" / "step-0")
+    spawn(_trainer, (nproc, free_port(), [*ARGS, "--dump_folder", str(dump), *extra], kill_at), nproc,
+          None if kill_at is None else 9)
+
+
+def receipt_bits(dump: Path) -> list[tuple[int, str, str]]:
+    """(step, loss bits, grad-norm bits) of rank 0's receipts."""
+    lines = (dump / "receipts" / "rank_00000.jsonl").read_text().splitlines()[1:]
+    return [(r["step"], r["loss_hex"], r["grad_norm_hex"]) for r in map(json.loads, lines)]
+
+
+def checkpointed(dump: Path, step: int = 4) -> dict[str, bytes]:
+    """The model and optimizer tensors of torchtitan's checkpoint of ``step``, whole, as bytes by name (the
+    data position and the trainer's own state, each rank's RNG, left out)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(dump / "checkpoint" / f"step-{step}", Path(tmp) / "state.pt")
+        state = torch.load(Path(tmp) / "state.pt", weights_only=True)
+
+    def tensors(tree: dict, prefix: str = "") -> dict[str, bytes]:
+        out = {}
+        for name, value in tree.items():
+            if isinstance(value, dict):
+                out |= tensors(value, f"{prefix}{name}/")
+            elif isinstance(value, torch.Tensor):
+                out[prefix + name] = value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return out
+
+    return tensors({k: v for k, v in state.items() if k not in ("dataloader", "train_state")})
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory) -> Path:
+    """torchtitan's seed checkpoint, made on one process."""
+    dump = tmp_path_factory.mktemp("seed")
+    titan(dump, "--checkpoint.create_seed_checkpoint")
+    return dump / "checkpoint" / "step-0"
+
+
+@pytest.fixture(scope="module")
+def one(seed, tmp_path_factory) -> Path:
+    dump = tmp_path_factory.mktemp("one")
+    titan(dump, seed=seed)
+    return dump
+
+
+def test_one_and_two_processes_and_a_kill_and_resume_give_the_same_bits(seed, one, tmp_path):
+    """On 2 processes (FSDP2), and on 2 killed in step 4 and resumed from torchtitan's checkpoint of step 2, the
+    loss and grad-norm bits of every step and the model and optimizer bytes of the checkpoint of step 4 are
+    the one process's; every rank's receipts hold."""
+    two, resumed = tmp_path / "two", tmp_path / "resumed"
+    titan(two, nproc=2, seed=seed)
+    titan(resumed, nproc=2, kill_at=4, seed=seed)
+    assert sorted(p.name for p in (resumed / "checkpoint").iterdir()) == ["step-0", "step-2"]
+    titan(resumed, nproc=2)
+    reference = checkpointed(one)
+    assert len(receipt_bits(one)) == 4 and any(name.startswith("optimizer/") for name in reference)
+    for dump in (two, resumed):
+        assert receipt_bits(dump) == receipt_bits(one)
+        assert checkpointed(dump) == reference, dump.name
+    verify = cli_here("receipts", "verify", str(resumed))
+    assert verify.returncode == 0 and "rank 1: steps 1-4" in verify.stdout, verify.stdout + verify.stderr
+
+
+def test_torchtitans_own_accumulation_gives_other_bytes_on_two_processes(seed, tmp_path):
+    """Negative control: with torchtitan's own order (gradients added as microbatches arrive, FSDP2's
+    reduce-scatter, its norm: ``--samestep.no-canonical``), 2 processes end on other bytes than 1."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    titan(one, "--samestep.no-canonical", seed=seed)
+    titan(two, "--samestep.no-canonical", nproc=2, seed=seed)
+    assert checkpointed(one) != checkpointed(two)
+
+
+def test_a_resume_that_restores_another_optimizer_state_is_refused(one, tmp_path):
+    """torchtitan told to leave the optimizer out of its load builds a fresh one: the restored state is not
+    rank 0's receipt of step 2, so the resume stops before its first step, naming it, and cuts nothing."""
+    dump = tmp_path / "run"
+    shutil.copytree(one, dump)
+    shutil.rmtree(dump / "checkpoint" / "step-4")  # torchtitan resumes from step 2
+    with pytest.raises(Exception, match="the checkpoint of step 2 restores state"):
+        titan(dump, "--checkpoint.exclude_from_loading", "optimizer")
+    assert receipt_bits(dump) == receipt_bits(one)
