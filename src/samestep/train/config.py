@@ -201,7 +201,7 @@ class ModelConfig:
     embedding: str = "module"
     """Token-embedding lookup: 'module' (nn.Embedding) or 'index' (weight[idx], backward index_put_)."""
     moe_experts: int = 0
-    """Experts per MoE layer; 0 keeps the dense MLP."""
+    """Experts per MoE layer (the GPT's each an MLP, the Llama's each a SwiGLU); 0 keeps the dense MLP."""
     moe_top_k: int = 2
     """Experts each token is routed to."""
     n_kv_head: int = 0
@@ -232,9 +232,9 @@ class ModelConfig:
         if self.arch == "llama" and (self.n_embd // max(self.n_head, 1)) % 2:
             raise ValueError(f"model.arch=llama needs an even head size for rotary embeddings; n_embd/n_head = "
                              f"{self.n_embd // max(self.n_head, 1)}")
-        if self.arch == "llama" and (self.moe_experts or self.embedding != "module"):
-            raise ValueError("model.moe_experts and model.embedding=index are for model.arch=gpt; the llama "
-                             "model has a dense SwiGLU MLP and an nn.Embedding")
+        if self.arch == "llama" and self.embedding != "module":
+            raise ValueError(f"model.embedding={self.embedding!r} is for model.arch=gpt; the llama model looks its "
+                             "tokens up with an nn.Embedding. Fix: --set model.embedding=module")
         _at_most("model", self, 1 << 16, "n_layer", "n_head", "n_embd", "block_size", "moe_experts")
         _at_most("model", self, 1 << 24, "vocab_size")
         if self.n_embd % self.n_head:

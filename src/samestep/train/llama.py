@@ -1,6 +1,7 @@
 """The reference Llama-style decoder (``model.arch=llama``): RMSNorm, rotary position embeddings, a SwiGLU
-MLP, grouped-query attention through ``torch.nn.functional.scaled_dot_product_attention``, no biases,
-an untied output head. Same interface as the GPT (model.py): ``forward(idx, targets, gen)``.
+MLP (with ``model.moe_experts``, top-k routed SwiGLU experts: model.py's MoE layer), grouped-query
+attention through ``torch.nn.functional.scaled_dot_product_attention``, no biases, an untied output head.
+Same interface as the GPT (model.py): ``forward(idx, targets, gen)``.
 
 Randomness, all counter-keyed: initialisation draws from a generator keyed by (seed, "init"); residual
 dropout (``model.dropout``) draws its masks from the trainer's per-microbatch generator, as the GPT's
@@ -20,7 +21,7 @@ from samestep import rng as _rng
 from samestep.distributed.sequence_parallel import SequenceShard, scatter_sequence
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
 from samestep.train.config import ModelConfig
-from samestep.train.model import dropout
+from samestep.train.model import MoE, chunkwise, dropout
 
 __all__ = ["Llama"]
 
@@ -86,22 +87,25 @@ class SwiGLU(nn.Module):
         self.gate = nn.Linear(cfg.n_embd, cfg.mlp_width, bias=False)
         self.up = nn.Linear(cfg.n_embd, cfg.mlp_width, bias=False)
         self.down = nn.Linear(cfg.mlp_width, cfg.n_embd, bias=False)
+        self.chunk_width: int | None = None  # set by parallel.tp_chunks: the activation runs chunk by chunk
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+    def forward(self, x: torch.Tensor, gen: torch.Generator | None = None) -> torch.Tensor:
+        # dropout is the block's, on the whole output
+        return self.down(chunkwise(F.silu, self.gate(x), self.chunk_width) * self.up(x))
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, deterministic: bool = True) -> None:
         super().__init__()
         self.attn_norm, self.attn = RMSNorm(cfg.n_embd), Attention(cfg)
-        self.mlp_norm, self.mlp = RMSNorm(cfg.n_embd), SwiGLU(cfg)
+        self.mlp_norm = RMSNorm(cfg.n_embd)
+        self.mlp = MoE(cfg, deterministic, SwiGLU) if cfg.moe_experts else SwiGLU(cfg)
         self.sequence: SequenceShard | None = None  # set by parallel.sp: the residual stream's block of the sequence
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p: float,
                 gen: torch.Generator | None) -> torch.Tensor:
         x = x + dropout(self.attn(self.attn_norm(x), cos, sin), p, gen, self.training, self.sequence)
-        return x + dropout(self.mlp(self.mlp_norm(x)), p, gen, self.training, self.sequence)
+        return x + dropout(self.mlp(self.mlp_norm(x), gen), p, gen, self.training, self.sequence)
 
 
 class Llama(nn.Module):
@@ -111,7 +115,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
         self.embed = nn.Embedding(vocab_size, cfg.n_embd)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.layers = nn.ModuleList(Block(cfg, deterministic) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd)
         self.output = nn.Linear(cfg.n_embd, vocab_size, bias=False)
         # set by parallel.tp_chunks: (chunks, tensor group) of the vocabulary-parallel loss
@@ -130,7 +134,7 @@ class Llama(nn.Module):
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             else:
-                out_proj = name.endswith(("attn.o.weight", "mlp.down.weight"))
+                out_proj = name.endswith(("attn.o.weight", "down.weight"))  # an expert's too
                 p.normal_(0.0, 0.02 / math.sqrt(2 * self.cfg.n_layer) if out_proj else 0.02, generator=gen)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,

@@ -17,6 +17,7 @@ Differences from nanoGPT, all for determinism:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +30,7 @@ from samestep.distributed.sequence_parallel import SequenceShard, gather_sequenc
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
 from samestep.train.config import ModelConfig
 
-__all__ = ["GPT"]
+__all__ = ["GPT", "MoE", "chunkwise", "dropout"]
 
 
 def dropout(x: torch.Tensor, p: float, gen: torch.Generator | None, training: bool,
@@ -103,9 +104,21 @@ class MLP(nn.Module):
         self.sequence: SequenceShard | None = None  # set by parallel.sp: the output's block of the sequence
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd)
+        self.chunk_width: int | None = None  # set by parallel.tp_chunks: the activation runs chunk by chunk
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
-        return dropout(self.c_proj(F.gelu(self.c_fc(x))), self.p, gen, self.training, self.sequence)  # (B, T, C)
+        h = chunkwise(F.gelu, self.c_fc(x), self.chunk_width)
+        return dropout(self.c_proj(h), self.p, gen, self.training, self.sequence)  # (B, T, C)
+
+
+def chunkwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, width: int | None) -> torch.Tensor:
+    """``fn`` (an activation) on each ``width``-wide chunk of ``x``'s last dimension, each made contiguous
+    (``width`` None: on ``x`` whole). A vectorized kernel computes its last elements in a scalar tail, whose
+    transcendental functions round otherwise; chunk by chunk the tail falls on the same elements at every
+    tensor-parallel degree (a rank's part of a layer is a run of whole chunks), whatever the row count."""
+    if width is None:
+        return fn(x)
+    return torch.cat([fn(c.contiguous()) for c in x.split(width, -1)], -1)
 
 
 class MoE(nn.Module):
@@ -114,12 +127,13 @@ class MoE(nn.Module):
     races in plain PyTorch (index_put_ accumulate on CPU, atomics on GPU) and that samestep.ops.moe_combine
     makes deterministic."""
 
-    def __init__(self, cfg: ModelConfig, deterministic: bool) -> None:
+    def __init__(self, cfg: ModelConfig, deterministic: bool, expert: Callable[[ModelConfig], nn.Module] = MLP) -> None:
         super().__init__()
         self.k, self.p, self.deterministic = cfg.moe_top_k, cfg.dropout, deterministic
         self.sequence: SequenceShard | None = None  # set by parallel.sp: input gathered, output cut to the block
         self.router = nn.Linear(cfg.n_embd, cfg.moe_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.moe_experts))
+        # each expert is called as expert(rows, gen): the GPT's MLP, or the Llama's SwiGLU
+        self.experts = nn.ModuleList(expert(cfg) for _ in range(cfg.moe_experts))
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
         if self.sequence is not None:  # the router and the experts see every token

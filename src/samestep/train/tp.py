@@ -73,20 +73,22 @@ def _plan(model: nn.Module, chunks: int, sp: bool) -> dict[str, Any]:
     seq = 1 if sp else None  # with sequence parallelism the layers' outer sides are blocks of the sequence
     col, row = CanonicalColwiseParallel(chunks, sequence_dim=seq), CanonicalRowwiseParallel(chunks, sequence_dim=seq)
     if type(model).__name__ == "Llama":
-        styles = {"attn.q": col, "attn.kv": CanonicalColwiseParallel(chunks, parts=2, sequence_dim=seq), "attn.o": row,
-                  "mlp.gate": col, "mlp.up": col, "mlp.down": row}
+        styles = {"attn.q": col, "attn.kv": CanonicalColwiseParallel(chunks, parts=2, sequence_dim=seq), "attn.o": row}
+        mlp = {"gate": col, "up": col, "down": row}
         blocks = model.layers  # type: ignore[attr-defined]
         prefix, ends = "layers", {"embed": CanonicalVocabEmbedding(chunks), "output": col}
     else:
         styles = {"attn.c_attn": CanonicalColwiseParallel(chunks, parts=3, sequence_dim=seq), "attn.c_proj": row}
-        experts = model.cfg.moe_experts  # type: ignore[attr-defined]
-        if experts:  # each expert split like the dense MLP; its rows are routed tokens, not a sequence
-            pair = (("c_fc", CanonicalColwiseParallel(chunks)), ("c_proj", CanonicalRowwiseParallel(chunks)))
-            styles |= {f"mlp.experts.{e}.{name}": style for e in range(experts) for name, style in pair}
-        else:
-            styles |= {"mlp.c_fc": col, "mlp.c_proj": row}
+        mlp = {"c_fc": col, "c_proj": row}
         blocks = model.transformer.h  # type: ignore[attr-defined]
         prefix, ends = "transformer.h", {"transformer.wte": CanonicalVocabEmbedding(chunks)}
+    experts = model.cfg.moe_experts  # type: ignore[attr-defined]
+    if experts:  # each expert split like the dense MLP; its rows are routed tokens, not a sequence
+        plain = {name: (CanonicalRowwiseParallel(chunks) if style is row else CanonicalColwiseParallel(chunks))
+                 for name, style in mlp.items()}
+        styles |= {f"mlp.experts.{e}.{name}": style for e in range(experts) for name, style in plain.items()}
+    else:
+        styles |= {f"mlp.{name}": style for name, style in mlp.items()}
     return ends | {f"{prefix}.{i}.{name}": style for i in range(len(blocks)) for name, style in styles.items()}
 
 
@@ -137,9 +139,12 @@ def apply_tp(model: nn.Module, cfg: Config, world: int, rank: int, device_type: 
         head = CanonicalColwiseParallel(chunks, sequence_dim=1 if cfg.parallel.sp else None)
         parallelize_module(model, mesh, {"lm_head": head})
     model.vocab_parallel = (chunks, mesh.get_group() if tp > 1 else None)  # type: ignore[assignment]
+    mlp_width = cfg.model.mlp_width if cfg.model.arch == "llama" else 4 * cfg.model.n_embd
     for module in model.modules():
         if hasattr(module, "first_head"):
             module.first_head = (rank % tp) * (cfg.model.n_head // tp)
+        if hasattr(module, "chunk_width"):  # an MLP's or expert's activation, chunk by chunk (model.chunkwise)
+            module.chunk_width = mlp_width // chunks
     if cfg.parallel.sp:
         _sequence_parallel(model, chunks, mesh)
     return data
