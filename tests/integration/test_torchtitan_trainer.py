@@ -2,7 +2,8 @@
 FSDP2 helper, its DCP checkpoint), run through torchtitan's entry point on 1 and 2 gloo processes: the same
 loss and grad-norm bits and the same checkpointed model and optimizer bytes on both, and after a kill and a
 resume through torchtitan's checkpoint; with torchtitan's own accumulation and reduction instead, other
-bytes on 2 processes; a resume that restores another optimizer state is refused by its receipts.
+bytes on 2 processes; a resume that restores another optimizer state is refused by its receipts, and one on
+another layout while receipts are on (2 -> 1 without them: the one process's bytes).
 
 What torchtitan needs CUDA for is stood in for in each trainer process, never in the shipped module: its
 device-type fallback ("cuda" on a CPU-only torch), its device memory monitor, the device barrier of its
@@ -135,14 +136,22 @@ def one(seed, tmp_path_factory) -> Path:
     return dump
 
 
-def test_one_and_two_processes_and_a_kill_and_resume_give_the_same_bits(seed, one, tmp_path):
+@pytest.fixture(scope="module")
+def killed(seed, tmp_path_factory) -> Path:
+    """2 processes, the last killed as step 4 starts: torchtitan's checkpoints of steps 0 and 2."""
+    dump = tmp_path_factory.mktemp("killed") / "run"
+    titan(dump, nproc=2, kill_at=4, seed=seed)
+    assert sorted(p.name for p in (dump / "checkpoint").iterdir()) == ["step-0", "step-2"]
+    return dump
+
+
+def test_one_and_two_processes_and_a_kill_and_resume_give_the_same_bits(seed, one, killed, tmp_path):
     """On 2 processes (FSDP2), and on 2 killed in step 4 and resumed from torchtitan's checkpoint of step 2, the
     loss and grad-norm bits of every step and the model and optimizer bytes of the checkpoint of step 4 are
     the one process's; every rank's receipts hold."""
     two, resumed = tmp_path / "two", tmp_path / "resumed"
     titan(two, nproc=2, seed=seed)
-    titan(resumed, nproc=2, kill_at=4, seed=seed)
-    assert sorted(p.name for p in (resumed / "checkpoint").iterdir()) == ["step-0", "step-2"]
+    shutil.copytree(killed, resumed)
     titan(resumed, nproc=2)
     reference = checkpointed(one)
     assert len(receipt_bits(one)) == 4 and any(name.startswith("optimizer/") for name in reference)
@@ -151,6 +160,18 @@ def test_one_and_two_processes_and_a_kill_and_resume_give_the_same_bits(seed, on
         assert checkpointed(dump) == reference, dump.name
     verify = cli_here("receipts", "verify", str(resumed))
     assert verify.returncode == 0 and "rank 1: steps 1-4" in verify.stdout, verify.stdout + verify.stderr
+
+
+def test_a_resume_on_another_layout_is_refused_by_its_receipts_and_exact_without_them(one, killed, tmp_path):
+    """The checkpoint of 2 sharded processes resumed on 1: its receipts are of the 2 ranks' shards, which cannot
+    check the whole state torchtitan restored, so the resume is refused, naming both layouts; without receipts
+    it goes on to the one process's checkpointed bytes."""
+    dump = tmp_path / "run"
+    shutil.copytree(killed, dump)
+    with pytest.raises(Exception, match="written by 2 process.*their shards.*1 process.*no-receipts"):
+        titan(dump)
+    titan(dump, "--samestep.no-receipts")
+    assert checkpointed(dump) == checkpointed(one)
 
 
 def test_torchtitans_own_accumulation_gives_other_bytes_on_two_processes(seed, tmp_path):

@@ -127,6 +127,8 @@ class SamestepTrainer(Trainer):
             _restore_rng(self._rng)
             self._rng = None
         model = self.model_parts[0]
+        if opts.receipts and start:
+            self._refuse_another_layout(start)
         self._hooked = HookedSteps.start(
             self._proto, self._proto.run_dir, level=opts.level, steps=opts.steps or None, resume=start > 0,
             model=model, how_to_resume="torchtitan's checkpoint (checkpoint.enable, the same dump_folder)",
@@ -135,6 +137,28 @@ class SamestepTrainer(Trainer):
             sharded=self.sharded)
         self._params = list(model.named_parameters())
         return self._hooked
+
+    def _refuse_another_layout(self, start: int) -> None:
+        """A resume's receipts check compares each rank's restored state with its own receipt of ``start``; on
+        another layout than the one that wrote the checkpoint they are of other shards, and torchtitan's checkpoint
+        holds nothing samestep could check against them: refused, naming both layouts."""
+        from samestep.receipts import read_run_receipts
+
+        def layout(ranks: list[int], sharded: bool) -> str:
+            return f"{len(ranks)} process(es) keeping receipts of {'their shards' if sharded else 'the whole state'}"
+
+        chains = read_run_receipts(self._proto.run_dir)
+        wrote = {rank: r.get("state_of") == "rank" for rank, (_, receipts) in chains.items() for r in receipts
+                 if r["step"] == start}
+        if not wrote:
+            return  # nothing to compare (HookedSteps refuses receipts that lack the step)
+        keeping = list(range(int(os.environ.get("WORLD_SIZE", "1")))) if self.sharded else [0]
+        if sorted(wrote) != keeping or any(sharded != self.sharded for sharded in wrote.values()):
+            writer = layout(sorted(wrote), any(wrote.values()))
+            raise ValueError(f"SamestepTrainer: the checkpoint of step {start} was written by {writer}, and this "
+                             f"job has {layout(keeping, self.sharded)}: "
+                             "the receipts of that step cannot check the state torchtitan restored. Resume on the "
+                             "layout that wrote it, or without receipts (--samestep.no-receipts)")
 
     def train_step(self, data_iterator: Any) -> None:
         """torchtitan's step (its data, forward, loss and backward, optimizer, scheduler and metrics) with the
