@@ -335,3 +335,20 @@ def test_a_knob_flipped_inside_a_forward_is_seen_at_op_level(tmp_path):
         assert doc["determinism_changed"]["step"] == 1
         assert "determinism_changed" not in _flip_loop(tmp_path / "step", "step", flip=True)
         assert "determinism_changed" not in _flip_loop(tmp_path / "plain", "op", flip=False)
+
+
+def test_a_note_on_other_layouts_names_each_as_it_splits_the_tensors():
+    """The note for steps written on other layouts says how each splits what its ranks record: FSDP2 over tensor
+    parallelism (rows of a tensor rank's slice) is told apart from tensor parallelism alone (a slice) and
+    from FSDP2 alone (dim-0 rows); steps on one layout get no note."""
+    from samestep.analysis.layouts import steps_on_other_layouts
+
+    grid = {"layout": {"world_size": 4, "sharded": "fsdp2", "tensor_parallel": 2}}
+    notes: list[str] = []
+    tp4, fsdp2 = {"layout": {"world_size": 4, "tensor_parallel": 4}}, {"layout": {"world_size": 2, "sharded": "fsdp2"}}
+    for other in (tp4, fsdp2):
+        assert steps_on_other_layouts(grid, other, {1, 2}, notes) == {1, 2}
+    assert "2 data ranks holding FSDP2 shards of each of 2 tensor ranks' slices" in notes[0]
+    assert "over 4 tensor ranks (rank r records its slice" in notes[0]
+    assert "records its dim-0 rows" in notes[1]
+    assert steps_on_other_layouts(grid, grid, {1, 2}, notes) == set() and len(notes) == 2

@@ -15,8 +15,12 @@ __all__ = ["steps_on_other_layouts"]
 
 def _layout_words(layout: dict[str, Any]) -> str:
     n = layout["world_size"]
-    if layout.get("tensor_parallel", 1) > 1:
-        return (f"{n} processes splitting every decoder layer over {layout['tensor_parallel']} tensor ranks (rank r "
+    tp = layout.get("tensor_parallel", 1)
+    if tp > 1 and layout.get("sharded"):
+        return (f"{n} processes, {n // tp} data ranks holding FSDP2 shards of each of {tp} tensor ranks' slices (rank "
+                "r records its rows of its tensor rank's slice of every parameter, gradient and optimizer state)")
+    if tp > 1:
+        return (f"{n} processes splitting every decoder layer over {tp} tensor ranks (rank r "
                 "records its slice of each split parameter)")
     if layout.get("sharded"):
         return (f"{n} process{'es' if n > 1 else ''} holding FSDP2 shards (rank r records its dim-0 rows of every "
