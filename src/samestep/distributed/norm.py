@@ -67,20 +67,48 @@ def _part_by_part(rows: torch.Tensor, world: int, fused: int) -> torch.Tensor:
     return rows if fused == 1 else rows.view(world, fused, -1).transpose(0, 1).reshape(-1)
 
 
+def _rows_over_data(g: object) -> tuple[torch.Tensor, object, int, object] | None:
+    """Of a gradient of FSDP2 over tensor parallelism split by rows on both (a column-parallel weight, whose
+    dim-0 rows each lie whole on one rank): this rank's row sums, the data ranks' group, the fused parts and the
+    tensor ranks' mesh. None for any other tensor."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = getattr(g, "device_mesh", None)
+    if mesh is None or mesh.ndim != 2 or mesh.mesh_dim_names is None:
+        return None
+    outer, inner = g.placements  # type: ignore[attr-defined]
+    if not all(type(p) in (Shard, _StridedShard) and p.dim % g.dim() == 0 for p in (outer, inner)):  # type: ignore
+        return None
+    return (row_squares(g.to_local()), mesh.get_group(0), getattr(inner, "split_factor", 1),  # type: ignore
+            mesh[mesh.mesh_dim_names[1]])
+
+
 def canonical_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     """The 2-norm of all ``grads`` together, bracketed by rows (see the module docstring). DTensor
     gradients (sharded) are gathered as row sums only, a few bytes per row: a collective over each of their
     meshes then, which every rank of it calls with its shards of the same parameters. A gradient of FSDP2
-    over tensor parallelism (a 2-D mesh) is bracketed as the tensor ranks alone would hold it, gathered across
-    its data ranks first (``tensor_ranks_part``: its bytes, one gradient at a time)."""
+    over tensor parallelism (a 2-D mesh) is bracketed as the tensor ranks alone would hold it: split by rows
+    on both, its row sums are gathered over the data ranks (FSDP2's rows of a tensor rank's part, in order);
+    any other is gathered whole across its data ranks first (``tensor_ranks_part``: its bytes, one gradient
+    at a time), since its slices straddle them."""
     from samestep.distributed.fsdp import tensor_ranks_part
 
-    grads = [tensor_ranks_part(g) for g in grads]
+    grads = list(grads)
+    split = {i: r for i, r in enumerate(map(_rows_over_data, grads)) if r is not None}
+    if split:  # one gather over the data ranks, in parameter order on every rank
+        whole = iter(_gather_rows([local for local, _, _, _ in split.values()], next(iter(split.values()))[1]))
+        split = {i: (next(whole), group, fused, mesh) for i, (_, group, fused, mesh) in split.items()}
+    grads = [g if i in split else tensor_ranks_part(g) for i, g in enumerate(grads)]
     if not any(type(g).__name__ == "DTensor" for g in grads):
         rows = [row_squares(g) for g in grads]
         return torch.cat(rows).sum().sqrt() if rows else torch.zeros(())
     parts: list[tuple[int, object, torch.Tensor]] = []  # (fused parts, the mesh gathered over or None, row sums)
-    for g in grads:
+    for i, g in enumerate(grads):
+        if i in split:  # the tensor rank's row sums, gathered over the tensor ranks below
+            rows, _, fused, mesh = split[i]
+            parts.append((fused, mesh, rows))
+            continue
         if type(g).__name__ != "DTensor":
             parts.append((1, None, row_squares(g)))
             continue
