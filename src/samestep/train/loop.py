@@ -333,9 +333,9 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
     trainer = build(cfg, world=world, rank=rank, device=dist_.device, run_dir=run_dir)
     start, loaded = restore_run(trainer, run_dir, resume, world, say)
     layout = job_layout(cfg, world)
-    same = None if loaded is None else written_layout(loaded) == layout
+    same = loaded is None or written_layout(loaded) == layout
     check_run_files(proto, start, rank, trainer.receipt_state(start) if _writes_receipts(trainer, dist_) else None,
-                    checkpoint=loaded, sharded_over=_shards(trainer, world), same_layout=same)
+                    checkpoint=loaded, same_layout=same)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
         truncate_metrics(run_dir, start)  # first: a damaged metrics.jsonl refuses the resume before run.json records it
@@ -439,14 +439,6 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
         if metrics is not None:
             metrics.close()
     return loss_value, None
-
-
-def _shards(trainer: Trainer, world: int) -> int | None:
-    """How many ranks a checkpoint of this job splits its tensors over (None: whole): under FSDP2 every rank;
-    under tensor parallelism alone each tensor rank's shards once, whatever the data ranks."""
-    if not trainer.sharded:
-        return None
-    return world if isinstance(trainer.grads, FsdpGradients) else trainer.cfg.parallel.tp
 
 
 def _writes_receipts(trainer: Trainer, dist_: Processes) -> bool:

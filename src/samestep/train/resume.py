@@ -67,15 +67,15 @@ def restore_run(trainer: Any, run_dir: Path, resume: bool, world: int,
 
 
 def check_run_files(proto: RunProtocol, start: int, rank: int, state: Callable[[], Any] | None,
-                    checkpoint: LoadedCheckpoint | None = None, sharded_over: int | None = None,
-                    same_layout: bool | None = None) -> None:
+                    checkpoint: LoadedCheckpoint | None = None, same_layout: bool = True) -> None:
     """What a resume from ``start`` will change, checked before anything is: rank 0's metrics.jsonl, then the
     receipts (``RunProtocol.check_receipts``: where this rank keeps them, ``state`` makes the state tree they
-    checksum; the restored state against them, on the layout that wrote ``checkpoint`` or another).
+    checksum; the restored state against them, on the layout that wrote ``checkpoint``, ``same_layout``
+    (``train.layout``), or another).
 
     Raises:
         RunDirError, ReceiptError, CheckpointError: names the file and what is wrong.
     """
     if rank == 0:
         truncate_metrics(proto.run_dir, start, check_only=True)
-    proto.check_receipts(rank, start, state, checkpoint=checkpoint, sharded_over=sharded_over, same_layout=same_layout)
+    proto.check_receipts(rank, start, state, checkpoint=checkpoint, same_layout=same_layout)
