@@ -64,14 +64,6 @@ def shard_names(rank: int) -> tuple[str, str]:
     return f"model.rank_{rank:05d}.safetensors", f"optimizer.rank_{rank:05d}.safetensors"
 
 
-def shard_rows(rows: int, world: int) -> list[list[int]]:
-    """The rows [start, end) along the split dimension each of ``world`` ranks holds of a tensor of ``rows``
-    rows there, as DTensor's Shard splits it (``torch.chunk``: ceil-sized pieces, the last ones short or
-    empty)."""
-    size = -(-rows // world) if rows else 0
-    return [[min(r * size, rows), min((r + 1) * size, rows)] for r in range(world)]
-
-
 def sha256_bytes(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

@@ -31,10 +31,10 @@ from samestep.checkpoint._format import (
     rank_names,
     sha256_bytes,
     shard_names,
-    shard_rows,
     step_dir_name,
     write_json,
 )
+from samestep.distributed.fsdp import shard_rows
 from samestep.durable import fsync_dir, replace_atomic, write_durable
 from samestep.env import environment
 

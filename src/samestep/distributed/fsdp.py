@@ -29,7 +29,7 @@ from samestep.distributed.reduce import combine_across_ranks
 from samestep.distributed.tree import BinaryCounter, validate_layout
 
 __all__ = ["CanonicalReduceScatter", "FsdpDefaultGradients", "FsdpGradients", "Held", "ShardedModel",
-           "ShardedOptimizer", "full_state", "iter_local", "shard_model", "tensor_ranks_part"]
+           "ShardedOptimizer", "full_state", "iter_local", "shard_model", "shard_rows", "tensor_ranks_part"]
 
 
 def shard_model(model: torch.nn.Module, world_size: int, mesh: Any = None) -> torch.nn.Module:
@@ -50,20 +50,25 @@ def shard_model(model: torch.nn.Module, world_size: int, mesh: Any = None) -> to
 
 class CanonicalReduceScatter:
     """FSDP2's reduce-scatter interface (``allocate`` and the call) for one FSDP group, reducing along the
-    canonical tree over global microbatches (see the module docstring). ``k``: microbatches per process.
-    A group may reduce more than once per backward (torchtitan's chunked loss takes the head's gradient apart
-    from its norm's): each call keeps a tree of its own, by its place among the calls of its microbatch, and
-    the calls of the owner's last microbatch reduce them."""
+    canonical tree over global microbatches (see the module docstring). ``owner``: the ``FsdpGradients`` whose
+    microbatch is running. A group may reduce more than once per backward (torchtitan's chunked loss takes the
+    head's gradient apart from its norm's): each call keeps a tree of its own, by its place among the calls of
+    its microbatch (``next_microbatch`` starts the count again), and the calls of the owner's last microbatch
+    reduce them."""
 
-    def __init__(self, k: int, owner: FsdpGradients) -> None:
-        self.k, self.owner = k, owner
+    def __init__(self, owner: FsdpGradients) -> None:
+        self.owner = owner
         self._counters: dict[int, BinaryCounter] = {}  # by the call's place in its microbatch
-        self._microbatch, self._place = -1, 0
+        self._place = 0
 
     @property
     def pending(self) -> bool:
         """Gradients pushed whose microbatches' last one has not reduced them."""
         return bool(self._counters)
+
+    def next_microbatch(self) -> None:
+        """The owner's microbatch ended: the next one's calls count from the first place."""
+        self._place = 0
 
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -72,18 +77,12 @@ class CanonicalReduceScatter:
                  async_op: bool = False) -> None:
         import torch.distributed as dist
 
-        microbatch = self.owner.current_microbatch
-        if microbatch != self._microbatch:
-            self._microbatch, self._place = microbatch, 0
         place, self._place = self._place, self._place + 1
-        counter = self._counters.setdefault(place, BinaryCounter())
-        counter.push(input_tensor.detach().clone())
-        if microbatch != self.owner.microbatches.stop - 1:
+        self._counters.setdefault(place, BinaryCounter()).push(input_tensor.detach().clone())
+        if self.owner.current_microbatch != self.owner.microbatches.stop - 1:
             output_tensor.zero_()  # dropped by FsdpGradients.accumulate: FSDP2 adds nothing of it
             return None
         local = self._counters.pop(place).result()
-        if not self._counters:
-            self._microbatch = -1  # the next step's first microbatch starts at place 0 again
         world = dist.get_world_size(group)
         received = torch.empty_like(local)
         dist.all_to_all_single(received, local, group=group)  # row r: rank r's sum of my chunk
@@ -121,7 +120,7 @@ class FsdpGradients:
             if isinstance(module, FSDPModule) and id(state := module._get_fsdp_state()) not in states:
                 states.add(id(state))
                 if state._fsdp_param_groups:
-                    comm = CanonicalReduceScatter(self.k, self)
+                    comm = CanonicalReduceScatter(self)
                     module.set_custom_reduce_scatter(comm)
                     self.comms.append(comm)
         self._extra = BinaryCounter()
@@ -144,6 +143,8 @@ class FsdpGradients:
             raise ValueError(f"accumulate(microbatch={microbatch}): rank {self.rank} expects global index "
                              f"{self._next} next (it owns {self.microbatches.start}..{self.microbatches.stop - 1})")
         self._next += 1
+        for comm in self.comms:
+            comm.next_microbatch()
         dtype = self.params[0].dtype
         self._extra.push(extra.detach().reshape(-1).to(dtype).clone() if extra is not None
                          else torch.zeros(0, dtype=dtype))
@@ -221,11 +222,16 @@ class Held:
         return self._state
 
 
-def _data_chunks(size: int, dim: int, world: int) -> list[int]:
-    """The sizes along ``dim`` of FSDP2's ``world`` shards of a tensor of ``size`` there (``torch.chunk``'s,
-    ranks past the last chunk holding none)."""
-    sizes = [c.shape[dim] for c in torch.empty([0] * dim + [size], device="meta").chunk(world, dim)]
-    return sizes + [0] * (world - len(sizes))
+def shard_rows(rows: int, world: int) -> list[list[int]]:
+    """The rows [start, end) along the split dimension each of ``world`` ranks holds of a tensor of ``rows``
+    rows there, as DTensor's Shard and FSDP2 split it (``torch.chunk``: ceil-sized pieces, the last ones short
+    or empty)."""
+    size = -(-rows // world) if rows else 0
+    return [[min(r * size, rows), min((r + 1) * size, rows)] for r in range(world)]
+
+
+def _sizes(rows: int, world: int) -> list[int]:
+    return [b - a for a, b in shard_rows(rows, world)]
 
 
 def tensor_ranks_part(t: Any) -> Any:
@@ -255,7 +261,7 @@ def tensor_ranks_part(t: Any) -> Any:
         whole = list(t.shape)
         if not isinstance(inner, Replicate):
             whole[inner.dim % t.dim()] //= tensor_ranks.size()
-        sizes = _data_chunks(whole[dim], dim, world)
+        sizes = _sizes(whole[dim], world)
         padded = list(local.shape)
         padded[dim] = max(sizes)
         mine = torch.zeros(padded, dtype=local.dtype, device=local.device)
@@ -281,7 +287,7 @@ def _shard_like(full: torch.Tensor, like: Any) -> Any:
                               src_data_rank=None).to_local()
     if not isinstance(outer, Replicate):
         dim, world = outer.dim % like.dim(), mesh.size(0)
-        sizes = _data_chunks(local.shape[dim], dim, world)
+        sizes = _sizes(local.shape[dim], world)
         r = mesh.get_local_rank(0)
         local = local.narrow(dim, sum(sizes[:r]), sizes[r]).contiguous()
     return DTensor.from_local(local, mesh, like.placements, run_check=False, shape=like.shape, stride=like.stride())
