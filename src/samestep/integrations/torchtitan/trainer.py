@@ -152,7 +152,7 @@ class SamestepTrainer(Trainer):
                  if r["step"] == start}
         if not wrote:
             return  # nothing to compare (HookedSteps refuses receipts that lack the step)
-        keeping = list(range(int(os.environ.get("WORLD_SIZE", "1")))) if self.sharded else [0]
+        keeping = list(range(torch.distributed.get_world_size())) if self.sharded else [0]
         if sorted(wrote) != keeping or any(sharded != self.sharded for sharded in wrote.values()):
             writer = layout(sorted(wrote), any(wrote.values()))
             raise ValueError(f"SamestepTrainer: the checkpoint of step {start} was written by {writer}, and this "
@@ -196,11 +196,12 @@ class SamestepTrainer(Trainer):
         self.optimizers.step()
         self.lr_schedulers.step()
         rec.state(self.model_parts[0], self.optimizers, named_params=self._params)
-        hooked.end_step(float(loss), float(grad_norm))
+        loss_value, norm_value = float(loss), float(grad_norm)  # one device sync each
+        hooked.end_step(loss_value, norm_value)
         if self._saves(step):
             hooked.sync()  # the steps the checkpoint holds are durable first
         if self.metrics_processor.should_log(step):
-            self.metrics_processor.log(step, float(loss), float(loss), float(grad_norm),
+            self.metrics_processor.log(step, loss_value, loss_value, norm_value,
                                        extra_metrics={"n_tokens_seen": self.ntokens_seen, **lr_metrics})
 
     def _saves(self, step: int) -> bool:
