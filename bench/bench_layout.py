@@ -1,7 +1,7 @@
 """Layout benchmark: canonical reduction vs PyTorch DDP's all-reduce (or, with --fsdp, the canonical
 FSDP2 reduce-scatter vs FSDP2's own), 2 processes, side by side.
 
-    .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py [--fsdp | --tp] [--pairs 60] [--json]
+    .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py [--fsdp | --tp | --pp] [--pairs 60]
 
 The variants run the reference config's step in the same processes, in turn (so machine noise hits
 them alike): the canonical variant is the reference run's own step (samestep.enable +
@@ -18,6 +18,8 @@ parallel.fsdp=true: deterministic mode on (distributed/fsdp.py's reduce-scatter)
 own reduce-scatter of every microbatch), bytes against a ring reduce-scatter of the same gradient.
 With --tp the processes are one tensor-parallel group training one decoder block (``TpBlock``) under
 samestep's CanonicalColwiseParallel/CanonicalRowwiseParallel against PyTorch's ColwiseParallel/RowwiseParallel.
+With --pp every process is one pipeline stage of the reference run (``--set`` adds settings): the stages'
+canonical tree against pipelining's own accumulation, deterministic mode on in both, and the bytes each sends.
 """
 
 from __future__ import annotations
@@ -151,6 +153,80 @@ def tp_main(args: argparse.Namespace) -> int:
     return 0
 
 
+class SentBytes:
+    """Bytes this process sends point to point and in the collectives a pipelined step runs (pipelining's
+    activations and their gradients, a tied weight's, the loss and norm), counted by patching
+    torch.distributed's functions: a send's tensor (pipelining's batched sends call ``isend`` each, which its
+    ``P2POp`` checks by identity: patched in both namespaces), a broadcast's from its source, an all-gather's
+    input."""
+
+    def __init__(self) -> None:
+        from torch.distributed import distributed_c10d as c10d
+
+        self.sent = 0
+        me = dist.get_rank()
+        originals = {name: getattr(c10d, name) for name in ("isend", "send", "broadcast", "all_gather")}
+
+        def counted(name: str, tensor_at: int, only_source: bool = False):
+            def fn(*a, **k):
+                t = a[tensor_at]
+                if not only_source or (a[1] if len(a) > 1 else k.get("src")) == me:
+                    self.sent += t.numel() * t.element_size()
+                return originals[name](*a, **k)
+            return fn
+
+        for name, fn in (("isend", counted("isend", 0)), ("send", counted("send", 0)),
+                         ("broadcast", counted("broadcast", 0, only_source=True)),
+                         ("all_gather", counted("all_gather", 1))):
+            setattr(dist, name, fn)
+            setattr(c10d, name, fn)
+
+
+def pp_main(args: argparse.Namespace) -> int:
+    """--pp: the reference run's step on parallel.pp stages (every process one stage) with the stages' canonical
+    tree against pipelining's own accumulation (deterministic mode on in both: the accumulation is all that
+    differs), and the bytes each process sends a step in each."""
+    samestep.enable(threads=1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    corpus = load_corpus("stdlib")
+    base = ["determinism.threads=1", f"parallel.pp={world}", *args.set]
+    canon = build(load_config(None, base, args.preset), world=world, rank=rank, corpus=corpus)
+    plain = build(load_config(None, [*base, "determinism.enabled=false"], args.preset), world=world, rank=rank,
+                  corpus=corpus)
+    counter = SentBytes()
+    sent = []
+    for trainer in (canon, plain):  # the bytes of one step each, after a step that sets the stages up
+        trainer.step(0)
+        before = counter.sent
+        trainer.step(1)
+        sent.append(counter.sent - before)
+    times = alternate([canon.step, plain.step], args.pairs, args.steps)
+    result = {"world_size": world, "pairs": args.pairs, "preset": args.preset, "settings": args.set,
+              "step_ms_canonical": round(1000 * statistics.median(times[0]), 2),
+              "step_ms_plain_pp": round(1000 * statistics.median(times[1]), 2),
+              "time_ratio_median": round(statistics.median([a / b for a, b in zip(*times)]), 4),
+              "bytes_sent_per_step_canonical": sent[0], "bytes_sent_per_step_plain_pp": sent[1],
+              "bytes_ratio": round(sent[0] / sent[1], 4)}
+    mine = torch.tensor(sent, dtype=torch.int64)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    rank_results = [{"bytes_sent_per_step_canonical": int(e[0]), "bytes_sent_per_step_plain_pp": int(e[1]),
+                     "bytes_ratio": round(int(e[0]) / int(e[1]), 4)} for e in every]
+    if rank == 0:
+        result["bytes_ratio_per_rank"] = [r["bytes_ratio"] for r in rank_results]
+        print(json.dumps(result) if args.json else
+              f"PP {world}: canonical {result['step_ms_canonical']} ms/step vs pipelining's own accumulation "
+              f"{result['step_ms_plain_pp']} ms/step; ratio median of {args.pairs} pairs: "
+              f"{result['time_ratio_median']}; bytes sent per step by rank: "
+              f"{[r['bytes_sent_per_step_canonical'] for r in rank_results]} vs "
+              f"{[r['bytes_sent_per_step_plain_pp'] for r in rank_results]} (ratios "
+              f"{result['bytes_ratio_per_rank']})")
+    dist.destroy_process_group()
+    samestep.disable()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--pairs", type=int, default=60)
@@ -162,10 +238,15 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=128, help="--tp: tokens per sequence")
     ap.add_argument("--batch", type=int, default=8, help="--tp: sequences per step")
     ap.add_argument("--tp-chunks", type=int, default=8, help="--tp: parallel.tp_chunks")
+    ap.add_argument("--pp", action="store_true", help="pipeline stages: the canonical tree vs pipelining's own")
+    ap.add_argument("--set", action="append", default=[], help="--pp: a config setting (section.key=value)")
+    ap.add_argument("--preset", default=None, help="--pp: a config preset (small)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.tp:
         return tp_main(args)
+    if args.pp:
+        return pp_main(args)
     samestep.enable(threads=1)  # before the process group: NCCL_ALGO and friends
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()

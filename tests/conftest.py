@@ -350,6 +350,22 @@ def train_ranks(run_dir: Path, *settings: str, nproc: int, resume: bool = False,
     return json.loads(final.read_text()) if final.exists() else None
 
 
+def rank_1_dies_in_step_4() -> None:
+    """A ``train_ranks`` patch: rank 1 SIGKILLs itself as it starts step 4 (the steps count from 0 here)."""
+    import signal
+
+    from samestep.train import loop
+
+    step = loop.Trainer.step
+
+    def dying(self, s):
+        if s == 3 and os.environ["RANK"] == "1":
+            os.kill(os.getpid(), signal.SIGKILL)
+        return step(self, s)
+
+    loop.Trainer.step = dying
+
+
 def side_by_side(*calls):
     """Runs independent ``samestep train`` runs (callables, each starting its own processes) at once: on a
     2-core machine two single-threaded runs take the time of one. Their results, in order."""

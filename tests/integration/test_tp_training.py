@@ -8,13 +8,12 @@ parallelism (parallel.sp) the same at TP 2 and 4, and across a kill."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 
 import pytest
 
-from tests.conftest import TINY, cli_here, metrics_bytes, train_cmd, train_here, train_ranks
+from tests.conftest import TINY, cli_here, metrics_bytes, rank_1_dies_in_step_4, train_cmd, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -56,27 +55,13 @@ def test_llama_and_bf16_give_the_one_process_bits(tmp_path, what, nproc):
     assert one == two and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "two")
 
 
-def _rank_1_dies_in_step_4() -> None:
-    """Rank 1 SIGKILLs itself as it starts step 4 (the steps count from 0 here)."""
-    from samestep.train import loop
-
-    step = loop.Trainer.step
-
-    def dying(self, s):
-        if s == 3 and os.environ["RANK"] == "1":
-            os.kill(os.getpid(), signal.SIGKILL)
-        return step(self, s)
-
-    loop.Trainer.step = dying
-
-
 def test_a_tp_2_run_killed_resumes_at_tp_4_and_on_one_process_bit_for_bit(one_process, tmp_path):
     """Rank 1 of a TP-2 run is SIGKILLed in step 4 (the newest checkpoint: step 2). Resumed at TP 4, and from
     copies on one process and on 2 data x 2 tensor ranks, each run ends on the one-process bits; the grown
     run's receipts hold (ranks 2 and 3 keep theirs from step 3) and run.json records each segment's layout."""
     ref_dir, ref_digest = one_process
     d = tmp_path / "run"
-    train_ranks(d, *TP, "parallel.tp=2", nproc=2, patch=_rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
+    train_ranks(d, *TP, "parallel.tp=2", nproc=2, patch=rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
     assert (d / "checkpoints" / "latest").read_text().strip() == "step_000002"
     shutil.copytree(d, tmp_path / "copy")
     shutil.copytree(d, tmp_path / "grid")
@@ -98,7 +83,7 @@ def test_an_fsdp2_over_tp_run_killed_resumes_on_2_x_2_at_tp_4_and_on_one_process
     on the one-process bits and its receipts verify."""
     ref_dir, ref_digest = one_process
     d, grid = tmp_path / "run", ("parallel.tp=2", "parallel.fsdp=true")
-    train_ranks(d, *TP, *grid, nproc=4, patch=_rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
+    train_ranks(d, *TP, *grid, nproc=4, patch=rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
     assert json.loads((d / "checkpoints" / "step_000002" / "manifest.json").read_text())["version"] == 4
     for name in ("tp4", "one"):
         shutil.copytree(d, tmp_path / name)
@@ -143,9 +128,9 @@ def test_a_receipt_chain_that_starts_late_without_a_grown_resume_is_broken(one_p
 
 def _unkeyed_dropout() -> None:
     """Each rank's attention dropout drawn from the microbatch's generator over its own heads."""
-    from samestep.train import loop
+    from samestep.train import trainer
 
-    apply = loop.apply_tp
+    apply = trainer.apply_tp
 
     def unkeyed(model, *args):
         data = apply(model, *args)
@@ -154,7 +139,7 @@ def _unkeyed_dropout() -> None:
                 m.first_head = None
         return data
 
-    loop.apply_tp = unkeyed
+    trainer.apply_tp = unkeyed
 
 
 def test_dropout_drawn_per_rank_from_the_generator_gives_other_bits(one_process, tmp_path):
@@ -255,7 +240,7 @@ def test_sequence_parallelism_at_tp_2_and_across_a_kill_resumed_at_tp_4_gives_th
     two = train_ranks(tmp_path / "two", *SP, "parallel.tp=2", nproc=2)
     assert two["state_digest"] == ref_digest and metrics_bytes(tmp_path / "two") == metrics_bytes(ref_dir)
     d = tmp_path / "killed"
-    train_ranks(d, *SP, "parallel.tp=2", nproc=2, patch=_rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
+    train_ranks(d, *SP, "parallel.tp=2", nproc=2, patch=rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
     four = train_ranks(d, *SP, "parallel.tp=4", nproc=4, resume=True)
     assert four["state_digest"] == ref_digest and metrics_bytes(d) == metrics_bytes(ref_dir)
     off = cli_here(*train_cmd(d, *TP, "parallel.sp=false", resume=True)[3:])

@@ -16,7 +16,7 @@ import torch
 import samestep
 from samestep.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
 from samestep.rundir import read_metrics
-from samestep.tracing import read_stream, stream_path
+from samestep.tracing import Recorder, read_stream, stream_path
 from samestep.tracing.stream import END
 from samestep.train import load_config
 from samestep.train import loop as loop_module
@@ -81,7 +81,7 @@ def test_checkpoints_commit_after_their_steps_trace_and_metrics_are_durable(tmp_
             assert {str(stream_path(tmp_path / "run", 0)), str(tmp_path / "run" / "metrics.jsonl")} <= s["synced"]
     if worker == "process":
         return
-    monkeypatch.setattr(loop_module.Recorder, "sync", lambda self: None)
+    monkeypatch.setattr(Recorder, "sync", lambda self: None)
     seen = _watch_saves(monkeypatch, tmp_path / "unsynced")
     with samestep.enable(threads=1):
         loop_module.train(cfg, tmp_path / "unsynced", out=lambda _: None)

@@ -15,7 +15,7 @@ from samestep.digests import digest
 from samestep.distributed import clip_grad_norm_
 from samestep.tracing import read_stream, stream_path
 from samestep.train import load_config
-from samestep.train import loop as loop_module
+from samestep.train import trainer as trainer_module
 from tests.conftest import TINY
 
 SHAPES = [(7, 5), (5,), (3, 4, 2), ()]
@@ -70,7 +70,7 @@ def test_step_level_records_the_reduced_gradients_before_clipping(tmp_path, monk
     (digested where it lies: nothing changes it after), as docs/formats.md says. Negative control: the
     clipped gradients' digests differ (clipping is active in these steps)."""
     before, after = [], []
-    clip = loop_module.clip_grad_norm_
+    clip = trainer_module.clip_grad_norm_
 
     def watched(params, max_norm, **kw):
         before.append([digest(p.grad) for p in params])
@@ -78,10 +78,10 @@ def test_step_level_records_the_reduced_gradients_before_clipping(tmp_path, monk
         after.append([digest(p.grad) for p in params])
         return norm
 
-    monkeypatch.setattr(loop_module, "clip_grad_norm_", watched)
+    monkeypatch.setattr(trainer_module, "clip_grad_norm_", watched)
     cfg = load_config(None, [*TINY, "train.grad_clip=0.5", "trace.level=step"])
     with samestep.enable(threads=1):
-        trainer = loop_module.build(cfg, corpus=load_corpus("stdlib"), run_dir=Path(tmp_path))
+        trainer = trainer_module.build(cfg, corpus=load_corpus("stdlib"), run_dir=Path(tmp_path))
         for step in range(3):
             trainer.step(step)
         trainer.recorder.close()

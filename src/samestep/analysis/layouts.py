@@ -15,7 +15,10 @@ __all__ = ["steps_on_other_layouts"]
 
 def _layout_words(layout: dict[str, Any]) -> str:
     n = layout["world_size"]
-    tp = layout.get("tensor_parallel", 1)
+    tp, pp = layout.get("tensor_parallel", 1), layout.get("pipeline_parallel", 1)
+    if pp > 1:
+        return (f"{n} processes, {n // pp} data ranks of {pp} pipeline stages (rank r holds its stage's blocks and "
+                "records nothing: a pipelined run is not traced)")
     if tp > 1 and layout.get("sharded"):
         return (f"{n} processes, {n // tp} data ranks holding FSDP2 shards of each of {tp} tensor ranks' slices (rank "
                 "r records its rows of its tensor rank's slice of every parameter, gradient and optimizer state)")

@@ -133,9 +133,12 @@ def check_receipts(run_dir: str | Path) -> dict[str, Any]:
     resumed = {r["step"] for r in doc.get("resumes", []) if isinstance(r, dict) and isinstance(r.get("step"), int)}
 
     def joined(rank: int, first: int) -> bool:
-        """Whether ``rank`` first ran at step ``first``: a resume from the step before it onto more processes."""
-        return (first - 1 in resumed and layout_at(doc, first - 1)["world_size"] <= rank
-                < layout_at(doc, first)["world_size"])
+        """Whether ``rank`` first kept receipts at step ``first``: a resume from the step before it onto more
+        processes, or from a pipeline's layout (whose rank 0 alone keeps receipts, of the whole state)."""
+        if first - 1 not in resumed:
+            return False
+        before, after = layout_at(doc, first - 1), layout_at(doc, first)["world_size"]
+        return (before["world_size"] if before["pipeline_parallel"] == 1 else 1) <= rank < after
 
     for rank, (header, receipts) in chains.items():
         path = receipts_path(run_dir, rank)

@@ -8,21 +8,23 @@ import hashlib
 
 import torch
 
-__all__ = ["gather_if_different"]
+__all__ = ["all_gather_bytes", "gather_if_different"]
 
 
-def _all_gather_bytes(data: bytes, world: int, device: torch.device) -> list[bytes]:
+def all_gather_bytes(data: bytes, world: int, device: torch.device, group: object = None) -> list[bytes]:
+    """Every rank's ``data`` (of ``world`` ranks of ``group``), by rank: lengths, then the bytes padded to the
+    longest, as uint8 tensors on ``device``. A collective over ``group``."""
     import torch.distributed as dist
 
     n = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(n) for _ in range(world)]
-    dist.all_gather(sizes, n)
+    dist.all_gather(sizes, n, group=group)
     mine = torch.zeros(max(int(s.item()) for s in sizes), dtype=torch.uint8)
     if data:
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     mine = mine.to(device)
     out = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(out, mine)
+    dist.all_gather(out, mine, group=group)
     return [bytes(o.cpu().numpy()[: int(s.item())]) for o, s in zip(out, sizes)]
 
 
@@ -39,6 +41,6 @@ def gather_if_different(key: bytes, payload: bytes, device: torch.device | None 
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
             else torch.device("cpu")
-    if len(set(_all_gather_bytes(hashlib.sha256(key).digest(), world, device))) == 1:
+    if len(set(all_gather_bytes(hashlib.sha256(key).digest(), world, device))) == 1:
         return None
-    return _all_gather_bytes(payload, world, device)
+    return all_gather_bytes(payload, world, device)

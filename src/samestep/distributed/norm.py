@@ -84,14 +84,18 @@ def _rows_over_data(g: object) -> tuple[torch.Tensor, object, int, object] | Non
             mesh[mesh.mesh_dim_names[1]])
 
 
-def canonical_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
+def canonical_grad_norm(grads: Iterable[torch.Tensor], over: object = None) -> torch.Tensor:
     """The 2-norm of all ``grads`` together, bracketed by rows (see the module docstring). DTensor
     gradients (sharded) are gathered as row sums only, a few bytes per row: a collective over each of their
     meshes then, which every rank of it calls with its shards of the same parameters. A gradient of FSDP2
     over tensor parallelism (a 2-D mesh) is bracketed as the tensor ranks alone would hold it: split by rows
     on both, its row sums are gathered over the data ranks (FSDP2's rows of a tensor rank's part, in order);
     any other is gathered whole across its data ranks first (``tensor_ranks_part``: its bytes, one gradient
-    at a time), since its slices straddle them."""
+    at a time), since its slices straddle them.
+
+    ``over``: a process group whose ranks hold the other parameters (pipeline stages, each the next run of
+    the model's parameters, in rank order): the row sums of all of them, gathered in rank order, are the
+    vector one process sums (each stage's bracketed as above first)."""
     from samestep.distributed.fsdp import tensor_ranks_part
 
     grads = list(grads)
@@ -102,6 +106,8 @@ def canonical_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     grads = [g if i in split else tensor_ranks_part(g) for i, g in enumerate(grads)]
     if not any(type(g).__name__ == "DTensor" for g in grads):
         rows = [row_squares(g) for g in grads]
+        if over is not None:
+            rows = _gather_rows([torch.cat(rows) if rows else torch.zeros(0)], over)
         return torch.cat(rows).sum().sqrt() if rows else torch.zeros(())
     parts: list[tuple[int, object, torch.Tensor]] = []  # (fused parts, the mesh gathered over or None, row sums)
     for i, g in enumerate(grads):
@@ -123,20 +129,24 @@ def canonical_grad_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
         # rank order holds each rank's rows of every fused part; the whole tensor's order is part by part
         parts = [(fused, m, r if m != mesh else _part_by_part(next(gathered), mesh.size(), fused))  # type: ignore
                  for fused, m, r in parts]
-    return torch.cat([r for _, _, r in parts]).sum().sqrt()
+    rows = [r for _, _, r in parts]
+    if over is not None:
+        rows = _gather_rows([torch.cat(rows)], over)
+    return torch.cat(rows).sum().sqrt()
 
 
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, *,
-                    out_of_place: bool = False) -> torch.Tensor:
+                    out_of_place: bool = False, over: object = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` by the canonical norm: the same scale (``max_norm / (norm + 1e-6)``,
     at most 1) on the same bits of the norm on any number of processes, sharded (DTensor gradients: every
     rank calls it with its shards of the same parameters) or not. Returns the norm before clipping.
 
     ``out_of_place``: each ``p.grad`` becomes a new tensor, leaving the old one as it was (a recorder that
-    kept the reduced gradients sees them unclipped); otherwise the gradients are scaled in place.
+    kept the reduced gradients sees them unclipped); otherwise the gradients are scaled in place. ``over``:
+    the pipeline stages' group (``canonical_grad_norm``).
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    total_norm = canonical_grad_norm([p.grad for p in params if p.grad is not None])
+    total_norm = canonical_grad_norm([p.grad for p in params if p.grad is not None], over)
     coef = float(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))  # an fp32 value: the same products
     for p in params:
         if p.grad is not None:

@@ -31,6 +31,7 @@ __all__ = ["PRESETS", "Config", "DataConfig", "DeterminismConfig", "ModelConfig"
 MAX_STEPS = 10**9
 PRECISIONS = ("fp32", "bf16")
 ARCHS = ("gpt", "llama")
+PP_SCHEDULES = ("1f1b", "gpipe")
 # Named starting points (``--preset NAME``); a config file and --set apply on top.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # a 12.8M-parameter Llama-style decoder on byte tokens, a few hundred ms per step on one CPU core
@@ -348,9 +349,21 @@ class ParallelConfig:
     the norms and dropout are split by sequence position over the tensor ranks; each norm's weight gradient
     sums the sequence in parallel.tp_chunks fixed chunks and dropout masks are keyed by position, a numerical
     path of its own (a resume may not change it) with the same bits at every degree (docs/layouts.md)."""
+    pp: int = 1
+    """Pipeline-parallel degree: the decoder's blocks split into this many stages run by
+    torch.distributed.pipelining, the data over --nproc / pp data ranks. Each stage's gradients follow the
+    canonical microbatch tree and the loss and norm combine in a fixed order, so every degree gives the bits of
+    one process, and a checkpoint resumes at any other (docs/layouts.md)."""
+    pp_schedule: str = "1f1b"
+    """The pipeline's schedule (parallel.pp > 1): '1f1b' (Schedule1F1B) or 'gpipe' (ScheduleGPipe). The same
+    bits either way."""
 
     def __post_init__(self) -> None:
-        _positive("parallel", self, "tp")
+        _positive("parallel", self, "tp", "pp")
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(f"parallel.pp_schedule={self.pp_schedule!r} is unknown; use one of "
+                             f"{', '.join(PP_SCHEDULES)} (schedules with several stages a rank, or a split backward, "
+                             "are not supported)")
         if self.tp_chunks < 0:
             raise ValueError(f"parallel.tp_chunks={self.tp_chunks} is negative; use 0 (plain layers) or 1, 2, 4, 8, 16")
         if self.tp > 1 and not self.tp_chunks:

@@ -140,23 +140,37 @@ class Llama(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, vocab) and, with targets, the *summed* token cross-entropy (in fp32)."""
+        x = self.embed_tokens(idx, gen)
+        logits = self.head(self.trunk(x, gen, idx.shape[1]))
+        return logits, None if targets is None else self.loss(logits, targets)
+
+    # The forward in the parts a pipeline stage runs (train/pp.py), as the GPT's.
+    def embed_tokens(self, idx: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        """The residual stream's start (B, T, C): the token embedding, then dropout."""
         B, T = idx.shape
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds model.block_size={self.cfg.block_size}")
         x = self.embed(idx)
         if self.sequence is not None:
             x = scatter_sequence(x, self.sequence)
-        x = dropout(x, self.cfg.dropout, gen, self.training, self.sequence)
-        cos, sin = self.cos[:T], self.sin[:T]
+        return dropout(x, self.cfg.dropout, gen, self.training, self.sequence)
+
+    def trunk(self, x: torch.Tensor, gen: torch.Generator | None, length: int) -> torch.Tensor:
+        """The decoder blocks in order, rotated for a sequence of ``length`` positions."""
+        cos, sin = self.cos[:length], self.sin[:length]
         for block in self.layers:
             x = block(x, cos, sin, self.cfg.dropout, gen)
-        logits = self.output(self.norm(x))  # this rank's slice of the vocabulary: see vocab_parallel
-        if targets is None:
-            return logits, None
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, vocab; this rank's slice of the vocabulary under vocab_parallel)."""
+        return self.output(self.norm(x))
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The *summed* token cross-entropy of ``logits`` against ``targets``, in fp32."""
         if self.vocab_parallel is not None:
-            return logits, vocab_parallel_cross_entropy(logits.float(), targets, *self.vocab_parallel).sum()
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), reduction="sum")
-        return logits, loss
+            return vocab_parallel_cross_entropy(logits.float(), targets, *self.vocab_parallel).sum()
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1), reduction="sum")
 
     def attention_backend(self, micro_batch: int, device: torch.device, precision: str) -> str:
         """The SDPA backend PyTorch's dispatcher picks for this model's attention in training (eager; a

@@ -5,8 +5,9 @@
 
 Each step: for every global microbatch this process owns, read its samples from the data cursor,
 forward with a dropout generator keyed by (seed, step, microbatch), backward, and push the gradient
-into the canonical reduction; then reduce across processes, clip, and take an AdamW step. Checkpoints
-hold everything a bit-exact resume needs; ``final.json`` holds the digest of the final state.
+into the canonical reduction; then reduce across processes, clip, and take an AdamW step (one process's
+parts and its step: ``train/trainer.py``). Checkpoints hold everything a bit-exact resume needs; ``final.json``
+holds the digest of the final state.
 """
 
 from __future__ import annotations
@@ -14,28 +15,14 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from samestep import rng
 from samestep._state import state_digest
 from samestep.checksums import state_checksum, state_hash_for
 from samestep.checkpoint import save_checkpoint
-from samestep.data import DataCursor, load_corpus
-from samestep.distributed import AllReduceGradients, CanonicalGradients, any_rank, validate_layout
-from samestep.distributed.fsdp import (
-    FsdpDefaultGradients,
-    FsdpGradients,
-    Held,
-    ShardedModel,
-    ShardedOptimizer,
-    full_state,
-    shard_model,
-)
-from samestep.distributed.norm import clip_grad_norm_
+from samestep.data import DataCursor
+from samestep.distributed import validate_layout
 from samestep.preempt import parse_signals
 from samestep.protocol import RunProtocol
 from samestep.receipts import genesis, read_header, receipts_path, state_hash_of
@@ -53,19 +40,16 @@ from samestep.rundir import (
     write_final,
     write_run,
 )
-from samestep.tracing import Perturb, Recorder, parse_selection
-from samestep.train.capacity import check_capacity
-from samestep.train.checks import CrossRankCheck, NonFinite, RecomputeCheck, check_finite
+from samestep.train.checks import CrossRankCheck, NonFinite
 from samestep.train.config import Config
-from samestep.train.faults import Fault
 from samestep.train.llama import Llama
-from samestep.train.model import GPT
 from samestep.train.processes import Processes, device_kind
 from samestep.train.resume import check_run_files, restore_run
 from samestep.train.layout import job_layout, written_layout
-from samestep.train.tp import apply_tp, check_tp, data_ranks
+from samestep.train.pp import check_pp
+from samestep.train.tp import check_tp, data_ranks
 from samestep.train.progress import Progress
-from samestep.train.schedule import WarmupCosine
+from samestep.train.trainer import Trainer, build
 
 __all__ = ["Preempted", "Trainer", "build", "check_layout", "train"]
 
@@ -77,198 +61,6 @@ class Preempted(Exception):
     def __init__(self, step: int, signal: str) -> None:
         super().__init__(f"stopped by {signal} after step {step}, with a checkpoint; continue with --resume")
         self.step, self.signal = step, signal
-
-
-def _make_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.AdamW:
-    params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    t = cfg.train
-    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=t.lr, betas=(t.beta1, t.beta2), foreach=False)
-
-
-@dataclass(slots=True)
-class Trainer:
-    """Everything one process of the run holds, and one optimizer step over it."""
-
-    cfg: Config
-    corpus: Any
-    model: GPT | Llama
-    optimizer: torch.optim.AdamW
-    schedule: WarmupCosine
-    cursor: DataCursor
-    grads: CanonicalGradients | AllReduceGradients | FsdpGradients
-    device: torch.device
-    recorder: Recorder
-    named_params: list[tuple[str, torch.nn.Parameter]]  # the model's, once: it gains or loses none
-    named_buffers: list[tuple[str, torch.Tensor]]  # its persistent buffers, likewise (none: its masks are not)
-    fault: Fault | None = None  # train.fault: a bit flip planted to test the checks
-    recompute: RecomputeCheck | None = None  # train.sdc_check_every
-    reduced: list[tuple[str, torch.Tensor]] | None = None  # the last reduced gradients, if kept (cross-rank check)
-    # the sets of ranks that hold the same tensors (unsharded: all of them; under tensor parallelism: each tensor
-    # rank's data ranks; under FSDP2: none), which the cross-rank check compares
-    peers: list[list[int]] = field(default_factory=list)
-    rank: int = 0  # this process's rank (the gradients' is its data rank's)
-
-    @property
-    def sharded(self) -> bool:
-        """Whether the model's parameters are DTensors, each rank holding its shards: FSDP2 (parallel.fsdp on
-        more than one process) or tensor parallelism (parallel.tp_chunks, a mesh of one included)."""
-        return isinstance(self.grads, FsdpGradients) or self.cfg.parallel.tp_chunks > 0
-
-    def savable(self) -> tuple[Any, Any]:
-        """What the final digest reads ``state_dict()`` from: the model and optimizer, or of a sharded run
-        their unsharded state, gathered now (a collective: every rank calls it)."""
-        if not self.sharded:
-            return self.model, self.optimizer
-        model_sd, optim_sd = full_state(self.model, self.optimizer)
-        return Held(model_sd), Held(optim_sd)
-
-    def loadable(self) -> tuple[Any, Any]:
-        """What a checkpoint (loaded as whole tensors, whoever wrote it) is loaded into: of a sharded run,
-        each rank's shards of them."""
-        if not self.sharded:
-            return self.model, self.optimizer
-        return ShardedModel(self.model), ShardedOptimizer(self.optimizer)
-
-    def receipt_state(self, step: int) -> Callable[[], dict[str, Any]]:
-        """The state tree after ``step`` as ``run_state`` makes it, made on the receipt thread. The
-        optimizer's is taken here (the next step sets its groups' lr before its update); the model's there,
-        but for a sharded run: FSDP2's ``state_dict`` swaps the module's parameters, which the next forward
-        must not see."""
-        cursor, model, optim = self.cursor.state_dict(), self.model, self.optimizer.state_dict()
-        if self.sharded:
-            tree = {"model": model.state_dict(), "optimizer": optim, "data_cursor": cursor, "step": step}
-            return lambda: tree
-        return lambda: {"model": model.state_dict(), "optimizer": optim, "data_cursor": cursor, "step": step}
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.cfg.train.global_batch * self.cfg.model.block_size
-
-    def forward(self, step: int, i: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """Microbatch ``i``'s loss at step ``step`` (0-based), normalised by the global token count."""
-        t = self.cfg.train
-        gen = rng.generator(t.seed, step, i, "dropout", self.device)
-        # bf16: autocast's casts inside the forward; weights, gradients and the loss stay fp32
-        with torch.autocast(self.device.type, torch.bfloat16, enabled=t.precision == "bf16"):
-            _, loss = self.model(x.to(self.device), y.to(self.device), gen)
-        return loss / self.tokens_per_step  # layout-free
-
-    def step(self, step: int) -> tuple[float, float, float]:
-        """Runs optimizer step ``step`` (0-based); returns (loss, grad norm before clipping, lr)."""
-        t, rec = self.cfg.train, self.recorder
-        lr = self.schedule(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        with rec.step(step + 1):  # traces and metrics number steps from 1
-            picked = self.recompute.pick(step) if self.recompute is not None else None
-            for i in self.grads.microbatches:
-                x, y = self.cursor.samples(self.cursor.position + i * t.micro_batch, t.micro_batch)
-                if self.fault is not None:
-                    self.fault.at(step, i)
-                with rec.microbatch(i):
-                    loss = self.forward(step, i, x, y)
-                    loss.backward()
-                if i == picked:  # before the tree takes p.grad: it holds this microbatch's gradient alone
-                    with rec.paused():
-                        self.recompute.compare(step, i, x, y, loss)
-                self.grads.accumulate(i, extra=loss.detach())
-            if self.recompute is not None:
-                self.recompute.settle(step, picked)
-            loss_sum = self.grads.reduce()[0]
-            # The reduced gradients, recorded before clipping (out of place, which leaves them as they are): at
-            # step level digested where they lie, which spares copying them; at module level copied, which
-            # measures faster there (bench_trace.py --levels module, with and without trace.copy).
-            rec.grads(self.named_params, copy="checked" if rec.level == "step" and not self.cfg.trace.copy else True)
-            if self.fault is not None:
-                self.fault.after("reduce", step, self.named_params, self.rank)
-            if self.reduced is not None:  # clipping out of place leaves these tensors as they are
-                self.reduced = [(n, p.grad) for n, p in self.named_params if p.grad is not None]
-            max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-            grad_norm = clip_grad_norm_(self.grads.params, max_norm, out_of_place=True)
-            rec.metric("loss", loss_sum)
-            rec.metric("grad_norm", grad_norm)
-            check_finite(step + 1, float(loss_sum), float(grad_norm), t.nonfinite)  # before the update
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-            if self.fault is not None:
-                self.fault.after("update", step, self.named_params, self.rank)
-            rec.state(self.model, self.optimizer, named_params=self.named_params, named_buffers=self.named_buffers)
-        self.cursor.advance(t.global_batch)
-        return float(loss_sum), float(grad_norm), lr
-
-
-def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | str = "cpu",
-          corpus: Any = None, run_dir: Path | None = None) -> Trainer:
-    """Builds the data cursor, model, optimizer, schedule, gradient reduction and trace recorder of one process.
-
-    Without ``run_dir`` nothing is traced (there is nowhere to write).
-    """
-    t = cfg.train
-    corpus = corpus if corpus is not None else load_corpus(cfg.data.source, cfg.data.path or None)
-    vocab = cfg.model.vocab_size or corpus.vocab_size
-    if vocab < corpus.vocab_size:
-        raise ValueError(f"model.vocab_size={vocab} is smaller than the data's largest token + 1 = "
-                         f"{corpus.vocab_size}; raise it or set 0")
-    device = torch.device(device)
-    check_capacity(cfg, vocab, int(corpus.tokens.size), device, world)
-    arch = Llama if cfg.model.arch == "llama" else GPT
-    model = arch(cfg.model, vocab, t.seed, deterministic=cfg.determinism.enabled).to(device)
-    check_tp(cfg, world, vocab)
-    data_mesh = apply_tp(model, cfg, world, rank, device.type) if cfg.parallel.tp_chunks else None
-    data_group = data_mesh.get_group() if data_mesh is not None else None
-    sharded = cfg.parallel.fsdp and world > 1
-    if sharded and t.compile:
-        raise ValueError("parallel.fsdp=true with train.compile=true is not supported yet; use one of them")
-    fault = Fault.parse(t.fault) if t.fault else None
-    if fault is not None:
-        fault.install(model, rank)
-    if t.sdc_check_every and sharded:
-        raise ValueError("train.sdc_check_every with parallel.fsdp=true is not supported yet; use one of them")
-    if t.compile:
-        model.compile()  # in place: the state_dict keys stay the model's own
-    data_world = data_ranks(cfg, world)
-    data_rank = rank // (world // data_world)  # a data rank's tensor ranks are consecutive
-    k = t.microbatches // data_world
-    sharded = sharded and data_world > 1  # FSDP2 shards over the data ranks
-    if sharded:
-        shard_model(model, data_world, data_mesh)
-        kind = FsdpGradients if cfg.determinism.enabled else FsdpDefaultGradients
-        grads: Any = kind(model, microbatches_per_process=k, world_size=data_world, rank=data_rank, group=data_group)
-    else:
-        grads = (CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=data_world,
-                                    rank=data_rank, group=data_group, overlap=cfg.parallel.overlap)
-                 if cfg.determinism.enabled else
-                 AllReduceGradients(model.parameters(), microbatches_per_process=k, world_size=data_world,
-                                    rank=data_rank, group=data_group))
-    tc = cfg.trace
-    recorder = Recorder(run_dir if run_dir is not None else ".", level=tc.level if run_dir is not None else "off",
-                        steps=parse_selection(tc.steps, "trace.steps"), ranks=parse_selection(tc.ranks, "trace.ranks"),
-                        rank=rank, perturb=Perturb.parse(tc.perturb) if tc.perturb else None, copy=tc.copy,
-                        worker=tc.worker)
-    recorder.attach(model)
-    if recorder.enabled:
-        grads.observer = recorder.collective
-    trainer = Trainer(cfg=cfg, corpus=corpus, model=model, optimizer=_make_optimizer(model, cfg),
-                      schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
-                      cursor=DataCursor(corpus, cfg.model.block_size, t.seed), grads=grads, device=device,
-                      recorder=recorder, named_params=list(model.named_parameters()),
-                      named_buffers=Recorder.persistent_buffers(model), fault=fault, rank=rank)
-    if cfg.parallel.tp_chunks and not sharded:
-        tp = cfg.parallel.tp
-        trainer.peers = [[d * tp + r for d in range(data_world)] for r in range(tp)]
-    elif not sharded:
-        trainer.peers = [list(range(world))]
-    if t.sdc_check_every:  # the first of each pair of the canonical tree; of plain accumulation, the first
-        # a data rank's microbatches: its tensor ranks recompute the same one together (their layers' collectives)
-        firsts = list(range(data_rank * k, (data_rank + 1) * k, 2 if cfg.determinism.enabled else k))
-        trainer.recompute = RecomputeCheck(t.sdc_check_every, trainer.forward, trainer.named_params, firsts, rank,
-                                           run_dir or Path("."), t.sdc_action,
-                                           lambda flag: flag if world == 1 else any_rank(flag, device))
-    return trainer
 
 
 def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False, stop_after: int | None = None,
@@ -315,6 +107,7 @@ def check_layout(cfg: Config, world: int) -> None:
     it starts any process, each process again for itself."""
     t = cfg.train
     check_tp(cfg, world)
+    check_pp(cfg, world)
     world = data_ranks(cfg, world)
     if t.microbatches % world:
         raise ValueError(f"train.global_batch={t.global_batch} / train.micro_batch={t.micro_batch} = "
@@ -334,7 +127,10 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
     start, loaded = restore_run(trainer, run_dir, resume, world, say)
     layout = job_layout(cfg, world)
     same = loaded is None or written_layout(loaded) == layout
-    check_run_files(proto, start, rank, trainer.receipt_state(start) if _writes_receipts(trainer, dist_) else None,
+    # a pipeline's stages gather the state rank 0's receipts checksum together
+    state = (trainer.receipt_state(start)
+             if _writes_receipts(trainer, dist_) or (trainer.pipeline is not None and t.receipts) else None)
+    check_run_files(proto, start, rank, state if _writes_receipts(trainer, dist_) else None,
                     checkpoint=loaded, same_layout=same)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
@@ -396,10 +192,13 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
     proto.adopt(trainer.recorder)
     cross = _receipts(trainer, proto, start, dist_)
 
+    # a pipeline's stages: their part of each receipt's state, which rank 0's gather collects
+    gathers = trainer.pipeline is not None and t.receipts and not _writes_receipts(trainer, dist_)
+
     def save(done: int) -> None:
-        # a sharded run: each rank writes its own shards, nothing gathered
+        # a sharded run: each rank writes its own shards, nothing gathered; a pipeline's, the stages' state gathered
         proto.save(lambda: save_checkpoint(
-            checkpoints_dir(run_dir), done, model=trainer.model, optimizer=trainer.optimizer,
+            checkpoints_dir(run_dir), done, **_saved_state(trainer),
             scheduler=trainer.schedule, data_cursor=trainer.cursor, config=trainer.cfg.to_dict(),
             keep=t.keep_checkpoints, sharded=trainer.sharded), metrics)
 
@@ -413,6 +212,8 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
                     save(step)
                 raise
             done = step + 1
+            if gathers:
+                trainer.receipt_state(done)
             # the state as final.json digests it, on the receipt thread
             proto.receipt(done, loss_value, grad_norm,
                             None if cross is None else {"grads": trainer.reduced, "params": trainer.named_params})
@@ -439,6 +240,13 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
         if metrics is not None:
             metrics.close()
     return loss_value, None
+
+
+def _saved_state(trainer: Trainer) -> dict[str, Any]:
+    """The model and optimizer a checkpoint saves: the trainer's own, or a pipeline's whole state (gathered
+    now: every rank of the stages calls it)."""
+    model, optimizer = trainer.savable() if trainer.pipeline is not None else (trainer.model, trainer.optimizer)
+    return {"model": model, "optimizer": optimizer}
 
 
 def _writes_receipts(trainer: Trainer, dist_: Processes) -> bool:

@@ -218,6 +218,14 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
                 gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits (B, T, vocab) and, with targets, the *summed* token cross-entropy (normalise outside)."""
+        x = self.embed_tokens(idx, gen)
+        logits = self.head(self.trunk(x, gen, idx.shape[1]))
+        return logits, None if targets is None else self.loss(logits, targets)
+
+    # The forward in the parts a pipeline stage runs (train/pp.py): the first embeds, each its blocks, the last
+    # the head and the loss.
+    def embed_tokens(self, idx: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
+        """The residual stream's start (B, T, C): token and position embeddings, then dropout."""
         B, T = idx.shape
         if T > self.cfg.block_size:
             raise ValueError(f"sequence length {T} exceeds model.block_size={self.cfg.block_size}")
@@ -226,16 +234,23 @@ class GPT(nn.Module):
         x = tok + pos
         if self.sequence is not None:
             x = scatter_sequence(x, self.sequence)
-        x = dropout(x, self.cfg.dropout, gen, self.training, self.sequence)
+        return dropout(x, self.cfg.dropout, gen, self.training, self.sequence)
+
+    def trunk(self, x: torch.Tensor, gen: torch.Generator | None, length: int) -> torch.Tensor:
+        """The decoder blocks in order (``length``: the sequence's, unused here)."""
         for block in self.transformer.h:
             x = block(x, gen)
-        logits = self.lm_head(self.transformer.ln_f(x))  # (B, T, vocab; this rank's slice: vocab_parallel)
-        if targets is None:
-            return logits, None
+        return x
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, vocab; this rank's slice under vocab_parallel)."""
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The *summed* token cross-entropy of ``logits`` against ``targets``."""
         if self.vocab_parallel is not None:
-            return logits, vocab_parallel_cross_entropy(logits, targets, *self.vocab_parallel).sum()
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction="sum")
-        return logits, loss
+            return vocab_parallel_cross_entropy(logits, targets, *self.vocab_parallel).sum()
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), reduction="sum")
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())

@@ -23,8 +23,8 @@ __all__ = ["apply_tp", "check_tp", "data_ranks"]
 
 
 def data_ranks(cfg: Config, world: int) -> int:
-    """How many ranks split the data: the processes over the tensor-parallel degree."""
-    return world // cfg.parallel.tp if cfg.parallel.tp_chunks else world
+    """How many ranks split the data: the processes over the tensor- and pipeline-parallel degrees."""
+    return world // (cfg.parallel.tp if cfg.parallel.tp_chunks else 1) // cfg.parallel.pp
 
 
 def check_tp(cfg: Config, world: int, vocab: int | None = None) -> None:
@@ -116,26 +116,32 @@ def _sequence_parallel(model: nn.Module, chunks: int, mesh: Any) -> None:
             module.sequence = shard
 
 
-def apply_tp(model: nn.Module, cfg: Config, world: int, rank: int, device_type: str) -> Any:
+def apply_tp(model: nn.Module, cfg: Config, world: int, rank: int, device_type: str, meshes: Any = None) -> Any:
     """Shards ``model``'s token embedding, decoder blocks and head over its rank's ``parallel.tp`` tensor ranks
     (one process: a mesh of one), sets its vocabulary-parallel loss and keys the GPT's attention dropout by
     head position; returns the process group of the data ranks
     that hold the same shards (None where there is one data rank). The processes form a (data, tensor) mesh,
-    a data rank's tensor ranks consecutive. A collective: every rank calls it, after the process group exists."""
+    a data rank's tensor ranks consecutive (``meshes``: the (tensor, data) meshes of a job's larger mesh, a
+    pipeline's, instead). A collective: every rank calls it, after the process group exists. Of a pipeline stage
+    (train/pp.py) the modules it holds: the GPT's last stage shards its copy of the tied head alike."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp, chunks = cfg.parallel.tp, cfg.parallel.tp_chunks
-    if world == tp:
+    if meshes is not None:
+        mesh, data = meshes
+    elif world == tp:
         mesh, data = init_device_mesh(device_type, (tp,)), None
     else:
         grid = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("data", "tensor"))
         mesh, data = grid["tensor"], grid["data"]
-    parallelize_module(model, mesh, _plan(model, chunks, cfg.parallel.sp))
-    if hasattr(model, "lm_head"):  # the GPT's head is the embedding's weight: tied again to its sharded parameter
+    held = {name for name, _ in model.named_modules()}  # a pipeline stage holds some of them
+    parallelize_module(model, mesh, {k: v for k, v in _plan(model, chunks, cfg.parallel.sp).items() if k in held})
+    if getattr(model, "lm_head", None) is not None:  # the GPT's head: the embedding's weight, or a stage's copy
         from samestep.distributed.tensor_parallel import CanonicalColwiseParallel
 
-        model.lm_head.weight = model.transformer.wte.weight  # type: ignore[attr-defined]
+        if "transformer.wte" in held:  # tied again to the embedding's sharded parameter
+            model.lm_head.weight = model.transformer.wte.weight  # type: ignore[attr-defined]
         head = CanonicalColwiseParallel(chunks, sequence_dim=1 if cfg.parallel.sp else None)
         parallelize_module(model, mesh, {"lm_head": head})
     model.vocab_parallel = (chunks, mesh.get_group() if tp > 1 else None)  # type: ignore[assignment]

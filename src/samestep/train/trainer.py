@@ -1,0 +1,269 @@
+"""One process of the reference run: its parts (data cursor, model, optimizer, schedule, gradient reduction,
+trace recorder; a pipeline stage's) built from the config, and one optimizer step over them (``Trainer.step``).
+``train/loop.py`` runs the steps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from samestep import rng
+from samestep.data import DataCursor, load_corpus
+from samestep.distributed import AllReduceGradients, CanonicalGradients, any_rank
+from samestep.distributed.fsdp import (
+    FsdpDefaultGradients,
+    FsdpGradients,
+    Held,
+    ShardedModel,
+    ShardedOptimizer,
+    full_state,
+    shard_model,
+)
+from samestep.distributed.norm import clip_grad_norm_
+from samestep.tracing import Perturb, Recorder, parse_selection
+from samestep.train.capacity import check_capacity
+from samestep.train.checks import RecomputeCheck, check_finite
+from samestep.train.config import Config
+from samestep.train.faults import Fault
+from samestep.train.llama import Llama
+from samestep.train.model import GPT
+from samestep.train.pp import Pipeline, check_pp
+from samestep.train.schedule import WarmupCosine
+from samestep.train.tp import apply_tp, check_tp, data_ranks
+
+__all__ = ["Trainer", "build"]
+
+
+def _make_optimizer(model: torch.nn.Module, cfg: Config, params: list[torch.nn.Parameter] | None = None
+                    ) -> torch.optim.AdamW:
+    if params is None:
+        params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    t = cfg.train
+    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=t.lr, betas=(t.beta1, t.beta2), foreach=False)
+
+
+@dataclass(slots=True)
+class Trainer:
+    """Everything one process of the run holds, and one optimizer step over it."""
+
+    cfg: Config
+    corpus: Any
+    model: GPT | Llama
+    optimizer: torch.optim.AdamW
+    schedule: WarmupCosine
+    cursor: DataCursor
+    grads: CanonicalGradients | AllReduceGradients | FsdpGradients
+    device: torch.device
+    recorder: Recorder
+    named_params: list[tuple[str, torch.nn.Parameter]]  # the model's, once: it gains or loses none
+    named_buffers: list[tuple[str, torch.Tensor]]  # its persistent buffers, likewise (none: its masks are not)
+    fault: Fault | None = None  # train.fault: a bit flip planted to test the checks
+    recompute: RecomputeCheck | None = None  # train.sdc_check_every
+    reduced: list[tuple[str, torch.Tensor]] | None = None  # the last reduced gradients, if kept (cross-rank check)
+    # the sets of ranks that hold the same tensors (unsharded: all of them; under tensor parallelism: each tensor
+    # rank's data ranks; under FSDP2: none), which the cross-rank check compares
+    peers: list[list[int]] = field(default_factory=list)
+    rank: int = 0  # this process's rank (the gradients' is its data rank's)
+    pipeline: Pipeline | None = None  # parallel.pp > 1: this rank's stage and what joins it to the others
+
+    @property
+    def sharded(self) -> bool:
+        """Whether checkpoints and receipts hold each rank's shards of DTensor parameters: FSDP2 (parallel.fsdp on
+        more than one process) or tensor parallelism (parallel.tp_chunks, a mesh of one included); a pipeline's
+        hold the whole state, gathered from its stages (and their tensor ranks)."""
+        if self.pipeline is not None:  # its checkpoints and receipts hold the whole state, gathered
+            return False
+        return isinstance(self.grads, FsdpGradients) or self.cfg.parallel.tp_chunks > 0
+
+    def savable(self) -> tuple[Any, Any]:
+        """What the final digest reads ``state_dict()`` from: the model and optimizer, or of a sharded run
+        their unsharded state, gathered now (a collective: every rank calls it)."""
+        if self.pipeline is not None:
+            model_sd, optim_sd = self.pipeline.whole_state(self.model, self.optimizer, self.device)
+            return Held(model_sd), Held(optim_sd)
+        if not self.sharded:
+            return self.model, self.optimizer
+        model_sd, optim_sd = full_state(self.model, self.optimizer)
+        return Held(model_sd), Held(optim_sd)
+
+    def loadable(self) -> tuple[Any, Any]:
+        """What a checkpoint (loaded as whole tensors, whoever wrote it) is loaded into: of a sharded run,
+        each rank's shards of them; of a pipeline stage, its part of them."""
+        if self.pipeline is not None:
+            return self.pipeline.loaders(self.model, self.optimizer)
+        if not self.sharded:
+            return self.model, self.optimizer
+        return ShardedModel(self.model), ShardedOptimizer(self.optimizer)
+
+    def receipt_state(self, step: int) -> Callable[[], dict[str, Any]]:
+        """The state tree after ``step`` as ``run_state`` makes it, made on the receipt thread. The
+        optimizer's is taken here (the next step sets its groups' lr before its update); the model's there,
+        but for a sharded run: FSDP2's ``state_dict`` swaps the module's parameters, which the next forward
+        must not see. Of a pipeline stage, the whole state, gathered now from the stages (a collective: every rank
+        of them calls it, at the same steps)."""
+        if self.pipeline is not None:
+            model_sd, optim_sd = self.savable()
+            tree = {"model": model_sd.state_dict(), "optimizer": optim_sd.state_dict(),
+                    "data_cursor": self.cursor.state_dict(), "step": step}
+            return lambda: tree
+        cursor, model, optim = self.cursor.state_dict(), self.model, self.optimizer.state_dict()
+        if self.sharded:
+            tree = {"model": model.state_dict(), "optimizer": optim, "data_cursor": cursor, "step": step}
+            return lambda: tree
+        return lambda: {"model": model.state_dict(), "optimizer": optim, "data_cursor": cursor, "step": step}
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch * self.cfg.model.block_size
+
+    def forward(self, step: int, i: int, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Microbatch ``i``'s loss at step ``step`` (0-based), normalised by the global token count."""
+        t = self.cfg.train
+        gen = rng.generator(t.seed, step, i, "dropout", self.device)
+        # bf16: autocast's casts inside the forward; weights, gradients and the loss stay fp32
+        with torch.autocast(self.device.type, torch.bfloat16, enabled=t.precision == "bf16"):
+            _, loss = self.model(x.to(self.device), y.to(self.device), gen)
+        return loss / self.tokens_per_step  # layout-free
+
+    def step(self, step: int) -> tuple[float, float, float]:
+        """Runs optimizer step ``step`` (0-based); returns (loss, grad norm before clipping, lr)."""
+        t, rec = self.cfg.train, self.recorder
+        lr = self.schedule(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        with rec.step(step + 1):  # traces and metrics number steps from 1
+            picked = self.recompute.pick(step) if self.recompute is not None else None
+            pipe = self.pipeline
+            for i in self.grads.microbatches if pipe is None else ():
+                x, y = self.cursor.samples(self.cursor.position + i * t.micro_batch, t.micro_batch)
+                if self.fault is not None:
+                    self.fault.at(step, i)
+                with rec.microbatch(i):
+                    loss = self.forward(step, i, x, y)
+                    loss.backward()
+                if i == picked:  # before the tree takes p.grad: it holds this microbatch's gradient alone
+                    with rec.paused():
+                        self.recompute.compare(step, i, x, y, loss)
+                self.grads.accumulate(i, extra=loss.detach())
+            if self.recompute is not None:
+                self.recompute.settle(step, picked)
+            if pipe is None:
+                loss_sum = self.grads.reduce()[0]
+            else:  # the stages' forwards and backwards, by the schedule
+                loss_sum = pipe.run(step, t.seed, lambda i: self.cursor.samples(
+                    self.cursor.position + i * t.micro_batch, t.micro_batch), self.device)[0]
+            # The reduced gradients, recorded before clipping (out of place, which leaves them as they are): at
+            # step level digested where they lie, which spares copying them; at module level copied, which
+            # measures faster there (bench_trace.py --levels module, with and without trace.copy).
+            rec.grads(self.named_params, copy="checked" if rec.level == "step" and not self.cfg.trace.copy else True)
+            if self.fault is not None:
+                self.fault.after("reduce", step, self.named_params, self.rank)
+            if self.reduced is not None:  # clipping out of place leaves these tensors as they are
+                self.reduced = [(n, p.grad) for n, p in self.named_params if p.grad is not None]
+            max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
+            grad_norm = clip_grad_norm_(self.grads.params, max_norm, out_of_place=True,
+                                        over=None if pipe is None else pipe.pipe_group)
+            rec.metric("loss", loss_sum)
+            rec.metric("grad_norm", grad_norm)
+            check_finite(step + 1, float(loss_sum), float(grad_norm), t.nonfinite)  # before the update
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if pipe is not None:
+                pipe.after_update()
+            if self.fault is not None:
+                self.fault.after("update", step, self.named_params, self.rank)
+            rec.state(self.model, self.optimizer, named_params=self.named_params, named_buffers=self.named_buffers)
+        self.cursor.advance(t.global_batch)
+        return float(loss_sum), float(grad_norm), lr
+
+
+def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | str = "cpu",
+          corpus: Any = None, run_dir: Path | None = None) -> Trainer:
+    """Builds the data cursor, model, optimizer, schedule, gradient reduction and trace recorder of one process.
+
+    Without ``run_dir`` nothing is traced (there is nowhere to write).
+    """
+    t = cfg.train
+    corpus = corpus if corpus is not None else load_corpus(cfg.data.source, cfg.data.path or None)
+    vocab = cfg.model.vocab_size or corpus.vocab_size
+    if vocab < corpus.vocab_size:
+        raise ValueError(f"model.vocab_size={vocab} is smaller than the data's largest token + 1 = "
+                         f"{corpus.vocab_size}; raise it or set 0")
+    device = torch.device(device)
+    check_capacity(cfg, vocab, int(corpus.tokens.size), device, world)
+    arch = Llama if cfg.model.arch == "llama" else GPT
+    model = arch(cfg.model, vocab, t.seed, deterministic=cfg.determinism.enabled).to(device)
+    check_tp(cfg, world, vocab)
+    check_pp(cfg, world)
+    pipeline = Pipeline.build(model, cfg, world, rank, device) if cfg.parallel.pp > 1 else None
+    data_mesh = (apply_tp(model, cfg, world, rank, device.type, None if pipeline is None else pipeline.tensor_meshes)
+                 if cfg.parallel.tp_chunks else None)
+    if pipeline is not None:
+        pipeline.join(model, cfg, device, t.global_batch * cfg.model.block_size)
+    data_group = data_mesh.get_group() if data_mesh is not None else None
+    sharded = cfg.parallel.fsdp and world > 1
+    if sharded and t.compile:
+        raise ValueError("parallel.fsdp=true with train.compile=true is not supported yet; use one of them")
+    fault = Fault.parse(t.fault) if t.fault else None
+    if fault is not None:
+        fault.install(model, rank)
+    if t.sdc_check_every and sharded:
+        raise ValueError("train.sdc_check_every with parallel.fsdp=true is not supported yet; use one of them")
+    if t.compile:
+        model.compile()  # in place: the state_dict keys stay the model's own
+    data_world = data_ranks(cfg, world)
+    data_rank = rank // (world // data_world)  # a data rank's tensor ranks are consecutive
+    k = t.microbatches // data_world
+    sharded = sharded and data_world > 1  # FSDP2 shards over the data ranks
+    if sharded:
+        shard_model(model, data_world, data_mesh)
+        kind = FsdpGradients if cfg.determinism.enabled else FsdpDefaultGradients
+        grads: Any = kind(model, microbatches_per_process=k, world_size=data_world, rank=data_rank, group=data_group)
+    else:
+        params = model.parameters() if pipeline is None else pipeline.params
+        if pipeline is not None:
+            data_group = pipeline.data_group
+        grads = (CanonicalGradients(params, microbatches_per_process=k, world_size=data_world,
+                                    rank=data_rank, group=data_group, overlap=cfg.parallel.overlap)
+                 if cfg.determinism.enabled else
+                 AllReduceGradients(params, microbatches_per_process=k, world_size=data_world,
+                                    rank=data_rank, group=data_group))
+        if pipeline is not None:
+            pipeline.grads = grads
+    tc = cfg.trace
+    recorder = Recorder(run_dir if run_dir is not None else ".", level=tc.level if run_dir is not None else "off",
+                        steps=parse_selection(tc.steps, "trace.steps"), ranks=parse_selection(tc.ranks, "trace.ranks"),
+                        rank=rank, perturb=Perturb.parse(tc.perturb) if tc.perturb else None, copy=tc.copy,
+                        worker=tc.worker)
+    recorder.attach(model)
+    if recorder.enabled:
+        grads.observer = recorder.collective
+    trainer = Trainer(cfg=cfg, corpus=corpus, model=model,
+                      optimizer=_make_optimizer(model, cfg, None if pipeline is None else pipeline.params),
+                      schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
+                      cursor=DataCursor(corpus, cfg.model.block_size, t.seed), grads=grads, device=device,
+                      recorder=recorder, named_params=list(model.named_parameters()),
+                      named_buffers=Recorder.persistent_buffers(model), fault=fault, rank=rank, pipeline=pipeline)
+    if pipeline is not None:  # each stage's (and tensor rank's) data ranks hold the same tensors
+        pp, tp = cfg.parallel.pp, world // data_world // cfg.parallel.pp
+        trainer.peers = [[(d * pp + s) * tp + r for d in range(data_world)] for s in range(pp) for r in range(tp)]
+    elif cfg.parallel.tp_chunks and not sharded:
+        tp = cfg.parallel.tp
+        trainer.peers = [[d * tp + r for d in range(data_world)] for r in range(tp)]
+    elif not sharded:
+        trainer.peers = [list(range(world))]
+    if t.sdc_check_every:  # the first of each pair of the canonical tree; of plain accumulation, the first
+        # a data rank's microbatches: its tensor ranks recompute the same one together (their layers' collectives)
+        firsts = list(range(data_rank * k, (data_rank + 1) * k, 2 if cfg.determinism.enabled else k))
+        trainer.recompute = RecomputeCheck(t.sdc_check_every, trainer.forward, trainer.named_params, firsts, rank,
+                                           run_dir or Path("."), t.sdc_action,
+                                           lambda flag: flag if world == 1 else any_rank(flag, device))
+    return trainer

@@ -1,0 +1,123 @@
+"""Pipeline parallelism in the reference run (`samestep train --set parallel.pp=N`): PP 2 and 4 (1F1B and GPipe)
+and 2 data x 2 pipeline ranks give the one-process bits, a GPT with dropout on and its head tied to the
+embedding, and a Llama MoE in bf16; a PP-2 run killed by SIGKILL resumes at PP 4, on one process and on 2 x 2 bit
+for bit, and a one-process run resumes at PP 2; receipts and replay hold; pipelining's own accumulation of the
+microbatches gives other bits."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+
+import pytest
+
+from tests.conftest import TINY, cli_here, metrics_bytes, rank_1_dies_in_step_4, train_here, train_ranks
+
+pytestmark = pytest.mark.slow
+
+# 4 blocks (PP 4: one a stage), dropout on: each stage draws its masks from the generator its activations bring
+PP = (*[s for s in TINY if not s.startswith(("model.n_layer", "train.steps"))], "model.n_layer=4",
+      "model.dropout=0.1", "train.steps=4")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    d = tmp_path_factory.mktemp("pp1") / "run"
+    return d, train_here(d, *PP)["state_digest"]
+
+
+@pytest.mark.parametrize("nproc,pp,schedule", [(2, 2, "1f1b"), (4, 4, "1f1b"), (4, 2, "1f1b"), (2, 2, "gpipe")],
+                         ids=["pp2", "pp4", "dp2xpp2", "pp2-gpipe"])
+def test_pp_2_and_4_and_2_data_by_2_pipeline_ranks_give_the_one_process_bits(one_process, tmp_path, nproc, pp,
+                                                                            schedule):
+    """The final state digest and metrics.jsonl's bytes at PP 2 and 4 under 1F1B, PP 2 under GPipe and 2 data x 2
+    pipeline ranks are the one process's; run.json records the layout."""
+    ref_dir, ref_digest = one_process
+    final = train_ranks(tmp_path / "run", *PP, f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}", nproc=nproc)
+    assert final["state_digest"] == ref_digest and metrics_bytes(tmp_path / "run") == metrics_bytes(ref_dir)
+    layout = json.loads((tmp_path / "run" / "run.json").read_text())["layout"]
+    assert layout == {"world_size": nproc, "microbatches_per_process": 4 * pp // nproc, "pipeline_parallel": pp}
+
+
+def test_a_llama_moe_in_bf16_on_2_data_by_2_pipeline_ranks_gives_the_one_process_bits(tmp_path):
+    """A Llama whose MLPs are 4 routed experts, computing in bf16 under autocast (the stages' activations cross
+    in fp32, the head's logits in bf16), on 2 data x 2 pipeline ranks: the one process's bits."""
+    settings = (*PP, "model.arch=llama", "model.moe_experts=4", "train.precision=bf16", "train.steps=3")
+    one = train_here(tmp_path / "one", *settings)["state_digest"]
+    grid = train_ranks(tmp_path / "grid", *settings, "parallel.pp=2", nproc=4)["state_digest"]
+    assert one == grid and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "grid")
+
+
+def test_a_pp_2_run_killed_resumes_at_pp_4_on_one_process_and_on_2_x_2_bit_for_bit(one_process, tmp_path):
+    """Rank 1 (the last stage) of a PP-2 run is SIGKILLed in step 4; its newest checkpoint, of step 2, holds the
+    whole state, gathered from the stages. Resumed at PP 4, and from copies on one process and on 2 data x 2
+    pipeline ranks, each run ends on the one-process bits; the receipts and a replay hold, and run.json records
+    each segment's layout. A one-process run stopped at step 2 resumes at PP 2 on the same bits."""
+    ref_dir, ref_digest = one_process
+    d = tmp_path / "run"
+    train_ranks(d, *PP, "parallel.pp=2", nproc=2, patch=rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
+    assert (d / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    shutil.copytree(d, tmp_path / "copy")
+    shutil.copytree(d, tmp_path / "grid")
+    four = train_ranks(d, *PP, "parallel.pp=4", nproc=4, resume=True)
+    one = train_here(tmp_path / "copy", *PP, resume=True)
+    grid = train_ranks(tmp_path / "grid", *PP, "parallel.pp=2", nproc=4, resume=True)
+    train_here(tmp_path / "grown", *PP, stop_after=2)
+    grown = train_ranks(tmp_path / "grown", *PP, "parallel.pp=2", nproc=2, resume=True)
+    for name, final in (("run", four), ("copy", one), ("grid", grid), ("grown", grown)):
+        assert final["state_digest"] == ref_digest and metrics_bytes(tmp_path / name) == metrics_bytes(ref_dir), name
+    resumes = json.loads((d / "run.json").read_text())["resumes"]
+    assert [(r["step"], r["world_size"], r["pipeline_parallel"]) for r in resumes] == [(2, 4, 4)]
+    for name in ("run", "grown"):
+        verify = cli_here("receipts", "verify", str(tmp_path / name))
+        assert verify.returncode == 0 and "rank 0: steps 1-4" in verify.stdout, verify.stdout + verify.stderr
+    replay = cli_here("verify", str(d))
+    assert replay.returncode == 0 and "equal bit for bit" in replay.stdout, replay.stdout + replay.stderr
+
+
+def _plain_accumulation() -> None:
+    """Each stage's gradients as pipelining leaves them: every microbatch's backward added into ``p.grad``."""
+    from samestep.distributed import AllReduceGradients
+    from samestep.train import trainer
+
+    trainer.CanonicalGradients = lambda params, overlap=True, **kw: AllReduceGradients(params, **kw)
+
+
+def test_pipelinings_own_accumulation_gives_other_bits(one_process, tmp_path):
+    """Negative control of the stages' canonical tree: with pipelining's plain accumulation
+    (((m0+m1)+m2)+m3 in each stage's ``p.grad``), deterministic mode on, PP 2 leaves the one-process bits."""
+    ref_dir, ref_digest = one_process
+    final = train_ranks(tmp_path / "run", *PP, "parallel.pp=2", nproc=2, patch=_plain_accumulation)
+    assert final["state_digest"] != ref_digest and metrics_bytes(tmp_path / "run") != metrics_bytes(ref_dir)
+
+
+# tensor parallelism inside each stage: the one process of the same parallel.tp_chunks is the reference
+TPP = (*PP, "parallel.tp_chunks=8", "train.steps=3")
+
+
+def test_2_data_by_2_pipeline_by_2_tensor_ranks_give_the_one_process_bits(tmp_path):
+    """`--nproc 8 --set parallel.tp=2 --set parallel.pp=2` (2 data x 2 pipeline x 2 tensor ranks; the GPT's head,
+    tied to the vocabulary-split embedding, split alike on the last stage) gives the bits of one process of the
+    same parallel.tp_chunks; run.json records the layout."""
+    one = train_here(tmp_path / "one", *TPP)["state_digest"]
+    cube = train_ranks(tmp_path / "cube", *TPP, "parallel.tp=2", "parallel.pp=2", nproc=8)["state_digest"]
+    assert one == cube and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "cube")
+    layout = json.loads((tmp_path / "cube" / "run.json").read_text())["layout"]
+    assert layout == {"world_size": 8, "microbatches_per_process": 2, "tensor_parallel": 2, "pipeline_parallel": 2}
+
+
+def test_a_llama_in_bf16_moves_between_tp_2_by_pp_2_and_tp_2_bit_for_bit(tmp_path):
+    """A Llama in bf16 stopped at step 2 at TP 2 (each rank's shards checkpointed) resumes on 2 pipeline x 2
+    tensor ranks, and one stopped there (the whole state checkpointed) resumes at TP 2: both end on the one
+    process's bits, and their receipts hold (rank 1 keeps receipts only where it holds shards)."""
+    settings = (*TPP, "model.arch=llama", "model.n_kv_head=2", "train.precision=bf16", "train.steps=4")
+    one = train_here(tmp_path / "one", *settings)["state_digest"]
+    train_ranks(tmp_path / "grow", *settings, "parallel.tp=2", nproc=2, stop_after=2)
+    grown = train_ranks(tmp_path / "grow", *settings, "parallel.tp=2", "parallel.pp=2", nproc=4, resume=True)
+    train_ranks(tmp_path / "shrink", *settings, "parallel.tp=2", "parallel.pp=2", nproc=4, stop_after=2)
+    shrunk = train_ranks(tmp_path / "shrink", *settings, "parallel.tp=2", nproc=2, resume=True)
+    for name, final in (("grow", grown), ("shrink", shrunk)):
+        assert final["state_digest"] == one and metrics_bytes(tmp_path / name) == metrics_bytes(tmp_path / "one")
+        verify = cli_here("receipts", "verify", str(tmp_path / name))
+        assert verify.returncode == 0, verify.stdout + verify.stderr
