@@ -67,12 +67,18 @@ class TiedWeight:
     On the last stage each microbatch's gradient of the copy is sent (``send``) and the copy's ``.grad``
     cleared; on the first, a hook adds the received one to the parameter's gradient of the same microbatch
     before autograd accumulates it: the sum of the two uses that one process's autograd forms (two terms: in
-    either order the same bits). ``sync()`` after each optimizer step sends the updated weight to the copy."""
+    either order the same bits). ``sync()`` after each optimizer step sends the updated weight to the copy.
 
-    def __init__(self, weight: torch.nn.Parameter, *, is_first: bool, peer: int, group: Any) -> None:
+    ``per_microbatch=False`` is the usual way instead (Megatron's embedding all-reduce, for the loop with
+    deterministic mode off): each side accumulates its own gradient over the microbatches, and ``add_step()``
+    adds the copy's sum to the first stage's once a step: a step's bytes once, other bits."""
+
+    def __init__(self, weight: torch.nn.Parameter, *, is_first: bool, peer: int, group: Any,
+                 per_microbatch: bool = True) -> None:
         self.weight, self.is_first, self.peer, self.group = weight, is_first, peer, group
+        self.per_microbatch = per_microbatch
         self._sends: list[Any] = []
-        if is_first:
+        if is_first and per_microbatch:
             weight.register_hook(self._add_received)
 
     def _add_received(self, grad: torch.Tensor) -> torch.Tensor:
@@ -89,13 +95,32 @@ class TiedWeight:
                                   run_check=False, shape=grad.shape, stride=grad.stride())
 
     def send(self) -> None:
-        """The last stage, after a microbatch's backward: its gradient of the copy to the first stage."""
+        """The last stage, after a microbatch's backward: its gradient of the copy to the first stage (once a
+        step, by ``add_step``, where not ``per_microbatch``)."""
         import torch.distributed as dist
 
+        if not self.per_microbatch:
+            return
         grad, self.weight.grad = self.weight.grad, None
         local = _local(grad) if grad is not None else torch.zeros_like(_local(self.weight))
         local = local.contiguous()
         self._sends.append((dist.isend(local, dst=self.peer, group=self.group), local))
+
+    def add_step(self) -> None:
+        """Not ``per_microbatch``, after the step's last backward: the copy's accumulated gradient added to the
+        first stage's (on both: a send and a receive)."""
+        import torch.distributed as dist
+
+        if self.per_microbatch:
+            return
+        if self.is_first:
+            local = _local(self.weight.grad)
+            other = torch.empty_like(local)
+            dist.recv(other, src=self.peer, group=self.group)
+            local.add_(other)
+        else:
+            grad, self.weight.grad = self.weight.grad, None
+            dist.send(_local(grad).contiguous(), dst=self.peer, group=self.group)
 
     def sync(self) -> None:
         """After the optimizer step, on both: the sends done, the first stage's weight copied to the last's."""

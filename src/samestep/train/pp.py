@@ -195,7 +195,7 @@ class Pipeline:
             weight = model.transformer.wte.weight if s == 0 else copy  # type: ignore[union-attr]
             pair = (self._first_rank, self.last_rank)
             self.tied = TiedWeight(weight, is_first=s == 0, peer=self.last_rank if s == 0 else self._first_rank,
-                                   group=self._tied_groups[pair])
+                                   group=self._tied_groups[pair], per_microbatch=cfg.determinism.enabled)
         self.params = [p for p in model.parameters() if p.requires_grad and p is not copy]
         self._names = {id(p): n for n, p in model.named_parameters()}
         bf16 = cfg.train.precision == "bf16"
@@ -249,6 +249,8 @@ class Pipeline:
             self.schedule.step()
         from samestep.distributed.pipeline import broadcast_from
 
+        if self.tied is not None:
+            self.tied.add_step()
         loss = self.grads.reduce()
         return broadcast_from(loss if self.last else torch.zeros(1, dtype=loss.dtype, device=device),
                               self.last_rank, self.pipe_group)
