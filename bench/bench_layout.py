@@ -1,7 +1,7 @@
 """Layout benchmark: canonical reduction vs PyTorch DDP's all-reduce (or, with --fsdp, the canonical
 FSDP2 reduce-scatter vs FSDP2's own), 2 processes, side by side.
 
-    .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py [--fsdp | --tp | --pp] [--pairs 60]
+    .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py [--fsdp|--tp|--pp|--ep] [--pairs 60]
 
 The variants run the reference config's step in the same processes, in turn (so machine noise hits
 them alike): the canonical variant is the reference run's own step (samestep.enable +
@@ -20,6 +20,8 @@ With --tp the processes are one tensor-parallel group training one decoder block
 samestep's CanonicalColwiseParallel/CanonicalRowwiseParallel against PyTorch's ColwiseParallel/RowwiseParallel.
 With --pp every process is one pipeline stage of the reference run (``--set`` adds settings): the stages'
 canonical tree against pipelining's own accumulation, deterministic mode on in both, and the bytes each sends.
+With --ep a Llama MoE's experts spread over every process: each expert's canonical tree against the usual
+expert parallelism (gradients accumulated as they arrive, the combine an accumulating index_put_).
 """
 
 from __future__ import annotations
@@ -155,17 +157,20 @@ def tp_main(args: argparse.Namespace) -> int:
 
 class SentBytes:
     """Bytes this process sends point to point and in the collectives a pipelined step runs (pipelining's
-    activations and their gradients, a tied weight's, the loss and norm), counted by patching
-    torch.distributed's functions: a send's tensor (pipelining's batched sends call ``isend`` each, which its
-    ``P2POp`` checks by identity: patched in both namespaces), a broadcast's from its source, an all-gather's
-    input."""
+    activations and their gradients, a tied weight's, an expert's rows, the gradients' combine, the loss and
+    norm), counted by patching torch.distributed's functions, by collective semantics: a send's tensor
+    (pipelining's batched sends call ``isend`` each, which its ``P2POp`` checks by identity: patched in both
+    namespaces), a broadcast's from its source, an all-gather's input to each other rank, a ring all-reduce's
+    2(W-1)/W, an all-to-all's rows to other ranks."""
 
     def __init__(self) -> None:
         from torch.distributed import distributed_c10d as c10d
 
         self.sent = 0
         me = dist.get_rank()
-        originals = {name: getattr(c10d, name) for name in ("isend", "send", "broadcast", "all_gather")}
+        originals = {name: getattr(c10d, name) for name in ("isend", "send", "broadcast", "all_gather",
+                                                              "all_gather_into_tensor", "all_reduce",
+                                                              "all_to_all_single")}
 
         def counted(name: str, tensor_at: int, only_source: bool = False):
             def fn(*a, **k):
@@ -175,22 +180,46 @@ class SentBytes:
                 return originals[name](*a, **k)
             return fn
 
+        def gathered(name: str):  # a ring all-gather: this rank's input to each other rank
+            def fn(out, inp, group=None, *a, **k):
+                self.sent += (dist.get_world_size(group) - 1) * inp.numel() * inp.element_size()
+                return originals[name](out, inp, group, *a, **k)
+            return fn
+
+        def all_reduce(t, op=dist.ReduceOp.SUM, group=None, *a, **k):  # a ring all-reduce: 2(W-1)/W of it
+            w = dist.get_world_size(group)
+            self.sent += 2 * (w - 1) * -(-t.numel() // w) * t.element_size()
+            return originals["all_reduce"](t, op, group, *a, **k)
+
+        def all_to_all_single(out, inp, out_splits=None, in_splits=None, group=None, *a, **k):
+            me_in = dist.get_rank(group)
+            rows = inp.shape[0] if inp.dim() else 1
+            to_self = in_splits[me_in] if in_splits else rows // dist.get_world_size(group)
+            self.sent += (rows - to_self) * (inp.numel() // max(rows, 1)) * inp.element_size()
+            return originals["all_to_all_single"](out, inp, out_splits, in_splits, group, *a, **k)
+
         for name, fn in (("isend", counted("isend", 0)), ("send", counted("send", 0)),
+                         ("all_to_all_single", all_to_all_single), ("all_reduce", all_reduce),
+                         ("all_gather_into_tensor", gathered("all_gather_into_tensor")),
                          ("broadcast", counted("broadcast", 0, only_source=True)),
-                         ("all_gather", counted("all_gather", 1))):
+                         ("all_gather", gathered("all_gather"))):
             setattr(dist, name, fn)
             setattr(c10d, name, fn)
 
 
-def pp_main(args: argparse.Namespace) -> int:
+def parts_main(args: argparse.Namespace) -> int:
     """--pp: the reference run's step on parallel.pp stages (every process one stage) with the stages' canonical
-    tree against pipelining's own accumulation (deterministic mode on in both: the accumulation is all that
-    differs), and the bytes each process sends a step in each."""
+    tree against pipelining's own accumulation; --ep: a Llama MoE's step with its experts over every process
+    (parallel.ep) against the usual expert parallelism (each expert's gradient accumulated as it arrives, the
+    combine an index_put_ that accumulates). Deterministic mode on in both: the sums are all that differs. And
+    the bytes each process sends a step in each."""
     samestep.enable(threads=1)
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     corpus = load_corpus("stdlib")
-    base = ["determinism.threads=1", f"parallel.pp={world}", *args.set]
+    layout = [f"parallel.pp={world}"] if args.pp else [f"parallel.ep={world}", "model.arch=llama",
+                                                        f"model.moe_experts={args.experts}"]
+    base = ["determinism.threads=1", *layout, *args.set]
     canon = build(load_config(None, base, args.preset), world=world, rank=rank, corpus=corpus)
     plain = build(load_config(None, [*base, "determinism.enabled=false"], args.preset), world=world, rank=rank,
                   corpus=corpus)
@@ -202,25 +231,26 @@ def pp_main(args: argparse.Namespace) -> int:
         trainer.step(1)
         sent.append(counter.sent - before)
     times = alternate([canon.step, plain.step], args.pairs, args.steps)
-    result = {"world_size": world, "pairs": args.pairs, "preset": args.preset, "settings": args.set,
-              "step_ms_canonical": round(1000 * statistics.median(times[0]), 2),
-              "step_ms_plain_pp": round(1000 * statistics.median(times[1]), 2),
+    result = {"layout": "pp" if args.pp else "ep", "world_size": world, "pairs": args.pairs, "preset": args.preset,
+              "settings": base, "step_ms_canonical": round(1000 * statistics.median(times[0]), 2),
+              "step_ms_plain": round(1000 * statistics.median(times[1]), 2),
               "time_ratio_median": round(statistics.median([a / b for a, b in zip(*times)]), 4),
-              "bytes_sent_per_step_canonical": sent[0], "bytes_sent_per_step_plain_pp": sent[1],
+              "bytes_sent_per_step_canonical": sent[0], "bytes_sent_per_step_plain": sent[1],
               "bytes_ratio": round(sent[0] / sent[1], 4)}
     mine = torch.tensor(sent, dtype=torch.int64)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
-    rank_results = [{"bytes_sent_per_step_canonical": int(e[0]), "bytes_sent_per_step_plain_pp": int(e[1]),
+    rank_results = [{"bytes_sent_per_step_canonical": int(e[0]), "bytes_sent_per_step_plain": int(e[1]),
                      "bytes_ratio": round(int(e[0]) / int(e[1]), 4)} for e in every]
     if rank == 0:
         result["bytes_ratio_per_rank"] = [r["bytes_ratio"] for r in rank_results]
+        other = "pipelining's own accumulation" if args.pp else "the usual expert parallelism"
         print(json.dumps(result) if args.json else
-              f"PP {world}: canonical {result['step_ms_canonical']} ms/step vs pipelining's own accumulation "
-              f"{result['step_ms_plain_pp']} ms/step; ratio median of {args.pairs} pairs: "
+              f"{result['layout'].upper()} {world}: canonical {result['step_ms_canonical']} ms/step vs {other} "
+              f"{result['step_ms_plain']} ms/step; ratio median of {args.pairs} pairs: "
               f"{result['time_ratio_median']}; bytes sent per step by rank: "
               f"{[r['bytes_sent_per_step_canonical'] for r in rank_results]} vs "
-              f"{[r['bytes_sent_per_step_plain_pp'] for r in rank_results]} (ratios "
+              f"{[r['bytes_sent_per_step_plain'] for r in rank_results]} (ratios "
               f"{result['bytes_ratio_per_rank']})")
     dist.destroy_process_group()
     samestep.disable()
@@ -239,14 +269,16 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=8, help="--tp: sequences per step")
     ap.add_argument("--tp-chunks", type=int, default=8, help="--tp: parallel.tp_chunks")
     ap.add_argument("--pp", action="store_true", help="pipeline stages: the canonical tree vs pipelining's own")
-    ap.add_argument("--set", action="append", default=[], help="--pp: a config setting (section.key=value)")
-    ap.add_argument("--preset", default=None, help="--pp: a config preset (small)")
+    ap.add_argument("--ep", action="store_true", help="expert parallelism: the experts' trees vs the usual sums")
+    ap.add_argument("--experts", type=int, default=8, help="--ep: experts per MoE layer")
+    ap.add_argument("--set", action="append", default=[], help="--pp, --ep: a config setting (section.key=value)")
+    ap.add_argument("--preset", default=None, help="--pp, --ep: a config preset (small)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.tp:
         return tp_main(args)
-    if args.pp:
-        return pp_main(args)
+    if args.pp or args.ep:
+        return parts_main(args)
     samestep.enable(threads=1)  # before the process group: NCCL_ALGO and friends
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -27,6 +27,23 @@ Canonical: on 2 ranks one all-gather of the two sums (alpha + m/beta) and their 
 the fixed-order sum of T chunks and the all-gather, the ring's messages and bytes. The chunked matmuls cost
 ``--chunk-cost`` of the step more (a fraction; smaller GEMMs). Each tensor rank's 1/T of the gradient is
 combined over the DP ranks as above (DDP's ring against the canonical combine as built).
+
+    .venv/bin/python bench/cost_model.py --pp [--tied-mb 0] [--microbatches 8] [--json]
+
+With --pp, P pipeline stages x DP 8 to 512 (docs/layouts.md, "Pipeline parallelism"): the activations cross
+the stages alike in both; each stage's 1/P of the gradient is combined over its DP ranks (DDP's ring against
+the canonical combine as built), a head tied to the embedding (``--tied-mb``) crosses once a step in plain
+pipelining and once a microbatch in canonical (counted exposed: an upper bound), and the norm's row sums and
+the loss cross the stages (latency). "receipts' gather": what rank 0's receipts of the whole state cost a step
+as built (the parameters and Adam's moments from the other stages over one link), not in the ratio.
+
+    .venv/bin/python bench/cost_model.py --ep [--expert-mb 8000] [--split-cost 0.02] [--json]
+
+With --ep, experts spread over groups of EP 8 or 64 within DP 64 to 4,096 (docs/layouts.md, "Expert
+parallelism"): the all-to-alls move the same rows in both; the shared parameters' gradient (``--grad-mb``) is
+combined over every DP rank and each expert's (``--expert-mb`` over EP ranks) over its DP / EP replicas, DDP's
+ring against the canonical combine; an owner runs each expert once per source rank instead of once
+(``--split-cost`` of the step).
 """
 
 from __future__ import annotations
@@ -87,6 +104,38 @@ def tp_estimate(t: int, dp: int, a: argparse.Namespace) -> dict:
             "ratio_to_plain_tp": (step + canonical) / (step + plain)}
 
 
+def pp_estimate(p: int, dp: int, a: argparse.Namespace) -> dict:
+    """Exposed seconds per step of plain and canonical pipeline parallelism at ``p`` stages over ``dp`` data
+    ranks, and the step-time ratio (see the module docstring)."""
+    alpha, beta = a.alpha_us * 1e-6, a.gbps * 1e9
+    dp_rows = estimate(dp, a.grad_mb * 1e6 / p, a.buckets, alpha, beta, a.sum_gbps * 1e9, a.backward_ms * 1e-3)
+    step = a.backward_ms * 1e-3 * 1.5
+    tied = a.tied_mb * 1e6
+    plain = dp_rows["ddp_exposed_ms"] * 1e-3 + (alpha + tied / beta if tied else 0.0)
+    joins = 2 * (p - 1) * alpha  # the norm's row sums and the loss over the stages (a few KB)
+    canonical = dp_rows["canonical_overlapped_exposed_ms"] * 1e-3 + a.microbatches * (alpha + tied / beta) + joins
+    receipts = (p - 1) / p * 3 * a.grad_mb * 1e6 / beta  # param + Adam's moments, 12 B a parameter, to rank 0
+    return {"pp": p, "dp": dp, "ranks": p * dp, "plain_exposed_ms": 1e3 * plain,
+            "canonical_exposed_ms": 1e3 * canonical, "ratio_to_plain_pp": (step + canonical) / (step + plain),
+            "receipts_gather_ms": 1e3 * receipts}
+
+
+def ep_estimate(g: int, dp: int, a: argparse.Namespace) -> dict:
+    """Exposed seconds per step of the usual and canonical expert parallelism, experts over groups of ``g`` of
+    ``dp`` data ranks, and the step-time ratio (see the module docstring)."""
+    alpha, beta, sum_bw, bwd = a.alpha_us * 1e-6, a.gbps * 1e9, a.sum_gbps * 1e9, a.backward_ms * 1e-3
+    shared = estimate(dp, a.grad_mb * 1e6, a.buckets, alpha, beta, sum_bw, bwd)
+    replicas = dp // g
+    experts = (estimate(replicas, a.expert_mb * 1e6 / g, a.buckets, alpha, beta, sum_bw, bwd) if replicas > 1
+               else {"ddp_exposed_ms": 0.0, "canonical_overlapped_exposed_ms": 0.0})
+    step = bwd * 1.5
+    plain = (shared["ddp_exposed_ms"] + experts["ddp_exposed_ms"]) * 1e-3
+    canonical = ((shared["canonical_overlapped_exposed_ms"] + experts["canonical_overlapped_exposed_ms"]) * 1e-3
+                 + a.split_cost * step)
+    return {"ep": g, "dp": dp, "plain_exposed_ms": 1e3 * plain, "canonical_exposed_ms": 1e3 * canonical,
+            "ratio_to_plain_ep": (step + canonical) / (step + plain)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--grad-mb", type=float, default=1000.0, help="gradient bytes per step (fp32: 4 per parameter)")
@@ -104,8 +153,27 @@ def main() -> int:
     ap.add_argument("--nvlink-alpha-us", type=float, default=3.0, help="--tp: latency per message within a node")
     ap.add_argument("--chunk-cost", type=float, default=0.03, help="--tp: the chunked matmuls' extra, of a step")
     ap.add_argument("--hbm-gbps", type=float, default=3000.0, help="--tp: device memory bandwidth of a sum")
+    ap.add_argument("--pp", action="store_true", help="pipeline parallelism at PP 2-8 x DP 8-512")
+    ap.add_argument("--tied-mb", type=float, default=0.0,
+                    help="--pp: bytes of a weight tied across the first and last stage (0: an untied head)")
+    ap.add_argument("--ep", action="store_true", help="expert parallelism at EP 8-64 within DP 64-4,096")
+    ap.add_argument("--expert-mb", type=float, default=8000.0, help="--ep: the experts' gradient bytes, all ranks'")
+    ap.add_argument("--split-cost", type=float, default=0.02,
+                    help="--ep: each expert's GEMMs per source rank instead of one, of a step")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.pp:
+        return _report([pp_estimate(p, dp, a) for p in (2, 4, 8) for dp in (8, 64, 512)], a.json,
+                       ["PP x DP", "exposed, plain / canonical", "ratio to plain PP", "receipts' gather"],
+                       lambda r: [f"{r['pp']} x {r['dp']}",
+                                  f"{r['plain_exposed_ms']:.1f} / {r['canonical_exposed_ms']:.1f} ms",
+                                  f"{r['ratio_to_plain_pp']:.3f}x", f"{r['receipts_gather_ms']:.0f} ms"])
+    if a.ep:
+        return _report([ep_estimate(g, dp, a) for g in (8, 64) for dp in (64, 512, 4096)], a.json,
+                       ["EP in DP", "exposed, usual / canonical (+ split GEMMs)", "ratio to the usual EP"],
+                       lambda r: [f"{r['ep']} in {r['dp']}",
+                                  f"{r['plain_exposed_ms']:.1f} / {r['canonical_exposed_ms']:.1f} ms",
+                                  f"{r['ratio_to_plain_ep']:.3f}x"])
     if a.tp:
         return _report([tp_estimate(t, dp, a) for t in (2, 4, 8) for dp in (8, 64, 512, 4096)], a.json,
                        ["TP x DP", "TP sums, plain / canonical", "DP exposed, DDP / canonical",

@@ -40,7 +40,7 @@ NUMERICS_NEUTRAL = frozenset({"train.checkpoint_every", "train.keep_checkpoints"
                               "train.exit_signals", "train.receipts", "train.receipt_hash", "train.cross_rank_check",
                               "train.sdc_check_every", "train.sdc_action", "train.nonfinite", "determinism.env_mismatch",
                               "parallel.fsdp", "parallel.overlap", "parallel.tp", "parallel.pp",
-                              "parallel.pp_schedule", "trace.level", "trace.steps",
+                              "parallel.pp_schedule", "parallel.ep", "trace.level", "trace.steps",
                               "trace.ranks", "trace.copy", "trace.worker"})
 
 _PathLike = str | os.PathLike[str]
@@ -211,8 +211,8 @@ def record_resume(run_dir: _PathLike, resume: dict[str, Any]) -> None:
 
 
 def layout_at(doc: dict[str, Any], step: int) -> dict[str, Any]:
-    """The layout (``world_size``, ``sharded``: "fsdp2" or None, ``tensor_parallel`` and ``pipeline_parallel``:
-    the degrees) that wrote
+    """The layout (``world_size``, ``sharded``: "fsdp2" or None, ``tensor_parallel``, ``pipeline_parallel`` and
+    ``expert_parallel``: the degrees) that wrote
     step ``step`` of the run whose run.json is ``doc``: the first segment's, or that of the last resume from
     a step before it (a later segment rewrites every step after the one it resumed from)."""
     layout = doc.get("layout", {})
@@ -221,7 +221,8 @@ def layout_at(doc: dict[str, Any], step: int) -> dict[str, Any]:
             layout = resume
     return {"world_size": layout.get("world_size", 1), "sharded": layout.get("sharded"),
             "tensor_parallel": layout.get("tensor_parallel", 1),
-            "pipeline_parallel": layout.get("pipeline_parallel", 1)}
+            "pipeline_parallel": layout.get("pipeline_parallel", 1),
+            "expert_parallel": layout.get("expert_parallel", 1)}
 
 
 def record_declared(run_dir: _PathLike, declared: dict[str, Any]) -> None:

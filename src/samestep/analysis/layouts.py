@@ -16,6 +16,10 @@ __all__ = ["steps_on_other_layouts"]
 def _layout_words(layout: dict[str, Any]) -> str:
     n = layout["world_size"]
     tp, pp = layout.get("tensor_parallel", 1), layout.get("pipeline_parallel", 1)
+    if layout.get("expert_parallel", 1) > 1:
+        ep = layout["expert_parallel"]
+        return (f"{n} processes spreading every MoE layer's experts over groups of {ep} (rank r holds its experts "
+                "and records nothing: an expert-parallel run is not traced)")
     if pp > 1:
         return (f"{n} processes, {n // pp} data ranks of {pp} pipeline stages (rank r holds its stage's blocks and "
                 "records nothing: a pipelined run is not traced)")

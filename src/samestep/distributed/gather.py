@@ -1,14 +1,17 @@
-"""Gathering what every rank holds, only when the ranks do not already agree: one all-gather of a 32-byte
-digest a rank settles the usual case, and only a disagreement moves the bytes themselves (as bytes,
-never pickled objects), so that every rank can name it, reach the same verdict and take the same branch."""
+"""Gathering what ranks hold, as bytes, never pickled objects: only when the ranks do not already agree (one
+all-gather of a 32-byte digest a rank settles the usual case, and only a disagreement moves the bytes
+themselves, so that every rank can name it, reach the same verdict and take the same branch); and named
+tensors that each rank of a group holds others of (a model's parts: pipeline stages, experts)."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+from typing import Any
 
 import torch
 
-__all__ = ["all_gather_bytes", "gather_if_different"]
+__all__ = ["all_gather_bytes", "gather_if_different", "gather_named"]
 
 
 def all_gather_bytes(data: bytes, world: int, device: torch.device, group: object = None) -> list[bytes]:
@@ -44,3 +47,40 @@ def gather_if_different(key: bytes, payload: bytes, device: torch.device | None 
     if len(set(all_gather_bytes(hashlib.sha256(key).digest(), world, device))) == 1:
         return None
     return all_gather_bytes(payload, world, device)
+
+
+def gather_named(local: dict[str, torch.Tensor], group: Any, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every rank's ``local`` tensors (each rank of ``group`` holds other names) on every rank, by rank order
+    then each rank's own order: its names, dtypes and shapes as JSON, then its tensors' bytes in one buffer
+    (never pickled). A collective over ``group``."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group)
+    me = dist.get_rank()
+    tensors = {k: v.detach().contiguous() for k, v in local.items()}
+    meta = json.dumps([[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()]).encode()
+    metas = all_gather_bytes(meta, len(ranks), device, group)
+    out: dict[str, torch.Tensor] = {}
+    for src, blob in zip(ranks, metas):
+        entries = json.loads(blob)
+        if src == me:
+            flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()]) if tensors \
+                else torch.zeros(0, dtype=torch.uint8, device=device)
+        else:
+            total = sum(_nbytes(dtype, shape) for _, dtype, shape in entries)
+            flat = torch.empty(total, dtype=torch.uint8, device=device)
+        if flat.numel():
+            dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for name, dtype, shape in entries:
+            n = _nbytes(dtype, shape)
+            out[name] = flat[offset:offset + n].view(getattr(torch, dtype)).reshape(shape).clone()
+            offset += n
+    return out
+
+
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()

@@ -17,7 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["canonical_grad_norm", "clip_grad_norm_", "row_squares"]
+__all__ = ["canonical_grad_norm", "clip_grad_norm_", "gather_rows", "row_squares"]
 
 
 def row_squares(g: torch.Tensor) -> torch.Tensor:
@@ -26,7 +26,7 @@ def row_squares(g: torch.Tensor) -> torch.Tensor:
     return (rows * rows).sum(dim=1)
 
 
-def _gather_rows(local: list[torch.Tensor], group: object = None) -> list[torch.Tensor]:
+def gather_rows(local: list[torch.Tensor], group: object = None) -> list[torch.Tensor]:
     """Each parameter's row sums over all ranks of ``group`` (its shards' rows, in rank order): every rank
     the same."""
     import torch.distributed as dist
@@ -101,13 +101,13 @@ def canonical_grad_norm(grads: Iterable[torch.Tensor], over: object = None) -> t
     grads = list(grads)
     split = {i: r for i, r in enumerate(map(_rows_over_data, grads)) if r is not None}
     if split:  # one gather over the data ranks, in parameter order on every rank
-        whole = iter(_gather_rows([local for local, _, _, _ in split.values()], next(iter(split.values()))[1]))
+        whole = iter(gather_rows([local for local, _, _, _ in split.values()], next(iter(split.values()))[1]))
         split = {i: (next(whole), group, fused, mesh) for i, (_, group, fused, mesh) in split.items()}
     grads = [g if i in split else tensor_ranks_part(g) for i, g in enumerate(grads)]
     if not any(type(g).__name__ == "DTensor" for g in grads):
         rows = [row_squares(g) for g in grads]
         if over is not None:
-            rows = _gather_rows([torch.cat(rows) if rows else torch.zeros(0)], over)
+            rows = gather_rows([torch.cat(rows) if rows else torch.zeros(0)], over)
         return torch.cat(rows).sum().sqrt() if rows else torch.zeros(())
     parts: list[tuple[int, object, torch.Tensor]] = []  # (fused parts, the mesh gathered over or None, row sums)
     for i, g in enumerate(grads):
@@ -125,28 +125,30 @@ def canonical_grad_norm(grads: Iterable[torch.Tensor], over: object = None) -> t
         parts.append((fused, None if dim is None else mesh, row_squares(slices)))
     # FSDP2's data ranks (a norm's weight) and the tensor ranks: one gather each, in the same order on every rank
     for mesh in dict.fromkeys(m for _, m, _ in parts if m is not None):
-        gathered = iter(_gather_rows([r for _, m, r in parts if m == mesh], mesh.get_group()))  # type: ignore
+        gathered = iter(gather_rows([r for _, m, r in parts if m == mesh], mesh.get_group()))  # type: ignore
         # rank order holds each rank's rows of every fused part; the whole tensor's order is part by part
         parts = [(fused, m, r if m != mesh else _part_by_part(next(gathered), mesh.size(), fused))  # type: ignore
                  for fused, m, r in parts]
     rows = [r for _, _, r in parts]
     if over is not None:
-        rows = _gather_rows([torch.cat(rows)], over)
+        rows = gather_rows([torch.cat(rows)], over)
     return torch.cat(rows).sum().sqrt()
 
 
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, *,
-                    out_of_place: bool = False, over: object = None) -> torch.Tensor:
+                    out_of_place: bool = False, over: object = None, norm: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` by the canonical norm: the same scale (``max_norm / (norm + 1e-6)``,
     at most 1) on the same bits of the norm on any number of processes, sharded (DTensor gradients: every
     rank calls it with its shards of the same parameters) or not. Returns the norm before clipping.
 
     ``out_of_place``: each ``p.grad`` becomes a new tensor, leaving the old one as it was (a recorder that
     kept the reduced gradients sees them unclipped); otherwise the gradients are scaled in place. ``over``:
-    the pipeline stages' group (``canonical_grad_norm``).
+    the pipeline stages' group (``canonical_grad_norm``); ``norm``: the norm, made already (of parameters that
+    other ranks hold some of: expert parallelism's).
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    total_norm = canonical_grad_norm([p.grad for p in params if p.grad is not None], over)
+    total_norm = norm if norm is not None else canonical_grad_norm([p.grad for p in params if p.grad is not None],
+                                                                   over)
     coef = float(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))  # an fp32 value: the same products
     for p in params:
         if p.grad is not None:

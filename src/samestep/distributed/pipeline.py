@@ -11,21 +11,16 @@
   weight back.
 - The loss and the norm: the loss is the last stage's, sent to every stage; the norm's row sums are gathered
   in stage order (``canonical_grad_norm(over=...)``), the vector one process sums.
-- Everything a stage holds, gathered as whole tensors in stage order (``gather_named``): the state one process
-  would save.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from samestep.distributed.gather import all_gather_bytes
-
-__all__ = ["CanonicalStage", "TiedWeight", "broadcast_from", "gather_named"]
+__all__ = ["CanonicalStage", "TiedWeight", "broadcast_from"]
 
 
 def _stage_class() -> type:
@@ -151,40 +146,3 @@ def broadcast_from(value: torch.Tensor, src: int, group: Any) -> torch.Tensor:
     out = value.detach().clone()
     dist.broadcast(out, src=src, group=group)
     return out
-
-
-def gather_named(local: dict[str, torch.Tensor], group: Any, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every rank's ``local`` tensors (each rank of ``group`` holds other names) on every rank, by rank order
-    then each rank's own order: its names, dtypes and shapes as JSON, then its tensors' bytes in one buffer
-    (never pickled). A collective over ``group``."""
-    import torch.distributed as dist
-
-    ranks = dist.get_process_group_ranks(group)
-    me = dist.get_rank()
-    tensors = {k: v.detach().contiguous() for k, v in local.items()}
-    meta = json.dumps([[k, str(v.dtype).removeprefix("torch."), list(v.shape)] for k, v in tensors.items()]).encode()
-    metas = all_gather_bytes(meta, len(ranks), device, group)
-    out: dict[str, torch.Tensor] = {}
-    for src, blob in zip(ranks, metas):
-        entries = json.loads(blob)
-        if src == me:
-            flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()]) if tensors \
-                else torch.zeros(0, dtype=torch.uint8, device=device)
-        else:
-            total = sum(_nbytes(dtype, shape) for _, dtype, shape in entries)
-            flat = torch.empty(total, dtype=torch.uint8, device=device)
-        if flat.numel():
-            dist.broadcast(flat, src=src, group=group)
-        offset = 0
-        for name, dtype, shape in entries:
-            n = _nbytes(dtype, shape)
-            out[name] = flat[offset:offset + n].view(getattr(torch, dtype)).reshape(shape).clone()
-            offset += n
-    return out
-
-
-def _nbytes(dtype: str, shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()

@@ -350,20 +350,19 @@ class ParallelConfig:
     sums the sequence in parallel.tp_chunks fixed chunks and dropout masks are keyed by position, a numerical
     path of its own (a resume may not change it) with the same bits at every degree (docs/layouts.md)."""
     pp: int = 1
-    """Pipeline-parallel degree: the decoder's blocks split into this many stages run by
-    torch.distributed.pipelining, the data over --nproc / pp data ranks. Each stage's gradients follow the
-    canonical microbatch tree and the loss and norm combine in a fixed order, so every degree gives the bits of
-    one process, and a checkpoint resumes at any other (docs/layouts.md)."""
+    """Pipeline-parallel degree: the blocks split into this many stages (torch.distributed.pipelining), the data
+    over --nproc / pp (/ tp) data ranks; every degree gives one process's bits, a checkpoint resumes at any other."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's experts spread over groups of this many data ranks (all-to-all);
+    every degree gives one process's bits, a checkpoint resumes at any other (docs/layouts.md)."""
     pp_schedule: str = "1f1b"
-    """The pipeline's schedule (parallel.pp > 1): '1f1b' (Schedule1F1B) or 'gpipe' (ScheduleGPipe). The same
-    bits either way."""
+    """The pipeline's schedule: '1f1b' (Schedule1F1B) or 'gpipe' (ScheduleGPipe); the same bits either way."""
 
     def __post_init__(self) -> None:
-        _positive("parallel", self, "tp", "pp")
+        _positive("parallel", self, "tp", "pp", "ep")
         if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(f"parallel.pp_schedule={self.pp_schedule!r} is unknown; use one of "
-                             f"{', '.join(PP_SCHEDULES)} (schedules with several stages a rank, or a split backward, "
-                             "are not supported)")
+            raise ValueError(f"parallel.pp_schedule={self.pp_schedule!r} is unknown; use "
+                             f"{' or '.join(PP_SCHEDULES)} (none with several stages a rank or a split backward)")
         if self.tp_chunks < 0:
             raise ValueError(f"parallel.tp_chunks={self.tp_chunks} is negative; use 0 (plain layers) or 1, 2, 4, 8, 16")
         if self.tp > 1 and not self.tp_chunks:

@@ -46,6 +46,7 @@ from samestep.train.llama import Llama
 from samestep.train.processes import Processes, device_kind
 from samestep.train.resume import check_run_files, restore_run
 from samestep.train.layout import job_layout, written_layout
+from samestep.train.ep import check_ep
 from samestep.train.pp import check_pp
 from samestep.train.tp import check_tp, data_ranks
 from samestep.train.progress import Progress
@@ -108,6 +109,7 @@ def check_layout(cfg: Config, world: int) -> None:
     t = cfg.train
     check_tp(cfg, world)
     check_pp(cfg, world)
+    check_ep(cfg, world)
     world = data_ranks(cfg, world)
     if t.microbatches % world:
         raise ValueError(f"train.global_batch={t.global_batch} / train.micro_batch={t.micro_batch} = "
@@ -127,9 +129,9 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
     start, loaded = restore_run(trainer, run_dir, resume, world, say)
     layout = job_layout(cfg, world)
     same = loaded is None or written_layout(loaded) == layout
-    # a pipeline's stages gather the state rank 0's receipts checksum together
+    # a model in parts (pipeline stages, experts): its ranks gather the state rank 0's receipts checksum together
     state = (trainer.receipt_state(start)
-             if _writes_receipts(trainer, dist_) or (trainer.pipeline is not None and t.receipts) else None)
+             if _writes_receipts(trainer, dist_) or (trainer.whole is not None and t.receipts) else None)
     check_run_files(proto, start, rank, state if _writes_receipts(trainer, dist_) else None,
                     checkpoint=loaded, same_layout=same)
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
@@ -192,11 +194,11 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
     proto.adopt(trainer.recorder)
     cross = _receipts(trainer, proto, start, dist_)
 
-    # a pipeline's stages: their part of each receipt's state, which rank 0's gather collects
-    gathers = trainer.pipeline is not None and t.receipts and not _writes_receipts(trainer, dist_)
+    # a model in parts: each rank's part of each receipt's state, which rank 0's gather collects
+    gathers = trainer.whole is not None and t.receipts and not _writes_receipts(trainer, dist_)
 
     def save(done: int) -> None:
-        # a sharded run: each rank writes its own shards, nothing gathered; a pipeline's, the stages' state gathered
+        # a sharded run: each rank writes its own shards, nothing gathered; a model in parts, the whole state gathered
         proto.save(lambda: save_checkpoint(
             checkpoints_dir(run_dir), done, **_saved_state(trainer),
             scheduler=trainer.schedule, data_cursor=trainer.cursor, config=trainer.cfg.to_dict(),
@@ -243,9 +245,9 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
 
 
 def _saved_state(trainer: Trainer) -> dict[str, Any]:
-    """The model and optimizer a checkpoint saves: the trainer's own, or a pipeline's whole state (gathered
-    now: every rank of the stages calls it)."""
-    model, optimizer = trainer.savable() if trainer.pipeline is not None else (trainer.model, trainer.optimizer)
+    """The model and optimizer a checkpoint saves: the trainer's own, or of a model in parts the whole state
+    (gathered now: every rank of the parts calls it)."""
+    model, optimizer = trainer.savable() if trainer.whole is not None else (trainer.model, trainer.optimizer)
     return {"model": model, "optimizer": optimizer}
 
 

@@ -134,6 +134,8 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.n_embd, cfg.moe_experts, bias=False)
         # each expert is called as expert(rows, gen): the GPT's MLP, or the Llama's SwiGLU
         self.experts = nn.ModuleList(expert(cfg) for _ in range(cfg.moe_experts))
+        # set by parallel.ep: the experts spread over ranks, each run where it lies (train/ep.py)
+        self.exchange: Any = None
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
         if self.sequence is not None:  # the router and the experts see every token
@@ -149,11 +151,15 @@ class MoE(nn.Module):
         counts = torch.bincount(flat_expert, minlength=len(self.experts)).tolist()
         # Gather: index_select's backward is an ordered index_add; x[token]'s would be index_put_ accumulate.
         rows = xt.index_select(0, token) if self.deterministic else xt[token]  # (N*k, C)
-        outs, start = [], 0
-        for e, count in enumerate(counts):
-            outs.append(self.experts[e](rows[start:start + count], gen))
-            start += count
-        expert_out = torch.cat(outs)  # (N*k, C)
+        if self.exchange is not None:  # each expert's rows to its rank, run there as here, and back
+            expert_out = self.exchange.run(rows, counts, lambda e, params, r: torch.func.functional_call(
+                self.experts[e], params, (r, gen)))
+        else:
+            outs, start = [], 0
+            for e, count in enumerate(counts):
+                outs.append(self.experts[e](rows[start:start + count], gen))
+                start += count
+            expert_out = torch.cat(outs)  # (N*k, C)
         w = weight.reshape(-1)[order]
         if self.deterministic:
             y = ops.moe_combine(expert_out, token, w, n)

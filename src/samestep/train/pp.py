@@ -23,6 +23,7 @@ from torch import nn
 
 from samestep import rng
 from samestep.train.config import Config
+from samestep.train.parts import Parts
 
 __all__ = ["Pipeline", "Skipped", "check_pp", "stage_blocks"]
 
@@ -115,9 +116,7 @@ class Pipeline:
         self.schedule: Any = None
         self.grads: Any = None  # set by the trainer: CanonicalGradients over ``params``
         self.microbatches = range(0)
-        self._full_keys: list[str] = []  # the whole model's state_dict keys
-        self._groups: list[list[str]] = []  # the whole optimizer's param groups, by parameter name
-        self._names: dict[int, str] = {}  # id(parameter) -> name, of this stage's
+        self.parts: Any = None  # Parts: this stage's part of the whole state
         self.mesh: Any = None  # the job's DeviceMesh
         self._tied = False  # the model's head is its embedding's weight (the GPT's)
         self._tied_groups: dict[tuple[int, int], Any] = {}  # (first, last stage's rank) -> their process group
@@ -137,9 +136,7 @@ class Pipeline:
         tp = cfg.parallel.tp if cfg.parallel.tp_chunks else 1
         data = world // (pp * tp)
         self.stage = s = rank // tp % pp
-        self._full_keys = list(model.state_dict().keys())
-        named = list(model.named_parameters())  # a tied weight once, under its first name
-        self._groups = [[n for n, p in named if p.dim() >= 2], [n for n, p in named if p.dim() < 2]]
+        self.parts = Parts(model)  # before the model is cut to the stage
         dims = [(n, size) for n, size in (("data", data), ("pipe", pp), ("tensor", tp))
                 if size > 1 or n == "pipe" or (n == "tensor" and cfg.parallel.tp_chunks)]
         mesh = init_device_mesh(device.type, tuple(size for _, size in dims),
@@ -197,7 +194,7 @@ class Pipeline:
             self.tied = TiedWeight(weight, is_first=s == 0, peer=self.last_rank if s == 0 else self._first_rank,
                                    group=self._tied_groups[pair], per_microbatch=cfg.determinism.enabled)
         self.params = [p for p in model.parameters() if p.requires_grad and p is not copy]
-        self._names = {id(p): n for n, p in model.named_parameters()}
+        self.parts.hold(model, self.params)
         bf16 = cfg.train.precision == "bf16"
         tp = cfg.parallel.tp if cfg.parallel.tp_chunks else 1
         b, n, c = cfg.train.micro_batch, cfg.model.block_size, cfg.model.n_embd
@@ -265,67 +262,9 @@ class Pipeline:
                     device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The model's and optimizer's ``state_dict()`` as one process holds them, gathered from the stages
         (a collective over the stages: each rank of them calls it)."""
-        from samestep.distributed.pipeline import gather_named
-
-        if any(type(p).__name__ == "DTensor" for p in self.params):  # the tensor ranks' shards, gathered first
-            from samestep.distributed.fsdp import full_state
-
-            local, sd = full_state(model, optimizer)
-        else:
-            local, sd = dict(model.state_dict()), optimizer.state_dict()
-        local_names = [self._names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-        for idx, state in sd["state"].items():
-            for key, value in state.items():
-                local[f"optimizer\0{local_names[idx]}\0{key}"] = value
-        every = gather_named(local, self.pipe_group, device)
-        model_sd = {k: every[k] for k in self._full_keys}
-        index = {n: i for i, n in enumerate(n for g in self._groups for n in g)}
-        states: dict[int, dict[str, Any]] = {}
-        for key, value in every.items():
-            if key.startswith("optimizer\0"):
-                _, name, field = key.split("\0")
-                states.setdefault(index[name], {})[field] = value
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in names]}
-                  for g, names in zip(sd["param_groups"], self._groups)]
-        return model_sd, {"state": dict(sorted(states.items())), "param_groups": groups}
+        return self.parts.whole_state(model, optimizer, self.pipe_group, device)
 
     def loaders(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
         """What a whole checkpoint is loaded into: this stage's part of each state (under tensor parallelism,
         each tensor rank's shards of it)."""
-        from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer
-
-        split = any(type(p).__name__ == "DTensor" for p in self.params)
-        return (_StageModel(model, ShardedModel(model) if split else model),
-                _StageOptimizer(optimizer, self._groups, self._names,
-                                ShardedOptimizer(optimizer) if split else optimizer))
-
-
-class _StageModel:
-    """``load_state_dict`` of the whole model's state into a stage: its own entries."""
-
-    def __init__(self, model: nn.Module, into: Any) -> None:
-        self.model, self.into = model, into  # ``into``: the model, or what loads whole tensors into its shards
-
-    def load_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
-        own = self.model.state_dict()
-        missing = sorted(set(own) - set(state))
-        if strict and missing:
-            raise RuntimeError(f"pipeline stage state: missing keys {missing}")
-        self.into.load_state_dict({k: state[k] for k in own if k in state}, strict=strict)
-
-
-class _StageOptimizer:
-    """``load_state_dict`` of the whole optimizer's state into a stage's: its parameters' entries, by name."""
-
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[list[str]], names: dict[int, str],
-                 into: Any) -> None:
-        self.optimizer, self.groups, self.names, self.into = optimizer, groups, names, into
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        whole = [n for g in self.groups for n in g]
-        local = [[self.names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
-        index = {n: i for i, n in enumerate(n for g in local for n in g)}
-        states = {index[whole[int(i)]]: s for i, s in state["state"].items() if whole[int(i)] in index}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in names]}
-                  for g, names in zip(state["param_groups"], local)]
-        self.into.load_state_dict({"state": states, "param_groups": groups})
+        return self.parts.loaders(model, optimizer)

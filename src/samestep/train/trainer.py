@@ -31,6 +31,7 @@ from samestep.train.config import Config
 from samestep.train.faults import Fault
 from samestep.train.llama import Llama
 from samestep.train.model import GPT
+from samestep.train.ep import ExpertLayout, check_ep
 from samestep.train.pp import Pipeline, check_pp
 from samestep.train.schedule import WarmupCosine
 from samestep.train.tp import apply_tp, check_tp, data_ranks
@@ -73,21 +74,28 @@ class Trainer:
     peers: list[list[int]] = field(default_factory=list)
     rank: int = 0  # this process's rank (the gradients' is its data rank's)
     pipeline: Pipeline | None = None  # parallel.pp > 1: this rank's stage and what joins it to the others
+    experts: ExpertLayout | None = None  # parallel.ep > 1: this rank's experts and what joins them to the others
+
+    @property
+    def whole(self) -> Pipeline | ExpertLayout | None:
+        """What gathers the whole state from the ranks that hold parts of the model (pipeline stages, experts),
+        and loads it back into each part; None where every rank holds all of it (or its shards)."""
+        return self.pipeline if self.pipeline is not None else self.experts
 
     @property
     def sharded(self) -> bool:
         """Whether checkpoints and receipts hold each rank's shards of DTensor parameters: FSDP2 (parallel.fsdp on
         more than one process) or tensor parallelism (parallel.tp_chunks, a mesh of one included); a pipeline's
         hold the whole state, gathered from its stages (and their tensor ranks)."""
-        if self.pipeline is not None:  # its checkpoints and receipts hold the whole state, gathered
+        if self.whole is not None:  # its checkpoints and receipts hold the whole state, gathered
             return False
         return isinstance(self.grads, FsdpGradients) or self.cfg.parallel.tp_chunks > 0
 
     def savable(self) -> tuple[Any, Any]:
         """What the final digest reads ``state_dict()`` from: the model and optimizer, or of a sharded run
         their unsharded state, gathered now (a collective: every rank calls it)."""
-        if self.pipeline is not None:
-            model_sd, optim_sd = self.pipeline.whole_state(self.model, self.optimizer, self.device)
+        if self.whole is not None:
+            model_sd, optim_sd = self.whole.whole_state(self.model, self.optimizer, self.device)
             return Held(model_sd), Held(optim_sd)
         if not self.sharded:
             return self.model, self.optimizer
@@ -96,9 +104,9 @@ class Trainer:
 
     def loadable(self) -> tuple[Any, Any]:
         """What a checkpoint (loaded as whole tensors, whoever wrote it) is loaded into: of a sharded run,
-        each rank's shards of them; of a pipeline stage, its part of them."""
-        if self.pipeline is not None:
-            return self.pipeline.loaders(self.model, self.optimizer)
+        each rank's shards of them; of a pipeline stage or a rank's experts, its part of them."""
+        if self.whole is not None:
+            return self.whole.loaders(self.model, self.optimizer)
         if not self.sharded:
             return self.model, self.optimizer
         return ShardedModel(self.model), ShardedOptimizer(self.optimizer)
@@ -107,9 +115,9 @@ class Trainer:
         """The state tree after ``step`` as ``run_state`` makes it, made on the receipt thread. The
         optimizer's is taken here (the next step sets its groups' lr before its update); the model's there,
         but for a sharded run: FSDP2's ``state_dict`` swaps the module's parameters, which the next forward
-        must not see. Of a pipeline stage, the whole state, gathered now from the stages (a collective: every rank
-        of them calls it, at the same steps)."""
-        if self.pipeline is not None:
+        must not see. Of a model in parts (``whole``), the whole state, gathered now from the parts (a collective:
+        every rank of them calls it, at the same steps)."""
+        if self.whole is not None:
             model_sd, optim_sd = self.savable()
             tree = {"model": model_sd.state_dict(), "optimizer": optim_sd.state_dict(),
                     "data_cursor": self.cursor.state_dict(), "step": step}
@@ -153,10 +161,14 @@ class Trainer:
                     with rec.paused():
                         self.recompute.compare(step, i, x, y, loss)
                 self.grads.accumulate(i, extra=loss.detach())
+                if self.experts is not None:
+                    self.experts.after_microbatch()
             if self.recompute is not None:
                 self.recompute.settle(step, picked)
             if pipe is None:
                 loss_sum = self.grads.reduce()[0]
+                if self.experts is not None:
+                    self.experts.reduce()
             else:  # the stages' forwards and backwards, by the schedule
                 loss_sum = pipe.run(step, t.seed, lambda i: self.cursor.samples(
                     self.cursor.position + i * t.micro_batch, t.micro_batch), self.device)[0]
@@ -169,8 +181,9 @@ class Trainer:
             if self.reduced is not None:  # clipping out of place leaves these tensors as they are
                 self.reduced = [(n, p.grad) for n, p in self.named_params if p.grad is not None]
             max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-            grad_norm = clip_grad_norm_(self.grads.params, max_norm, out_of_place=True,
-                                        over=None if pipe is None else pipe.pipe_group)
+            grad_norm = clip_grad_norm_(self.grads.params if self.experts is None else self.experts.params, max_norm,
+                                        out_of_place=True, over=None if pipe is None else pipe.pipe_group,
+                                        norm=None if self.experts is None else self.experts.grad_norm(self.model))
             rec.metric("loss", loss_sum)
             rec.metric("grad_norm", grad_norm)
             check_finite(step + 1, float(loss_sum), float(grad_norm), t.nonfinite)  # before the update
@@ -203,7 +216,9 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     model = arch(cfg.model, vocab, t.seed, deterministic=cfg.determinism.enabled).to(device)
     check_tp(cfg, world, vocab)
     check_pp(cfg, world)
+    check_ep(cfg, world)
     pipeline = Pipeline.build(model, cfg, world, rank, device) if cfg.parallel.pp > 1 else None
+    experts = ExpertLayout.build(model, cfg, world, rank, device) if cfg.parallel.ep > 1 else None
     data_mesh = (apply_tp(model, cfg, world, rank, device.type, None if pipeline is None else pipeline.tensor_meshes)
                  if cfg.parallel.tp_chunks else None)
     if pipeline is not None:
@@ -228,7 +243,8 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
         kind = FsdpGradients if cfg.determinism.enabled else FsdpDefaultGradients
         grads: Any = kind(model, microbatches_per_process=k, world_size=data_world, rank=data_rank, group=data_group)
     else:
-        params = model.parameters() if pipeline is None else pipeline.params
+        params = pipeline.params if pipeline is not None else experts.shared if experts is not None else \
+            model.parameters()
         if pipeline is not None:
             data_group = pipeline.data_group
         grads = (CanonicalGradients(params, microbatches_per_process=k, world_size=data_world,
@@ -247,14 +263,19 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     if recorder.enabled:
         grads.observer = recorder.collective
     trainer = Trainer(cfg=cfg, corpus=corpus, model=model,
-                      optimizer=_make_optimizer(model, cfg, None if pipeline is None else pipeline.params),
+                      optimizer=_make_optimizer(model, cfg, pipeline.params if pipeline is not None else
+                                                experts.params if experts is not None else None),
                       schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
                       cursor=DataCursor(corpus, cfg.model.block_size, t.seed), grads=grads, device=device,
                       recorder=recorder, named_params=list(model.named_parameters()),
-                      named_buffers=Recorder.persistent_buffers(model), fault=fault, rank=rank, pipeline=pipeline)
+                      named_buffers=Recorder.persistent_buffers(model), fault=fault, rank=rank, pipeline=pipeline,
+                      experts=experts)
     if pipeline is not None:  # each stage's (and tensor rank's) data ranks hold the same tensors
         pp, tp = cfg.parallel.pp, world // data_world // cfg.parallel.pp
         trainer.peers = [[(d * pp + s) * tp + r for d in range(data_world)] for s in range(pp) for r in range(tp)]
+    elif experts is not None:  # the ranks at one place of their expert-parallel groups hold the same tensors
+        ep = cfg.parallel.ep
+        trainer.peers = [[g * ep + j for g in range(world // ep)] for j in range(ep)]
     elif cfg.parallel.tp_chunks and not sharded:
         tp = cfg.parallel.tp
         trainer.peers = [[d * tp + r for d in range(data_world)] for r in range(tp)]
