@@ -7,6 +7,7 @@ microbatches gives other bits."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 
@@ -121,3 +122,39 @@ def test_a_llama_in_bf16_moves_between_tp_2_by_pp_2_and_tp_2_bit_for_bit(tmp_pat
         assert final["state_digest"] == one and metrics_bytes(tmp_path / name) == metrics_bytes(tmp_path / "one")
         verify = cli_here("receipts", "verify", str(tmp_path / name))
         assert verify.returncode == 0, verify.stdout + verify.stderr
+
+
+def _ulp_on_the_last_stage_in_step_2() -> None:
+    """Rank 1 (the last stage) adds one ULP to its first parameter's reduced gradient in step 2."""
+    import torch
+
+    from samestep.train import pp
+
+    run = pp.Pipeline.run
+
+    def planted(self, step, *args):
+        loss = run(self, step, *args)
+        if step == 1 and os.environ["RANK"] == "1":
+            g = self.params[0].grad.view(-1)
+            g[0] = torch.nextafter(g[0], torch.tensor(float("inf")))
+        return loss
+
+    pp.Pipeline.run = planted
+
+
+def test_diff_names_the_pipeline_stage_where_two_pipelined_runs_differ(tmp_path):
+    """Two PP-2 runs traced at step level: alike, `samestep diff` finds them identical record by record; with one
+    ULP planted in a gradient of the last stage in step 2, it names step 2, rank 1 and that gradient, and where
+    rank 1 sits (data rank 0, pipeline stage 1)."""
+    settings = (*PP, "parallel.pp=2", "trace.level=step", "train.steps=3")
+    train_ranks(tmp_path / "a", *settings, nproc=2)
+    train_ranks(tmp_path / "b", *settings, nproc=2)
+    train_ranks(tmp_path / "c", *settings, nproc=2, patch=_ulp_on_the_last_stage_in_step_2)
+    same = cli_here("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json")
+    assert same.returncode == 0 and json.loads(same.stdout)["compared"]["ranks"] == 2, same.stdout + same.stderr
+    other = cli_here("diff", str(tmp_path / "a"), str(tmp_path / "c"), "--json")
+    doc = json.loads(other.stdout)
+    first = doc["first_difference"] or doc["first_seen"]
+    assert other.returncode != 0 and (first["step"], first["rank"]) == (2, 1), other.stdout
+    assert "transformer.h.2" in first["scope"] + first["op"] + json.dumps(first), first
+    assert "rank 1 at step 2 is data rank 0, pipeline stage 1 of the layout that wrote it" in doc["notes"], doc["notes"]

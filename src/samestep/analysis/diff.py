@@ -20,9 +20,17 @@ import pyarrow.compute as pc
 
 from samestep._state import dotted
 from samestep.env import compare_environments, numerics_differences
-from samestep.rundir import NUMERICS_NEUTRAL, RunDirError, determinism_diff, final_digest, read_metrics, read_run
+from samestep.rundir import (
+    NUMERICS_NEUTRAL,
+    RunDirError,
+    determinism_diff,
+    final_digest,
+    layout_at,
+    read_metrics,
+    read_run,
+)
 from samestep.tracing.selection import LEVELS, format_selection, parse_selection
-from samestep.analysis.layouts import steps_on_other_layouts
+from samestep.analysis.layouts import rank_coordinates, steps_on_other_layouts
 from samestep.analysis.receipt_diff import receipts_compared
 from samestep.analysis.records import chunks, records, steps_recorded
 from samestep.tracing.stream import KEY, traced_ranks
@@ -318,6 +326,10 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
                    f"(rank {receipt_diff['rank']}); samestep bisect replays that step and names the op")
     else:
         summary = _no_origin_summary(first, metric_diff, finals, bool(per_rank))
+    named = structural[0] if structural else origin or first_seen or first
+    coords = rank_coordinates(layout_at(doc_a, named.step), named.rank) if named is not None else None
+    if coords:
+        notes.append(f"rank {named.rank} at step {named.step} is {coords} of the layout that wrote it")
     verdict = "nothing compared" if nothing else "identical" if identical else \
         f"identical over steps {format_selection(held[0])} of {format_selection(held[1])}" if partial else "diverged"
     return {

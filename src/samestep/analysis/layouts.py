@@ -10,7 +10,7 @@ from typing import Any
 from samestep.rundir import layout_at
 from samestep.tracing.selection import format_selection
 
-__all__ = ["steps_on_other_layouts"]
+__all__ = ["rank_coordinates", "steps_on_other_layouts"]
 
 
 def _layout_words(layout: dict[str, Any]) -> str:
@@ -18,11 +18,11 @@ def _layout_words(layout: dict[str, Any]) -> str:
     tp, pp = layout.get("tensor_parallel", 1), layout.get("pipeline_parallel", 1)
     if layout.get("expert_parallel", 1) > 1:
         ep = layout["expert_parallel"]
-        return (f"{n} processes spreading every MoE layer's experts over groups of {ep} (rank r holds its experts "
-                "and records nothing: an expert-parallel run is not traced)")
+        return (f"{n} processes spreading every MoE layer's experts over groups of {ep} (rank r records the "
+                "parameters, gradients and optimizer state of its own experts and of the rest)")
     if pp > 1:
-        return (f"{n} processes, {n // pp} data ranks of {pp} pipeline stages (rank r holds its stage's blocks and "
-                "records nothing: a pipelined run is not traced)")
+        return (f"{n} processes, {n // pp} data ranks of {pp} pipeline stages (rank r records its stage's "
+                "parameters, gradients and optimizer state)")
     if tp > 1 and layout.get("sharded"):
         return (f"{n} processes, {n // tp} data ranks holding FSDP2 shards of each of {tp} tensor ranks' slices (rank "
                 "r records its rows of its tensor rank's slice of every parameter, gradient and optimizer state)")
@@ -33,6 +33,22 @@ def _layout_words(layout: dict[str, Any]) -> str:
         return (f"{n} process{'es' if n > 1 else ''} holding FSDP2 shards (rank r records its dim-0 rows of every "
                 "parameter, gradient and optimizer state)")
     return "1 process" if n == 1 else f"{n} processes holding whole tensors (data parallel, with collectives)"
+
+
+def rank_coordinates(layout: dict[str, Any], rank: int) -> str | None:
+    """Where ``rank`` sits in ``layout`` (``layout_at``'s): its data rank, pipeline stage, tensor rank and place
+    among the expert ranks, of the dimensions over one (a data rank's stages consecutive, a stage's tensor ranks
+    consecutive; expert groups of consecutive data ranks); None where there is one dimension (the rank is its
+    data rank)."""
+    tp, pp, ep = (layout.get(k, 1) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel"))
+    if tp == pp == ep == 1:
+        return None
+    data, rest = divmod(rank, pp * tp)
+    stage, tensor = divmod(rest, tp)
+    words = [f"data rank {data}"] + ([f"pipeline stage {stage}"] if pp > 1 else []) + \
+        ([f"tensor rank {tensor}"] if tp > 1 else []) + ([f"expert rank {data % ep} of group {data // ep}"]
+                                                           if ep > 1 else [])
+    return ", ".join(words)
 
 
 def steps_on_other_layouts(doc_a: dict, doc_b: dict, steps: set[int], notes: list[str]) -> set[int]:

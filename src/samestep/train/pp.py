@@ -51,10 +51,11 @@ def check_pp(cfg: Config, world: int) -> None:
         return
     why = {"parallel.sp": par.sp, "parallel.fsdp": par.fsdp, "train.compile": t.compile,
            "train.sdc_check_every": t.sdc_check_every > 0, "train.fault": bool(t.fault),
-           "trace.level": cfg.trace.level != "off"}
+           f"trace.level={cfg.trace.level}": cfg.trace.level not in ("off", "step")}
     for field, on in why.items():
         if on:
-            raise ValueError(f"parallel.pp={par.pp} with {field} is not supported yet; use one of them")
+            raise ValueError(f"parallel.pp={par.pp} with {field} is not supported yet; use one of them"
+                             + (" (trace.level=step is)" if field.startswith("trace") else ""))
     if cfg.model.n_layer < par.pp:
         raise ValueError(f"parallel.pp={par.pp} stages need a block each, and model.n_layer={cfg.model.n_layer}. "
                          f"Fix: --set parallel.pp={cfg.model.n_layer} or fewer")
