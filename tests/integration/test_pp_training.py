@@ -158,3 +158,22 @@ def test_diff_names_the_pipeline_stage_where_two_pipelined_runs_differ(tmp_path)
     assert other.returncode != 0 and (first["step"], first["rank"]) == (2, 1), other.stdout
     assert "transformer.h.2" in first["scope"] + first["op"] + json.dumps(first), first
     assert "rank 1 at step 2 is data rank 0, pipeline stage 1 of the layout that wrote it" in doc["notes"], doc["notes"]
+
+
+@pytest.mark.parametrize("before", [("parallel.pp=2",), ()], ids=["pp2", "dp2"])
+def test_receipts_hold_where_a_run_moves_from_rank_0s_receipts_to_every_ranks(tmp_path, before):
+    """A PP-2 run, and an unsharded one on 2 data ranks (rank 0 alone keeps receipts, of the whole state),
+    stopped at step 2 and resumed under FSDP2 (every rank keeps receipts of its shards): the run ends on the
+    bits of one process and its receipts hold, rank 1's from step 3. Negative control: the same rank 1
+    receipts in a run that did not resume there are refused."""
+    settings = (*PP, "train.steps=4")
+    train_ranks(tmp_path / "run", *settings, *before, nproc=2, stop_after=2)
+    final = train_ranks(tmp_path / "run", *settings, "parallel.fsdp=true", nproc=2, resume=True)
+    assert final["state_digest"] == train_here(tmp_path / "one", *settings)["state_digest"]
+    verify = cli_here("receipts", "verify", str(tmp_path / "run"))
+    assert verify.returncode == 0 and "rank 1: steps 3-4" in verify.stdout, verify.stdout + verify.stderr
+    doc = json.loads((tmp_path / "run" / "run.json").read_text())
+    doc["resumes"] = []  # as if the run had started under FSDP2
+    (tmp_path / "run" / "run.json").write_text(json.dumps(doc))
+    forged = cli_here("receipts", "verify", str(tmp_path / "run"))
+    assert forged.returncode != 0 and "starts at step 3, not 1" in forged.stdout + forged.stderr

@@ -132,13 +132,18 @@ def check_receipts(run_dir: str | Path) -> dict[str, Any]:
     problems, checked, ranks = [], [], {}
     resumed = {r["step"] for r in doc.get("resumes", []) if isinstance(r, dict) and isinstance(r.get("step"), int)}
 
+    # parallel.tp_chunks gives every rank receipts of its shards, whatever the degree, and no resume changes it
+    chunks = (doc.get("config") or {}).get("parallel", {}).get("tp_chunks", 0)
+
     def joined(rank: int, first: int) -> bool:
         """Whether ``rank`` first kept receipts at step ``first``: a resume from the step before it onto more
-        processes, or from a pipeline's layout (whose rank 0 alone keeps receipts, of the whole state)."""
+        processes, or from a layout whose rank 0 alone kept receipts, of the whole state (unsharded data
+        parallelism, a pipeline's, expert parallelism's) onto one whose every rank keeps its own."""
         if first - 1 not in resumed:
             return False
         before, after = layout_at(doc, first - 1), layout_at(doc, first)["world_size"]
-        return (before["world_size"] if before["pipeline_parallel"] == 1 else 1) <= rank < after
+        alone = before["pipeline_parallel"] > 1 or before["expert_parallel"] > 1 or not (before["sharded"] or chunks)
+        return (1 if alone else before["world_size"]) <= rank < after
 
     for rank, (header, receipts) in chains.items():
         path = receipts_path(run_dir, rank)
