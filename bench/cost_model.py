@@ -32,9 +32,11 @@ combined over the DP ranks as above (DDP's ring against the canonical combine as
 
 With --pp, P pipeline stages x DP 8 to 512 (docs/layouts.md, "Pipeline parallelism"): the activations cross
 the stages alike in both; each stage's 1/P of the gradient is combined over its DP ranks (DDP's ring against
-the canonical combine as built), a head tied to the embedding (``--tied-mb``) crosses once a step in plain
-pipelining and once a microbatch in canonical (counted exposed: an upper bound), and the norm's row sums and
-the loss cross the stages (latency). "receipts' gather": what rank 0's receipts of the whole state cost a step
+the canonical combine as built), a head tied to the embedding (``--tied-mb``) crosses once a step after the
+backward in plain pipelining (Megatron's embedding all-reduce), while the canonical path sends the embedding
+gradient's rows of each microbatch's tokens (``--tied-rows-mb``) as the pipeline runs, the last microbatch's
+exposed; the weight goes back after the update in both; and the norm's row sums and the loss cross the stages
+(latency). "receipts' gather": what rank 0's receipts of the whole state cost a step
 as built (the parameters and Adam's moments from the other stages over one link), not in the ratio.
 
     .venv/bin/python bench/cost_model.py --ep [--expert-mb 8000] [--split-cost 0.02] [--json]
@@ -113,7 +115,9 @@ def pp_estimate(p: int, dp: int, a: argparse.Namespace) -> dict:
     tied = a.tied_mb * 1e6
     plain = dp_rows["ddp_exposed_ms"] * 1e-3 + (alpha + tied / beta if tied else 0.0)
     joins = 2 * (p - 1) * alpha  # the norm's row sums and the loss over the stages (a few KB)
-    canonical = dp_rows["canonical_overlapped_exposed_ms"] * 1e-3 + a.microbatches * (alpha + tied / beta) + joins
+    # the first stage's rows of each microbatch cross as the pipeline runs; the last microbatch's are exposed
+    rows = min(tied, a.tied_rows_mb * 1e6)
+    canonical = dp_rows["canonical_overlapped_exposed_ms"] * 1e-3 + (alpha + rows / beta if tied else 0.0) + joins
     receipts = (p - 1) / p * 3 * a.grad_mb * 1e6 / beta  # param + Adam's moments, 12 B a parameter, to rank 0
     return {"pp": p, "dp": dp, "ranks": p * dp, "plain_exposed_ms": 1e3 * plain,
             "canonical_exposed_ms": 1e3 * canonical, "ratio_to_plain_pp": (step + canonical) / (step + plain),
@@ -156,6 +160,8 @@ def main() -> int:
     ap.add_argument("--pp", action="store_true", help="pipeline parallelism at PP 2-8 x DP 8-512")
     ap.add_argument("--tied-mb", type=float, default=0.0,
                     help="--pp: bytes of a weight tied across the first and last stage (0: an untied head)")
+    ap.add_argument("--tied-rows-mb", type=float, default=134.0,
+                    help="--pp: the tied embedding gradient's rows of a microbatch's tokens (8,192 x 4,096 x 4 B)")
     ap.add_argument("--ep", action="store_true", help="expert parallelism at EP 8-64 within DP 64-4,096")
     ap.add_argument("--expert-mb", type=float, default=8000.0, help="--ep: the experts' gradient bytes, all ranks'")
     ap.add_argument("--split-cost", type=float, default=0.02,

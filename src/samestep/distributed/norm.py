@@ -84,7 +84,8 @@ def _rows_over_data(g: object) -> tuple[torch.Tensor, object, int, object] | Non
             mesh[mesh.mesh_dim_names[1]])
 
 
-def canonical_grad_norm(grads: Iterable[torch.Tensor], over: object = None) -> torch.Tensor:
+def canonical_grad_norm(grads: Iterable[torch.Tensor], over: object = None,
+                        lead: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """The 2-norm of all ``grads`` together, bracketed by rows (see the module docstring). DTensor
     gradients (sharded) are gathered as row sums only, a few bytes per row: a collective over each of their
     meshes then, which every rank of it calls with its shards of the same parameters. A gradient of FSDP2
@@ -95,10 +96,13 @@ def canonical_grad_norm(grads: Iterable[torch.Tensor], over: object = None) -> t
 
     ``over``: a process group whose ranks hold the other parameters (pipeline stages, each the next run of
     the model's parameters, in rank order): the row sums of all of them, gathered in rank order, are the
-    vector one process sums (each stage's bracketed as above first)."""
+    vector one process sums (each stage's bracketed as above first). ``lead``: gradients of this rank whose
+    rows come before every rank's ``grads`` (a weight the last stage holds that the model uses first: the
+    GPT's tied embedding)."""
     from samestep.distributed.fsdp import tensor_ranks_part
 
-    grads = list(grads)
+    lead = list(lead)
+    grads = lead + list(grads)
     split = {i: r for i, r in enumerate(map(_rows_over_data, grads)) if r is not None}
     if split:  # one gather over the data ranks, in parameter order on every rank
         whole = iter(gather_rows([local for local, _, _, _ in split.values()], next(iter(split.values()))[1]))
@@ -107,7 +111,7 @@ def canonical_grad_norm(grads: Iterable[torch.Tensor], over: object = None) -> t
     if not any(type(g).__name__ == "DTensor" for g in grads):
         rows = [row_squares(g) for g in grads]
         if over is not None:
-            rows = gather_rows([torch.cat(rows) if rows else torch.zeros(0)], over)
+            rows = _over(rows, len(lead), over)
         return torch.cat(rows).sum().sqrt() if rows else torch.zeros(())
     parts: list[tuple[int, object, torch.Tensor]] = []  # (fused parts, the mesh gathered over or None, row sums)
     for i, g in enumerate(grads):
@@ -131,24 +135,36 @@ def canonical_grad_norm(grads: Iterable[torch.Tensor], over: object = None) -> t
                  for fused, m, r in parts]
     rows = [r for _, _, r in parts]
     if over is not None:
-        rows = gather_rows([torch.cat(rows)], over)
+        rows = _over(rows, len(lead), over)
     return torch.cat(rows).sum().sqrt()
 
 
+def _over(rows: list[torch.Tensor], lead: int, group: object) -> list[torch.Tensor]:
+    """Every rank's row sums of ``group`` in the whole model's order: the ``lead`` first rows of each rank first,
+    then the rest, each in rank order (one gather)."""
+    def cat(part: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(part) if part else torch.zeros(0, dtype=rows[0].dtype if rows else torch.float32)
+
+    return gather_rows([cat(rows[:lead]), cat(rows[lead:])], group)
+
+
 def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, *,
-                    out_of_place: bool = False, over: object = None, norm: torch.Tensor | None = None) -> torch.Tensor:
+                    out_of_place: bool = False, over: object = None, norm: torch.Tensor | None = None,
+                    lead: Iterable[torch.Tensor] = ()) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` by the canonical norm: the same scale (``max_norm / (norm + 1e-6)``,
     at most 1) on the same bits of the norm on any number of processes, sharded (DTensor gradients: every
     rank calls it with its shards of the same parameters) or not. Returns the norm before clipping.
 
     ``out_of_place``: each ``p.grad`` becomes a new tensor, leaving the old one as it was (a recorder that
     kept the reduced gradients sees them unclipped); otherwise the gradients are scaled in place. ``over``:
-    the pipeline stages' group (``canonical_grad_norm``); ``norm``: the norm, made already (of parameters that
-    other ranks hold some of: expert parallelism's).
+    the pipeline stages' group and ``lead``: parameters whose rows lead (``canonical_grad_norm``), clipped too;
+    ``norm``: the norm, made already (of parameters that other ranks hold some of: expert parallelism's).
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    lead = [p for p in lead if p.grad is not None]
     total_norm = norm if norm is not None else canonical_grad_norm([p.grad for p in params if p.grad is not None],
-                                                                   over)
+                                                                   over, [p.grad for p in lead])
+    params = lead + params
     coef = float(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))  # an fp32 value: the same products
     for p in params:
         if p.grad is not None:

@@ -56,69 +56,85 @@ class CanonicalStage:
 
 
 class TiedWeight:
-    """One weight used on the first stage (``first``: that rank's parameter) and the last (``last``: that
-    rank's copy), over a process group of the two (``group``; ``peer``: the other rank's global rank).
+    """One weight used on the first stage and the last (the GPT's embedding and head), over a process group of the
+    two (``group``; ``peer``: the other rank's global rank). ``weight``: this rank's parameter.
 
-    On the last stage each microbatch's gradient of the copy is sent (``send``) and the copy's ``.grad``
-    cleared; on the first, a hook adds the received one to the parameter's gradient of the same microbatch
-    before autograd accumulates it: the sum of the two uses that one process's autograd forms (two terms: in
-    either order the same bits). ``sync()`` after each optimizer step sends the updated weight to the copy.
-
-    ``per_microbatch=False`` is the usual way instead (Megatron's embedding all-reduce, for the loop with
-    deterministic mode off): each side accumulates its own gradient over the microbatches, and ``add_step()``
-    adds the copy's sum to the first stage's once a step: a step's bytes once, other bits."""
+    ``per_microbatch`` (the canonical path): one process's autograd adds the two uses' gradients of each
+    microbatch (two terms: either order, the same bits) before accumulating them, so the stages do the same,
+    and the last stage owns the weight: after each microbatch's backward the first stage sends the rows of its
+    gradient that are not +0.0 (an embedding's: the microbatch's tokens' rows, a microbatch's tokens x width at
+    most), and at the step's end (``add_step``) the last stage adds each to its own gradient of that microbatch,
+    sums them along the canonical tree and over ``data_group`` (the stage's data ranks) as the canonical
+    reduction does, and sets its ``.grad``. Otherwise the usual way (Megatron's embedding all-reduce, for the
+    loop with deterministic mode off): the first stage owns it, each side accumulates over the microbatches,
+    and ``add_step`` adds the last stage's sum to the first's once a step: other bits. After each optimizer
+    step ``sync`` sends the owner's weight to the other."""
 
     def __init__(self, weight: torch.nn.Parameter, *, is_first: bool, peer: int, group: Any,
-                 per_microbatch: bool = True) -> None:
+                 per_microbatch: bool = True, data_group: Any = None) -> None:
         self.weight, self.is_first, self.peer, self.group = weight, is_first, peer, group
-        self.per_microbatch = per_microbatch
+        self.per_microbatch, self.data_group = per_microbatch, data_group
+        self.owns = is_first != per_microbatch
         self._sends: list[Any] = []
+        self._pending: list[torch.Tensor | None] = []  # the last stage's gradient of each microbatch
         if is_first and per_microbatch:
-            weight.register_hook(self._add_received)
+            weight.register_hook(self._send_rows)
 
-    def _add_received(self, grad: torch.Tensor) -> torch.Tensor:
+    def _send_rows(self, grad: torch.Tensor) -> None:
         import torch.distributed as dist
 
-        local = _local(grad)  # a tensor-parallel weight: this tensor rank's shard, the copy's alike
-        other = torch.empty_like(local)
-        dist.recv(other, src=self.peer, group=self.group)
-        if local is grad:
-            return grad + other
-        from torch.distributed.tensor import DTensor
+        local = _local(grad).contiguous()  # a tensor-parallel weight: this tensor rank's shard, the copy's alike
+        held = local.view(local.shape[0], -1).view(torch.uint8).ne(0).any(1)  # rows with a bit set
+        index = held.nonzero().view(-1)
+        rows = local.index_select(0, index)
+        count = torch.tensor([index.numel()], dtype=torch.int64, device=local.device)
+        for t in (count, index, rows):
+            self._sends.append((dist.isend(t, dst=self.peer, group=self.group), t))
 
-        return DTensor.from_local(local + other, grad.device_mesh, grad.placements,  # type: ignore[attr-defined]
-                                  run_check=False, shape=grad.shape, stride=grad.stride())
+    def after_backward(self) -> None:
+        """After a microbatch's backward on this stage: the copy's gradient dropped (its rows went in the hook),
+        or the owner's kept as that microbatch's (``per_microbatch``)."""
+        if not self.per_microbatch:
+            return
+        if not self.is_first:
+            self._pending.append(self.weight.grad)
+        self.weight.grad = None
 
-    def send(self) -> None:
-        """The last stage, after a microbatch's backward: its gradient of the copy to the first stage (once a
-        step, by ``add_step``, where not ``per_microbatch``)."""
+    def add_step(self) -> None:
+        """After the step's last backward, on both: the owner's ``.grad`` made (see the class docstring)."""
         import torch.distributed as dist
 
         if not self.per_microbatch:
-            return
-        grad, self.weight.grad = self.weight.grad, None
-        local = _local(grad) if grad is not None else torch.zeros_like(_local(self.weight))
-        local = local.contiguous()
-        self._sends.append((dist.isend(local, dst=self.peer, group=self.group), local))
-
-    def add_step(self) -> None:
-        """Not ``per_microbatch``, after the step's last backward: the copy's accumulated gradient added to the
-        first stage's (on both: a send and a receive)."""
-        import torch.distributed as dist
-
-        if self.per_microbatch:
+            if self.is_first:
+                local = _local(self.weight.grad)
+                other = torch.empty_like(local)
+                dist.recv(other, src=self.peer, group=self.group)
+                local.add_(other)
+            else:
+                grad, self.weight.grad = self.weight.grad, None
+                dist.send(_local(grad).contiguous(), dst=self.peer, group=self.group)
             return
         if self.is_first:
-            local = _local(self.weight.grad)
-            other = torch.empty_like(local)
-            dist.recv(other, src=self.peer, group=self.group)
-            local.add_(other)
-        else:
-            grad, self.weight.grad = self.weight.grad, None
-            dist.send(_local(grad).contiguous(), dst=self.peer, group=self.group)
+            return
+        from samestep.distributed.reduce import tree_across_ranks
+        from samestep.distributed.tree import BinaryCounter
+
+        counter, like = BinaryCounter(), _local(self.weight)
+        for grad in self._pending:
+            count = torch.empty(1, dtype=torch.int64, device=like.device)
+            dist.recv(count, src=self.peer, group=self.group)
+            index = torch.empty(int(count), dtype=torch.int64, device=like.device)
+            rows = torch.empty((int(count), *like.shape[1:]), dtype=like.dtype, device=like.device)
+            for t in (index, rows):
+                dist.recv(t, src=self.peer, group=self.group)
+            first = torch.zeros_like(like).index_copy_(0, index, rows)  # the first stage's, bit for bit
+            counter.push((_local(grad) if grad is not None else torch.zeros_like(like)).add(first))
+        self._pending.clear()
+        total = tree_across_ranks([counter.result()], self.data_group)
+        self.weight.grad = _like(total, self.weight)
 
     def sync(self) -> None:
-        """After the optimizer step, on both: the sends done, the first stage's weight copied to the last's."""
+        """After the optimizer step, on both: the sends done, the owner's weight copied to the other."""
         import torch.distributed as dist
 
         for work, _ in self._sends:
@@ -126,7 +142,7 @@ class TiedWeight:
         self._sends.clear()
         with torch.no_grad():
             local = _local(self.weight)
-            if self.is_first:
+            if self.owns:
                 dist.send(local.detach().contiguous(), dst=self.peer, group=self.group)
             else:
                 received = torch.empty_like(local)
@@ -134,9 +150,14 @@ class TiedWeight:
                 local.copy_(received)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank; any other tensor itself."""
-    return t.to_local() if type(t).__name__ == "DTensor" else t  # type: ignore[attr-defined]
+def _like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """``local`` (this rank's part) placed as ``p`` where ``p`` is a DTensor."""
+    if type(p).__name__ != "DTensor":
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,  # type: ignore[attr-defined]
+                              shape=p.shape, stride=p.stride())
 
 
 def broadcast_from(value: torch.Tensor, src: int, group: Any) -> torch.Tensor:
@@ -146,3 +167,8 @@ def broadcast_from(value: torch.Tensor, src: int, group: Any) -> torch.Tensor:
     out = value.detach().clone()
     dist.broadcast(out, src=src, group=group)
     return out
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor itself."""
+    return t.to_local() if type(t).__name__ == "DTensor" else t  # type: ignore[attr-defined]

@@ -30,10 +30,11 @@ class Parts:
         self.names: dict[int, str] = {}
         self.split = False
 
-    def hold(self, model: nn.Module, params: list[nn.Parameter]) -> None:
+    def hold(self, model: nn.Module, params: list[nn.Parameter], aliases: dict[str, str] | None = None) -> None:
         """This rank's part: ``model`` cut to it, and the parameters its optimizer steps (DTensors under tensor
-        parallelism)."""
-        self.names = {id(p): n for n, p in model.named_parameters()}
+        parallelism); ``aliases``: a parameter's name here -> its one-process name (a tied weight's)."""
+        aliases = aliases or {}
+        self.names = {id(p): aliases.get(n, n) for n, p in model.named_parameters()}
         self.split = _split(params)
 
     def whole_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Any, device: torch.device,

@@ -109,7 +109,9 @@ class Pipeline:
     def __init__(self) -> None:
         self.stage = 0
         self.stages = 1
-        self.params: list[nn.Parameter] = []  # this stage's, each once (the last stage's copy of a tied weight not)
+        self.params: list[nn.Parameter] = []  # what this stage's optimizer steps (a tied weight's copy not)
+        self.reduced: list[nn.Parameter] = []  # of them, what the canonical reduction sums (a tied weight not)
+        self.lead: list[nn.Parameter] = []  # of them, those the norm's rows start with (a tied weight the last owns)
         self.pipe_group: Any = None
         self.data_group: Any = None  # this stage's data ranks (None: one)
         self.last_rank = 0  # the global rank of this data rank's last stage
@@ -188,14 +190,20 @@ class Pipeline:
         from samestep.distributed.pipeline import CanonicalStage, TiedWeight
 
         s, pp = self.stage, self.stages
-        copy = model.lm_head.weight if self._tied and s == pp - 1 else None  # type: ignore[union-attr]
+        copy, aliases = None, {}
         if self._tied and s in (0, pp - 1):
-            weight = model.transformer.wte.weight if s == 0 else copy  # type: ignore[union-attr]
+            weight = model.transformer.wte.weight if s == 0 else model.lm_head.weight  # type: ignore[union-attr]
             pair = (self._first_rank, self.last_rank)
             self.tied = TiedWeight(weight, is_first=s == 0, peer=self.last_rank if s == 0 else self._first_rank,
-                                   group=self._tied_groups[pair], per_microbatch=cfg.determinism.enabled)
+                                   group=self._tied_groups[pair], per_microbatch=cfg.determinism.enabled,
+                                   data_group=self.data_group)
+            if not self.tied.owns:
+                copy = weight
+            elif s == pp - 1:  # the last stage owns the weight one process names after the embedding
+                self.lead, aliases = [weight], {"lm_head.weight": "transformer.wte.weight"}
         self.params = [p for p in model.parameters() if p.requires_grad and p is not copy]
-        self.parts.hold(model, self.params)
+        self.reduced = [p for p in self.params if not any(p is q for q in self.lead)]
+        self.parts.hold(model, self.params, aliases)
         bf16 = cfg.train.precision == "bf16"
         tp = cfg.parallel.tp if cfg.parallel.tp_chunks else 1
         b, n, c = cfg.train.micro_batch, cfg.model.block_size, cfg.model.n_embd
@@ -228,8 +236,8 @@ class Pipeline:
         return self.stage == self.stages - 1
 
     def _after_backward(self, chunk: int, loss: torch.Tensor | None) -> None:
-        if self.tied is not None and self.last:
-            self.tied.send()
+        if self.tied is not None:
+            self.tied.after_backward()
         self.grads.accumulate(self.microbatches[chunk], extra=loss)
 
     def run(self, step: int, seed: int, samples: Any, device: torch.device) -> torch.Tensor:
@@ -254,7 +262,7 @@ class Pipeline:
                               self.last_rank, self.pipe_group)
 
     def after_update(self) -> None:
-        """After the optimizer step: the last stage's copy of a tied weight takes the first stage's."""
+        """After the optimizer step: a tied weight's copy takes its owner's."""
         if self.tied is not None:
             self.tied.sync()
 

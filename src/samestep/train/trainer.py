@@ -183,6 +183,7 @@ class Trainer:
             max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
             grad_norm = clip_grad_norm_(self.grads.params if self.experts is None else self.experts.params, max_norm,
                                         out_of_place=True, over=None if pipe is None else pipe.pipe_group,
+                                        lead=() if pipe is None else pipe.lead,
                                         norm=None if self.experts is None else self.experts.grad_norm(self.model))
             rec.metric("loss", loss_sum)
             rec.metric("grad_norm", grad_norm)
@@ -243,7 +244,7 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
         kind = FsdpGradients if cfg.determinism.enabled else FsdpDefaultGradients
         grads: Any = kind(model, microbatches_per_process=k, world_size=data_world, rank=data_rank, group=data_group)
     else:
-        params = pipeline.params if pipeline is not None else experts.shared if experts is not None else \
+        params = pipeline.reduced if pipeline is not None else experts.shared if experts is not None else \
             model.parameters()
         if pipeline is not None:
             data_group = pipeline.data_group
