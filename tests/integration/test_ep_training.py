@@ -101,3 +101,23 @@ def test_expert_gradients_summed_in_arrival_order_give_other_bits(tmp_path):
     one = train_here(tmp_path / "one", *settings)["state_digest"]
     plain = train_ranks(tmp_path / "plain", *settings, "parallel.ep=2", nproc=2, patch=_arrival_order)
     assert plain["state_digest"] != one
+
+
+def test_diff_names_the_op_and_expert_rank_where_two_expert_parallel_runs_differ(tmp_path):
+    """Two EP-2 runs traced at op level in step 2, one with one ULP planted in rank 1's first router in
+    microbatch 3:
+    `samestep diff` names that op, rank and microbatch as the origin, and where rank 1 sits (data rank 1,
+    expert rank 1 of group 0); rank 0's records hold no origin."""
+    settings = (*EP, "parallel.ep=2", "train.steps=2", "trace.level=op", "trace.steps=2")
+    train_ranks(tmp_path / "a", *settings, nproc=2)
+    train_ranks(tmp_path / "b", *settings, "trace.perturb=rank=1,step=2,microbatch=3,phase=forward,"
+                "scope=layers.0.mlp.router,op=aten.mm.default", nproc=2)
+    diff = cli_here("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json")
+    doc = json.loads(diff.stdout)
+    origin = doc["origin"]
+    assert diff.returncode != 0 and origin is not None, diff.stdout + diff.stderr
+    assert (origin["step"], origin["rank"], origin["microbatch"], origin["scope"], origin["op"]) == (
+        2, 1, 3, "layers.0.mlp.router", "aten.mm.default"), origin
+    other = doc["per_rank"]["0"]  # no origin there: at most what the all-to-all brought it
+    assert other["records_compared"] > 0 and (other["divergence"] or {}).get("kind") != "origin", other
+    assert "rank 1 at step 2 is data rank 1, expert rank 1 of group 0 of the layout that wrote it" in doc["notes"]

@@ -7,7 +7,6 @@ microbatches gives other bits."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 
@@ -157,39 +156,30 @@ def test_a_llama_in_bf16_moves_between_tp_2_by_pp_2_and_tp_2_bit_for_bit(tmp_pat
         assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
-def _ulp_on_the_last_stage_in_step_2() -> None:
-    """Rank 1 (the last stage) adds one ULP to its first parameter's reduced gradient in step 2."""
-    import torch
-
-    from samestep.train import pp
-
-    run = pp.Pipeline.run
-
-    def planted(self, step, *args):
-        loss = run(self, step, *args)
-        if step == 1 and os.environ["RANK"] == "1":
-            g = self.params[0].grad.view(-1)
-            g[0] = torch.nextafter(g[0], torch.tensor(float("inf")))
-        return loss
-
-    pp.Pipeline.run = planted
-
-
-def test_diff_names_the_pipeline_stage_where_two_pipelined_runs_differ(tmp_path):
-    """A PP-2 run traced at step level and one with one ULP planted in a gradient of the last stage in step 2:
-    `samestep diff` compares them record by record on both ranks, and names step 2, rank 1 and that gradient,
-    and where rank 1 sits (data rank 0, pipeline stage 1). (Two runs alike compare identical: the tests of
-    every other layout's traces.)"""
-    settings = (*PP, "parallel.pp=2", "trace.level=step", "train.steps=3")
+def test_diff_and_bisect_name_the_op_and_pipeline_stage_where_two_pipelined_runs_differ(tmp_path):
+    """A PP-2 run, and one traced at op level in step 2 with one ULP planted in the last stage's final norm's
+    backward: `samestep diff` names step 2, rank 1, microbatch 1, the op and its module, and where rank 1 sits
+    (data rank 0, pipeline stage 1); the first stage's records differ only from what it was sent back.
+    `samestep bisect` of the untraced run
+    against it replays step 2 from a checkpoint on the same layout and names the same op."""
+    settings = (*PP, "parallel.pp=2", "train.steps=3", "train.checkpoint_every=1")
+    planted = ("trace.level=op", "trace.steps=2", "trace.perturb=rank=1,step=2,microbatch=1,phase=backward,"
+               "scope=transformer.ln_f,op=aten.native_layer_norm_backward.default")
     train_ranks(tmp_path / "a", *settings, nproc=2)
-    train_ranks(tmp_path / "c", *settings, nproc=2, patch=_ulp_on_the_last_stage_in_step_2)
-    other = cli_here("diff", str(tmp_path / "a"), str(tmp_path / "c"), "--json")
-    doc = json.loads(other.stdout)
-    assert doc["per_rank"]["0"]["divergence"] is None and doc["per_rank"]["0"]["records_compared"] > 0, doc
-    first = doc["first_difference"] or doc["first_seen"]
-    assert other.returncode != 0 and (first["step"], first["rank"]) == (2, 1), other.stdout
-    assert "transformer.h.2" in first["scope"] + first["op"] + json.dumps(first), first
-    assert "rank 1 at step 2 is data rank 0, pipeline stage 1 of the layout that wrote it" in doc["notes"], doc["notes"]
+    train_ranks(tmp_path / "traced", *settings, "trace.level=op", "trace.steps=2", nproc=2)
+    train_ranks(tmp_path / "b", *settings, *planted, nproc=2)
+    diff = cli_here("diff", str(tmp_path / "traced"), str(tmp_path / "b"), "--json")
+    doc = json.loads(diff.stdout)
+    origin = doc["origin"]
+    assert diff.returncode != 0 and origin is not None, diff.stdout + diff.stderr
+    assert (origin["step"], origin["rank"], origin["microbatch"], origin["scope"], origin["op"]) == (
+        2, 1, 1, "transformer.ln_f", "aten.native_layer_norm_backward.default"), origin
+    received = doc["per_rank"]["0"]["divergence"]  # the first stage: the gradients it was sent back
+    assert received["kind"] != "origin" and (received["step"], received["microbatch"]) == (2, 1), received
+    assert "rank 1 at step 2 is data rank 0, pipeline stage 1 of the layout that wrote it" in doc["notes"]
+    bisect = cli_here("bisect", str(tmp_path / "a"), str(tmp_path / "b"))
+    assert bisect.returncode != 0 and "aten.native_layer_norm_backward.default in transformer.ln_f" in bisect.stdout \
+        and "rank 1" in bisect.stdout, bisect.stdout + bisect.stderr
 
 
 @pytest.mark.parametrize("before", [("parallel.pp=2",), ()], ids=["pp2", "dp2"])

@@ -23,7 +23,6 @@ def test_stages_take_consecutive_blocks_the_first_ones_longer():
     (("parallel.tp_chunks=8", "parallel.tp=2"), 6, "Fix: --nproc a multiple of 4"),
     (("parallel.fsdp=true",), 4, "parallel.fsdp is not supported yet"),
     (("train.compile=true",), 2, "train.compile is not supported yet"),
-    (("trace.level=module",), 2, "trace.level=module is not supported yet; use one of them (trace.level=step is)"),
     (("train.sdc_check_every=2",), 2, "train.sdc_check_every is not supported yet"),
     (("model.n_layer=2", "parallel.pp=4"), 4, "Fix: --set parallel.pp=2 or fewer"),
     (("parallel.pp=2",), 3, "Fix: --nproc a multiple of 2"),

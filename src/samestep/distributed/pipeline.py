@@ -33,23 +33,30 @@ class CanonicalStage:
     """A ``PipelineStage`` whose every microbatch's backward ends with ``after_backward(chunk, loss)`` (the
     schedule's chunk index; the loss the last stage's backward started from, None elsewhere), where the
     gradients of that microbatch alone lie in ``p.grad`` added to what the tree left there. Only the schedules
-    that run one full backward per microbatch in chunk order (GPipe, 1F1B) call it so; ``make`` builds one."""
+    that run one full backward per microbatch in chunk order (GPipe, 1F1B) call it so; ``make`` builds one.
+    Each chunk's forward and backward run inside ``scope(chunk)`` (a trace recorder's microbatch)."""
 
     @staticmethod
     def make(module: torch.nn.Module, stage_index: int, num_stages: int, device: torch.device, group: Any,
              after_backward: Callable[[int, torch.Tensor | None], None], inputs: tuple[torch.Tensor, ...],
-             outputs: tuple[torch.Tensor, ...]) -> Any:
+             outputs: tuple[torch.Tensor, ...], scope: Callable[[int], Any]) -> Any:
         """``inputs`` and ``outputs``: a microbatch's (meta tensors will do), so that pipelining takes the
         shapes as given instead of running a forward on placeholders to infer them."""
         base = _stage_class()
 
         class _Stage(base):  # type: ignore[misc, valid-type]
+            def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+                with scope(fwd_chunk_id):
+                    return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+
             def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
                                    last_backward: bool = False) -> None:
                 if not full_backward:
                     raise RuntimeError("CanonicalStage: a schedule that splits the backward (input, then weight "
                                        "gradients) is not supported; use parallel.pp_schedule=gpipe or 1f1b")
-                super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True, last_backward=last_backward)
+                with scope(bwd_chunk_id):
+                    super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True,
+                                               last_backward=last_backward)
                 after_backward(bwd_chunk_id, None if loss is None else loss.detach())
 
         return _Stage(module, stage_index, num_stages, device, input_args=inputs, output_args=outputs, group=group)

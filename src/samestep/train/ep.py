@@ -36,12 +36,10 @@ def check_ep(cfg: Config, world: int) -> None:
         raise ValueError(f"parallel.ep={par.ep} spreads the experts of MoE layers, and model.moe_experts=0. Fix: "
                          "--set model.moe_experts=8 (or leave parallel.ep=1)")
     why = {"parallel.tp_chunks": par.tp_chunks > 0, "parallel.pp": par.pp > 1, "parallel.fsdp": par.fsdp,
-           "train.compile": t.compile, "train.sdc_check_every": t.sdc_check_every > 0, "train.fault": bool(t.fault),
-           f"trace.level={cfg.trace.level}": cfg.trace.level not in ("off", "step")}
+           "train.compile": t.compile, "train.sdc_check_every": t.sdc_check_every > 0, "train.fault": bool(t.fault)}
     for field, on in why.items():
         if on:
-            raise ValueError(f"parallel.ep={par.ep} with {field} is not supported yet; use one of them"
-                             + (" (trace.level=step is)" if field.startswith("trace") else ""))
+            raise ValueError(f"parallel.ep={par.ep} with {field} is not supported yet; use one of them")
     if m.moe_experts % par.ep:
         raise ValueError(f"parallel.ep={par.ep} does not divide model.moe_experts={m.moe_experts} into whole experts "
                          f"a rank. Fix: --set parallel.ep to a divisor of {m.moe_experts}")

@@ -16,6 +16,7 @@ a receipt, the final digest) is gathered from the stages as whole tensors: what 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -50,12 +51,10 @@ def check_pp(cfg: Config, world: int) -> None:
     if par.pp == 1:
         return
     why = {"parallel.sp": par.sp, "parallel.fsdp": par.fsdp, "train.compile": t.compile,
-           "train.sdc_check_every": t.sdc_check_every > 0, "train.fault": bool(t.fault),
-           f"trace.level={cfg.trace.level}": cfg.trace.level not in ("off", "step")}
+           "train.sdc_check_every": t.sdc_check_every > 0, "train.fault": bool(t.fault)}
     for field, on in why.items():
         if on:
-            raise ValueError(f"parallel.pp={par.pp} with {field} is not supported yet; use one of them"
-                             + (" (trace.level=step is)" if field.startswith("trace") else ""))
+            raise ValueError(f"parallel.pp={par.pp} with {field} is not supported yet; use one of them")
     if cfg.model.n_layer < par.pp:
         raise ValueError(f"parallel.pp={par.pp} stages need a block each, and model.n_layer={cfg.model.n_layer}. "
                          f"Fix: --set parallel.pp={cfg.model.n_layer} or fewer")
@@ -116,6 +115,7 @@ class Pipeline:
         self.data_group: Any = None  # this stage's data ranks (None: one)
         self.last_rank = 0  # the global rank of this data rank's last stage
         self.tied: Any = None  # TiedWeight
+        self.recorder: Any = None  # set by the trainer where it traces: each chunk's records in its microbatch
         self.schedule: Any = None
         self.grads: Any = None  # set by the trainer: CanonicalGradients over ``params``
         self.microbatches = range(0)
@@ -215,7 +215,7 @@ class Pipeline:
                              device=meta, requires_grad=True)  # this tensor rank's slice of the vocabulary
         outputs = (logits,) if s == pp - 1 else (stream, state)
         stage = CanonicalStage.make(_Stage(model, s == 0, s == pp - 1, bf16), s, pp, device, self.pipe_group,
-                                    self._after_backward, inputs, outputs)
+                                    self._after_backward, inputs, outputs, self._scope)
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
@@ -234,6 +234,10 @@ class Pipeline:
     @property
     def last(self) -> bool:
         return self.stage == self.stages - 1
+
+    def _scope(self, chunk: int) -> Any:
+        """Where a chunk's forward and backward run: the trace recorder's microbatch (``recorder``), if any."""
+        return contextlib.nullcontext() if self.recorder is None else self.recorder.microbatch(self.microbatches[chunk])
 
     def _after_backward(self, chunk: int, loss: torch.Tensor | None) -> None:
         if self.tied is not None:

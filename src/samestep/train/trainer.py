@@ -261,6 +261,8 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
                         rank=rank, perturb=Perturb.parse(tc.perturb) if tc.perturb else None, copy=tc.copy,
                         worker=tc.worker)
     recorder.attach(model)
+    if pipeline is not None and recorder.enabled:
+        pipeline.recorder = recorder
     if recorder.enabled:
         grads.observer = recorder.collective
     trainer = Trainer(cfg=cfg, corpus=corpus, model=model,
