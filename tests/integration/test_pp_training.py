@@ -198,3 +198,20 @@ def test_receipts_hold_where_a_run_moves_from_rank_0s_receipts_to_every_ranks(on
     (tmp_path / "run" / "run.json").write_text(json.dumps(doc))
     forged = cli_here("receipts", "verify", str(tmp_path / "run"))
     assert forged.returncode != 0 and "starts at step 3, not 1" in forged.stdout + forged.stderr
+
+
+def test_fsdp2_over_pipeline_stages_gives_the_one_process_bits_and_moves_to_and_from_fsdp2(tmp_path):
+    """A Llama in bf16 on 2 data x 2 pipeline ranks with FSDP2 (each stage's parameters sharded over its data
+    ranks, its reduce-scatter the canonical one) stopped at step 2 resumes under FSDP2 on 2 processes, and one
+    stopped under FSDP2 resumes on 2 x 2 with FSDP2: both end on the one process's bits, receipts holding."""
+    settings = (*PP, "model.arch=llama", "train.precision=bf16", "parallel.fsdp=true")
+    one = train_here(tmp_path / "one", *settings)["state_digest"]
+    grid = ("parallel.pp=2",)
+    train_ranks(tmp_path / "shrink", *settings, *grid, nproc=4, stop_after=2)
+    shrunk = train_ranks(tmp_path / "shrink", *settings, nproc=2, resume=True)
+    train_ranks(tmp_path / "grow", *settings, nproc=2, stop_after=2)
+    grown = train_ranks(tmp_path / "grow", *settings, *grid, nproc=4, resume=True)
+    for name, final in (("shrink", shrunk), ("grow", grown)):
+        assert final["state_digest"] == one and metrics_bytes(tmp_path / name) == metrics_bytes(tmp_path / "one")
+        verify = cli_here("receipts", "verify", str(tmp_path / name))
+        assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -222,8 +222,13 @@ class GPT(nn.Module):
                 p.normal_(0.0, std, generator=gen)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                gen: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits (B, T, vocab) and, with targets, the *summed* token cross-entropy (normalise outside)."""
+                gen: torch.Generator | None = None, part: tuple[bool, bool] | None = None) -> Any:
+        """Logits (B, T, vocab) and, with targets, the *summed* token cross-entropy (normalise outside). ``part``: a
+        pipeline stage's part alone: tokens (or the stream) in, the stream (or the logits) out."""
+        if part is not None:  # a pipeline stage's part (train/pp.py): (embeds, runs the head)
+            x = self.embed_tokens(idx, gen) if part[0] else idx
+            x = self.trunk(x, gen, x.shape[1])
+            return self.head(x) if part[1] else x
         x = self.embed_tokens(idx, gen)
         logits = self.head(self.trunk(x, gen, idx.shape[1]))
         return logits, None if targets is None else self.loss(logits, targets)

@@ -50,7 +50,9 @@ def check_pp(cfg: Config, world: int) -> None:
     par, t = cfg.parallel, cfg.train
     if par.pp == 1:
         return
-    why = {"parallel.sp": par.sp, "parallel.fsdp": par.fsdp, "train.compile": t.compile,
+    why = {"parallel.sp": par.sp, "parallel.fsdp with parallel.tp_chunks": par.fsdp and par.tp_chunks > 0,
+           "parallel.fsdp with model.arch=gpt (its head tied to the embedding across stages)":
+               par.fsdp and cfg.model.arch == "gpt", "train.compile": t.compile,
            "train.sdc_check_every": t.sdc_check_every > 0, "train.fault": bool(t.fault)}
     for field, on in why.items():
         if on:
@@ -88,12 +90,9 @@ class _Stage(nn.Module):
         gen = torch.Generator(device=x.device)
         gen.set_state(state[0].cpu().clone())  # a tensor of its own: set_state reads from its storage's start
         with torch.autocast(x.device.type, torch.bfloat16, enabled=self.bf16):
-            if self.first:
-                x = self.model.embed_tokens(x, gen)
-            x = self.model.trunk(x, gen, x.shape[1])
-            if self.last:
-                return self.model.head(x)
-        return x, gen.get_state().to(x.device).unsqueeze(0)
+            # through the model's own call: FSDP2's hooks on it gather and reduce the stage's own parameters
+            out = self.model(x, None, gen, part=(self.first, self.last))
+        return out if self.last else (out, gen.get_state().to(x.device).unsqueeze(0))
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
@@ -177,6 +176,11 @@ class Pipeline:
         d = rank // (pp * tp)
         self.microbatches = range(d * k, (d + 1) * k)
         return self
+
+    @property
+    def data_mesh(self) -> Any:
+        """The mesh of this stage's data ranks (FSDP2 shards over it), or None where there is one."""
+        return self.mesh["data"] if "data" in self.mesh.mesh_dim_names else None
 
     @property
     def tensor_meshes(self) -> tuple[Any, Any]:

@@ -222,8 +222,6 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     experts = ExpertLayout.build(model, cfg, world, rank, device) if cfg.parallel.ep > 1 else None
     data_mesh = (apply_tp(model, cfg, world, rank, device.type, None if pipeline is None else pipeline.tensor_meshes)
                  if cfg.parallel.tp_chunks else None)
-    if pipeline is not None:
-        pipeline.join(model, cfg, device, t.global_batch * cfg.model.block_size)
     data_group = data_mesh.get_group() if data_mesh is not None else None
     sharded = cfg.parallel.fsdp and world > 1
     if sharded and t.compile:
@@ -240,9 +238,16 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     k = t.microbatches // data_world
     sharded = sharded and data_world > 1  # FSDP2 shards over the data ranks
     if sharded:
+        if pipeline is not None:  # each stage over its data ranks
+            data_mesh, data_group = pipeline.data_mesh, pipeline.data_group
         shard_model(model, data_world, data_mesh)
+    if pipeline is not None:  # over the stage as tensor parallelism and FSDP2 left it
+        pipeline.join(model, cfg, device, t.global_batch * cfg.model.block_size)
+    if sharded:
         kind = FsdpGradients if cfg.determinism.enabled else FsdpDefaultGradients
         grads: Any = kind(model, microbatches_per_process=k, world_size=data_world, rank=data_rank, group=data_group)
+        if pipeline is not None:
+            pipeline.grads = grads
     else:
         params = pipeline.reduced if pipeline is not None else experts.shared if experts is not None else \
             model.parameters()
@@ -273,7 +278,7 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
                       recorder=recorder, named_params=list(model.named_parameters()),
                       named_buffers=Recorder.persistent_buffers(model), fault=fault, rank=rank, pipeline=pipeline,
                       experts=experts)
-    if pipeline is not None:  # each stage's (and tensor rank's) data ranks hold the same tensors
+    if pipeline is not None and not sharded:  # each stage's (and tensor rank's) data ranks hold the same tensors
         pp, tp = cfg.parallel.pp, world // data_world // cfg.parallel.pp
         trainer.peers = [[(d * pp + s) * tp + r for d in range(data_world)] for s in range(pp) for r in range(tp)]
     elif experts is not None:  # the ranks at one place of their expert-parallel groups hold the same tensors
