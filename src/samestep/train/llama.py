@@ -21,7 +21,7 @@ from samestep import rng as _rng
 from samestep.distributed.sequence_parallel import SequenceShard, scatter_sequence
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
 from samestep.train.config import ModelConfig
-from samestep.train.model import MoE, chunkwise, dropout
+from samestep.train.model import MoE, chunkwise, dropout, forward_part
 
 __all__ = ["Llama"]
 
@@ -141,10 +141,8 @@ class Llama(nn.Module):
                 gen: torch.Generator | None = None, part: tuple[bool, bool] | None = None) -> Any:
         """Logits (B, T, vocab) and, with targets, the *summed* token cross-entropy (in fp32). ``part``: a
         pipeline stage's part alone: tokens (or the stream) in, the stream (or the logits) out."""
-        if part is not None:  # a pipeline stage's part (train/pp.py): (embeds, runs the head)
-            x = self.embed_tokens(idx, gen) if part[0] else idx
-            x = self.trunk(x, gen, x.shape[1])
-            return self.head(x) if part[1] else x
+        if part is not None:
+            return forward_part(self, idx, gen, part)
         x = self.embed_tokens(idx, gen)
         logits = self.head(self.trunk(x, gen, idx.shape[1]))
         return logits, None if targets is None else self.loss(logits, targets)

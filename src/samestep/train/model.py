@@ -30,7 +30,7 @@ from samestep.distributed.sequence_parallel import SequenceShard, gather_sequenc
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
 from samestep.train.config import ModelConfig
 
-__all__ = ["GPT", "MoE", "chunkwise", "dropout"]
+__all__ = ["GPT", "MoE", "chunkwise", "dropout", "forward_part"]
 
 
 def dropout(x: torch.Tensor, p: float, gen: torch.Generator | None, training: bool,
@@ -119,6 +119,15 @@ def chunkwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, width
     if width is None:
         return fn(x)
     return torch.cat([fn(c.contiguous()) for c in x.split(width, -1)], -1)
+
+
+def forward_part(model: nn.Module, x: torch.Tensor, gen: torch.Generator | None, part: tuple[bool, bool]) -> Any:
+    """A pipeline stage's part of a model's forward (train/pp.py; ``part``: whether it embeds, whether it runs
+    the head): tokens or the residual stream in, the stream or the logits out, through the model's own
+    ``embed_tokens``, ``trunk`` and ``head``."""
+    x = model.embed_tokens(x, gen) if part[0] else x  # type: ignore[operator]
+    x = model.trunk(x, gen, x.shape[1])  # type: ignore[operator]
+    return model.head(x) if part[1] else x  # type: ignore[operator]
 
 
 class MoE(nn.Module):
@@ -225,10 +234,8 @@ class GPT(nn.Module):
                 gen: torch.Generator | None = None, part: tuple[bool, bool] | None = None) -> Any:
         """Logits (B, T, vocab) and, with targets, the *summed* token cross-entropy (normalise outside). ``part``: a
         pipeline stage's part alone: tokens (or the stream) in, the stream (or the logits) out."""
-        if part is not None:  # a pipeline stage's part (train/pp.py): (embeds, runs the head)
-            x = self.embed_tokens(idx, gen) if part[0] else idx
-            x = self.trunk(x, gen, x.shape[1])
-            return self.head(x) if part[1] else x
+        if part is not None:
+            return forward_part(self, idx, gen, part)
         x = self.embed_tokens(idx, gen)
         logits = self.head(self.trunk(x, gen, idx.shape[1]))
         return logits, None if targets is None else self.loss(logits, targets)
