@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import Forked
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,3 +167,41 @@ def test_cost_model_prices_canonical_tensor_parallelism_against_plain():
     for r in rows("--hbm-gbps", "1e12", "--chunk-cost", "0"):
         if r["tp"] >= 4:
             assert abs(r["canonical_tp_sums_ms"] - r["plain_tp_sums_ms"]) < 1e-6
+
+
+@pytest.mark.parametrize("layout", ["--pp", "--ep"])
+def test_layout_bench_times_pipeline_and_expert_parallelism_against_the_usual_sums(layout):
+    """`bench/bench_layout.py --pp` and `--ep` on 2 processes (1 pair, 2 layers): both sides' step times, their
+    ratio and each rank's bytes a step (the benches of what the canonical stages and experts cost)."""
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           "bench/bench_layout.py", layout, "--pairs", "1", "--set", "model.n_layer=2", "--json"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["layout"] == layout[2:] and r["world_size"] == 2 and r["step_ms_canonical"] > 0 and r["step_ms_plain"] > 0
+    assert len(r["bytes_ratio_per_rank"]) == 2 and all(b > 0 for b in r["bytes_ratio_per_rank"])
+
+
+def test_cost_model_prices_pipeline_and_expert_parallelism():
+    """`bench/cost_model.py --pp` and `--ep` (JSON): PP 2-8 x DP 8-512 and EP 8, 64 within DP 64-4,096. With an
+    untied head the canonical stages cost their data-parallel combines only; a tied weight's rows of each
+    microbatch price below its whole once a step where they are smaller. Control: a free network and no split
+    cost price the canonical and the usual ways alike."""
+    def rows(*extra):
+        proc = _bench("cost_model.py", "--json", *extra, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+    pp = rows("--pp")
+    assert [(r["pp"], r["dp"]) for r in pp] == [(p, d) for p in (2, 4, 8) for d in (8, 64, 512)]
+    assert all(r["ratio_to_plain_pp"] >= 1 and r["receipts_gather_ms"] > 0 for r in pp)
+    tied = rows("--pp", "--tied-mb", "1000", "--tied-rows-mb", "10")
+    assert all(t["canonical_exposed_ms"] - r["canonical_exposed_ms"] < t["plain_exposed_ms"] - r["plain_exposed_ms"]
+               for r, t in zip(pp, tied))
+    ep = rows("--ep")
+    assert [(r["ep"], r["dp"]) for r in ep] == [(g, d) for g in (8, 64) for d in (64, 512, 4096)]
+    assert all(r["ratio_to_plain_ep"] > 1 for r in ep)
+    free = ("--alpha-us", "0", "--gbps", "1e9", "--sum-gbps", "1e9")
+    assert all(abs(r["ratio_to_plain_pp"] - 1) < 1e-6 for r in rows("--pp", *free))
+    assert all(abs(r["ratio_to_plain_ep"] - 1) < 1e-6 for r in rows("--ep", *free, "--split-cost", "0"))

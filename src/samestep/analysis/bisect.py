@@ -19,10 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from samestep.analysis.diff import diff_runs
+from samestep.analysis.layouts import rank_coordinates
 from samestep.analysis.replay import replay
 from samestep.analysis.receipt_diff import compare_receipts
 from samestep.checkpoint import committed_steps
-from samestep.rundir import checkpoints_dir, final_digest, read_run
+from samestep.rundir import checkpoints_dir, final_digest, layout_at, read_run
 
 __all__ = ["BisectError", "bisect_runs"]
 
@@ -88,9 +89,10 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
     elif origin is None:
         summary = f"diverged at step {step}; the replays {where} differ, but no origin was named: {report['summary']}"
     else:
+        coords = rank_coordinates(layout_at(read_run(run_b), step), origin["rank"])
         summary = (f"diverged at step {step}: origin {origin['op']} in {origin['scope'] or '(root)'} ({origin['phase']}), "
-                   f"microbatch {origin['microbatch']}, rank {origin['rank']}, inputs matched; replayed {where}, "
-                   f"attempt {attempt}")
+                   f"microbatch {origin['microbatch']}, rank {origin['rank']}{f' ({coords})' if coords else ''}, "
+                   f"inputs matched; replayed {where}, attempt {attempt}")
     return {"identical": False, "first_divergent_step": step, "origin": origin, "reproduced": reproduced,
             "attempts": attempt, "replayed_from": start, "steps_compared": compared, "difference": difference,
             "diff": report["summary"], "per_rank": report.get("per_rank"), "summary": summary}

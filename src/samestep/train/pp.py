@@ -1,12 +1,13 @@
 """Pipeline parallelism in the reference run: parallel.pp and parallel.pp_schedule (docs/layouts.md, "Pipeline
 parallelism").
 
-The processes form a (data, pipe) mesh, a data rank's stages consecutive. Every rank builds the whole model
-(the same initial draws), then keeps its stage: stage s runs blocks ``stage_blocks(n_layer, pp)[s]``, the first
-the embeddings too, the last the final norm and the head; the other blocks become ``Skipped``, so each
-parameter keeps the name it has in one process. The stage's forward is the model's own (``embed_tokens``,
-``trunk``, ``head``, ``loss``), under the run's autocast, and the dropout generator of a microbatch travels with
-its activations (its state as a uint8 tensor), so each stage draws the masks one process draws there.
+The processes form a (data, pipe, tensor) mesh of the dimensions over one, a data rank's stages consecutive.
+Every rank builds the whole model (the same initial draws), then keeps its stage: stage s runs blocks
+``stage_blocks(n_layer, pp)[s]``, the first the embeddings too, the last the final norm and the head; the other
+blocks become ``Skipped``, so each parameter keeps the name it has in one process. Tensor parallelism and FSDP2
+then split what the stage holds. The stage's forward is the model's own call (``forward(part=...)``) under the
+run's autocast, its loss the model's ``loss``, and the dropout generator of a microbatch travels with its
+activations (its state as a uint8 tensor), so each stage draws the masks one process draws there.
 
 ``torch.distributed.pipelining`` runs the schedule; samestep's ``CanonicalStage`` hands each microbatch's
 gradients to the stage's canonical reduction, ``TiedWeight`` joins the GPT's head to its embedding, and the
@@ -116,7 +117,7 @@ class Pipeline:
         self.tied: Any = None  # TiedWeight
         self.recorder: Any = None  # set by the trainer where it traces: each chunk's records in its microbatch
         self.schedule: Any = None
-        self.grads: Any = None  # set by the trainer: CanonicalGradients over ``params``
+        self.grads: Any = None  # set by the trainer: CanonicalGradients over ``reduced``, or FSDP2's FsdpGradients
         self.microbatches = range(0)
         self.parts: Any = None  # Parts: this stage's part of the whole state
         self.mesh: Any = None  # the job's DeviceMesh
@@ -149,12 +150,12 @@ class Pipeline:
         stride = tp  # global ranks between a rank and the same tensor rank of the next stage
         first_rank = rank - s * stride
         self.last_rank = first_rank + (pp - 1) * stride
-        # the first and last stage of each (data, tensor) rank pair, made by every rank in one order
-        pairs = [(d * pp * tp + r, (d * pp + pp - 1) * tp + r) for d in range(data) for r in range(tp)]
-        self._tied_groups = {pair: dist.new_group(list(pair)) for pair in pairs}
         self._first_rank = first_rank
         head = getattr(model, "lm_head", None)
         self._tied = head is not None and head.weight is model.transformer.wte.weight  # type: ignore[union-attr]
+        if self._tied:  # the first and last stage of each (data, tensor) rank, made by every rank in one order
+            pairs = [(d * pp * tp + r, (d * pp + pp - 1) * tp + r) for d in range(data) for r in range(tp)]
+            self._tied_groups = {pair: dist.new_group(list(pair)) for pair in pairs}
         # keep this stage's part, every parameter under its one-process name
         blocks = _blocks(model)
         mine = stage_blocks(len(blocks), pp)[s]
@@ -190,7 +191,7 @@ class Pipeline:
 
     def join(self, model: nn.Module, cfg: Config, device: torch.device, tokens_per_step: int) -> None:
         """This stage's parameters, the tied weight's exchange and pipelining's stage and schedule, over the
-        model as tensor parallelism left it (its parameters DTensors then)."""
+        model as tensor parallelism and FSDP2 left it (its parameters DTensors then)."""
         from samestep.distributed.pipeline import CanonicalStage, TiedWeight
 
         s, pp = self.stage, self.stages
