@@ -65,3 +65,18 @@ def test_a_generator_state_handed_on_draws_what_the_generator_would_have():
     assert torch.equal(torch.empty(1000).bernoulli_(0.9, generator=after).view(torch.int32), expected.view(torch.int32))
     fresh = rng.generator(7, 3, 1, "dropout")
     assert not torch.equal(torch.empty(1000).bernoulli_(0.9, generator=fresh), expected)
+
+
+@pytest.mark.parametrize("layout,rank,words", [
+    ({"world_size": 4}, 3, None),
+    ({"world_size": 4, "pipeline_parallel": 2}, 3, "data rank 1, pipeline stage 1"),
+    ({"world_size": 8, "pipeline_parallel": 2, "tensor_parallel": 2}, 6,
+     "data rank 1, pipeline stage 1, tensor rank 0"),
+    ({"world_size": 4, "expert_parallel": 2}, 3, "data rank 3, expert rank 1 of group 1"),
+])
+def test_a_rank_is_named_by_its_place_in_the_layout(layout, rank, words):
+    """What diff and bisect say of a rank: its data rank, pipeline stage, tensor rank and expert rank, of the
+    dimensions over one (a data rank's stages consecutive, a stage's tensor ranks consecutive)."""
+    from samestep.analysis.layouts import rank_coordinates
+
+    assert rank_coordinates(layout, rank) == words
