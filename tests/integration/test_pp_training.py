@@ -180,13 +180,13 @@ def test_bisect_names_the_op_and_pipeline_stage_where_two_pipelined_runs_differ(
     assert received["kind"] != "origin" and (received["step"], received["microbatch"]) == (2, 1), received
 
 
-@pytest.mark.parametrize("before", [("parallel.pp=2",), ()], ids=["pp2", "dp2"])
-def test_receipts_hold_where_a_run_moves_from_rank_0s_receipts_to_every_ranks(one_process, tmp_path, before):
-    """A PP-2 run, and an unsharded one on 2 data ranks (rank 0 alone keeps receipts, of the whole state),
-    stopped at step 2 and resumed under FSDP2 (every rank keeps receipts of its shards): the run ends on the
-    bits of one process and its receipts hold, rank 1's from step 3. Negative control: the same rank 1
-    receipts in a run that did not resume there are refused."""
-    train_ranks(tmp_path / "run", *PP, *before, nproc=2, stop_after=2)
+def test_receipts_hold_where_a_run_moves_from_rank_0s_receipts_to_every_ranks(one_process, tmp_path):
+    """An unsharded run on 2 data ranks (rank 0 alone keeps receipts, of the whole state, as a pipeline's and
+    expert parallelism's do) stopped at step 2 and resumed under FSDP2 (every rank keeps receipts of its shards):
+    the run ends on the bits of one process and its receipts hold, rank 1's from step 3. (A pipeline's moves to
+    TP 2 and to FSDP2: the tests above.) Negative control: the same rank 1 receipts in a run that did not resume
+    there are refused."""
+    train_ranks(tmp_path / "run", *PP, nproc=2, stop_after=2)
     final = train_ranks(tmp_path / "run", *PP, "parallel.fsdp=true", nproc=2, resume=True)
     assert final["state_digest"] == one_process[1]
     verify = cli_here("receipts", "verify", str(tmp_path / "run"))
