@@ -140,6 +140,18 @@ def test_2_data_by_2_pipeline_by_2_tensor_ranks_give_the_one_process_bits(tmp_pa
     assert layout == {"world_size": 8, "microbatches_per_process": 2, "tensor_parallel": 2, "pipeline_parallel": 2}
 
 
+@pytest.mark.parametrize("what", [(), ("model.arch=llama", "model.n_kv_head=2", "train.precision=bf16")],
+                         ids=["gpt", "llama-bf16"])
+def test_sequence_parallelism_inside_pipeline_stages_gives_the_one_process_bits(tmp_path, what):
+    """`parallel.sp=true` on 2 pipeline x 2 tensor ranks: the stages pass each tensor rank's block of positions
+    (the Llama's rotary tables told the whole length), and the run gives the bits of one process with sequence
+    parallelism, a GPT (tied head) and a Llama in bf16."""
+    settings = (*TPP, "parallel.sp=true", *what)
+    one = train_here(tmp_path / "one", *settings)["state_digest"]
+    grid = train_ranks(tmp_path / "grid", *settings, "parallel.tp=2", "parallel.pp=2", nproc=4)["state_digest"]
+    assert one == grid and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "grid")
+
+
 def test_a_llama_in_bf16_moves_between_tp_2_by_pp_2_and_tp_2_bit_for_bit(tmp_path):
     """A Llama in bf16 stopped at step 2 at TP 2 (each rank's shards checkpointed) resumes on 2 pipeline x 2
     tensor ranks, and one stopped there (the whole state checkpointed) resumes at TP 2: both end on the one

@@ -19,7 +19,6 @@ def test_stages_take_consecutive_blocks_the_first_ones_longer():
 
 
 @pytest.mark.parametrize("settings,world,words", [
-    (("parallel.tp_chunks=8", "parallel.sp=true"), 2, "parallel.sp is not supported yet"),
     (("parallel.tp_chunks=8", "parallel.tp=2"), 6, "Fix: --nproc a multiple of 4"),
     (("parallel.fsdp=true",), 4, "parallel.fsdp with model.arch=gpt (its head tied to the embedding across stages) "
                                  "is not supported yet"),

@@ -124,9 +124,12 @@ def chunkwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, width
 def forward_part(model: nn.Module, x: torch.Tensor, gen: torch.Generator | None, part: tuple[bool, bool]) -> Any:
     """A pipeline stage's part of a model's forward (train/pp.py; ``part``: whether it embeds, whether it runs
     the head): tokens or the residual stream in, the stream or the logits out, through the model's own
-    ``embed_tokens``, ``trunk`` and ``head``."""
+    ``embed_tokens``, ``trunk`` and ``head``. Under sequence parallelism the stream is a rank's block of
+    positions; the trunk is told the whole sequence's length."""
+    shard = getattr(model, "sequence", None)
+    length = x.shape[1] * (1 if part[0] or shard is None else shard.degree)
     x = model.embed_tokens(x, gen) if part[0] else x  # type: ignore[operator]
-    x = model.trunk(x, gen, x.shape[1])  # type: ignore[operator]
+    x = model.trunk(x, gen, length)  # type: ignore[operator]
     return model.head(x) if part[1] else x  # type: ignore[operator]
 
 

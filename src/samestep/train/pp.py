@@ -51,7 +51,7 @@ def check_pp(cfg: Config, world: int) -> None:
     par, t = cfg.parallel, cfg.train
     if par.pp == 1:
         return
-    why = {"parallel.sp": par.sp, "parallel.fsdp with parallel.tp_chunks": par.fsdp and par.tp_chunks > 0,
+    why = {"parallel.fsdp with parallel.tp_chunks": par.fsdp and par.tp_chunks > 0,
            "parallel.fsdp with model.arch=gpt (its head tied to the embedding across stages)":
                par.fsdp and cfg.model.arch == "gpt", "train.compile": t.compile,
            "train.sdc_check_every": t.sdc_check_every > 0, "train.fault": bool(t.fault)}
@@ -214,7 +214,8 @@ class Pipeline:
         b, n, c = cfg.train.micro_batch, cfg.model.block_size, cfg.model.n_embd
         meta = torch.device("meta")
         state = torch.empty(1, torch.Generator(device=device).get_state().numel(), dtype=torch.uint8, device=meta)
-        stream = torch.empty(b, n, c, device=meta, requires_grad=True)  # the residual stream: fp32 under autocast too
+        # the residual stream (fp32 under autocast too): under sequence parallelism the rank's block of positions
+        stream = torch.empty(b, n // tp if cfg.parallel.sp else n, c, device=meta, requires_grad=True)
         inputs = (torch.empty(b, n, dtype=torch.int64, device=meta) if s == 0 else stream, state)
         logits = torch.empty(b, n, model.vocab_size // tp, dtype=torch.bfloat16 if bf16 else torch.float32,
                              device=meta, requires_grad=True)  # this tensor rank's slice of the vocabulary
