@@ -21,7 +21,7 @@ from samestep import rng as _rng
 from samestep.distributed.sequence_parallel import SequenceShard, scatter_sequence
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
 from samestep.train.config import ModelConfig
-from samestep.train.model import MoE, chunkwise, dropout, forward_part
+from samestep.train.model import Decoder, MoE, chunkwise, dropout
 
 __all__ = ["Llama"]
 
@@ -108,7 +108,7 @@ class Block(nn.Module):
         return x + dropout(self.mlp(self.mlp_norm(x), gen), p, gen, self.training, self.sequence)
 
 
-class Llama(nn.Module):
+class Llama(Decoder):
     """Token embedding, ``n_layer`` blocks, a final RMSNorm, an output head of its own."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, seed: int, deterministic: bool = True) -> None:
@@ -137,17 +137,7 @@ class Llama(nn.Module):
                 out_proj = name.endswith(("attn.o.weight", "down.weight"))  # an expert's too
                 p.normal_(0.0, 0.02 / math.sqrt(2 * self.cfg.n_layer) if out_proj else 0.02, generator=gen)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                gen: torch.Generator | None = None, part: tuple[bool, bool] | None = None) -> Any:
-        """Logits (B, T, vocab) and, with targets, the *summed* token cross-entropy (in fp32). ``part``: a
-        pipeline stage's part alone: tokens (or the stream) in, the stream (or the logits) out."""
-        if part is not None:
-            return forward_part(self, idx, gen, part)
-        x = self.embed_tokens(idx, gen)
-        logits = self.head(self.trunk(x, gen, idx.shape[1]))
-        return logits, None if targets is None else self.loss(logits, targets)
-
-    # The forward in the parts a pipeline stage runs (train/pp.py), as the GPT's.
+    # The parts of the forward (Decoder), as the GPT's; the loss in fp32.
     def embed_tokens(self, idx: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
         """The residual stream's start (B, T, C): the token embedding, then dropout."""
         B, T = idx.shape

@@ -30,7 +30,7 @@ from samestep.distributed.sequence_parallel import SequenceShard, gather_sequenc
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
 from samestep.train.config import ModelConfig
 
-__all__ = ["GPT", "MoE", "chunkwise", "dropout", "forward_part"]
+__all__ = ["GPT", "Decoder", "MoE", "chunkwise", "dropout"]
 
 
 def dropout(x: torch.Tensor, p: float, gen: torch.Generator | None, training: bool,
@@ -121,16 +121,29 @@ def chunkwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, width
     return torch.cat([fn(c.contiguous()) for c in x.split(width, -1)], -1)
 
 
-def forward_part(model: nn.Module, x: torch.Tensor, gen: torch.Generator | None, part: tuple[bool, bool]) -> Any:
-    """A pipeline stage's part of a model's forward (train/pp.py; ``part``: whether it embeds, whether it runs
-    the head): tokens or the residual stream in, the stream or the logits out, through the model's own
-    ``embed_tokens``, ``trunk`` and ``head``. Under sequence parallelism the stream is a rank's block of
-    positions; the trunk is told the whole sequence's length."""
-    shard = getattr(model, "sequence", None)
-    length = x.shape[1] * (1 if part[0] or shard is None else shard.degree)
-    x = model.embed_tokens(x, gen) if part[0] else x  # type: ignore[operator]
-    x = model.trunk(x, gen, length)  # type: ignore[operator]
-    return model.head(x) if part[1] else x  # type: ignore[operator]
+class Decoder(nn.Module):
+    """A decoder's forward, in the parts a pipeline stage runs (train/pp.py): a subclass (the GPT, the Llama)
+    defines ``embed_tokens`` (tokens to the residual stream), ``trunk`` (its blocks), ``head`` (the logits) and
+    ``loss``, and holds ``sequence`` (its rank's block of positions under sequence parallelism, or None)."""
+
+    sequence: SequenceShard | None
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                gen: torch.Generator | None = None, part: tuple[bool, bool] | None = None) -> Any:
+        """Logits (B, T, vocab; this rank's slice under vocab_parallel) and, with targets, the *summed* token
+        cross-entropy (normalise outside). ``part``: a pipeline stage's part alone (whether it embeds, whether
+        it runs the head): tokens or the stream in, the stream or the logits out; under sequence parallelism the
+        stream is a rank's block of positions, and the trunk is told the whole sequence's length."""
+        first, last = part or (True, True)
+        length = idx.shape[1] * (1 if first or self.sequence is None else self.sequence.degree)
+        x = self.embed_tokens(idx, gen) if first else idx  # type: ignore[operator]
+        x = self.trunk(x, gen, length)  # type: ignore[operator]
+        if not last:
+            return x
+        logits = self.head(x)  # type: ignore[operator]
+        if part is not None:
+            return logits
+        return logits, None if targets is None else self.loss(logits, targets)  # type: ignore[operator]
 
 
 class MoE(nn.Module):
@@ -201,7 +214,7 @@ class IndexEmbedding(nn.Embedding):
         return self.weight[idx]
 
 
-class GPT(nn.Module):
+class GPT(Decoder):
     """Token and position embeddings, ``n_layer`` blocks, a final norm, a tied language-model head."""
 
     def __init__(self, cfg: ModelConfig, vocab_size: int, seed: int, deterministic: bool = True) -> None:
@@ -233,18 +246,7 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
                 p.normal_(0.0, std, generator=gen)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                gen: torch.Generator | None = None, part: tuple[bool, bool] | None = None) -> Any:
-        """Logits (B, T, vocab) and, with targets, the *summed* token cross-entropy (normalise outside). ``part``: a
-        pipeline stage's part alone: tokens (or the stream) in, the stream (or the logits) out."""
-        if part is not None:
-            return forward_part(self, idx, gen, part)
-        x = self.embed_tokens(idx, gen)
-        logits = self.head(self.trunk(x, gen, idx.shape[1]))
-        return logits, None if targets is None else self.loss(logits, targets)
-
-    # The forward in the parts a pipeline stage runs (train/pp.py): the first embeds, each its blocks, the last
-    # the head and the loss.
+    # The parts of the forward (Decoder): the first stage embeds, each runs its blocks, the last the head and loss.
     def embed_tokens(self, idx: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:
         """The residual stream's start (B, T, C): token and position embeddings, then dropout."""
         B, T = idx.shape
