@@ -350,7 +350,7 @@ def train_ranks(run_dir: Path, *settings: str, nproc: int, resume: bool = False,
     return json.loads(final.read_text()) if final.exists() else None
 
 
-def rank_1_dies_in_step_4() -> None:
+def _rank_1_dies_in_step_4() -> None:
     """A ``train_ranks`` patch: rank 1 SIGKILLs itself as it starts step 4 (the steps count from 0 here)."""
     import signal
 
@@ -364,6 +364,19 @@ def rank_1_dies_in_step_4() -> None:
         return step(self, s)
 
     loop.Trainer.step = dying
+
+
+def killed_in_step_4(run_dir: Path, *settings: str, nproc: int, copies: tuple[str, ...] = ()) -> None:
+    """``train_ranks`` of ``settings`` on ``nproc`` processes whose rank 1 SIGKILLs itself as it starts step 4,
+    leaving the checkpoint of step 2 its newest (a checkpoint every 2 steps); then copies of ``run_dir`` named
+    ``copies`` beside it, for resumes under other layouts."""
+    import shutil
+    import signal
+
+    train_ranks(run_dir, *settings, nproc=nproc, patch=_rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    for name in copies:
+        shutil.copytree(run_dir, run_dir.parent / name)
 
 
 def side_by_side(*calls):

@@ -6,12 +6,10 @@ expert gradient summed in each source rank's arrival order gives other bits."""
 from __future__ import annotations
 
 import json
-import shutil
-import signal
 
 import pytest
 
-from tests.conftest import TINY, cli_here, metrics_bytes, rank_1_dies_in_step_4, train_here, train_ranks
+from tests.conftest import TINY, cli_here, killed_in_step_4, metrics_bytes, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -54,10 +52,7 @@ def test_an_ep_2_run_killed_resumes_at_ep_4_on_one_process_and_on_2_x_ep_2_bit_f
     run ends on the one-process bits; the receipts and a replay hold, and run.json records each segment."""
     ref_dir, ref_digest = one_process
     d = tmp_path / "run"
-    train_ranks(d, *EP, "parallel.ep=2", nproc=2, patch=rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
-    assert (d / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    shutil.copytree(d, tmp_path / "copy")
-    shutil.copytree(d, tmp_path / "grid")
+    killed_in_step_4(d, *EP, "parallel.ep=2", nproc=2, copies=("copy", "grid"))
     finals = {"run": train_ranks(d, *EP, "parallel.ep=4", nproc=4, resume=True),
               "copy": train_here(tmp_path / "copy", *EP, resume=True),
               "grid": train_ranks(tmp_path / "grid", *EP, "parallel.ep=2", nproc=4, resume=True)}

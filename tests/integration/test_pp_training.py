@@ -7,12 +7,10 @@ microbatches gives other bits."""
 from __future__ import annotations
 
 import json
-import shutil
-import signal
 
 import pytest
 
-from tests.conftest import TINY, cli_here, metrics_bytes, rank_1_dies_in_step_4, train_here, train_ranks
+from tests.conftest import TINY, cli_here, killed_in_step_4, metrics_bytes, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +54,7 @@ def test_a_pp_2_run_killed_resumes_at_pp_4_on_one_process_and_on_2_x_2_bit_for_b
     each segment's layout. A one-process run stopped at step 2 resumes at PP 2 on the same bits."""
     ref_dir, ref_digest = one_process
     d = tmp_path / "run"
-    train_ranks(d, *PP, "parallel.pp=2", nproc=2, patch=rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
-    assert (d / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    shutil.copytree(d, tmp_path / "copy")
-    shutil.copytree(d, tmp_path / "grid")
+    killed_in_step_4(d, *PP, "parallel.pp=2", nproc=2, copies=("copy", "grid"))
     four = train_ranks(d, *PP, "parallel.pp=4", nproc=4, resume=True)
     one = train_here(tmp_path / "copy", *PP, resume=True)
     grid = train_ranks(tmp_path / "grid", *PP, "parallel.pp=2", nproc=4, resume=True)

@@ -8,12 +8,10 @@ parallelism (parallel.sp) the same at TP 2 and 4, and across a kill."""
 from __future__ import annotations
 
 import json
-import shutil
-import signal
 
 import pytest
 
-from tests.conftest import TINY, cli_here, metrics_bytes, rank_1_dies_in_step_4, train_cmd, train_here, train_ranks
+from tests.conftest import TINY, cli_here, killed_in_step_4, metrics_bytes, train_cmd, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -61,10 +59,7 @@ def test_a_tp_2_run_killed_resumes_at_tp_4_and_on_one_process_bit_for_bit(one_pr
     run's receipts hold (ranks 2 and 3 keep theirs from step 3) and run.json records each segment's layout."""
     ref_dir, ref_digest = one_process
     d = tmp_path / "run"
-    train_ranks(d, *TP, "parallel.tp=2", nproc=2, patch=rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
-    assert (d / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    shutil.copytree(d, tmp_path / "copy")
-    shutil.copytree(d, tmp_path / "grid")
+    killed_in_step_4(d, *TP, "parallel.tp=2", nproc=2, copies=("copy", "grid"))
     four = train_ranks(d, *TP, "parallel.tp=4", nproc=4, resume=True)
     one = train_here(tmp_path / "copy", *TP, resume=True)
     grid = train_ranks(tmp_path / "grid", *TP, "parallel.tp=2", nproc=4, resume=True)  # 2 data x 2 tensor ranks
@@ -83,10 +78,8 @@ def test_an_fsdp2_over_tp_run_killed_resumes_on_2_x_2_at_tp_4_and_on_one_process
     on the one-process bits and its receipts verify."""
     ref_dir, ref_digest = one_process
     d, grid = tmp_path / "run", ("parallel.tp=2", "parallel.fsdp=true")
-    train_ranks(d, *TP, *grid, nproc=4, patch=rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
+    killed_in_step_4(d, *TP, *grid, nproc=4, copies=("tp4", "one"))
     assert json.loads((d / "checkpoints" / "step_000002" / "manifest.json").read_text())["version"] == 4
-    for name in ("tp4", "one"):
-        shutil.copytree(d, tmp_path / name)
     finals = {"grid": train_ranks(d, *TP, *grid, nproc=4, resume=True),
               "tp4": train_ranks(tmp_path / "tp4", *TP, "parallel.tp=4", nproc=4, resume=True),
               "one": train_here(tmp_path / "one", *TP, resume=True)}
@@ -240,7 +233,7 @@ def test_sequence_parallelism_at_tp_2_and_across_a_kill_resumed_at_tp_4_gives_th
     two = train_ranks(tmp_path / "two", *SP, "parallel.tp=2", nproc=2)
     assert two["state_digest"] == ref_digest and metrics_bytes(tmp_path / "two") == metrics_bytes(ref_dir)
     d = tmp_path / "killed"
-    train_ranks(d, *SP, "parallel.tp=2", nproc=2, patch=rank_1_dies_in_step_4, exit_code=-signal.SIGKILL)
+    killed_in_step_4(d, *SP, "parallel.tp=2", nproc=2)
     four = train_ranks(d, *SP, "parallel.tp=4", nproc=4, resume=True)
     assert four["state_digest"] == ref_digest and metrics_bytes(d) == metrics_bytes(ref_dir)
     off = cli_here(*train_cmd(d, *TP, "parallel.sp=false", resume=True)[3:])
