@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any
 
 import torch
@@ -74,13 +75,17 @@ def gather_named(local: dict[str, torch.Tensor], group: Any, device: torch.devic
         offset = 0
         for name, dtype, shape in entries:
             n = _nbytes(dtype, shape)
-            out[name] = flat[offset:offset + n].view(getattr(torch, dtype)).reshape(shape).clone()
+            out[name] = flat[offset:offset + n].view(_dtype(dtype)).reshape(shape).clone()
             offset += n
     return out
 
 
+def _dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"gather_named: {name!r} is not a torch dtype")
+    return dtype
+
+
 def _nbytes(dtype: str, shape: list[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    return math.prod(shape) * _dtype(dtype).itemsize

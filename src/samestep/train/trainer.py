@@ -118,9 +118,8 @@ class Trainer:
         must not see. Of a model in parts (``whole``), the whole state, gathered now from the parts (a collective:
         every rank of them calls it, at the same steps)."""
         if self.whole is not None:
-            model_sd, optim_sd = self.savable()
-            tree = {"model": model_sd.state_dict(), "optimizer": optim_sd.state_dict(),
-                    "data_cursor": self.cursor.state_dict(), "step": step}
+            model_sd, optim_sd = self.whole.whole_state(self.model, self.optimizer, self.device)
+            tree = {"model": model_sd, "optimizer": optim_sd, "data_cursor": self.cursor.state_dict(), "step": step}
             return lambda: tree
         cursor, model, optim = self.cursor.state_dict(), self.model, self.optimizer.state_dict()
         if self.sharded:
