@@ -27,8 +27,9 @@ demo: install
 # TEST_WORKERS=0 runs them in this one process.
 TEST_WORKERS ?= 3
 
+# PYTHONDONTWRITEBYTECODE= : pytest rewrites samestep's asserts (its plugin's package) once, not in every worker.
 test: install
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load --durations=30 tests
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load --durations=30 tests
 
 # The edit-test loop: the unit tests but the slow ones (in two workers), and the demo end to end.
 test-fast: install

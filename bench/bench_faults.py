@@ -2,8 +2,10 @@
 
     .venv/bin/python bench/bench_faults.py [--kills 10] [--signals 4] [--save-ops all] [--json]
 
-Every trial runs `samestep train` in fresh processes on a small config (its resume in this one) and checks the
-outcome against an uninterrupted reference run, bit for bit (final state digest and metrics.jsonl bytes):
+Every trial runs `samestep train` in processes of its own on a small config (its resume in this one), forked from
+a server that imported torch and samestep once (forked.py: a fresh interpreter's imports cost seconds; the
+launcher's ranks are fresh interpreters, as it starts them), and checks the outcome against an uninterrupted
+reference run, bit for bit (final state digest and metrics.jsonl bytes):
   kills     SIGKILL at a random instant (after a random step, at a random delay), then --resume; as many
             again before the run's first checkpoint (the resume starts from step 0)
   save ops  SIGKILL at each filesystem operation of a checkpoint save, in turn, then --resume
@@ -29,7 +31,6 @@ import os
 import random
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import textwrap
@@ -41,6 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 from fault_corpus import CASES, run_case  # noqa: E402
+from forked import Forked  # noqa: E402
 
 from samestep.rundir import last_logged_step  # noqa: E402
 
@@ -51,13 +53,14 @@ RUN = (*SMALL, "train.steps=8", f"train.checkpoint_every={EVERY}")
 LONG = (*SMALL, "train.steps=60", "train.checkpoint_every=1000")
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-
-
 def _cmd(run: Path, settings: tuple[str, ...], *extra: str) -> list[str]:
-    return [sys.executable, "-m", "samestep", "train", "--run-dir", str(run),
-            *[x for s in settings for x in ("--set", s)], *extra]
+    """``samestep train``'s arguments for ``run``."""
+    return ["train", "--run-dir", str(run), *[x for s in settings for x in ("--set", s)], *extra]
+
+
+def _finished(proc: Forked, timeout: float = 600) -> Forked:
+    proc.wait(timeout)
+    return proc
 
 
 def _outcome(run: Path) -> tuple[str | None, bytes]:
@@ -74,7 +77,7 @@ def _resume(run: Path, settings: tuple[str, ...]) -> tuple[int, int | None]:
     from samestep.cli import main
 
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        code = main(_cmd(run, settings, "--resume")[3:])
+        code = main(_cmd(run, settings, "--resume"))
     resumes = json.loads((run / "run.json").read_text()).get("resumes", []) if (run / "run.json").exists() else []
     return code, (resumes[-1]["step"] if resumes else 0)
 
@@ -83,8 +86,7 @@ def _signal_after(run: Path, settings: tuple[str, ...], step: int, delay: float,
                   group: bool = False) -> tuple[int, int]:
     """Starts a run and sends ``sig`` once it has logged ``step`` and ``delay`` more seconds have passed (with
     ``group``, to its whole process group); its exit code and the last step it had logged then."""
-    proc = subprocess.Popen(_cmd(run, settings), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_env(),
-                            start_new_session=group)
+    proc = Forked(_cmd(run, settings), new_session=group)
     deadline = time.monotonic() + 600
     while proc.poll() is None and last_logged_step(run) < step and time.monotonic() < deadline:
         time.sleep(0.002)
@@ -92,8 +94,7 @@ def _signal_after(run: Path, settings: tuple[str, ...], step: int, delay: float,
     logged = last_logged_step(run)
     if proc.poll() is None:
         os.killpg(proc.pid, sig) if group else proc.send_signal(sig)
-    proc.communicate(timeout=600)
-    return proc.returncode, logged
+    return proc.wait(), logged
 
 
 def kills(work: Path, reference: tuple, trials: int, rng: random.Random, settings: tuple[str, ...] = RUN,
@@ -155,12 +156,9 @@ def save_ops(work: Path, reference: tuple, which: str) -> dict:
     """SIGKILL at the k-th filesystem operation of the save of step 4 (of 8, a save every 2 steps, the
     oldest pruned: keep 1), for each k; then --resume."""
     settings = (*RUN, "train.keep_checkpoints=1")
-    args = ["train", "--run-dir"]
 
-    def child(run: Path, target: int) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-c", _SAVE_OPS, str(target), "4", *args, str(run),
-                               *[x for s in settings for x in ("--set", s)]],
-                              capture_output=True, text=True, timeout=600, env=_env())
+    def child(run: Path, target: int) -> Forked:
+        return _finished(Forked([str(target), "4", *_cmd(run, settings)], code=_SAVE_OPS))
 
     counted = child(work / "ops_count", 0)
     n = int(counted.stderr.strip().splitlines()[-1].split("=")[1])
@@ -171,8 +169,7 @@ def save_ops(work: Path, reference: tuple, which: str) -> dict:
         proc = child(run, k)
         out["trials"] += 1
         out["killed"] += proc.returncode == -signal.SIGKILL
-        verify = subprocess.run([sys.executable, "-m", "samestep", "checkpoint", "verify", str(run / "checkpoints")],
-                                capture_output=True, text=True, timeout=600, env=_env())
+        verify = _finished(Forked(["checkpoint", "verify", str(run / "checkpoints")]))
         out["verify_ok"] += verify.returncode == 0
         rc, _ = _resume(run, settings)
         out["exact"] += rc == 0 and _outcome(run) == reference
@@ -203,8 +200,7 @@ def launcher(work: Path, trials: int) -> dict:
     out = {"trials": 0, "ranks_stopped": 0, "saved": 0}
     for i in range(trials):
         run = work / f"launcher_{i}"
-        proc = subprocess.Popen(_cmd(run, LONG, "--nproc", "2"), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                env=_env(), start_new_session=True)
+        proc = Forked(_cmd(run, LONG, "--nproc", "2"), new_session=True)
         deadline = time.monotonic() + 600
         while last_logged_step(run) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -244,9 +240,8 @@ def writers(work: Path, reference: tuple, trials: int) -> dict:
     out = {"trials": 0, "one_refused": 0, "refusal_one_line": 0, "exact": 0, "own_loop_refused": 0}
     for i in range(trials):
         run = work / f"writers_{i}"
-        procs = [subprocess.Popen(_cmd(run, LONG, "--resume"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  text=True, env=_env()) for _ in range(2)]
-        results = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
+        procs = [Forked(_cmd(run, LONG, "--resume")) for _ in range(2)]
+        results = [(p.wait(), p.stderr) for p in procs]
         codes = sorted(c for c, _ in results)
         out["trials"] += 1
         out["one_refused"] += codes == [0, 2]
@@ -255,13 +250,11 @@ def writers(work: Path, reference: tuple, trials: int) -> dict:
             refusal[0]
         out["exact"] += _outcome(run) == reference
         beside = work / f"beside_{i}"  # a loop of one's own started beside a live trainer
-        trainer = subprocess.Popen(_cmd(beside, (*LONG, "train.steps=100000")), stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL, env=_env())  # alive until killed below
+        trainer = Forked(_cmd(beside, (*LONG, "train.steps=100000")))  # alive until killed below
         deadline = time.monotonic() + 600
         while last_logged_step(beside) < 1 and time.monotonic() < deadline:
             time.sleep(0.01)
-        own = subprocess.run([sys.executable, "-c", _OWN_LOOP, str(beside)], capture_output=True, text=True,
-                             timeout=600, env=_env())
+        own = _finished(Forked([str(beside)], code=_OWN_LOOP))
         trainer.kill()
         trainer.wait()
         out["own_loop_refused"] += own.returncode == 2 and "in use by pid" in own.stderr
@@ -294,13 +287,16 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    # the launcher's ranks are fresh interpreters: they find this checkout's samestep as this process did
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")]))
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory(prefix="samestep-faults-") as tmp:
         work = Path(tmp)
         with ThreadPoolExecutor(max_workers=2) as pool:  # two single-threaded runs, side by side
-            list(pool.map(lambda job: subprocess.run(_cmd(work / job[0], job[1]), check=True, capture_output=True,
-                                                     timeout=600, env=_env()),
-                          (("reference", RUN), ("reference_long", LONG))))
+            for proc in pool.map(lambda job: _finished(Forked(_cmd(work / job[0], job[1]))),
+                                 (("reference", RUN), ("reference_long", LONG))):
+                if proc.returncode:
+                    raise SystemExit(f"a reference run failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
         reference, reference_long = _outcome(work / "reference"), _outcome(work / "reference_long")
         result = {"kills": kills(work, reference, args.kills, rng),
                   # a run that saves only at its end loses what it trained, and resumes from step 0

@@ -6,7 +6,8 @@
 Around each test, the plugin reads the CPU time (user and system) of the worker itself, of its children
 that it waited for (subprocesses), and of the children of its fork server (``tests/conftest.py``'s spawned
 ranks and ``Forked`` processes, which the server reaps), and adds one line to $SUITE_CPU_OUT
-(suite_cpu.jsonl by default). A process that nobody waits for (an orphan) is not counted.
+(suite_cpu.jsonl by default), with the worker that ran the test and when it began (the suite's timeline). A
+process that nobody waits for (an orphan) is not counted.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ def _fork_server_cpu() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    t0, c0, f0 = time.monotonic(), os.times(), _fork_server_cpu()
+    t0, c0, f0, began = time.monotonic(), os.times(), _fork_server_cpu(), time.time()
     yield
     t1, c1, f1 = time.monotonic(), os.times(), _fork_server_cpu()
-    row = {"test": item.nodeid, "wall": round(t1 - t0, 2),
+    row = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", ""), "start": round(began, 2),
+           "wall": round(t1 - t0, 2),
            "own": round(c1.user - c0.user + c1.system - c0.system, 2),
            "children": round(c1.children_user - c0.children_user + c1.children_system - c0.children_system, 2),
            "forked": round(f1 - f0, 2)}

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import samestep  # noqa: E402
+from bench import forked  # noqa: E402
 
 # A CPU-sized run that still exercises every part of the loop: 4 microbatches, dropout, checkpoints.
 # On CPU on every machine: the suite checks the CPU reference that CI runs (its world-size and race
@@ -153,9 +154,8 @@ def script_here(path: Path, *argv: str) -> subprocess.CompletedProcess:
         sys.argv = saved
 
 
-# What the spawn server imports once: deterministic mode's torch.use_deterministic_algorithms imports
-# Inductor's config (and with it Dynamo), most of two seconds a process would pay again.
-PRELOAD = ["torch", "torch.distributed", "torch._inductor.config", "samestep"]
+# What the spawn server imports once (``bench/forked.py``'s server: ``spawn`` and ``Forked`` share it).
+PRELOAD = [*forked.PRELOAD, forked.__name__, __name__]
 
 
 # A spawned process still running after this long is stuck (the longest take a minute on a busy 2-core
@@ -213,7 +213,7 @@ def spawn(fn, args: tuple, nprocs: int, exit_code: int | None = None) -> None:
 
     import torch.multiprocessing as mp
 
-    multiprocessing.set_forkserver_preload([*PRELOAD, __name__, fn.__module__])
+    multiprocessing.set_forkserver_preload([*PRELOAD, fn.__module__])
     with tempfile.TemporaryDirectory() as stacks:
         ctx = mp.start_processes(_spawned, args=(fn, stacks, args), nprocs=nprocs, join=False,
                                  start_method="forkserver")
@@ -231,85 +231,18 @@ def spawn(fn, args: tuple, nprocs: int, exit_code: int | None = None) -> None:
     assert exit_code is None, f"no process of {fn.__name__} ended with exit code {exit_code}"
 
 
-def _command(argv: list[str], script: str | None, env: dict[str, str], cwd: str, stdout: str, stderr: str) -> None:
-    """``samestep *argv``, or ``python script *argv``, as a fresh process runs it: the caller's environment and
-    directory, stdout and stderr to those files; the command's code is the process's exit code."""
-    os.environ.clear()
-    os.environ.update(env)
-    os.chdir(cwd)
-    os.dup2(os.open(stdout, os.O_WRONLY | os.O_APPEND), 1)
-    os.dup2(os.open(stderr, os.O_WRONLY | os.O_APPEND), 2)
-    if script is not None:
-        import runpy
+class Forked(forked.Forked):
+    """``bench/forked.py``'s process (``python -m samestep *argv``, or ``python script *argv``, forked from the
+    server that imported torch and samestep), whose ``wait`` fails the test where the process is still running
+    after its timeout."""
 
-        sys.argv = [script, *argv]
-        sys.path.insert(0, str(Path(script).parent))  # as python puts a script's folder first
-        runpy.run_path(script, run_name="__main__")
-        return
-    from samestep.cli import main
-
-    raise SystemExit(main(argv))
-
-
-class Forked:
-    """``subprocess.Popen([python, "-m", "samestep", *argv])``, or ``[python, script, *argv]``, as the tests use
-    it (``pid``, ``poll``, ``send_signal``, ``wait``, ``returncode``; ``stdout`` and ``stderr``, the text, once
-    it has ended), the process forked from the spawn server: a process of its own to kill or signal, without
-    an interpreter start and imports to pay. Settings read as torch or Inductor are imported
-    (TORCHINDUCTOR_*, OMP_NUM_THREADS) are the server's: a claim about them runs a fresh interpreter."""
-
-    def __init__(self, argv: list[str], script: Path | None = None, cwd: Path | None = None) -> None:
-        import multiprocessing
-        import tempfile
-
-        multiprocessing.set_forkserver_preload([*PRELOAD, __name__])
-        self._paths = []
-        for _ in range(2):
-            fd, path = tempfile.mkstemp(prefix="samestep-output-")
-            os.close(fd)
-            self._paths.append(path)
-        self.stdout: str | None = None
-        self.stderr: str | None = None
-        self._process = multiprocessing.get_context("forkserver").Process(
-            target=_command, args=(argv, None if script is None else str(script), dict(os.environ),
-                                   str(cwd or os.getcwd()), *self._paths))
-        self._process.start()
-        self.pid = self._process.pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._process.exitcode
-
-    def poll(self) -> int | None:
-        return self._process.exitcode
-
-    def send_signal(self, sig: int) -> None:
-        if self._process.exitcode is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        import signal
-
-        self.send_signal(signal.SIGKILL)
+    preload = PRELOAD
 
     def wait(self, timeout: float = 600) -> int:
-        """The exit code (minus the signal that ended it); a process still running after ``timeout`` seconds
-        is killed and fails the test."""
-        self._process.join(timeout)
-        if self._process.exitcode is None:
-            self._process.kill()
-            self._process.join()
-            pytest.fail(f"samestep still running after {timeout} s; its stderr:\n{self._read()[-4000:]}")
-        self._read()
-        return self._process.exitcode
-
-    def _read(self) -> str:
-        """Takes in what the process printed; its stderr."""
-        if self.stderr is None:
-            self.stdout, self.stderr = (Path(p).read_text(errors="replace") for p in self._paths)
-            for p in self._paths:
-                os.unlink(p)
-        return self.stderr
+        try:
+            return super().wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"samestep still running after {timeout} s; its stderr:\n{(self.stderr or '')[-4000:]}")
 
 
 def _train_rank(rank: int, nproc: int, port: int, threads: int, argv: list[str], patch, stderr: str | None) -> None:

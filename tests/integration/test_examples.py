@@ -50,13 +50,13 @@ def test_the_readme_shows_the_quick_start_as_it_is_and_it_runs_as_printed(tmp_pa
     runs = [script_here(script, str(tmp_path / "a")),  # as printed, in a fresh process and in this one
             subprocess.run([sys.executable, script, str(tmp_path / "b")], capture_output=True, text=True, timeout=300)]
     assert runs[0].returncode == 0 and runs[0].stdout == runs[1].stdout, runs[0].stderr[-2000:]
-    proc = subprocess.Popen([sys.executable, script, str(tmp_path / "c")], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = Forked([str(tmp_path / "c")], script=Path(script))
     deadline = time.monotonic() + 300
     while not list((tmp_path / "c" / "checkpoints").glob("step_*")) and time.monotonic() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
-    stopped = proc.communicate(timeout=300)[0]
+    proc.wait(300)
+    stopped = proc.stdout
     again = script_here(script, str(tmp_path / "c"))
     assert again.stdout == runs[0].stdout and stopped != runs[0].stdout
 

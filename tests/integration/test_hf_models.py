@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import samestep
 from samestep.analysis import diff_runs
@@ -29,6 +28,8 @@ class IndexEmbedding(torch.nn.Embedding):
 
 
 def _model(kind: str, race: bool = False) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # seconds: not at collection
+
     torch.manual_seed(0)
     if kind == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=2))

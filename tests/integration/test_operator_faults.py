@@ -85,14 +85,13 @@ def test_every_writer_of_a_run_directory_takes_the_same_lock(tmp_path):
     model = torch.nn.Linear(4, 1)
     first = samestep.Run(run, model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), level="off")
     try:
-        proc = subprocess.run([sys.executable, "-c", _OTHER_WRITER, str(run)], capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 2 and f"is in use by pid {__import__('os').getpid()}" in proc.stdout
+        proc = Forked([str(run)], code=_OTHER_WRITER)
+        assert proc.wait(300) == 2 and f"is in use by pid {__import__('os').getpid()}" in proc.stdout
     finally:
         first.close()
     assert (run / "run.json").exists()
-    proc = subprocess.run([sys.executable, "-c", _OTHER_WRITER, str(run)], capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = Forked([str(run)], code=_OTHER_WRITER)
+    assert proc.wait(300) == 0, proc.stdout + proc.stderr
 
     trained = tmp_path / "trained"
     holder = Forked(train_cmd(trained, *UNSAVED, "train.steps=2000")[3:])
@@ -182,13 +181,12 @@ def test_a_signal_to_the_whole_process_group_stops_the_run_with_a_checkpoint(tmp
     outcomes = {}
     for name, extra in (("run", ()), ("control", ("train.exit_signals=",))):
         run = tmp_path / name
-        proc = subprocess.Popen(train_cmd(run, *traced, *extra), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+        proc = Forked(train_cmd(run, *traced, *extra)[3:], new_session=True)
         deadline = time.monotonic() + 300
         while proc.poll() is None and last_logged_step(run) < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
         os.killpg(proc.pid, signal.SIGINT)
-        outcomes[name] = proc.wait(timeout=300), proc.stderr.read()
+        outcomes[name] = proc.wait(300), proc.stderr
     assert outcomes["run"][0] == EXIT_PREEMPTED, outcomes["run"][1][-2000:]
     assert outcomes["control"][0] != EXIT_PREEMPTED and not (tmp_path / "control" / "checkpoints").exists()
     assert train_here(tmp_path / "run", *traced, resume=True)["state_digest"] == straight["state_digest"]
@@ -201,8 +199,7 @@ def test_ranks_whose_launcher_is_killed_save_and_stop(tmp_path):
     import signal
 
     run = tmp_path / "run"
-    launcher = subprocess.Popen(train_cmd(run, *UNSAVED, "train.steps=100000", nproc=2), stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL, start_new_session=True)
+    launcher = Forked(train_cmd(run, *UNSAVED, "train.steps=100000", nproc=2)[3:], new_session=True)
     deadline = time.monotonic() + 300
     while last_logged_step(run) < 2 and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -233,10 +230,9 @@ def test_a_signal_after_the_graceful_stop_exits_as_preempted():
 
     from samestep.preempt import EXIT_PREEMPTED
 
-    stopped = subprocess.run([sys.executable, "-c", _SECOND_SIGNAL, "stop"], capture_output=True, timeout=60)
-    plain = subprocess.run([sys.executable, "-c", _SECOND_SIGNAL, "plain"], capture_output=True, timeout=60)
-    assert stopped.returncode == EXIT_PREEMPTED
-    assert plain.returncode == -signal.SIGTERM
+    stopped, plain = Forked(["stop"], code=_SECOND_SIGNAL), Forked(["plain"], code=_SECOND_SIGNAL)
+    assert stopped.wait(60) == EXIT_PREEMPTED, stopped.stderr
+    assert plain.wait(60) == -signal.SIGTERM, plain.stderr
 
 
 @pytest.mark.parametrize("forgery", ["manifest step", "a weight bit", "the data cursor"])
@@ -362,9 +358,9 @@ def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
     assert verify_checkpoint(step_dir) == step_dir
     report = check_receipts(run)
     assert not report["ok"] and "rank 0's shards" in report["problems"][0], report
-    proc = subprocess.run(train_cmd(run, *TINY, "parallel.fsdp=true", resume=True, nproc=2),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 2 and "the checkpoint of step 8 restores state" in proc.stderr, proc.stderr[-2000:]
+    err = tmp_path / "stderr"  # the ranks, as the launcher above starts them
+    train_ranks(run, *TINY, "parallel.fsdp=true", resume=True, nproc=2, exit_code=2, stderr=err)
+    assert "the checkpoint of step 8 restores state" in err.read_text(), err.read_text()[-2000:]
     proc = cli_here(*train_cmd(run, *TINY, resume=True)[3:])
     assert proc.returncode == 2 and "rank 0's shards checksum" in proc.stderr, proc.stderr[-2000:]
 

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -81,10 +79,10 @@ def test_a_second_signal_stops_at_once(tmp_path):
               "        time.sleep(5)\n"
               "print('ended by itself', flush=True)\n")
     for how in ("once", "duplicated"):
-        once = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=60)
-        assert once.returncode == 0 and once.stdout.split() == ["SIGTERM", "ended", "by", "itself"]
-    twice = subprocess.run([sys.executable, "-c", script, "twice"], capture_output=True, text=True, timeout=60)
-    assert twice.returncode == -signal.SIGTERM and twice.stdout.split() == ["SIGTERM"]
+        once = Forked([how], code=script)
+        assert once.wait(60) == 0 and once.stdout.split() == ["SIGTERM", "ended", "by", "itself"], once.stderr
+    twice = Forked(["twice"], code=script)
+    assert twice.wait(60) == -signal.SIGTERM and twice.stdout.split() == ["SIGTERM"], twice.stderr
 
 
 def test_two_processes_stop_as_one_job_with_exit_75_and_resume_exact(reference, tmp_path):
@@ -93,14 +91,14 @@ def test_two_processes_stop_as_one_job_with_exit_75_and_resume_exact(reference, 
     would make it 1), and --resume on 2 processes ends with the one-process run's final digest and
     metrics bytes."""
     run = tmp_path / "run"
-    proc = subprocess.Popen(train_cmd(run, *LONG, nproc=2), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = Forked(train_cmd(run, *LONG, nproc=2)[3:], new_session=True)
     deadline = time.monotonic() + 300
     while proc.poll() is None and last_logged_step(run) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert proc.poll() is None, "the run ended before it could be signalled"
     os.killpg(proc.pid, signal.SIGTERM)
-    out, err = proc.communicate(timeout=300)
+    proc.wait(300)
+    err = proc.stderr
     assert proc.returncode == EXIT_PREEMPTED, err[-3000:]
     step = last_logged_step(run)
     assert 3 <= step < 120 and f"stopped by SIGTERM after step {step}, with a checkpoint" in err

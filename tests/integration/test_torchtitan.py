@@ -15,8 +15,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torchtitan.distributed.fsdp import apply_fsdp_to_decoder
-from torchtitan.models.llama3 import llama3_configs
 
 import samestep
 from samestep.analysis.receipt_check import check_receipts
@@ -38,6 +36,8 @@ class CausalSDPA(torch.nn.Module):
 def _worker(rank: int, world: int, init: str, run_dir: str, out: str, kill_at: int | None, seed_from: int | None,
             sharded: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
+    from torchtitan.distributed.fsdp import apply_fsdp_to_decoder  # imported where used: a second at collection
+    from torchtitan.models.llama3 import llama3_configs
 
     from samestep.distributed import CanonicalGradients, FsdpGradients, full_state
 

@@ -77,8 +77,11 @@ def test_sigkill_at_a_random_step_then_resume_is_identical(reference, tmp_path, 
     assert len(resumes) == 1 and resumes[0]["step"] % 2 == 0
 
 
-def _run_python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=600)
+def _run_python(code: str) -> Forked:
+    """``python -c code`` in a process of its own (``Forked``), ended."""
+    proc = Forked([], code=textwrap.dedent(code))
+    proc.wait()
+    return proc
 
 
 def test_resume_without_data_cursor_restore_diverges(reference, tmp_path, monkeypatch):
@@ -284,15 +287,15 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_one_blocks_no
     exit 2, one line naming the holder's pid and host, nothing changed. Negative control: once the holder
     is killed (SIGKILL), the kernel has released its hold and the same resume runs."""
     import socket
-    import subprocess
-    import sys
 
-    run = tmp_path / "run"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from samestep.rundir import hold; "
-                               f"hold({str(run)!r}); print('held', flush=True); time.sleep(600)"],
-                              stdout=subprocess.PIPE, text=True)
+    run, held = tmp_path / "run", tmp_path / "held"
+    holder = Forked([], code=f"import time; from samestep.rundir import hold; hold({str(run)!r}); "
+                             f"open({str(held)!r}, 'w').close(); time.sleep(600)")
     try:
-        assert holder.stdout.readline().strip() == "held"
+        deadline = time.monotonic() + 300
+        while not held.exists() and holder.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert held.exists(), holder.wait()
         proc = cli_here(*train_cmd(run, *TINY, resume=True)[3:])
         assert proc.returncode == 2
         assert proc.stderr.strip().splitlines() == [

@@ -20,8 +20,18 @@ from tests.conftest import TINY, Forked, metrics_bytes, run_train, side_by_side,
 pytestmark = pytest.mark.slow
 
 BASE = (*[s for s in TINY if not s.startswith("train.steps")], "train.steps=6", "model.n_kv_head=1")
-# Inductor generates every kernel again instead of loading its graph from the caches
-UNCACHED = {"TORCHINDUCTOR_FX_GRAPH_CACHE": "0", "TORCHINDUCTOR_AUTOGRAD_CACHE": "0"}
+# `samestep *argv` with Inductor generating every kernel again instead of loading its graph from the caches (what
+# TORCHINDUCTOR_FX_GRAPH_CACHE=0 and TORCHINDUCTOR_AUTOGRAD_CACHE=0 set in a fresh interpreter)
+UNCACHED = """
+import sys
+import torch._functorch.config
+import torch._inductor.config
+from samestep.cli import main
+
+torch._inductor.config.fx_graph_cache = False
+torch._functorch.config.enable_autograd_cache = False
+sys.exit(main(sys.argv[1:]))
+"""
 CASES = {("llama", "fp32"): 2, ("llama", "bf16"): 4, ("gpt", "bf16"): 2}  # -> a process count besides 1
 
 
@@ -73,11 +83,11 @@ def test_llama_and_bf16_repeat_resume_and_match_across_process_counts(tmp_path):
 @pytest.mark.parametrize("arch,precision,nproc", [("llama", "bf16", 2), ("gpt", "fp32", 4)])
 def test_a_compiled_model_repeats_resumes_and_matches_across_process_counts(tmp_path, arch, precision, nproc):
     """train.compile=true (Inductor in deterministic mode, the forward and its loss compiled), each run in
-    fresh processes that compile: a run killed with SIGKILL after step 3 and resumed in a new process is
+    processes of its own that compile: a run killed with SIGKILL after step 3 and resumed in a new process is
     the run straight through to the bit (every loss line and the final state), and so is the run on 2 or 4
     processes. The first run fills Inductor's caches, which the others load as a resumed job does; the
-    resume generates every kernel again with the graph caches off (a fresh process, FX graph and
-    AOTAutograd caches disabled), so two independent compilations agree (its identical kernel sources find
+    resume generates every kernel again with the graph caches off (a process that never compiled, FX graph
+    and AOTAutograd caches disabled), so two independent compilations agree (its identical kernel sources find
     their compiled objects: gcc runs once). Negative control: the same comparison tells a run of another
     seed apart."""
     settings = (*BASE, f"model.arch={arch}", f"train.precision={precision}", "train.compile=true")
@@ -85,9 +95,8 @@ def test_a_compiled_model_repeats_resumes_and_matches_across_process_counts(tmp_
 
     def killed_then_recompiled() -> dict:
         _killed(tmp_path / "r", settings, after=3)
-        proc = subprocess.run(train_cmd(tmp_path / "r", *settings, resume=True), capture_output=True, text=True,
-                              timeout=600, env={**os.environ, **UNCACHED})
-        assert proc.returncode == 0, proc.stderr[-4000:]
+        proc = Forked(train_cmd(tmp_path / "r", *settings, resume=True)[3:], code=UNCACHED)
+        assert proc.wait() == 0, proc.stderr[-4000:]
         return json.loads((tmp_path / "r" / "final.json").read_text())
 
     resumed, wide, other_seed = side_by_side(killed_then_recompiled,
