@@ -22,14 +22,14 @@ install: $(VENV)/.installed
 demo: install
 	$(BIN)/samestep demo
 
-# Tests run in TEST_WORKERS processes (pytest-xdist), each handed the next test as it frees up, longest
-# first (tests/conftest.py). Each waits on its trainers and ranks at times, so three fill a 2-core machine.
+# Tests run in TEST_WORKERS processes (pytest-xdist), each handed the next test module as it frees up, the
+# longest first (tests/conftest.py). Each waits on its trainers and ranks at times, so three fill a 2-core machine.
 # TEST_WORKERS=0 runs them in this one process.
 TEST_WORKERS ?= 3
 
 # PYTHONDONTWRITEBYTECODE= : pytest rewrites samestep's asserts (its plugin's package) once, not in every worker.
 test: install
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist load --durations=30 tests
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
 
 # The edit-test loop: the unit tests but the slow ones (in two workers), and the demo end to end.
 test-fast: install

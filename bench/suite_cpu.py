@@ -1,20 +1,20 @@
 """The test suite's CPU, test by test: a pytest plugin, and a summary of what it wrote.
 
-    PYTHONPATH=bench .venv/bin/python -m pytest -q -n 3 --dist load -p suite_cpu tests
-    .venv/bin/python bench/suite_cpu.py suite_cpu.jsonl
+    PYTHONPATH=bench .venv/bin/python -m pytest -q -n 3 --dist loadfile -p suite_cpu tests
+    .venv/bin/python bench/suite_cpu.py suite_cpu.jsonl [--durations tests/durations.json]
 
 Around each test, the plugin reads the CPU time (user and system) of the worker itself, of its children
 that it waited for (subprocesses), and of the children of its fork server (``tests/conftest.py``'s spawned
 ranks and ``Forked`` processes, which the server reaps), and adds one line to $SUITE_CPU_OUT
 (suite_cpu.jsonl by default), with the worker that ran the test and when it began (the suite's timeline). A
-process that nobody waits for (an orphan) is not counted.
+process that nobody waits for (an orphan) is not counted. ``--durations``: each test's seconds written where
+tests/conftest.py reads them to order the suite.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 
 import pytest
@@ -48,8 +48,17 @@ def pytest_runtest_protocol(item, nextitem):
         f.write(json.dumps(row) + "\n")
 
 
-def main(path: str) -> None:
+def durations(rows: list[dict], out: str) -> None:
+    """Each test's seconds (wall, 0.1 s and over), as tests/conftest.py orders the suite by them."""
+    known = {r["test"]: round(r["wall"], 1) for r in sorted(rows, key=lambda r: -r["wall"]) if r["wall"] >= 0.1}
+    with open(out, "w") as f:
+        f.write("{\n" + ",\n".join(f"{json.dumps(k)}: {v}" for k, v in known.items()) + "\n}\n")
+
+
+def main(path: str, out: str | None = None) -> None:
     rows = [json.loads(line) for line in open(path)]
+    if out is not None:
+        durations(rows, out)
     for r in rows:
         r["cpu"] = r["own"] + r["children"] + r["forked"]
     print(f"{len(rows)} tests, {sum(r['cpu'] for r in rows):,.0f} s of CPU")
@@ -58,4 +67,10 @@ def main(path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "suite_cpu.jsonl")
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("path", nargs="?", default="suite_cpu.jsonl")
+    ap.add_argument("--durations", metavar="OUT", help="write each test's seconds there (tests/durations.json)")
+    args = ap.parse_args()
+    main(args.path, args.durations)

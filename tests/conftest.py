@@ -28,15 +28,16 @@ TINY = ("train.device=cpu", "train.steps=8", "train.global_batch=8", "train.micr
 
 
 def pytest_collection_modifyitems(config, items):
-    """Longest first (make test's workers take the next test as they free up, and a long test started last
-    would run alone): modules by their longest test in tests/durations.json (a --durations=0 run's seconds,
-    tests over 2 s), each module's tests kept together so its fixtures are made once per worker."""
+    """Modules by their seconds in tests/durations.json (a suite run's, per test: ``bench/suite_cpu.py
+    --durations``), most first, and each module's tests longest first: make test hands each worker a whole
+    module as it frees up (``--dist loadfile``: its fixtures made once), so the longest work starts first and
+    the last modules to start are short."""
     known = json.loads((Path(__file__).parent / "durations.json").read_text())
-    longest: dict[str, float] = {}
+    total: dict[str, float] = {}
     for item in items:
-        longest[item.module.__name__] = max(longest.get(item.module.__name__, 0), known.get(item.nodeid, 0))
+        total[item.module.__name__] = total.get(item.module.__name__, 0) + known.get(item.nodeid, 0)
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda it: (-longest[it.module.__name__], it.module.__name__, -known.get(it.nodeid, 0),
+    items.sort(key=lambda it: (-total[it.module.__name__], it.module.__name__, -known.get(it.nodeid, 0),
                                order[id(it)]))
 
 
