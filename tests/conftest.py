@@ -313,6 +313,15 @@ def killed_in_step_4(run_dir: Path, *settings: str, nproc: int, copies: tuple[st
         shutil.copytree(run_dir, run_dir.parent / name)
 
 
+def origin_of(proc: subprocess.CompletedProcess) -> tuple[dict, tuple]:
+    """The --json report of a ``samestep diff`` or ``bisect`` that named an origin (it must have, and exited
+    nonzero), and the origin's (step, rank, microbatch, scope, op)."""
+    doc = json.loads(proc.stdout)
+    origin = doc["origin"]
+    assert proc.returncode != 0 and origin is not None, proc.stdout + proc.stderr
+    return doc, (origin["step"], origin["rank"], origin["microbatch"], origin["scope"], origin["op"])
+
+
 def side_by_side(*calls):
     """Runs independent ``samestep train`` runs (callables, each starting its own processes) at once: on a
     2-core machine two single-threaded runs take the time of one. Their results, in order."""

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tests.conftest import TINY, cli_here, killed_in_step_4, metrics_bytes, train_here, train_ranks
+from tests.conftest import TINY, cli_here, killed_in_step_4, metrics_bytes, origin_of, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -176,12 +176,8 @@ def test_bisect_names_the_op_and_pipeline_stage_where_two_pipelined_runs_differ(
     train_ranks(tmp_path / "b", *settings, *planted, nproc=2)
     diff = cli_here("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json")
     assert diff.returncode != 0 and json.loads(diff.stdout)["first_divergent_step"] == 2, diff.stdout + diff.stderr
-    bisect = cli_here("bisect", str(tmp_path / "a"), str(tmp_path / "b"), "--json")
-    doc = json.loads(bisect.stdout)
-    origin = doc["origin"]
-    assert bisect.returncode != 0 and origin is not None, bisect.stdout + bisect.stderr
-    assert (origin["step"], origin["rank"], origin["microbatch"], origin["scope"], origin["op"]) == (
-        2, 1, 1, "transformer.ln_f", "aten.native_layer_norm_backward.default"), origin
+    doc, origin = origin_of(cli_here("bisect", str(tmp_path / "a"), str(tmp_path / "b"), "--json"))
+    assert origin == (2, 1, 1, "transformer.ln_f", "aten.native_layer_norm_backward.default"), origin
     assert "rank 1 (data rank 0, pipeline stage 1)" in doc["summary"], doc["summary"]
     received = doc["per_rank"]["0"]["divergence"]  # the first stage: the gradients it was sent back
     assert received["kind"] != "origin" and (received["step"], received["microbatch"]) == (2, 1), received

@@ -236,29 +236,25 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     data_rank = rank // (world // data_world)  # a data rank's tensor ranks are consecutive
     k = t.microbatches // data_world
     sharded = sharded and data_world > 1  # FSDP2 shards over the data ranks
+    if pipeline is not None:  # each stage's data ranks reduce (and shard) it
+        data_group = pipeline.data_group
     if sharded:
-        if pipeline is not None:  # each stage over its data ranks
-            data_mesh, data_group = pipeline.data_mesh, pipeline.data_group
-        shard_model(model, data_world, data_mesh)
+        shard_model(model, data_world, data_mesh if pipeline is None else pipeline.data_mesh)
     if pipeline is not None:  # over the stage as tensor parallelism and FSDP2 left it
         pipeline.join(model, cfg, device, t.global_batch * cfg.model.block_size)
     if sharded:
         kind = FsdpGradients if cfg.determinism.enabled else FsdpDefaultGradients
         grads: Any = kind(model, microbatches_per_process=k, world_size=data_world, rank=data_rank, group=data_group)
-        if pipeline is not None:
-            pipeline.grads = grads
     else:
         params = pipeline.reduced if pipeline is not None else experts.shared if experts is not None else \
             model.parameters()
-        if pipeline is not None:
-            data_group = pipeline.data_group
         grads = (CanonicalGradients(params, microbatches_per_process=k, world_size=data_world,
                                     rank=data_rank, group=data_group, overlap=cfg.parallel.overlap)
                  if cfg.determinism.enabled else
                  AllReduceGradients(params, microbatches_per_process=k, world_size=data_world,
                                     rank=data_rank, group=data_group))
-        if pipeline is not None:
-            pipeline.grads = grads
+    if pipeline is not None:
+        pipeline.grads = grads
     tc = cfg.trace
     recorder = Recorder(run_dir if run_dir is not None else ".", level=tc.level if run_dir is not None else "off",
                         steps=parse_selection(tc.steps, "trace.steps"), ranks=parse_selection(tc.ranks, "trace.ranks"),
