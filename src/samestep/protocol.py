@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from samestep import mode
+from samestep.checksums import StepChecksums
 from samestep.mode import DeterminismReport
 from samestep.preempt import StopRequest
 from samestep.receipts import (
@@ -85,6 +86,8 @@ class RunProtocol:
         self.report: DeterminismReport | None = None
         self.recorder: Any = None
         self.receipts: ReceiptWriter | None = None
+        # one pass over each step's tensors for the receipts, the cross-rank check and the trace's state records
+        self.checksums = StepChecksums()
         self.stop = StopRequest(())
         self._own_mode = False
         self._state: Callable[[int], Callable[[], Any]] | None = None
@@ -157,14 +160,16 @@ class RunProtocol:
         from samestep.tracing.start import trace
 
         self.recorder = trace(self._dir("trace"), held=self.lock, **kwargs)
+        self.recorder.checksums = self.checksums
         if model is not None:
             self.recorder.attach(model)
         return self.recorder
 
     def adopt(self, recorder: Any) -> None:
         """A recorder the loop built itself (the reference trainer's, built with its model), flushed before each
-        save and closed by ``end`` as one this RunProtocol started."""
+        save and closed by ``end`` as one this RunProtocol started; its state records share the receipts' pass."""
         self.recorder = recorder
+        recorder.checksums = self.checksums
 
     @staticmethod
     def keeps_receipts(rank: int, sharded: bool) -> bool:
@@ -180,7 +185,8 @@ class RunProtocol:
         is called at each step's end and returns what makes the state tree on the receipt thread.
         ``optimizer``: its next ``step()`` waits for the receipt being made. Without ``keep_file`` a writer of
         no file (the cross-rank check's sums alone)."""
-        kind: dict[str, Any] = {"state_of": "rank" if sharded else "run"} | ({"hash": hash} if hash else {})
+        kind: dict[str, Any] = {"state_of": "rank" if sharded else "run", "shared": self.checksums} | (
+            {"hash": hash} if hash else {})
         self.receipts = continue_receipts(self._dir("open_receipts") if keep_file else None, rank, start,
                                           first_prev, **kind)
         self._state = state

@@ -18,7 +18,9 @@ The state is checksummed on a thread of its own while the next step's forward an
 the state, never change it); the optimizer's next ``step()`` waits for it (a pre-hook), so the checksum is
 of the state as the receipt says. Rank 0 writes receipts of the whole state; under sharding each rank
 writes those of its own shards (``state_of: "rank"``). The cross-rank check's sums come from the same pass
-(``checksums.Checksums``): no tensor is hashed twice a step.
+(``checksums.Checksums``), and so do a step-level trace's state records where the writer and the recorder
+share a ``checksums.StepChecksums`` (``protocol.RunProtocol`` hands them one): no tensor is hashed twice a
+step.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from samestep._state import canonical_json, dotted
-from samestep.checksums import STATE_HASH, STATE_HASHES, Checksums, state_checksum
+from samestep.checksums import STATE_HASH, STATE_HASHES, Checksums, StepChecksums, state_checksum
 from samestep.durable import read_file, replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL, receipts_dir
 
@@ -102,10 +104,12 @@ class ReceiptWriter:
     ``run_dir`` no receipt is made or written: the thread makes the cross-rank check's ``last`` sums alone (a
     rank that keeps no receipts). ``hash``: the state hash of a new file (``checksums.state_hash_for`` the
     state's device) and of the sums (every rank's alike); a file that exists keeps its own, and its version.
+    ``shared``: where each step's pass over the tensors is shared with the trace's state records.
     """
 
     def __init__(self, run_dir: str | os.PathLike[str] | None, rank: int, first_prev: str, *,
-                 state_of: str = "run", start: int = 0, hash: str = STATE_HASH) -> None:
+                 state_of: str = "run", start: int = 0, hash: str = STATE_HASH,
+                 shared: StepChecksums | None = None) -> None:
         self.path = receipts_path(run_dir, rank) if run_dir is not None else None
         self._file = None
         self.hash, self.sums_hash, self.version, self.state_of = hash, hash, RECEIPTS_VERSION, state_of
@@ -123,6 +127,7 @@ class ReceiptWriter:
                 os.fsync(self._file.fileno())
         if hash not in STATE_HASHES:  # a file's own was checked as it was read
             raise ReceiptError(f"{self.path}: state hash {hash!r} is not one of {', '.join(STATE_HASHES)}")
+        self.shared = shared if shared is not None else StepChecksums()
         self.prev, self.last_step = first_prev, start
         self.last: StepSums | None = None  # of the newest step given ``sums`` (read after ``wait``)
         self.cpu_seconds = 0.0  # the receipt thread's CPU time, all steps: what the receipts take from the machine
@@ -158,7 +163,7 @@ class ReceiptWriter:
             fields, state, sums = job
             began = time.thread_time()
             try:
-                memo = Checksums(self.hash)  # one pass over the step's tensors, shared by both
+                memo = self.shared.of_step(fields["step"], self.hash)  # one pass over the step's tensors
                 if sums is not None:
                     of = memo if self.sums_hash == self.hash else Checksums(self.sums_hash)  # a version-1 file's
                     self.last = StepSums(fields["step"], {group: of.named([(n, _local(t)) for n, t in named])
@@ -382,7 +387,7 @@ def continue_receipts(run_dir: str | os.PathLike[str] | None, rank: int, start: 
     """This rank's receipt writer for a run that goes on after step ``start``: the receipts of later steps (a
     killed run wrote them) cut, the chain continued from the last one kept; ``first_prev`` is a new file's
     genesis. Without ``run_dir``, a writer of no file (``ReceiptWriter``). ``kwargs``: ``ReceiptWriter``'s
-    (``hash``, ``state_of``)."""
+    (``hash``, ``state_of``, ``shared``)."""
     prev = truncate_receipts(run_dir, rank, start) if run_dir is not None else None
     return ReceiptWriter(run_dir, rank, prev or first_prev, start=start, **kwargs)
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import samestep
+from samestep.checksums import Checksums
 from samestep.distributed import canonical_sum, combine_across_ranks, ring_allreduce_bytes
 from samestep.tracing import Perturb
 from tests.conftest import spawn, traced_step
@@ -182,7 +183,7 @@ def _fsdp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: s
         _three_steps(rec, model, opt, rank, 16, variant == "changed", model)
         shards = [p._local_tensor.detach().reshape(-1) for p in model.parameters()]
         np.save(f"{run_dir}/params_{rank}.npy", torch.cat(shards).numpy().view(np.int32))
-        (Path(run_dir) / f"weight_{rank}.txt").write_text(samestep.digest(model[0].weight._local_tensor))
+        (Path(run_dir) / f"weight_{rank}.txt").write_text(Checksums().of([model[0].weight._local_tensor])[0])
 
 
 def test_fsdp2_sharded_state_is_traced_as_each_rank_shard(tmp_path):
@@ -190,7 +191,7 @@ def test_fsdp2_sharded_state_is_traced_as_each_rank_shard(tmp_path):
     which the recorder refused (no storage pointer). Each rank now records its local shard, and with
     rec.fsdp_reduce_scatter() each gradient reduce-scatter: tracing at step, module or op level changes no
     bit (the comm reduces as FSDP2's default); two runs diff identical at step and module level with every
-    reduce-scatter recorded; a rank's 'param' record is the digest of its shard; and when rank 1's data
+    reduce-scatter recorded; a rank's 'param' record is the state checksum of its shard; and when rank 1's data
     changes at step 2, the difference is first seen on rank 1 (no origin claimed at step level) while rank
     0's first difference is the reduce-scatter whose local input matched (a receiver)."""
     from samestep.analysis import diff_runs

@@ -98,6 +98,40 @@ def test_one_pass_a_step_hashes_each_tensor_once(tmp_path, monkeypatch):
     assert sum(m.hashed for m in both) == 2 * len(named)
 
 
+def test_a_steps_pass_is_shared_by_threads_and_renewed_each_step():
+    """Two threads asking one step's pass (``StepChecksums``) for overlapping tensors at once hash each tensor
+    once and get the values a pass of its own gives; the next step's pass hashes them again (an update may
+    have changed them). Control: two separate passes hash the shared tensors twice."""
+    import threading
+
+    from samestep.checksums import StepChecksums
+
+    started = threading.Barrier(2)
+    tensors = [torch.full((256, 64), float(i)) for i in range(12)]
+    mine, theirs = tensors[:8], tensors[4:]
+    shared = StepChecksums()
+    got: dict[str, list[str]] = {}
+
+    def ask(name: str, which: list[torch.Tensor]) -> None:
+        started.wait()
+        got[name] = shared.of_step(1, "xxh3-128").of(which)
+
+    threads = [threading.Thread(target=ask, args=a) for a in (("mine", mine), ("theirs", theirs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert shared.hashed == len(tensors)
+    assert got["mine"] == Checksums().of(mine) and got["theirs"] == Checksums().of(theirs)
+    assert shared.of_step(1, "xxh3-128").of(tensors) and shared.hashed == len(tensors)
+    shared.of_step(2, "xxh3-128").of(mine)
+    assert shared.hashed == len(tensors) + len(mine)
+    apart = Checksums(), Checksums()
+    apart[0].of(mine)
+    apart[1].of(theirs)
+    assert sum(m.hashed for m in apart) == len(tensors) + 4  # control: the 4 in both, hashed twice
+
+
 def _v1_file(run_dir, tree: dict) -> None:
     """A receipts file as version 1 wrote it: state_of in the header, the SHA-256 state digest per receipt."""
     path = receipts_path(run_dir, 0)

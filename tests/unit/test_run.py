@@ -98,6 +98,52 @@ def test_the_hooks_record_gradients_and_state_at_every_step(tmp_path):
     assert report["per_rank"]["0"]["records_compared"] == 5  # the 4 gradients and the metric matched
 
 
+def test_the_trace_takes_its_state_records_from_the_receipts_pass(tmp_path, monkeypatch):
+    """With step tracing on (Run's default) each state tensor is hashed once a step, for the receipt and the
+    trace's state records both (one ``checksums.StepChecksums``, which the RunProtocol hands to each): as many
+    tensors are hashed as with the trace off, none of the parameters or optimizer state reaches the trace's
+    lanes, and the last step's state records are the state checksums of the final parameters and optimizer
+    state. Control: a recorder with a pass of its own hashes each of those tensors a second time a step."""
+    from samestep import checksums
+    from samestep.protocol import RunProtocol
+    from samestep.tracing import read_stream, stream_path, thread_worker
+
+    hashed: list[tuple] = []
+    laned: list[int] = []
+    real_hash, real_lanes = checksums._xxh3, thread_worker.batch_lanes
+    monkeypatch.setattr(checksums, "_xxh3", lambda t, key: hashed.append(key) or real_hash(t, key))
+    monkeypatch.setattr(thread_worker, "batch_lanes", lambda packs, tensors: laned.extend(
+        t.data_ptr() for t in tensors) or real_lanes(packs, tensors))
+
+    def counted(name: str, **kw) -> tuple[int, set[int], samestep.Run]:
+        hashed.clear()
+        laned.clear()
+        _, run = _train(tmp_path / name, total=3, **kw)
+        return len(hashed), set(laned), run
+
+    alone, _, _ = counted("untraced", level="off")
+    traced, laned_at, run = counted("traced")
+    state = [p for p in run.model.parameters()] + [v for s in run.optimizer.state.values() for v in s.values()
+                                                   if isinstance(v, torch.Tensor)]
+    assert traced == alone >= 3 * len(state)
+    assert not laned_at & {t.data_ptr() for t in state} and laned_at  # the gradients and the metric went there
+    rows = [r for r in read_stream(stream_path(tmp_path / "traced", 0)).table.to_pylist()
+            if r["step"] == 3 and (r["op"] == "param" or r["op"].startswith("optim."))]
+    assert len(rows) == len(state) == 16
+    assert sorted(r["outputs"] for r in rows) == sorted(bytes.fromhex(s) for s in checksums.Checksums().of(state))
+    # control: the recorder's own pass, as a loop that shares none would have
+    trace = RunProtocol.trace
+
+    def apart(self, *args, **kw):
+        recorder = trace(self, *args, **kw)
+        recorder.checksums = checksums.StepChecksums()
+        return recorder
+
+    monkeypatch.setattr(RunProtocol, "trace", apart)
+    twice, _, _ = counted("apart")
+    assert twice == alone + 3 * len(state)
+
+
 def test_a_step_that_raised_is_not_saved_nor_complete(tmp_path):
     """The body of step 3 raises: steps 1-2 are saved, step 3 is not, the run directory's lock is free and
     deterministic mode is off again; certify names step 3. Negative control: a whole run is complete."""

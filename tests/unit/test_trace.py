@@ -13,6 +13,7 @@ import torch
 
 import samestep
 from samestep.analysis import DiffError, certify_trace, diff_runs
+from samestep.checksums import Checksums
 from samestep.digests import digest
 from samestep.tracing import Perturb, Recorder, format_selection, parse_selection, read_stream, stream_path
 from samestep.tracing.stream import END, FORMAT, SCHEMA, VERSION, StreamWriter
@@ -445,8 +446,9 @@ def _state_through_changes(run: Path, worker: str) -> tuple[list[tuple], list[tu
     """Seven traced steps of a small AdamW loop, changing between steps what ``state()`` records without
     changing a byte of it: a parameter turned into a transposed view of its own storage (same address,
     other strides), another reshaped in place of its storage (same address, other shape), a new optimizer,
-    a new optimizer-state key. Returns the state records, what they must be (each tensor's digest when
-    recorded) and how many times ``state()`` made a new plan."""
+    a new optimizer-state key. Returns the state records, what they must be (each tensor's state checksum
+    when recorded: ``xxh3-128`` in host memory, docs/formats.md) and how many times ``state()`` made a new
+    plan."""
     torch.manual_seed(0)
     model = Tiny()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
@@ -480,8 +482,9 @@ def _state_through_changes(run: Path, worker: str) -> tuple[list[tuple], list[tu
             opt.zero_grad()
             rec.state(model, opt)
         names = {id(p): name for name, p in model.named_parameters()}
-        truth += [(step, name, "param", digest(p)) for name, p in model.named_parameters()]
-        truth += [(step, names[id(p)], f"optim.{k}", digest(st[k])) for p, st in opt.state.items() for k in sorted(st)]
+        truth += [(step, name, "param", Checksums().of([p])[0]) for name, p in model.named_parameters()]
+        truth += [(step, names[id(p)], f"optim.{k}", Checksums().of([st[k]])[0]) for p, st in opt.state.items()
+                  for k in sorted(st)]
     rec.close()
     rows = [r for r in read_stream(stream_path(run, 0)).table.to_pylist() if r["op"] not in ("grad", END)]
     return [(r["step"], r["scope"], r["op"], r["outputs"].hex()) for r in rows], truth, made[0]
@@ -491,10 +494,11 @@ def _state_through_changes(run: Path, worker: str) -> tuple[list[tuple], list[tu
 def test_state_records_follow_parameters_and_optimizer_state_that_change_between_steps(tmp_path, worker, monkeypatch):
     """``state()`` keeps what it records from step to step (a plan: see step_level.StatePlan) and makes a new
     one when the tensors are other objects, lie otherwise at the same address, or have other keys: each
-    record is the digest of the tensor as it was then. Negative control: a plan kept through those changes
-    (until the number of tensors changes) records stale headers (head.weight's old shape at step 4) and,
-    where the child reads by the plan's descriptions, stale layouts (inner.0.weight read untransposed at
-    steps 3 and 4); the same comparison catches exactly those."""
+    record is the state checksum of the tensor as it was then. Negative control, where the child reads by the
+    plan's descriptions (the process worker): a plan kept through those changes (until the number of tensors
+    changes) records stale headers (head.weight's old shape at step 4) and stale layouts (inner.0.weight read
+    untransposed at steps 3 and 4); the same comparison catches exactly those. The thread worker's checksums
+    read each tensor's dtype, shape and bytes where it lies, so such a plan changes none of its records."""
     rows, truth, made = _state_through_changes(tmp_path / "a", worker)
     assert rows == truth
     assert made == 5  # steps 1, 3, 4, 5 and 6; steps 2 and 7 used the plan of the step before
@@ -505,8 +509,8 @@ def test_state_records_follow_parameters_and_optimizer_state_that_change_between
     assert made == 3  # steps 1, 5 and 6: other numbers of tensors (head.weight has no state in the new optimizer)
     assert len(rows) == len(truth)
     wrong = [row[:3] for row, expected in zip(rows, truth) if row != expected]
-    stale_layout = [(3, "inner.0.weight", "param"), (4, "inner.0.weight", "param")] if worker == "process" else []
-    assert wrong == [*stale_layout, (4, "head.weight", "param")]
+    stale = [(3, "inner.0.weight", "param"), (4, "inner.0.weight", "param"), (4, "head.weight", "param")]
+    assert wrong == (stale if worker == "process" else [])
 
 
 def test_module_outputs_in_dataclasses_dicts_and_tuples_are_recorded(tmp_path):
@@ -799,6 +803,31 @@ def test_diff_refuses_other_config_environment_or_schema(tmp_path):
         diff_runs(a, v1)
     with pytest.raises(DiffError, match="run.json: missing"):
         diff_runs(a, tmp_path / "nope")
+
+
+def test_diff_leaves_out_state_records_that_streams_of_other_versions_digest_otherwise(tmp_path, monkeypatch):
+    """A version-3 stream digests parameters and optimizer state by samestep's tensor digest, a version-4 one by
+    their state checksum: diff compares the rest and leaves those out, a note naming both; a difference in the
+    rest is still found. Control: between two version-4 streams the same state records are compared, and the
+    changed one is the first difference."""
+    from samestep.tracing import stream
+
+    state = {"seq": 5, "step": 1, "microbatch": -1, "phase": "step", "scope": "w", "op": "param", "occurrence": 0,
+             "inputs": b"", "outputs": b"s" * 16}
+    moved = [*_rows(), {**state, "outputs": b"t" * 16}]
+    with monkeypatch.context() as m:
+        m.setattr(stream, "VERSION", 3)
+        old = _run_dir(tmp_path, "old", [*_rows(), state])
+    assert read_stream(stream_path(old, 0)).meta["stream_version"] == 3
+    report = diff_runs(old, _run_dir(tmp_path, "new", moved))
+    assert report["identical"] and report["per_rank"]["0"]["records_compared"] == 5
+    assert any("state records (param, optim.*) are left out: A's trace digests them by tensor digest, B's by "
+               "state checksum" in n for n in report["notes"]), report["notes"]
+    report = diff_runs(old, _run_dir(tmp_path, "other", [*_rows(r2={"outputs": b"x" * 16}), state]))
+    assert not report["identical"] and report["origin"]["op"] == "aten.op2.default"
+    report = diff_runs(_run_dir(tmp_path, "v4", [*_rows(), state]), tmp_path / "new")  # control
+    assert not report["identical"] and report["first_difference"]["op"] == "param"
+    assert not any("left out" in n for n in report["notes"])
 
 
 def test_diff_refuses_a_selection_with_nothing_to_compare(tmp_path):

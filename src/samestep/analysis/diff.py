@@ -32,7 +32,7 @@ from samestep.rundir import (
 from samestep.tracing.selection import LEVELS, format_selection, parse_selection
 from samestep.analysis.layouts import rank_coordinates, steps_on_other_layouts
 from samestep.analysis.receipt_diff import receipts_compared
-from samestep.analysis.records import chunks, records, steps_recorded
+from samestep.analysis.records import chunks, records, state_left_out, steps_recorded
 from samestep.tracing.stream import KEY, traced_ranks
 
 __all__ = ["DiffError", "Divergence", "diff_runs", "load_metrics", "load_run"]
@@ -76,7 +76,7 @@ class _RankResult:
     rank: int
     records: int = 0
     divergence: Divergence | None = None
-    torn: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # torn tails, records left out
     missing: dict[str, list[int]] | None = None  # run name -> steps its stream lacks and the other's holds
     held: tuple[set[int], set[int]] = (set(), set())  # the steps A's and B's streams hold
 
@@ -167,8 +167,9 @@ def _compare_rank(run_a: Path, run_b: Path, rank: int, steps: set[int] | None,
     if have_a != have_b:
         res.missing = {"A": sorted(have_b - have_a), "B": sorted(have_a - have_b)}
         steps = have_a & have_b
-    chunks_a = chunks(records(run_a, rank, steps, res.torn, levels[0]))
-    chunks_b = chunks(records(run_b, rank, steps, res.torn, levels[1]))
+    res.notes += [left_out] if (left_out := state_left_out(run_a, run_b, rank)) else []
+    chunks_a, chunks_b = (chunks(records(run, rank, steps, res.notes, level, state=left_out is None))
+                          for run, level in ((run_a, levels[0]), (run_b, levels[1])))
     while True:
         a, b = next(chunks_a, None), next(chunks_b, None)
         if a is None or b is None:
@@ -348,7 +349,7 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
         "origin": asdict(origin) if origin is not None else None,
         "first_seen": asdict(first_seen) if first_seen is not None and origin is None else None,
         "first_difference": asdict(first) if first is not None else None,
-        "per_rank": {str(r): {"records_compared": res.records, "torn": res.torn, "missing_steps": res.missing,
+        "per_rank": {str(r): {"records_compared": res.records, "notes": res.notes, "missing_steps": res.missing,
                               "divergence": asdict(res.divergence) if res.divergence else None}
                      for r, res in per_rank.items()},
         "summary": summary,
@@ -358,14 +359,14 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
 
 def _compare_ranks(run_a: Path, run_b: Path, ranks: list[int], steps: set[int] | None,
                    levels: tuple[str | None, str | None], notes: list[str]) -> dict[int, _RankResult]:
-    """Each rank's streams compared (see ``_compare_rank``); a torn tail of either is added to ``notes``."""
+    """Each rank's streams compared (see ``_compare_rank``), its notes (torn tails, records left out) in ``notes``."""
     per_rank: dict[int, _RankResult] = {}
     for r in ranks:
         try:
             per_rank[r] = _compare_rank(run_a, run_b, r, steps, levels)
         except ValueError as e:
             raise DiffError(str(e)) from None
-        notes.extend(per_rank[r].torn)
+        notes.extend(per_rank[r].notes)
         for name, lacking in (per_rank[r].missing or {}).items():
             if lacking:
                 notes.append(f"rank {r}: run {name}'s trace has no records of step(s) {format_selection(lacking)}, "

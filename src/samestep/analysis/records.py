@@ -1,6 +1,7 @@
 """A rank's trace records as ``samestep diff`` reads them: over all its stream segments (a resume's
-re-run steps from the later one), cut to steps and a level, and re-cut into tables of ``CHUNK`` rows
-for vectorised comparison in bounded memory."""
+re-run steps from the later one), cut to steps and a level (and without the state records where two
+runs' streams digest them otherwise: ``state_left_out``), and re-cut into tables of ``CHUNK`` rows for
+vectorised comparison in bounded memory."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from samestep.tracing.stream import SCHEMA, iter_stream, stream_segments
+from samestep.tracing.stream import SCHEMA, iter_stream, state_records, stream_segments
 
-__all__ = ["CHUNK", "chunks", "level_mask", "records", "steps_recorded"]
+__all__ = ["CHUNK", "chunks", "level_mask", "records", "state_left_out", "steps_recorded"]
 
 CHUNK = 65_536
 
@@ -27,10 +28,22 @@ def level_mask(batch: pa.RecordBatch, level: str) -> pa.Array:
     return at_step if level == "step" else pc.or_(at_step, pc.is_in(batch.column("op"), value_set=_MODULE_OPS))
 
 
+def state_left_out(run_a: Path, run_b: Path, rank: int) -> str | None:
+    """Why a rank's state records (ops "param" and "optim.<key>") cannot be compared between two runs, or
+    None: each run's segments must digest them one way, the same (``stream.state_records``)."""
+    kinds = [{state_records(iter_stream(seg)[0]) for seg in stream_segments(run, rank)} for run in (run_a, run_b)]
+    if len(kinds[0] | kinds[1]) <= 1:
+        return None
+    said = ["both" if len(k) > 1 else next(iter(k), "none") for k in kinds]
+    return (f"rank {rank}: the state records (param, optim.*) are left out: A's trace digests them by {said[0]}, "
+            f"B's by {said[1]} (traces of other samestep versions); the receipts and final states compare the state")
+
+
 def records(run: Path, rank: int, steps: set[int] | None, torn: list[str],
-            level: str | None = None) -> Iterator[pa.RecordBatch]:
+            level: str | None = None, state: bool = True) -> Iterator[pa.RecordBatch]:
     """A rank's records over all its segments; steps re-run after a resume come from the later segment.
-    ``level``: only the records a run traced at that (lower) level has."""
+    ``level``: only the records a run traced at that (lower) level has. ``state`` False: without the state
+    records (see ``state_left_out``)."""
     segments = stream_segments(run, rank)
     firsts: list[int | None] = []
     for seg in segments:
@@ -50,6 +63,10 @@ def records(run: Path, rank: int, steps: set[int] | None, torn: list[str],
                 mask = sel if mask is None else pc.and_(mask, sel)
             if level is not None:
                 sel = level_mask(batch, level)
+                mask = sel if mask is None else pc.and_(mask, sel)
+            if not state:
+                ops = batch.column("op")
+                sel = pc.invert(pc.or_(pc.equal(ops, "param"), pc.starts_with(ops, "optim.")))
                 mask = sel if mask is None else pc.and_(mask, sel)
             yield batch if mask is None else batch.filter(mask)
         torn.extend(f"{seg}: {t}" for t in seg_torn)

@@ -6,9 +6,10 @@ container object per record, so a long step gives Python's garbage collector not
 
 Record ``i`` has inputs ``ins[in_end[i-1]:in_end[i]]`` and outputs likewise: references, each a (slot,
 digest header) pair in ``ref_slot``/``ref_head`` (``NO_REF``: uninitialised memory). A slot is an entry
-of a chunk in ``packs`` (``slot_chunk`` >= 0, ``slot_entry``) or a tensor (``slot_chunk`` -1,
-``slot_entry`` counting the tensors that ``tensors`` expands to: each entry a tensor, or (copy, sizes,
-keep): the pieces ``keep`` of ``copy.split(sizes)``).
+of a chunk in ``packs`` (``slot_chunk`` >= 0, ``slot_entry``), a tensor (``slot_chunk`` -1, ``slot_entry``
+counting the tensors that ``tensors`` expands to: each entry a tensor, or (copy, sizes, keep): the pieces
+``keep`` of ``copy.split(sizes)``), or a state tensor (``slot_chunk`` ``HASHED``, ``slot_entry`` its index
+in ``hashed``), whose digest is its state checksum (docs/formats.md, trace streams), not its lanes.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ import torch
 
 from samestep.digests import Packed
 
-__all__ = ["NO_REF", "Batch", "Columns", "expand"]
+__all__ = ["HASHED", "NO_REF", "Batch", "Columns", "expand"]
 
 _versions = operator.attrgetter("_version")
 
 NO_REF = -1  # the reference of uninitialised memory: digest UNINIT
+HASHED = -2  # the ``slot_chunk`` of a state tensor: digested by the step's state checksum pass
 
 
 @dataclass(slots=True)
@@ -45,7 +47,7 @@ class Columns:
     out_end: list[int] = field(default_factory=list)
     ref_slot: list[int] = field(default_factory=list)  # per reference: the slot holding its bytes
     ref_head: list[bytes] = field(default_factory=list)  # per reference: its digest header
-    slot_chunk: list[int] = field(default_factory=list)  # per slot: its chunk in ``packs``, or -1: a tensor
+    slot_chunk: list[int] = field(default_factory=list)  # per slot: its chunk in ``packs``, -1: a tensor, or HASHED
     slot_entry: list[int] = field(default_factory=list)  # per slot: its entry in that chunk, or tensor index
 
     WIRE: ClassVar[tuple[str, ...]]  # the fields in the order they travel (see ``wire``)
@@ -75,6 +77,12 @@ class Batch(Columns):
     # Tensors the process worker need not describe again: index in ``tensors`` of the first -> the
     # descriptions of it and those after it (a state plan's: see step_level.StatePlan).
     described: dict[int, list[tuple]] = field(default_factory=dict)
+    # State tensors (parameters, optimizer state) digested by their state checksum, where they lie: the
+    # step's pass (``checksums.StepChecksums``, the step) that the receipts share; for the process worker,
+    # (description, checksum header) of ``hashed`` from an index on (a state plan's), as ``described``.
+    hashed: list[torch.Tensor] = field(default_factory=list)
+    state_pass: tuple | None = None
+    hashed_described: dict[int, list[tuple]] = field(default_factory=dict)
 
     def changed(self) -> list[int]:
         """The checks (indices) whose live tensor was changed in place since it was recorded."""
@@ -85,7 +93,7 @@ class Batch(Columns):
 
     def devices(self) -> set[torch.device]:
         """The devices its staged tensors lie on."""
-        return {x.buf.device for x in self.packs} | {
+        return {x.buf.device for x in self.packs} | {t.device for t in self.hashed} | {
             t.device if isinstance(t, torch.Tensor) else t[0].device for t in self.tensors}
 
 

@@ -1,5 +1,6 @@
 """The process worker's child: reads each batch's tensors out of the training process's memory
-(``process_vm_readv``), digests them and appends the batch's records to the stream."""
+(``process_vm_readv``), digests them (the state tensors by their checksum) and appends the batch's records
+to the stream."""
 
 from __future__ import annotations
 
@@ -16,13 +17,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from samestep._state import tensor_bytes
+from samestep.checksums import xxh3_tensor
 from samestep.digests import ROW_BYTES, Packed, lanes_packed, rows_of
 from samestep.tracing.batch import Columns
 from samestep.tracing.stream import StreamWriter
 from samestep.tracing.wire import recv, send
 from samestep.tracing.writer import write_lanes
 
-__all__ = ["GROUP_BYTES", "Reader", "digest_described", "serve"]
+__all__ = ["GROUP_BYTES", "Reader", "checksum_described", "digest_described", "serve"]
 
 # The child reads the contiguous tensors of a batch (live tensors, gradient pieces) in groups of about this
 # many bytes, each hashed before the next is read into the same buffer, which then stays in this core's
@@ -129,6 +132,21 @@ def digest_described(reader: Reader, packs: list[tuple], entries: list[tuple]) -
     return lanes + [flat[i] if i >= 0 else other[~i] for i in order]
 
 
+def checksum_described(reader: Reader, hashed: list[tuple]) -> list[bytes]:
+    """The state checksums (``xxh3-128``, raw) of the state tensors as the training process described them:
+    (description, checksum header) each."""
+    if not hashed:
+        return []
+    buf, starts = reader.read([(d[0], d[1]) for d, _ in hashed])
+    out = []
+    for (d, head), at in zip(hashed, starts):
+        data = buf[at: at + d[1]]
+        if len(d) != 2:  # strided: its elements in row-major order
+            data = data.view(getattr(torch, d[2])).as_strided(d[3], d[4])
+        out.append(xxh3_tensor(head, tensor_bytes(data)))
+    return out
+
+
 def serve(sock: socket.socket, pid: int) -> None:
     """The child's loop: answers the training process's messages (wire.py) until it quits or is gone."""
     torch.set_num_threads(1)  # one core: the training process has the others
@@ -137,10 +155,10 @@ def serve(sock: socket.socket, pid: int) -> None:
     error: str | None = None  # of opening or writing the stream: reported with the next reply
     held: tuple | None = None  # a digested batch waiting for W or X
 
-    def write(b: Columns, pack_sizes: list[int], lanes: list[list[int]]) -> None:
+    def write(b: Columns, pack_sizes: list[int], lanes: list[list[int]], hashed: list[bytes]) -> None:
         nonlocal error
         try:
-            write_lanes(writer, b, pack_sizes, lanes)
+            write_lanes(writer, b, pack_sizes, lanes, hashed)
         except Exception:  # reported with the next reply
             error = traceback.format_exc()
 
@@ -159,9 +177,9 @@ def serve(sock: socket.socket, pid: int) -> None:
             try:
                 if error is not None:
                     raise RuntimeError(error)
-                packs, entries, columns, deferred = marshal.loads(payload)
+                packs, entries, columns, deferred, hashed = marshal.loads(payload)
                 done = (Columns(*columns), [len(nbytes) for _, _, nbytes in packs],
-                        digest_described(reader, packs, entries))
+                        digest_described(reader, packs, entries), checksum_described(reader, hashed))
                 if deferred:  # live tensors: written once the training process saw them unchanged
                     held = done
                 else:

@@ -4,7 +4,8 @@ The child copies the batch's tensors out of the training process's memory itself
 (``process_vm_readv``, which needs the right to trace the parent: the child checks first), so the
 training thread only describes them (addresses, shapes, strides) and sends the record columns
 (wire.py). It spares the training thread the interpreter lock that a thread worker's Python code would
-take from it. The recorder keeps every tensor of a batch alive until the child has read it; a batch
+take from it. The child checksums the state tensors itself (``xxh3-128``: host memory only), so it shares
+no pass with the receipts, which hash them again on their thread in this process. The recorder keeps every tensor of a batch alive until the child has read it; a batch
 with live tensors that must stay unchanged (``copy="checked"``) is written only once the training
 thread has seen them unchanged (W), or discarded (X).
 
@@ -27,6 +28,7 @@ from typing import Any
 
 import torch
 
+from samestep._state import tensor_header
 from samestep.digests import ROW_BYTES, rows_of
 from samestep.tracing.batch import Batch
 from samestep.tracing.wire import describe, frame, recv, send
@@ -64,6 +66,18 @@ def _forget_in_child(ref: weakref.ref) -> None:
         worker._sock.close()
         worker._pending = worker._unwritten = False
         worker._verdict = b""
+
+
+def _described(tensors: list, known: dict[int, list[tuple]], entry: Any) -> list[tuple]:
+    """Each of ``tensors``'s ``entry``, where ``known`` (first index -> entries from there) has none."""
+    out: list[tuple] = []
+    done = 0
+    for first, given in sorted(known.items()):
+        out += map(entry, tensors[done:first])
+        out += given
+        done = first + len(given)
+    out += map(entry, tensors[done:])
+    return out
 
 
 class ProcessWorker:
@@ -128,7 +142,8 @@ class ProcessWorker:
         tensor the child cannot read as it lies (a conjugate view, a sparse or a strided quantized one) is
         described by its plain form, taken now and added to ``keep``; a change since it was recorded is
         still caught by its version. Spans of ``tensors`` that ``b.described`` holds descriptions of (a
-        state plan's: see step_level.StatePlan) are not described again."""
+        gradient plan's: see step_level.GradPlan), and of ``hashed`` that ``b.hashed_described`` holds (a
+        state plan's, with each one's checksum header), are not described again."""
         packs = [(p.buf.data_ptr(), sum(rows_of(n) for n in p.nbytes) * ROW_BYTES, p.nbytes) for p in b.packs]
 
         def entry(t: Any) -> tuple:
@@ -143,14 +158,16 @@ class ProcessWorker:
                 keep.append(plain(t))
                 return describe(keep[-1])
 
-        entries: list[tuple] = []
-        done = 0
-        for first, known in sorted(b.described.items()):  # spans described already (a state plan's)
-            entries += map(entry, b.tensors[done:first])
-            entries += known
-            done = first + len(known)
-        entries += map(entry, b.tensors[done:])
-        return marshal.dumps((packs, entries, b.wire(), bool(b.check_live)))
+        def state_entry(t: torch.Tensor) -> tuple:
+            kept = len(keep)
+            desc = entry(t)
+            if len(keep) > kept:  # described by its plain form: checksummed under that one's header
+                t = keep[-1]
+            return desc, tensor_header(t.dtype, tuple(t.shape))
+
+        entries = _described(b.tensors, b.described, entry)
+        hashed = _described(b.hashed, b.hashed_described, state_entry)
+        return marshal.dumps((packs, entries, b.wire(), bool(b.check_live), hashed))
 
     def _reply(self) -> bytes:
         try:

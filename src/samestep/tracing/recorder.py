@@ -26,7 +26,8 @@ by a worker (``process_worker.py``, a child process on Linux CPU, else ``thread_
 training continues; nothing
 the model computes is changed, unless a ``Perturb`` is given on purpose. Op outputs and gradients are
 copied into reused chunks (and buffers, which a forward may change); parameters and optimizer state
-are digested where they lie before the next update may change them; module outputs and their
+are digested where they lie before the next update may change them, by their state checksum (the pass
+the receipts share, ``checksums.StepChecksums``); module outputs and their
 gradients too, and each is checked unchanged (its version counter) once its digest is done: a change
 in place raises, naming the record (``copy=True`` copies them instead); so are parameter gradients
 with ``grads(..., copy="checked")``. Records are kept in flat columns (``batch.py``), digests are
@@ -49,6 +50,7 @@ from typing import Any
 
 import torch
 
+from samestep.checksums import StepChecksums
 from samestep.mode import active_report, drifted, knob_probe
 from samestep.tracing.collectives import Collectives, FsdpReduceScatter
 from samestep.tracing.hooks import module_paths, outside_compile
@@ -103,6 +105,9 @@ class Recorder:
         self._scopes = Scopes(self)
         self._modules = ModuleRecords(self, self._staging, copy)
         self._steps = StepRecords(self, self._staging)
+        # Each step's pass over the state tensors for their records: a RunProtocol hands its own, which its
+        # receipts share (each tensor hashed once a step for both).
+        self.checksums = StepChecksums()
         self._collectives = Collectives(self)
         self._inflight: Any = None  # the batch the worker is digesting
         self._hooks: list[Any] = []

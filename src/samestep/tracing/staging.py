@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from samestep.digests import ROW_BYTES, Packed, header, pack_into, rows_of
-from samestep.tracing.batch import NO_REF, Batch
+from samestep.tracing.batch import HASHED, NO_REF, Batch
 from samestep.tracing.writer import plain
 
 __all__ = ["CHUNK_BYTES", "FLUSH_BYTES", "RecorderView", "Staging"]
@@ -43,6 +43,9 @@ class RecorderView(Protocol):
 
     @property
     def reads_in_place(self) -> bool: ...  # the worker reads tensors where they lie (the process worker)
+
+    @property
+    def checksums(self) -> Any: ...  # the step's state checksum pass (``checksums.StepChecksums``)
 
     def record(self, op: str, outputs: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor] = (),
                scope: str = "", phase: str = "step", copy: bool | str = True) -> None: ...
@@ -205,6 +208,17 @@ class Staging:
         b.slot_chunk.extend([-1] * n)
         b.slot_entry.extend(range(b.expanded, b.expanded + n))
         b.expanded += n
+        return range(first, first + n)
+
+    def add_hashed(self, tensors: list[torch.Tensor], checksums: Any) -> range:
+        """State tensors to digest by their state checksum where they lie, in this step's pass of
+        ``checksums`` (a ``checksums.StepChecksums``); returns their slots."""
+        b, n = self.batch, len(tensors)
+        first, at = len(b.slot_chunk), len(b.hashed)
+        b.hashed.extend(tensors)
+        b.state_pass = (checksums, self.step)
+        b.slot_chunk.extend([HASHED] * n)
+        b.slot_entry.extend(range(at, at + n))
         return range(first, first + n)
 
     def add_pieces(self, copy: torch.Tensor, sizes: list[int], keep: list[int]) -> list[int]:

@@ -2,8 +2,10 @@
 and optimizer state after the update, one record each (scope: the parameter's or buffer's name).
 
 Parameters and optimizer state are digested where they lie (a training loop changes them only in its
-next update); gradients are copied, or with ``copy="checked"`` digested where they lie and checked
-unchanged. What ``state()`` records is kept as a plan while the same tensors stay in place.
+next update), by their state checksum: the step's pass that the receipts and the cross-rank check take
+theirs from (``checksums.StepChecksums``), so none of them is hashed twice. Gradients are copied, or
+with ``copy="checked"`` digested where they lie and checked unchanged. What ``state()`` records is kept
+as a plan while the same tensors stay in place.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
+from samestep._state import tensor_header
 from samestep.tracing.staging import RecorderView, Staging
 from samestep.tracing.wire import describe_all
 
@@ -33,9 +36,9 @@ class StatePlan:
     tensors under the same keys), each at the same address with the same dtype, shape and strides.
 
     A training loop updates them in place, so every step but the first skips sorting the optimizer state,
-    making the records' headers and describing each tensor for the process worker (``descs``; None if
-    a tensor is not one it reads where it lies). Checking the plan costs about what it spares in ``state``
-    itself; the descriptions it spares are the gain (``bench/bench_trace.py --levels step --recorder-calls``
+    making the records' headers and describing each tensor for the process worker (``descs``: each one's
+    description and checksum header; None if a tensor is not one it reads where it lies). Checking the plan
+    costs about what it spares in ``state`` itself; the descriptions it spares are the gain (``bench/bench_trace.py --levels step --recorder-calls``
     measures the recorder's time per step). Any change (a new optimizer, a loaded state, ``p.data = ...``)
     makes a new plan. It holds weak references: no replaced optimizer's state is kept alive.
     """
@@ -275,6 +278,8 @@ class StepRecords:
             tensors = st.shards(tensors)
         heads = [st.head(t) for t in tensors]
         descs = describe_all(tensors) if self.rec.reads_in_place else None
+        if descs is not None:
+            descs = list(zip(descs, [tensor_header(t.dtype, tuple(t.shape)) for t in tensors]))
         plan = StatePlan(names, objs, lens, keys, st.mb, order, tensors, ops, scopes, heads, descs)
         self.plan = plan if plan.layout is not None else None
         return plan, tensors
@@ -282,9 +287,10 @@ class StepRecords:
     def record_many(self, ops: list[str], scopes: list[str], tensors: list[torch.Tensor],
                     slots: dict[int, int] | None, checked: bool = False, plan: StatePlan | None = None) -> None:
         """Step records (op, scope, tensor), one output each, without the per-tensor cache: with ``slots``
-        None every tensor is digested live (no copy); else a tensor whose id maps to a slot uses it, any
-        other is copied (``checked``: digested live and checked unchanged, if it is dense). A ``plan``
-        (``state``'s) gives the records' keys, headers and descriptions as they were last step.
+        None every tensor is state, digested by its state checksum where it lies (no copy); else a tensor
+        whose id maps to a slot uses it, any other is copied (``checked``: digested live and checked
+        unchanged, if it is dense). A ``plan`` (``state``'s) gives the records' keys, headers and
+        descriptions as they were last step.
 
         The columns grow by whole lists (a few list operations, not a dozen per record)."""
         st = self.staging
@@ -292,8 +298,8 @@ class StepRecords:
         occurrences = self._occurrences(step_counts(st.mb, ops, scopes) if plan is None else plan.counts, ops, scopes)
         if slots is None:
             if plan is not None and plan.descs is not None:
-                b.described[len(b.tensors)] = plan.descs
-            refs: Iterable[int] = st.add_tensors(tensors)
+                b.hashed_described[len(b.hashed)] = plan.descs
+            refs: Iterable[int] = st.add_hashed(tensors, self.rec.checksums)
         elif not checked:
             refs = [slots[id(t)] if id(t) in slots else st.copy(t) for t in tensors]
         else:  # the others live too, each checked for its own record (a dense one: see copy for the rest)

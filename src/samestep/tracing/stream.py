@@ -1,4 +1,4 @@
-"""Per-rank trace streams (format "samestep.trace", version 3): Arrow IPC, append-only, crash-safe, checked.
+"""Per-rank trace streams (format "samestep.trace", version 4): Arrow IPC, append-only, crash-safe, checked.
 
 One file per rank, ``RUN/trace/rank_00000.arrows``, readable with ``pyarrow.ipc.open_stream`` (and so
 pandas). Records are appended in record batches; each batch is flushed to the OS when written, so a
@@ -23,6 +23,12 @@ Columns (one row per record):
     inputs      binary  the inputs' 16-byte digests, concatenated
     outputs     binary  the outputs' 16-byte digests, concatenated (16 zero bytes: uninitialised memory)
 Record identity is (step, microbatch, phase, scope, op, occurrence), never the arrival position.
+
+A digest is samestep's tensor digest (``samestep.digests``), except in the records of ops "param" and
+"optim.<key>": there it is the tensor's state checksum, as receipts take it (``checksums.state_hash_for``
+where it lies: ``xxh3-128`` in host memory), so a step's receipt and its trace hash each tensor once.
+Version 3 (every digest samestep's) is still read; a reader's ``meta`` names the version as
+``stream_version`` (``state_records`` tells which state records two streams can compare).
 """
 
 from __future__ import annotations
@@ -43,9 +49,11 @@ from samestep.durable import fsync_dir
 from samestep.rundir import trace_dir
 
 __all__ = ["COLUMNS", "END", "FORMAT", "KEY", "SCHEMA", "VERSION", "DamagedStream", "StreamWriter",
-           "TraceStream", "batch_checksum", "iter_stream", "read_stream", "stream_path", "stream_segments", "traced_ranks"]
+           "TraceStream", "batch_checksum", "iter_stream", "read_stream", "state_records", "stream_path",
+           "stream_segments", "traced_ranks"]
 
-FORMAT, VERSION = "samestep.trace", 3
+FORMAT, VERSION = "samestep.trace", 4
+READS = ("3", "4")  # the versions this samestep reads
 END = "step.end"  # the op of the record that closes a step that ended normally (phase "step", no tensors)
 KEY = ("step", "microbatch", "phase", "scope", "op", "occurrence")
 SCHEMA = pa.schema([
@@ -167,13 +175,20 @@ def _open(path: Path, source: pa.NativeFile):
     md = {k.decode(): v.decode() for k, v in (reader.schema.metadata or {}).items()}
     if md.get("format") != FORMAT:
         raise ValueError(f"{path}: format {md.get('format')!r} is not {FORMAT!r}")
-    if md.get("version") != str(VERSION):
-        raise ValueError(f"{path}: trace schema version {md.get('version')!r}, this samestep reads {VERSION}; "
-                         "compare traces written by the same samestep version")
+    if md.get("version") not in READS:
+        raise ValueError(f"{path}: trace schema version {md.get('version')!r}, this samestep reads versions "
+                         f"{READS[0]} to {VERSION}; compare traces written by the same samestep version")
     if md.get("checksum") != _meta_checksum(md.get("meta", "")) or not reader.schema.equals(SCHEMA):
         raise DamagedStream(f"{path}: damaged: its header (schema or run metadata, byte 0) does not match its "
                             "checksum; the stream cannot be trusted")
-    return reader, json.loads(md["meta"])
+    return reader, {**json.loads(md["meta"]), "stream_version": int(md["version"])}
+
+
+def state_records(meta: dict[str, Any]) -> str:
+    """How a stream (its ``meta`` as read) digests the records of ops "param" and "optim.<key>": by their
+    state checksum (version 4 on), or by samestep's tensor digest (version 3). Two streams compare those
+    records only where they say the same."""
+    return "state checksum" if meta.get("stream_version", VERSION) >= 4 else "tensor digest"
 
 
 _EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"  # the end-of-stream marker a writer that closed wrote last

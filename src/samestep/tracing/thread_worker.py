@@ -14,7 +14,7 @@ import torch
 
 from samestep.tracing.batch import Batch, expand
 from samestep.tracing.stream import StreamWriter
-from samestep.tracing.writer import batch_lanes, write_lanes
+from samestep.tracing.writer import batch_lanes, state_digests, write_lanes
 
 __all__ = ["ThreadWorker"]
 
@@ -37,7 +37,7 @@ class ThreadWorker:
     def _run(self, b: Batch, events: list[tuple[torch.device, Any]]) -> None:
         for device, event in events:  # kernels on this thread's stream start after the staged copies
             torch.cuda.current_stream(device).wait_event(event)
-        done = (b, [len(pack.nbytes) for pack in b.packs], batch_lanes(b.packs, expand(b.tensors)))
+        done = (b, [len(pack.nbytes) for pack in b.packs], batch_lanes(b.packs, expand(b.tensors)), state_digests(b))
         if b.check_live:  # written once the training thread has seen them unchanged (commit), as the process does
             self._held = done
         else:

@@ -5,8 +5,8 @@ meta as JSON), B a batch (reply R when digested, or E and the error), W write th
 discard it (its live tensors changed), S make what is written durable (reply K, or E), C close the
 stream (reply K, or E), Q quit. A batch's payload is ``marshal`` data (plain numbers, strings and
 bytes: loading it runs no code): the packs, a description of each staged tensor (``describe``), the
-record columns in ``Columns.WIRE`` order, and whether it holds live tensors that must be seen
-unchanged before it is written.
+record columns in ``Columns.WIRE`` order, whether it holds live tensors that must be seen
+unchanged before it is written, and the state tensors' (description, checksum header) pairs.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The stream writer's half of a batch: its staged tensors digested (``batch_lanes``), its records
-appended as one Arrow record batch (``write_lanes``)."""
+"""The stream writer's half of a batch: its staged tensors digested (``batch_lanes``), its state tensors
+checksummed (``state_digests``), its records appended as one Arrow record batch (``write_lanes``)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from samestep.checksums import state_hash_for
 from samestep.digests import Packed, finish, lanes_packed
-from samestep.tracing.batch import Columns
+from samestep.tracing.batch import HASHED, Batch, Columns
 from samestep.tracing.stream import StreamWriter
 
-__all__ = ["UNINIT", "batch_lanes", "plain", "readable", "write_lanes"]
+__all__ = ["UNINIT", "batch_lanes", "plain", "readable", "state_digests", "write_lanes"]
 
 UNINIT = bytes(16)  # the digest recorded for uninitialised memory (torch.empty and friends)
 
@@ -51,16 +52,40 @@ def batch_lanes(packs: list[Packed], tensors: list[torch.Tensor]) -> list[list[i
         return lanes_packed(packs, [t if readable(t) else plain(t) for t in tensors])
 
 
-def write_lanes(writer: StreamWriter, b: Columns, pack_sizes: list[int], lanes: list[list[int]]) -> None:
+def state_digests(b: Batch) -> list[bytes]:
+    """The state checksums of a batch's state tensors (``b.hashed``), raw: each by the state hash of where it
+    lies (``checksums.state_hash_for``), from the step's pass that the receipts share."""
+    if not b.hashed:
+        return []
+    shared, step = b.state_pass
+    by_hash: dict[str, list[int]] = {}
+    for i, t in enumerate(b.hashed):
+        by_hash.setdefault(state_hash_for(t.device), []).append(i)
+    out = [b""] * len(b.hashed)
+    for hash_, at in by_hash.items():
+        tensors = [b.hashed[i] for i in at]
+        try:
+            sums = shared.of_step(step, hash_).of(tensors)
+        except (ValueError, RuntimeError, NotImplementedError, TypeError):
+            # a tensor whose bytes cannot be read as they are (sparse, quantized, nested, meta): its plain form
+            sums = shared.of_step(step, hash_).of([t if readable(t) else plain(t) for t in tensors])
+        for i, s in zip(at, sums):
+            out[i] = bytes.fromhex(s)
+    return out
+
+
+def write_lanes(writer: StreamWriter, b: Columns, pack_sizes: list[int], lanes: list[list[int]],
+                hashed: list[bytes]) -> None:
     """Appends a batch's records, given the lanes of its packs' entries (``pack_sizes`` of them per
-    pack), then of its tensors."""
+    pack), then of its tensors, and the digests of its state tensors (``hashed``)."""
     first, in_packs = [], 0  # lanes come packs' entries first, then the tensors
     for size in pack_sizes:
         first.append(in_packs)
         in_packs += size
-    at = [first[c] + e if c >= 0 else in_packs + e for c, e in zip(b.slot_chunk, b.slot_entry)]
+    at = [first[c] + e if c >= 0 else in_packs + e if c != HASHED else ~e
+          for c, e in zip(b.slot_chunk, b.slot_entry)]
     # One row per reference, then a zero row: NO_REF (-1) picks it (UNINIT).
-    digests = np.frombuffer(b"".join([finish(head, lanes[at[slot]]) for slot, head
+    digests = np.frombuffer(b"".join([finish(head, lanes[i]) if (i := at[slot]) >= 0 else hashed[~i] for slot, head
                                       in zip(b.ref_slot, b.ref_head)]) + UNINIT, dtype=np.uint8).reshape(-1, 16)
     n = len(b.step)
     cols = {"seq": pa.array(np.arange(b.first_seq, b.first_seq + n, dtype=np.int64)), "step": b.step,
