@@ -62,6 +62,18 @@ def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     return tree
 
 
+def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's buffers that are part of its ``state_dict``, by name, each tensor once (a trace records
+    them, a receipt copies them at the step's end)."""
+    out, seen = [], set()
+    for prefix, module in model.named_modules():
+        for name, b in module._buffers.items():
+            if b is not None and name not in module._non_persistent_buffers_set and id(b) not in seen:
+                seen.add(id(b))
+                out.append((f"{prefix}.{name}" if prefix else name, b))
+    return out
+
+
 def canonical_json(obj: Any) -> bytes:
     """Key-sorted, compact JSON bytes: the form that digests are taken over."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode("utf-8")

@@ -15,9 +15,11 @@ the header) is read as version 2 with ``state_hash`` "sha256", and a run resumed
 writing version 1.
 
 The state is checksummed on a thread of its own while the next step's forward and backward run (they read
-the state, never change it); the optimizer's next ``step()`` waits for it (a pre-hook), so the checksum is
-of the state as the receipt says. Rank 0 writes receipts of the whole state; under sharding each rank
-writes those of its own shards (``state_of: "rank"``). The cross-rank check's sums come from the same pass
+the parameters and the optimizer state, never change them); the optimizer's next ``step()`` waits for it (a
+pre-hook), so the checksum is of the state as the receipt says. A forward may change the model's buffers
+in place (running statistics): the receipt takes copies of them at the step's end (``buffers_now``).
+Rank 0 writes receipts of the whole state; under sharding each rank writes those of its own shards
+(``state_of: "rank"``). The cross-rank check's sums come from the same pass
 (``checksums.Checksums``), and so do a step-level trace's state records where the writer and the recorder
 share a ``checksums.StepChecksums`` (``protocol.RunProtocol`` hands them one): no tensor is hashed twice a
 step.
@@ -36,14 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from samestep._state import canonical_json, dotted
+from samestep._state import canonical_json, dotted, persistent_buffers
 from samestep.checksums import STATE_HASH, STATE_HASHES, Checksums, StepChecksums, state_checksum
 from samestep.durable import read_file, replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL, receipts_dir
 
-__all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "chain_break",
-           "check_restored", "continue_receipts", "genesis", "read_header", "read_receipts",
-           "read_run_receipts", "receipt_hash", "receipts_path", "receipted_state", "receipt_state_of",
+__all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "buffers_now",
+           "chain_break", "check_restored", "continue_receipts", "genesis", "model_state", "read_header",
+           "read_receipts", "read_run_receipts", "receipt_hash", "receipts_path", "receipted_state", "receipt_state_of",
            "state_hash_of", "state_tree", "truncate_receipts"]
 
 RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 2
@@ -392,10 +394,23 @@ def continue_receipts(run_dir: str | os.PathLike[str] | None, rank: int, start: 
     return ReceiptWriter(run_dir, rank, prev or first_prev, start=start, **kwargs)
 
 
+def buffers_now(model: Any) -> dict[str, Any]:
+    """Copies of the model's persistent buffers, taken at a step's end: the next forward may change them in
+    place (running statistics) while the receipt thread reads the state."""
+    return {name: b.detach().clone() for name, b in persistent_buffers(model)}
+
+
+def model_state(model: Any, buffers: dict[str, Any]) -> dict[str, Any]:
+    """``model.state_dict()`` with ``buffers`` (``buffers_now``'s, of the same step) in place of the live ones."""
+    sd = model.state_dict()
+    sd.update((k, v) for k, v in buffers.items() if k in sd)
+    return sd
+
+
 def state_tree(step: int, model: Any, optimizer: Any = None, **parts: Any) -> dict[str, Any]:
-    """The state after ``step`` as a loop driven by ``samestep.Run`` or a framework callback receipts it: the
-    step, and the state dict of the model, of the optimizer and of each further part (a scheduler, a data
-    cursor) that is not None."""
+    """The state after ``step`` as a loop driven by ``samestep.Run`` or a framework callback receipts it, taken
+    at the step's end: the step, and the state dict of the model (its buffers copied: ``buffers_now``), of
+    the optimizer and of each further part (a scheduler, a data cursor) that is not None."""
     others = {"optimizer": optimizer, **parts}
-    return {"model": model.state_dict(), "step": step,
+    return {"model": model_state(model, buffers_now(model)), "step": step,
             **{name: obj.state_dict() for name, obj in others.items() if obj is not None}}

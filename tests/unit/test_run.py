@@ -144,6 +144,39 @@ def test_the_trace_takes_its_state_records_from_the_receipts_pass(tmp_path, monk
     assert twice == alone + 3 * len(state)
 
 
+def test_a_receipt_is_of_the_buffers_at_its_steps_end_whatever_the_next_forward_does(tmp_path, monkeypatch):
+    """A BatchNorm's running statistics change in place at every forward in training mode, and the receipt
+    thread reads the state while the next step's forward runs (between checkpoints, whose save waits for
+    it): the receipt takes copies of the model's buffers at the step's end (``receipts.buffers_now``). With
+    the receipt thread held back until that forward has run, the receipts are those of an unhurried run and
+    ``receipts verify`` finds the newest checkpoint its receipt. Control: the live buffers in the tree (no
+    copies) give steps 1 and 2 other receipts, of statistics a later forward made (a resume from either would
+    be refused)."""
+    import time
+
+    from samestep import receipts
+
+    def run(name: str) -> list[str]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with samestep.Run(tmp_path / name, model=model, optimizer=opt, level="off", checkpoint_every=3) as r:
+            for step in r.steps(3):
+                with r.microbatch(0):
+                    model(torch.randn(6, 4, generator=samestep.rng.generator(0, step, 0, "data"))).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return [x["state"] for x in read_receipts(tmp_path / name / "receipts" / "rank_00000.jsonl")[1]]
+
+    unhurried = run("unhurried")
+    checksum = receipts.state_checksum
+    monkeypatch.setattr(receipts, "state_checksum", lambda *a, **k: time.sleep(0.2) or checksum(*a, **k))
+    assert run("held") == unhurried and check_receipts(tmp_path / "held")["ok"]
+    monkeypatch.setattr(receipts, "buffers_now", lambda model: {})  # control: the live buffers
+    live = run("live")
+    assert live[0] != unhurried[0] and live[1] != unhurried[1] and live[2] == unhurried[2]
+
+
 def test_a_step_that_raised_is_not_saved_nor_complete(tmp_path):
     """The body of step 3 raises: steps 1-2 are saved, step 3 is not, the run directory's lock is free and
     deterministic mode is off again; certify names step 3. Negative control: a whole run is complete."""

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from samestep._state import persistent_buffers
 from samestep.checksums import StepChecksums
 from samestep.mode import active_report, drifted, knob_probe
 from samestep.tracing.collectives import Collectives, FsdpReduceScatter
@@ -60,7 +61,7 @@ from samestep.tracing.perturb import Perturb
 from samestep.tracing.process_worker import ProcessWorker
 from samestep.tracing.selection import LEVELS, WORKERS
 from samestep.tracing.staging import Staging
-from samestep.tracing.step_level import StepRecords, persistent_buffers
+from samestep.tracing.step_level import StepRecords
 from samestep.tracing.stream import END, stream_path, stream_segments
 from samestep.tracing.thread_worker import ThreadWorker
 

@@ -16,11 +16,11 @@ from collections.abc import Iterable
 
 import torch
 
-from samestep._state import tensor_header
+from samestep._state import persistent_buffers, tensor_header
 from samestep.tracing.staging import RecorderView, Staging
 from samestep.tracing.wire import describe_all
 
-__all__ = ["GradPlan", "StatePlan", "StepRecords", "layout", "persistent_buffers", "step_counts"]
+__all__ = ["GradPlan", "StatePlan", "StepRecords", "layout", "step_counts"]
 
 _data_ptrs = torch.Tensor.data_ptr
 _sizes = torch.Tensor.size
@@ -38,9 +38,10 @@ class StatePlan:
     A training loop updates them in place, so every step but the first skips sorting the optimizer state,
     making the records' headers and describing each tensor for the process worker (``descs``: each one's
     description and checksum header; None if a tensor is not one it reads where it lies). Checking the plan
-    costs about what it spares in ``state`` itself; the descriptions it spares are the gain (``bench/bench_trace.py --levels step --recorder-calls``
-    measures the recorder's time per step). Any change (a new optimizer, a loaded state, ``p.data = ...``)
-    makes a new plan. It holds weak references: no replaced optimizer's state is kept alive.
+    costs about what it spares in ``state`` itself; the descriptions it spares are the gain
+    (``bench/bench_trace.py --levels step --recorder-calls`` measures the recorder's time per step). Any
+    change (a new optimizer, a loaded state, ``p.data = ...``) makes a new plan. It holds weak references:
+    no replaced optimizer's state is kept alive.
     """
 
     __slots__ = ("names", "refs", "lens", "keys", "mb", "order", "layout", "ops", "scopes", "heads", "counts",
@@ -99,17 +100,6 @@ def layout(tensors: list[torch.Tensor]) -> tuple[list, ...]:
     headers were made from)."""
     return (list(map(_data_ptrs, tensors)), list(map(_dtypes, tensors)), list(map(_sizes, tensors)),
             list(map(_strides, tensors)))
-
-
-def persistent_buffers(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The model's buffers that are part of its ``state_dict``, by name, each tensor once."""
-    out, seen = [], set()
-    for prefix, module in model.named_modules():
-        for name, b in module._buffers.items():
-            if b is not None and name not in module._non_persistent_buffers_set and id(b) not in seen:
-                seen.add(id(b))
-                out.append((f"{prefix}.{name}" if prefix else name, b))
-    return out
 
 
 def _pieces(group: list[tuple[int, int, torch.Tensor]]) -> tuple[list[int], list[int], int, int] | None:

@@ -24,6 +24,7 @@ from samestep.distributed.fsdp import (
     shard_model,
 )
 from samestep.distributed.norm import clip_grad_norm_
+from samestep.receipts import buffers_now, model_state
 from samestep.tracing import Perturb, Recorder, parse_selection
 from samestep.train.capacity import check_capacity
 from samestep.train.checks import RecomputeCheck, check_finite
@@ -116,16 +117,18 @@ class Trainer:
         optimizer's is taken here (the next step sets its groups' lr before its update); the model's there,
         but for a sharded run: FSDP2's ``state_dict`` swaps the module's parameters, which the next forward
         must not see. Of a model in parts (``whole``), the whole state, gathered now from the parts (a collective:
-        every rank of them calls it, at the same steps)."""
+        every rank of them calls it, at the same steps). The model's buffers are copied here (``buffers_now``):
+        the next forward may change them."""
         if self.whole is not None:
             model_sd, optim_sd = self.whole.whole_state(self.model, self.optimizer, self.device)
             tree = {"model": model_sd, "optimizer": optim_sd, "data_cursor": self.cursor.state_dict(), "step": step}
             return lambda: tree
         cursor, model, optim = self.cursor.state_dict(), self.model, self.optimizer.state_dict()
+        buffers = buffers_now(model)
         if self.sharded:
-            tree = {"model": model.state_dict(), "optimizer": optim, "data_cursor": cursor, "step": step}
+            tree = {"model": model_state(model, buffers), "optimizer": optim, "data_cursor": cursor, "step": step}
             return lambda: tree
-        return lambda: {"model": model.state_dict(), "optimizer": optim, "data_cursor": cursor, "step": step}
+        return lambda: {"model": model_state(model, buffers), "optimizer": optim, "data_cursor": cursor, "step": step}
 
     @property
     def tokens_per_step(self) -> int:
