@@ -1,6 +1,7 @@
 """Production benchmark: everything samestep's default turns on, against plain PyTorch, side by side.
 
-    .venv/bin/python bench/bench_production.py [--preset small] [--set K=V ...] [--pairs 9] [--steps 4] [--json]
+    .venv/bin/python bench/bench_production.py [--preset small] [--set K=V ...] [--pairs 9] [--steps 4] [--trace]
+        [--json]
     OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_production.py [--json]
 
 The sides are copies of the reference run (or ``--preset``) in one process (one per rank), taking blocks of
@@ -11,7 +12,10 @@ The sides are copies of the reference run (or ``--preset``) in one process (one 
 - ``deterministic``: deterministic mode and the canonical reduction (``samestep train``'s step);
 - ``+receipts``: and a receipt of every step (``receipts.ReceiptWriter``, the state checksum on its thread);
 - ``+cross_rank`` (several processes): and the cross-rank check (every rank's sums, all-gathered);
-- ``production``: all of them, what ``samestep train`` runs by default.
+- ``production``: all of them, what ``samestep train`` runs by default;
+- with ``--trace``, ``production+trace``: and the step-level trace (``trace.level=step``), its state records
+  taken from the receipts' pass (``checksums.StepChecksums``), as ``samestep train`` shares it; and
+  ``production+trace apart``, the control: the recorder with a pass of its own, which hashes the state again.
 
 Every side pins one intra-op thread (the bits depend on it). Reported on rank 0: each side's median step
 time and process CPU time per step (all threads: what a feature takes from the machine, whatever the core
@@ -55,20 +59,24 @@ class Side:
 
         self.name = name
         deterministic = name != "plain"
-        cfg = load_config(None, [*settings, *([] if deterministic else ["determinism.enabled=false"])], preset=preset)
-        self.parts = build(cfg, world=world, rank=rank, corpus=corpus)
+        traced = "+trace" in name
+        cfg = load_config(None, [*settings, *([] if deterministic else ["determinism.enabled=false"]),
+                                 *(["trace.level=step"] if traced else [])], preset=preset)
+        self.parts = build(cfg, world=world, rank=rank, corpus=corpus, run_dir=tmp / name if traced else None)
         self.ddp = None
         if not deterministic and world > 1:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.ddp = DDP(self.parts.model, broadcast_buffers=False)
-        receipts = name in ("+receipts", "production")
-        cross = world > 1 and name in ("+cross_rank", "production")
+        receipts = name in ("+receipts", "production") or traced
+        cross = world > 1 and (name in ("+cross_rank", "production") or traced)
         self.writer = self.check = None
         if receipts or cross:
             keeps = receipts and rank == 0
             self.writer = ReceiptWriter(tmp / name if keeps else None, rank, genesis(cfg.to_dict(), corpus.fingerprint))
             self.writer.watch(self.parts.optimizer)
+            if name == "production+trace":  # as RunProtocol.adopt shares it
+                self.parts.recorder.checksums = self.writer.shared
         if cross:
             self.parts.reduced = []
             self.check = CrossRankCheck(self.writer, torch.device("cpu"), tmp, "stop")
@@ -95,6 +103,7 @@ class Side:
                                     sums)
             if self.writer is not None:
                 self.writer.wait()  # the block's last receipt is in its time
+            self.parts.recorder.flush()  # and the last trace batch's digests (nothing to wait for untraced)
             self.barrier()
             self.times.append((time.perf_counter() - t0) / steps)
             self.cpu.append((time.process_time() - c0) / steps)
@@ -105,6 +114,7 @@ class Side:
             self.check.close()
         if self.writer is not None:
             self.writer.close()
+        self.parts.recorder.close()
 
 
 def checksum_cost(parts, repeats: int = 20) -> dict:
@@ -121,7 +131,7 @@ def checksum_cost(parts, repeats: int = 20) -> dict:
     return {"state_bytes": nbytes, "ms": round(1000 * best, 3), "ns_per_byte": round(1e9 * best / nbytes, 4)}
 
 
-def run(preset: str | None, settings: list[str], pairs: int, steps: int) -> dict:
+def run(preset: str | None, settings: list[str], pairs: int, steps: int, trace: bool = False) -> dict:
     import torch.distributed as dist
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -129,7 +139,8 @@ def run(preset: str | None, settings: list[str], pairs: int, steps: int) -> dict
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
     corpus = load_corpus("stdlib")
-    names = ["plain", "deterministic", "+receipts", *(["+cross_rank"] if world > 1 else []), "production"]
+    names = ["plain", "deterministic", "+receipts", *(["+cross_rank"] if world > 1 else []), "production",
+             *(["production+trace", "production+trace apart"] if trace else [])]
     with tempfile.TemporaryDirectory() as tmp:
         sides = [Side(n, preset, settings, corpus, world, rank, Path(tmp)) for n in names]
         for r in range(pairs + 1):
@@ -158,6 +169,8 @@ def run(preset: str | None, settings: list[str], pairs: int, steps: int) -> dict
             entry["cpu_ms_over_deterministic"] = round(1000 * (statistics.median(s.cpu)
                                                               - statistics.median(by["deterministic"].cpu)), 2)
             entry["receipt_thread_cpu_ms_per_step"] = round(1000 * s.writer.cpu_seconds / (pairs * steps), 3)
+        if "+trace" in s.name:
+            entry["vs_production"] = round(statistics.median(a / b for a, b in zip(s.times, by["production"].times)), 4)
         result["sides"][s.name] = entry
     result["checksum"] = checksum_cost(by["deterministic"].parts)
     if world > 1:
@@ -172,9 +185,10 @@ def main() -> int:
                     help="a config setting for every side (e.g. train.global_batch=32)")
     ap.add_argument("--pairs", type=int, default=9)
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--trace", action="store_true", help="also production with the step-level trace (and its control)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    result = run(args.preset, args.settings, args.pairs, args.steps)
+    result = run(args.preset, args.settings, args.pairs, args.steps, args.trace)
     if not result:
         return 0
     if args.json:
@@ -186,7 +200,8 @@ def main() -> int:
     for name, e in result["sides"].items():
         extra = (f", {e['vs_deterministic']:.4f}x of deterministic (+{e['cpu_ms_over_deterministic']} CPU ms; "
                  f"receipt thread {e['receipt_thread_cpu_ms_per_step']} CPU ms)" if "vs_deterministic" in e else "")
-        print(f"  {name:14s} {e['step_ms']:8.2f} ms a step, {e['cpu_ms_per_step']:8.2f} CPU ms; "
+        extra += f", {e['vs_production']:.4f}x of production" if "vs_production" in e else ""
+        print(f"  {name:23s} {e['step_ms']:8.2f} ms a step, {e['cpu_ms_per_step']:8.2f} CPU ms; "
               f"{e['vs_plain']:.4f}x of plain{extra}")
     c = result["checksum"]
     print(f"  state checksum: {c['state_bytes']:,} bytes in {c['ms']} ms ({c['ns_per_byte']} ns a byte)")

@@ -1,6 +1,6 @@
 """Receipts benchmark: the reference run's step time with a receipt of every step, against without.
 
-    .venv/bin/python bench/bench_receipts.py [--pairs 9] [--steps 8] [--variant V] [--json]
+    .venv/bin/python bench/bench_receipts.py [--pairs 9] [--steps 8] [--variant V] [--switch-interval S] [--json]
 
 Two copies of the reference run (deterministic mode, one thread, as ``samestep train`` runs it) take
 blocks of ``--steps`` steps alternately in one process; one of them writes a receipt after each step
@@ -12,7 +12,9 @@ thread's own time is what it spends in the receipt calls and waiting for the rec
 ``checksum`` (the receipt, the default), ``sha256`` (the receipt by SHA-256), ``none`` (the state tree taken,
 nothing computed), ``walk`` (the tree walked and each tensor's key read, nothing hashed), ``buffer`` (one
 XXH3-128 of a separate contiguous buffer of the state's size: the bytes alone, no Python per tensor), and
-``inline`` (the receipt made on the training thread: no overlap, no second core).
+``inline`` (the receipt made on the training thread: no overlap, no second core). ``--switch-interval``
+sets the interpreter's (``sys.setswitchinterval``, 5 ms by default): how long a thread that wants the
+interpreter lock waits before the one holding it is asked to let go.
 """
 
 from __future__ import annotations
@@ -103,8 +105,11 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=9)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--variant", default="checksum", choices=["checksum", "sha256", "none", "walk", "buffer", "inline"])
+    ap.add_argument("--switch-interval", type=float, default=None, metavar="S")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     result = receipts_overhead(args.pairs, args.steps, args.variant)
     print(json.dumps(result) if args.json else
           f"receipts ({args.variant}): {result['receipts_ratio_median']:.4f}x ({result['step_ms_receipts']} vs "

@@ -114,7 +114,8 @@ def test_cost_model_prices_the_combine_against_ddp():
 
 def test_receipt_and_check_benches_run():
     """`bench/bench_receipts.py`, `bench/bench_checks.py` and `bench/bench_production.py` (one pair of one or two
-    steps): ratios, the training thread's own time for the receipts, every side of the production bench."""
+    steps): ratios, the training thread's own time for the receipts, every side of the production bench (with
+    the step-level trace's)."""
     proc = _bench("bench_receipts.py", "--pairs", "1", "--steps", "1", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
@@ -122,11 +123,13 @@ def test_receipt_and_check_benches_run():
     proc = _bench("bench_checks.py", "--every", "2", "--pairs", "1", "--steps", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["sdc_check_every=2"]["ratio_median"] > 0
-    proc = _bench("bench_production.py", "--pairs", "1", "--steps", "1", "--json")
+    proc = _bench("bench_production.py", "--pairs", "1", "--steps", "1", "--trace", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert set(result["sides"]) == {"plain", "deterministic", "+receipts", "production"}
+    assert set(result["sides"]) == {"plain", "deterministic", "+receipts", "production", "production+trace",
+                                    "production+trace apart"}
     assert result["sides"]["production"]["vs_plain"] > 0 and result["checksum"]["ns_per_byte"] > 0
+    assert result["sides"]["production+trace"]["vs_production"] > 0
 
 
 def test_layout_bench_times_canonical_tensor_parallelism_against_pytorchs():
