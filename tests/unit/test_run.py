@@ -152,13 +152,22 @@ def test_a_receipt_is_of_the_buffers_at_its_steps_end_whatever_the_next_forward_
     ``receipts verify`` finds the newest checkpoint its receipt. Control: the live buffers in the tree (no
     copies) give steps 1 and 2 other receipts, of statistics a later forward made (a resume from either would
     be refused)."""
-    import time
+    import threading
 
     from samestep import receipts
+
+    forwards, seen = [0], threading.Condition()
+
+    def counted(*_) -> None:
+        with seen:
+            forwards[0] += 1
+            seen.notify_all()
 
     def run(name: str) -> list[str]:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+        model.register_forward_hook(counted)
+        forwards[0] = 0
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         with samestep.Run(tmp_path / name, model=model, optimizer=opt, level="off", checkpoint_every=3) as r:
             for step in r.steps(3):
@@ -170,7 +179,13 @@ def test_a_receipt_is_of_the_buffers_at_its_steps_end_whatever_the_next_forward_
 
     unhurried = run("unhurried")
     checksum = receipts.state_checksum
-    monkeypatch.setattr(receipts, "state_checksum", lambda *a, **k: time.sleep(0.2) or checksum(*a, **k))
+
+    def held_back(tree, *args, **kwargs):  # until the next step's forward ran (the last step has none)
+        with seen:
+            seen.wait_for(lambda: forwards[0] > tree["step"] or tree["step"] == 3, timeout=60)
+        return checksum(tree, *args, **kwargs)
+
+    monkeypatch.setattr(receipts, "state_checksum", held_back)
     assert run("held") == unhurried and check_receipts(tmp_path / "held")["ok"]
     monkeypatch.setattr(receipts, "buffers_now", lambda model: {})  # control: the live buffers
     live = run("live")
