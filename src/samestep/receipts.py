@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from samestep._state import canonical_json, dotted, persistent_buffers
+from samestep._state import canonical_json, dotted
 from samestep.checksums import STATE_HASH, STATE_HASHES, Checksums, StepChecksums, state_checksum
 from samestep.durable import read_file, replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL, receipts_dir
@@ -394,10 +394,11 @@ def continue_receipts(run_dir: str | os.PathLike[str] | None, rank: int, start: 
     return ReceiptWriter(run_dir, rank, prev or first_prev, start=start, **kwargs)
 
 
-def buffers_now(model: Any) -> dict[str, Any]:
-    """Copies of the model's persistent buffers, taken at a step's end: the next forward may change them in
-    place (running statistics) while the receipt thread reads the state."""
-    return {name: b.detach().clone() for name, b in persistent_buffers(model)}
+def buffers_now(buffers: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Copies of a model's persistent buffers (``_state.persistent_buffers``, as the loop keeps them), taken at
+    a step's end: the next forward may change them in place (running statistics) while the receipt thread
+    reads the state."""
+    return {name: b.detach().clone() for name, b in buffers}
 
 
 def model_state(model: Any, buffers: dict[str, Any]) -> dict[str, Any]:
@@ -407,10 +408,12 @@ def model_state(model: Any, buffers: dict[str, Any]) -> dict[str, Any]:
     return sd
 
 
-def state_tree(step: int, model: Any, optimizer: Any = None, **parts: Any) -> dict[str, Any]:
+def state_tree(step: int, model: Any, optimizer: Any = None, *, buffers: list[tuple[str, Any]],
+               **parts: Any) -> dict[str, Any]:
     """The state after ``step`` as a loop driven by ``samestep.Run`` or a framework callback receipts it, taken
-    at the step's end: the step, and the state dict of the model (its buffers copied: ``buffers_now``), of
-    the optimizer and of each further part (a scheduler, a data cursor) that is not None."""
+    at the step's end: the step, and the state dict of the model (its persistent ``buffers``, as the loop
+    keeps them, copied: ``buffers_now``), of the optimizer and of each further part (a scheduler, a data
+    cursor) that is not None."""
     others = {"optimizer": optimizer, **parts}
-    return {"model": model_state(model, buffers_now(model)), "step": step,
+    return {"model": model_state(model, buffers_now(buffers)), "step": step,
             **{name: obj.state_dict() for name, obj in others.items() if obj is not None}}

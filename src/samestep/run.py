@@ -42,7 +42,7 @@ from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer
 from samestep.protocol import RunProtocol
 from samestep.receipts import genesis, state_tree
 from samestep.checksums import state_hash_for
-from samestep._state import state_digest
+from samestep._state import persistent_buffers, state_digest
 from samestep.rundir import checked_run_dir, checkpoints_dir, declared_changes, holds_run, record_declared
 
 __all__ = ["Run"]
@@ -179,6 +179,9 @@ class Run:
                                          scheduler=scheduler, data_cursor=data_cursor, fallback=True,
                                          strict_env=strict_env)
                 self.start = loaded.step
+            # kept from step to step, as the reference loop keeps them: a model gains or loses no parameter
+            self._params = list(model.named_parameters())
+            self._buffers = persistent_buffers(model)
             # rank 0's receipts of the whole state; sharded, every rank's of its own shards
             keeps_receipts = receipts and RunProtocol.keeps_receipts(rank, self.sharded)
             if receipts:  # a resume that cannot go on fails before anything is written
@@ -190,9 +193,6 @@ class Run:
             self._proto.trace(model, level=level, steps=trace_steps, resume=continues, copy=copy)
             if rank == 0:
                 record_declared(self.run_dir, self._declared)
-            # kept from step to step, as the reference loop keeps them: a model gains or loses no parameter
-            self._params = list(model.named_parameters())
-            self._buffers = self.recorder.persistent_buffers(model)
             self._grad_copy: bool | str = True if copy or level != "step" else "checked"
             self._hooks = [optimizer.register_step_pre_hook(self._before_update),
                            optimizer.register_step_post_hook(self._after_update)]
@@ -264,7 +264,8 @@ class Run:
 
     def _state_tree(self, step: int) -> dict[str, Any]:
         """The state after ``step`` as a receipt digests it: every part a checkpoint of it holds."""
-        return state_tree(step, self.model, self.optimizer, scheduler=self.scheduler, data_cursor=self.data_cursor)
+        return state_tree(step, self.model, self.optimizer, buffers=self._buffers, scheduler=self.scheduler,
+                          data_cursor=self.data_cursor)
 
     def close(self) -> None:
         """Closes the trace, removes the hooks, and turns deterministic mode off if this run turned it on."""

@@ -187,7 +187,7 @@ def test_a_receipt_is_of_the_buffers_at_its_steps_end_whatever_the_next_forward_
 
     monkeypatch.setattr(receipts, "state_checksum", held_back)
     assert run("held") == unhurried and check_receipts(tmp_path / "held")["ok"]
-    monkeypatch.setattr(receipts, "buffers_now", lambda model: {})  # control: the live buffers
+    monkeypatch.setattr(receipts, "buffers_now", lambda buffers: {})  # control: the live buffers
     live = run("live")
     assert live[0] != unhurried[0] and live[1] != unhurried[1] and live[2] == unhurried[2]
 

@@ -35,11 +35,14 @@ class HookedSteps:
             ReceiptError: the receipts file is damaged or lacks a step up to ``start``, or the restored state
                 is not the one its receipt of ``start`` records.
         """
+        from samestep._state import persistent_buffers
         from samestep.checksums import state_hash_for
         from samestep.receipts import genesis, state_tree
 
+        buffers = persistent_buffers(model)  # found once: a model gains or loses no buffer between steps
+
         def state(step: int) -> dict[str, Any]:
-            return state_tree(step, model, optimizer, scheduler=scheduler)
+            return state_tree(step, model, optimizer, buffers=buffers, scheduler=scheduler)
 
         proto.run_dir = Path(run_dir)
         if receipts:  # a resume that cannot go on fails before anything is written

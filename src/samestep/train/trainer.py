@@ -124,7 +124,7 @@ class Trainer:
             tree = {"model": model_sd, "optimizer": optim_sd, "data_cursor": self.cursor.state_dict(), "step": step}
             return lambda: tree
         cursor, model, optim = self.cursor.state_dict(), self.model, self.optimizer.state_dict()
-        buffers = buffers_now(model)
+        buffers = buffers_now(self.named_buffers)
         if self.sharded:
             tree = {"model": model_state(model, buffers), "optimizer": optim, "data_cursor": cursor, "step": step}
             return lambda: tree
