@@ -108,29 +108,22 @@ class StepChecksums:
     dropped once a later step's is asked for: by then the earlier step's readers are done (the optimizer's
     next update waits for both). Every tensor a pass sees was alive at the step's end and is held by its
     reader until that reader is done, so one key is one tensor's bytes. A reader that came late would get a
-    fresh pass: the same values, hashed again. ``hashed`` counts the tensors hashed over all steps."""
+    fresh pass: the same values, hashed again."""
 
     def __init__(self) -> None:
         self._step: int | None = None
         self._passes: dict[str, Checksums] = {}
-        self._done = 0  # tensors hashed by the passes dropped
         self._lock = threading.Lock()
 
     def of_step(self, step: int, hash: str) -> Checksums:
         """Step ``step``'s pass by ``hash``."""
         with self._lock:
             if step != self._step:
-                self._done += sum(c.hashed for c in self._passes.values())
                 self._step, self._passes = step, {}
             memo = self._passes.get(hash)
             if memo is None:
                 memo = self._passes[hash] = Checksums(hash)
             return memo
-
-    @property
-    def hashed(self) -> int:
-        with self._lock:
-            return self._done + sum(c.hashed for c in self._passes.values())
 
 
 def state_checksum(tree: Any, hash: str = STATE_HASH, memo: Checksums | None = None) -> str:

@@ -5,9 +5,10 @@ The child copies the batch's tensors out of the training process's memory itself
 training thread only describes them (addresses, shapes, strides) and sends the record columns
 (wire.py). It spares the training thread the interpreter lock that a thread worker's Python code would
 take from it. The child checksums the state tensors itself (``xxh3-128``: host memory only), so it shares
-no pass with the receipts, which hash them again on their thread in this process. The recorder keeps every tensor of a batch alive until the child has read it; a batch
-with live tensors that must stay unchanged (``copy="checked"``) is written only once the training
-thread has seen them unchanged (W), or discarded (X).
+no pass with the receipts, which hash them again on their thread in this process. The recorder keeps
+every tensor of a batch alive until the child has read it; a batch with live tensors that must stay
+unchanged (``copy="checked"``) is written only once the training thread has seen them unchanged (W), or
+discarded (X).
 
 If the training process dies, the child sees the socket close and exits after the messages it has: as
 with a thread, a batch in flight may be lost, and every batch written before it reads back.

@@ -36,7 +36,7 @@ class StatePlan:
     tensors under the same keys), each at the same address with the same dtype, shape and strides.
 
     A training loop updates them in place, so every step but the first skips sorting the optimizer state,
-    making the records' headers and describing each tensor for the process worker (``descs``: each one's
+    making the records' ops and scopes and describing each tensor for the process worker (``descs``: each one's
     description and checksum header; None if a tensor is not one it reads where it lies). Checking the plan
     costs about what it spares in ``state`` itself; the descriptions it spares are the gain
     (``bench/bench_trace.py --levels step --recorder-calls`` measures the recorder's time per step). Any
@@ -266,7 +266,7 @@ class StepRecords:
         tensors = [objs[i] for i in order]
         if st.dtensor is not None:
             tensors = st.shards(tensors)
-        heads = [st.head(t) for t in tensors]
+        heads = [b""] * len(tensors)  # a state record's digest is its checksum: no digest header to make
         descs = describe_all(tensors) if self.rec.reads_in_place else None
         if descs is not None:
             descs = list(zip(descs, [tensor_header(t.dtype, tuple(t.shape)) for t in tensors]))
