@@ -88,7 +88,7 @@ def run_train(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 
     return json.loads(final.read_text()) if final.exists() else None
 
 
-def _files(root: Path) -> dict[str, bytes]:
+def run_files(root: Path) -> dict[str, bytes]:
     """Every file of a run directory and its bytes, but the lock's (each holder writes its pid there)."""
     from samestep.rundir import LOCK
 
@@ -102,9 +102,9 @@ def tiny_run(tmp_path_factory):
     with)."""
     d = tmp_path_factory.mktemp("tiny") / "run"
     run_train(d, *TINY)
-    made = _files(d)
+    made = run_files(d)
     yield d
-    assert _files(d) == made, f"a test changed the shared run {d}; copy it first"
+    assert run_files(d) == made, f"a test changed the shared run {d}; copy it first"
 
 
 def train_here(run_dir: Path, *settings: str, resume: bool = False, stop_after: int | None = None) -> dict | None:

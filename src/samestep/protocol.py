@@ -22,6 +22,7 @@ from samestep.receipts import (
     ReceiptWriter,
     check_restored,
     continue_receipts,
+    lost_receipts,
     read_run_receipts,
     truncate_receipts,
 )
@@ -140,6 +141,8 @@ class RunProtocol:
             return
         if same_layout is None:
             same_layout = checkpoint is None or checkpoint.shards == sharded_over
+        if state is not None and same_layout:
+            lost_receipts(run_dir, rank, start)
         if checkpoint is None or same_layout:
             if state is not None:
                 check_restored(run_dir, rank, start, state())

@@ -44,8 +44,8 @@ from samestep.durable import read_file, replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL, receipts_dir
 
 __all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "buffers_now",
-           "chain_break", "check_restored", "continue_receipts", "genesis", "model_state", "read_header",
-           "read_receipts", "read_run_receipts", "receipt_hash", "receipts_path", "receipted_state", "receipt_state_of",
+           "chain_break", "check_restored", "continue_receipts", "genesis", "lost_receipts", "model_state",
+           "read_header", "read_receipts", "read_run_receipts", "receipt_hash", "receipts_path", "receipted_state", "receipt_state_of",
            "state_hash_of", "state_tree", "truncate_receipts"]
 
 RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 2
@@ -274,6 +274,13 @@ def read_receipts(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[di
         for key in keys:
             if key not in row:
                 raise ReceiptError(f"{path}:{number}: receipt without {key!r}")
+        step = row["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+            raise ReceiptError(f"{path}:{number}: step {step!r} is not a step number (an integer from 1): the file "
+                               "was edited; restore it")
+        bad = next((k for k in keys if k != "step" and not isinstance(row[k], str)), None)
+        if bad is not None:
+            raise ReceiptError(f"{path}:{number}: {bad} {row[bad]!r} is not a string: the file was edited; restore it")
     return header, rows[1:]
 
 
@@ -351,6 +358,28 @@ def truncate_receipts(run_dir: str | os.PathLike[str], rank: int, last_step: int
         return kept[-1]["hash"] if kept else header["genesis"]
     replace_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in [header, *kept]).encode())
     return kept[-1]["hash"] if kept else header["genesis"]
+
+
+def lost_receipts(run_dir: str | os.PathLike[str], rank: int, step: int) -> None:
+    """Refuses to go on after ``step`` where ``rank``'s receipts file is missing though the run kept receipts
+    then: another rank's file holds a receipt of ``step``. On the layout that wrote the checkpoint, every rank
+    that keeps receipts now kept them then (receipts are on or off for the whole run), so its file was lost;
+    starting it afresh at ``step + 1`` would leave a chain that can never verify.
+
+    Raises:
+        ReceiptError: names the missing file, the file that shows it was kept and what to do.
+    """
+    path = receipts_path(run_dir, rank)
+    if path.exists():
+        return
+    for other in sorted(receipts_dir(run_dir).glob("rank_*.jsonl")):
+        try:
+            _, receipts = read_receipts(other)
+        except ReceiptError:
+            continue  # its own check names it
+        if any(r["step"] == step for r in receipts):
+            raise ReceiptError(f"{path}: missing, though the run kept receipts at step {step} ({other.name} holds "
+                               f"that step's): restore the file, or resume into a new run directory")
 
 
 def receipted_state(tree: dict[str, Any], written_by: str | None) -> dict[str, Any]:

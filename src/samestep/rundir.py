@@ -193,6 +193,7 @@ def read_run(run_dir: _PathLike) -> dict[str, Any]:
         raise RunDirError(f"{path}: is {type(doc).__name__}, expected a table (format {RUN_FORMAT!r})")
     if doc.get("format") != RUN_FORMAT:
         raise RunDirError(f"{path}: format {doc.get('format')!r} is not {RUN_FORMAT!r}")
+    _check_version(path, doc, RUN_VERSION)
     for field, kind in (("config", dict), ("environment", dict), ("layout", dict), ("resumes", list)):
         if field in doc and not isinstance(doc[field], kind):
             raise RunDirError(f"{path}: {field!r} is {doc[field]!r}, expected a {kind.__name__}")
@@ -405,7 +406,17 @@ def read_final(run_dir: _PathLike) -> dict[str, Any] | None:
     if not isinstance(doc, dict) or not isinstance(doc.get("state_digest"), str):
         raise RunDirError(f"{path}: is {json.dumps(doc)[:60]}, expected a table with a 'state_digest' string; the "
                           "run's final record is damaged")
+    if "version" in doc:
+        _check_version(path, doc, FINAL_VERSION)
     return doc
+
+
+def _check_version(path: Path, doc: dict[str, Any], known: int) -> None:
+    """Refuses a file of a format version this samestep does not know (1 to ``known``)."""
+    version = doc.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= known:
+        raise RunDirError(f"{path}: version {version!r} of format {doc.get('format')!r}; this samestep reads "
+                          f"versions 1 to {known} (a newer samestep wrote it: read it with that one)")
 
 
 def final_digest(run_dir: _PathLike) -> str | None:

@@ -50,7 +50,7 @@ def test_an_unexpected_error_exits_3_in_one_line_and_debug_shows_the_traceback(t
     monkeypatch.undo()
     for name in ("a", "b"):
         (tmp_path / name).mkdir()
-        (tmp_path / name / "run.json").write_text(json.dumps({"format": "samestep.run", "config": {}}))
+        (tmp_path / name / "run.json").write_text(json.dumps({"format": "samestep.run", "version": 1, "config": {}}))
         (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss_hex": name}) + "\n")
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 1
 

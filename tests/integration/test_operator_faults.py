@@ -15,16 +15,11 @@ import torch
 
 import samestep
 from samestep.rundir import RunDirError, last_logged_step
-from tests.conftest import TINY, Forked, cli_here, train_cmd, train_here
+from tests.conftest import TINY, Forked, cli_here, run_files, train_cmd, train_here
 from tests.forgery import flip_a_weight, move_cursor, reseal, reseal_manifest
 
 # Checkpoints only at the end: a kill before it leaves a run with no checkpoint at all.
 UNSAVED = (*TINY, "train.steps=40", "train.checkpoint_every=1000")
-
-
-def _files(run_dir: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(run_dir)): p.read_bytes() for p in sorted(run_dir.rglob("*"))
-            if p.is_file() and p.name != ".samestep.lock"}
 
 
 def _kill_after(run_dir: Path, step: int, *settings: str) -> None:
@@ -45,10 +40,10 @@ def test_a_run_killed_before_its_first_checkpoint_resumes_from_step_0(tmp_path):
     straight = train_here(tmp_path / "straight", *UNSAVED)
     run = tmp_path / "run"
     _kill_after(run, 3, *UNSAVED)
-    before = _files(run)
+    before = run_files(run)
     with pytest.raises(ValueError, match="train.seed"):
         train_here(run, *UNSAVED, "train.seed=7", resume=True)
-    assert _files(run) == before
+    assert run_files(run) == before
     with pytest.raises(ValueError, match="pass --resume to continue it"):
         train_here(run, *UNSAVED)
     assert train_here(run, *UNSAVED, resume=True)["state_digest"] == straight["state_digest"]
@@ -266,10 +261,10 @@ def test_a_forged_checkpoint_is_refused(tmp_path, forgery):
     assert verify_checkpoint(step_dir) == step_dir  # every byte matches the (recomputed) manifest
     report = check_receipts(run)
     assert not report["ok"] and "is not the receipt's of step 4" in report["problems"][0]
-    before = _files(run)
+    before = run_files(run)
     with pytest.raises(ReceiptError, match="the checkpoint of step 4 restores state"):
         train_here(run, *TINY, resume=True)
-    assert _files(run) == before
+    assert run_files(run) == before
 
     control = tmp_path / "control"
     train_here(control, *TINY, stop_after=4)
@@ -305,10 +300,10 @@ def test_receipts_verify_names_damage_to_metrics_and_final(tmp_path, damage):
     report = check_receipts(run)
     assert not report["ok"], report
     if damage == "deleted":
-        before = _files(run)
+        before = run_files(run)
         with pytest.raises(RunDirError, match="metrics.jsonl: missing"):
             train_here(run, *TINY, resume=True)
-        assert _files(run) == before
+        assert run_files(run) == before
 
 
 def test_receipts_verify_of_a_run_without_receipts_is_an_input_error(tmp_path):

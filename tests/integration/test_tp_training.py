@@ -11,7 +11,8 @@ import json
 
 import pytest
 
-from tests.conftest import TINY, cli_here, killed_in_step_4, metrics_bytes, train_cmd, train_here, train_ranks
+from tests.conftest import TINY, cli_here, killed_in_step_4, metrics_bytes, run_files, train_cmd, train_here, \
+    train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -56,10 +57,19 @@ def test_llama_and_bf16_give_the_one_process_bits(tmp_path, what, nproc):
 def test_a_tp_2_run_killed_resumes_at_tp_4_and_on_one_process_bit_for_bit(one_process, tmp_path):
     """Rank 1 of a TP-2 run is SIGKILLed in step 4 (the newest checkpoint: step 2). Resumed at TP 4, and from
     copies on one process and on 2 data x 2 tensor ranks, each run ends on the one-process bits; the grown
-    run's receipts hold (ranks 2 and 3 keep theirs from step 3) and run.json records each segment's layout."""
+    run's receipts hold (ranks 2 and 3 keep theirs from step 3) and run.json records each segment's layout. A copy
+    whose rank-1 receipts file was deleted is refused at TP 2 (the layout that wrote it), naming the file, and
+    nothing in it changes; the untouched copies are the control."""
     ref_dir, ref_digest = one_process
     d = tmp_path / "run"
-    killed_in_step_4(d, *TP, "parallel.tp=2", nproc=2, copies=("copy", "grid"))
+    killed_in_step_4(d, *TP, "parallel.tp=2", nproc=2, copies=("copy", "grid", "lost"))
+    (tmp_path / "lost" / "receipts" / "rank_00001.jsonl").unlink()
+    before = run_files(tmp_path / "lost")
+    train_ranks(tmp_path / "lost", *TP, "parallel.tp=2", nproc=2, resume=True, exit_code=2,
+                stderr=tmp_path / "lost.err")
+    assert "lost/receipts/rank_00001.jsonl: missing, though the run kept receipts at step 2" in \
+        (tmp_path / "lost.err").read_text()
+    assert run_files(tmp_path / "lost") == before
     four = train_ranks(d, *TP, "parallel.tp=4", nproc=4, resume=True)
     one = train_here(tmp_path / "copy", *TP, resume=True)
     grid = train_ranks(tmp_path / "grid", *TP, "parallel.tp=2", nproc=4, resume=True)  # 2 data x 2 tensor ranks

@@ -81,7 +81,8 @@ def test_levels_without_inputs_name_where_a_difference_was_seen_not_an_origin(tm
     report = diff_runs(tmp_path / "a", tmp_path / "b")
     first = report["first_difference"]
     assert report["origin"] is None and first["kind"] == "first_seen" and first["inputs_matched"] is None
-    assert report["first_seen"] == first and report["summary"].startswith("first difference seen: step 1, rank 0")
+    assert report["first_seen"] == first and report["summary"].startswith(
+        "diverged at step 1: first difference seen: step 1, rank 0")
     assert first["step"] == 1 and first["op"] == ("grad" if level == "step" else "output")
     assert "have no inputs" in first["note"] and "not a proven origin" in first["note"]
     assert "--set trace.level=op --set trace.steps=1" in first["note"]
@@ -180,19 +181,23 @@ def test_what_changes_numerics_is_recorded_and_compared(tmp_path):
     ("[]", "run.json: is list, expected a table"),
     ("null", "run.json: is NoneType, expected a table"),
     (b"\xff\xfe", "run.json: not valid JSON"),
-    ('{"format": "samestep.run", "layout": {"world_size": "two"}}', "a world_size is 'two'"),
-    ('{"format": "samestep.run", "config": 5}', "'config' is 5, expected a dict"),
+    ('{"format": "samestep.run", "version": 1, "layout": {"world_size": "two"}}', "a world_size is 'two'"),
+    ('{"format": "samestep.run", "version": 1, "config": 5}', "'config' is 5, expected a dict"),
+    ('{"format": "samestep.run", "version": 99}', "version 99 of format 'samestep.run'; this samestep reads "
+                                                 "versions 1 to 1"),
+    ('{"format": "samestep.run"}', "version None of format 'samestep.run'"),
 ])
 def test_a_malformed_run_json_is_one_line_naming_it(tmp_path, content, needle):
-    """run.json that is no table, not UTF-8, or has a non-numeric world size: diff and certify refuse with
-    one line naming the file (exit 2), no traceback. Negative control: a well-formed one is read."""
+    """run.json that is no table, not UTF-8, has a non-numeric world size, or a format version this samestep does
+    not know (or none): diff and certify refuse with one line naming the file (exit 2), no traceback. Negative
+    control: a well-formed one is read."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "run.json").write_bytes(content if isinstance(content, bytes) else content.encode())
     with pytest.raises(DiffError, match=needle):
         certify_trace(run)
     assert main(["diff", str(run), str(run)]) == 2
-    (run / "run.json").write_text('{"format": "samestep.run", "layout": {"world_size": 2}}')
+    (run / "run.json").write_text('{"format": "samestep.run", "version": 1, "layout": {"world_size": 2}}')
     assert certify_trace(run)["ranks"] == {}
 
 

@@ -30,6 +30,15 @@ from samestep.rundir import (
     read_run,
 )
 from samestep.tracing.selection import LEVELS, format_selection, parse_selection
+from samestep.analysis.divergence import (
+    Divergence,
+    first_seen_summary,
+    identical_summary,
+    lead,
+    no_origin_summary,
+    origin_summary,
+    partial_verdict,
+)
 from samestep.analysis.layouts import rank_coordinates, steps_on_other_layouts
 from samestep.analysis.receipt_diff import receipts_compared
 from samestep.analysis.records import chunks, records, state_left_out, steps_recorded
@@ -50,25 +59,6 @@ COPY_LIKE = ("aten.view", "aten._unsafe_view", "aten.reshape", "aten.clone", "at
 
 class DiffError(ValueError):
     """The runs cannot be compared (missing files, other schema, other config or environment)."""
-
-
-@dataclass(slots=True)
-class Divergence:
-    """The first differing record of one rank."""
-
-    rank: int
-    # "origin" (all inputs matched), "receiver" (an input differed), "first_seen" (a record with no inputs,
-    # as at step and module level: where the difference was first seen, not what made it) or "structural"
-    kind: str
-    step: int
-    microbatch: int
-    phase: str
-    scope: str
-    op: str
-    occurrence: int
-    inputs_matched: bool | None  # None: the record has no inputs to match
-    other: dict[str, Any] | None = None  # run B's record at that position (structural only)
-    note: str = ""
 
 
 @dataclass(slots=True)
@@ -265,9 +255,11 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     last_both = min(max((r["step"] for r in metrics_a), default=0), max((r["step"] for r in metrics_b), default=0))
     metric_diff = _first_metric_difference(metrics_a, metrics_b, steps, last_both)
     try:
-        receipt_diff, receipt_steps, receipt_states, held = receipts_compared(run_a, run_b, steps)
+        receipt_diff, receipt_steps, receipt_states, held, gaps = receipts_compared(
+            run_a, run_b, steps, lambda step: layout_at(doc_a, step) == layout_at(doc_b, step))
     except ValueError as e:  # a damaged receipts file
         raise DiffError(str(e)) from None
+    notes += [f"not compared: {gap}" for gap in gaps]
     both = {r["step"] for r in metrics_a} & {r["step"] for r in metrics_b}
     metric_steps = sum(1 for step in both if steps is None or step in steps)
     finals = [final_digest(run_a), final_digest(run_b)]
@@ -297,7 +289,8 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     # Steps that one run holds and the other does not make agreement partial: "identical over steps 1-6 of
     # 1-20", never plain "identical"
     held = _held_steps(held, metrics_a, metrics_b, per_rank, steps)
-    partial = same and not nothing and held[0] != held[1]
+    # so do receipts that one run's files hold and the other's lack (a rank's file lost, cut short, a line deleted)
+    partial = same and not nothing and (held[0] != held[1] or bool(gaps))
     identical = same and not nothing and not partial
     if per_rank and not records and steps is not None:
         notes.append(f"no trace records fall in --steps {format_selection(steps)}: only those steps' metrics were "
@@ -306,33 +299,37 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
         summary = ("nothing compared: the runs have no metrics, final state or trace records in common"
                    + (" (see the notes)" if notes else "") + "; this is no evidence that they are the same")
     elif identical or partial:
-        summary = _identical_summary(metric_steps, records, len(per_rank), final_compared, receipt_steps,
+        summary = identical_summary(metric_steps, records, len(per_rank), final_compared, receipt_steps,
                                      receipt_states)
         if partial:
-            summary = summary.replace("identical:", f"identical over steps {format_selection(held[0])} of "
-                                                    f"{format_selection(held[1])} (A holds "
+            summary = summary.replace("identical:", f"{partial_verdict(held, gaps)} (A holds "
                                                     f"{format_selection(held[2]) or 'none'}, B "
-                                                    f"{format_selection(held[3]) or 'none'}):", 1)
+                                                    f"{format_selection(held[3]) or 'none'}"
+                                                    + "".join(f"; {gap}" for gap in gaps) + "):", 1)
     elif structural:
         d = structural[0]
         summary = (f"structural divergence on rank {d.rank} at step {d.step}: {d.note} "
                    f"(A: {d.phase} {d.scope!r} {d.op}#{d.occurrence}; B: {d.other})")
     elif origin is not None:
-        summary = _origin_summary(origin, origins, sorted(per_rank))
+        summary = origin_summary(origin, origins, sorted(per_rank))
     elif first_seen is not None:
-        summary = _first_seen_summary(first_seen, sorted(d.rank for d in divs if d.kind == "receiver"))
+        summary = first_seen_summary(first_seen, sorted(d.rank for d in divs if d.kind == "receiver"))
     elif receipt_diff is not None and (metric_diff is None or receipt_diff["step"] < metric_diff["step"]) and \
             (first is None or receipt_diff["step"] < first.step):
         summary = (f"diverged at step {receipt_diff['step']}: the receipts' {', '.join(receipt_diff['fields'])} differ "
                    f"(rank {receipt_diff['rank']}); samestep bisect replays that step and names the op")
     else:
-        summary = _no_origin_summary(first, metric_diff, finals, bool(per_rank))
+        summary = no_origin_summary(first, metric_diff, finals, bool(per_rank))
     named = structural[0] if structural else origin or first_seen or first
+    first_step = min([d.step for d in divs] + ([metric_diff["step"]] if metric_diff else [])
+                     + ([receipt_diff["step"]] if receipt_diff else []), default=None)
+    if first_step is not None and not summary.startswith("diverged at step"):
+        summary = lead(first_step, named, metric_diff, receipt_diff) + summary
     coords = rank_coordinates(layout_at(doc_a, named.step), named.rank) if named is not None else None
     if coords:
         notes.append(f"rank {named.rank} at step {named.step} is {coords} of the layout that wrote it")
     verdict = "nothing compared" if nothing else "identical" if identical else \
-        f"identical over steps {format_selection(held[0])} of {format_selection(held[1])}" if partial else "diverged"
+        partial_verdict(held, gaps) if partial else "diverged"
     return {
         "identical": identical,
         "partial": partial,
@@ -341,8 +338,7 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
                      "final_state": final_compared, "receipt_steps": receipt_steps,
                      "receipt_states": receipt_states,
                      "steps": format_selection(held[0]), "steps_held": format_selection(held[1])},
-        "first_divergent_step": min([d.step for d in divs] + ([metric_diff["step"]] if metric_diff else [])
-                                    + ([receipt_diff["step"]] if receipt_diff else []), default=None),
+        "first_divergent_step": first_step,
         "metrics": metric_diff,
         "receipts": receipt_diff,
         "final_state_digests": finals,
@@ -352,6 +348,7 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
         "per_rank": {str(r): {"records_compared": res.records, "notes": res.notes, "missing_steps": res.missing,
                               "divergence": asdict(res.divergence) if res.divergence else None}
                      for r, res in per_rank.items()},
+        "not_compared": gaps,
         "summary": summary,
         "notes": notes,
     }
@@ -373,14 +370,6 @@ def _compare_ranks(run_a: Path, run_b: Path, ranks: list[int], steps: set[int] |
                              "which the other run's has (lost when the run was killed before they were written, "
                              "or not traced): compared on the steps both hold")
     return per_rank
-
-
-def _first_seen_summary(first_seen: Divergence, receivers: list[int]) -> str:
-    """Where a difference was first seen by a level without inputs, and the ranks that received it."""
-    return (f"first difference seen: step {first_seen.step}, rank {first_seen.rank}, microbatch "
-            f"{first_seen.microbatch}, `{first_seen.op}` of `{first_seen.scope or '<root>'}` ({first_seen.phase})"
-            + (f"; rank(s) {format_selection(receivers)} received it through a collective" if receivers else "")
-            + f". {first_seen.note}")
 
 
 def _check_comparable(doc_a: dict[str, Any], doc_b: dict[str, Any], force: bool, notes: list[str]) -> None:
@@ -448,53 +437,3 @@ def _held_steps(receipted: list[set[int]], metrics_a: list[dict], metrics_b: lis
     return held[0] & held[1], held[0] | held[1], held[0], held[1]
 
 
-def _identical_summary(metric_steps: int, records: int, ranks: int, final_compared: bool,
-                       receipt_steps: int = 0, receipt_states: bool = True) -> str:
-    """What was compared and matched (a run of the user's own loop has its trace only: no metrics.jsonl)."""
-    parts = []
-    if metric_steps:
-        parts.append(f"the metric bits of {metric_steps} step(s)")
-    if receipt_steps:
-        what = ("state checksums" if receipt_states else
-                "loss and grad-norm bits; their states are of other shards or hashes")
-        parts.append(f"the receipts ({what}) of {receipt_steps} step(s)")
-    if records:
-        parts.append(f"{records} trace records on {ranks} rank(s)")
-    if final_compared:
-        parts.append("the final state digest")
-    return "identical: " + ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1] + " match" + \
-        ("" if metric_steps else " (no metrics.jsonl)")
-
-
-def _origin_summary(origin: Divergence, origins: list[Divergence], compared: list[int]) -> str:
-    """Names the origin op, and whether every compared rank has it (a kernel) or only some (a reduction)."""
-    o_ranks = sorted(d.rank for d in origins if (d.op, d.scope, d.phase) == (origin.op, origin.scope, origin.phase))
-    where = f"`{origin.op}` in `{origin.scope or '<root>'}` {origin.phase}"
-    summary = (f"first divergence: step {origin.step}, rank {origin.rank}, microbatch {origin.microbatch}, {where}"
-               " — all inputs matched, output differs: this op is the origin")
-    if len(compared) > 1:
-        if o_ranks == compared:
-            summary += f"; the same origin on all {len(o_ranks)} ranks: a nondeterministic kernel"
-        else:
-            summary += (f"; origin on rank(s) {format_selection(o_ranks)} only, of {len(compared)} "
-                        f"({format_selection(compared)}): look at reduction order or topology rather than a kernel")
-    if origin.note:
-        summary += f". {origin.note}"
-    return summary
-
-
-def _no_origin_summary(first: Divergence | None, metric_diff: dict[str, Any] | None, finals: list[str | None],
-                       traced: bool) -> str:
-    """What differs when no record is an origin, and how to find it."""
-    if first is not None:
-        return (f"no origin found: the first differing record (rank {first.rank}, step {first.step}, `{first.op}` "
-                f"in `{first.scope}`) already had a differing input; {first.note}")
-    if metric_diff is None:
-        return ("no origin found: every metric bit matches but the final state digests differ "
-                f"({finals[0][:16]} vs {finals[1][:16]}); rerun both with --set trace.level=op to find the op")
-    return (f"no origin found: metrics first differ at step {metric_diff['step']} "
-            f"({', '.join(metric_diff['fields'])}) but " +
-            ("no trace was recorded; rerun both with --set trace.level=op --set trace.steps="
-             f"1-{metric_diff['step']}" if not traced else
-             f"the traced records match; trace steps up to {metric_diff['step']} "
-             f"(--set trace.steps=1-{metric_diff['step']}) or a finer trace.level"))

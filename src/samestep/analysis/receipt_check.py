@@ -1,7 +1,7 @@
 """``samestep receipts verify RUN``: a run's receipts hold together, and its files agree with them.
 
-Checked: each rank's chain (from the genesis of run.json's config and data), metrics.jsonl against rank 0's
-receipts (every step receipted, in order, with the receipt's loss and grad-norm bits), final.json against
+Checked: each rank's chain (from the genesis of run.json's config and data), the loss and grad-norm bits every
+rank of samestep train receipts alike against each other, metrics.jsonl against rank 0's receipts (every step receipted, in order, with the receipt's loss and grad-norm bits), final.json against
 the last receipt (step, loss bits, state checksum), and the newest checkpoint against the receipt of its
 step: its state, rebuilt from its files (each rank's shards where the run sharded it), checksummed by the
 receipts' state hash. A problem is named by file and step. Nothing to check (no receipt) is an input
@@ -84,7 +84,9 @@ def _check_metrics(run_dir: Path, by_step: dict[int, dict], last: int, finished:
     if finished and (len(steps) > last or len(lines) > len(rows)):
         return [f"{path}: holds {len(lines) - last} line(s) past step {last}, the run's last (a torn or added row)"]
     for row in rows[:last]:
-        r = by_step[row["step"]]
+        r = by_step.get(row["step"])
+        if r is None:
+            return [f"{path}: step {row['step']} has no receipt in rank 0's file (a receipt deleted: see its chain)"]
         if (row.get("loss_hex"), row.get("grad_norm_hex")) != (r["loss_hex"], r["grad_norm_hex"]):
             return [f"{path}: step {row['step']}: loss or grad norm bits differ from its receipt"]
     return []
@@ -157,6 +159,9 @@ def check_receipts(run_dir: str | Path) -> dict[str, Any]:
         elif receipts and receipts[0]["step"] != 1 and not joined(rank, receipts[0]["step"]):
             problems.append(f"{path}: starts at step {receipts[0]['step']}, not 1 (nor after a resume)")
     checked.append(f"the hash chain of {len(chains)} rank(s)")
+    if len(chains) > 1 and doc.get("written_by") != "samestep.trace":
+        problems += _check_ranks_agree(run_dir, chains)
+        checked.append(f"the loss and grad-norm bits of {len(chains)} ranks against each other")
     header, receipts = chains.get(0, ({}, []))
     by_step = {r["step"]: r for r in receipts}
     last = receipts[-1]["step"] if receipts else 0
@@ -172,6 +177,26 @@ def check_receipts(run_dir: str | Path) -> dict[str, Any]:
     problems += _check_checkpoint(run_dir, doc, chains, checked)
     return {"ok": not problems, "problems": problems, "ranks": {str(k): v for k, v in sorted(ranks.items())},
             "checked": checked}
+
+
+def _check_ranks_agree(run_dir: Path, chains: Chains) -> list[str]:
+    """Every rank of samestep train receipts one loss and one grad norm a step (each is reduced over the ranks
+    before it is receipted), so a rank whose bits are not those of the lowest rank that receipted the step had
+    its file edited, its chain rehashed. (A loop of one's own may receipt each rank's local loss: not checked.)"""
+    first: dict[int, tuple[int, dict[str, Any]]] = {}
+    for rank, (_, receipts) in sorted(chains.items()):
+        for r in receipts:
+            if r["step"] not in first:
+                first[r["step"]] = (rank, r)
+                continue
+            low, other = first[r["step"]]
+            differ = [f for f in ("loss_hex", "grad_norm_hex") if r[f] != other[f]]
+            if differ:
+                return [f"{receipts_path(run_dir, rank)}: step {r['step']}: {' and '.join(differ)} "
+                        f"{', '.join(r[f] for f in differ)} differ from rank {low}'s "
+                        f"{', '.join(other[f] for f in differ)}; every rank receipts the same reduced bits, so one "
+                        "of the files was edited"]
+    return []
 
 
 def _check_checkpoint(run_dir: Path, doc: dict[str, Any], chains: Chains, checked: list[str]) -> list[str]:

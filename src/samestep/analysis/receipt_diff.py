@@ -5,13 +5,15 @@ with, ``samestep bisect`` starts from and ``samestep diff`` reports as the first
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from samestep.receipts import read_run_receipts, receipt_state_of, state_hash_of
 from samestep.rundir import read_metrics
+from samestep.tracing.selection import format_selection
 
-__all__ = ["FIELDS", "by_rank", "compare_receipts", "first_receipt_difference", "receipts_compared",
+__all__ = ["FIELDS", "by_rank", "compare_receipts", "first_receipt_difference", "receipt_gaps", "receipts_compared",
            "states_comparable"]
 
 FIELDS = ("loss_hex", "grad_norm_hex", "state")  # what a receipt says of its step, in the order it arises
@@ -79,16 +81,42 @@ def compare_receipts(run_a: Path, run_b: Path) -> tuple[dict[str, Any] | None, i
     return _compare(_records(run_a)[0], _records(run_b)[0])
 
 
-def receipts_compared(run_a: Path, run_b: Path,
-                      steps: set[int] | None) -> tuple[dict[str, Any] | None, int, bool, list[set[int]]]:
+def receipts_compared(run_a: Path, run_b: Path, steps: set[int] | None,
+                      alike: Callable[[int], bool] = lambda step: True
+                      ) -> tuple[dict[str, Any] | None, int, bool, list[set[int]], list[str]]:
     """What ``samestep diff`` takes from two runs' receipts files: the first step in ``steps`` (None: all) at
-    which they differ, how many steps both receipted, whether their state checksums were compared, and each
-    run's receipted steps (rank 0's; none without a receipts file). Raises ValueError for a damaged one."""
+    which they differ, how many steps both receipted, whether their state checksums were compared, each run's
+    receipted steps (rank 0's; none without a receipts file), and what one run's receipts hold and the
+    other's lack (``receipt_gaps``; ``alike(step)``: both runs wrote that step on one layout). Raises
+    ValueError for a damaged one."""
     (a, has_a), (b, has_b) = _records(run_a), _records(run_b)
     held = [{r["step"] for r in recs.get("0", [])} if has else set() for recs, has in ((a, has_a), (b, has_b))]
     if not all(held):
-        return None, 0, False, held
+        return None, 0, False, held, []
     difference, compared, states = _compare(a, b)
     if difference is not None and steps is not None and difference["step"] not in steps:
         difference = None  # outside the steps asked for
-    return difference, compared, states, held
+    return difference, compared, states, held, receipt_gaps(a, b, steps, alike)
+
+
+def receipt_gaps(a: dict[str, list[dict]], b: dict[str, list[dict]], steps: set[int] | None,
+                 alike: Callable[[int], bool]) -> list[str]:
+    """The receipts one run holds and the other lacks, on the steps up to the last both receipted (within
+    ``steps``) that both wrote on one layout (``alike``; on others ranks keep other files): a rank's file
+    missing or cut short, or a receipt deleted. Steps past one run's end are not gaps: the verdict names them."""
+    last = min(max((r["step"] for rs in recs.values() for r in rs), default=0) for recs in (a, b))
+    both = {s for s in range(1, last + 1) if (steps is None or s in steps) and alike(s)}
+    gaps = []
+    for rank in sorted(set(a) | set(b), key=int):
+        mine = [{r["step"] for r in recs.get(rank, [])} & both for recs in (a, b)]
+        if rank not in a or rank not in b:
+            lacking, other = ("A", mine[1]) if rank not in a else ("B", mine[0])
+            if other:
+                gaps.append(f"run {lacking} has no receipts of rank {rank} (the other's hold steps "
+                            f"{format_selection(other)})")
+            continue
+        for name, lacks in (("A", mine[1] - mine[0]), ("B", mine[0] - mine[1])):
+            if lacks:
+                gaps.append(f"rank {rank}: run {name}'s receipts lack step(s) {format_selection(lacks)}, which the "
+                            "other run's hold")
+    return gaps

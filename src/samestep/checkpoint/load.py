@@ -118,7 +118,10 @@ def _verify(path: Path, only: set[str] | None = None) -> _Verified:
             raise CheckpointError(f"{fpath}: corrupt: {why}")
         data[name] = blob
     if "state.json" in data:
-        _check_state(path / "state.json", data["state.json"], manifest["step"])
+        _check_state(path / "state.json", data["state.json"], manifest)
+    for name, blob in data.items():
+        if name.startswith("rank_") and name.endswith(".json"):
+            _check_rank_json(path / name, blob)
     return _Verified(path, manifest, data)
 
 
@@ -142,9 +145,9 @@ def _check_structure(mpath: Path, manifest: dict[str, Any]) -> None:
             raise CheckpointError(f"{mpath}: the entry of {name!r} needs an integer 'size' and a 'sha256' string")
 
 
-def _check_state(path: Path, data: bytes, step: int) -> None:
-    """state.json's fields that loading needs (its bytes already match the manifest), and its step the
-    manifest's."""
+def _check_state(path: Path, data: bytes, manifest: dict[str, Any]) -> None:
+    """state.json's fields that loading needs (its bytes already match the manifest), its step the manifest's,
+    and every file its layout needs listed in the manifest (``_check_layout``): an intact checkpoint loads."""
     try:
         state = json.loads(data)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -154,8 +157,63 @@ def _check_state(path: Path, data: bytes, step: int) -> None:
     for key, kind in (("environment", dict), ("model_aliases", dict), ("step", int)):
         if not isinstance(state.get(key), kind):
             raise CheckpointError(f"{path}: {key!r} is {state.get(key)!r}, expected a {kind.__name__}")
-    if state["step"] != step:
-        raise CheckpointError(f"{path}: says step {state['step']}, the manifest {step}: one of them was edited")
+    if state["step"] != manifest["step"]:
+        raise CheckpointError(f"{path}: says step {state['step']}, the manifest {manifest['step']}: one of them was "
+                              "edited")
+    optimizer = state.get("optimizer", {})
+    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("state", {}), dict)
+            and isinstance(optimizer.get("param_groups", []), list)):
+        raise CheckpointError(f"{path}: 'optimizer' is {json.dumps(optimizer)[:60]}, expected an optimizer's state "
+                              "dict (a table with a 'state' table and a 'param_groups' list)")
+    _check_layout(path, state, manifest)
+
+
+def _check_layout(path: Path, state: dict[str, Any], manifest: dict[str, Any]) -> None:
+    """Every file the checkpoint's own layout needs is in the manifest (whose entries are checked to be
+    present): each writer's RNG files, each shard-writing rank's shard files (``state["shards"]``); and each
+    model alias names a tensor the checkpoint holds."""
+    files, world = manifest["files"], manifest["world_size"]
+    shards = state.get("shards")
+    model_names = set(files["model.safetensors"].get("tensors", {}))
+    if shards is not None:
+        count = shards.get("world_size") if isinstance(shards, dict) else None
+        if not (isinstance(count, int) and not isinstance(count, bool) and 1 <= count <= max(world, 1)
+                and all(isinstance(shards.get(part), dict) for part in ("model", "optimizer"))):
+            what = f"its world_size is {count!r}" if isinstance(shards, dict) else f"it is {json.dumps(shards)[:40]}"
+            raise CheckpointError(f"{path}: 'shards' is not the layout of a sharded checkpoint ({what}): expected a "
+                                  f"table with a 'world_size' from 1 to the manifest's {world} and 'model' and "
+                                  "'optimizer' tables")
+        for part in ("model", "optimizer"):
+            for name, info in shards[part].items():
+                shape = info.get("shape") if isinstance(info, dict) else None
+                if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
+                    raise CheckpointError(f"{path}: the shard layout of {name!r} is {json.dumps(info)[:80]}, "
+                                          "expected a table with a 'shape' list of sizes")
+        model_names |= set(shards["model"])
+    needed = [(r, name) for r in range(world) for name in rank_names(r)]
+    needed += [(r, name) for r in range(shards["world_size"] if shards else 0) for name in shard_names(r)]
+    for r, name in needed:
+        if name not in files:
+            raise CheckpointError(f"{path.parent / MANIFEST}: lists no {name!r}, which rank {r} of the "
+                                  f"{world}-rank layout that wrote this checkpoint needs: a file was dropped; the "
+                                  "checkpoint cannot be loaded")
+    for alias, target in state["model_aliases"].items():
+        if not isinstance(target, str) or target not in model_names:
+            raise CheckpointError(f"{path}: model alias {alias!r} -> {target!r} names no tensor of the checkpoint's "
+                                  "model")
+
+
+def _check_rank_json(path: Path, data: bytes) -> None:
+    """A rank's RNG metadata: a JSON table with the parts ``rng.restore_rng`` reads."""
+    try:
+        meta = json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+    kinds = (("python", dict), ("numpy", dict), ("cuda_devices", int), ("generators", list))
+    bad = next((k for k, kind in kinds if not isinstance(meta, dict) or not isinstance(meta.get(k), kind)), None)
+    if bad is not None:
+        raise CheckpointError(f"{path}: is {json.dumps(meta)[:60]}, expected a rank's RNG state (a table with "
+                              f"{', '.join(repr(k) for k, _ in kinds)}; {bad!r} is not there as it should be)")
 
 
 def _candidates(path: Path) -> list[Path]:
@@ -235,7 +293,12 @@ def load_checkpoint(
             continue
         if key not in state:
             raise CheckpointError(f"{verified.path}: holds no {key} state, but a {key} was passed to load into")
-        obj.load_state_dict(unflatten(state[key], opt_tensors))
+        try:
+            obj.load_state_dict(unflatten(state[key], opt_tensors))
+        except (TypeError, KeyError, IndexError, AttributeError, ValueError) as e:
+            raise CheckpointError(f"{verified.path / 'state.json'}: its {key} state does not load into this run's "
+                                  f"{key} ({type(e).__name__}: {e}); it was written by another program or "
+                                  "edited") from None
     if restore_rng == "same_world_size":
         restore_rng = manifest["world_size"] == (dist.get_world_size() if distributed else 1)
     if restore_rng:
@@ -351,7 +414,7 @@ def _unsharded(verified: _Verified, state: dict[str, Any], part: str) -> dict[st
                 pieces = [h.chunk(parts, dim) for h, (a, b) in zip(held, info["rows"]) if b > a]
                 whole = (torch.cat([torch.cat([p[i] for p in pieces], dim) for i in range(parts)], dim) if pieces
                          else torch.empty(0))
-        except (KeyError, RuntimeError, ZeroDivisionError) as e:
+        except (KeyError, RuntimeError, ZeroDivisionError, TypeError, ValueError, IndexError) as e:
             raise CheckpointError(f"{verified.path}: the shards of {name!r} do not fit together ({e})") from None
         if list(whole.shape) != info["shape"]:
             raise CheckpointError(f"{verified.path}: the shards of {name!r} make shape {list(whole.shape)}, "
@@ -377,4 +440,8 @@ def _load_rng(verified: _Verified, rank: int, generators: dict[str, torch.Genera
             f"{verified.path}: has no RNG state for rank {rank} (written by {verified.manifest['world_size']} "
             "rank(s)); resume with the same world size, or pass restore_rng=False when all "
             "randomness is counter-keyed (samestep train does this)")
-    _rng.restore_rng(json.loads(verified.data[j_name]), safetensors_load(verified.data[t_name]), generators)
+    try:
+        _rng.restore_rng(json.loads(verified.data[j_name]), safetensors_load(verified.data[t_name]), generators)
+    except (TypeError, KeyError, IndexError, AttributeError, ValueError, RuntimeError) as e:
+        raise CheckpointError(f"{verified.path / j_name}: rank {rank}'s RNG state does not restore "
+                              f"({type(e).__name__}: {e})") from None
