@@ -126,3 +126,38 @@ def test_the_protocol_is_driven_from_run_protocol_alone():
                *(root / "integrations" / f"{name}.py" for name in ("steps", "huggingface", "lightning"))]
     assert {d.name: calls(d.read_text(encoding="utf-8")) for d in drivers} == {d.name: set() for d in drivers}
     assert calls("from samestep import mode\nmode.enable(threads=1)\nproto.enable()\n") == {"enable"}
+
+
+def _receipts(run_dir, rank: int, steps: range) -> None:
+    """A receipts file of ``rank`` holding ``steps`` (their chain is not what is checked here)."""
+    import json
+
+    from samestep.receipts import RECEIPTS_FORMAT, RECEIPTS_VERSION, receipts_path
+
+    path = receipts_path(run_dir, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{"format": RECEIPTS_FORMAT, "version": RECEIPTS_VERSION, "rank": rank, "state_hash": "xxh3-128",
+             "genesis": "g"}]
+    rows += [{"step": s, "state": "s", "state_of": "rank", "loss_hex": "l", "grad_norm_hex": "n", "prev": "p",
+              "hash": "h"} for s in steps]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_resume_refuses_a_ranks_receipts_file_lost_while_another_ranks_holds_the_step(tmp_path):
+    """A rank that keeps receipts resuming from step 2 on the layout that wrote the checkpoint, its file gone
+    while rank 0's holds step 2: refused, naming the missing file and the one that shows it was kept. Negative
+    controls: the same with receipts turned on only after step 2 (rank 0's file starts at step 3), and a resume
+    on another layout (the rank keeps receipts only from now on), go on."""
+    import pytest
+
+    from samestep.protocol import RunProtocol
+    from samestep.receipts import ReceiptError
+
+    _receipts(tmp_path / "kept", 0, range(1, 3))
+    proto = RunProtocol(tmp_path / "kept")
+    with pytest.raises(ReceiptError, match=r"rank_00001.jsonl: missing, though the run kept receipts at step 2 "
+                                           r"\(rank_00000.jsonl holds that step's\)"):
+        proto.check_receipts(1, 2, lambda: {}, same_layout=True)
+    proto.check_receipts(1, 2, lambda: {}, same_layout=False)
+    _receipts(tmp_path / "later", 0, range(3, 5))
+    RunProtocol(tmp_path / "later").check_receipts(1, 2, lambda: {}, same_layout=True)

@@ -357,3 +357,31 @@ def test_a_note_on_other_layouts_names_each_as_it_splits_the_tensors():
     assert "over 4 tensor ranks (rank r records its slice" in notes[0]
     assert "records its dim-0 rows" in notes[1]
     assert steps_on_other_layouts(grid, grid, {1, 2}, notes) == set() and len(notes) == 2
+
+
+def test_the_text_names_the_first_step_the_receipts_differ_at(tmp_path):
+    """Two samestep.Run loops whose learning rates differ, traced on steps 2-3: their state differs after step 1's
+    update (the receipts), their traces first at step 2. The summary begins with step 1 and
+    what differs there, then where the traces first differ, as the JSON's first_divergent_step says. Negative
+    control: with receipts off the first step anything differs at is the traces' step 2."""
+    def loop(run: Path, lr: float, receipts: bool = True) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+        opt = torch.optim.SGD(model.parameters(), lr=lr)
+        with samestep.Run(run, model=model, optimizer=opt, trace_steps="2-3", receipts=receipts) as r:
+            for step in r.steps(3):
+                model(torch.full((2, 4), float(step))).sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+    loop(tmp_path / "a", 0.1)
+    loop(tmp_path / "b", 0.2)
+    report = diff_runs(tmp_path / "a", tmp_path / "b")
+    assert report["first_divergent_step"] == 1 and report["receipts"]["step"] == 1, report
+    assert report["summary"].startswith("diverged at step 1: the receipts' state differ (rank 0); the traces first "
+                                        "differ at step 2: first difference seen: step 2"), report["summary"]
+    loop(tmp_path / "c", 0.1, receipts=False)
+    loop(tmp_path / "d", 0.2, receipts=False)
+    report = diff_runs(tmp_path / "c", tmp_path / "d")
+    assert report["first_divergent_step"] == 2 and report["summary"].startswith(
+        "diverged at step 2: first difference seen: step 2"), report["summary"]
