@@ -190,3 +190,33 @@ def test_steps_one_trace_lacks_are_missing_not_a_divergence(tmp_path):
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b"), "--strict"]) == 1
     other = diff_runs(tmp_path / "a", tmp_path / "c")
     assert not other["identical"] and other["first_divergent_step"] == 3 and other["origin"] is not None
+
+
+def test_a_stream_whose_header_names_another_rank_is_refused(tmp_path, capsys):
+    """Rank 0's stream copied over rank 1's (its header says rank 0): certify and diff refuse with one line
+    naming the file and what its header says (exit 2), never "complete" or a divergence at rank 1. Negative
+    control: the same records under a header that says rank 1 certify and diff as a rank-1 stream."""
+    from samestep.tracing.stream import iter_stream
+
+    import json
+
+    for name in ("a", "b"):
+        _loop(tmp_path / name)
+        doc = json.loads((tmp_path / name / "run.json").read_text())
+        doc["layout"]["world_size"] = 2  # as a run of 2 ranks
+        (tmp_path / name / "run.json").write_text(json.dumps(doc))
+    meta = dict(read_stream(stream_path(tmp_path / "a", 0)).meta, rank=1)
+    meta.pop("stream_version")
+    writer = StreamWriter(stream_path(tmp_path / "a", 1), meta)
+    table = read_stream(stream_path(tmp_path / "a", 0)).table
+    writer.write({c: table.column(c).to_pylist() for c in SCHEMA.names})
+    writer.close()
+    stream_path(tmp_path / "b", 1).write_bytes(stream_path(tmp_path / "a", 1).read_bytes())
+    assert certify_trace(tmp_path / "a")["complete"] and diff_runs(tmp_path / "a", tmp_path / "b")["identical"]
+    stream_path(tmp_path / "b", 1).write_bytes(stream_path(tmp_path / "b", 0).read_bytes())
+    with pytest.raises(ValueError, match=r"rank_00001.arrows: its header says rank 0; a stream is named"):
+        iter_stream(stream_path(tmp_path / "b", 1))
+    for argv in (["trace", "certify", str(tmp_path / "b")], ["diff", str(tmp_path / "a"), str(tmp_path / "b")]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "rank_00001.arrows: its header says rank 0" in err, err

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import os
 import struct
 from collections.abc import Iterator
@@ -181,7 +182,15 @@ def _open(path: Path, source: pa.NativeFile):
     if md.get("checksum") != _meta_checksum(md.get("meta", "")) or not reader.schema.equals(SCHEMA):
         raise DamagedStream(f"{path}: damaged: its header (schema or run metadata, byte 0) does not match its "
                             "checksum; the stream cannot be trusted")
-    return reader, {**json.loads(md["meta"]), "stream_version": int(md["version"])}
+    meta = {**json.loads(md["meta"]), "stream_version": int(md["version"])}
+    named = _NAMED.match(path.name)
+    if named is not None and meta.get("rank") != int(named.group(1)):
+        raise ValueError(f"{path}: its header says rank {meta.get('rank')!r}; a stream is named rank_RRRRR.arrows "
+                         "after the rank that wrote it (a file copied over another's: move it back, or remove it)")
+    return reader, meta
+
+
+_NAMED = re.compile(r"^rank_(\d{5})(?:\.\d+)?\.arrows$")  # stream_path's names
 
 
 def state_records(meta: dict[str, Any]) -> str:
