@@ -88,3 +88,32 @@ def test_demo_reports_bit_identical_resume(tmp_path):
     assert result["identical"] and result["metrics_identical"]
     assert result["state_digest_a"] == result["state_digest_b"] and 0 < result["resumed_from_step"] < 10
     assert "summary" in result["nondeterministic_pair"]
+
+
+def test_a_closed_output_pipe_does_not_change_the_verdict(tiny_run, tmp_path):
+    """`samestep diff A B | head -0`: the reader closed stdout before a line was written; the exit code is still
+    the verdict (0 identical, 1 diverged, 2 refused, with --json too), with no traceback. Negative control: the
+    same commands into an open pipe give the same codes."""
+    import shutil
+
+    same, other = tmp_path / "same", tmp_path / "other"
+    shutil.copytree(tiny_run, same)
+    shutil.copytree(tiny_run, other)
+    rows = [json.loads(line) for line in (other / "metrics.jsonl").read_text().splitlines()]
+    rows[1]["loss_hex"] = float.fromhex(rows[1]["loss_hex"]).__add__(1.0).hex()
+    (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cases = [["diff", str(tiny_run), str(same)], ["diff", str(tiny_run), str(other)],
+             ["diff", str(tiny_run), str(other), "--json"], ["diff", str(tiny_run), str(tmp_path / "none"), "--json"],
+             ["receipts", "verify", str(same)]]
+    script = ("import os, sys, json\nfrom samestep.cli import main\ncodes = []\n"
+              f"for argv in {cases!r}:\n"
+              "    if sys.argv[1] == 'closed':\n"
+              "        r, w = os.pipe(); os.close(r); os.dup2(w, 1); os.close(w)\n"
+              "    codes.append(main(argv))\n"
+              "print(json.dumps(codes), file=sys.stderr)\n")
+    got = {}
+    for how in ("open", "closed"):
+        proc = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=300)
+        got[how] = json.loads(proc.stderr.splitlines()[-1])
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr
+    assert got["closed"] == got["open"] == [0, 1, 1, 2, 0], got

@@ -9,7 +9,7 @@ import traceback
 
 from samestep.version import __version__
 from samestep.cli import bisect, checkpoint, demo, diff, env, receipts, report, trace, train, verify
-from samestep.cli.errors import INPUT_ERROR, INTERNAL_ERROR, INTERRUPTED, input_error_of
+from samestep.cli.errors import INPUT_ERROR, INTERNAL_ERROR, INTERRUPTED, OK, input_error_of
 from samestep.cli.errors import report as report_error
 
 __all__ = ["main"]
@@ -38,12 +38,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        return int(args.run(args, args.subparser) or 0)
+        code = int(args.run(args, args.subparser) or 0)
+        sys.stdout.flush()  # a reader that left shows here, in the handler below, not as a traceback at exit
+        return code
     except KeyboardInterrupt:
         return report_error(args, "interrupted", INTERRUPTED)
-    except BrokenPipeError:  # the reader of stdout left (| head): nothing more to say to it
+    except BrokenPipeError:  # the reader of stdout left (| head): nothing more to say to it, the verdict stands
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
+        return getattr(args, "verdict", OK)
     except Exception as e:  # not a verdict: bad input (2) or a crash (3) must not read as "diverged" (exit 1)
         if args.debug or os.environ.get("SAMESTEP_DEBUG"):
             traceback.print_exc()

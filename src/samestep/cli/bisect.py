@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from samestep.cli.errors import InputError
+from samestep.cli.errors import InputError, verdict
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,5 +39,6 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                              keep=Path(args.keep) if args.keep else None)
     except (ValueError, ReplayError, FileExistsError) as e:  # a DiffError, BisectError, damaged file, failed replay
         raise InputError(str(e)) from None
+    code = verdict(args, 0 if report["identical"] else 1)
     print(json.dumps(report) if args.json else report["summary"])
-    return 0 if report["identical"] else 1
+    return code

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from samestep.checkpoint import CheckpointError, committed_steps, verify_checkpoint
-from samestep.cli.errors import InputError
+from samestep.cli.errors import InputError, verdict
 from samestep.rundir import checkpoints_dir, run_json
 
 
@@ -37,6 +37,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         checked = verify_checkpoint(path)
     except CheckpointError as e:
+        verdict(args, 1)
         print(json.dumps({"intact": False, "path": str(path), "error": str(e)}) if args.json else f"CORRUPT: {e}")
         return 1
     print(json.dumps({"intact": True, "path": str(checked)}) if args.json else f"intact: {checked}")

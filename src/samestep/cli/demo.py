@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from samestep.cli.errors import verdict
 from samestep.rundir import last_logged_step, metrics_path, read_final, read_run
 
 # Sized for about two minutes on a 2-core laptop CPU.
@@ -109,6 +110,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     resumed_from = read_run(b)["resumes"][-1]["step"]
     same_metrics = metrics_path(a).read_bytes() == metrics_path(b).read_bytes()
     identical = fa["state_digest"] == fb["state_digest"] and same_metrics
+    code = verdict(args, 0 if identical else 1)
     say(f"run A final state digest: {fa['state_digest']}")
     say(f"run B final state digest: {fb['state_digest']}  (killed at step {killed}, resumed from checkpoint step "
         f"{resumed_from})")
@@ -123,4 +125,4 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(json.dumps(result))
     else:
         print(f"({result['seconds']}s; runs in {work})")
-    return 0 if identical else 1
+    return code

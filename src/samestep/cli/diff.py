@@ -7,7 +7,7 @@ import argparse
 import json
 import os
 
-from samestep.cli.errors import InputError
+from samestep.cli.errors import InputError, console, verdict
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,30 +40,27 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         report = diff_runs(args.run_a, args.run_b, ranks=ranks, steps=steps, force=args.force)
     except ValueError as e:  # a DiffError, a damaged run file (RunDirError), a bad --ranks or --steps
         raise InputError(str(e)) from None
+    code = verdict(args, 2 if report["verdict"] == "nothing compared" else (1 if args.strict else 0)
+                   if report["partial"] else 0 if report["identical"] else 1)
     if args.json:
         print(json.dumps(report))
     else:
         _print(report)
-    if report["verdict"] == "nothing compared":
-        return 2
-    if report["partial"]:
-        return 1 if args.strict else 0
-    return 0 if report["identical"] else 1
+    return code
 
 
 def _print(report: dict) -> None:
-    from rich.console import Console
     from rich.table import Column, Table
 
     from samestep.tracing.selection import format_selection
 
-    console = Console(highlight=False)
-    if not console.is_terminal and not os.environ.get("COLUMNS"):  # a log or a pipe: rich would assume 80 columns
-        console.width = 160
-    console.print(report["summary"], soft_wrap=True)
+    out = console()
+    if not out.is_terminal and not os.environ.get("COLUMNS"):  # a log or a pipe: rich would assume 80 columns
+        out.width = 160
+    out.print(report["summary"], soft_wrap=True)
     if report["metrics"]:
         m = report["metrics"]
-        console.print(f"metrics first differ at step {m['step']}: {', '.join(m['fields'])} (A {m['a']} vs B {m['b']})",
+        out.print(f"metrics first differ at step {m['step']}: {', '.join(m['fields'])} (A {m['a']} vs B {m['b']})",
                       soft_wrap=True)
     if report["per_rank"]:
         # Scopes and op names are what the reader looks for: wrapped in a narrow terminal, never cut short
@@ -90,6 +87,6 @@ def _print(report: dict) -> None:
             table.add_row(rank, str(r["records_compared"]), d["kind"], str(d["step"]), str(d["microbatch"]),
                           f"{d['scope'] or '<root>'} ({d['phase']})", f"{d['op']} #{d['occurrence']}")
         flush_same()
-        console.print(table)
+        out.print(table)
     for note in report["notes"]:
-        console.print(f"note: {note}", soft_wrap=True)
+        out.print(f"note: {note}", soft_wrap=True)

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import sys
+from typing import Any
 
-__all__ = ["DIFFERENCE", "INPUT_ERROR", "INTERNAL_ERROR", "INTERRUPTED", "OK", "InputError", "input_error_of",
-           "report"]
+__all__ = ["DIFFERENCE", "INPUT_ERROR", "INTERNAL_ERROR", "INTERRUPTED", "OK", "InputError", "console",
+           "input_error_of", "report", "verdict"]
 
 # Exit codes (every command; samestep train adds 4, a detected fault, 5, a non-finite loss, and 75, preempted).
 OK, DIFFERENCE, INPUT_ERROR, INTERNAL_ERROR, INTERRUPTED = 0, 1, 2, 3, 130
@@ -32,11 +34,34 @@ def input_error_of(e: BaseException) -> str | None:
     return None
 
 
+def verdict(args: argparse.Namespace, code: int) -> int:
+    """Records a command's verdict (its exit code) before it prints it: a reader that closes the pipe early
+    (``| head``) ends the printing, never changes the verdict."""
+    args.verdict = code
+    return code
+
+
+def console() -> Any:
+    """A rich Console on stdout whose closed pipe raises BrokenPipeError, as ``print`` does (rich's own exits
+    1, the code of a difference found)."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise BrokenPipeError(errno.EPIPE, "stdout closed")
+
+    return _Console(highlight=False)
+
+
 def report(args: argparse.Namespace, message: str, code: int) -> int:
     """Reports an error of ``args.command``: one line on stderr (the message as given), and with --json a JSON
     object ``{"error", "exit_code"}`` on stdout. Returns ``code``."""
     verb = getattr(args, "verb", None)  # "receipts verify", "trace certify"
     print(f"samestep {args.command}{' ' + verb if verb else ''}: {message}", file=sys.stderr)
     if getattr(args, "json", False):
-        print(json.dumps({"error": message, "exit_code": code}))
+        try:
+            print(json.dumps({"error": message, "exit_code": code}), flush=True)
+        except BrokenPipeError:  # the reader left: the code still says what happened
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return code

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from samestep.cli.errors import InputError
+from samestep.cli.errors import InputError, verdict
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,6 +29,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         report = check_receipts(args.run_dir)
     except ValueError as e:  # RunDirError, ReceiptError, a config run.json cannot build
         raise InputError(str(e)) from None
+    code = verdict(args, 0 if report["ok"] else 1)
     if args.json:
         print(json.dumps(report))
     else:
@@ -37,4 +38,4 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         ranks = ", ".join(f"rank {r}: steps {v['steps']}" for r, v in report["ranks"].items())
         print(("receipts hold: " if report["ok"] else "receipts do not hold: ") + ranks + "; checked "
               + "; ".join(report["checked"]))
-    return 0 if report["ok"] else 1
+    return code

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from samestep.cli.errors import InputError
+from samestep.cli.errors import InputError, verdict
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -26,6 +26,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         report = certify_trace(args.run_dir)
     except DiffError as e:
         raise InputError(str(e)) from None
+    code = verdict(args, 0 if report["complete"] else 1)
     if args.json:
         print(json.dumps(report))
     elif report["complete"]:
@@ -33,4 +34,4 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"complete: {ranks}")
     else:
         print("incomplete:\n" + "\n".join(f"  - {p}" for p in report["problems"]))
-    return 0 if report["complete"] else 1
+    return code

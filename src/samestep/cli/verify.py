@@ -7,7 +7,7 @@ import argparse
 import json
 from pathlib import Path
 
-from samestep.cli.errors import InputError
+from samestep.cli.errors import InputError, verdict
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -47,9 +47,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         report = verify_run(args.run_dir, steps, force=args.force, keep=Path(args.keep) if args.keep else None)
     except (ValueError, ReplayError, FileExistsError) as e:  # cannot replay: not a verdict
         raise InputError(str(e)) from None
+    code = verdict(args, 0 if report["reproduced"] else 1)
     if args.json:
         print(json.dumps(report))
-        return 0 if report["reproduced"] else 1
+        return code
     m = report["first_mismatch"]
     for note in report["notes"]:
         print(f"note: {note}")
@@ -68,4 +69,4 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               f"{report['compared']} receipt(s) equal bit for bit")
     elif m is None and not broken:
         print(f"not reproduced: no receipt compared (steps {report['steps']})")
-    return 0 if report["reproduced"] else 1
+    return code
