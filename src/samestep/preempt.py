@@ -22,7 +22,7 @@ import time
 from types import FrameType
 from typing import Any
 
-__all__ = ["DEFAULT_SIGNALS", "EXIT_PREEMPTED", "StopRequest", "parse_signals"]
+__all__ = ["DEFAULT_SIGNALS", "EXIT_PREEMPTED", "StopRequest", "exit_by_signal", "parse_signals"]
 
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with everything saved; a requeued job resumes
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
@@ -46,8 +46,7 @@ def parse_signals(text: str, what: str = "train.exit_signals") -> tuple[str, ...
 
 class StopRequest:
     """While entered, the given signals ask the loop to stop at its next step boundary (``requested`` holds
-    the first one's name); a second one restores the signal's default action and re-raises it, so the
-    process stops at once. The same signal again within ``DUPLICATE_S`` is the first one delivered twice
+    the first one's name); a second one stops the process at once, with ``exit_by_signal``'s code. The same signal again within ``DUPLICATE_S`` is the first one delivered twice
     (a scheduler that signals every process of a job, and a launcher that forwards it), not a second.
     Once the block is left after a stop was asked for, a further signal exits with ``EXIT_PREEMPTED``.
     Handlers are installed in the main thread only (elsewhere Python refuses them: then nothing is
@@ -68,8 +67,11 @@ class StopRequest:
             return
         if name == self.requested and time.monotonic() - self._at < DUPLICATE_S:
             return  # the same request delivered twice (to every process of a job, and by a launcher)
-        signal.signal(signum, signal.SIG_DFL)  # the second: the default action, now
-        os.kill(os.getpid(), signum)
+        # the second: stop now, with the code a shell gives a process ended by that signal, on one process or many
+        print(f"samestep: {name} again: stopping now, without saving (exit {exit_by_signal(signum)})",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(exit_by_signal(signum))
 
     def __enter__(self) -> StopRequest:
         if threading.current_thread() is threading.main_thread():
@@ -84,6 +86,12 @@ class StopRequest:
             # as a preempted one, not as killed by it
             signal.signal(signum, _exit_preempted if self.requested is not None else previous)
         self._previous.clear()
+
+
+def exit_by_signal(signum: int) -> int:
+    """The exit code of a process stopped at once by signal ``signum``: 128 + its number, as a shell reports a
+    process the signal ended (143 for SIGTERM, 130 for SIGINT)."""
+    return 128 + signum
 
 
 def _exit_preempted(signum: int, frame: FrameType | None) -> None:

@@ -206,6 +206,40 @@ def test_ranks_whose_launcher_is_killed_save_and_stop(tmp_path):
     assert last_logged_step(run) < 1000 and (run / "checkpoints" / "latest").exists()
 
 
+def _rank_pid(launcher: int, rank: int) -> int | None:
+    """The pid of ``rank`` of the job that launcher ``launcher`` started (its variables name both)."""
+    want = {f"SAMESTEP_LAUNCHER_PID={launcher}".encode(), f"RANK={rank}".encode()}
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and want <= set((proc / "environ").read_bytes().split(b"\0")):
+                return int(proc.name)
+        except OSError:
+            continue
+    return None
+
+
+@pytest.mark.parametrize("rank", [1, 0])
+def test_a_rank_killed_by_a_signal_is_named_by_the_launcher(tmp_path, rank):
+    """SIGKILL of one rank of a `--nproc 2` job: the launcher names the rank and the signal in one line and the
+    job exits 137 (128 + 9); the other rank says in one line that it lost a peer (no gloo error, no
+    traceback). The rank killed is the rank named (control: rank 0 killed instead names rank 0)."""
+    import os
+    import signal
+
+    run = tmp_path / "run"
+    launcher = Forked(train_cmd(run, *UNSAVED, "train.steps=100000", nproc=2)[3:], new_session=True)
+    deadline = time.monotonic() + 300
+    while last_logged_step(run) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    os.kill(_rank_pid(launcher.pid, rank), signal.SIGKILL)
+    assert launcher.wait() == 137, launcher.stderr
+    lines = [line for line in launcher.stderr.splitlines() if line.startswith("samestep train: ")]
+    assert f"samestep train: rank {rank} was killed by SIGKILL (exit 137); the job's other processes were " \
+           "stopped" in launcher.stderr, launcher.stderr
+    assert f"samestep train: rank {1 - rank} stopped: another process of the job ended" in launcher.stderr
+    assert len(lines) == 2 and "Traceback" not in launcher.stderr and "gloo" not in launcher.stderr, launcher.stderr
+
+
 _SECOND_SIGNAL = """
 import signal, sys, time
 from samestep.preempt import StopRequest

@@ -9,7 +9,8 @@ import traceback
 
 from samestep.version import __version__
 from samestep.cli import bisect, checkpoint, demo, diff, env, receipts, report, trace, train, verify
-from samestep.cli.errors import INPUT_ERROR, INTERNAL_ERROR, INTERRUPTED, OK, input_error_of
+from samestep.cli.errors import EXIT_PEER_LOST, INPUT_ERROR, INTERNAL_ERROR, INTERRUPTED, OK, input_error_of, \
+    peer_lost
 from samestep.cli.errors import report as report_error
 
 __all__ = ["main"]
@@ -49,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # not a verdict: bad input (2) or a crash (3) must not read as "diverged" (exit 1)
         if args.debug or os.environ.get("SAMESTEP_DEBUG"):
             traceback.print_exc()
+        if peer_lost(e):  # another process of the job ended: it, or the launcher, says why
+            return report_error(args, f"rank {os.environ.get('RANK', '?')} stopped: another process of the job "
+                                      "ended, and a collective lost it", EXIT_PEER_LOST)
         line = input_error_of(e)
         if line is not None:
             return report_error(args, f"error: {line}", INPUT_ERROR)

@@ -10,11 +10,16 @@ import os
 import sys
 from typing import Any
 
-__all__ = ["DIFFERENCE", "INPUT_ERROR", "INTERNAL_ERROR", "INTERRUPTED", "OK", "InputError", "console",
-           "input_error_of", "report", "verdict"]
+__all__ = ["DIFFERENCE", "EXIT_PEER_LOST", "INPUT_ERROR", "INTERNAL_ERROR", "INTERRUPTED", "OK", "InputError",
+           "console", "input_error_of", "peer_lost", "report", "verdict"]
 
-# Exit codes (every command; samestep train adds 4, a detected fault, 5, a non-finite loss, and 75, preempted).
+# Exit codes (every command; samestep train adds 4, a detected fault, 5, a non-finite loss, 6, a process of the job
+# whose collectives lost another, 75, preempted, and 128 + N, stopped at once by signal N; docs/debugging.md's table).
 OK, DIFFERENCE, INPUT_ERROR, INTERNAL_ERROR, INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_PEER_LOST = 6
+# What torch.distributed's backends say when the process at the other end of a collective has gone.
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+              "NCCL communicator was aborted", "Socket closed")
 
 # A path that cannot be read or written as given: bad input, named by the path.
 _PATH_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENAMETOOLONG,
@@ -32,6 +37,13 @@ def input_error_of(e: BaseException) -> str | None:
     if isinstance(e, OSError) and e.errno in _PATH_ERRNOS:
         return f"{e.filename}: {e.strerror}" if e.filename else str(e)
     return None
+
+
+def peer_lost(e: BaseException) -> bool:
+    """Whether ``e`` is a collective of a multi-process job that lost the process at its other end (that
+    process's own exit, or the launcher, names why)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and isinstance(e, RuntimeError) and \
+        any(words in str(e) for words in _PEER_GONE)
 
 
 def verdict(args: argparse.Namespace, code: int) -> int:

@@ -6,7 +6,9 @@ MASTER_ADDR, MASTER_PORT) and starts each process outside the launcher's process
 or a Ctrl-C is forwarded, every process finishes its step and saves, and the job exits with the
 processes' own code (75 when preempted, see samestep.preempt). It waits for them as long as they take:
 the scheduler's kill is the deadline, not a launcher's timeout. A process that fails takes the others
-down after ``GRACE_S`` (they would wait in a collective for ever), and its code is the job's. Should the
+down after ``GRACE_S`` (they would wait in a collective for ever), and its code is the job's: a process killed by
+a signal is named by the launcher (the job exits 128 + the signal's number), the others say in one line that they
+lost it (``EXIT_PEER_LOST``). Should the
 launcher itself die (a SIGKILL), each process gets a SIGTERM from the kernel (``follow_launcher``), so
 it saves and stops as if preempted rather than train on unsupervised.
 """
@@ -23,6 +25,7 @@ import threading
 import time
 from types import FrameType
 
+from samestep.cli.errors import EXIT_PEER_LOST
 from samestep.preempt import EXIT_PREEMPTED
 
 __all__ = ["GRACE_S", "LAUNCHER_PID", "follow_launcher", "free_port", "launch"]
@@ -93,10 +96,13 @@ def launch(argv: list[str], nproc: int, threads: int, signals: tuple[str, ...]) 
 
 
 def _first_failure(procs: list[subprocess.Popen]) -> int | None:
-    """The exit code of a process that ended otherwise than 0 or 75 (None: none has); of those that ended
-    since the last look, one that names a cause (``_CAUSES``) before the others."""
-    bad = [_code(p.returncode) for p in procs if p.returncode not in (None, 0, EXIT_PREEMPTED)]
-    return next((c for c in bad if c in _CAUSES), bad[0]) if bad else None
+    """The rank of a process that ended otherwise than 0 or 75 (None: none has); of those that ended since the
+    last look, one a signal killed, then one that names a cause (``_CAUSES``), before the others (a rank whose
+    collectives lost that one: ``EXIT_PEER_LOST``)."""
+    bad = [r for r, p in enumerate(procs) if p.returncode not in (None, 0, EXIT_PREEMPTED)]
+    ranked = sorted(bad, key=lambda r: (procs[r].returncode >= 0, _code(procs[r].returncode) not in _CAUSES,
+                                        procs[r].returncode == EXIT_PEER_LOST))
+    return ranked[0] if ranked else None
 
 
 def _wait(procs: list[subprocess.Popen]) -> int:
@@ -113,5 +119,10 @@ def _wait(procs: list[subprocess.Popen]) -> int:
         time.sleep(0.05)
     failed = failed if failed is not None else _first_failure(procs)
     if failed is not None:
-        return failed
+        code = procs[failed].returncode
+        if code < 0:  # no line of its own: a signal ended it; the others only say they lost it
+            print(f"samestep train: rank {failed} was killed by {signal.Signals(-code).name} (exit {_code(code)}); "
+                  "the job's other processes were stopped. --resume continues from the newest checkpoint",
+                  file=sys.stderr, flush=True)
+        return _code(code)
     return EXIT_PREEMPTED if any(p.returncode == EXIT_PREEMPTED for p in procs) else 0
