@@ -494,8 +494,8 @@ def test_bad_paths_and_oversized_configs_are_input_errors(tmp_path):
     """One line and exit 2 for: a --run-dir that is empty, a file, a FIFO, a symlink loop, too long or under
     /proc; a --config that is a directory or a symlink loop; diff and receipts verify given a file;
     checkpoint verify on a file, /dev/zero, a FIFO or an empty directory; a trace.steps range that selects
-    nothing; a step that would read the corpus many times over; a model too big for memory. Control: the
-    tiny config trains (exit 0)."""
+    nothing; a step that would read the corpus many times over; a model, a vocabulary or a microbatch's attention
+    too big for memory, refused before anything is allocated. Control: the tiny config trains (exit 0)."""
     import os
 
     a_file, fifo, loop, empty = tmp_path / "file", tmp_path / "fifo", tmp_path / "loop", tmp_path / "empty"
@@ -523,12 +523,17 @@ def test_bad_paths_and_oversized_configs_are_input_errors(tmp_path):
         "a step past the corpus": ("train", "--run-dir", str(tmp_path / "r4"), *tiny, "--set",
                                    "train.global_batch=1000000000"),
         "a model past memory": ("train", "--run-dir", str(tmp_path / "r5"), *tiny, "--set", "model.n_layer=1000000"),
+        "a vocabulary past memory": ("train", "--run-dir", str(tmp_path / "r6"), *tiny, "--set",
+                                     "model.vocab_size=16777216", "--set", "model.n_embd=128"),
+        "attention past memory": ("train", "--run-dir", str(tmp_path / "r7"), *tiny, "--set", "model.block_size=65536"),
     }
     for name, argv in cases.items():
         code, out, err = _cli(*argv)
         assert code == 2 and len(err.strip().splitlines()) == 1 and "error:" in err, (name, code, err, out)
     assert "train.global_batch=1000000000" in _cli(*cases["a step past the corpus"])[2]
     assert "model.n_layer=1000000" in _cli(*cases["a model past memory"])[2]
+    assert "(vocabulary 16,777,216)" in _cli(*cases["a vocabulary past memory"])[2]
+    assert "model.block_size=65536 with train.micro_batch=2" in _cli(*cases["attention past memory"])[2]
     code, out, err = _cli("checkpoint", "verify", str(empty), "--json")
     assert code == 2 and json_line(out) == {"error": err.strip().removeprefix("samestep checkpoint verify: "),
                                             "exit_code": 2}

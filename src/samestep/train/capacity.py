@@ -11,7 +11,7 @@ import torch
 
 from samestep.train.config import Config
 
-__all__ = ["available_memory", "check_capacity", "parameter_floor"]
+__all__ = ["activation_floor", "available_memory", "check_capacity", "parameter_floor"]
 
 # Bytes a parameter costs in training at least: fp32 weight, gradient and AdamW's two moments, and a
 # checkpoint's serialised copy of the weight and the moments while it is written.
@@ -29,6 +29,19 @@ def parameter_floor(cfg: Config, vocab: int) -> int:
         attention, mlp = 4 * d * d, 8 * d * d
     experts = max(m.moe_experts, 1)
     return m.n_layer * (attention + experts * mlp) + vocab * d
+
+
+def activation_floor(cfg: Config, vocab: int) -> int:
+    """A lower bound on the bytes one microbatch's forward keeps for its backward on a process: its logits and
+    their gradient (micro_batch x T x this rank's vocabulary, fp32 each), and the GPT's attention, per layer,
+    its scores and their softmax (micro_batch x its heads x T x T, fp32 each) and its causal mask (T x T
+    bools). (The Llama's SDPA need not hold T x T.)"""
+    m, tp, b = cfg.model, max(cfg.parallel.tp, 1), cfg.train.micro_batch
+    logits = b * m.block_size * (vocab // tp) * 4 * 2
+    if m.arch != "gpt":
+        return logits
+    heads = max(m.n_head // tp, 1)
+    return logits + m.n_layer * (b * heads * m.block_size ** 2 * 4 * 2 + m.block_size ** 2)
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -69,3 +82,10 @@ def check_capacity(cfg: Config, vocab: int, corpus_tokens: int, device: torch.de
                          f"{params:,} parameters: {need / 2**30:,.1f} GiB for weights, gradients, optimizer state "
                          f"and a checkpoint's copy on each process, and {have / 2**30:,.1f} GiB is available on "
                          f"{device}; choose a smaller model")
+    activations = activation_floor(cfg, vocab)
+    if have is not None and need + activations > have:
+        raise ValueError(f"model.block_size={m.block_size} with train.micro_batch={t.micro_batch}, model.n_head="
+                         f"{m.n_head}, model.n_layer={m.n_layer} and a vocabulary of {vocab:,}: one microbatch's "
+                         f"logits and attention hold at least {activations / 2**30:,.1f} GiB, with "
+                         f"{need / 2**30:,.2f} GiB for the model's state, and {have / 2**30:,.1f} GiB is available "
+                         f"on {device}; lower model.block_size, train.micro_batch or model.vocab_size")
