@@ -334,3 +334,76 @@ def test_docs_list_every_op_the_routing_decides():
     table = text[text.index("## Routing"):]
     missing = [name for name in {*ROUTED, *UNROUTED} if f"`{name.removeprefix('aten.')}`" not in table]
     assert not missing, f"docs/kernels.md's routing table lacks {missing}"
+
+
+@pytest.mark.parametrize("shape", [(1000, 64), (1000, 1), (1000,)], ids=["rows", "one-column", "vector"])
+def test_index_add_with_alpha_is_pytorchs_bits(shape):
+    """index_add with alpha=-0.1 in float32 (a tile's worth of sources, duplicates among them) is PyTorch's
+    answer bit for bit, routed and direct: the scale goes into each add as PyTorch's kernel applies it (a fused
+    multiply-add where its rows take add_, two roundings in its 1-d loop). Negative control: scaling the source
+    first, then adding, differs from PyTorch by a ULP in thousands of elements of the rows."""
+    x, src = _wide(*shape), _wide(*shape)
+    index = torch.randint(0, shape[0], (shape[0],), generator=G)
+    want = torch.index_add(x, 0, index, src, alpha=-0.1)
+    assert torch.equal(ops.index_add(x, 0, index, src, alpha=-0.1).view(torch.int32), want.view(torch.int32))
+    with samestep.enable(kernels=True):
+        routed = torch.index_add(x, 0, index, src, alpha=-0.1)
+    assert torch.equal(routed.view(torch.int32), want.view(torch.int32))
+    if shape == (1000, 64):
+        scaled_first = torch.index_add(x, 0, index, src * -0.1)
+        assert int((scaled_first.view(torch.int32) != want.view(torch.int32)).sum()) > 1000
+
+
+ROUTED_CALLS = {
+    "index_add": lambda t, i, s: torch.index_add(t, 0, i, s),
+    "scatter_add": lambda t, i, s: torch.scatter_add(t, 0, i.unsqueeze(1).expand(-1, 8), s),
+    "scatter_reduce": lambda t, i, s: t.scatter_reduce(0, i.unsqueeze(1).expand(-1, 8), s, "mean"),
+    "index_put accumulate": lambda t, i, s: t.index_put((i,), s, accumulate=True),
+    "put accumulate": lambda t, i, s: t.put(i, s[:, 0], accumulate=True),
+    "embedding backward": lambda t, i, s: torch.ops.aten.embedding_dense_backward(s, i, 50, -1, False),
+}
+
+
+@pytest.mark.parametrize("where", ["meta", "fake"])
+def test_routed_ops_on_tensors_without_values_take_pytorchs_shapes(where):
+    """Each routed op on meta tensors (a model built on the meta device) and under FakeTensorMode (a compiler
+    tracing shapes) with kernels on gives PyTorch's own result's shape, dtype and device, with no value read;
+    so does a GPT's forward and backward built on the meta device. Negative control: on real tensors the same
+    calls reach samestep's kernels (counted)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from samestep.train import GPT, ModelConfig
+
+    x, index, src = _wide(50, 8), torch.randint(0, 50, (40,), generator=G), _wide(40, 8)
+    for name, call in ROUTED_CALLS.items():
+        want = call(x, index, src)
+        if where == "meta":
+            args = (x.to("meta"), index.to("meta"), src.to("meta"))
+            with samestep.enable(kernels=True):
+                got = call(*args)
+        else:
+            with samestep.enable(kernels=True), FakeTensorMode() as fake:
+                got = call(*(fake.from_tensor(t) for t in (x, index, src)))
+        assert (got.shape, got.dtype) == (want.shape, want.dtype), name
+        assert got.device.type == ("meta" if where == "meta" else "cpu"), name
+    if where == "meta":
+        with torch.device("meta"):
+            model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=8, dropout=0.0), 64, 0)
+        with samestep.enable(kernels=True):
+            tokens = torch.zeros(2, 8, dtype=torch.long, device="meta")
+            model(tokens, tokens, None)[1].backward()
+        assert model.transformer.wte.weight.grad.device.type == "meta"
+    calls = []
+    folded = _impl.fold
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return folded(*args, **kwargs)
+
+    _impl.fold = counted
+    try:
+        with samestep.enable(kernels=True):
+            ROUTED_CALLS["index_add"](x, index, src)
+    finally:
+        _impl.fold = folded
+    assert calls, "a routed op on real tensors did not reach samestep's kernel"

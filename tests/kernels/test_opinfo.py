@@ -40,9 +40,9 @@ def test_the_sweep_catches_a_wrong_kernel(monkeypatch):
 
     right = _impl.fold
 
-    def drops_last(out, dim, index, source):
+    def drops_last(out, dim, index, source, alpha=1):
         n = index.numel()
-        return right(out, dim, index.reshape(-1)[:-1], source.narrow(dim, 0, n - 1)) if n > 1 else out
+        return right(out, dim, index.reshape(-1)[:-1], source.narrow(dim, 0, n - 1), alpha) if n > 1 else out
 
     monkeypatch.setattr(_impl, "fold", drops_last)
     found = []

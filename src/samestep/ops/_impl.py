@@ -54,24 +54,28 @@ SLOT_LIMIT = 1 << 22
 HALF = (torch.float16, torch.bfloat16)
 
 
-def fold(out: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor) -> torch.Tensor:
-    """Adds ``source``'s slices along ``dim`` into ``out``'s (``index`` picks each one's slice) by the tile
-    tree, in place; ``out`` may be any layout. On the CPU each tile is PyTorch's own ``index_add_``, which
-    checks the bounds; the Triton path needs indices in bounds (its callers check)."""
+def fold(out: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
+         alpha: int | float = 1) -> torch.Tensor:
+    """Adds ``alpha`` times ``source``'s slices along ``dim`` into ``out``'s (``index`` picks each one's slice)
+    by the tile tree, in place; ``out`` may be any layout. On the CPU each tile is PyTorch's own ``index_add_``
+    with ``alpha`` (its slices add ``alpha * source`` in one rounding, a fused multiply-add, as PyTorch's
+    ``index_add`` of one tile does), which checks the bounds; the Triton path scales first and needs indices
+    in bounds (its callers check)."""
     index = index.reshape(-1)
     if not index.numel() or not out.numel():
         return out
     if out.dtype in HALF:
         wide = out.float()
-        fold(wide, dim, index, source.float())
+        fold(wide, dim, index, source.float(), alpha)
         return out.copy_(wide)
     if _use_triton(out):
-        return _fold_triton(out, dim, index, source, TILE)
-    if out.dim() == 2 and out.shape[1] == 1 and dim == 0:  # one number a row: PyTorch's 1-d loop is the fast one
+        return _fold_triton(out, dim, index, _scaled(source, alpha), TILE)
+    # one number a row: PyTorch's 1-d loop is the fast one (it scales and adds in two roundings: alpha 1 only)
+    if out.dim() == 2 and out.shape[1] == 1 and dim == 0 and alpha == 1:
         fold(out.view(-1), 0, index, source.reshape(-1))
         return out
     n = index.numel()
-    out.index_add_(dim, index[:TILE], source.narrow(dim, 0, min(n, TILE)))  # tile 0: folded onto the input
+    out.index_add_(dim, index[:TILE], source.narrow(dim, 0, min(n, TILE)), alpha=alpha)  # tile 0: onto the input
     if n <= TILE:
         return out
     rows, tiles = out.shape[dim], -(-(n - TILE) // TILE)
@@ -84,10 +88,10 @@ def fold(out: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor)
         full = (n - TILE) // TILE  # whole later tiles, as rows of a (full, TILE) view, then the rest
         keys = index[TILE:TILE + full * TILE].view(full, TILE) + (torch.arange(full, device=index.device)
                                                                  * rows).unsqueeze(1)
-        slots.index_add_(dim, keys.view(-1), source.narrow(dim, TILE, full * TILE))
+        slots.index_add_(dim, keys.view(-1), source.narrow(dim, TILE, full * TILE), alpha=alpha)
         if TILE + full * TILE < n:
-            slots.index_add_(dim, index[TILE + full * TILE:] + full * rows, source.narrow(dim, TILE + full * TILE,
-                                                                                       n - TILE - full * TILE))
+            slots.index_add_(dim, index[TILE + full * TILE:] + full * rows,
+                             source.narrow(dim, TILE + full * TILE, n - TILE - full * TILE), alpha=alpha)
         # each row takes its tile sums in tile order (index_add_ adds a row's sources in ascending order)
         return out.index_add_(dim, torch.arange(rows, device=index.device).repeat(tiles), slots)
     for a in range(TILE, n, TILE):  # later tiles: each row's tile sum, then one add per row
@@ -96,7 +100,7 @@ def fold(out: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor)
         shape[dim] = rows_k.numel()
         # -0.0 is the exact identity of addition, so the first contribution starts the tile sum as is.
         tile_sum = torch.full(shape, -0.0, dtype=out.dtype, device=out.device)
-        tile_sum.index_add_(dim, inverse, source.narrow(dim, a, min(TILE, n - a)))
+        tile_sum.index_add_(dim, inverse, source.narrow(dim, a, min(TILE, n - a)), alpha=alpha)
         out.index_add_(dim, rows_k, tile_sum)
     return out
 
@@ -165,11 +169,12 @@ def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.
     if why:
         raise_as_torch(lambda: torch.index_add(input, dim, index, source, alpha=alpha), "index_add", why)
     target = _target(input, out)
-    src = _scaled(source, alpha)
+    # alpha goes into each add, as PyTorch's kernel applies it (bool: scaled here, where add_ takes no alpha)
+    src, alpha = (_scaled(source, alpha), 1) if source.dtype == torch.bool else (source, alpha)
     if target.dim() == 0:  # a 0-dim input takes one slice along a dim of its own
-        fold(target.view(1), 0, index, src.reshape(1))
+        fold(target.view(1), 0, index, src.reshape(1), alpha)
     else:
-        fold(target, dim % target.dim(), index, src)
+        fold(target, dim % target.dim(), index, src, alpha)
     return target
 
 

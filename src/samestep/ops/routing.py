@@ -1,7 +1,8 @@
 """Routes PyTorch's own scatter-type ops to samestep's deterministic kernels, with no model change.
 
 Pushed by ``samestep.enable(kernels=True)`` as a TorchDispatchMode (below autograd, so gradients are
-unchanged in meaning, and PyTorch's backward formulas reach the kernels too). ``ROUTED`` lists what is
+unchanged in meaning, and PyTorch's backward formulas reach the kernels too). Tensors without values (on the
+meta device, or fake ones a compiler traces) go to PyTorch's own op: only shapes are computed there. ``ROUTED`` lists what is
 routed and when; every other accumulating op is listed in ``UNROUTED`` with the reason PyTorch's own
 kernel is kept, and on a device where that kernel may race (not the CPU) with deterministic algorithms
 off, the mode warns once by name rather than stay silent. docs/kernels.md has both tables.
@@ -59,6 +60,16 @@ UNROUTED: dict[str, str] = {
 _UNROUTED_PACKETS = {getattr(aten, name.split(".", 1)[1]) for name in UNROUTED}
 
 
+def _shapes_only(args, kwargs) -> bool:
+    """Whether the op computes no values: a tensor on the meta device (a model built there), or a fake one (a
+    compiler tracing shapes, ``FakeTensorMode``). The kernels read index values (bounds, tiles), which such
+    tensors do not have."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return any(isinstance(t, torch.Tensor) and (t.device.type == "meta" or isinstance(t, FakeTensor))
+               for t in pytree.tree_leaves((args, kwargs)))
+
+
 def _in_place(func, args, kwargs, compute):
     """``compute(args)`` writing into ``args[0]``. Where self overlaps memory it reads, PyTorch's own call
     runs first, on self, and raises as PyTorch does; where it raises nothing, the read operands are copied
@@ -84,7 +95,8 @@ class KernelMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        routed = self._route(func, args, kwargs)
+        # no values to compute (meta, fake): PyTorch's shapes, dtypes and errors are the answer
+        routed = NotImplemented if _shapes_only(args, kwargs) else self._route(func, args, kwargs)
         if routed is not NotImplemented:
             return routed
         if func.overloadpacket in _UNROUTED_PACKETS:
