@@ -87,6 +87,45 @@ def _declared(model: torch.nn.Module, optimizer: torch.optim.Optimizer, schedule
     return out
 
 
+def _loader_generators(data_cursor: Any) -> dict[str, torch.Generator] | None:
+    """The generators a DataLoader data cursor (torchdata's StatefulDataLoader is one) draws from, for each
+    checkpoint to hold and a resume to restore: its own and its sampler's. Its state dict alone leaves them
+    where the new loader's construction put them.
+
+    Raises:
+        ValueError: it draws from torch's global RNG each time an iterator starts (the workers' seed without a
+            ``generator``, the shuffle order of a sampler without one of its own). A resume starts its iterator
+            mid-epoch, where the run it continues drew nothing, so every later draw of the global RNG (dropout,
+            the next epoch's order) would differ; names the fix.
+    """
+    from torch.utils.data import DataLoader
+
+    if not isinstance(data_cursor, DataLoader):
+        return None
+    sampler = getattr(data_cursor, "sampler", None)
+    shuffled = type(sampler).__name__ == "RandomSampler"  # torch's, or torchdata's stateful one
+    if data_cursor.generator is None or (shuffled and getattr(sampler, "generator", None) is None):
+        raise ValueError(f"samestep.Run(data_cursor={type(data_cursor).__name__}(...)): it draws from torch's global "
+                         "RNG each time an iterator starts (its workers' seed, and a shuffle order without a "
+                         "generator of its own), which a resume does where the run it continues drew nothing, so "
+                         "the bits would differ from the resume on. Fix: pass the loader (and any RandomSampler) "
+                         "generator=torch.Generator().manual_seed(SEED)")
+    own = {"samestep.data_cursor": data_cursor.generator}
+    if shuffled and sampler.generator is not data_cursor.generator:
+        own["samestep.data_cursor.sampler"] = sampler.generator
+    return own
+
+
+def _resume_epoch(loader: Any, generators: dict[str, torch.Generator]) -> None:
+    """Makes a restored DataLoader's iterator of the epoch it resumes now (its ``state_dict`` does, and its
+    next ``iter`` takes that one), then puts its generators back where the checkpoint had them: making it draws
+    from them, and the run it continues drew that when the epoch began, not here."""
+    states = {name: g.get_state() for name, g in generators.items()}
+    loader.state_dict()
+    for name, g in generators.items():
+        g.set_state(states[name])
+
+
 def _refuse_changes(run_dir: Path, declared: dict[str, Any]) -> None:
     changed = declared_changes(run_dir, declared)
     if changed:
@@ -146,6 +185,7 @@ class Run:
         if resume not in ("auto", True, False):
             raise ValueError(f"samestep.Run(resume={resume!r}): use 'auto', True or False")
         self.run_dir = checked_run_dir(run_dir)
+        self._generators = _loader_generators(data_cursor)
         self.model, self.optimizer, self.scheduler, self.data_cursor = model, optimizer, scheduler, data_cursor
         self.checkpoints = checkpoints_dir(self.run_dir)
         self.checkpoint_every, self.keep = checkpoint_every, keep
@@ -177,8 +217,10 @@ class Run:
                 loaded = load_checkpoint(self.checkpoints, model=ShardedModel(model) if self.sharded else model,
                                          optimizer=ShardedOptimizer(optimizer) if self.sharded else optimizer,
                                          scheduler=scheduler, data_cursor=data_cursor, fallback=True,
-                                         strict_env=strict_env)
+                                         strict_env=strict_env, generators=self._generators)
                 self.start = loaded.step
+                if self._generators:
+                    _resume_epoch(data_cursor, self._generators)
             # kept from step to step, as the reference loop keeps them: a model gains or loses no parameter
             self._params = list(model.named_parameters())
             self._buffers = persistent_buffers(model)
@@ -246,7 +288,7 @@ class Run:
                     proto.save(lambda: save_checkpoint(
                         self.checkpoints, step, model=self.model, optimizer=self.optimizer,
                         scheduler=self.scheduler, data_cursor=self.data_cursor, keep=self.keep,
-                        sharded=self.sharded))
+                        sharded=self.sharded, generators=self._generators))
                 if stop is not None:
                     self.stopped = stop
                     return

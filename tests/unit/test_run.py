@@ -349,3 +349,58 @@ def test_verify_refuses_a_loop_of_ones_own_and_receipts_verify_checks_its_checkp
     reseal(step_dir, "model.safetensors", flip_a_weight((step_dir / "model.safetensors").read_bytes()))
     assert main(["receipts", "verify", str(tmp_path / "run")]) == 1
     assert "step_000004: its state checksum" in capsys.readouterr().out
+
+
+def _loader_run(run_dir: Path, generator: bool, stop_at: int | None = None) -> torch.Tensor:
+    """A loop whose data comes from torchdata's StatefulDataLoader (shuffled) as samestep.Run's data cursor,
+    its model drawing dropout from torch's global RNG; SIGTERM after ``stop_at``."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = [torch.randn(4, generator=torch.Generator().manual_seed(i)) for i in range(32)]
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = StatefulDataLoader(data, batch_size=4, shuffle=True,
+                                **({"generator": torch.Generator().manual_seed(5)} if generator else {}))
+    batches = None
+    with samestep.Run(run_dir, model=model, optimizer=opt, data_cursor=loader, level="off") as run:
+        for step in run.steps(12):
+            x = next(batches, None) if batches is not None else None
+            if x is None:  # a new epoch, or the resumed one (a resume at an epoch's end finds it ended)
+                batches = iter(loader)
+                x = next(batches, None)
+            if x is None:
+                batches = iter(loader)
+                x = next(batches)
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if step == stop_at:
+                signal.raise_signal(signal.SIGTERM)
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def test_a_dataloader_cursor_that_draws_the_global_rng_is_refused_before_step_1(tmp_path, monkeypatch):
+    """A shuffled StatefulDataLoader without a generator as the data cursor: refused before anything is written,
+    naming generator=. With one (its state in each checkpoint), runs stopped mid-epoch (step 5) and at an epoch's
+    end (step 8) and resumed are the run straight through bit for bit, the next epoch's order included. Negative
+    controls: the resumed epoch's iterator made after the generators are restored (it draws from them) differs;
+    with the refusal taken away, the same resume without a generator differs (its new iterator draws
+    the global RNG where the straight run drew nothing)."""
+    import samestep.run as run_module
+
+    with pytest.raises(ValueError, match=r"data_cursor=StatefulDataLoader\(...\)\): it draws from torch's global "
+                                         r"RNG .* generator=torch.Generator\(\).manual_seed\(SEED\)"):
+        _loader_run(tmp_path / "refused", generator=False)
+    assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())
+    straight = _loader_run(tmp_path / "straight", generator=True)
+    for stop in (5, 8):
+        _loader_run(tmp_path / f"cut{stop}", generator=True, stop_at=stop)
+        assert torch.equal(_bits(_loader_run(tmp_path / f"cut{stop}", generator=True)), _bits(straight)), stop
+    monkeypatch.setattr(run_module, "_resume_epoch", lambda loader, generators: None)
+    _loader_run(tmp_path / "unprimed", generator=True, stop_at=5)
+    assert not torch.equal(_bits(_loader_run(tmp_path / "unprimed", generator=True)), _bits(straight))
+    monkeypatch.setattr(run_module, "_loader_generators", lambda cursor: None)
+    unkeyed = _loader_run(tmp_path / "unkeyed", generator=False)
+    _loader_run(tmp_path / "unkeyed_cut", generator=False, stop_at=5)
+    assert not torch.equal(_bits(_loader_run(tmp_path / "unkeyed_cut", generator=False)), _bits(unkeyed))
