@@ -252,7 +252,7 @@ def _write_synthetic(run: Path, rank: int, n: int, flip_last: bool) -> None:
 
 def _run_json(run: Path, world: int) -> None:
     run.mkdir(parents=True, exist_ok=True)
-    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "config": {}, "environment": {},
+    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "version": 1, "config": {}, "environment": {},
                                               "layout": {"world_size": world}}))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -84,7 +85,10 @@ def test_under_tensor_parallelism_each_tensor_ranks_data_ranks_compare_and_recom
     assert ("cross-rank check at step 3: rank 3 and rank 1 disagree (no majority of 2 ranks tells which is wrong): "
             "the parameter 'transformer.h.0.mlp.c_fc.weight' differs after the update") in err_p, err_p
     assert err_p.count("fault detected: cross-rank check at step 3") == 4, err_p  # every rank stops there
-    assert "recompute check at step 3, microbatch 0 on rank 1: its loss differs" in err_o, err_o
+    # the flip shows in the loss bits or only in the gradients, as the data's values fall (the stdlib corpus is
+    # this interpreter's own source): either way the rank that made it is named at its microbatch
+    assert re.search(r"recompute check at step 3, microbatch 0 on rank 1: (its loss differs|\d+ of \d+ gradients "
+                     r"differ)", err_o), err_o
     assert "microbatch 2 on rank" not in err_o, err_o  # the other data rank's recompute agrees: shards compared alone
     one = train_here(tmp_path / "one", *[s for s in TP if s != "parallel.tp=2"], "train.cross_rank_check=false")
     assert clean == one["state_digest"], err_c
