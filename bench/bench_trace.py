@@ -224,7 +224,7 @@ def worker_contention(rounds: int, steps: int = 4) -> dict:
 
 def _write_synthetic(run: Path, rank: int, n: int, flip_last: bool) -> None:
     """n records of one rank, written in 1M-record batches straight from numpy."""
-    writer = StreamWriter(stream_path(run, rank), {})  # checksummed, as the recorder's streams are
+    writer = StreamWriter(stream_path(run, rank), {"rank": rank})  # checksummed, as the recorder's streams are
     rng = np.random.default_rng(rank)
     ops = pa.array(["aten.mm.default", "aten.add.Tensor", "aten.gelu.default", "aten.native_layer_norm.default"])
     scopes = pa.array([f"transformer.h.{i}.mlp" for i in range(8)])
