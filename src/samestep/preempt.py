@@ -46,8 +46,9 @@ def parse_signals(text: str, what: str = "train.exit_signals") -> tuple[str, ...
 
 class StopRequest:
     """While entered, the given signals ask the loop to stop at its next step boundary (``requested`` holds
-    the first one's name); a second one stops the process at once, with ``exit_by_signal``'s code. The same signal again within ``DUPLICATE_S`` is the first one delivered twice
-    (a scheduler that signals every process of a job, and a launcher that forwards it), not a second.
+    the first one's name); a second one stops the process at once, with ``exit_by_signal``'s code. The same
+    signal again within ``DUPLICATE_S`` is the first one delivered twice (a scheduler that signals every
+    process of a job, and a launcher that forwards it), not a second.
     Once the block is left after a stop was asked for, a further signal exits with ``EXIT_PREEMPTED``.
     Handlers are installed in the main thread only (elsewhere Python refuses them: then nothing is
     installed and ``requested`` stays None)."""

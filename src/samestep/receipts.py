@@ -45,8 +45,8 @@ from samestep.rundir import NUMERICS_NEUTRAL, receipts_dir
 
 __all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "buffers_now",
            "chain_break", "check_restored", "continue_receipts", "genesis", "lost_receipts", "model_state",
-           "read_header", "read_receipts", "read_run_receipts", "receipt_hash", "receipts_path", "receipted_state", "receipt_state_of",
-           "state_hash_of", "state_tree", "truncate_receipts"]
+           "read_header", "read_receipts", "read_run_receipts", "receipt_hash", "receipts_path", "receipted_state",
+           "receipt_state_of", "state_hash_of", "state_tree", "truncate_receipts"]
 
 RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 2
 
@@ -362,9 +362,10 @@ def truncate_receipts(run_dir: str | os.PathLike[str], rank: int, last_step: int
 
 def lost_receipts(run_dir: str | os.PathLike[str], rank: int, step: int) -> None:
     """Refuses to go on after ``step`` where ``rank``'s receipts file is missing though the run kept receipts
-    then: another rank's file holds a receipt of ``step``. On the layout that wrote the checkpoint, every rank
-    that keeps receipts now kept them then (receipts are on or off for the whole run), so its file was lost;
-    starting it afresh at ``step + 1`` would leave a chain that can never verify.
+    then: rank 0's file (which every run that keeps receipts writes; for rank 0, the lowest other rank's) holds
+    a receipt of ``step``. On the layout that wrote the checkpoint, every rank that keeps receipts now kept them
+    then (receipts are on or off for the whole run), so its file was lost; starting it afresh at ``step + 1``
+    would leave a chain that can never verify. One other file is read, whatever the rank count.
 
     Raises:
         ReceiptError: names the missing file, the file that shows it was kept and what to do.
@@ -372,14 +373,17 @@ def lost_receipts(run_dir: str | os.PathLike[str], rank: int, step: int) -> None
     path = receipts_path(run_dir, rank)
     if path.exists():
         return
-    for other in sorted(receipts_dir(run_dir).glob("rank_*.jsonl")):
-        try:
-            _, receipts = read_receipts(other)
-        except ReceiptError:
-            continue  # its own check names it
-        if any(r["step"] == step for r in receipts):
-            raise ReceiptError(f"{path}: missing, though the run kept receipts at step {step} ({other.name} holds "
-                               f"that step's): restore the file, or resume into a new run directory")
+    others = [receipts_path(run_dir, 0)] if rank else sorted(receipts_dir(run_dir).glob("rank_*.jsonl"))[:1]
+    witness = others[0] if others else None
+    if witness is None or not witness.exists():
+        return
+    try:
+        _, receipts = read_receipts(witness)
+    except ReceiptError:
+        return  # its own check names it
+    if any(r["step"] == step for r in receipts):
+        raise ReceiptError(f"{path}: missing, though the run kept receipts at step {step} ({witness.name} holds "
+                           f"that step's): restore the file, or resume into a new run directory")
 
 
 def receipted_state(tree: dict[str, Any], written_by: str | None) -> dict[str, Any]:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from samestep.receipts import receipt_hash
 from tests.conftest import TINY, cli_here, train_ranks
+from tests.forgery import rewrite_receipts
 
 pytestmark = pytest.mark.slow
 
@@ -33,17 +33,6 @@ def _copy(run: Path, to: Path) -> Path:
     return to
 
 
-def _rewrite(path: Path, change) -> None:
-    """Applies ``change(receipts)`` to a receipts file and rehashes its chain: a forger who knows the format."""
-    header, *receipts = [json.loads(line) for line in path.read_text().splitlines()]
-    change(receipts)
-    prev = header["genesis"]
-    for r in receipts:
-        r["prev"] = prev
-        r["hash"] = prev = receipt_hash(r)
-    path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in [header, *receipts]))
-
-
 def test_a_ranks_loss_bits_edited_and_rehashed_break_the_receipts(tp2_run, tmp_path):
     """Rank 1's loss bits of step 3 changed and its chain rehashed: the chain holds, but the bits are not rank
     0's, which every rank of samestep train receipts alike; verify names the file and step (exit 1). The same
@@ -53,7 +42,7 @@ def test_a_ranks_loss_bits_edited_and_rehashed_break_the_receipts(tp2_run, tmp_p
     assert ok.returncode == 0 and "the loss and grad-norm bits of 2 ranks against each other" in ok.stdout, ok
     for field in ("loss_hex", "grad_norm_hex"):
         run = _copy(tp2_run, tmp_path / field)
-        _rewrite(run / "receipts" / "rank_00001.jsonl",
+        rewrite_receipts(run / "receipts" / "rank_00001.jsonl",
                  lambda rs: rs[2].update({field: float.fromhex(rs[2][field]).__add__(1e-3).hex()}))
         out = cli_here("receipts", "verify", str(run))
         assert out.returncode == 1 and "BROKEN: " in out.stdout and \

@@ -8,8 +8,9 @@ import shutil
 import pytest
 import torch
 
-from samestep.receipts import read_receipts, receipt_hash
+from samestep.receipts import read_receipts
 from tests.conftest import TINY, cli_here, train_here, train_ranks
+from tests.forgery import rewrite_receipts
 
 pytestmark = pytest.mark.slow
 
@@ -25,14 +26,7 @@ def _receipts(run_dir, rank=0) -> list[dict]:
 
 def _rewrite(run_dir, edit) -> None:
     """Edits rank 0's receipts with ``edit(receipts)``, then re-hashes the chain, as a forger would."""
-    path = run_dir / "receipts" / "rank_00000.jsonl"
-    header, receipts = read_receipts(path)
-    edit(receipts)
-    prev = header["genesis"]
-    for r in receipts:
-        r["prev"] = prev
-        r["hash"] = prev = receipt_hash(r)
-    path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in [header, *receipts]))
+    rewrite_receipts(run_dir / "receipts" / "rank_00000.jsonl", edit)
 
 
 @pytest.fixture(scope="module")

@@ -241,8 +241,8 @@ def test_module_outputs_that_are_no_plain_tensor_are_digested_where_they_lie_as_
 def _described(run: Path, trace: dict | None = None, config: dict | None = None, world: int = 1) -> Path:
     """``run`` with a minimal run.json: ``config``, or just a ``trace`` section."""
     config = config if config is not None else {"trace": trace} if trace else {}
-    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "version": 1, "config": config, "determinism": {},
-                                              "environment": {"torch.version": "x"}, "layout": {"world_size": world}}))
+    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "version": 1, "config": config,
+                                              "determinism": {}, "environment": {"torch.version": "x"}, "layout": {"world_size": world}}))
     return run
 
 
@@ -889,9 +889,10 @@ def test_a_traced_run_of_your_own_loop_diffs_and_certifies(tmp_path):
         "deterministic mode is not recorded in run.json (samestep.enable() was not in force when "
         "samestep.trace() started)"]
     (tmp_path / "kept").mkdir()
-    (tmp_path / "kept" / "run.json").write_text('{"format": "samestep.run", "version": 1, "config": {"train": {}}}')
+    kept = '{"format": "samestep.run", "version": 1, "config": {"train": {}}}'
+    (tmp_path / "kept" / "run.json").write_text(kept)
     _own_loop(tmp_path / "kept")
-    assert (tmp_path / "kept" / "run.json").read_text() == '{"format": "samestep.run", "version": 1, "config": {"train": {}}}'
+    assert (tmp_path / "kept" / "run.json").read_text() == kept
 
 
 def test_certify_complete_and_gaps(tmp_path):

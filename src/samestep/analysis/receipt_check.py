@@ -1,8 +1,8 @@
 """``samestep receipts verify RUN``: a run's receipts hold together, and its files agree with them.
 
 Checked: each rank's chain (from the genesis of run.json's config and data), the loss and grad-norm bits every
-rank of samestep train receipts alike against each other, metrics.jsonl against rank 0's receipts (every step receipted, in order, with the receipt's loss and grad-norm bits), final.json against
-the last receipt (step, loss bits, state checksum), and the newest checkpoint against the receipt of its
+rank of samestep train receipts alike against each other, metrics.jsonl against rank 0's receipts (every step
+receipted, in order, with the receipt's loss and grad-norm bits), final.json against the last receipt (step, loss bits, state checksum), and the newest checkpoint against the receipt of its
 step: its state, rebuilt from its files (each rank's shards where the run sharded it), checksummed by the
 receipts' state hash. A problem is named by file and step. Nothing to check (no receipt) is an input
 error, not a pass.

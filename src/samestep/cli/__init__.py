@@ -9,8 +9,16 @@ import traceback
 
 from samestep.version import __version__
 from samestep.cli import bisect, checkpoint, demo, diff, env, receipts, report, trace, train, verify
-from samestep.cli.errors import EXIT_PEER_LOST, INPUT_ERROR, INTERNAL_ERROR, INTERRUPTED, OK, input_error_of, \
-    peer_lost
+from samestep.cli.errors import (
+    EXIT_PEER_LOST,
+    INPUT_ERROR,
+    INTERNAL_ERROR,
+    INTERRUPTED,
+    OK,
+    input_error_of,
+    peer_lost,
+    quiet_stdout,
+)
 from samestep.cli.errors import report as report_error
 
 __all__ = ["main"]
@@ -45,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return report_error(args, "interrupted", INTERRUPTED)
     except BrokenPipeError:  # the reader of stdout left (| head): nothing more to say to it, the verdict stands
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        quiet_stdout()
         return getattr(args, "verdict", OK)
     except Exception as e:  # not a verdict: bad input (2) or a crash (3) must not read as "diverged" (exit 1)
         if args.debug or os.environ.get("SAMESTEP_DEBUG"):

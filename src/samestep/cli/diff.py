@@ -40,13 +40,21 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         report = diff_runs(args.run_a, args.run_b, ranks=ranks, steps=steps, force=args.force)
     except ValueError as e:  # a DiffError, a damaged run file (RunDirError), a bad --ranks or --steps
         raise InputError(str(e)) from None
-    code = verdict(args, 2 if report["verdict"] == "nothing compared" else (1 if args.strict else 0)
-                   if report["partial"] else 0 if report["identical"] else 1)
+    code = verdict(args, _exit_code(report, args.strict))
     if args.json:
         print(json.dumps(report))
     else:
         _print(report)
     return code
+
+
+def _exit_code(report: dict, strict: bool) -> int:
+    """0 identical, 1 diverged, 2 nothing compared; identical over a part: 0, or 1 with ``--strict``."""
+    if report["verdict"] == "nothing compared":
+        return 2
+    if report["partial"]:
+        return 1 if strict else 0
+    return 0 if report["identical"] else 1
 
 
 def _print(report: dict) -> None:

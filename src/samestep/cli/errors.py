@@ -11,7 +11,7 @@ import sys
 from typing import Any
 
 __all__ = ["DIFFERENCE", "EXIT_PEER_LOST", "INPUT_ERROR", "INTERNAL_ERROR", "INTERRUPTED", "OK", "InputError",
-           "console", "input_error_of", "peer_lost", "report", "verdict"]
+           "console", "input_error_of", "peer_lost", "quiet_stdout", "report", "verdict"]
 
 # Exit codes (every command; samestep train adds 4, a detected fault, 5, a non-finite loss, 6, a process of the job
 # whose collectives lost another, 75, preempted, and 128 + N, stopped at once by signal N; docs/debugging.md's table).
@@ -75,5 +75,10 @@ def report(args: argparse.Namespace, message: str, code: int) -> int:
         try:
             print(json.dumps({"error": message, "exit_code": code}), flush=True)
         except BrokenPipeError:  # the reader left: the code still says what happened
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            quiet_stdout()
     return code
+
+
+def quiet_stdout() -> None:
+    """Points stdout at /dev/null after its reader left (``| head``): the flush at exit then has nowhere to fail."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

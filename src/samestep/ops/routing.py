@@ -2,8 +2,8 @@
 
 Pushed by ``samestep.enable(kernels=True)`` as a TorchDispatchMode (below autograd, so gradients are
 unchanged in meaning, and PyTorch's backward formulas reach the kernels too). Tensors without values (on the
-meta device, or fake ones a compiler traces) go to PyTorch's own op: only shapes are computed there. ``ROUTED`` lists what is
-routed and when; every other accumulating op is listed in ``UNROUTED`` with the reason PyTorch's own
+meta device, or fake ones a compiler traces) go to PyTorch's own op: only shapes are computed there.
+``ROUTED`` lists what is routed and when; every other accumulating op is listed in ``UNROUTED`` with the reason PyTorch's own
 kernel is kept, and on a device where that kernel may race (not the CPU) with deterministic algorithms
 off, the mode warns once by name rather than stay silent. docs/kernels.md has both tables.
 """
