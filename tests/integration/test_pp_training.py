@@ -110,14 +110,13 @@ def _tied_uses_summed_apart() -> None:
 
 
 @pytest.mark.parametrize("patch", [_plain_accumulation, _tied_uses_summed_apart], ids=["plain", "tied-apart"])
-def test_pipelinings_own_accumulation_and_a_tied_heads_uses_summed_apart_give_other_bits(one_process, tmp_path,
-                                                                                          patch):
+def test_pipelinings_own_accumulation_and_a_tied_heads_uses_summed_apart_give_other_bits(tmp_path, patch):
     """Negative controls, deterministic mode on: with pipelining's plain accumulation (((m0+m1)+m2)+m3 in each
     stage's ``p.grad``), or the tied head's two uses each summed over the step apart and then added (Megatron's
-    embedding all-reduce), PP 2 leaves the one-process bits."""
-    ref_dir, ref_digest = one_process
-    final = train_ranks(tmp_path / "run", *PP, "parallel.pp=2", nproc=2, patch=patch)
-    assert final["state_digest"] != ref_digest and metrics_bytes(tmp_path / "run") != metrics_bytes(ref_dir)
+    embedding all-reduce), PP 2 gives other bits than one process doing the same."""
+    one, two = (train_ranks(tmp_path / f"pp{pp}", *PP, f"parallel.pp={pp}", "train.steps=2", nproc=pp,
+                            patch=patch)["state_digest"] for pp in (1, 2))
+    assert one != two
 
 
 # tensor parallelism inside each stage: the one process of the same parallel.tp_chunks is the reference
@@ -164,16 +163,19 @@ def test_a_llama_in_bf16_moves_between_tp_2_by_pp_2_and_tp_2_bit_for_bit(tmp_pat
 
 
 def test_bisect_names_the_op_and_pipeline_stage_where_two_pipelined_runs_differ(tmp_path):
-    """A PP-2 run, and one with one ULP planted at op level in the last stage's final norm's backward in step 2:
-    `samestep diff` finds the receipts apart at step 2, and `samestep bisect` replays step 2 from a checkpoint on
-    the same layout, both runs traced at op level, and names the op, module, microbatch and rank, and where the
-    rank sits (data rank 0, pipeline stage 1); the first stage's records differ only from what it was sent back.
-    (A diff of two traced EP runs names the op and its rank's place: test_ep_training.py.)"""
-    settings = (*PP, "parallel.pp=2", "train.steps=3", "train.checkpoint_every=1")
-    planted = ("trace.level=op", "trace.steps=2", "trace.perturb=rank=1,step=2,microbatch=1,phase=backward,"
-               "scope=transformer.ln_f,op=aten.native_layer_norm_backward.default")
-    train_ranks(tmp_path / "a", *settings, nproc=2)
-    train_ranks(tmp_path / "b", *settings, *planted, nproc=2)
+    """Two PP-2 runs traced alike at op level in step 2, one with one ULP planted in the last stage's final
+    norm's backward: `samestep diff` finds the receipts apart at step 2, and `samestep bisect` replays step 2 from
+    a checkpoint on the same layout, both runs at op level, and names the op, module, microbatch and rank, and
+    where the rank sits (data rank 0, pipeline stage 1); the first stage's records differ only from what it was
+    sent back. Control: the pair traced alike without the plant is identical to diff and to bisect. (A diff of
+    two traced EP runs names the op and its rank's place: test_ep_training.py.)"""
+    traced = (*PP, "parallel.pp=2", "train.steps=3", "train.checkpoint_every=1", "trace.level=op", "trace.steps=2")
+    plant = ("trace.perturb=rank=1,step=2,microbatch=1,phase=backward,scope=transformer.ln_f,"
+             "op=aten.native_layer_norm_backward.default",)
+    for name, extra in (("a", ()), ("same", ()), ("b", plant)):
+        train_ranks(tmp_path / name, *traced, *extra, nproc=2)
+    same = cli_here("bisect", str(tmp_path / "a"), str(tmp_path / "same"), "--json")
+    assert same.returncode == 0 and json.loads(same.stdout)["identical"], same.stdout + same.stderr
     diff = cli_here("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json")
     assert diff.returncode != 0 and json.loads(diff.stdout)["first_divergent_step"] == 2, diff.stdout + diff.stderr
     doc, origin = origin_of(cli_here("bisect", str(tmp_path / "a"), str(tmp_path / "b"), "--json"))
