@@ -41,20 +41,47 @@ def runs(tmp_path_factory, tiny_run):
     return root
 
 
-def test_receipts_are_the_runs_state_and_survive_a_resume(runs):
+def _resume_without_the_optimizer() -> None:
+    """A ``train_ranks`` patch: a resume restores every part of the checkpoint but the optimizer's state."""
+    from samestep.train import resume
+
+    load = resume.load_checkpoint
+    resume.load_checkpoint = lambda root, **kw: load(root, **{**kw, "optimizer": None})
+
+
+def _resume_without_the_optimizer_unchecked() -> None:
+    """As ``_resume_without_the_optimizer``, and the resume's check of the restored state against the receipts
+    lifted, so the run goes on from what it restored."""
+    from samestep.train import loop
+
+    _resume_without_the_optimizer()
+    loop.check_run_files = lambda *args, **kw: None
+
+
+def test_receipts_are_the_runs_state_and_survive_a_resume(runs, tmp_path):
     """Every step has a receipt (version 2, XXH3-128 state checksums of the whole state) whose chain holds; the
     last one's state is final.json's checksum; a resumed run's receipts file is byte for byte the uninterrupted
-    run's. Control: another seed's receipts differ from step 1."""
-    a, b, other = runs / "a", runs / "b", runs / "other"
+    run's. Negative controls: a resume that leaves the optimizer's state out is refused by the receipt of its
+    step; with that check lifted, its receipts are the run's up to step 3 and differ from step 4 on."""
+    a, b = runs / "a", runs / "b"
     header, receipts = read_receipts(a / "receipts" / "rank_00000.jsonl")
     assert (header["version"], header["state_hash"]) == (2, "xxh3-128")
     assert [r["step"] for r in receipts] == list(range(1, 9)) and {r["state_of"] for r in receipts} == {"run"}
     assert receipts[-1]["state"] == json.loads((a / "final.json").read_text())["state_checksum"]["xxh3-128"]
     assert (a / "receipts" / "rank_00000.jsonl").read_bytes() == (b / "receipts" / "rank_00000.jsonl").read_bytes()
-    assert _receipts(other)[0]["state"] != receipts[0]["state"]
     code, out, err = _cli("receipts", "verify", str(b))
     assert code == 0, out + err
     assert "checkpoint step_000008 against its step's receipt" in out and "final.json" in out
+
+    cut = tmp_path / "cut"
+    assert train_here(cut, *TINY, stop_after=3) is None
+    train_ranks(cut, *TINY, nproc=1, resume=True, patch=_resume_without_the_optimizer, exit_code=2,
+                stderr=tmp_path / "refused")
+    assert "the checkpoint of step 3 restores state" in (tmp_path / "refused").read_text()
+    train_ranks(cut, *TINY, nproc=1, resume=True, patch=_resume_without_the_optimizer_unchecked)
+    forgot = _receipts(cut)
+    assert [r["state"] for r in forgot[:3]] == [r["state"] for r in receipts[:3]]
+    assert all(f["state"] != r["state"] for f, r in zip(forgot[3:], receipts[3:]))
 
 
 def test_receipts_verify_catches_an_edit_and_a_foreign_checkpoint(runs, tmp_path):

@@ -9,6 +9,7 @@ import contextlib
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -71,46 +72,66 @@ def _params(model: torch.nn.Module) -> np.ndarray:
     return torch.cat([p.detach().reshape(-1) for p in whole]).numpy().view(np.int32)
 
 
+def _own_ddp_reduce(model: torch.nn.Module, losses: list[torch.Tensor], world: int) -> torch.Tensor:
+    """After DDP's own all-reduce (it averages; the loss is summed, so the gradients are scaled back by the
+    world size): the step's loss, the ranks' local sums added by an all-reduce."""
+    for p in model.parameters():
+        p.grad.mul_(float(world))
+    total = torch.stack(losses).sum()
+    if world > 1:
+        dist.all_reduce(total)
+    return total
+
+
 def _worker(rank: int, world: int, init: str, run_dir: str, out: str, layout: str, kill_at: int | None,
-            seed_from: int | None) -> None:
+            forget: bool) -> None:
     """A Run of TOTAL steps of MICROBATCHES global microbatches with the canonical reduction, the model
-    ``layout``: "fsdp" (FSDP2 over ``world``), "ddp" or "plain" (one process). ``kill_at``: every rank dies
-    (``os._exit``) inside that step, after its forward, with the checkpoint of the step before committed.
-    ``seed_from``: the data of that step on draw another seed (the negative control)."""
+    ``layout``: "fsdp" (FSDP2 over ``world``), "ddp" or "plain" (one process); "fsdp-own" and "ddp-own": the
+    wrapper's own reduction (FSDP2's reduce-scatter after each microbatch; DDP's all-reduce after the last,
+    ``no_sync`` before). ``kill_at``: every rank dies (``os._exit``) inside that step, after its forward, with
+    the checkpoint of the step before committed. ``forget``: a resume leaves the optimizer's state out."""
     from samestep.distributed import CanonicalGradients
-    from samestep.distributed.fsdp import FsdpGradients
+    from samestep.distributed.fsdp import FsdpDefaultGradients, FsdpGradients
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = Fused()
     k = MICROBATCHES // world
-    if layout == "fsdp":
+    grads: Any = None  # ddp-own: DDP reduces
+    if layout.startswith("fsdp"):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (world,))
         fully_shard(model.wqkv, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        grads = FsdpGradients(model, microbatches_per_process=k, world_size=world, rank=rank)
-    else:
+        kind = FsdpDefaultGradients if layout == "fsdp-own" else FsdpGradients
+        grads = kind(model, microbatches_per_process=k, world_size=world, rank=rank)
+    elif layout != "ddp-own":
         grads = CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank)
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, foreach=False)
-    if layout == "ddp":  # DDP kept; its own all-reduce left out (no_sync), the canonical tree reduces
+    if layout.startswith("ddp"):  # ddp: DDP kept, its own all-reduce left out (no_sync), the canonical tree reduces
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
     with samestep.Run(run_dir, model=model, optimizer=opt) as run:
+        if forget and run.start:
+            opt.state.clear()
         for step in run.steps(TOTAL):
-            for i in grads.microbatches:
-                with run.microbatch(i), model.no_sync() if layout == "ddp" else contextlib.nullcontext():
-                    seed = 1 if seed_from is not None and step >= seed_from else 0
-                    x = torch.randn(3, 8, generator=samestep.rng.generator(seed, step, i, "data"))
+            mine, losses = range(rank * k, (rank + 1) * k), []
+            for i in mine:
+                unsynced = layout == "ddp" or (layout == "ddp-own" and i != mine[-1])
+                with run.microbatch(i), model.no_sync() if unsynced else contextlib.nullcontext():
+                    x = torch.randn(3, 8, generator=samestep.rng.generator(0, step, i, "data"))
                     loss = model(x).square().mean() / MICROBATCHES
                     if step == kill_at:
                         os._exit(9)  # killed mid-step: no close, no save of this step
                     loss.backward()
-                grads.accumulate(i, extra=loss.detach())
-            run.metric("loss", grads.reduce()[0])
+                if grads is None:
+                    losses.append(loss.detach())
+                else:
+                    grads.accumulate(i, extra=loss.detach())
+            run.metric("loss", _own_ddp_reduce(model, losses, world) if grads is None else grads.reduce()[0])
             opt.step()
             opt.zero_grad(set_to_none=True)
     bits = _params(model)
@@ -120,13 +141,13 @@ def _worker(rank: int, world: int, init: str, run_dir: str, out: str, layout: st
 
 
 def _run(tmp_path: Path, name: str, layout: str, world: int, *, kill_at: int | None = None,
-         seed_from: int | None = None, run_dir: Path | None = None) -> tuple[np.ndarray | None, dict | None]:
+         forget: bool = False, run_dir: Path | None = None) -> tuple[np.ndarray | None, dict | None]:
     """One launch of ``_worker`` into ``run_dir`` (default ``tmp_path / name``); what rank 0 wrote (None after a
     kill)."""
     run_dir = run_dir or tmp_path / name
     out = tmp_path / f"out_{name}"
     out.mkdir()
-    args = (world, str(tmp_path / f"init_{name}"), str(run_dir), str(out), layout, kill_at, seed_from)
+    args = (world, str(tmp_path / f"init_{name}"), str(run_dir), str(out), layout, kill_at, forget)
     if kill_at is not None:
         spawn(_worker, args, world, exit_code=9)
         return None, None
@@ -143,8 +164,9 @@ def test_run_on_fsdp2_reruns_resumes_after_a_kill_and_moves_from_2_processes_to_
     Replicate DTensors: a rerun gives the same bits and the same receipts of each rank's shards; a run killed
     in step 3 and resumed on 2 processes is the run straight through, bit for bit, receipts included; the
     same killed run resumed on 1 process (unsharded) continues to the same bits, which are those of one
-    process from the start; `receipts verify` holds on each. Negative control: the 2 -> 1 resume with step 3's
-    data drawn from another seed ends on other bits."""
+    process from the start; `receipts verify` holds on each. Negative controls: FSDP2's own reduce-scatter gives
+    other bits on 2 processes than on 1, and the 2 -> 1 resume leaving the optimizer's state out ends on other
+    bits."""
     straight, info = _run(tmp_path, "straight", "fsdp", 2)
     assert info == {"start": 0, "sharded": True}
     again, _ = _run(tmp_path, "again", "fsdp", 2)
@@ -154,6 +176,8 @@ def test_run_on_fsdp2_reruns_resumes_after_a_kill_and_moves_from_2_processes_to_
 
     one, _ = _run(tmp_path, "one", "plain", 1)
     assert np.array_equal(one, straight)  # the canonical reduction: one process's bits
+    own1, own2 = (_run(tmp_path, f"own{w}", "fsdp-own", w)[0] for w in (1, 2))
+    assert not np.array_equal(own1, own2)
 
     _run(tmp_path, "killed", "fsdp", 2, kill_at=3)
     import shutil
@@ -169,15 +193,15 @@ def test_run_on_fsdp2_reruns_resumes_after_a_kill_and_moves_from_2_processes_to_
     assert info == {"start": 2, "sharded": False} and np.array_equal(moved, straight)
     assert check_receipts(tmp_path / "to1")["ok"]
 
-    other, _ = _run(tmp_path, "other", "plain", 1, run_dir=tmp_path / "off", seed_from=3)
-    assert not np.array_equal(other, straight)
+    forgot, info = _run(tmp_path, "forgot", "plain", 1, run_dir=tmp_path / "off", forget=True)
+    assert info["start"] == 2 and not np.array_equal(forgot, straight)
 
 
 def test_run_on_ddp_reruns_and_resumes_after_a_kill(tmp_path):
     """DDP over 2 gloo processes (its gradients reduced by the canonical tree inside the loop): rank 0 saves
     and receipts the whole state; a rerun and a run killed in step 3 and resumed give the same bits and the
-    same receipts, and the bits of one process. Negative control: the resume with step 3's data from another
-    seed differs."""
+    same receipts, and the bits of one process. Negative controls: DDP's own all-reduce gives other bits on 2
+    processes than on 1, and the resume leaving the optimizer's state out differs."""
     straight, info = _run(tmp_path, "straight", "ddp", 2)
     assert info == {"start": 0, "sharded": False}
     assert set(_receipts(tmp_path / "straight")) == {"rank_00000.jsonl"}
@@ -185,6 +209,8 @@ def test_run_on_ddp_reruns_and_resumes_after_a_kill(tmp_path):
     assert np.array_equal(again, straight) and _receipts(tmp_path / "again") == _receipts(tmp_path / "straight")
     one, _ = _run(tmp_path, "one", "plain", 1)
     assert np.array_equal(one, straight)
+    own1, own2 = (_run(tmp_path, f"own{w}", "ddp-own", w)[0] for w in (1, 2))
+    assert not np.array_equal(own1, own2)
     _run(tmp_path, "killed", "ddp", 2, kill_at=3)
     import shutil
 
@@ -193,5 +219,5 @@ def test_run_on_ddp_reruns_and_resumes_after_a_kill(tmp_path):
     assert info["start"] == 2 and np.array_equal(resumed, straight)
     assert _receipts(tmp_path / "killed") == _receipts(tmp_path / "straight")
     assert check_receipts(tmp_path / "killed")["ok"]
-    other, _ = _run(tmp_path, "other", "ddp", 2, run_dir=tmp_path / "off", seed_from=3)
-    assert not np.array_equal(other, straight)
+    forgot, info = _run(tmp_path, "forgot", "ddp", 2, run_dir=tmp_path / "off", forget=True)
+    assert info["start"] == 2 and not np.array_equal(forgot, straight)
