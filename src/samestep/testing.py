@@ -159,30 +159,43 @@ GOLDEN_ENV_FIELDS = ("python.version", "torch.version", "torch.git", "torch.cpu_
 
 
 class Golden:
-    """Digests pinned in a JSON file, per environment: a library upgrade that moves a kernel's bits fails."""
+    """Digests pinned in a JSON file, per environment: a library upgrade that moves a kernel's bits fails.
 
-    def __init__(self, path: Path, update: bool) -> None:
+    Recording is an explicit action (``update``, the plugin's ``--samestep-update-golden``): where this
+    environment has no digests pinned for a name, ``check`` compares nothing, so it calls ``missing`` with a
+    line naming the environment and the fix (the fixture skips the test with it; by default an AssertionError).
+    """
+
+    def __init__(self, path: Path, update: bool, missing: Callable[[str], Any] | None = None) -> None:
         from samestep.env import environment
 
         self.path, self.update = path, update
+        self.missing = missing if missing is not None else _fail
         env = environment()
         fields = {k: env.get(k) for k in GOLDEN_ENV_FIELDS}
         self.env_key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
         self.fields = fields
-        self.data = json.loads(path.read_text()) if path.exists() else {"format": "samestep.golden", "version": 1,
-                                                                          "environments": {}}
+        self.data = _read_golden(path) if path.exists() else {"format": "samestep.golden", "version": 1,
+                                                              "environments": {}}
         self.dirty = False
 
     def check(self, name: str, result: Any) -> None:
-        """Compares the digests of ``result``'s tensors with the pinned ones (recording them if new)."""
+        """Compares the digests of ``result``'s tensors with the ones pinned for this environment (with
+        ``update``: records them)."""
         from samestep.digests import digest_many
 
         digests = digest_many(_outputs(result))
-        entry = self.data["environments"].setdefault(self.env_key, {"fields": self.fields, "digests": {}})
-        pinned = entry["digests"].get(name)
-        if pinned is None or self.update:
+        if self.update:
+            entry = self.data["environments"].setdefault(self.env_key, {"fields": self.fields, "digests": {}})
             entry["digests"][name] = digests
             self.dirty = True
+            return
+        pinned = self.data["environments"].get(self.env_key, {}).get("digests", {}).get(name)
+        if pinned is None:
+            about = ", ".join(f"{k}={self.fields[k]}" for k in ("torch.version", "torch.cpu_capability", "cpu.model",
+                                                                  "cuda.gpu0") if self.fields[k] is not None)
+            self.missing(f"golden {name!r} in {self.path}: no digests pinned for this environment ({self.env_key}: "
+                         f"{about}), so nothing is compared; record them with --samestep-update-golden")
             return
         if pinned != digests:
             raise AssertionError(
@@ -194,6 +207,25 @@ class Golden:
         if self.dirty:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self.path.write_text(json.dumps(self.data, indent=1, sort_keys=True) + "\n")
+
+
+def _fail(line: str) -> None:
+    raise AssertionError(line)
+
+
+def _read_golden(path: Path) -> dict[str, Any]:
+    """A golden file, refused unless it is a samestep.golden version 1 document."""
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a samestep.golden file ({e}); delete it and record again with "
+                         "--samestep-update-golden") from None
+    if not isinstance(doc, dict) or doc.get("format") != "samestep.golden" or doc.get("version") != 1 \
+            or not isinstance(doc.get("environments"), dict):
+        seen = (doc.get("format"), doc.get("version")) if isinstance(doc, dict) else type(doc).__name__
+        raise ValueError(f"{path}: not a samestep.golden version 1 document (format, version: {seen}); delete it "
+                         "and record again with --samestep-update-golden")
+    return doc
 
 
 # -- pytest plugin -------------------------------------------------------------------------------------
@@ -208,10 +240,11 @@ try:
 
     @pytest.fixture
     def golden(request: Any):
-        """Pinned digests for this test module, keyed by environment (see ``Golden``)."""
+        """Pinned digests for this test module, keyed by environment (see ``Golden``); a test whose digests
+        this environment has not pinned is skipped with the reason."""
         root = Path(request.config.rootpath) / request.config.getoption("--samestep-golden-dir")
         g = Golden(root / f"{request.module.__name__.rpartition('.')[2]}.json",
-                   request.config.getoption("--samestep-update-golden"))
+                   request.config.getoption("--samestep-update-golden"), missing=pytest.skip)
         yield g
         g.save()
 except ImportError:  # pytest is a test extra; the helpers above work without it

@@ -126,7 +126,8 @@ def test_moe_combine_gradients():
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_golden_digests(golden, name):
-    """Pinned per environment: a torch upgrade that moves these bits fails here."""
+    """Pinned per environment: a torch upgrade that moves these bits fails here. Where this environment has none
+    pinned, skipped with the reason (record with --samestep-update-golden): tests/unit/test_golden.py."""
     fn, inputs = CASES[name]
     golden.check(name, fn(*inputs))
 
