@@ -80,11 +80,22 @@ def _hooked_run(run_dir, model, opt, steps: range, start: int = 0):
         hooked.close()
 
 
+def _restored(saved: tuple[dict, dict], optimizer: bool = True) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A new model and optimizer (as a resumed process makes them), loaded from ``saved``; the optimizer's
+    state left out unless ``optimizer``."""
+    model = torch.nn.Linear(3, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model.load_state_dict(saved[0])
+    if optimizer:
+        opt.load_state_dict(saved[1])
+    return model, opt
+
+
 def test_hooked_steps_write_receipts_that_a_resume_continues_and_a_changed_state_is_refused(tmp_path):
-    """The callbacks' receipts (integrations/steps.py): a run of 4 steps and one resumed after step 2 from a
-    copy of its state write the same receipts file byte for byte, and `receipts verify` holds. Negative
-    control: the same resume with one weight one ULP off is refused by the receipt of step 2 before any file
-    changes."""
+    """The callbacks' receipts (integrations/steps.py): a run of 4 steps and one resumed after step 2 into a new
+    model and optimizer loaded from its saved state write the same receipts file byte for byte, and `receipts
+    verify` holds. Negative controls: the same resume with one weight one ULP off, or with the optimizer's state
+    left out, is refused by the receipt of step 2 before any file changes."""
     import copy
     import shutil
 
@@ -97,18 +108,17 @@ def test_hooked_steps_write_receipts_that_a_resume_continues_and_a_changed_state
     _hooked_run(tmp_path / "cut", model, opt, range(1, 3))
     saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
     shutil.copytree(tmp_path / "cut", tmp_path / "off")
-    _hooked_run(tmp_path / "cut", model, opt, range(3, 5), start=2)
+    _hooked_run(tmp_path / "cut", *_restored(saved), range(3, 5), start=2)
     straight = (tmp_path / "straight" / "receipts" / "rank_00000.jsonl").read_bytes()
     assert (tmp_path / "cut" / "receipts" / "rank_00000.jsonl").read_bytes() == straight
     assert straight.count(b"\n") == 5  # the header and 4 receipts
     assert check_receipts(tmp_path / "cut")["ok"]
 
-    model, opt = _trained()
-    model.load_state_dict(saved[0])
-    opt.load_state_dict(saved[1])
+    off_by_one_ulp = _restored(saved)
     with torch.no_grad():
-        model.weight.view(-1).view(torch.int32)[0] += 1
+        off_by_one_ulp[0].weight.view(-1).view(torch.int32)[0] += 1
     before = {p: p.read_bytes() for p in sorted((tmp_path / "off").rglob("*")) if p.is_file()}
-    with pytest.raises(ReceiptError, match="the checkpoint of step 2 restores state"):
-        _hooked_run(tmp_path / "off", model, opt, range(3, 5), start=2)
-    assert {p: p.read_bytes() for p in sorted((tmp_path / "off").rglob("*")) if p.is_file()} == before
+    for model, opt in (off_by_one_ulp, _restored(saved, optimizer=False)):
+        with pytest.raises(ReceiptError, match="the checkpoint of step 2 restores state"):
+            _hooked_run(tmp_path / "off", model, opt, range(3, 5), start=2)
+        assert {p: p.read_bytes() for p in sorted((tmp_path / "off").rglob("*")) if p.is_file()} == before
