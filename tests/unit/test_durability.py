@@ -55,13 +55,22 @@ def _watch_saves(monkeypatch, run: Path) -> list[dict]:
     return seen
 
 
+# The process worker's child is a fresh interpreter: its writes are slowed by a sitecustomize it imports at start.
+_SLOW_CHILD = """
+import time
+import samestep.tracing.writer as writer
+real = writer.write_lanes
+writer.write_lanes = lambda *args: (time.sleep(0.3), real(*args))[1]
+"""
+
+
 @pytest.mark.parametrize("worker", ["thread", "process"])
 def test_checkpoints_commit_after_their_steps_trace_and_metrics_are_durable(tmp_path, monkeypatch, worker):
     """Each save of ``samestep train`` finds its step's step.end record in the trace stream and its metrics
     line in metrics.jsonl, both fsync'ed since the previous save (the process worker fsyncs in its child,
-    so there only the stream's contents are checked here). The stream's writer is slowed down, so a save
-    that did not wait would find the record missing: the negative control, with ``Recorder.sync`` a
-    no-op, does."""
+    so there only the stream's contents are checked here). The stream's writer is slowed down (in the child,
+    for the process worker), so a save that did not wait would find the record missing: the negative control,
+    with ``Recorder.sync`` a no-op, does."""
     if worker == "thread":
         real_write = thread_worker.write_lanes
 
@@ -70,6 +79,10 @@ def test_checkpoints_commit_after_their_steps_trace_and_metrics_are_durable(tmp_
             real_write(*args)
 
         monkeypatch.setattr(thread_worker, "write_lanes", slow_write)
+    else:
+        (tmp_path / "slow").mkdir()
+        (tmp_path / "slow" / "sitecustomize.py").write_text(_SLOW_CHILD)
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path / "slow"), os.environ.get("PYTHONPATH", "")]))
     cfg = load_config(None, [*TINY, "train.steps=4", "trace.level=step", f"trace.worker={worker}"])
     seen = _watch_saves(monkeypatch, tmp_path / "run")
     with samestep.enable(threads=1):
@@ -79,8 +92,6 @@ def test_checkpoints_commit_after_their_steps_trace_and_metrics_are_durable(tmp_
         assert s["step"] in s["ended"] and s["metrics"] == s["step"]
         if worker == "thread":
             assert {str(stream_path(tmp_path / "run", 0)), str(tmp_path / "run" / "metrics.jsonl")} <= s["synced"]
-    if worker == "process":
-        return
     monkeypatch.setattr(Recorder, "sync", lambda self: None)
     seen = _watch_saves(monkeypatch, tmp_path / "unsynced")
     with samestep.enable(threads=1):
