@@ -268,17 +268,19 @@ def test_a_signal_after_the_graceful_stop_exits_as_preempted():
 def test_a_forged_checkpoint_is_refused(tmp_path, forgery):
     """A checkpoint edited with every digest of its manifest recomputed: the loader refuses a manifest whose
     step is not its directory's, and a resume refuses state that is not what the run's receipt of that step
-    records (the receipts are a chain the checkpoint cannot rewrite); `receipts verify` names it. Control: the
-    untouched checkpoint resumes to the straight run's bits and verifies."""
+    records (the receipts are a chain the checkpoint cannot rewrite); `receipts verify` names it. Control: an
+    untouched copy of the checkpoint verifies and resumes to the straight run's bits."""
     import json
+    import shutil
 
     from samestep.analysis.receipt_check import check_receipts
     from samestep.checkpoint import CheckpointError, verify_checkpoint
     from samestep.receipts import ReceiptError
 
     straight = train_here(tmp_path / "straight", *TINY)
-    run = tmp_path / "run"
+    run, control = tmp_path / "run", tmp_path / "control"
     train_here(run, *TINY, stop_after=4)
+    shutil.copytree(run, control)
     step_dir = run / "checkpoints" / "step_000004"
     assert check_receipts(run)["ok"]
     if forgery == "manifest step":
@@ -287,21 +289,21 @@ def test_a_forged_checkpoint_is_refused(tmp_path, forgery):
         reseal_manifest(step_dir, manifest)
         with pytest.raises(CheckpointError, match="says step 6, but it is step_000004"):
             verify_checkpoint(step_dir)
-        return
-    if forgery == "a weight bit":
-        reseal(step_dir, "model.safetensors", flip_a_weight((step_dir / "model.safetensors").read_bytes()))
     else:
-        reseal(step_dir, "state.json", move_cursor((step_dir / "state.json").read_bytes()))
-    assert verify_checkpoint(step_dir) == step_dir  # every byte matches the (recomputed) manifest
-    report = check_receipts(run)
-    assert not report["ok"] and "is not the receipt's of step 4" in report["problems"][0]
-    before = run_files(run)
-    with pytest.raises(ReceiptError, match="the checkpoint of step 4 restores state"):
-        train_here(run, *TINY, resume=True)
-    assert run_files(run) == before
+        if forgery == "a weight bit":
+            reseal(step_dir, "model.safetensors", flip_a_weight((step_dir / "model.safetensors").read_bytes()))
+        else:
+            reseal(step_dir, "state.json", move_cursor((step_dir / "state.json").read_bytes()))
+        assert verify_checkpoint(step_dir) == step_dir  # every byte matches the (recomputed) manifest
+        report = check_receipts(run)
+        assert not report["ok"] and "is not the receipt's of step 4" in report["problems"][0]
+        before = run_files(run)
+        with pytest.raises(ReceiptError, match="the checkpoint of step 4 restores state"):
+            train_here(run, *TINY, resume=True)
+        assert run_files(run) == before
 
-    control = tmp_path / "control"
-    train_here(control, *TINY, stop_after=4)
+    untouched = control / "checkpoints" / "step_000004"
+    assert verify_checkpoint(untouched) == untouched and check_receipts(control)["ok"]
     assert train_here(control, *TINY, resume=True)["state_digest"] == straight["state_digest"]
 
 
