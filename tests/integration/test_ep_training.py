@@ -10,6 +10,7 @@ import json
 import pytest
 
 from tests.conftest import TINY, cli_here, killed_in_step_4, metrics_bytes, origin_of, train_here, train_ranks
+from tests.controls import resume_without_the_optimizer_unchecked
 
 pytestmark = pytest.mark.slow
 
@@ -49,10 +50,15 @@ def test_a_gpt_moe_in_bf16_at_ep_2_gives_the_one_process_bits(tmp_path):
 def test_an_ep_2_run_killed_resumes_at_ep_4_on_one_process_and_on_2_x_ep_2_bit_for_bit(one_process, tmp_path):
     """Rank 1 of an EP-2 run is SIGKILLed in step 4; its checkpoint of step 2 holds the whole state (the experts
     gathered from their ranks). Resumed at EP 4, and from copies on one process and on 2 groups of EP 2, each
-    run ends on the one-process bits; the receipts and a replay hold, and run.json records each segment."""
+    run ends on the one-process bits; the receipts and a replay hold, and run.json records each segment.
+    Negative control of the resume: a copy resumed at EP 4 leaving the optimizer's state out (the receipts'
+    check of it lifted) ends elsewhere."""
     ref_dir, ref_digest = one_process
     d = tmp_path / "run"
-    killed_in_step_4(d, *EP, "parallel.ep=2", nproc=2, copies=("copy", "grid"))
+    killed_in_step_4(d, *EP, "parallel.ep=2", nproc=2, copies=("copy", "grid", "forgot"))
+    forgot = train_ranks(tmp_path / "forgot", *EP, "parallel.ep=4", nproc=4, resume=True,
+                         patch=resume_without_the_optimizer_unchecked)
+    assert forgot["state_digest"] != ref_digest
     finals = {"run": train_ranks(d, *EP, "parallel.ep=4", nproc=4, resume=True),
               "copy": train_here(tmp_path / "copy", *EP, resume=True),
               "grid": train_ranks(tmp_path / "grid", *EP, "parallel.ep=2", nproc=4, resume=True)}

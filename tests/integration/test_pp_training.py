@@ -2,7 +2,8 @@
 and 2 data x 2 pipeline ranks give the one-process bits, a GPT with dropout on and its head tied to the
 embedding, and a Llama MoE in bf16; a PP-2 run killed by SIGKILL resumes at PP 4, on one process and on 2 x 2 bit
 for bit, and a one-process run resumes at PP 2; receipts and replay hold; pipelining's own accumulation of the
-microbatches gives other bits."""
+microbatches gives other bits than one process accumulating so, and so do plain tensor-parallel sums and norm
+gradients inside the stages."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import json
 import pytest
 
 from tests.conftest import TINY, cli_here, killed_in_step_4, metrics_bytes, origin_of, train_here, train_ranks
+from tests.controls import plain_norm_gradients, plain_tensor_parallel_sums, resume_without_the_optimizer_unchecked
 
 pytestmark = pytest.mark.slow
 
@@ -51,10 +53,15 @@ def test_a_pp_2_run_killed_resumes_at_pp_4_on_one_process_and_on_2_x_2_bit_for_b
     """Rank 1 (the last stage) of a PP-2 run is SIGKILLed in step 4; its newest checkpoint, of step 2, holds the
     whole state, gathered from the stages. Resumed at PP 4, and from copies on one process and on 2 data x 2
     pipeline ranks, each run ends on the one-process bits; the receipts and a replay hold, and run.json records
-    each segment's layout. A one-process run stopped at step 2 resumes at PP 2 on the same bits."""
+    each segment's layout. A one-process run stopped at step 2 resumes at PP 2 on the same bits. Negative control
+    of the resume: a copy resumed at PP 4 leaving the optimizer's state out (the receipts' check of it lifted)
+    ends elsewhere."""
     ref_dir, ref_digest = one_process
     d = tmp_path / "run"
-    killed_in_step_4(d, *PP, "parallel.pp=2", nproc=2, copies=("copy", "grid"))
+    killed_in_step_4(d, *PP, "parallel.pp=2", nproc=2, copies=("copy", "grid", "forgot"))
+    forgot = train_ranks(tmp_path / "forgot", *PP, "parallel.pp=4", nproc=4, resume=True,
+                         patch=resume_without_the_optimizer_unchecked)
+    assert forgot["state_digest"] != ref_digest
     four = train_ranks(d, *PP, "parallel.pp=4", nproc=4, resume=True)
     one = train_here(tmp_path / "copy", *PP, resume=True)
     grid = train_ranks(tmp_path / "grid", *PP, "parallel.pp=2", nproc=4, resume=True)
@@ -144,6 +151,20 @@ def test_sequence_parallelism_inside_pipeline_stages_gives_the_one_process_bits(
     one = train_here(tmp_path / "one", *settings)["state_digest"]
     grid = train_ranks(tmp_path / "grid", *settings, "parallel.tp=2", "parallel.pp=2", nproc=4)["state_digest"]
     assert one == grid and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "grid")
+
+
+@pytest.mark.parametrize("what,patch,nproc", [
+    ((), plain_tensor_parallel_sums, 8), (("parallel.sp=true",), plain_norm_gradients, 4),
+], ids=["2x2x2-plain-sums", "sp-in-stages-norm-sums"])
+def test_plain_sums_or_norm_gradients_inside_pipeline_stages_give_other_bits(tmp_path, what, patch, nproc):
+    """Negative controls of the two claims above: with the tensor-parallel layers summing their chunks in turn
+    and all-reducing the ranks' sums, 2 data x 2 pipeline x 2 tensor ranks, and with the sequence-parallel norms'
+    gradients summed per rank and all-reduced, 2 pipeline x 2 tensor ranks, give other bits than one process
+    doing the same."""
+    settings = (*TPP, *what, "train.steps=1")
+    one = train_ranks(tmp_path / "one", *settings, nproc=1, patch=patch)["state_digest"]
+    many = train_ranks(tmp_path / "many", *settings, "parallel.tp=2", "parallel.pp=2", nproc=nproc, patch=patch)
+    assert one != many["state_digest"]
 
 
 def test_a_llama_in_bf16_moves_between_tp_2_by_pp_2_and_tp_2_bit_for_bit(tmp_path):

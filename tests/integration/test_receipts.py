@@ -10,6 +10,7 @@ import torch
 
 from samestep.receipts import read_receipts
 from tests.conftest import TINY, cli_here, train_here, train_ranks
+from tests.controls import resume_without_the_optimizer, resume_without_the_optimizer_unchecked
 from tests.forgery import rewrite_receipts
 
 pytestmark = pytest.mark.slow
@@ -41,23 +42,6 @@ def runs(tmp_path_factory, tiny_run):
     return root
 
 
-def _resume_without_the_optimizer() -> None:
-    """A ``train_ranks`` patch: a resume restores every part of the checkpoint but the optimizer's state."""
-    from samestep.train import resume
-
-    load = resume.load_checkpoint
-    resume.load_checkpoint = lambda root, **kw: load(root, **{**kw, "optimizer": None})
-
-
-def _resume_without_the_optimizer_unchecked() -> None:
-    """As ``_resume_without_the_optimizer``, and the resume's check of the restored state against the receipts
-    lifted, so the run goes on from what it restored."""
-    from samestep.train import loop
-
-    _resume_without_the_optimizer()
-    loop.check_run_files = lambda *args, **kw: None
-
-
 def test_receipts_are_the_runs_state_and_survive_a_resume(runs, tmp_path):
     """Every step has a receipt (version 2, XXH3-128 state checksums of the whole state) whose chain holds; the
     last one's state is final.json's checksum; a resumed run's receipts file is byte for byte the uninterrupted
@@ -75,10 +59,10 @@ def test_receipts_are_the_runs_state_and_survive_a_resume(runs, tmp_path):
 
     cut = tmp_path / "cut"
     assert train_here(cut, *TINY, stop_after=3) is None
-    train_ranks(cut, *TINY, nproc=1, resume=True, patch=_resume_without_the_optimizer, exit_code=2,
+    train_ranks(cut, *TINY, nproc=1, resume=True, patch=resume_without_the_optimizer, exit_code=2,
                 stderr=tmp_path / "refused")
     assert "the checkpoint of step 3 restores state" in (tmp_path / "refused").read_text()
-    train_ranks(cut, *TINY, nproc=1, resume=True, patch=_resume_without_the_optimizer_unchecked)
+    train_ranks(cut, *TINY, nproc=1, resume=True, patch=resume_without_the_optimizer_unchecked)
     forgot = _receipts(cut)
     assert [r["state"] for r in forgot[:3]] == [r["state"] for r in receipts[:3]]
     assert all(f["state"] != r["state"] for f, r in zip(forgot[3:], receipts[3:]))

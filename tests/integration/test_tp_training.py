@@ -3,7 +3,8 @@ tensor ranks (FSDP2 off and on) give the one-process bits of the same parallel.t
 and bf16, dropout on; a TP-2 run killed by SIGKILL resumes at TP 4, on one process and on 2 x 2 bit for bit, and
 an FSDP2 one on 2 x 2, at TP 4 and on one process; the receipts of a
 run that grew hold; diff and bisect name a planted difference's tensor rank, module and op; with sequence
-parallelism (parallel.sp) the same at TP 2 and 4, and across a kill."""
+parallelism (parallel.sp) the same at TP 2 and 4, and across a kill. The negative controls take one mechanism
+out (tests/controls.py) and run that path on one process and on the layout: the two differ."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 
 from tests.conftest import TINY, cli_here, killed_in_step_4, metrics_bytes, run_files, train_cmd, train_here, \
     train_ranks
+from tests.controls import plain_norm_gradients, plain_tensor_parallel_sums, resume_without_the_optimizer_unchecked
 
 pytestmark = pytest.mark.slow
 
@@ -59,10 +61,14 @@ def test_a_tp_2_run_killed_resumes_at_tp_4_and_on_one_process_bit_for_bit(one_pr
     copies on one process and on 2 data x 2 tensor ranks, each run ends on the one-process bits; the grown
     run's receipts hold (ranks 2 and 3 keep theirs from step 3) and run.json records each segment's layout. A copy
     whose rank-1 receipts file was deleted is refused at TP 2 (the layout that wrote it), naming the file, and
-    nothing in it changes; the untouched copies are the control."""
+    nothing in it changes; the untouched copies are the control. Negative control of the resume: a copy resumed
+    at TP 4 leaving the optimizer's state out (the receipts' check of it lifted) ends elsewhere."""
     ref_dir, ref_digest = one_process
     d = tmp_path / "run"
-    killed_in_step_4(d, *TP, "parallel.tp=2", nproc=2, copies=("copy", "grid", "lost"))
+    killed_in_step_4(d, *TP, "parallel.tp=2", nproc=2, copies=("copy", "grid", "lost", "forgot"))
+    forgot = train_ranks(tmp_path / "forgot", *TP, "parallel.tp=4", nproc=4, resume=True,
+                         patch=resume_without_the_optimizer_unchecked)
+    assert forgot["state_digest"] != ref_digest
     (tmp_path / "lost" / "receipts" / "rank_00001.jsonl").unlink()
     before = run_files(tmp_path / "lost")
     train_ranks(tmp_path / "lost", *TP, "parallel.tp=2", nproc=2, resume=True, exit_code=2,
@@ -193,26 +199,6 @@ def test_diff_names_the_op_rank_and_module_of_a_planted_difference_at_tp_2(tmp_p
 SP = (*TP, "parallel.sp=true")
 
 
-def _plain_norm_gradients() -> None:
-    """A norm's weight and bias gradients as PyTorch's SequenceParallel leaves them: each rank sums its block of
-    the sequence at once, and an all-reduce adds the ranks' sums."""
-    import torch.distributed as dist
-
-    from samestep.distributed import sequence_parallel
-
-    def backward(ctx, grad):
-        y, weight = ctx.saved_tensors
-        dims = tuple(range(grad.dim() - 1))
-        sums = [(grad * y).sum(dims)] + ([grad.sum(dims)] if ctx.has_bias else [])
-        if ctx.group is not None:
-            for t in sums:
-                dist.all_reduce(t, group=ctx.group)
-        return ((grad * weight).to(y.dtype), sums[0].to(weight.dtype),
-                sums[1].to(weight.dtype) if ctx.has_bias else None, None, None)
-
-    sequence_parallel._Affine.backward = staticmethod(backward)
-
-
 def _dropout_per_block() -> None:
     """Each rank's dropout on its block of the sequence drawn from the microbatch's generator (no position)."""
     from samestep.train import model
@@ -262,10 +248,17 @@ def test_moe_with_sequence_parallelism_at_tp_4_gives_the_one_process_bits(tmp_pa
     assert one == four and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "four")
 
 
-@pytest.mark.parametrize("patch", [_plain_norm_gradients, _dropout_per_block], ids=["norm-sums", "dropout"])
-def test_plain_sequence_parallel_norms_or_dropout_give_other_bits_at_tp_2(tmp_path, patch):
-    """Negative controls: with the norms' gradients summed per rank and all-reduced, or with dropout drawn per
-    rank's block from the generator, TP 2 gives other bits than one process doing the same."""
-    one, two = (train_ranks(tmp_path / f"tp{tp}", *SP, f"parallel.tp={tp}", nproc=tp, patch=patch)["state_digest"]
-                for tp in (1, 2))
-    assert one != two
+@pytest.mark.parametrize("what,patch,tp", [
+    ((), plain_norm_gradients, 2), ((), _dropout_per_block, 2),
+    (("model.arch=llama", "model.n_kv_head=2", "train.precision=bf16"), plain_norm_gradients, 2),
+    (("model.moe_experts=16", "model.moe_top_k=1", "model.block_size=8", "model.n_layer=1"),
+     plain_tensor_parallel_sums, 4),
+], ids=["norm-sums", "dropout", "llama-bf16-norm-sums", "moe-tp4-plain-sums"])
+def test_plain_sequence_parallel_norms_dropout_or_sums_give_other_bits(tmp_path, what, patch, tp):
+    """Negative controls of the sequence-parallel claims above: with the norms' gradients summed per rank and
+    all-reduced (a GPT, and a Llama's RMSNorms in bf16), with dropout drawn per rank's block from the
+    generator, or, in the MoE, with every tensor-parallel layer (the experts' too) summing its chunks in turn and
+    all-reducing the ranks' sums, TP 2 (the MoE: TP 4) gives other bits than one process doing the same."""
+    one, many = (train_ranks(tmp_path / f"tp{n}", *SP, *what, "train.steps=2", f"parallel.tp={n}", nproc=n,
+                             patch=patch)["state_digest"] for n in (1, tp))
+    assert one != many
