@@ -21,10 +21,8 @@ def _quick(rank: int) -> None:
 def test_a_stuck_spawned_process_fails_its_test_with_its_stack_and_is_killed(monkeypatch):
     monkeypatch.setattr(conftest, "SPAWN_DEADLINE_S", 3)
     conftest.spawn(_quick, (), 2)  # the control: processes that end pass within the same deadline
-    started = time.monotonic()
-    with pytest.raises(_pytest.outcomes.Failed) as failed:
+    with pytest.raises(_pytest.outcomes.Failed) as failed:  # a guard that never fired would hang to pytest's timeout
         conftest.spawn(_stuck_forever, (), 2)
-    assert time.monotonic() - started < 60
     message = str(failed.value)
     assert "_stuck_forever's processes still running after 3 s" in message
     for rank in (0, 1):
