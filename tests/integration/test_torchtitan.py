@@ -33,8 +33,9 @@ class CausalSDPA(torch.nn.Module):
         return out.transpose(1, 2)
 
 
-def _worker(rank: int, world: int, init: str, run_dir: str, out: str, kill_at: int | None, seed_from: int | None,
+def _worker(rank: int, world: int, init: str, run_dir: str, out: str, kill_at: int | None, forget: bool,
             sharded: bool) -> None:
+    """``forget``: a resume leaves the optimizer's state out (the negative control)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder  # imported where used: a second at collection
     from torchtitan.models.llama3 import llama3_configs
@@ -57,11 +58,12 @@ def _worker(rank: int, world: int, init: str, run_dir: str, out: str, kill_at: i
         grads = CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
     with samestep.Run(run_dir, model=model, optimizer=opt) as run:
+        if forget and run.start:
+            opt.state.clear()
         for step in run.steps(TOTAL):
             for i in grads.microbatches:
                 with run.microbatch(i):
-                    seed = 1 if seed_from is not None and step >= seed_from else 0
-                    x = torch.randint(0, VOCAB, (2, 17), generator=samestep.rng.generator(seed, step, i, "data"))
+                    x = torch.randint(0, VOCAB, (2, 17), generator=samestep.rng.generator(0, step, i, "data"))
                     logits = model(x[:, :-1])
                     loss = F.cross_entropy(logits.reshape(-1, VOCAB), x[:, 1:].reshape(-1)) / MICROBATCHES
                     if step == kill_at:
@@ -79,9 +81,9 @@ def _worker(rank: int, world: int, init: str, run_dir: str, out: str, kill_at: i
 
 
 def _run(tmp_path: Path, name: str, world: int, *, run_dir: Path | None = None, kill_at: int | None = None,
-         seed_from: int | None = None) -> dict | None:
+         forget: bool = False) -> dict | None:
     out = tmp_path / f"{name}.json"
-    args = (world, str(tmp_path / f"init_{name}"), str(run_dir or tmp_path / name), str(out), kill_at, seed_from,
+    args = (world, str(tmp_path / f"init_{name}"), str(run_dir or tmp_path / name), str(out), kill_at, forget,
             world > 1)
     if kill_at is not None:
         spawn(_worker, args, world, exit_code=9)
@@ -95,8 +97,8 @@ def test_torchtitan_llama3_under_fsdp2_reruns_resumes_and_moves_from_2_processes
     samestep.Run: the state of one process, bit for bit (samestep's canonical reduce-scatter); killed in
     step 3 and resumed on 2 processes, and the same killed run resumed on 1, both end on it too; the
     checkpoints hold each rank's shards, their state dicts name the fused weight as torchtitan's hook splits
-    it, and `receipts verify` holds. Negative control: the 2 -> 1 resume with step 3's data from another seed
-    ends elsewhere."""
+    it, and `receipts verify` holds. Negative control: the 2 -> 1 resume leaving the optimizer's state out ends
+    elsewhere."""
     one = _run(tmp_path, "one", 1)
     two = _run(tmp_path, "two", 2)
     assert one["sharded"] is False and two["sharded"] is True and two["digest"] == one["digest"]
@@ -112,5 +114,5 @@ def test_torchtitan_llama3_under_fsdp2_reruns_resumes_and_moves_from_2_processes
     moved = _run(tmp_path, "moved", 1, run_dir=tmp_path / "to1")
     assert moved["start"] == 2 and moved["digest"] == one["digest"]
     assert check_receipts(tmp_path / "to1")["ok"]
-    other = _run(tmp_path, "other", 1, run_dir=tmp_path / "off", seed_from=3)
-    assert other["digest"] != one["digest"]
+    forgot = _run(tmp_path, "forgot", 1, run_dir=tmp_path / "off", forget=True)
+    assert forgot["start"] == 2 and forgot["digest"] != one["digest"]
