@@ -35,11 +35,12 @@ from typing import Any
 
 import torch
 
-from samestep import mode, preempt
+from samestep import mode, preempt, program
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from samestep.distributed.agree import any_rank
 from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer
 from samestep.protocol import RunProtocol
+from samestep.replay_request import ReplayRequest
 from samestep.receipts import genesis, state_tree
 from samestep.checksums import state_hash_for
 from samestep._state import persistent_buffers, state_digest
@@ -126,6 +127,20 @@ def _resume_epoch(loader: Any, generators: dict[str, torch.Generator]) -> None:
         g.set_state(states[name])
 
 
+def _replay_of(run_dir: str | Path) -> ReplayRequest | None:
+    """The replay request this process runs under (``samestep verify`` and ``bisect``), if any.
+
+    Raises:
+        ValueError: a request for another run directory (this Run would write its own as the program does).
+    """
+    request = ReplayRequest.from_env()
+    if request is not None and not request.redirects(Path(run_dir)):
+        raise ValueError(f"samestep.Run({str(run_dir)!r}): this process replays {request.run_dir}, and a Run of "
+                         "another run directory would write it as the run did; replay a program whose Run is that "
+                         "run's")
+    return request
+
+
 def _refuse_changes(run_dir: Path, declared: dict[str, Any]) -> None:
     changed = declared_changes(run_dir, declared)
     if changed:
@@ -166,6 +181,13 @@ class Run:
             at the start; a run directory continued under other values is refused, naming them.
         deterministic: turn deterministic mode on (``samestep.enable``); False runs with PyTorch's defaults
             (the other half of an A/B), recorded as such in run.json.
+        perturb: fault injection for checking ``samestep diff`` and ``bisect``: one ULP planted in the output of
+            the op ``"rank=R,step=S,microbatch=M,phase=forward|backward,scope=MODULE.PATH,op=OP"`` where that
+            step is traced at op level (``tracing.perturb.Perturb``); a replay plants it again.
+
+    Replayed by ``samestep verify`` or ``bisect`` (a ``SAMESTEP_REPLAY`` request, ``replay_request``), the Run
+    works in the request's scratch directory instead of ``run_dir``, traces as the request asks, keeps
+    receipts, saves no checkpoint, and ends the process (exit 0) after the request's last step.
 
     Attributes:
         start: the step the run resumed after (0: a new run). stopped: the signal that stopped the loop, or
@@ -178,12 +200,16 @@ class Run:
                  checkpoint_every: int = 1, keep: int | None = None, resume: bool | str = "auto",
                  stop_signals: tuple[str, ...] = preempt.DEFAULT_SIGNALS, strict_env: bool = False,
                  copy: bool = False, receipts: bool = True, config: dict[str, Any] | None = None,
-                 deterministic: bool = True) -> None:
+                 deterministic: bool = True, perturb: str | None = None) -> None:
         if checkpoint_every < 1:
             raise ValueError(f"samestep.Run(checkpoint_every={checkpoint_every!r}): save at least every step "
                              "count >= 1")
         if resume not in ("auto", True, False):
             raise ValueError(f"samestep.Run(resume={resume!r}): use 'auto', True or False")
+        self._replay = _replay_of(run_dir)
+        if self._replay is not None:  # the scratch directory, traced as asked, receipted; see replay_request
+            run_dir, level, trace_steps = self._replay.into, self._replay.level, self._replay.trace_steps
+            receipts, resume = True, "auto"
         self.run_dir = checked_run_dir(run_dir)
         self._generators = _loader_generators(data_cursor)
         self.model, self.optimizer, self.scheduler, self.data_cursor = model, optimizer, scheduler, data_cursor
@@ -232,9 +258,14 @@ class Run:
                                              checkpoint=loaded, sharded_over=world if self.sharded else None)
             # a run killed before its first checkpoint goes on from step 0, in a new trace segment
             continues = self.start > 0 or (resume is not False and holds_run(self.run_dir))
-            self._proto.trace(model, level=level, steps=trace_steps, resume=continues, copy=copy)
+            from samestep.tracing.perturb import Perturb  # the tracing layer loads when a run traces
+
+            self._proto.trace(model, level=level, steps=trace_steps, resume=continues, copy=copy,
+                              perturb=Perturb.parse(perturb) if perturb else None)
             if rank == 0:
                 record_declared(self.run_dir, self._declared)
+                if self._replay is None:  # what `samestep verify` and `bisect` run again
+                    program.record(self.run_dir, self.start, program.describe(self.run_dir))
             self._grad_copy: bool | str = True if copy or level != "step" else "checked"
             self._hooks = [optimizer.register_step_pre_hook(self._before_update),
                            optimizer.register_step_post_hook(self._after_update)]
@@ -274,8 +305,9 @@ class Run:
         if _rank() == 0:
             record_declared(self.run_dir, {"steps": total})
         proto = self._proto
+        last = total if self._replay is None else min(total, self._replay.stop_after)
         with proto.watching(self._signals):
-            for step in range(self.start + 1, total + 1):
+            for step in range(self.start + 1, last + 1):
                 self._step = step
                 with self.recorder.step(step):
                     yield step
@@ -283,6 +315,8 @@ class Run:
                 if proto.receipts is not None:  # the metrics' bits read only for a receipt (a device sync)
                     proto.receipt(step, *(float(self._metrics.get(k, float("nan"))) for k in ("loss", "grad_norm")))
                 self._metrics.clear()
+                if self._replay is not None:  # its receipts are all a replay keeps
+                    continue
                 stop = proto.agreed_stop(any_rank)  # so every rank reaches the checkpoint's barriers
                 if stop is not None or step == total or step % self.checkpoint_every == 0:
                     proto.save(lambda: save_checkpoint(
@@ -292,6 +326,10 @@ class Run:
                 if stop is not None:
                     self.stopped = stop
                     return
+        if self._replay is not None:  # the replay ends here: the program's code after its loop is the run's
+            self._loop = None
+            self.close()
+            raise SystemExit(0)
 
     def microbatch(self, index: int) -> contextlib.AbstractContextManager[None]:
         """Everything inside belongs to global microbatch ``index`` (the same index whatever the number of

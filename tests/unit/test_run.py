@@ -331,16 +331,22 @@ def test_determinism_off_for_the_other_half_of_an_a_b(tmp_path):
     assert drift and drift[0].filename == __file__
 
 
-def test_verify_refuses_a_loop_of_ones_own_and_receipts_verify_checks_its_checkpoint(tmp_path, capsys):
-    """`samestep verify` cannot replay a loop of one's own (only its owner has the code): exit 2, one line
-    saying so, not a false "not the run's". `samestep receipts verify` checks the run's newest checkpoint
-    against its receipt (its parts rebuilt from the checkpoint's files); with a weight of it changed and
-    resealed, it names the checkpoint (the control)."""
+def test_verify_refuses_a_loop_that_recorded_no_program_and_receipts_verify_checks_its_checkpoint(tmp_path, capsys):
+    """`samestep verify` cannot replay a loop of one's own whose run.json records no program to run again (one
+    that traced itself with samestep.trace): exit 2, one line saying so, not a false "not the run's" (a Run's
+    program replayed: tests/integration/test_replay_own_loop.py). `samestep receipts verify` checks the run's
+    newest checkpoint against its receipt (its parts rebuilt from the checkpoint's files); with a weight of it
+    changed and resealed, it names the checkpoint (the control)."""
     from samestep.cli import main
+    from samestep.rundir import read_run, write_run
 
     _train(tmp_path / "run", total=4)
+    doc = read_run(tmp_path / "run")
+    assert doc["programs"][0]["run_dir"] == str((tmp_path / "run").resolve())  # outside the working directory
+    del doc["programs"]
+    write_run(tmp_path / "run", doc)
     assert main(["verify", str(tmp_path / "run")]) == 2
-    assert "loop of your own" in capsys.readouterr().err
+    assert "records no program to run again" in capsys.readouterr().err
     assert main(["receipts", "verify", str(tmp_path / "run")]) == 0
     assert "checkpoint step_000004 against its step's receipt" in capsys.readouterr().out
     step_dir = tmp_path / "run" / "checkpoints" / "step_000004"

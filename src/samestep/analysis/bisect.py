@@ -34,9 +34,10 @@ class BisectError(ValueError):
 
 def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force: bool = False,
                 keep: Path | None = None) -> dict[str, Any]:
-    """Bisects two ``samestep train`` runs; returns ``{"identical", "first_divergent_step", "origin",
-    "reproduced", "attempts", "replayed_from", "steps_compared", "difference", "diff", "summary"}``, where
-    ``origin`` has ``samestep diff --json``'s fields (None if no replay reproduced the divergence).
+    """Bisects two runs (``samestep train``'s, or ``samestep.Run`` loops', whose programs run again); returns
+    ``{"identical", "first_divergent_step", "origin", "reproduced", "attempts", "replayed_from", "steps_compared",
+    "difference", "diff", "notes", "summary"}``, where ``origin`` has ``samestep diff --json``'s fields (None if
+    no replay reproduced the divergence).
 
     Raises:
         BisectError, RunDirError, ReceiptError: nothing to compare, or a damaged run file; DiffError: the
@@ -61,19 +62,20 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
             summary = f"identical: {agree}" + ("" if None in finals else ", and the final state digests match")
         return {"identical": same, "first_divergent_step": None, "origin": None, "reproduced": None, "attempts": 0,
                 "replayed_from": None, "steps_compared": compared, "difference": None, "diff": None,
-                "per_rank": None, "summary": summary}
+                "per_rank": None, "notes": [], "summary": summary}
     step = difference["step"]
     starts = [{s for s, _ in committed_steps(checkpoints_dir(run)) if s < step} for run in (run_a, run_b)]
     start = max(starts[0] & starts[1], default=0)  # the newest common checkpoint before the step
     root = keep if keep is not None else Path(tempfile.mkdtemp(prefix="samestep-bisect-"))
     settings = ("trace.level=op", f"trace.steps={step}", "trace.ranks=all", "train.checkpoint_every=0")
-    report, attempt = None, 0
+    report, attempt, notes = None, 0, []
     try:
         for attempt in range(1, retries + 2):
             dirs = [root / f"a{attempt}", root / f"b{attempt}"]
             with ThreadPoolExecutor(2) as pool:  # two processes: the replays run side by side
-                for f in [pool.submit(replay, run, d, start, step, settings) for run, d in zip((run_a, run_b), dirs)]:
-                    f.result()
+                for f in [pool.submit(replay, run, d, start, step, settings, force=force)
+                          for run, d in zip((run_a, run_b), dirs)]:
+                    notes += [n for n in f.result() if n not in notes]
             report = diff_runs(*dirs, steps={step}, force=force)
             if not report["identical"]:
                 break
@@ -95,4 +97,4 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
                    f"inputs matched; replayed {where}, attempt {attempt}")
     return {"identical": False, "first_divergent_step": step, "origin": origin, "reproduced": reproduced,
             "attempts": attempt, "replayed_from": start, "steps_compared": compared, "difference": difference,
-            "diff": report["summary"], "per_rank": report.get("per_rank"), "summary": summary}
+            "diff": report["summary"], "per_rank": report.get("per_rank"), "notes": notes, "summary": summary}

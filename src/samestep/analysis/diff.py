@@ -129,8 +129,9 @@ def _classify(rank: int, a: pa.Table, b: pa.Table, i: int, differing: int) -> Di
                 "order the modules ran" if level == "module" else "the first differing record in parameter order")
         return Divergence(rank=rank, kind="first_seen", inputs_matched=None, **row, note=(
             f"{level}-level records have no inputs, so this is {what}, not a proven origin; {differing} record(s) "
-            f"differ at step {row['step']} on this rank. To find the op: trace that step at op level "
-            f"(--set trace.level=op --set trace.steps={row['step']}, or samestep.trace(..., level='op'))"))
+            f"differ at step {row['step']} on this rank. To find the op: samestep bisect replays that step at op "
+            f"level (samestep train's runs and samestep.Run's), or trace it so (--set trace.level=op --set "
+            f"trace.steps={row['step']}, or samestep.Run(..., level='op', trace_steps='{row['step']}'))"))
     if matched and row["scope"] == "collective":
         # Its output also depends on the other ranks' inputs, which this stream does not hold.
         return Divergence(rank=rank, kind="receiver", inputs_matched=True, **row,

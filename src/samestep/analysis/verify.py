@@ -46,14 +46,16 @@ def _foreign_checkpoint(run_dir: Path, doc: dict[str, Any], files: dict[int, tup
 
 def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force: bool = False,
                keep: Path | None = None) -> dict[str, Any]:
-    """Replays steps A-B of a ``samestep train`` run (default: all it receipted) and compares receipts.
+    """Replays steps A-B of a run (``samestep train``'s, or a ``samestep.Run`` loop's: its program run again;
+    default: all it receipted) and compares receipts.
 
     Returns ``{"reproduced", "steps", "replayed_from", "compared", "first_mismatch", "chain", "notes"}``.
     ``keep``: where to leave the replay (default: a temporary directory, removed).
 
     Raises:
         VerifyError, RunDirError, ReceiptError: it cannot replay (no receipts, steps beyond them, a replay
-            in another environment without ``force``); ReplayError: the replay failed.
+            in another environment without ``force``); ReplayError: the replay failed, or the program of a loop
+            of one's own changed (without ``force``); ProgramError: that program cannot run again.
     """
     run_dir = Path(run_dir)
     doc = read_run(run_dir)
@@ -76,8 +78,9 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
     notes = []
     try:
         # receipts on (a resume may have turned them off), by the run's own state hash
-        replay(run_dir, scratch, start, b, ("train.receipts=true",
-                                            f"train.receipt_hash={state_hash_of(files[min(files)][0])}"))
+        notes += replay(run_dir, scratch, start, b, ("train.receipts=true",
+                                                     f"train.receipt_hash={state_hash_of(files[min(files)][0])}"),
+                        force=force)
         env = environment_differences(doc, scratch)
         if env and not force:
             raise VerifyError(f"the replay ran in another environment than the run ({', '.join(sorted(env)[:4])}"
