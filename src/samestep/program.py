@@ -63,7 +63,7 @@ def _entry(argv: list[str]) -> tuple[str, str | None]:
     while args and args[0].startswith("-") and args[0] not in ("-c", "-m", "-"):
         args = args[1:] if args[0] not in ("-W", "-X") else args[2:]  # interpreter flags (-u, -O, -W x)
     if not args or args[0] == "-":
-        return "an interactive session or stdin (its code is not on disk)", None
+        return "the interactive interpreter or stdin (its code is not on disk)", None
     if args[0] == "-c":
         return "a `python -c` command (its code is not on disk)", None
     module = args[1] if args[0] == "-m" and len(args) > 1 else None

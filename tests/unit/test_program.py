@@ -16,14 +16,14 @@ from samestep.replay_request import REPLAY_VAR, ReplayRequest
 
 @pytest.mark.parametrize("argv,why", [
     (["python", "-c", "print(1)"], "a `python -c` command"),
-    (["python"], "an interactive session or stdin"),
-    (["python", "-"], "an interactive session or stdin"),
+    (["python"], "the interactive interpreter or stdin"),
+    (["python", "-"], "the interactive interpreter or stdin"),
     (["python", "-m", "ipykernel_launcher", "-f", "k.json"], "a notebook"),
     (["python", "/x/ipykernel_launcher.py", "-f", "k.json"], "a notebook"),
     (["python", "-m", "pkg.train", "--steps", "4"], None),
 ])
 def test_a_program_that_is_not_on_disk_is_refused_naming_why(monkeypatch, tmp_path, argv, why):
-    """A `python -c` command, stdin, an interactive session and a notebook kernel record why they cannot run
+    """A `python -c` command, stdin, the interactive interpreter and a notebook kernel record why they cannot run
     again, and a replay is refused with that line; a `python -m` module is a program (control)."""
     monkeypatch.setattr(sys, "orig_argv", argv)
     monkeypatch.chdir(tmp_path)

@@ -103,11 +103,21 @@ def replay(run_dir: Path, scratch: Path, start: int, end: int, settings: tuple[s
     cmd = [sys.executable, "-m", "samestep", "train", "--run-dir", str(scratch), "--nproc",
            str(layout.get("world_size", 1)), "--stop-after", str(end - start),
            *(["--resume"] if start else []), *(a for s in [*args, *settings] for a in ("--set", s))]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+    _run(cmd, f"the replay of steps {start + 1}-{end} of {run_dir}", timeout)
+    return []
+
+
+def _run(cmd: list[str], what: str, timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
+    """Runs a replay's process to its end.
+
+    Raises:
+        ReplayError: it failed; names ``what`` and ends with its last lines of stderr.
+    """
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        raise ReplayError(f"the replay of steps {start + 1}-{end} of {run_dir} failed (exit {proc.returncode}): {tail}")
-    return []
+        raise ReplayError(f"{what} failed (exit {proc.returncode}): {tail}")
 
 
 def _replay_program(run_dir: Path, doc: dict[str, Any], scratch: Path, start: int, end: int,
@@ -122,21 +132,16 @@ def _replay_program(run_dir: Path, doc: dict[str, Any], scratch: Path, start: in
         raise ReplayError(f"{run_dir}: the program changed since the run ({'; '.join(changed[:3])}"
                           f"{' ...' if len(changed) > 3 else ''}): a replay would run other code; restore it, or "
                           "pass --force (the verdict then says so)")
-    gpus = doc.get("environment", {}).get("cuda.device_count") or 0
     nproc = ran.get("launcher", {}).get("nproc_per_node", 1)
-    if gpus and nproc > _gpus_here():
-        raise ReplayError(f"{run_dir} ran {nproc} processes a node on GPUs; this machine has {_gpus_here()}: "
-                          "replay it on a machine with as many")
+    if doc.get("environment", {}).get("cuda.device_count") and nproc > (here := _gpus_here()):
+        raise ReplayError(f"{run_dir} ran {nproc} processes a node on GPUs; this machine has {here}: replay it on a "
+                          "machine with as many")
     # the directory the program's Run names: where a copy or a move of the run is replayed from, it is not this one
     request = ReplayRequest(run_dir=str(program.run_dir_of(ran)), into=str(scratch.resolve()), stop_after=end,
                             level=settings.get("trace.level", "off"), trace_steps=settings.get("trace.steps"))
     cmd, cwd, env = program.relaunch(ran)
-    proc = subprocess.run(cmd, cwd=cwd, env={**env, **request.to_env()}, capture_output=True, text=True,
-                          timeout=timeout, stdin=subprocess.DEVNULL)
-    if proc.returncode != 0:
-        tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
-        raise ReplayError(f"the replay of steps {start + 1}-{end} of {run_dir} ({' '.join(cmd)}) failed (exit "
-                          f"{proc.returncode}): {tail}")
+    _run(cmd, f"the replay of steps {start + 1}-{end} of {run_dir} ({' '.join(cmd)})", timeout, cwd,
+         {**env, **request.to_env()})
     if not holds_run(scratch):
         raise ReplayError(f"the replay of {run_dir} ({' '.join(cmd)}) ended (exit 0) before its samestep.Run of "
                           f"{run_dir} started: the program no longer reaches it as it ran")
