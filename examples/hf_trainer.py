@@ -4,6 +4,9 @@
     python examples/hf_trainer.py runs/hfcut --kill-after 3   # killed (SIGKILL) once checkpoint-3 is saved ...
     python examples/hf_trainer.py runs/hfcut --resume         # ... resumed: the same bits as runs/hf
     samestep diff runs/hf runs/hfcut                          # exit 0: identical
+    samestep verify runs/hf --steps 4-6                       # replayed from checkpoint-3: reproduced
+    python examples/hf_trainer.py runs/hfp --plant-step 5     # one ULP added to a weight after step 5 ...
+    samestep bisect runs/hf runs/hfp                          # ... found: diverged at step 5
 """
 
 import argparse
@@ -40,8 +43,24 @@ class KillAfter(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main(out: Path, kill_after: int | None, resume: bool, seed: int, without: bool = False) -> str:
-    callbacks = ([] if without else [SamestepCallback()]) + ([KillAfter(kill_after)] if kill_after else [])
+class PlantAt(TrainerCallback):
+    """Adds one ULP to a weight after step ``step``'s update (a difference for samestep bisect to find); before
+    SamestepCallback in the list, so that step's receipt holds it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.step:
+            with torch.no_grad():
+                w = model.transformer.wte.weight.view(-1)
+                w[0] = torch.nextafter(w[0], torch.tensor(float("inf")))
+
+
+def main(out: Path, kill_after: int | None, resume: bool, seed: int, without: bool = False,
+         plant_step: int | None = None) -> str:
+    callbacks = (([PlantAt(plant_step)] if plant_step else []) + ([] if without else [SamestepCallback()])
+                 + ([KillAfter(kill_after)] if kill_after else []))
     args = TrainingArguments(output_dir=str(out), max_steps=6, save_steps=3, per_device_train_batch_size=4,
                              gradient_accumulation_steps=2, learning_rate=1e-3, seed=seed, use_cpu=True,
                              report_to=[], logging_steps=100, dataloader_num_workers=0)
@@ -59,5 +78,6 @@ if __name__ == "__main__":
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--without-samestep", action="store_true", help="the Trainer alone, for comparison")
+    ap.add_argument("--plant-step", type=int, default=None, help="one ULP added to a weight after this step")
     a = ap.parse_args()
-    print(main(a.out, a.kill_after, a.resume, a.seed, a.without_samestep))
+    print(main(a.out, a.kill_after, a.resume, a.seed, a.without_samestep, a.plant_step))

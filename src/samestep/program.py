@@ -75,10 +75,11 @@ def _entry(argv: list[str]) -> tuple[str, str | None]:
     return "script", args[0]
 
 
-def describe(run_dir: Path) -> dict[str, Any]:
-    """This process's program, whose ``samestep.Run`` writes ``run_dir``, as run.json's ``programs`` records it
-    (``run_dir`` relative to the working directory where it lies in it: a copy of the run, or the working tree
-    moved, replays the same)."""
+def describe(run_dir: Path, resumes: dict[str, Any] | None = None) -> dict[str, Any]:
+    """This process's program, whose ``samestep.Run`` (or framework callback) writes ``run_dir``, as run.json's
+    ``programs`` records it (``run_dir`` relative to the working directory where it lies in it: a copy of the
+    run, or the working tree moved, replays the same). ``resumes``: how a framework's run resumes
+    (``resume_points.resumes``); none for a Run."""
     argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
     cwd = Path.cwd()
     kind, target = _entry(argv)
@@ -104,6 +105,8 @@ def describe(run_dir: Path) -> dict[str, Any]:
         elif digest is not None:
             sources[str(script)] = digest
     program["sources"] = dict(sorted(sources.items()))
+    if resumes is not None:
+        program["resumes"] = resumes
     return program
 
 

@@ -2,24 +2,29 @@
 run again, with no change to the program (docs/formats.md).
 
 The replay runs the recorded program (``program.relaunch``) with ``SAMESTEP_REPLAY`` set to this request, as
-JSON. A ``samestep.Run`` whose run directory is the request's ``run_dir`` (the one the program names, which the
-run replayed may be a copy of) then works in ``into`` instead (a
-scratch directory that holds the run's checkpoint of the step it starts from, and its receipts up to it),
-resumes there, traces as the request asks, keeps receipts, saves no checkpoint, and ends the process (exit
-0) once step ``stop_after`` is receipted.
+JSON. A ``samestep.Run`` or framework callback whose run directory is the request's ``run_dir`` (the one the
+program names, which the run replayed may be a copy of) then works in ``into`` instead (a scratch directory
+that holds the run's checkpoint of the step it starts from, and its receipts up to it), resumes there (a
+framework from ``resume_from``, the copy of its own checkpoint), traces as the request asks, keeps receipts,
+saves no checkpoint, and ends the process (exit 0) once step ``stop_after`` is receipted. A resume its checks
+refuse (the checkpoint is not the state its receipt records) leaves the refusal in ``into``
+(``REFUSAL``), for the verdict.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REPLAY_VAR", "ReplayRequest"]
+__all__ = ["REFUSAL", "REPLAY_VAR", "ReplayRequest"]
 
 REPLAY_VAR = "SAMESTEP_REPLAY"
+REFUSAL = "replay_refused.txt"  # in ``into``: why the replayed program refused its resume
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -34,6 +39,9 @@ class ReplayRequest:
     """The trace level of the replay."""
     trace_steps: str | None = None
     """The steps it traces (text like "5" or "3-7"; None: all)."""
+    resume_from: str | None = None
+    """A framework's checkpoint (its copy in ``into``) to resume from; None: from scratch, or, for a
+    ``samestep.Run``, the checkpoint in ``into``'s ``checkpoints/``."""
 
     def to_env(self) -> dict[str, str]:
         return {REPLAY_VAR: json.dumps(asdict(self), sort_keys=True)}
@@ -58,3 +66,27 @@ class ReplayRequest:
     def redirects(self, run_dir: Path) -> bool:
         """Whether ``run_dir`` is the run replayed."""
         return Path(run_dir).resolve() == Path(self.run_dir).resolve()
+
+    @classmethod
+    def for_run(cls, run_dir: str | os.PathLike[str], who: str) -> ReplayRequest | None:
+        """The request this process runs under, for ``who`` (a Run, a callback) writing ``run_dir``; None if none.
+
+        Raises:
+            ValueError: a request for another run directory (``who`` would write its own as the program does).
+        """
+        request = cls.from_env()
+        if request is not None and not request.redirects(Path(run_dir)):
+            raise ValueError(f"{who}({str(run_dir)!r}): this process replays {request.run_dir}, and a run of another "
+                             "run directory would write it as the run did; replay a program whose run is that one")
+        return request
+
+    @contextlib.contextmanager
+    def refusing(self, *refusals: type[BaseException]) -> Iterator[None]:
+        """Around a replayed resume's checks: one that raises one of ``refusals`` (its checkpoint is not the
+        run's) leaves its message in ``into`` (``REFUSAL``) before it propagates."""
+        try:
+            yield
+        except refusals as e:
+            Path(self.into).mkdir(parents=True, exist_ok=True)
+            (Path(self.into) / REFUSAL).write_text(f"{type(e).__name__}: {e}\n", encoding="utf-8")
+            raise

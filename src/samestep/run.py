@@ -127,20 +127,6 @@ def _resume_epoch(loader: Any, generators: dict[str, torch.Generator]) -> None:
         g.set_state(states[name])
 
 
-def _replay_of(run_dir: str | Path) -> ReplayRequest | None:
-    """The replay request this process runs under (``samestep verify`` and ``bisect``), if any.
-
-    Raises:
-        ValueError: a request for another run directory (this Run would write its own as the program does).
-    """
-    request = ReplayRequest.from_env()
-    if request is not None and not request.redirects(Path(run_dir)):
-        raise ValueError(f"samestep.Run({str(run_dir)!r}): this process replays {request.run_dir}, and a Run of "
-                         "another run directory would write it as the run did; replay a program whose Run is that "
-                         "run's")
-    return request
-
-
 def _refuse_changes(run_dir: Path, declared: dict[str, Any]) -> None:
     changed = declared_changes(run_dir, declared)
     if changed:
@@ -206,7 +192,7 @@ class Run:
                              "count >= 1")
         if resume not in ("auto", True, False):
             raise ValueError(f"samestep.Run(resume={resume!r}): use 'auto', True or False")
-        self._replay = _replay_of(run_dir)
+        self._replay = ReplayRequest.for_run(run_dir, "samestep.Run")
         if self._replay is not None:  # the scratch directory, traced as asked, receipted; see replay_request
             run_dir, level, trace_steps = self._replay.into, self._replay.level, self._replay.trace_steps
             receipts, resume = True, "auto"

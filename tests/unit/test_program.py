@@ -97,7 +97,7 @@ def test_a_replay_request_for_another_run_directory_is_refused_before_anything_i
     monkeypatch.setenv(REPLAY_VAR, request.to_env()[REPLAY_VAR])
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match="this process replays .*run, and a Run of another run directory"):
+    with pytest.raises(ValueError, match="this process replays .*run, and a run of another run directory"):
         samestep.Run(tmp_path / "other", model=model, optimizer=opt)
     assert not (tmp_path / "other").exists()
     with pytest.raises(SystemExit) as ended:  # the replay ends the process after its last step

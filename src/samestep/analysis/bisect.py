@@ -20,10 +20,9 @@ from typing import Any
 
 from samestep.analysis.diff import diff_runs
 from samestep.analysis.layouts import rank_coordinates
-from samestep.analysis.replay import replay
+from samestep.analysis.replay import checkpoint_steps, replay
 from samestep.analysis.receipt_diff import compare_receipts
-from samestep.checkpoint import committed_steps
-from samestep.rundir import checkpoints_dir, final_digest, layout_at, read_run
+from samestep.rundir import final_digest, layout_at, read_run
 
 __all__ = ["BisectError", "bisect_runs"]
 
@@ -64,7 +63,7 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
                 "replayed_from": None, "steps_compared": compared, "difference": None, "diff": None,
                 "per_rank": None, "notes": [], "summary": summary}
     step = difference["step"]
-    starts = [{s for s, _ in committed_steps(checkpoints_dir(run)) if s < step} for run in (run_a, run_b)]
+    starts = [{s for s in checkpoint_steps(run) if s < step} for run in (run_a, run_b)]
     start = max(starts[0] & starts[1], default=0)  # the newest common checkpoint before the step
     root = keep if keep is not None else Path(tempfile.mkdtemp(prefix="samestep-bisect-"))
     settings = ("trace.level=op", f"trace.steps={step}", "trace.ranks=all", "train.checkpoint_every=0")

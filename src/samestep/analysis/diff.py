@@ -130,8 +130,9 @@ def _classify(rank: int, a: pa.Table, b: pa.Table, i: int, differing: int) -> Di
         return Divergence(rank=rank, kind="first_seen", inputs_matched=None, **row, note=(
             f"{level}-level records have no inputs, so this is {what}, not a proven origin; {differing} record(s) "
             f"differ at step {row['step']} on this rank. To find the op: samestep bisect replays that step at op "
-            f"level (samestep train's runs and samestep.Run's), or trace it so (--set trace.level=op --set "
-            f"trace.steps={row['step']}, or samestep.Run(..., level='op', trace_steps='{row['step']}'))"))
+            f"level (the runs of samestep train, samestep.Run and the HF and Lightning callbacks), or trace it so "
+            f"(--set trace.level=op --set trace.steps={row['step']}, or samestep.Run(..., level='op', "
+            f"trace_steps='{row['step']}'))"))
     if matched and row["scope"] == "collective":
         # Its output also depends on the other ranks' inputs, which this stream does not hold.
         return Divergence(rank=rank, kind="receiver", inputs_matched=True, **row,

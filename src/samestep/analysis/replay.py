@@ -7,8 +7,9 @@ a new process with the run's recorded config and the layout it had then, plus an
 (a trace level). A loop of one's own (``samestep.Run``) is replayed by running its recorded program again
 (``program.relaunch``: its interpreter, arguments, directory, launcher and process count) under a replay
 request (``replay_request``): its Run works in the scratch directory, traces as asked and ends the process
-after the last step. The run's bits do not depend on where it runs, so the replay's receipts and traces are
-the run's.
+after the last step; a framework's run (the Hugging Face or Lightning callback) likewise, resuming from a copy
+of the framework's own checkpoint (``resume_points``). The run's bits do not depend on where it runs, so the
+replay's receipts and traces are the run's.
 """
 
 from __future__ import annotations
@@ -20,19 +21,30 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from samestep import program
+from samestep import program, resume_points
 from samestep._state import dotted
 from samestep.checkpoint import committed_steps, step_dir_name
 from samestep.env import numerics_differences
 from samestep.receipts import read_run_receipts, receipts_path
-from samestep.replay_request import ReplayRequest
+from samestep.replay_request import REFUSAL, ReplayRequest
 from samestep.rundir import checkpoints_dir, holds_run, layout_at, metrics_path, read_metrics, read_run, receipts_dir
 
-__all__ = ["ReplayError", "check_replayable", "environment_differences", "replay", "replay_start"]
+__all__ = ["ReplayError", "ReplayRefused", "check_replayable", "checkpoint_steps", "environment_differences",
+           "framework_run", "replay", "replay_start"]
 
 
 class ReplayError(RuntimeError):
     """A replay could not run (its process failed): not a verdict on the run."""
+
+
+class ReplayRefused(ReplayError):
+    """The replayed program refused to resume from the run's checkpoint: it is not the state the run's receipt of
+    its step records (a verdict on the checkpoint)."""
+
+
+def framework_run(doc: dict[str, Any]) -> bool:
+    """Whether a framework saves the run's checkpoints (the Hugging Face or Lightning callback's run)."""
+    return doc.get("written_by") == "samestep.trace" and resume_points.resumed_by(doc) != resume_points.RUN
 
 
 def check_replayable(run_dir: Path, doc: dict[str, Any]) -> None:
@@ -48,17 +60,26 @@ def check_replayable(run_dir: Path, doc: dict[str, Any]) -> None:
     programs = [p for p in doc.get("programs", []) if isinstance(p, dict)]
     if not programs:
         raise ReplayError(f"{run_dir / 'run.json'} records no program to run again (the loop traced itself with "
-                          "samestep.trace, or through a samestep.Run that did not record it yet): train through "
-                          "samestep.Run to replay it; check its receipts with samestep receipts verify, or compare "
-                          "two runs with samestep diff")
+                          "samestep.trace, or through the torchtitan integration, which does not record it yet): "
+                          "train through samestep.Run or the HF or Lightning callback to replay it; check its "
+                          "receipts with samestep receipts verify, or compare two runs with samestep diff")
     for p in programs:
         if p.get("not_replayable"):
             program.check(p, run_dir)  # raises, naming why
 
 
+def checkpoint_steps(run_dir: Path) -> set[int]:
+    """The steps of the run's checkpoints a replay can start from: samestep's committed ones, or a framework's
+    (``resume_points``)."""
+    doc = read_run(run_dir)
+    if framework_run(doc):
+        return set(resume_points.points(run_dir, doc))
+    return {s for s, _ in committed_steps(checkpoints_dir(run_dir))}
+
+
 def replay_start(run_dir: Path, before: int) -> int:
-    """The step of the newest committed checkpoint of the run at or before ``before`` (0: from scratch)."""
-    return next((s for s, _ in committed_steps(checkpoints_dir(run_dir)) if s <= before), 0)
+    """The step of the newest checkpoint of the run at or before ``before`` (0: from scratch)."""
+    return max((s for s in checkpoint_steps(run_dir) if s <= before), default=0)
 
 
 def environment_differences(doc: dict[str, Any], replayed: Path) -> dict[str, tuple[Any, Any]]:
@@ -82,8 +103,13 @@ def replay(run_dir: Path, scratch: Path, start: int, end: int, settings: tuple[s
     doc = read_run(run_dir)
     check_replayable(run_dir, doc)
     scratch.mkdir(parents=True)
+    resume_from = None
+    if start and framework_run(doc):
+        resume_from = resume_points.stage(resume_points.points(run_dir, doc)[start], scratch)
+    elif start:
+        name = step_dir_name(start)
+        shutil.copytree(checkpoints_dir(run_dir) / name, checkpoints_dir(scratch) / name)
     if start:
-        shutil.copytree(checkpoints_dir(run_dir) / step_dir_name(start), checkpoints_dir(scratch) / step_dir_name(start))
         if metrics_path(run_dir).exists():  # samestep train's (a loop of one's own keeps its metrics in the trace)
             rows = [json.dumps(r) + "\n" for r in read_metrics(run_dir) if r["step"] <= start]
             metrics_path(scratch).write_text("".join(rows), encoding="utf-8")
@@ -94,7 +120,7 @@ def replay(run_dir: Path, scratch: Path, start: int, end: int, settings: tuple[s
                                                     encoding="utf-8")
     if doc.get("written_by") == "samestep.trace":
         return _replay_program(run_dir, doc, scratch, start, end, dict(s.split("=", 1) for s in settings), timeout,
-                               force)
+                               force, resume_from)
     layout = layout_at(doc, start + 1)  # the layout that ran the first step replayed
     config = dotted(doc["config"])
     config["parallel.fsdp"] = layout.get("sharded") == "fsdp2"
@@ -121,8 +147,13 @@ def _run(cmd: list[str], what: str, timeout: float, cwd: Path | None = None, env
 
 
 def _replay_program(run_dir: Path, doc: dict[str, Any], scratch: Path, start: int, end: int,
-                    settings: dict[str, str], timeout: float, force: bool) -> list[str]:
-    """``replay`` of a loop of one's own: its recorded program run again under a replay request."""
+                    settings: dict[str, str], timeout: float, force: bool, resume_from: Path | None) -> list[str]:
+    """``replay`` of a loop of one's own: its recorded program run again under a replay request (resuming a
+    framework's run from ``resume_from``).
+
+    Raises:
+        ReplayRefused: the program refused its resume from the run's checkpoint (names why).
+    """
     ran = program.program_at(doc, start + 1)
     if ran is None:
         raise ReplayError(f"{run_dir / 'run.json'} records no program for step {start + 1} (its programs start "
@@ -138,10 +169,16 @@ def _replay_program(run_dir: Path, doc: dict[str, Any], scratch: Path, start: in
                           "machine with as many")
     # the directory the program's Run names: where a copy or a move of the run is replayed from, it is not this one
     request = ReplayRequest(run_dir=str(program.run_dir_of(ran)), into=str(scratch.resolve()), stop_after=end,
-                            level=settings.get("trace.level", "off"), trace_steps=settings.get("trace.steps"))
+                            level=settings.get("trace.level", "off"), trace_steps=settings.get("trace.steps"),
+                            resume_from=None if resume_from is None else str(resume_from.resolve()))
     cmd, cwd, env = program.relaunch(ran)
-    _run(cmd, f"the replay of steps {start + 1}-{end} of {run_dir} ({' '.join(cmd)})", timeout, cwd,
-         {**env, **request.to_env()})
+    try:
+        _run(cmd, f"the replay of steps {start + 1}-{end} of {run_dir} ({' '.join(cmd)})", timeout, cwd,
+             {**env, **request.to_env()})
+    except ReplayError:
+        if (scratch / REFUSAL).is_file():
+            raise ReplayRefused((scratch / REFUSAL).read_text(encoding="utf-8").strip()) from None
+        raise
     if not holds_run(scratch):
         raise ReplayError(f"the replay of {run_dir} ({' '.join(cmd)}) ended (exit 0) before its samestep.Run of "
                           f"{run_dir} started: the program no longer reaches it as it ran")

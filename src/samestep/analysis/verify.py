@@ -15,7 +15,14 @@ from typing import Any
 
 from samestep.analysis.receipt_check import checkpoint_mismatches
 from samestep.analysis.receipt_diff import by_rank, first_receipt_difference
-from samestep.analysis.replay import check_replayable, environment_differences, replay, replay_start
+from samestep.analysis.replay import (
+    ReplayRefused,
+    check_replayable,
+    environment_differences,
+    framework_run,
+    replay,
+    replay_start,
+)
 from samestep.receipts import chain_break, read_run_receipts, receipts_path, state_hash_of
 from samestep.checkpoint import step_dir_name
 from samestep.rundir import checkpoints_dir, read_run
@@ -30,8 +37,9 @@ class VerifyError(ValueError):
 def _foreign_checkpoint(run_dir: Path, doc: dict[str, Any], files: dict[int, tuple[dict, list[dict]]],
                         start: int) -> dict[str, Any] | None:
     """The checkpoint a replay starts from, against the run's receipts of its step: None if it is the run's,
-    else a mismatch naming it."""
-    if not start:
+    else a mismatch naming it. A framework's checkpoint is checked by its callback as the replay resumes
+    (``ReplayRefused``)."""
+    if not start or framework_run(doc):
         return None
     step_dir = checkpoints_dir(run_dir) / step_dir_name(start)
     try:
@@ -40,14 +48,19 @@ def _foreign_checkpoint(run_dir: Path, doc: dict[str, Any], files: dict[int, tup
         problems = [f"{step_dir}: {e}"]
     if not problems:
         return None
-    return {"step": start, "rank": 0, "fields": ["checkpoint"], "a": {"state": "the receipt's"},
-            "b": {"checkpoint": problems[0]}}
+    return _not_the_runs(start, problems[0])
+
+
+def _not_the_runs(step: int, why: str) -> dict[str, Any]:
+    """The first mismatch of a run whose checkpoint of ``step`` is not the state its receipt records."""
+    return {"step": step, "rank": 0, "fields": ["checkpoint"], "a": {"state": "the receipt's"},
+            "b": {"checkpoint": why}}
 
 
 def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force: bool = False,
                keep: Path | None = None) -> dict[str, Any]:
-    """Replays steps A-B of a run (``samestep train``'s, or a ``samestep.Run`` loop's: its program run again;
-    default: all it receipted) and compares receipts.
+    """Replays steps A-B of a run (``samestep train``'s, or the loop of a ``samestep.Run`` or framework callback:
+    its program run again; default: all it receipted) and compares receipts.
 
     Returns ``{"reproduced", "steps", "replayed_from", "compared", "first_mismatch", "chain", "notes"}``.
     ``keep``: where to leave the replay (default: a temporary directory, removed).
@@ -78,9 +91,13 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
     notes = []
     try:
         # receipts on (a resume may have turned them off), by the run's own state hash
-        notes += replay(run_dir, scratch, start, b, ("train.receipts=true",
-                                                     f"train.receipt_hash={state_hash_of(files[min(files)][0])}"),
-                        force=force)
+        try:
+            notes += replay(run_dir, scratch, start, b, ("train.receipts=true",
+                                                         f"train.receipt_hash={state_hash_of(files[min(files)][0])}"),
+                            force=force)
+        except ReplayRefused as e:  # the framework's checkpoint is not the run's: a verdict
+            return {"reproduced": False, "steps": f"{a}-{b}", "replayed_from": start, "compared": 0,
+                    "first_mismatch": _not_the_runs(start, str(e)), "chain": {}, "notes": notes}
         env = environment_differences(doc, scratch)
         if env and not force:
             raise VerifyError(f"the replay ran in another environment than the run ({', '.join(sorted(env)[:4])}"

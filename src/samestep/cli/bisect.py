@@ -12,8 +12,8 @@ from samestep.cli.errors import InputError, verdict
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "bisect", help="find where two runs diverged (samestep train's, or samestep.Run programs): step, then op, "
-                       "module, microbatch and rank",
+        "bisect", help="find where two runs diverged (samestep train's, or programs of samestep.Run or the HF or "
+                       "Lightning callbacks): step, then op, module, microbatch and rank",
         description="Finds the first step whose receipts differ, replays both runs from their newest common "
                     "checkpoint before it with op-level tracing of that step, and diffs the replays. Exit 0 "
                     "identical, 1 diverged, 2 usage or input error, or nothing in common to compare.",
@@ -24,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--retries", type=int, default=3, help="replays again when a divergence does not reproduce "
                                                          "(a race that did not fire); default 3")
     p.add_argument("--force", action="store_true", help="compare even if configs or environments differ, and replay "
-                                                       "a samestep.Run program changed since its run")
+                                                       "a program of one's own changed since its run")
     p.add_argument("--keep", metavar="DIR", help="leave the replays in DIR (a new directory)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run, subparser=p)

@@ -12,8 +12,8 @@ from samestep.cli.errors import InputError, verdict
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "verify", help="replay a run (samestep train's, or a samestep.Run program run again) and compare every "
-                       "receipt, bit for bit",
+        "verify", help="replay a run (samestep train's, or the program of a samestep.Run or HF or Lightning "
+                       "callback run again) and compare every receipt, bit for bit",
         description="Replays steps A-B of a run from its newest checkpoint before A (from scratch if none) in a "
                     "scratch directory and compares each replayed receipt with the recorded one. Exit 0 all "
                     "reproduce, 1 names the first step that does not (or a broken receipt chain), 2 cannot replay.",
@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir")
     p.add_argument("--steps", metavar="A-B", help="the steps to check (default: every receipted step)")
     p.add_argument("--force", action="store_true", help="verify even if this machine's environment differs, or a "
-                                                       "samestep.Run program changed since its run")
+                                                       "program of one's own changed since its run")
     p.add_argument("--keep", metavar="DIR", help="leave the replay in DIR (a new directory) instead of removing it")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run, subparser=p)

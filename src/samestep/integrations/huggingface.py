@@ -21,24 +21,36 @@ What it does:
 
 The Trainer's own resume restores the data position (it skips the batches its checkpoint consumed) and
 the RNG states; this callback checks that it did, and the trace shows the rest.
+
+run.json records the program (``samestep.program``), so that ``samestep verify`` and ``samestep bisect`` run
+it again: under their replay request (``samestep.replay_request``) the callback points the Trainer's output
+directory and the trace at the request's scratch directory, has ``Trainer.train`` resume from the copy of
+the checkpoint there (whatever the program passes it), traces as asked, saves no checkpoint, and ends the
+process (exit 0) after the request's last step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import json
 from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback
 
+from samestep import program
 from samestep.durable import read_file, write_durable
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, rng_digest, state_fingerprint
 from samestep.integrations.steps import HookedSteps
 from samestep.protocol import RunProtocol
+from samestep.receipts import ReceiptError
+from samestep.replay_request import ReplayRequest
+from samestep.resume_points import HF, HF_FINGERPRINT, resumes
 
 __all__ = ["FINGERPRINT", "ResumeMismatch", "SamestepCallback"]
 
-FINGERPRINT = "samestep.json"  # in each checkpoint-N directory
+FINGERPRINT = HF_FINGERPRINT  # in each checkpoint-N directory
 
 
 class SamestepCallback(TrainerCallback):
@@ -63,14 +75,26 @@ class SamestepCallback(TrainerCallback):
         self._rec: Any = None
         self._hooked: HookedSteps | None = None
         self._pending: tuple[dict[str, Any], str] | None = None  # a resume's RNG digest, checked at its first step
+        self._replay: ReplayRequest | None = None  # samestep verify's or bisect's, from the Trainer's construction
 
     # -- start and end -----------------------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self._replay = ReplayRequest.for_run(self.run_dir or Path(args.output_dir), "SamestepCallback")
+        if self._replay is not None:  # the scratch directory, traced as asked, receipted; see replay_request
+            self.run_dir = Path(self._replay.into)
+            args.output_dir = self._replay.into  # the Trainer's own files too (the arguments are the Trainer's)
+            self.level, self.steps, self.receipts = self._replay.level, self._replay.trace_steps, True
+            _replaying_train()
         self._proto.enable(threads=self.threads, kernels=self.kernels, who="SamestepCallback")
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
                        lr_scheduler: Any = None, **kwargs: Any) -> None:
         self._end()
+        refusing = self._replay.refusing(ResumeMismatch, ReceiptError) if self._replay else contextlib.nullcontext()
+        with refusing:  # a replay's resume refused: its checkpoint is not the run's (the verdict says so)
+            self._start(args, state, model, optimizer, lr_scheduler)
+
+    def _start(self, args: Any, state: Any, model: Any, optimizer: Any, lr_scheduler: Any) -> None:
         run_dir = self.run_dir or Path(args.output_dir)
         resumed = state.global_step > 0
         if resumed:  # the Trainer has restored the model, the optimizer and the scheduler by now
@@ -93,7 +117,9 @@ class SamestepCallback(TrainerCallback):
             how_to_resume="trainer.train(resume_from_checkpoint=...)", receipts=self.receipts and args.should_save,
             start=state.global_step if resumed else 0,
             optimizer=getattr(optimizer, "optimizer", optimizer),  # accelerate wraps it; the update is the inner one's
-            scheduler=lr_scheduler, source="transformers.Trainer")
+            scheduler=lr_scheduler, source="transformers.Trainer",
+            program=None if self._replay or not args.should_save else program.describe(
+                run_dir, resumes(HF, run_dir, Path(args.output_dir))))
         self._rec = self._hooked.rec
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -135,6 +161,9 @@ class SamestepCallback(TrainerCallback):
             self._rec.state(model, optimizer)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self._replay is not None:  # its receipts are all a replay keeps; it ends after its last step
+            control.should_save = False
+            control.should_training_stop = control.should_training_stop or state.global_step >= self._replay.stop_after
         if self._hooked is not None:
             self._hooked.end_step()  # the update and the scheduler's step are made: the receipt's state
             if control.should_save:
@@ -147,6 +176,32 @@ class SamestepCallback(TrainerCallback):
             return
         doc = {**state_fingerprint(state.global_step, model, optimizer, lr_scheduler), "rng": rng_digest()}
         write_durable(checkpoint / FINGERPRINT, json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n")
+
+
+def _replaying_train() -> None:
+    """Makes ``Trainer.train`` of a Trainer whose SamestepCallback replays resume from the request's checkpoint
+    (from scratch without one), close the callback and end the process (exit 0) once training stops: the
+    program's code after it is the run's. Installed once, in a replaying process only."""
+    from transformers import Trainer
+
+    if getattr(Trainer.train, "samestep_replay", False):
+        return
+    original = Trainer.train
+
+    @functools.wraps(original)
+    def train(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
+        mine = next((cb for cb in self.callback_handler.callbacks
+                     if isinstance(cb, SamestepCallback) and cb._replay is not None), None)
+        if mine is None:
+            return original(self, resume_from_checkpoint, *args, **kwargs)
+        try:
+            original(self, mine._replay.resume_from, *args, **kwargs)
+        finally:
+            mine.close()
+        raise SystemExit(0)
+
+    train.samestep_replay = True  # type: ignore[attr-defined]
+    Trainer.train = train
 
 
 def _check_rng_file(checkpoint: Path, args: Any) -> None:

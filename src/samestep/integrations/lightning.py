@@ -19,10 +19,20 @@ What it does:
   restored before the first resumed step, and the data position: a ``KeyedSampler`` is moved to the
   first sample the checkpoint had not consumed; a mid-epoch resume with a loader that can do neither
   (Lightning would restart the epoch's data, and only warn) is refused.
+
+run.json records the program (``samestep.program``) and each checkpoint Lightning's ``ModelCheckpoint`` wrote
+with its step (``resume_points.index``), so that ``samestep verify`` and ``samestep bisect`` run the program
+again: under their replay request (``samestep.replay_request``) the callback traces into the request's
+scratch directory, points every ``ModelCheckpoint`` there, has ``Trainer.fit`` resume from the copy of the
+checkpoint in it (whatever ``ckpt_path`` the program passes), traces as asked, and ends the process (exit 0)
+after the request's last step.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import inspect
 import math
 import warnings
 from pathlib import Path
@@ -31,10 +41,14 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from samestep import program
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, state_fingerprint
 from samestep.integrations.sampler import KeyedSampler
 from samestep.integrations.steps import HookedSteps
 from samestep.protocol import RunProtocol
+from samestep.receipts import ReceiptError
+from samestep.replay_request import ReplayRequest
+from samestep.resume_points import LIGHTNING, index, resumes
 from samestep.rng import capture_rng, restore_rng
 
 __all__ = ["KeyedSampler", "ResumeMismatch", "SamestepCallback"]
@@ -65,6 +79,13 @@ class SamestepCallback(pl.Callback):
         self._mb = 0
         self._trainer: pl.Trainer | None = None  # state_dict() is given no trainer: fit's, from on_fit_start
         self._quiet: list[Any] = []  # warning filters this callback added, removed at the end
+        self._saving: int | None = None  # the step of the checkpoint being written, until its file is known
+        self._indexed: set[str] = set()  # the checkpoint files run.json holds (or held when this process began)
+        self._replay = ReplayRequest.for_run(self.run_dir, "SamestepCallback")
+        if self._replay is not None:  # the scratch directory, traced as asked, receipted; see replay_request
+            self.run_dir = Path(self._replay.into)
+            self.level, self.steps, self.receipts = self._replay.level, self._replay.trace_steps, True
+            _replaying_fit()
 
     @property
     def state_key(self) -> str:
@@ -74,8 +95,16 @@ class SamestepCallback(pl.Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
             self._proto.enable(threads=self.threads, kernels=self.kernels, who="SamestepCallback")
+        if self._replay is not None:  # the run's checkpoints stay as they are: a replay's go to its scratch directory
+            for cb in trainer.checkpoint_callbacks:
+                cb.dirpath = str(Path(self._replay.into) / "lightning_checkpoints")
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        refusing = self._replay.refusing(ResumeMismatch, ReceiptError) if self._replay else contextlib.nullcontext()
+        with refusing:  # a replay's resume refused: its checkpoint is not the run's (the verdict says so)
+            self._start(trainer, pl_module)
+
+    def _start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         resumed = self._saved is not None and trainer.global_step > 0
         if resumed:
             saved = self._saved
@@ -87,10 +116,31 @@ class SamestepCallback(pl.Callback):
             how_to_resume="trainer.fit(..., ckpt_path=...)", receipts=self.receipts and trainer.is_global_zero,
             start=trainer.global_step if resumed else 0,
             optimizer=trainer.optimizers[0] if trainer.optimizers else None,
-            scheduler=configs[0].scheduler if configs else None, source="lightning.Trainer")
+            scheduler=configs[0].scheduler if configs else None, source="lightning.Trainer",
+            program=program.describe(self.run_dir, resumes(LIGHTNING, self.run_dir)) if self._indexes(trainer)
+            else None)
         self._rec = self._hooked.rec
+        if self._indexes(trainer):
+            self._indexed = _saved_files(trainer)  # a resumed ModelCheckpoint knows the files before this process
+            if resumed and trainer.ckpt_path:
+                index(self.run_dir, trainer.global_step, Path(trainer.ckpt_path))
+
+    def _indexes(self, trainer: pl.Trainer) -> bool:
+        """Whether this process records the program and the checkpoints in run.json (global rank 0's, no replay)."""
+        return self._replay is None and trainer.is_global_zero
+
+    def _note_saved(self, trainer: pl.Trainer) -> None:
+        """Indexes the files Lightning's ModelCheckpoint wrote since the callback's state was saved into one."""
+        step, self._saving = self._saving, None
+        if step is None or not self._indexes(trainer):
+            return
+        for path in sorted(_saved_files(trainer) - self._indexed):
+            if Path(path).is_file():
+                index(self.run_dir, step, Path(path))
+                self._indexed.add(path)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._note_saved(trainer)
         self._end()
 
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -113,6 +163,7 @@ class SamestepCallback(pl.Callback):
     # -- each step -----------------------------------------------------------------------------------------
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
+        self._note_saved(trainer)
         if self._saved is not None:  # the first resumed step: the RNG as it stood after the checkpoint's step
             if not self._saved.get("epoch_end"):
                 meta, tensors = self._saved["rng"]
@@ -148,6 +199,8 @@ class SamestepCallback(pl.Callback):
         self._rec.state(pl_module, trainer.optimizers[0] if trainer.optimizers else None)
         # the update and the scheduler's step are made (Lightning steps it before this hook): the receipt's state
         hooked.end_step(float(loss) if isinstance(loss, torch.Tensor) else math.nan)
+        if self._replay is not None and trainer.global_step >= self._replay.stop_after:
+            trainer.should_stop = True  # the replay's last step
 
     # -- Lightning's checkpoints -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -159,6 +212,7 @@ class SamestepCallback(pl.Callback):
         if trainer is None:
             raise RuntimeError("SamestepCallback.state_dict() outside Trainer.fit: nothing to fingerprint")
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        self._saving = trainer.global_step
         return {"rng": capture_rng(), "fingerprint": self._fingerprint(trainer, trainer.lightning_module),
                 "epoch_end": done >= trainer.num_training_batches}
 
@@ -204,3 +258,35 @@ class SamestepCallback(pl.Callback):
                              f"({type(loader).__name__} with {type(sampler).__name__}) cannot start there: Lightning "
                              "would restart the epoch's data. Give it sampler=samestep.integrations.lightning."
                              "KeyedSampler(len(dataset), seed), or a stateful loader (state_dict/load_state_dict)")
+
+
+def _saved_files(trainer: pl.Trainer) -> set[str]:
+    """The checkpoint files Lightning's ModelCheckpoint callbacks know of (best, last, the top k kept)."""
+    out: set[str] = set()
+    for cb in trainer.checkpoint_callbacks:
+        out.update(p for p in (getattr(cb, "best_model_path", ""), getattr(cb, "last_model_path", ""),
+                               *getattr(cb, "best_k_models", {})) if p)
+    return {str(Path(p).resolve()) for p in out}
+
+
+def _replaying_fit() -> None:
+    """Makes ``Trainer.fit`` of a Trainer whose SamestepCallback replays resume from the request's checkpoint
+    (from scratch without one) and end the process (exit 0) once training stops: the program's code after it
+    is the run's. Installed once, in a replaying process only."""
+    if getattr(pl.Trainer.fit, "samestep_replay", False):
+        return
+    original = pl.Trainer.fit
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def fit(self: pl.Trainer, *args: Any, **kwargs: Any) -> Any:
+        mine = next((cb for cb in self.callbacks if isinstance(cb, SamestepCallback) and cb._replay is not None), None)
+        if mine is None:
+            return original(self, *args, **kwargs)
+        bound = signature.bind(self, *args, **kwargs)
+        bound.arguments["ckpt_path"] = mine._replay.resume_from
+        original(*bound.args, **bound.kwargs)
+        raise SystemExit(0)
+
+    fit.samestep_replay = True  # type: ignore[attr-defined]
+    pl.Trainer.fit = fit

@@ -21,14 +21,17 @@ class HookedSteps:
     @classmethod
     def start(cls, proto: RunProtocol, run_dir: Path, *, level: str, steps: Any, resume: bool, model: Any,
               how_to_resume: str, receipts: bool = False, start: int = 0, optimizer: Any = None,
-              scheduler: Any = None, source: str = "", rank: int = 0, sharded: bool = False) -> HookedSteps:
+              scheduler: Any = None, source: str = "", rank: int = 0, sharded: bool = False,
+              program: dict[str, Any] | None = None) -> HookedSteps:
         """Starts the RunProtocol's trace of ``run_dir`` (a resume continues its stream) with the model's hooks
         attached, and, with ``receipts``, the receipts of the state of ``model``, ``optimizer`` and
         ``scheduler`` (``receipts.state_tree``): those past ``start`` (the step the framework resumed after,
         0 for a new run) are cut, and a resume whose restored state is not its receipt's is refused before
         anything is written; the optimizer's next step waits for the receipt being made. ``source``: what
         made the run (in the receipts' genesis). ``rank``: the receipts file's; ``sharded``: the model's
-        parameters are this rank's shards (the receipts are of them).
+        parameters are this rank's shards (the receipts are of them). ``program``: what run.json's ``programs``
+        records as running the steps after ``start`` (``program.describe``; None: nothing, a replay or a rank
+        that does not write run.json).
 
         Raises:
             ValueError: ``run_dir`` holds a traced run and this is no resume: says ``how_to_resume``.
@@ -55,6 +58,10 @@ class HookedSteps:
             raise ValueError(f"{run_dir} already holds a traced run; continue it with {how_to_resume}, or trace "
                              "into another run directory") from None
         try:
+            if program is not None:  # what samestep verify and bisect run again
+                from samestep.program import record
+
+                record(proto.run_dir, start, program)
             if receipts:
                 proto.open_receipts(rank, start, genesis({}, source), optimizer=optimizer, sharded=sharded,
                                     state=lambda step: (lambda tree=state(step): tree),

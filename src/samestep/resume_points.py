@@ -1,0 +1,83 @@
+"""Where a replay enters a framework's run again: the checkpoints the Hugging Face Trainer and Lightning save
+under samestep's callbacks, found from a run's run.json, and copied into a replay's scratch directory
+(docs/formats.md, run.json's ``programs`` and ``checkpoints``).
+
+- ``transformers.Trainer``: its ``checkpoint-N`` directories in the output directory its program records
+  (``programs[].resumes.checkpoints``, relative to the run directory where it lies in it, so a copy of the
+  run replays from its own copies), those that hold the callback's ``samestep.json`` (written after the
+  Trainer's own files: the checkpoint is whole);
+- ``lightning.Trainer``: the ``.ckpt`` files the callback saw Lightning write, each with its step, in
+  run.json's ``checkpoints`` (``index``), the one a resume started from among them.
+
+A ``samestep.Run``'s checkpoints are samestep's own (``checkpoint.committed_steps``); a program that records
+no ``resumes`` is one.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from samestep.rundir import read_run, write_run
+
+__all__ = ["HF", "HF_FINGERPRINT", "LIGHTNING", "RUN", "index", "points", "resumed_by", "resumes", "stage"]
+
+RUN, HF, LIGHTNING = "samestep.Run", "transformers.Trainer", "lightning.Trainer"
+HF_FINGERPRINT = "samestep.json"  # the callback's, in each of the Trainer's checkpoint-N directories
+
+
+def resumes(by: str, run_dir: Path, checkpoints: Path | None = None) -> dict[str, Any]:
+    """What a program records of how it resumes: the loop ``by``, and the directory it saves ``checkpoints``
+    into (relative to ``run_dir`` where it lies in it)."""
+    out: dict[str, Any] = {"by": by}
+    if checkpoints is not None:
+        where, base = Path(checkpoints).resolve(), Path(run_dir).resolve()
+        out["checkpoints"] = str(where.relative_to(base)) if where.is_relative_to(base) else str(where)
+    return out
+
+
+def resumed_by(doc: dict[str, Any]) -> str:
+    """The loop that saves a run's checkpoints (``RUN``, ``HF`` or ``LIGHTNING``), from its programs."""
+    programs = [p for p in doc.get("programs", []) if isinstance(p, dict)]
+    return programs[-1].get("resumes", {}).get("by", RUN) if programs else RUN
+
+
+def points(run_dir: Path, doc: dict[str, Any]) -> dict[int, Path]:
+    """A framework run's checkpoints on disk, by the step each holds (empty for a ``samestep.Run``'s)."""
+    by, found = resumed_by(doc), {}
+    if by == HF:
+        for program in doc.get("programs", []):
+            where = program.get("resumes", {}).get("checkpoints") if isinstance(program, dict) else None
+            if where is None:
+                continue
+            for path in (Path(run_dir) / where).glob("checkpoint-*"):
+                step = path.name.removeprefix("checkpoint-")
+                if step.isdigit() and (path / HF_FINGERPRINT).is_file():
+                    found[int(step)] = path
+    elif by == LIGHTNING:
+        for entry in doc.get("checkpoints", []):
+            if isinstance(entry, dict) and isinstance(entry.get("step"), int) and Path(entry["path"]).is_file():
+                found[entry["step"]] = Path(entry["path"])
+    return dict(sorted(found.items()))
+
+
+def stage(path: Path, scratch: Path) -> Path:
+    """A copy of the checkpoint ``path`` (a directory or a file) in ``scratch``, by its name (the Trainer's
+    ``checkpoint-N`` where the replay's output directory keeps it), to resume the replay from."""
+    copy = Path(scratch) / path.name
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir():
+        shutil.copytree(path, copy)
+    else:
+        shutil.copy2(path, copy)
+    return copy
+
+
+def index(run_dir: Path, step: int, path: Path) -> None:
+    """Records in run.json that ``path`` is a checkpoint of ``step`` (Lightning's: its file names need not say)."""
+    doc = read_run(run_dir)
+    where = str(Path(path).resolve())
+    kept = [e for e in doc.get("checkpoints", []) if isinstance(e, dict) and e.get("path") != where]
+    doc["checkpoints"] = [*kept, {"step": step, "path": where}]
+    write_run(run_dir, doc)

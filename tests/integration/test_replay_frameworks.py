@@ -1,0 +1,94 @@
+"""`samestep verify` and `samestep bisect` on runs of the framework callbacks: the examples (examples/hf_trainer.py,
+examples/lightning_fit.py), copied into the test's directory (their working tree) and run as a user runs them,
+are run again from their recorded commands under a replay request, resuming from a copy of the framework's own
+checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli_here
+from tests.forgery import flip_a_weight, rewrite_receipts
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _start(where: Path, example: str, *args: str) -> subprocess.Popen:
+    """``python EXAMPLE ARGS`` in ``where``, as a user starts it there."""
+    env = {k: v for k, v in os.environ.items() if k != "SAMESTEP_REPLAY"}
+    return subprocess.Popen([sys.executable, example, *args], cwd=where, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+
+
+def _finish(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        _, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+
+
+def _json(proc: subprocess.CompletedProcess, code: int) -> dict:
+    assert proc.returncode == code, proc.stdout + proc.stderr
+    return json.loads(proc.stdout)
+
+
+def _files(where: Path) -> dict[str, int]:
+    return {str(p.relative_to(where)): p.stat().st_mtime_ns for p in sorted(where.rglob("*")) if p.is_file()}
+
+
+def test_an_hf_trainer_run_is_verified_from_its_checkpoint_and_bisected_to_a_planted_step(tmp_path):
+    """Three runs of the HF Trainer example (6 steps, the Trainer's checkpoints every 3): a, b, and one with a
+    ULP planted in a weight after step 5. run.json records the program and where the Trainer checkpoints;
+    verify of steps 4-6 resumes the Trainer from a copy of checkpoint-3 and reproduces every receipt, leaving
+    the run's files as they were; bisect of a and the planted run replays both from checkpoint-3 and names
+    step 5. Negative controls: a weight flipped in checkpoint-3 is refused by the replayed callback's resume
+    check (NOT THE RUN'S, exit 1); the unplanted pair a, b is identical to bisect."""
+    shutil.copy(EXAMPLES / "hf_trainer.py", tmp_path)
+    _finish(*(_start(tmp_path, "hf_trainer.py", name, *extra)
+              for name, *extra in (("a",), ("b",), ("p", "--plant-step", "5"))))
+    program = json.loads((tmp_path / "a" / "run.json").read_text())["programs"][0]
+    assert program["resumes"] == {"by": "transformers.Trainer", "checkpoints": "."}, program
+    before = _files(tmp_path / "a")
+    report = _json(cli_here("verify", str(tmp_path / "a"), "--steps", "4-6", "--json"), 0)
+    assert report["reproduced"] and report["replayed_from"] == 3 and report["compared"] == 3, report
+    assert _files(tmp_path / "a") == before
+
+    bisected = _json(cli_here("bisect", str(tmp_path / "a"), str(tmp_path / "p"), "--json"), 1)
+    assert bisected["first_divergent_step"] == 5 and bisected["replayed_from"] == 3, bisected["summary"]
+    same = _json(cli_here("bisect", str(tmp_path / "a"), str(tmp_path / "b"), "--json"), 0)
+    assert same["identical"] and same["attempts"] == 0, same["summary"]
+
+    checkpoint = tmp_path / "a" / "checkpoint-3" / "model.safetensors"
+    checkpoint.write_bytes(flip_a_weight(checkpoint.read_bytes()))
+    proc = cli_here("verify", str(tmp_path / "a"), "--steps", "4-6")
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "NOT THE RUN'S: the checkpoint of step 3" in proc.stdout and "model differs" in proc.stdout, proc.stdout
+
+
+def test_a_lightning_run_is_verified_from_its_indexed_checkpoint_and_an_edited_loss_is_not_reproduced(tmp_path):
+    """The Lightning example (6 steps, 2 batches a step, ModelCheckpoint every 3): run.json indexes the files of
+    steps 3 and 6; verify of steps 4-6 resumes fit from a copy of step 3's file and reproduces every receipt
+    (loss bits and state), writing nothing into the run's checkpoint folder. Negative control: the loss of
+    step 5 edited in the receipts, the chain rehashed, is NOT REPRODUCED at step 5."""
+    shutil.copy(EXAMPLES / "lightning_fit.py", tmp_path)
+    _finish(_start(tmp_path, "lightning_fit.py", "run"))
+    run = tmp_path / "run"
+    doc = json.loads((run / "run.json").read_text())
+    assert doc["programs"][0]["resumes"] == {"by": "lightning.Trainer"}
+    assert sorted(e["step"] for e in doc["checkpoints"]) == [3, 6], doc["checkpoints"]
+    before = _files(run)
+    report = _json(cli_here("verify", str(run), "--steps", "4-6", "--json"), 0)
+    assert report["reproduced"] and report["replayed_from"] == 3 and report["compared"] == 3, report
+    assert _files(run) == before
+
+    rewrite_receipts(run / "receipts" / "rank_00000.jsonl", lambda rs: rs[4].update(loss_hex=(0.5).hex()))
+    proc = cli_here("verify", str(run), "--steps", "5")
+    assert proc.returncode == 1 and "NOT REPRODUCED: step 5 (rank 0): loss" in proc.stdout, proc.stdout + proc.stderr
