@@ -7,7 +7,10 @@ under samestep's callbacks, found from a run's run.json, and copied into a repla
   run replays from its own copies), those that hold the callback's ``samestep.json`` (written after the
   Trainer's own files: the checkpoint is whole);
 - ``lightning.Trainer``: the ``.ckpt`` files the callback saw Lightning write, each with its step, in
-  run.json's ``checkpoints`` (``index``), the one a resume started from among them.
+  run.json's ``checkpoints`` (``index``), the one a resume started from among them;
+- ``torchtitan`` (``integrations.torchtitan``): the ``step-N`` directories of torchtitan's checkpoint folder
+  (``programs[].resumes.checkpoints``) that hold DCP's ``.metadata`` (written last), ``step-0`` a seed
+  checkpoint; a replay's copy goes where the job in the scratch directory looks for it (``resumes.folder``).
 
 A ``samestep.Run``'s checkpoints are samestep's own (``checkpoint.committed_steps``); a program that records
 no ``resumes`` is one.
@@ -21,9 +24,9 @@ from typing import Any
 
 from samestep.rundir import read_run, write_run
 
-__all__ = ["HF", "HF_FINGERPRINT", "LIGHTNING", "RUN", "index", "points", "resumed_by", "resumes", "stage"]
+__all__ = ["HF", "HF_FINGERPRINT", "LIGHTNING", "RUN", "TORCHTITAN", "index", "points", "resumed_by", "resumes", "stage"]
 
-RUN, HF, LIGHTNING = "samestep.Run", "transformers.Trainer", "lightning.Trainer"
+RUN, HF, LIGHTNING, TORCHTITAN = "samestep.Run", "transformers.Trainer", "lightning.Trainer", "torchtitan"
 HF_FINGERPRINT = "samestep.json"  # the callback's, in each of the Trainer's checkpoint-N directories
 
 
@@ -34,6 +37,8 @@ def resumes(by: str, run_dir: Path, checkpoints: Path | None = None) -> dict[str
     if checkpoints is not None:
         where, base = Path(checkpoints).resolve(), Path(run_dir).resolve()
         out["checkpoints"] = str(where.relative_to(base)) if where.is_relative_to(base) else str(where)
+    if by == TORCHTITAN and checkpoints is not None:
+        out["folder"] = Path(checkpoints).name  # torchtitan's checkpoint.folder, in the job's dump folder
     return out
 
 
@@ -46,14 +51,15 @@ def resumed_by(doc: dict[str, Any]) -> str:
 def points(run_dir: Path, doc: dict[str, Any]) -> dict[int, Path]:
     """A framework run's checkpoints on disk, by the step each holds (empty for a ``samestep.Run``'s)."""
     by, found = resumed_by(doc), {}
-    if by == HF:
+    prefix, finished = {HF: ("checkpoint-", HF_FINGERPRINT), TORCHTITAN: ("step-", ".metadata")}.get(by, ("", ""))
+    if prefix:
         for program in doc.get("programs", []):
             where = program.get("resumes", {}).get("checkpoints") if isinstance(program, dict) else None
             if where is None:
                 continue
-            for path in (Path(run_dir) / where).glob("checkpoint-*"):
-                step = path.name.removeprefix("checkpoint-")
-                if step.isdigit() and (path / HF_FINGERPRINT).is_file():
+            for path in (Path(run_dir) / where).glob(prefix + "*"):
+                step = path.name.removeprefix(prefix)
+                if step.isdigit() and (path / finished).is_file():
                     found[int(step)] = path
     elif by == LIGHTNING:
         for entry in doc.get("checkpoints", []):
@@ -62,10 +68,13 @@ def points(run_dir: Path, doc: dict[str, Any]) -> dict[int, Path]:
     return dict(sorted(found.items()))
 
 
-def stage(path: Path, scratch: Path) -> Path:
-    """A copy of the checkpoint ``path`` (a directory or a file) in ``scratch``, by its name (the Trainer's
-    ``checkpoint-N`` where the replay's output directory keeps it), to resume the replay from."""
-    copy = Path(scratch) / path.name
+def stage(path: Path, scratch: Path, doc: dict[str, Any]) -> Path:
+    """A copy of the checkpoint ``path`` (a directory or a file) of the run whose run.json is ``doc`` in
+    ``scratch``, by its name, where the replayed job looks for it (the Trainer's ``checkpoint-N`` in its output
+    directory; torchtitan's ``step-N`` in its checkpoint folder), to resume the replay from."""
+    programs = [p for p in doc.get("programs", []) if isinstance(p, dict)]
+    folder = programs[-1].get("resumes", {}).get("folder", "") if programs else ""
+    copy = Path(scratch) / folder / path.name
     copy.parent.mkdir(parents=True, exist_ok=True)
     if path.is_dir():
         shutil.copytree(path, copy)

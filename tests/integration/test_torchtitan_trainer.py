@@ -5,26 +5,30 @@ resume through torchtitan's checkpoint; with torchtitan's own accumulation and r
 bytes on 2 processes; a resume that restores another optimizer state is refused by its receipts, and one on
 another layout while receipts are on (2 -> 1 without them: the one process's bytes).
 
-What torchtitan needs CUDA for is stood in for in each trainer process, never in the shipped module: its
-device-type fallback ("cuda" on a CPU-only torch), its device memory monitor, the device barrier of its
-timeout change, FlexAttention (no CPU backward), for which each block runs torchtitan's own SDPA module,
-and NCCL's PREMUL_SUM in FSDP2's own reduce-scatter (gloo has none: a sum, then the scale). Every run
-starts from one seed checkpoint (torchtitan's way to the same initial weights on any layout)."""
+What torchtitan needs CUDA for is stood in for in each trainer process, never in the shipped module
+(tests/programs/titan_on_cpu.py). Every run starts from one seed checkpoint (torchtitan's way to the same
+initial weights on any layout)."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
-import types
 from pathlib import Path
 
 import pytest
 import torch
 
+from samestep.analysis.receipt_diff import by_rank, first_receipt_difference
+from samestep.receipts import read_run_receipts
 from tests.conftest import cli_here, spawn
+from tests.forgery import rewrite_receipts
+from tests.programs.titan_on_cpu import on_cpu
+
+PROGRAM = Path(__file__).resolve().parents[1] / "programs" / "titan_on_cpu.py"
 
 pytestmark = pytest.mark.slow
 
@@ -34,38 +38,12 @@ ARGS = ("--module", "samestep.integrations.torchtitan", "--config", "llama3_debu
         "--parallelism.spmd_backend", "partial_dtensor", "--metrics.log_freq", "1")
 
 
-def _on_cpu() -> None:
-    """The stand-ins (see the module docstring), in a trainer process before torchtitan builds anything."""
-    import torch.distributed.fsdp._fully_shard._fsdp_collectives as collectives
-    import torchtitan.components.metrics as metrics
-    import torchtitan.distributed.parallel_dims as parallel_dims
-    import torchtitan.distributed.utils as dist_utils
-    import torchtitan.models.llama3 as llama3
-    import torchtitan.tools.utils as utils
-    from torchtitan.models.common.attention import ScaledDotProductAttention
-
-    for module in (utils, metrics, dist_utils, parallel_dims):
-        module.device_type = "cpu"
-        if hasattr(module, "device_module"):
-            module.device_module = torch.cpu
-    for name, fn in {"get_device_name": lambda *a: "cpu", "memory_stats": lambda *a: {},
-                     "get_device_properties": lambda *a: types.SimpleNamespace(total_memory=1 << 34),
-                     "reset_peak_memory_stats": lambda *a: None, "empty_cache": lambda *a: None}.items():
-        if not hasattr(torch.cpu, name):
-            setattr(torch.cpu, name, fn)
-    dist_utils.set_pg_timeouts = lambda timeout, parallel_dims: torch.distributed.barrier()
-    llama3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
-    divide = collectives._get_gradient_divide_factors  # NCCL's PREMUL_SUM, which gloo refuses: a sum, then a scale
-    collectives._get_gradient_divide_factors = lambda group, all_reduce, dtype, kind="", factor=None, _=False: divide(
-        group, all_reduce, dtype, kind, factor, True)
-
-
 def _trainer(rank: int, world: int, port: int, argv: list[str], kill_at: int | None) -> None:
     """One process of torchtitan's entry point (``python -m torchtitan.train ARGV``), as torchrun starts it."""
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     sys.stdout = open(os.devnull, "w")
-    _on_cpu()
+    on_cpu()
     if kill_at is not None:
         from samestep.integrations.torchtitan import SamestepTrainer
 
@@ -145,12 +123,27 @@ def killed(seed, tmp_path_factory) -> Path:
     return dump
 
 
+def _torchrun(where: Path, dump: str, nproc: int, seed: Path) -> None:
+    """tests/programs/titan_on_cpu.py under torchrun in ``where``, as a user runs torchtitan, into ``where/dump``
+    from the seed checkpoint."""
+    shutil.copy(PROGRAM, where)
+    shutil.copytree(seed, where / dump / "checkpoint" / "step-0")
+    env = {k: v for k, v in os.environ.items() if k != "SAMESTEP_REPLAY"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                           str(nproc), "titan_on_cpu.py", *ARGS, "--dump_folder", dump], cwd=where, env=env,
+                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
 def test_one_and_two_processes_and_a_kill_and_resume_give_the_same_bits(seed, one, killed, tmp_path):
-    """On 2 processes (FSDP2), and on 2 killed in step 4 and resumed from torchtitan's checkpoint of step 2, the
-    loss and grad-norm bits of every step and the model and optimizer bytes of the checkpoint of step 4 are
-    the one process's; every rank's receipts hold."""
+    """On 2 processes (FSDP2, torchtitan run under torchrun), and on 2 killed in step 4 and resumed from
+    torchtitan's checkpoint of step 2, the loss and grad-norm bits of every step and the model and optimizer
+    bytes of the checkpoint of step 4 are the one process's; every rank's receipts hold. `samestep verify`
+    of steps 3-4 of the torchrun job runs it again under torchrun on 2 processes from a copy of torchtitan's
+    checkpoint of step 2, and every rank's receipts reproduce. Negative control: a loss edited in the receipts
+    of step 4 (the chain rehashed) differs from the replay's by the same comparison."""
     two, resumed = tmp_path / "two", tmp_path / "resumed"
-    titan(two, nproc=2, seed=seed)
+    _torchrun(tmp_path, "two", 2, seed)
     shutil.copytree(killed, resumed)
     titan(resumed, nproc=2)
     reference = checkpointed(one)
@@ -160,6 +153,17 @@ def test_one_and_two_processes_and_a_kill_and_resume_give_the_same_bits(seed, on
         assert checkpointed(dump) == reference, dump.name
     verify = cli_here("receipts", "verify", str(resumed))
     assert verify.returncode == 0 and "rank 1: steps 1-4" in verify.stdout, verify.stdout + verify.stderr
+
+    program = json.loads((two / "run.json").read_text())["programs"][0]
+    assert program["launcher"] == {"name": "torchrun", "nproc_per_node": 2, "nnodes": 1}
+    assert program["resumes"] == {"by": "torchtitan", "checkpoints": "checkpoint", "folder": "checkpoint"}
+    report = json.loads(cli_here("verify", str(two), "--steps", "3-4", "--json", "--keep",
+                                 str(tmp_path / "replay")).stdout)
+    assert report["reproduced"] and report["replayed_from"] == 2 and report["compared"] == 4, report
+    rewrite_receipts(two / "receipts" / "rank_00000.jsonl", lambda rs: rs[3].update(loss_hex=(0.5).hex()))
+    mismatch, _, _ = first_receipt_difference(by_rank(read_run_receipts(two)),
+                                              by_rank(read_run_receipts(tmp_path / "replay")), range(3, 5))
+    assert mismatch is not None and (mismatch["step"], mismatch["fields"]) == (4, ["loss_hex"]), mismatch
 
 
 def test_a_resume_on_another_layout_is_refused_by_its_receipts_and_exact_without_them(one, killed, tmp_path):

@@ -26,7 +26,7 @@ def test_the_trainers_checkpoints_are_those_the_callback_finished(tmp_path):
         if finished:
             (run / name / HF_FINGERPRINT).write_text("{}")
     assert points(run, doc) == {3: run / "checkpoint-3"}
-    staged = stage(run / "checkpoint-3", tmp_path / "scratch")
+    staged = stage(run / "checkpoint-3", tmp_path / "scratch", doc)
     assert staged == tmp_path / "scratch" / "checkpoint-3" and (staged / HF_FINGERPRINT).read_text() == "{}"
 
 

@@ -60,9 +60,9 @@ def check_replayable(run_dir: Path, doc: dict[str, Any]) -> None:
     programs = [p for p in doc.get("programs", []) if isinstance(p, dict)]
     if not programs:
         raise ReplayError(f"{run_dir / 'run.json'} records no program to run again (the loop traced itself with "
-                          "samestep.trace, or through the torchtitan integration, which does not record it yet): "
-                          "train through samestep.Run or the HF or Lightning callback to replay it; check its "
-                          "receipts with samestep receipts verify, or compare two runs with samestep diff")
+                          "samestep.trace): train through samestep.Run, the HF or Lightning callback or the "
+                          "torchtitan integration to replay it; check its receipts with samestep receipts verify, "
+                          "or compare two runs with samestep diff")
     for p in programs:
         if p.get("not_replayable"):
             program.check(p, run_dir)  # raises, naming why
@@ -104,8 +104,9 @@ def replay(run_dir: Path, scratch: Path, start: int, end: int, settings: tuple[s
     check_replayable(run_dir, doc)
     scratch.mkdir(parents=True)
     resume_from = None
-    if start and framework_run(doc):
-        resume_from = resume_points.stage(resume_points.points(run_dir, doc)[start], scratch)
+    if framework_run(doc):  # a seed checkpoint of step 0 (torchtitan's) is copied too
+        point = resume_points.points(run_dir, doc).get(start)
+        resume_from = None if point is None else resume_points.stage(point, scratch, doc)
     elif start:
         name = step_dir_name(start)
         shutil.copytree(checkpoints_dir(run_dir) / name, checkpoints_dir(scratch) / name)

@@ -12,7 +12,11 @@ What it changes of torchtitan's step, on one process or FSDP2 over every process
 - a trace of every step into the run directory (``samestep.level``) and a receipt of every step (rank 0's of
   the whole state, or every rank's of its own shards), continued on a resume through torchtitan's checkpoint,
   which is refused where the restored state is not the receipt of its step;
-- every rank's RNG states in torchtitan's checkpoint (the trainer's ``train_state``), as tensors.
+- every rank's RNG states in torchtitan's checkpoint (the trainer's ``train_state``), as tensors;
+- the program in run.json (``samestep.program``), so ``samestep verify`` and ``bisect`` run the job again: under
+  their replay request (``samestep.replay_request``) the job's dump folder is the request's scratch directory,
+  holding the copy of torchtitan's checkpoint the replay starts from (``resume_points``), it traces as asked,
+  and it ends after the request's last step.
 
 Other parallelisms (tensor, pipeline, context, expert, replicated data) are refused by name. Run it as
 torchtitan runs an extension module::
@@ -23,6 +27,7 @@ torchtitan runs an extension module::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -34,9 +39,13 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
+from samestep import program
 from samestep.integrations.steps import HookedSteps
 from samestep.integrations.torchtitan.data import CorpusLoader
 from samestep.protocol import RunProtocol
+from samestep.receipts import ReceiptError
+from samestep.replay_request import ReplayRequest
+from samestep.resume_points import TORCHTITAN, resumes
 from samestep.rng import capture_rng, restore_rng
 
 __all__ = ["Samestep", "SamestepTrainer"]
@@ -75,6 +84,12 @@ class SamestepTrainer(Trainer):
     def __init__(self, config: Config) -> None:
         opts = config.samestep
         self.rank = int(os.environ.get("RANK", "0"))
+        # the checkpoints' folder, as the run wrote it (a replay's is its scratch directory's)
+        self._checkpoints = Path(config.dump_folder) / config.checkpoint.folder
+        self._replay = ReplayRequest.for_run(opts.run_dir or config.dump_folder, "SamestepTrainer")
+        if self._replay is not None:  # the scratch directory, traced as asked, receipted; see replay_request
+            config.dump_folder = opts.run_dir = self._replay.into
+            opts.level, opts.steps, opts.receipts = self._replay.level, self._replay.trace_steps or "", True
         self._proto = RunProtocol(Path(opts.run_dir or config.dump_folder), hold_dir=self.rank == 0)
         self._hooked: HookedSteps | None = None
         self._rng: dict[str, torch.Tensor] | None = None  # the checkpoint's, until the first step restores it
@@ -129,12 +144,16 @@ class SamestepTrainer(Trainer):
         model = self.model_parts[0]
         if opts.receipts and start:
             self._refuse_another_layout(start)
-        self._hooked = HookedSteps.start(
-            self._proto, self._proto.run_dir, level=opts.level, steps=opts.steps or None, resume=start > 0,
-            model=model, how_to_resume="torchtitan's checkpoint (checkpoint.enable, the same dump_folder)",
-            receipts=opts.receipts and RunProtocol.keeps_receipts(self.rank, self.sharded), start=start,
-            optimizer=self.optimizers, scheduler=self.lr_schedulers, source="torchtitan", rank=self.rank,
-            sharded=self.sharded)
+        records = self._replay is None and self.rank == 0  # what samestep verify and bisect run again
+        refusing = self._replay.refusing(ReceiptError) if self._replay else contextlib.nullcontext()
+        with refusing:  # a replay's resume refused: its checkpoint is not the run's (the verdict says so)
+            self._hooked = HookedSteps.start(
+                self._proto, self._proto.run_dir, level=opts.level, steps=opts.steps or None, resume=start > 0,
+                model=model, how_to_resume="torchtitan's checkpoint (checkpoint.enable, the same dump_folder)",
+                receipts=opts.receipts and RunProtocol.keeps_receipts(self.rank, self.sharded), start=start,
+                optimizer=self.optimizers, scheduler=self.lr_schedulers, source="torchtitan", rank=self.rank,
+                sharded=self.sharded, program=program.describe(self._proto.run_dir, resumes(
+                    TORCHTITAN, self._proto.run_dir, self._checkpoints)) if records else None)
         self._params = list(model.named_parameters())
         return self._hooked
 
@@ -203,6 +222,10 @@ class SamestepTrainer(Trainer):
         if self.metrics_processor.should_log(step):
             self.metrics_processor.log(step, loss_value, loss_value, norm_value,
                                        extra_metrics={"n_tokens_seen": self.ntokens_seen, **lr_metrics})
+
+    def should_continue_training(self) -> bool:
+        """torchtitan's rule; a replay also ends after the request's last step (the schedule stays the run's)."""
+        return super().should_continue_training() and (self._replay is None or self.step < self._replay.stop_after)
 
     def _saves(self, step: int) -> bool:
         ck = self.config.checkpoint
