@@ -23,9 +23,9 @@ demo: install
 	$(BIN)/samestep demo
 
 # Tests run in TEST_WORKERS processes (pytest-xdist), each handed the next test module as it frees up, the
-# longest first (tests/conftest.py). Each waits on its trainers, ranks and replays at times, so four fill a 2-core
-# machine (docs/performance.md, "The test suite"). TEST_WORKERS=0 runs them in this one process.
-TEST_WORKERS ?= 4
+# longest first (tests/conftest.py). Each waits on its trainers and ranks at times, so three fill a 2-core machine
+# (four made the suite slower: docs/performance.md, "The test suite"). TEST_WORKERS=0 runs them in this one process.
+TEST_WORKERS ?= 3
 
 # PYTHONDONTWRITEBYTECODE= : pytest rewrites samestep's asserts (its plugin's package) once, not in every worker.
 test: install
