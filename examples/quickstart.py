@@ -22,4 +22,6 @@ if __name__ == "__main__":
             run.metric("loss", loss)
             optimizer.step()
             optimizer.zero_grad()
+    if run.stopped:  # Ctrl-C or SIGTERM: saved after the step it came in; run it again to go on
+        sys.exit(samestep.preempt.EXIT_PREEMPTED)
     print(samestep.digest(torch.cat([p.detach().reshape(-1) for p in model.parameters()])))

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import Forked, cli_here, script_here, side_by_side
 
@@ -39,10 +40,21 @@ def _diff(a: Path, b: Path) -> int:
 
 def test_the_readme_shows_the_quick_start_as_it_is_and_it_runs_as_printed(tmp_path):
     """The README's code block is examples/quickstart.py, whole; run as the README prints it, twice, it gives
-    one digest, and interrupted (SIGINT after 20 steps) then run again, the same one. Negative control: the
-    interrupted run's own print is another digest (its weights stopped early)."""
+    one digest; interrupted (SIGINT after 20 steps) it exits 75 (EXIT_PREEMPTED) printing nothing, and run
+    again, it prints the same digest. The weights of the newest checkpoint, digested as the script digests its
+    model's, are that digest for the finished run. Negative control: those of the interrupted run's
+    checkpoint are another digest (its weights stopped early)."""
     import signal
     import time
+
+    from safetensors.torch import load_file
+
+    import samestep
+
+    def saved(run: Path) -> str:
+        newest = sorted((run / "checkpoints").glob("step_*"))[-1]
+        state = load_file(newest / "model.safetensors")
+        return samestep.digest(torch.cat([state[k].reshape(-1) for k in ("0.weight", "0.bias", "2.weight", "2.bias")]))
 
     code = (ROOT / "examples" / "quickstart.py").read_text(encoding="utf-8")
     assert f"```python\n{code}```" in (ROOT / "README.md").read_text(encoding="utf-8")
@@ -50,15 +62,16 @@ def test_the_readme_shows_the_quick_start_as_it_is_and_it_runs_as_printed(tmp_pa
     runs = [script_here(script, str(tmp_path / "a")),  # as printed, in a fresh process and in this one
             subprocess.run([sys.executable, script, str(tmp_path / "b")], capture_output=True, text=True, timeout=300)]
     assert runs[0].returncode == 0 and runs[0].stdout == runs[1].stdout, runs[0].stderr[-2000:]
+    assert saved(tmp_path / "a") == runs[0].stdout.strip()
     proc = Forked([str(tmp_path / "c")], script=Path(script))
     deadline = time.monotonic() + 300
     while not list((tmp_path / "c" / "checkpoints").glob("step_*")) and time.monotonic() < deadline:
         time.sleep(0.01)
     proc.send_signal(signal.SIGINT)
-    proc.wait(300)
-    stopped = proc.stdout
+    assert proc.wait(300) == 75 and proc.stdout == "", proc.stderr[-2000:]
+    stopped = saved(tmp_path / "c")
     again = script_here(script, str(tmp_path / "c"))
-    assert again.stdout == runs[0].stdout and stopped != runs[0].stdout
+    assert again.stdout == runs[0].stdout and stopped != runs[0].stdout.strip()
 
 
 def test_the_example_resumes_to_the_same_bits_and_diffs_identical(tmp_path):

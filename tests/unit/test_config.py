@@ -20,8 +20,8 @@ def test_defaults_toml_and_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("override,needle", [
-    ("train.stepz=3", "unknown key(s) train.stepz"),
-    ("trian.steps=3", "unknown section(s) ['trian']"),
+    ("train.stepz=3", "unknown key(s) train.stepz (did you mean train.steps?); known: "),
+    ("trian.steps=3", "unknown section(s) ['trian'] (did you mean train?); known: "),
     ("train.steps=many", "train.steps='many' is not a int"),
     ("train.steps", "expected section.key=value"),
     ("train.global_batch=9", "train.global_batch=9 is not a multiple of train.micro_batch=2"),
@@ -146,3 +146,22 @@ def test_show_config_lists_every_key_with_its_value_and_what_it_does(tmp_path, c
     (tmp_path / "shown.toml").write_text(text)
     assert main(["train", "--show-config", "--config", str(tmp_path / "shown.toml")]) == 0
     assert capsys.readouterr().out == text
+
+
+def test_a_key_near_none_gets_no_suggestion_and_the_cli_refuses_in_one_line(tmp_path):
+    """A misspelt key is named with its near miss; the CLI says so in one line, exit 2, nothing written.
+    Control: a key close to none is refused with the known keys and no guess."""
+    from samestep.cli import main
+
+    with pytest.raises(ValueError) as err:
+        load_config(None, ["train.zzzzzz=3"])
+    assert "unknown key(s) train.zzzzzz; known: " in str(err.value) and "did you mean" not in str(err.value)
+    import contextlib
+    import io
+
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        code = main(["train", "--run-dir", str(tmp_path / "run"), "--set", "train.stpes=5"])
+    lines = stderr.getvalue().strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "did you mean train.steps?" in lines[0], stderr.getvalue()
+    assert not (tmp_path / "run").exists()

@@ -12,7 +12,7 @@ MAX_LINES = 500
 # docs/design.md, "Layers": bottom first. A module imports modules of its own layer or lower ones only.
 LAYERS = (
     ("samestep.digests", "samestep.ops", "samestep.distributed", "samestep._state", "samestep.checksums",
-     "samestep.durable", "samestep.version", "samestep.numerics"),
+     "samestep.durable", "samestep.version", "samestep.numerics", "samestep.spelling"),
     ("samestep.rng", "samestep.env", "samestep.mode", "samestep.data", "samestep.rundir", "samestep.testing",
      "samestep.preempt", "samestep.receipts", "samestep.program", "samestep.replay_request",
      "samestep.resume_points"),

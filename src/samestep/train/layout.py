@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from samestep.train.config import Config
+from samestep.train.config_file import build
 from samestep.train.tp import data_ranks
 
 __all__ = ["job_layout", "written_layout"]
@@ -25,4 +26,4 @@ def job_layout(cfg: Config, world: int) -> dict[str, Any]:
 def written_layout(loaded: Any) -> dict[str, Any]:
     """The layout of the job that wrote a checkpoint (a ``LoadedCheckpoint``), from its config: as many shards
     may be cut otherwise (TP 4, and FSDP2 over 2 data x 2 tensor ranks), which its receipts tell apart."""
-    return job_layout(Config.from_dict(loaded.config or {}), loaded.world_size)
+    return job_layout(build(loaded.config or {}), loaded.world_size)
