@@ -35,8 +35,15 @@ def _command(argv: list[str], script: str | None, code: str | None, env: dict[st
     """``samestep *argv``, ``python script *argv`` or ``python -c code *argv``, as a fresh process runs it: the
     caller's environment and directory, stdout and stderr to those files; the command's code is the process's
     exit code."""
+    import signal
+
     if new_session:
         os.setsid()
+    # a fresh interpreter's dispositions, whatever the server's parent had when it started the server (an ignored
+    # SIGINT would outlive its exec, and a Ctrl-C sent to this process would be lost)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("SIGTERM", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGQUIT"):
+        signal.signal(getattr(signal, name), signal.SIG_DFL)
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)

@@ -183,7 +183,8 @@ def test_a_signal_to_the_whole_process_group_stops_the_run_with_a_checkpoint(tmp
         os.killpg(proc.pid, signal.SIGINT)
         outcomes[name] = proc.wait(300), proc.stderr
     assert outcomes["run"][0] == EXIT_PREEMPTED, outcomes["run"][1][-2000:]
-    assert outcomes["control"][0] != EXIT_PREEMPTED and not (tmp_path / "control" / "checkpoints").exists()
+    assert outcomes["control"][0] != EXIT_PREEMPTED and not (tmp_path / "control" / "checkpoints").exists(), \
+        (outcomes["control"][0], outcomes["control"][1][-2000:])
     assert train_here(tmp_path / "run", *traced, resume=True)["state_digest"] == straight["state_digest"]
 
 
