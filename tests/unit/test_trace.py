@@ -922,3 +922,20 @@ def test_a_perturbation_lands_in_an_output_of_any_layout():
         perturb.apply(identity, [out])
         moved = (out.view(torch.int32) - before.view(torch.int32)).flatten()
         assert moved[0].item() == 1 and moved.count_nonzero().item() == 1
+
+
+def test_a_collective_forgets_what_it_may_write_and_keeps_memory_still_uninitialised():
+    """After a collective the op recorder stages anew whatever the collective may write (its arguments, any view
+    of their storage) but keeps knowing that memory made elsewhere is uninitialised: digesting it would record
+    whatever bytes lie there, another value in every run (a buffer made before an all-gather and filled after
+    it). Negative control: a tensor the collective writes is forgotten, as is an initialised one."""
+    from samestep.tracing.batch import NO_REF
+    from samestep.tracing.staging import Staging
+
+    st = Staging()
+    spare, target, filled = torch.empty(8), torch.empty(8), torch.ones(8)
+    assert st.stage(spare, uninit=True) == NO_REF and st.stage(target, uninit=True) == NO_REF
+    st.stage(filled)
+    st.forget([target[2:]])  # a view: the storage is what counts
+    assert st.cached(spare, spare._version) == NO_REF
+    assert st.cached(target, target._version) is None and st.cached(filled, filled._version) is None

@@ -226,9 +226,9 @@ class OpMode(TorchDispatchMode):
             # step level records the finished reduction; see collectives.py). It writes them below the
             # version counters, through its tensors and any view of them (DDP's bucket views): whatever
             # was staged before cannot be trusted to hold their bytes any more, so every later read
-            # stages anew.
+            # stages anew (but memory still uninitialised elsewhere stays so).
             refs = [NO_REF] * len(outs)
-            st.forget()
+            st.forget(in_tensors + outs)  # any argument: c10d schemas do not all mark what they write
         elif kind.mutates:
             # Its version counter is bumped only after this mode returns: a look-up by version would find
             # the bytes from before the op

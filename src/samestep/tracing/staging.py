@@ -83,9 +83,24 @@ class Staging:
         self.nbytes = 0
         return batch
 
-    def forget(self) -> None:
-        """Trusts nothing staged before to hold its tensors' bytes any more: every later read stages anew."""
+    def forget(self, written: list[torch.Tensor] = ()) -> None:
+        """Trusts nothing staged before to hold its tensors' bytes any more: every later read stages anew.
+        Except memory known uninitialised that shares no storage with ``written`` (what a collective writes
+        from another thread): it still holds nothing, and digesting it would record whatever bytes lie there,
+        another value in every run (a buffer made before a collective and filled after it)."""
+        def storage(t: torch.Tensor) -> int | None:
+            try:
+                return t.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # sparse, nested, or without storage
+                return None
+
+        targets = {storage(t) for t in written}
+        kept = {} if None in targets else {
+            key: hit for key, hit in self.cache.items()
+            if hit[2] == NO_REF and (t := hit[0]()) is not None and (ptr := storage(t)) is not None
+            and ptr not in targets}
         self.cache.clear()
+        self.cache.update(kept)
         self.memo.clear()
 
     def free(self, packs: list[Packed]) -> None:
