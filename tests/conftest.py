@@ -284,6 +284,38 @@ def train_ranks(run_dir: Path, *settings: str, nproc: int, resume: bool = False,
     return json.loads(final.read_text()) if final.exists() else None
 
 
+def _script_rank(rank: int, nproc: int, port: int, script: str, argv: list[str], out: str) -> None:
+    """One process of ``torchrun --nproc_per_node nproc script *argv`` (what the launcher sets, and one thread, as
+    its OMP_NUM_THREADS gives), or of ``python script *argv`` where ``nproc`` is 1; rank 0's stdout to ``out``."""
+    import runpy
+
+    if nproc > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        torch.set_num_threads(1)
+    sys.stdout = open(out if rank == 0 else os.devnull, "w")
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        sys.stdout.close()
+
+
+def script_ranks(script: Path, *argv: str, nproc: int, exit_code: int | None = None) -> str:
+    """A script as torchrun runs it on ``nproc`` processes (as python runs it where ``nproc`` is 1), its processes
+    forked from the spawn server (no interpreter start, nor torch's and samestep's imports, to pay); rank 0's
+    stdout. ``exit_code``: a process must end with it (see ``spawn``); a process that raises fails the call
+    (``torch.multiprocessing.ProcessRaisedException``, its traceback in the message)."""
+    import tempfile
+
+    from samestep.cli.launch import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "stdout"
+        spawn(_script_rank, (nproc, free_port(), str(script), list(argv), str(out)), nproc, exit_code)
+        return out.read_text() if out.exists() else ""
+
+
 def _rank_1_dies_in_step_4() -> None:
     """A ``train_ranks`` patch: rank 1 SIGKILLs itself as it starts step 4 (the steps count from 0 here)."""
     import signal

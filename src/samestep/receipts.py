@@ -123,8 +123,10 @@ class ReceiptWriter:
                 self.hash, self.version = state_hash_of(header), header["version"]
             self._file = open(self.path, "a", encoding="utf-8")
             if fresh:  # durable now: a run killed before its first checkpoint must still read as a run
+                # start: the step before its first receipt, where a rank joins a run resumed on more processes
                 self._file.write(json.dumps({"format": RECEIPTS_FORMAT, "version": RECEIPTS_VERSION, "rank": rank,
-                                             "state_hash": hash, "genesis": first_prev}, sort_keys=True) + "\n")
+                                             "state_hash": hash, "genesis": first_prev,
+                                             **({"start": start} if start else {})}, sort_keys=True) + "\n")
                 self._file.flush()
                 os.fsync(self._file.fileno())
         if hash not in STATE_HASHES:  # a file's own was checked as it was read
@@ -347,10 +349,19 @@ def truncate_receipts(run_dir: str | os.PathLike[str], rank: int, last_step: int
             path.unlink()
         return None
     header, receipts = read_receipts(path)
+    first = header.get("start", 0)  # a rank that joined the run at a resume on more processes starts after it
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise ReceiptError(f"{path}: its header's start is {first!r}, not a step; restore the file, or resume into "
+                           "a new run directory")
+    if first and last_step <= first:
+        if not check_only:  # all of it is of a segment after the step resumed from, on more processes
+            path.unlink()
+        return None
     kept = [r for r in receipts if r["step"] <= last_step]
     why = chain_break(header, kept)
-    if why is None and [r["step"] for r in kept] != list(range(1, last_step + 1)):
-        why = f"holds steps {kept[0]['step'] if kept else '-'}..{kept[-1]['step'] if kept else '-'}, not 1..{last_step}"
+    if why is None and [r["step"] for r in kept] != list(range(first + 1, last_step + 1)):
+        why = (f"holds steps {kept[0]['step'] if kept else '-'}..{kept[-1]['step'] if kept else '-'}, not "
+               f"{first + 1}..{last_step}")
     if why is not None:
         raise ReceiptError(f"{path}: {why}; resuming would break the chain: restore the file, or resume into a new "
                            "run directory")

@@ -39,6 +39,7 @@ from samestep import mode, preempt, program
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from samestep.distributed.agree import any_rank
 from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer
+from samestep.distributed.placement import model_layout
 from samestep.protocol import RunProtocol
 from samestep.replay_request import ReplayRequest
 from samestep.receipts import genesis, state_tree
@@ -134,6 +135,25 @@ def _refuse_changes(run_dir: Path, declared: dict[str, Any]) -> None:
                          "continuing it would change its bits: continue it as it started, or use a new run directory")
 
 
+def _refuse_rng_change(loaded: Any, world: int, rng: str, generators: dict[str, torch.Generator] | None) -> None:
+    """A checkpoint written by another number of processes holds no generator states for this layout's ranks:
+    its resume is the run's only where the loop's randomness is keyed by where the run stands (``rng="keyed"``;
+    docs/api.md), and a DataLoader cursor's generators, saved per rank, cannot follow. Raised on every rank
+    alike, before anything is written."""
+    if loaded.world_size == world:
+        return
+    where = f"{loaded.path} was written by {loaded.world_size} process(es), this run has {world}"
+    if rng == "restore":
+        raise ValueError(f"samestep.Run: {where}, so each rank's generator states cannot carry over. Fix: resume "
+                         f"on {loaded.world_size} process(es), or, where every random draw of the loop comes from "
+                         "samestep.rng.generator(seed, step, microbatch, ...) (no global RNG: no dropout drawn from "
+                         "torch's generator), pass samestep.Run(..., rng='keyed')")
+    if generators:
+        raise ValueError(f"samestep.Run: {where}, and its DataLoader data cursor's generators are saved per rank. "
+                         "Fix: resume on as many processes, or make the data a pure function of the step and "
+                         "microbatch (samestep.rng.generator)")
+
+
 class Run:
     """A training run of your own loop: deterministic, traced, checkpointed and resumable to the bit.
 
@@ -167,6 +187,10 @@ class Run:
             at the start; a run directory continued under other values is refused, naming them.
         deterministic: turn deterministic mode on (``samestep.enable``); False runs with PyTorch's defaults
             (the other half of an A/B), recorded as such in run.json.
+        rng: ``"restore"``: a resume restores each rank's generator states (python, numpy, torch's, the data
+            cursor's), and one on another number of processes is refused; ``"keyed"``: every random draw of
+            the loop comes from ``samestep.rng.generator`` (keyed by seed, step and microbatch, the same on any
+            layout), so a resume on another number of processes, or on another layout, restores none.
         perturb: fault injection for checking ``samestep diff`` and ``bisect``: one ULP planted in the output of
             the op ``"rank=R,step=S,microbatch=M,phase=forward|backward,scope=MODULE.PATH,op=OP"`` where that
             step is traced at op level (``tracing.perturb.Perturb``); a replay plants it again.
@@ -186,12 +210,15 @@ class Run:
                  checkpoint_every: int = 1, keep: int | None = None, resume: bool | str = "auto",
                  stop_signals: tuple[str, ...] = preempt.DEFAULT_SIGNALS, strict_env: bool = False,
                  copy: bool = False, receipts: bool = True, config: dict[str, Any] | None = None,
-                 deterministic: bool = True, perturb: str | None = None) -> None:
+                 deterministic: bool = True, perturb: str | None = None, rng: str = "restore") -> None:
         if checkpoint_every < 1:
             raise ValueError(f"samestep.Run(checkpoint_every={checkpoint_every!r}): save at least every step "
                              "count >= 1")
         if resume not in ("auto", True, False):
             raise ValueError(f"samestep.Run(resume={resume!r}): use 'auto', True or False")
+        if rng not in ("restore", "keyed"):
+            raise ValueError(f"samestep.Run(rng={rng!r}): use 'restore' (each rank's generator states carry over) "
+                             "or 'keyed' (the loop's randomness is keyed by step and microbatch)")
         self._replay = ReplayRequest.for_run(run_dir, "samestep.Run")
         if self._replay is not None:  # the scratch directory, traced as asked, receipted; see replay_request
             run_dir, level, trace_steps = self._replay.into, self._replay.level, self._replay.trace_steps
@@ -229,7 +256,9 @@ class Run:
                 loaded = load_checkpoint(self.checkpoints, model=ShardedModel(model) if self.sharded else model,
                                          optimizer=ShardedOptimizer(optimizer) if self.sharded else optimizer,
                                          scheduler=scheduler, data_cursor=data_cursor, fallback=True,
-                                         strict_env=strict_env, generators=self._generators)
+                                         strict_env=strict_env, generators=self._generators,
+                                         restore_rng="same_world_size")
+                _refuse_rng_change(loaded, world, rng, self._generators)
                 self.start = loaded.step
                 if self._generators:
                     _resume_epoch(data_cursor, self._generators)
@@ -247,7 +276,8 @@ class Run:
             from samestep.tracing.perturb import Perturb  # the tracing layer loads when a run traces
 
             self._proto.trace(model, level=level, steps=trace_steps, resume=continues, copy=copy,
-                              perturb=Perturb.parse(perturb) if perturb else None)
+                              perturb=Perturb.parse(perturb) if perturb else None, layout=model_layout(model),
+                              resumed_from=self.start)
             if rank == 0:
                 record_declared(self.run_dir, self._declared)
                 if self._replay is None:  # what `samestep verify` and `bisect` run again

@@ -213,7 +213,8 @@ def record_resume(run_dir: _PathLike, resume: dict[str, Any]) -> None:
 
 def layout_at(doc: dict[str, Any], step: int) -> dict[str, Any]:
     """The layout (``world_size``, ``sharded``: "fsdp2" or None, ``tensor_parallel``, ``pipeline_parallel`` and
-    ``expert_parallel``: the degrees) that wrote
+    ``expert_parallel``: the degrees; of a loop of one's own, ``ddp``, ``meshes`` and ``placements``:
+    ``distributed.placement.model_layout``'s) that wrote
     step ``step`` of the run whose run.json is ``doc``: the first segment's, or that of the last resume from
     a step before it (a later segment rewrites every step after the one it resumed from)."""
     layout = doc.get("layout", {})
@@ -223,7 +224,9 @@ def layout_at(doc: dict[str, Any], step: int) -> dict[str, Any]:
     return {"world_size": layout.get("world_size", 1), "sharded": layout.get("sharded"),
             "tensor_parallel": layout.get("tensor_parallel", 1),
             "pipeline_parallel": layout.get("pipeline_parallel", 1),
-            "expert_parallel": layout.get("expert_parallel", 1)}
+            "expert_parallel": layout.get("expert_parallel", 1),
+            "ddp": layout.get("ddp", False), "meshes": layout.get("meshes", []),
+            "placements": layout.get("placements")}
 
 
 def record_declared(run_dir: _PathLike, declared: dict[str, Any]) -> None:

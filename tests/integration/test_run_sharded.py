@@ -114,7 +114,7 @@ def _worker(rank: int, world: int, init: str, run_dir: str, out: str, layout: st
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
-    with samestep.Run(run_dir, model=model, optimizer=opt) as run:
+    with samestep.Run(run_dir, model=model, optimizer=opt, rng="keyed") as run:  # its draws keyed: moves layouts
         if forget and run.start:
             opt.state.clear()
         for step in run.steps(TOTAL):

@@ -57,7 +57,7 @@ def _worker(rank: int, world: int, init: str, run_dir: str, out: str, kill_at: i
     else:
         grads = CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-    with samestep.Run(run_dir, model=model, optimizer=opt) as run:
+    with samestep.Run(run_dir, model=model, optimizer=opt, rng="keyed") as run:  # its draws keyed: moves layouts
         if forget and run.start:
             opt.state.clear()
         for step in run.steps(TOTAL):

@@ -122,3 +122,32 @@ def test_hooked_steps_write_receipts_that_a_resume_continues_and_a_changed_state
         with pytest.raises(ReceiptError, match="the checkpoint of step 2 restores state"):
             _hooked_run(tmp_path / "off", model, opt, range(3, 5), start=2)
         assert {p: p.read_bytes() for p in sorted((tmp_path / "off").rglob("*")) if p.is_file()} == before
+
+
+@pytest.mark.parametrize("framework", ["huggingface", "lightning"])
+def test_a_callback_on_several_processes_is_refused_at_its_start_unless_told(tmp_path, framework):
+    """The HF callback at the Trainer's construction, the Lightning one at fit's setup: a Trainer on 2 processes
+    (whose DDP all-reduce sums in its collective's order) is refused in one line naming the count and the fixes,
+    before deterministic mode is on or anything is written. Negative controls: 1 process, and 2 with
+    multiprocess=True, pass the check."""
+    from types import SimpleNamespace
+
+    import samestep
+    from samestep.integrations.steps import refuse_processes
+
+    if framework == "huggingface":
+        from samestep.integrations.huggingface import SamestepCallback
+
+        callback = SamestepCallback(tmp_path)
+        start = lambda: callback.on_init_end(SimpleNamespace(world_size=2, output_dir=str(tmp_path)), None, None)
+    else:
+        from samestep.integrations.lightning import SamestepCallback
+
+        callback = SamestepCallback(tmp_path)
+        start = lambda: callback.setup(SimpleNamespace(world_size=2), None, "fit")
+    with pytest.raises(ValueError, match="on 2 processes") as e:
+        start()
+    assert "multiprocess=True" in str(e.value) and "canonical_ddp_hook" in str(e.value) and "\n" not in str(e.value)
+    assert samestep.mode.active_report() is None and not any(tmp_path.iterdir())
+    refuse_processes(1, "SamestepCallback", False)
+    refuse_processes(2, "SamestepCallback", True)

@@ -34,7 +34,7 @@ def test_lightnings_checkpoints_are_the_indexed_files_still_there(tmp_path):
     """The files the Lightning callback indexed, by step (a file indexed again replaces its entry). Control: an
     indexed file deleted since (ModelCheckpoint's top k) is not a point; a Run's run has none of these."""
     run = tmp_path / "run"
-    doc = _run(run, resumes(LIGHTNING, run))
+    _run(run, resumes(LIGHTNING, run))
     files = [tmp_path / f"step={s}.ckpt" for s in (3, 6, 9)]
     for step, f in zip((3, 6, 9), files):
         f.write_bytes(b"ckpt")

@@ -7,14 +7,27 @@ from __future__ import annotations
 
 from typing import Any
 
+from samestep.distributed.placement import mesh_coordinates
 from samestep.rundir import layout_at
 from samestep.tracing.selection import format_selection
 
 __all__ = ["rank_coordinates", "steps_on_other_layouts"]
 
 
+def _mesh_words(layout: dict[str, Any]) -> str:
+    """A loop of one's own's layout, by the meshes its parameters live on (``placement.model_layout``)."""
+    n = layout["world_size"]
+    meshes = "; ".join(" x ".join(f"{name}={size}" for name, size in zip(m["names"], m["shape"]))
+                       for m in layout["meshes"])
+    fsdp = ", FSDP2 sharding them" if layout.get("sharded") else ""
+    return (f"{n} process{'es' if n > 1 else ''} with parameters placed on the device mesh {meshes}{fsdp} (rank r "
+            "records its own pieces of them)")
+
+
 def _layout_words(layout: dict[str, Any]) -> str:
     n = layout["world_size"]
+    if layout.get("meshes"):
+        return _mesh_words(layout)
     tp, pp = layout.get("tensor_parallel", 1), layout.get("pipeline_parallel", 1)
     if layout.get("expert_parallel", 1) > 1:
         ep = layout["expert_parallel"]
@@ -32,14 +45,20 @@ def _layout_words(layout: dict[str, Any]) -> str:
     if layout.get("sharded"):
         return (f"{n} process{'es' if n > 1 else ''} holding FSDP2 shards (rank r records its dim-0 rows of every "
                 "parameter, gradient and optimizer state)")
+    if n > 1 and layout.get("ddp"):
+        return f"{n} processes holding whole tensors (DDP)"
     return "1 process" if n == 1 else f"{n} processes holding whole tensors (data parallel, with collectives)"
 
 
 def rank_coordinates(layout: dict[str, Any], rank: int) -> str | None:
     """Where ``rank`` sits in ``layout`` (``layout_at``'s): its data rank, pipeline stage, tensor rank and place
     among the expert ranks, of the dimensions over one (a data rank's stages consecutive, a stage's tensor ranks
-    consecutive; expert groups of consecutive data ranks); None where there is one dimension (the rank is its
+    consecutive; expert groups of consecutive data ranks); of a loop of one's own, its coordinates on the mesh
+    its parameters live on, by the mesh's dimension names; None where there is one dimension (the rank is its
     data rank)."""
+    if layout.get("meshes"):  # a loop of one's own: by the names its mesh gives its dimensions
+        return next((f"{where} of the mesh {' x '.join(f'{n}={s}' for n, s in zip(m['names'], m['shape']))}"
+                     for m in layout["meshes"] if (where := mesh_coordinates(m, rank)) is not None), None)
     tp, pp, ep = (layout.get(k, 1) for k in ("tensor_parallel", "pipeline_parallel", "expert_parallel"))
     if tp == pp == ep == 1:
         return None

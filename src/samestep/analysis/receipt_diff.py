@@ -34,12 +34,14 @@ def states_comparable(ra: dict, rb: dict, same_ranks: bool) -> bool:
             and (of == "run" or same_ranks))
 
 
-def first_receipt_difference(a: dict[str, list[dict]], b: dict[str, list[dict]],
-                             steps: range) -> tuple[dict[str, Any] | None, int, int]:
+def first_receipt_difference(a: dict[str, list[dict]], b: dict[str, list[dict]], steps: range,
+                             alike: Callable[[int], bool] = lambda step: True
+                             ) -> tuple[dict[str, Any] | None, int, int]:
     """The first step in ``steps`` (then the lowest rank) where two sets of receipts (``by_rank``) differ in a
     field, ``{"step", "rank", "fields", "a", "b"}`` (None if they agree on every step both hold); how many
     (step, rank) pairs up to it were compared, and at how many of them their states were
-    (``states_comparable``; loss and grad-norm bits always are)."""
+    (``states_comparable``, shards only at steps both wrote on one layout, ``alike``; loss and grad-norm bits
+    always are)."""
     by = {side: {rank: {r["step"]: r for r in rs} for rank, rs in recs.items()} for side, recs in (("a", a), ("b", b))}
     same_ranks, pairs, states = set(a) == set(b), 0, 0
     for step in steps:
@@ -47,7 +49,7 @@ def first_receipt_difference(a: dict[str, list[dict]], b: dict[str, list[dict]],
             ra, rb = by["a"][rank].get(step), by["b"][rank].get(step)
             if ra is None or rb is None:
                 continue
-            fields = FIELDS if states_comparable(ra, rb, same_ranks) else FIELDS[:2]
+            fields = FIELDS if states_comparable(ra, rb, same_ranks and alike(step)) else FIELDS[:2]
             pairs, states = pairs + 1, states + (len(fields) == len(FIELDS))
             differ = [f for f in fields if ra[f] != rb[f]]
             if differ:
@@ -66,11 +68,12 @@ def _records(run_dir: Path) -> tuple[dict[str, list[dict]], bool]:
                   for r in read_metrics(run_dir)]}, False
 
 
-def _compare(a: dict[str, list[dict]], b: dict[str, list[dict]]) -> tuple[dict[str, Any] | None, int, bool]:
+def _compare(a: dict[str, list[dict]], b: dict[str, list[dict]], alike: Callable[[int], bool] = lambda step: True
+             ) -> tuple[dict[str, Any] | None, int, bool]:
     common = {r["step"] for r in a.get("0", [])} & {r["step"] for r in b.get("0", [])}
     if not common:
         return None, 0, False
-    difference, pairs, states = first_receipt_difference(a, b, range(1, max(common) + 1))
+    difference, pairs, states = first_receipt_difference(a, b, range(1, max(common) + 1), alike)
     return difference, len(common), 0 < states == pairs
 
 
@@ -93,7 +96,7 @@ def receipts_compared(run_a: Path, run_b: Path, steps: set[int] | None,
     held = [{r["step"] for r in recs.get("0", [])} if has else set() for recs, has in ((a, has_a), (b, has_b))]
     if not all(held):
         return None, 0, False, held, []
-    difference, compared, states = _compare(a, b)
+    difference, compared, states = _compare(a, b, alike)
     if difference is not None and steps is not None and difference["step"] not in steps:
         difference = None  # outside the steps asked for
     return difference, compared, states, held, receipt_gaps(a, b, steps, alike)

@@ -42,7 +42,7 @@ from transformers import TrainerCallback
 from samestep import program
 from samestep.durable import read_file, write_durable
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, rng_digest, state_fingerprint
-from samestep.integrations.steps import HookedSteps
+from samestep.integrations.steps import HookedSteps, refuse_processes
 from samestep.protocol import RunProtocol
 from samestep.receipts import ReceiptError
 from samestep.replay_request import ReplayRequest
@@ -64,13 +64,17 @@ class SamestepCallback(TrainerCallback):
         kernels: route racy ops through samestep's deterministic kernels.
         receipts: write a receipt of every step (the process that saves, as the Trainer's checkpoints); a
             resume whose restored state is not its step's receipt is refused.
+        multiprocess: accept a Trainer on several processes, whose DDP gives the bits of that process count,
+            not one process's; without it such a Trainer is refused at its construction
+            (``steps.refuse_processes``).
     """
 
     def __init__(self, run_dir: str | Path | None = None, *, level: str = "step", steps: set[int] | str | None = None,
-                 threads: int | None = 1, kernels: bool = False, receipts: bool = True) -> None:
+                 threads: int | None = 1, kernels: bool = False, receipts: bool = True,
+                 multiprocess: bool = False) -> None:
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.level, self.steps, self.threads, self.kernels = level, steps, threads, kernels
-        self.receipts = receipts
+        self.receipts, self.multiprocess = receipts, multiprocess
         self._proto = RunProtocol()  # deterministic mode from the Trainer's construction; the trace from train()
         self._rec: Any = None
         self._hooked: HookedSteps | None = None
@@ -79,6 +83,7 @@ class SamestepCallback(TrainerCallback):
 
     # -- start and end -----------------------------------------------------------------------------------
     def on_init_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        refuse_processes(args.world_size, "SamestepCallback", self.multiprocess)
         self._replay = ReplayRequest.for_run(self.run_dir or Path(args.output_dir), "SamestepCallback")
         if self._replay is not None:  # the scratch directory, traced as asked, receipted; see replay_request
             self.run_dir = Path(self._replay.into)

@@ -44,7 +44,7 @@ import torch
 from samestep import program
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, state_fingerprint
 from samestep.integrations.sampler import KeyedSampler
-from samestep.integrations.steps import HookedSteps
+from samestep.integrations.steps import HookedSteps, refuse_processes
 from samestep.protocol import RunProtocol
 from samestep.receipts import ReceiptError
 from samestep.replay_request import ReplayRequest
@@ -65,13 +65,16 @@ class SamestepCallback(pl.Callback):
         kernels: route racy ops through samestep's deterministic kernels.
         receipts: write a receipt of every optimizer step (global rank 0's); a resume whose restored state is
             not its step's receipt is refused.
+        multiprocess: accept a Trainer on several processes, whose DDP gives the bits of that process count,
+            not one process's; without it such a fit is refused at its setup (``steps.refuse_processes``).
     """
 
     def __init__(self, run_dir: str | Path, *, level: str = "step", steps: set[int] | str | None = None,
-                 threads: int | None = 1, kernels: bool = False, receipts: bool = True) -> None:
+                 threads: int | None = 1, kernels: bool = False, receipts: bool = True,
+                 multiprocess: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.level, self.steps, self.threads, self.kernels = level, steps, threads, kernels
-        self.receipts = receipts
+        self.receipts, self.multiprocess = receipts, multiprocess
         self._proto = RunProtocol()  # deterministic mode from fit's setup; the trace from training's start
         self._rec: Any = None
         self._hooked: HookedSteps | None = None
@@ -93,6 +96,7 @@ class SamestepCallback(pl.Callback):
 
     # -- start and end -----------------------------------------------------------------------------------
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        refuse_processes(trainer.world_size, "SamestepCallback", self.multiprocess)
         if stage == "fit":
             self._proto.enable(threads=self.threads, kernels=self.kernels, who="SamestepCallback")
         if self._replay is not None:  # the run's checkpoints stay as they are: a replay's go to its scratch directory

@@ -11,7 +11,23 @@ from typing import Any
 
 from samestep.protocol import RunProtocol
 
-__all__ = ["HookedSteps"]
+__all__ = ["HookedSteps", "refuse_processes"]
+
+
+def refuse_processes(world: int, who: str, multiprocess: bool) -> None:
+    """Refuses a framework's run on several processes, before anything is written, unless the callback was told
+    ``multiprocess=True``: its data-parallel wrapper (DDP) sums each step's gradients in the order its
+    collective picks, so the bits are not one process's (samestep's canonical reduction is not in its path).
+
+    Raises:
+        ValueError: names the process count and the fixes.
+    """
+    if world > 1 and not multiprocess:
+        raise ValueError(f"{who} on {world} processes: the Trainer's DDP all-reduce sums the gradients in an order "
+                         "its collective picks, so the bits are not one process's. Fix: run on one process; for "
+                         "several, a loop of one's own under samestep.Run with samestep.distributed."
+                         f"canonical_ddp_hook (examples/parallel_loop.py); or pass {who}(..., multiprocess=True) to "
+                         "record this process count's bits, which other counts do not repeat")
 
 
 class HookedSteps:
@@ -40,6 +56,7 @@ class HookedSteps:
         """
         from samestep._state import persistent_buffers
         from samestep.checksums import state_hash_for
+        from samestep.distributed.placement import model_layout
         from samestep.receipts import genesis, state_tree
 
         buffers = persistent_buffers(model)  # found once: a model gains or loses no buffer between steps
@@ -51,7 +68,7 @@ class HookedSteps:
         if receipts:  # a resume that cannot go on fails before anything is written
             proto.check_receipts(rank, start, lambda: state(start))
         try:
-            proto.trace(model, level=level, steps=steps, resume=resume)
+            proto.trace(model, level=level, steps=steps, resume=resume, layout=model_layout(model), resumed_from=start)
         except ValueError as e:
             if "already holds a trace" not in str(e):
                 raise

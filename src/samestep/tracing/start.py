@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from samestep.env import compare_environments, environment
 from samestep.mode import active_report
@@ -27,7 +28,8 @@ __all__ = ["trace"]
 
 def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | None = None,
           ranks: set[int] | str | None = None, rank: int | None = None, perturb: Perturb | None = None,
-          copy: bool = False, worker: str = "auto", resume: bool = False, held: RunLock | None = None) -> Recorder:
+          copy: bool = False, worker: str = "auto", resume: bool = False, held: RunLock | None = None,
+          layout: dict[str, Any] | None = None, resumed_from: int | None = None) -> Recorder:
     """Starts recording this rank's trace stream into ``run_dir/trace``. Rank 0 also writes
     ``run_dir/run.json`` if there is none, so that ``samestep diff`` and ``samestep trace certify`` read a
     run of your own loop as they read ``samestep train``'s: call ``samestep.enable()`` first, to have
@@ -49,6 +51,10 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
             new segment, and run.json a resume record with what differs from the run's start.
         held: the run directory's lock (``samestep.rundir.hold``) where the caller holds it already and
             keeps it past the recorder's close (``samestep.Run``).
+        layout: what run.json records of the layout besides the world size (``distributed.placement.
+            model_layout``): ``samestep diff`` pairs trace records only between steps written on one layout.
+        resumed_from: the step a resume continues after (its checkpoint's), recorded with the resume: the
+            steps after it were written on the resume's layout.
 
     Rank 0 holds the run directory's lock (``.samestep.lock``) until the recorder closes, so a second
     process writing into it is refused (``samestep train``, ``samestep.Run`` and ``samestep.trace`` all
@@ -83,9 +89,9 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
         if rank == 0:  # at level "off" too: the run directory is a run the CLI reads (receipts, checkpoints)
             world = dist.get_world_size() if distributed else 1
             if not holds_run(run_dir):
-                _describe_run(run_dir, level, steps, ranks, world)
+                _describe_run(run_dir, level, steps, ranks, {"world_size": world, **(layout or {})})
             elif resume:
-                _record_resume(run_dir, len(segments), world)
+                _record_resume(run_dir, len(segments), {"world_size": world, **(layout or {})}, resumed_from)
             if read_run(run_dir).get("written_by") == "samestep.trace":
                 rec.on_close = lambda rec, segment=len(segments): _closed(rec, segment, lock)
             elif lock is not None:
@@ -97,26 +103,28 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
     return rec
 
 
-def _describe_run(run_dir: Path, level: str, steps: set[int] | None, ranks: set[int] | None, world: int) -> None:
+def _describe_run(run_dir: Path, level: str, steps: set[int] | None, ranks: set[int] | None,
+                  layout: dict[str, Any]) -> None:
     """Gives a run directory that a user's own loop traces the ``run.json`` that ``samestep diff`` and
     ``samestep trace certify`` read (docs/formats.md): the trace selection as its config, the environment
-    fingerprint, the world size, and the report of the ``samestep.enable()`` in force (null if none)."""
+    fingerprint, the layout, and the report of the ``samestep.enable()`` in force (null if none)."""
     report = active_report()
     selection = {"level": level, "steps": "all" if steps is None else format_selection(steps),
                  "ranks": "all" if ranks is None else format_selection(ranks)}
-    write_run(run_dir, new_run({"trace": selection}, {"world_size": world},
+    write_run(run_dir, new_run({"trace": selection}, layout,
                                report.to_dict() if report is not None else None, written_by="samestep.trace"))
 
 
-def _record_resume(run_dir: Path, segment: int, world: int) -> None:
+def _record_resume(run_dir: Path, segment: int, layout: dict[str, Any], step: int | None) -> None:
     """A resume of the user's own loop, in run.json's ``resumes`` (as ``samestep train`` records its own):
-    the stream segment it starts, its world size, and what differs from the run's start (environment
-    fields, deterministic mode)."""
+    the stream segment it starts, the step it continues after (where known), its layout, and what differs
+    from the run's start (environment fields, deterministic mode)."""
     doc = read_run(run_dir)
     if doc.get("written_by") != "samestep.trace":
         return  # samestep train's run.json: its loop records its own resumes
     report = active_report()
-    record_resume(run_dir, {"written_by": "samestep.trace", "segment": segment, "world_size": world,
+    record_resume(run_dir, {"written_by": "samestep.trace", "segment": segment, **layout,
+                            **({"step": step} if step is not None else {}),
                             "env_diff": sorted(compare_environments(doc.get("environment", {}), environment())),
                             "determinism_diff": sorted(determinism_diff(
                                 doc.get("determinism"), report.to_dict() if report is not None else None))})

@@ -1,0 +1,90 @@
+"""A model samestep did not write on the layouts of a loop of one's own: examples/tp_llama.py (a transformers Llama
+from its config, tensor-parallel through PyTorch's ``parallelize_module`` with samestep's canonical styles, under
+``samestep.Run``) run as its docstring runs it, on one process and as torchrun's processes. ``Run`` records the layout (the mesh and every
+parameter's placements), so diff pairs records only on one layout and names a rank by its mesh coordinates, and
+a run killed at one degree resumes at another."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cli_here, script_ranks, side_by_side
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tp_llama.py"
+PLANT = "rank=1,step=3,microbatch=1,phase=forward,scope=model.layers.1.mlp.up_proj,op=aten.mm.default"
+
+
+KILLED = 9  # the example's exit code where --kill-after ends it
+
+
+def _launch(processes: int, run_dir: Path, *args: str) -> str | Exception:
+    """The example as its docstring runs it, as torchrun's processes where ``processes`` > 1 (forked from the
+    spawn server); the digest it prints ("" where --kill-after ends it), or what a process raised."""
+    killed = KILLED if "--kill-after" in args else None
+    try:
+        return script_ranks(EXAMPLE, str(run_dir), *args, nproc=processes, exit_code=killed).strip()
+    except Exception as e:  # torch.multiprocessing's ProcessRaisedException: the traceback in its message
+        return e
+
+
+def _together(*launches: tuple) -> list[str | Exception]:
+    return side_by_side(*(lambda a=a: _launch(*a) for a in launches))
+
+
+def _digest(done: str | Exception) -> str:
+    assert isinstance(done, str) and len(done) == 32, done
+    return done
+
+
+def test_tensor_parallel_llama_resumes_across_degrees_and_diffs_by_layout(tmp_path):
+    """1 process, TP 2 (steps 1-2, then killed) resumed at TP 4 and on 1 process: one digest of the final
+    parameters, and `samestep diff` of the 1-process run and the TP 2 -> 4 run "identical" (every step's loss and
+    gradient-norm bits; their records were written on other layouts, which run.json's layouts and the note
+    name). A ULP planted in rank 1's up_proj at step 3 of a TP 4 resume is the origin diff names, at `tp 1` of the
+    mesh, the records before it alike on every rank (the others receive it). Refused: the resume on
+    1 process with ``rng="restore"`` (the checkpoint holds 2 ranks' generators), naming rng='keyed', nothing
+    written. Negative controls: PyTorch's own styles at TP 2 give other bits than the plain model on 1 process,
+    and diff of the 1-process run and that TP 2 run says diverged (other layouts: by the loss bits)."""
+    one, killed, stock1, stock2 = _together((1, tmp_path / "one"), (2, tmp_path / "k", "--kill-after", "2"),
+                                            (1, tmp_path / "s1", "--styles", "pytorch"),
+                                            (2, tmp_path / "s2", "--styles", "pytorch"))
+    assert killed == "" and sorted(p.name for p in (tmp_path / "k" / "checkpoints").glob("step_*")) == [
+        "step_000001", "step_000002"]
+    assert _digest(stock1) != _digest(stock2)
+    for name in ("tp4", "planted", "to1", "refused"):
+        shutil.copytree(tmp_path / "k", tmp_path / name)
+    before = sorted(p.relative_to(tmp_path / "refused") for p in (tmp_path / "refused").rglob("*"))
+    tp4, planted, to1, refused = _together(
+        (4, tmp_path / "tp4", "--trace-op", "3"), (4, tmp_path / "planted", "--trace-op", "3", "--perturb", PLANT),
+        (1, tmp_path / "to1"), (1, tmp_path / "refused", "--rng", "restore"))
+    assert _digest(tp4) == _digest(to1) == _digest(one)
+    _digest(planted)
+    assert isinstance(refused, Exception) and "rng='keyed'" in str(refused) and "written by 2 process(es)" in str(refused)
+    assert sorted(p.relative_to(tmp_path / "refused") for p in (tmp_path / "refused").rglob("*")) == before
+
+    doc = json.loads((tmp_path / "tp4" / "run.json").read_text())
+    assert doc["layout"]["meshes"][0]["shape"] == [2] and doc["layout"]["placed"]["S(0)"] == 10
+    assert [(r["step"], r["meshes"][0]["shape"]) for r in doc["resumes"]] == [(2, [4])]
+
+    same = cli_here("diff", str(tmp_path / "one"), str(tmp_path / "tp4"))
+    assert same.returncode == 0 and same.stdout.startswith("identical"), same.stdout
+    assert "device mesh tp=1" in same.stdout and "device mesh tp=2" in same.stdout
+    moved = cli_here("diff", str(tmp_path / "one"), str(tmp_path / "to1"))
+    assert moved.returncode == 0 and moved.stdout.startswith("identical"), moved.stdout
+
+    found = cli_here("diff", "--json", str(tmp_path / "tp4"), str(tmp_path / "planted"))
+    report = json.loads(found.stdout)
+    assert found.returncode == 1 and report["origin"]["rank"] == 1 and report["origin"]["step"] == 3
+    # the records before the plant agree on every rank: the others only receive it (a buffer a collective
+    # fills, digested before it is, would make one an origin of its own)
+    kinds = {rank: res["divergence"]["kind"] for rank, res in report["per_rank"].items()}
+    assert kinds == {"0": "receiver", "1": "origin", "2": "receiver", "3": "receiver"}, kinds
+    assert report["origin"]["scope"] == "model.layers.1.mlp.up_proj" and report["origin"]["op"] == "aten.mm.default"
+    assert any("rank 1 at step 3 is tp 1 of the mesh tp=4" in note for note in report["notes"])
+    assert cli_here("diff", str(tmp_path / "one"), str(tmp_path / "s2")).returncode == 1
