@@ -207,3 +207,34 @@ def test_the_receipt_hash_is_a_setting_that_changes_no_bit(tmp_path):
     assert finals["sha"]["state_digest"] == finals["xxh"]["state_digest"]
     assert (tmp_path / "sha" / "metrics.jsonl").read_bytes() == (tmp_path / "xxh" / "metrics.jsonl").read_bytes()
     assert read_receipts(receipts_path(tmp_path / "xxh", 0))[1][-1]["state"] != receipts[-1]["state"]
+
+
+def test_a_rank_that_joined_at_a_resume_keeps_its_receipts_through_the_next_resume(tmp_path):
+    """A receipts file begun after step 2 (its rank joined a run resumed there on more processes) says so in
+    its header (start 2): a later resume from step 4 or 3 keeps its chain, and one from step 2 or before starts
+    it afresh. Negative control: the same steps in a file without the start (a head cut off) are refused."""
+    from samestep.receipts import truncate_receipts
+
+    tree = _tree()
+    writer = ReceiptWriter(tmp_path, 3, "g", state_of="rank", start=2)
+    for step in (3, 4):
+        writer.add(step, lambda: tree, 0.5, 1.0)
+    writer.close()
+    path = receipts_path(tmp_path, 3)
+    header, receipts = read_receipts(path)
+    assert header["start"] == 2 and [r["step"] for r in receipts] == [3, 4]
+    assert truncate_receipts(tmp_path, 3, 4, check_only=True) == receipts[1]["hash"]
+    assert truncate_receipts(tmp_path, 3, 3) == receipts[0]["hash"]
+    assert [r["step"] for r in read_receipts(path)[1]] == [3]
+    assert truncate_receipts(tmp_path, 3, 2) is None and not path.exists()
+
+    writer = ReceiptWriter(tmp_path, 3, "g", state_of="rank", start=2)
+    for step in (3, 4):
+        writer.add(step, lambda: tree, 0.5, 1.0)
+    writer.close()
+    lines = path.read_text().splitlines()
+    head = json.loads(lines[0])
+    del head["start"]
+    path.write_text("\n".join([json.dumps(head, sort_keys=True), *lines[1:]]) + "\n")
+    with pytest.raises(ReceiptError, match=r"holds steps 3\.\.4, not 1\.\.4"):
+        truncate_receipts(tmp_path, 3, 4, check_only=True)
