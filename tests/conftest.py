@@ -246,14 +246,20 @@ class Forked(forked.Forked):
             pytest.fail(f"samestep still running after {timeout} s; its stderr:\n{(self.stderr or '')[-4000:]}")
 
 
+def _as_launched(rank: int, nproc: int, port: int, threads: int) -> None:
+    """What torchrun sets in each of its processes (its variables, and the thread count its OMP_NUM_THREADS
+    gives a fresh interpreter)."""
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
+    torch.set_num_threads(threads)
+
+
 def _train_rank(rank: int, nproc: int, port: int, threads: int, argv: list[str], patch, stderr: str | None) -> None:
     """One process of ``samestep train --nproc nproc``: what the launcher sets (its variables, and the thread
     count its OMP_NUM_THREADS gives a fresh interpreter), ``patch()`` (a module-level function, or None)
     first, then the command; a nonzero code is the process's exit code. ``stderr``: a file the rank's
     stderr is added to."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
-    torch.set_num_threads(threads)
+    _as_launched(rank, nproc, port, threads)
     sys.stdout = open(os.devnull, "w")  # the progress lines of every rank
     if stderr is not None:
         os.dup2(os.open(stderr, os.O_WRONLY | os.O_CREAT | os.O_APPEND), 2)
@@ -290,9 +296,7 @@ def _script_rank(rank: int, nproc: int, port: int, script: str, argv: list[str],
     import runpy
 
     if nproc > 1:
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        torch.set_num_threads(1)
+        _as_launched(rank, nproc, port, 1)
     sys.stdout = open(out if rank == 0 else os.devnull, "w")
     sys.argv = [script, *argv]
     try:

@@ -43,10 +43,10 @@ from samestep.checksums import STATE_HASH, STATE_HASHES, Checksums, StepChecksum
 from samestep.durable import read_file, replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL, receipts_dir
 
-__all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "buffers_now",
-           "chain_break", "check_restored", "continue_receipts", "genesis", "lost_receipts", "model_state",
-           "read_header", "read_receipts", "read_run_receipts", "receipt_hash", "receipts_path", "receipted_state",
-           "receipt_state_of", "state_hash_of", "state_tree", "truncate_receipts"]
+__all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "chain_break",
+           "check_restored", "continue_receipts", "genesis", "lost_receipts", "read_header", "read_receipts",
+           "read_run_receipts", "receipt_hash", "receipts_path", "receipt_state_of", "state_hash_of",
+           "truncate_receipts"]
 
 RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 2
 
@@ -397,14 +397,6 @@ def lost_receipts(run_dir: str | os.PathLike[str], rank: int, step: int) -> None
                            f"that step's): restore the file, or resume into a new run directory")
 
 
-def receipted_state(tree: dict[str, Any], written_by: str | None) -> dict[str, Any]:
-    """The parts of a run's state (a checkpoint's, ``checkpoint_state``) that its receipts digest: samestep
-    train's leave out its schedule (a function of the step); ``samestep.Run``'s take every part it saves."""
-    if written_by == "samestep.trace":
-        return tree
-    return {k: v for k, v in tree.items() if k != "scheduler"}
-
-
 def check_restored(run_dir: str | os.PathLike[str], rank: int, step: int, tree: Any) -> None:
     """Refuses a resume whose restored state is not what the run's own receipt of ``step`` records: a
     checkpoint edited after it was written (its manifest's digests recomputed), or another run's. The
@@ -436,28 +428,3 @@ def continue_receipts(run_dir: str | os.PathLike[str] | None, rank: int, start: 
     (``hash``, ``state_of``, ``shared``)."""
     prev = truncate_receipts(run_dir, rank, start) if run_dir is not None else None
     return ReceiptWriter(run_dir, rank, prev or first_prev, start=start, **kwargs)
-
-
-def buffers_now(buffers: list[tuple[str, Any]]) -> dict[str, Any]:
-    """Copies of a model's persistent buffers (``_state.persistent_buffers``, as the loop keeps them), taken at
-    a step's end: the next forward may change them in place (running statistics) while the receipt thread
-    reads the state."""
-    return {name: b.detach().clone() for name, b in buffers}
-
-
-def model_state(model: Any, buffers: dict[str, Any]) -> dict[str, Any]:
-    """``model.state_dict()`` with ``buffers`` (``buffers_now``'s, of the same step) in place of the live ones."""
-    sd = model.state_dict()
-    sd.update((k, v) for k, v in buffers.items() if k in sd)
-    return sd
-
-
-def state_tree(step: int, model: Any, optimizer: Any = None, *, buffers: list[tuple[str, Any]],
-               **parts: Any) -> dict[str, Any]:
-    """The state after ``step`` as a loop driven by ``samestep.Run`` or a framework callback receipts it, taken
-    at the step's end: the step, and the state dict of the model (its persistent ``buffers``, as the loop
-    keeps them, copied: ``buffers_now``), of the optimizer and of each further part (a scheduler, a data
-    cursor) that is not None."""
-    others = {"optimizer": optimizer, **parts}
-    return {"model": model_state(model, buffers_now(buffers)), "step": step,
-            **{name: obj.state_dict() for name, obj in others.items() if obj is not None}}

@@ -19,10 +19,10 @@ function of where the run stands (the step and microbatch, or a ``data_cursor`` 
 holds its position).
 
 On several processes it takes the model as the loop built it: replicated (DDP, or a plain module), rank 0
-saves and receipts the whole state; sharded by FSDP2 (its parameters are DTensors), every rank saves and
-receipts its own shards, through the model's own ``state_dict`` and ``load_state_dict`` (their hooks run on
-every rank), and a checkpoint resumes on any number of processes. Every rank calls what may be a
-collective at the same points. The protocol itself is ``protocol.RunProtocol``'s.
+saves and receipts the whole state; sharded by FSDP2 or split by tensor parallelism (its parameters are
+DTensors), every rank saves and receipts its own shards, through the model's own ``state_dict`` and
+``load_state_dict`` (their hooks run on every rank), and a checkpoint resumes on any number of processes where
+the loop's randomness is keyed (``rng="keyed"``). Every rank calls what may be a collective at the same points. The protocol itself is ``protocol.RunProtocol``'s.
 """
 
 from __future__ import annotations
@@ -42,7 +42,8 @@ from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer
 from samestep.distributed.placement import model_layout
 from samestep.protocol import RunProtocol
 from samestep.replay_request import ReplayRequest
-from samestep.receipts import genesis, state_tree
+from samestep.receipt_state import state_tree
+from samestep.receipts import genesis
 from samestep.checksums import state_hash_for
 from samestep._state import persistent_buffers, state_digest
 from samestep.rundir import checked_run_dir, checkpoints_dir, declared_changes, holds_run, record_declared

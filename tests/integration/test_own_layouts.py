@@ -1,8 +1,8 @@
 """A model samestep did not write on the layouts of a loop of one's own: examples/tp_llama.py (a transformers Llama
 from its config, tensor-parallel through PyTorch's ``parallelize_module`` with samestep's canonical styles, under
-``samestep.Run``) run as its docstring runs it, on one process and as torchrun's processes. ``Run`` records the layout (the mesh and every
-parameter's placements), so diff pairs records only on one layout and names a rank by its mesh coordinates, and
-a run killed at one degree resumes at another."""
+``samestep.Run``) run as its docstring runs it, on one process and as torchrun's processes. ``Run`` records the
+layout (the mesh and every parameter's placements), so diff pairs records only on one layout and names a rank
+by its mesh coordinates, and a run killed at one degree resumes at another."""
 
 from __future__ import annotations
 
@@ -65,7 +65,8 @@ def test_tensor_parallel_llama_resumes_across_degrees_and_diffs_by_layout(tmp_pa
         (1, tmp_path / "to1"), (1, tmp_path / "refused", "--rng", "restore"))
     assert _digest(tp4) == _digest(to1) == _digest(one)
     _digest(planted)
-    assert isinstance(refused, Exception) and "rng='keyed'" in str(refused) and "written by 2 process(es)" in str(refused)
+    assert isinstance(refused, Exception)
+    assert "rng='keyed'" in str(refused) and "written by 2 process(es)" in str(refused)
     assert sorted(p.relative_to(tmp_path / "refused") for p in (tmp_path / "refused").rglob("*")) == before
 
     doc = json.loads((tmp_path / "tp4" / "run.json").read_text())

@@ -14,7 +14,7 @@ LAYERS = (
     ("samestep.digests", "samestep.ops", "samestep.distributed", "samestep._state", "samestep.checksums",
      "samestep.durable", "samestep.version", "samestep.numerics", "samestep.spelling"),
     ("samestep.rng", "samestep.env", "samestep.mode", "samestep.data", "samestep.rundir", "samestep.testing",
-     "samestep.preempt", "samestep.receipts", "samestep.program", "samestep.replay_request",
+     "samestep.preempt", "samestep.receipts", "samestep.receipt_state", "samestep.program", "samestep.replay_request",
      "samestep.resume_points"),
     ("samestep.checkpoint", "samestep.tracing"),
     ("samestep.analysis", "samestep.train", "samestep.run", "samestep.integrations", "samestep.protocol"),

@@ -147,14 +147,14 @@ def test_the_trace_takes_its_state_records_from_the_receipts_pass(tmp_path, monk
 def test_a_receipt_is_of_the_buffers_at_its_steps_end_whatever_the_next_forward_does(tmp_path, monkeypatch):
     """A BatchNorm's running statistics change in place at every forward in training mode, and the receipt
     thread reads the state while the next step's forward runs (between checkpoints, whose save waits for
-    it): the receipt takes copies of the model's buffers at the step's end (``receipts.buffers_now``). With
+    it): the receipt takes copies of the model's buffers at the step's end (``receipt_state.buffers_now``). With
     the receipt thread held back until that forward has run, the receipts are those of an unhurried run and
     ``receipts verify`` finds the newest checkpoint its receipt. Control: the live buffers in the tree (no
     copies) give steps 1 and 2 other receipts, of statistics a later forward made (a resume from either would
     be refused)."""
     import threading
 
-    from samestep import receipts
+    from samestep import receipt_state, receipts
 
     forwards, seen = [0], threading.Condition()
 
@@ -187,7 +187,7 @@ def test_a_receipt_is_of_the_buffers_at_its_steps_end_whatever_the_next_forward_
 
     monkeypatch.setattr(receipts, "state_checksum", held_back)
     assert run("held") == unhurried and check_receipts(tmp_path / "held")["ok"]
-    monkeypatch.setattr(receipts, "buffers_now", lambda buffers: {})  # control: the live buffers
+    monkeypatch.setattr(receipt_state, "buffers_now", lambda buffers: {})  # control: the live buffers
     live = run("live")
     assert live[0] != unhurried[0] and live[1] != unhurried[1] and live[2] == unhurried[2]
 

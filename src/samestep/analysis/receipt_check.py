@@ -15,13 +15,13 @@ from typing import Any
 
 from samestep.checksums import state_checksum
 from samestep.durable import read_file
+from samestep.receipt_state import receipted_state
 from samestep.receipts import (
     ReceiptError,
     chain_break,
     genesis,
     read_receipts,
     read_run_receipts,
-    receipted_state,
     receipts_path,
     state_hash_of,
 )

@@ -41,7 +41,7 @@ class HookedSteps:
               program: dict[str, Any] | None = None) -> HookedSteps:
         """Starts the RunProtocol's trace of ``run_dir`` (a resume continues its stream) with the model's hooks
         attached, and, with ``receipts``, the receipts of the state of ``model``, ``optimizer`` and
-        ``scheduler`` (``receipts.state_tree``): those past ``start`` (the step the framework resumed after,
+        ``scheduler`` (``receipt_state.state_tree``): those past ``start`` (the step the framework resumed after,
         0 for a new run) are cut, and a resume whose restored state is not its receipt's is refused before
         anything is written; the optimizer's next step waits for the receipt being made. ``source``: what
         made the run (in the receipts' genesis). ``rank``: the receipts file's; ``sharded``: the model's
@@ -57,7 +57,8 @@ class HookedSteps:
         from samestep._state import persistent_buffers
         from samestep.checksums import state_hash_for
         from samestep.distributed.placement import model_layout
-        from samestep.receipts import genesis, state_tree
+        from samestep.receipt_state import state_tree
+        from samestep.receipts import genesis
 
         buffers = persistent_buffers(model)  # found once: a model gains or loses no buffer between steps
 

@@ -24,7 +24,7 @@ from samestep.distributed.fsdp import (
     shard_model,
 )
 from samestep.distributed.norm import clip_grad_norm_
-from samestep.receipts import buffers_now, model_state
+from samestep.receipt_state import buffers_now, model_state
 from samestep.tracing import Perturb, Recorder, parse_selection
 from samestep.train.capacity import check_capacity
 from samestep.train.checks import RecomputeCheck, check_finite
