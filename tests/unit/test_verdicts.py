@@ -357,6 +357,11 @@ def test_a_note_on_other_layouts_names_each_as_it_splits_the_tensors():
     assert "over 4 tensor ranks (rank r records its slice" in notes[0]
     assert "records its dim-0 rows" in notes[1]
     assert steps_on_other_layouts(grid, grid, {1, 2}, notes) == set() and len(notes) == 2
+    assert "and the final state digest are compared" in notes[0]
+    # a loop of one's own writes no final.json: the note says what is then not seen
+    assert steps_on_other_layouts(grid, tp4, {1}, notes, final=False) == {1}
+    assert "no final state (final.json: not both runs wrote one)" in notes[2]
+    assert "final state digest are compared" not in notes[2]
 
 
 def test_the_text_names_the_first_step_the_receipts_differ_at(tmp_path):

@@ -270,8 +270,8 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     common = _ranks_to_compare(run_a, run_b, ranks, notes)
     trace_steps, levels = _traced_alike(doc_a, doc_b, steps, notes) if common else (steps, (None, None))
     written = run_steps | held[0] | held[1]  # a loop of one's own logs no metrics.jsonl: its receipts say
-    other = steps_on_other_layouts(doc_a, doc_b, written if trace_steps is None else trace_steps, notes) \
-        if common else set()
+    other = steps_on_other_layouts(doc_a, doc_b, written if trace_steps is None else trace_steps, notes,
+                                   final=final_compared) if common else set()
     if other:  # their records do not pair up
         trace_steps = (written if trace_steps is None else trace_steps) - other
         common = common if trace_steps else []

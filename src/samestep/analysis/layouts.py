@@ -70,10 +70,12 @@ def rank_coordinates(layout: dict[str, Any], rank: int) -> str | None:
     return ", ".join(words)
 
 
-def steps_on_other_layouts(doc_a: dict, doc_b: dict, steps: set[int], notes: list[str]) -> set[int]:
+def steps_on_other_layouts(doc_a: dict, doc_b: dict, steps: set[int], notes: list[str],
+                           final: bool = True) -> set[int]:
     """The steps of ``steps`` that the runs (their run.json: ``doc_a``, ``doc_b``) wrote on other layouts,
     where trace records do not pair up one to one; a note names both layouts and what is compared there
-    instead: the loss and grad-norm bits, the receipts and the final state digest."""
+    instead: the loss and grad-norm bits, the receipts and, where ``final`` (both wrote one), the final state
+    digest."""
     other = sorted(s for s in steps if layout_at(doc_a, s) != layout_at(doc_b, s))
     if other:
         first = other[0]
@@ -81,5 +83,7 @@ def steps_on_other_layouts(doc_a: dict, doc_b: dict, steps: set[int], notes: lis
                      f"{_layout_words(layout_at(doc_a, first))}; B: {_layout_words(layout_at(doc_b, first))}"
                      f"{' at step ' + str(first) if len(other) < len(steps) else ''}): trace records are "
                      "compared only at steps both wrote on one layout; at these, the loss and grad-norm bits "
-                     "(metrics and receipts) and the final state digest are compared")
+                     "(metrics and receipts)" + (" and the final state digest are compared" if final else
+                                                 " are compared, and no final state (final.json: not both "
+                                                 "runs wrote one), so a difference in the state alone is not seen"))
     return set(other)

@@ -32,18 +32,28 @@ __all__ = ["CanonicalReduceScatter", "FsdpDefaultGradients", "FsdpGradients", "H
            "ShardedOptimizer", "full_state", "iter_local", "shard_model", "shard_rows", "tensor_ranks_part"]
 
 
-def shard_model(model: torch.nn.Module, world_size: int, mesh: Any = None) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, world_size: int, mesh: Any = None, blocks: Any = None) -> torch.nn.Module:
     """Applies FSDP2 over the default process group (or ``mesh``: the data ranks of a tensor-parallel
-    model's 2-D mesh): each decoder block (a module whose class is named ``Block``) is a group, and the root
-    holds the rest (embeddings, the tied head, the final norm)."""
+    model's 2-D mesh): each block is a group, and the root holds the rest (embeddings, the tied head, the
+    final norm). ``blocks``: the blocks' module class (or a tuple of classes), e.g. transformers'
+    ``LlamaDecoderLayer``; by default the modules whose class is named ``Block`` (samestep's models)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    if blocks is None:
+        found = [m for m in model.modules() if m is not model and type(m).__name__ == "Block"]
+    elif isinstance(blocks, type) or (isinstance(blocks, tuple) and all(isinstance(b, type) for b in blocks)):
+        found = [m for m in model.modules() if m is not model and isinstance(m, blocks)]
+        if not found:
+            raise ValueError(f"shard_model(blocks={blocks!r}): the model holds no such module; pass the class of "
+                             f"its blocks (its module classes: {sorted({type(m).__name__ for m in model.modules()})})")
+    else:
+        raise TypeError(f"shard_model(blocks={blocks!r}): a module class or a tuple of them (the class of the "
+                        "model's decoder blocks, e.g. LlamaDecoderLayer)")
     device = next(model.parameters()).device
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (world_size,))
-    for module in list(model.modules()):
-        if module is not model and type(module).__name__ == "Block":
-            fully_shard(module, mesh=mesh)
+    for module in found:
+        fully_shard(module, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
 
