@@ -136,6 +136,21 @@ def _refuse_changes(run_dir: Path, declared: dict[str, Any]) -> None:
                          "continuing it would change its bits: continue it as it started, or use a new run directory")
 
 
+def _refuse_parts(model_digest: str) -> None:
+    """Rank 0 saves and receipts the whole state of a model that no DTensor splits: refused, on every rank alike,
+    where the ranks hold other models (their parameter names, shapes or dtypes), as pipeline stages or experts
+    placed by the loop do, whose checkpoint would hold rank 0's part alone."""
+    from samestep.distributed.agree import ranks_unlike_rank_0
+
+    unlike = ranks_unlike_rank_0(model_digest)
+    if unlike:
+        raise ValueError(f"samestep.Run: rank(s) {', '.join(map(str, unlike))} hold another model than rank 0 (other "
+                         "parameter names, shapes or dtypes): a model in parts across ranks (pipeline stages, "
+                         "experts a loop places) is not one state that rank 0 can save, and a resume from rank 0's "
+                         "part would leave the run. Fix: the same model on every rank (replicated, DDP), or split "
+                         "by DTensors (FSDP2, tensor parallelism), which each rank saves its shards of")
+
+
 def _refuse_rng_change(loaded: Any, world: int, rng: str, generators: dict[str, torch.Generator] | None) -> None:
     """A checkpoint written by another number of processes holds no generator states for this layout's ranks:
     its resume is the run's only where the loop's randomness is keyed by where the run stands (``rng="keyed"``;
@@ -248,6 +263,8 @@ class Run:
         self._proto = RunProtocol(self.run_dir, hold_dir=rank == 0)
         try:
             self._declared = _declared(model, optimizer, scheduler, data_cursor, config)
+            if not self.sharded:
+                _refuse_parts(self._declared["model"])
             if resume is not False:  # another run's settings are refused before anything is restored or written
                 _refuse_changes(self.run_dir, self._declared)
             self.report = (self._proto.enable(threads=threads, kernels=kernels, who="samestep.Run") if deterministic

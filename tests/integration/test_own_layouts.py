@@ -17,6 +17,7 @@ from tests.conftest import cli_here, script_ranks, side_by_side
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tp_llama.py"
+PIPELINE = ROOT / "examples" / "pp_llama.py"
 PLANT = "rank=1,step=3,microbatch=1,phase=forward,scope=model.layers.1.mlp.up_proj,op=aten.mm.default"
 
 
@@ -43,27 +44,31 @@ def _digest(done: str | Exception) -> str:
 
 
 def test_tensor_parallel_llama_resumes_across_degrees_and_diffs_by_layout(tmp_path):
-    """1 process, TP 2 (steps 1-2, then killed) resumed at TP 4 and on 1 process: one digest of the final
-    parameters, and `samestep diff` of the 1-process run and the TP 2 -> 4 run "identical" (every step's loss and
-    gradient-norm bits; their records were written on other layouts, which run.json's layouts and the note
-    name). A ULP planted in rank 1's up_proj at step 3 of a TP 4 resume is the origin diff names, at `tp 1` of the
-    mesh, the records before it alike on every rank (the others receive it). Refused: the resume on
-    1 process with ``rng="restore"`` (the checkpoint holds 2 ranks' generators), naming rng='keyed', nothing
-    written. Negative controls: PyTorch's own styles at TP 2 give other bits than the plain model on 1 process,
-    and diff of the 1-process run and that TP 2 run says diverged (other layouts: by the loss bits)."""
-    one, killed, stock1, stock2 = _together((1, tmp_path / "one"), (2, tmp_path / "k", "--kill-after", "2"),
-                                            (1, tmp_path / "s1", "--styles", "pytorch"),
-                                            (2, tmp_path / "s2", "--styles", "pytorch"))
+    """1 process, FSDP2 over TP on a 2 x 2 mesh, TP 2 (steps 1-2, then killed) resumed at TP 4, on 1 process and
+    on the 2 x 2 mesh: one digest of the final parameters, and `samestep diff` of the 1-process run and the
+    TP 2 -> 4 run and the 2 x 2 run "identical" (every step's loss and gradient-norm bits; their records were
+    written on other layouts, which run.json's layouts and the note name). A ULP planted in rank 1's up_proj at
+    step 3 of a TP 4 resume is the origin diff names, at `tp 1` of the mesh, the records before it alike on every
+    rank (the others receive it). Refused: the resume on 1 process with ``rng="restore"`` (the checkpoint holds 2
+    ranks' generators), naming rng='keyed', nothing written. Negative controls: PyTorch's own styles at TP 2
+    give other bits than the plain model on 1 process, and on the 2 x 2 mesh (with FSDP2's own reduce-scatter)
+    other bits than samestep's there; diff of the 1-process run and that TP 2 run says diverged (other layouts:
+    by the loss bits)."""
+    one, killed, stock1, stock2, grid, stock_grid = _together(
+        (1, tmp_path / "one"), (2, tmp_path / "k", "--kill-after", "2"), (1, tmp_path / "s1", "--styles", "pytorch"),
+        (2, tmp_path / "s2", "--styles", "pytorch"), (4, tmp_path / "grid", "--dp", "2"),
+        (4, tmp_path / "sgrid", "--dp", "2", "--styles", "pytorch"))
     assert killed == "" and sorted(p.name for p in (tmp_path / "k" / "checkpoints").glob("step_*")) == [
         "step_000001", "step_000002"]
     assert _digest(stock1) != _digest(stock2)
-    for name in ("tp4", "planted", "to1", "refused"):
+    assert _digest(grid) == _digest(one) != _digest(stock_grid)
+    for name in ("tp4", "planted", "to1", "refused", "togrid"):
         shutil.copytree(tmp_path / "k", tmp_path / name)
     before = sorted(p.relative_to(tmp_path / "refused") for p in (tmp_path / "refused").rglob("*"))
-    tp4, planted, to1, refused = _together(
+    tp4, planted, to1, refused, togrid = _together(
         (4, tmp_path / "tp4", "--trace-op", "3"), (4, tmp_path / "planted", "--trace-op", "3", "--perturb", PLANT),
-        (1, tmp_path / "to1"), (1, tmp_path / "refused", "--rng", "restore"))
-    assert _digest(tp4) == _digest(to1) == _digest(one)
+        (1, tmp_path / "to1"), (1, tmp_path / "refused", "--rng", "restore"), (4, tmp_path / "togrid", "--dp", "2"))
+    assert _digest(tp4) == _digest(to1) == _digest(togrid) == _digest(one)
     _digest(planted)
     assert isinstance(refused, Exception)
     assert "rng='keyed'" in str(refused) and "written by 2 process(es)" in str(refused)
@@ -72,12 +77,17 @@ def test_tensor_parallel_llama_resumes_across_degrees_and_diffs_by_layout(tmp_pa
     doc = json.loads((tmp_path / "tp4" / "run.json").read_text())
     assert doc["layout"]["meshes"][0]["shape"] == [2] and doc["layout"]["placed"]["S(0)"] == 10
     assert [(r["step"], r["meshes"][0]["shape"]) for r in doc["resumes"]] == [(2, [4])]
+    layout = json.loads((tmp_path / "grid" / "run.json").read_text())["layout"]
+    assert layout["sharded"] == "fsdp2" and layout["meshes"][0] == {"names": ["dp", "tp"], "shape": [2, 2],
+                                                                     "ranks": [[0, 1], [2, 3]]}
 
     same = cli_here("diff", str(tmp_path / "one"), str(tmp_path / "tp4"))
     assert same.returncode == 0 and same.stdout.startswith("identical"), same.stdout
     assert "device mesh tp=1" in same.stdout and "device mesh tp=2" in same.stdout
-    moved = cli_here("diff", str(tmp_path / "one"), str(tmp_path / "to1"))
-    assert moved.returncode == 0 and moved.stdout.startswith("identical"), moved.stdout
+    for other in ("to1", "togrid", "grid"):
+        moved = cli_here("diff", str(tmp_path / "one"), str(tmp_path / other))
+        assert moved.returncode == 0 and moved.stdout.startswith("identical"), (other, moved.stdout)
+    assert "device mesh dp=2 x tp=2; dp=2, FSDP2 sharding them" in moved.stdout
 
     found = cli_here("diff", "--json", str(tmp_path / "tp4"), str(tmp_path / "planted"))
     report = json.loads(found.stdout)
@@ -89,3 +99,18 @@ def test_tensor_parallel_llama_resumes_across_degrees_and_diffs_by_layout(tmp_pa
     assert report["origin"]["scope"] == "model.layers.1.mlp.up_proj" and report["origin"]["op"] == "aten.mm.default"
     assert any("rank 1 at step 3 is tp 1 of the mesh tp=4" in note for note in report["notes"])
     assert cli_here("diff", str(tmp_path / "one"), str(tmp_path / "s2")).returncode == 1
+
+
+def test_a_pipelined_llama_gives_the_one_process_bits_at_pp_2_and_pp_2_by_dp_2():
+    """examples/pp_llama.py: the Llama cut into stages that torch.distributed.pipelining runs, each stage's
+    gradients summed by ``canonical_stage``: 1 process (the model's own call), PP 2 and PP 2 x DP 2 print one
+    digest of the final parameters and one last loss. Negative control: PyTorch's own (pipelining's
+    accumulation, the data ranks' all-reduce, the stages' norms combined) gives another digest at PP 2 x DP 2
+    than on 1 process."""
+    one, pp2, grid, plain1, plain_grid = side_by_side(
+        *(lambda a=a: script_ranks(PIPELINE, *a[1:], nproc=a[0]).strip()
+          for a in ((1,), (2,), (4, "--dp", "2"), (1, "--plain"), (4, "--dp", "2", "--plain"))))
+    digest, loss = one.split()
+    assert len(digest) == 32 and loss.startswith("0x")
+    assert pp2 == grid == one
+    assert plain1.split()[0] != plain_grid.split()[0]

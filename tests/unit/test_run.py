@@ -258,6 +258,42 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     assert [s for s, _ in committed_steps(run / "checkpoints")][0] == 4
 
 
+def _parts_worker(rank: int, init: str, run_dir: str, out: str, split: bool) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    # split: each rank holds another part of a model, as a pipeline stage of one's own placing does
+    model = torch.nn.Linear(4, 1 + rank) if split else torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    try:
+        with samestep.Run(run_dir, model=model, optimizer=opt) as run:
+            for _ in run.steps(1):
+                model(torch.ones(2, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        Path(out, f"rank{rank}.txt").write_text("ran")
+    except ValueError as e:
+        Path(out, f"rank{rank}.txt").write_text(str(e))
+
+
+@pytest.mark.slow
+def test_ranks_holding_other_parts_of_a_model_are_refused_on_every_rank(tmp_path):
+    """Rank 0 saves the whole state of a model no DTensor splits: ranks whose models differ (a loop's own
+    pipeline stages) are refused on every rank alike, before a checkpoint, naming the ranks and the fix.
+    Control: the same model on both ranks runs."""
+    from tests.conftest import spawn
+
+    for split, name in ((True, "split"), (False, "same")):
+        (tmp_path / name).mkdir()
+        spawn(_parts_worker, (str(tmp_path / f"init_{name}"), str(tmp_path / f"run_{name}"),
+                              str(tmp_path / name), split), 2)
+    said = [(tmp_path / "split" / f"rank{r}.txt").read_text() for r in range(2)]
+    assert said[0] == said[1] and said[0].startswith("samestep.Run: rank(s) 1 hold another model than rank 0"), said
+    assert not committed_steps(tmp_path / "run_split" / "checkpoints")
+    assert [(tmp_path / "same" / f"rank{r}.txt").read_text() for r in range(2)] == ["ran", "ran"]
+
+
 def _declared_loop(run_dir: Path, total: int = 4, width: int = 16, weight_decay: float = 0.01,
                    config: dict | None = None) -> torch.Tensor:
     torch.manual_seed(0)

@@ -1,12 +1,14 @@
 """Layout-invariant parallelism: the canonical gradient reduction (on its own, as DDP's communication hook,
-or as FSDP2's reduce-scatter), the canonical gradient norm, tensor-parallel linears, embedding, loss and
-sequence-parallel norms whose sums do not depend on the degree, and layout validation."""
+or as FSDP2's reduce-scatter, or after each microbatch of a pipeline stage), the canonical gradient norm,
+tensor-parallel linears, embedding, loss and sequence-parallel norms whose sums do not depend on the degree,
+and layout validation."""
 
 from samestep.distributed.agree import any_rank
 from samestep.distributed.buckets import GradientBuckets
 from samestep.distributed.ddp import CanonicalDdpState, canonical_ddp_hook
 from samestep.distributed.fsdp import FsdpGradients, ShardedModel, ShardedOptimizer, full_state, shard_model
 from samestep.distributed.norm import canonical_grad_norm, clip_grad_norm_
+from samestep.distributed.pipeline import CanonicalStage, TiedWeight, broadcast_from, canonical_stage
 from samestep.distributed.reduce import (
     AllReduceGradients,
     CanonicalGradients,
@@ -26,9 +28,10 @@ from samestep.distributed.tree import BinaryCounter, canonical_sum, validate_lay
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 __all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalColwiseParallel", "CanonicalDdpState",
-           "CanonicalGradients", "CanonicalRowwiseParallel", "CanonicalVocabEmbedding", "FsdpGradients",
-           "GradientBuckets", "SequenceShard", "ShardedModel", "ShardedOptimizer", "all_gather_blocks", "any_rank",
-           "canonical_ddp_hook", "canonical_grad_norm", "canonical_sum", "clip_grad_norm_", "column_linear",
+           "CanonicalGradients", "CanonicalRowwiseParallel", "CanonicalStage", "CanonicalVocabEmbedding",
+           "FsdpGradients", "GradientBuckets", "SequenceShard", "ShardedModel", "ShardedOptimizer", "TiedWeight",
+           "all_gather_blocks", "any_rank", "broadcast_from", "canonical_ddp_hook", "canonical_grad_norm",
+           "canonical_stage", "canonical_sum", "clip_grad_norm_", "column_linear",
            "combine_across_ranks", "full_state", "gather_sequence", "parallelize_norm", "ring_allreduce_bytes",
            "row_linear", "scatter_sequence", "sequence_affine", "sequence_shard", "shard_model", "tree_to_block",
            "validate_layout", "validate_tp", "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]

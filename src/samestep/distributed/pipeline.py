@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CanonicalStage", "TiedWeight", "broadcast_from"]
+__all__ = ["CanonicalStage", "TiedWeight", "broadcast_from", "canonical_stage"]
 
 
 def _stage_class() -> type:
@@ -60,6 +60,34 @@ class CanonicalStage:
                 after_backward(bwd_chunk_id, None if loss is None else loss.detach())
 
         return _Stage(module, stage_index, num_stages, device, input_args=inputs, output_args=outputs, group=group)
+
+
+def canonical_stage(module: torch.nn.Module, stage_index: int, num_stages: int, device: torch.device, *,
+                    grads: Any, group: Any = None, input_args: Any = None, output_args: Any = None,
+                    scope: Callable[[int], Any] | None = None) -> Any:
+    """A ``torch.distributed.pipelining.PipelineStage`` of a loop of one's own whose microbatch gradients are
+    summed in the order one process sums them: after each microbatch's backward, ``grads`` (a
+    ``CanonicalGradients`` over this stage's parameters, over its data ranks where there are several; or
+    ``FsdpGradients``) takes them as that microbatch's (``grads.microbatches[chunk]``, the last stage's loss as
+    its extra). Run it with ``ScheduleGPipe`` or ``Schedule1F1B`` (``scale_grads=False``, the loss normalised by
+    the whole step's size as one process normalises it); after ``schedule.step`` every stage calls
+    ``grads.reduce()``, the last stage's result being the step's loss sum (``broadcast_from`` sends it to the
+    others), and ``clip_grad_norm_(params, max_norm, over=pipe_group)`` gives one process's norm.
+    ``input_args``, ``output_args``: a microbatch's inputs and outputs of this stage (meta tensors will do; as
+    ``PipelineStage`` takes them). ``scope(i)``: a context around microbatch i's forward and backward (a
+    ``samestep.trace`` recorder's ``microbatch``), or None. docs/layouts.md, "Pipeline parallelism"."""
+    import contextlib
+
+    chunks = grads.microbatches
+
+    def after_backward(chunk: int, loss: torch.Tensor | None) -> None:
+        grads.accumulate(chunks[chunk], extra=loss)
+
+    def in_scope(chunk: int) -> Any:
+        return scope(chunks[chunk]) if scope is not None else contextlib.nullcontext()
+
+    return CanonicalStage.make(module, stage_index, num_stages, device, group, after_backward,
+                               input_args, output_args, in_scope)
 
 
 class TiedWeight:
