@@ -25,11 +25,12 @@ C, HEADS, T, CHUNKS, STEPS, SAVE_AT = 64, 4, 16, 8, 5, 3
 
 
 class Block(nn.Module):
-    """Pre-norm attention + MLP; ``fused``: q, k and v one projection (as the reference GPT's c_attn). Its
-    heads and hidden units are split by the styles applied to it; it computes on whatever its projections
-    return (local heads under tensor parallelism)."""
+    """Pre-norm attention + MLP; ``fused``: q, k and v one projection, "stacked" (q, then k, then v, as the
+    reference GPT's c_attn) or "grouped" (by head: each head's q, k and v rows together, as torchtitan's
+    FusedQKVLinear lays out a kv group). Its heads and hidden units are split by the styles applied to it; it
+    computes on whatever its projections return (local heads under tensor parallelism)."""
 
-    def __init__(self, fused: bool) -> None:
+    def __init__(self, fused: str | None) -> None:
         super().__init__()
         self.norm1, self.norm2 = nn.LayerNorm(C), nn.LayerNorm(C)
         if fused:
@@ -42,8 +43,11 @@ class Block(nn.Module):
 
     def attention(self, x: torch.Tensor) -> torch.Tensor:
         B, L, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=-1) if self.fused else (proj(x) for proj in (self.q, self.k, self.v))
         hs = C // HEADS
+        if self.fused == "grouped":  # (B, L, local heads, q k v, hs)
+            q, k, v = self.qkv(x).view(B, L, -1, 3, hs).unbind(3)
+        else:
+            q, k, v = self.qkv(x).chunk(3, dim=-1) if self.fused else (proj(x) for proj in (self.q, self.k, self.v))
         q, k, v = (t.reshape(B, L, -1, hs).transpose(1, 2) for t in (q, k, v))  # (B, local heads, L, hs)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))
         mask = torch.ones(L, L, dtype=torch.bool).tril()
@@ -85,9 +89,12 @@ def _digest(block: Block) -> str:
 
 def _worker(rank: int, world: int, init: str, out: str, how: str, ckpt: str, phase: str) -> None:
     """``how``: "canonical" (samestep's styles and norm), "stock" (PyTorch's), "fused" (samestep's, q, k and v
-    one projection: ``CanonicalColwiseParallel(parts=3)``), "fresh_moments" (as "fused", a resume that loads
-    no optimizer state). ``phase``: "straight" (steps 0..STEPS-1), "save" (the same, a
-    sharded checkpoint after step SAVE_AT-1 into ``ckpt``) or "resume" (from ``ckpt``, steps SAVE_AT..)."""
+    one projection: ``CanonicalColwiseParallel(parts=3, fused="stacked")``), "fresh_moments" (as "fused", a
+    resume that loads no optimizer state), "grouped" (q, k and v fused by head, ``fused="grouped"``),
+    "grouped_as_stacked" (that layout declared stacked), "gathered" (the MLP's first layer's output gathered
+    whole, ``output_layouts=Replicate()``, its second layer unsplit). ``phase``: "straight" (steps
+    0..STEPS-1), "save" (the same, a sharded checkpoint after step SAVE_AT-1 into ``ckpt``) or "resume" (from
+    ``ckpt``, steps SAVE_AT..)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -98,7 +105,7 @@ def _worker(rank: int, world: int, init: str, out: str, how: str, ckpt: str, pha
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     with samestep.enable(threads=1):
         torch.manual_seed(0)
-        fused = how in ("fused", "fresh_moments")
+        fused = "stacked" if how in ("fused", "fresh_moments") else "grouped" if how.startswith("grouped") else None
         block = Block(fused)
         mesh = init_device_mesh("cpu", (world,))  # one process: a mesh of one, the same placements
         if how == "stock":
@@ -106,7 +113,14 @@ def _worker(rank: int, world: int, init: str, out: str, how: str, ckpt: str, pha
         else:
             col, row, clip = CanonicalColwiseParallel(CHUNKS), CanonicalRowwiseParallel(CHUNKS), clip_grad_norm_
         plan = {"up": col, "o": row, "down": row}
-        plan |= {"qkv": CanonicalColwiseParallel(CHUNKS, parts=3)} if fused else {"q": col, "k": col, "v": col}
+        if how == "gathered":
+            from torch.distributed.tensor import Replicate
+
+            del plan["down"]
+            plan["up"] = CanonicalColwiseParallel(CHUNKS, output_layouts=Replicate())
+        stacked = CanonicalColwiseParallel(CHUNKS, parts=3, fused="stacked")
+        grouped = CanonicalColwiseParallel(CHUNKS, fused="grouped", groups=HEADS)
+        plan |= ({"qkv": grouped if how == "grouped" else stacked} if fused else {"q": col, "k": col, "v": col})
         if how != "stock" or world > 1:
             parallelize_module(block, mesh, plan)
         opt = torch.optim.AdamW(block.parameters(), lr=0.01, foreach=False)
@@ -162,6 +176,44 @@ def test_fused_qkv_and_a_checkpoint_written_at_tp_2_resume_at_tp_4_and_1_bit_for
         resumed = _run(tmp_path, world, "fused", "resume")
         assert resumed["losses"] == straight["losses"][2 * SAVE_AT:] and resumed["digest"] == straight["digest"], world
     assert _run(tmp_path, 1, "fresh_moments", "resume")["digest"] != straight["digest"]
+
+
+def test_a_fused_layer_declares_its_rows_and_an_output_may_be_gathered(tmp_path):
+    """q, k and v fused by head (torchtitan's kv-group layout, ``fused="grouped", groups=4``): TP 2 and TP 4 give
+    the one-process bits, each rank holding whole heads; so does an MLP whose first layer's output is gathered
+    whole (``output_layouts=Replicate()``: an all-gather) into an unsplit second layer. Negative control: that
+    grouped weight declared stacked (``parts=3, fused="stacked"``), what an undeclared ``parts=3`` read it as,
+    trains another model at TP 2 (other bits than the one process)."""
+    one = _run(tmp_path, 1, "grouped")
+    assert _run(tmp_path, 2, "grouped") == one and _run(tmp_path, 4, "grouped") == one
+    assert _run(tmp_path, 2, "grouped_as_stacked")["digest"] != one["digest"]
+    assert _run(tmp_path, 2, "gathered") == _run(tmp_path, 1, "gathered")
+
+
+def test_a_style_refuses_an_undeclared_fused_layout_and_layouts_it_cannot_keep():
+    """``parts`` without ``fused``, a grouped layout without groups, and PyTorch's layout keyword arguments that
+    would change the bits (a DTensor output, a column-parallel input split by features, a gathered fused
+    output) are refused, one line naming the argument and what the style takes. Negative control: the
+    arguments it takes map onto its own (``Shard(1)``: sequence parallelism)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from samestep.distributed import CanonicalColwiseParallel, CanonicalRowwiseParallel
+
+    for kwargs, words in (({"parts": 3}, "a fused layer says how its rows lie"),
+                          ({"fused": "grouped"}, "fused='grouped' with groups=g"),
+                          ({"fused": "stacked", "parts": 1}, "fused='stacked' with parts=k"),
+                          ({"use_local_output": False}, "use_local_output=True"),
+                          ({"input_layouts": Shard(2)}, "takes Replicate() (the input whole) or Shard(1)"),
+                          ({"parts": 3, "fused": "stacked", "output_layouts": Replicate()}, "of an unfused layer")):
+        with pytest.raises(ValueError, match="Fix:|takes|gives") as e:
+            CanonicalColwiseParallel(8, **kwargs)
+        assert words in str(e.value) and "\n" not in str(e.value), (kwargs, str(e.value))
+    with pytest.raises(ValueError, match=r"output_layouts=Shard\(0\)\): gives Replicate\(\)"):
+        CanonicalRowwiseParallel(8, output_layouts=Shard(0))
+    assert CanonicalColwiseParallel(8, input_layouts=Shard(1)).sequence_dim == 1
+    assert CanonicalRowwiseParallel(8, output_layouts=Shard(1)).sequence_dim == 1
+    assert CanonicalColwiseParallel(8, output_layouts=Replicate()).gather_output
+    assert CanonicalColwiseParallel(8, fused="grouped", groups=4).groups == 4
 
 
 def test_a_degree_that_does_not_cut_whole_chunks_is_refused():

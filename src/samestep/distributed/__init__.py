@@ -36,15 +36,16 @@ __all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalColwiseParallel", "C
            "row_linear", "scatter_sequence", "sequence_affine", "sequence_shard", "shard_model", "tree_to_block",
            "validate_layout", "validate_tp", "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
 
-# tensor_parallel is loaded when one of its names is first used: it imports DTensor's parallel styles (most
-# of a second of start-up), which a run without tensor parallelism never needs.
-_LAZY = {"CanonicalColwiseParallel", "CanonicalRowwiseParallel", "CanonicalVocabEmbedding", "column_linear",
-         "row_linear", "sequence_shard", "validate_tp"}
+# tensor_parallel and tp_styles are loaded when one of their names is first used: the styles import DTensor's
+# parallel styles (most of a second of start-up), which a run without tensor parallelism never needs.
+_LAZY = {"CanonicalColwiseParallel": "tp_styles", "CanonicalRowwiseParallel": "tp_styles",
+         "CanonicalVocabEmbedding": "tp_styles", "column_linear": "tensor_parallel", "row_linear": "tensor_parallel",
+         "sequence_shard": "tensor_parallel", "validate_tp": "tensor_parallel"}
 
 
 def __getattr__(name: str) -> object:
     if name not in _LAZY:
         raise AttributeError(f"module 'samestep.distributed' has no attribute {name!r}")
-    from samestep.distributed import tensor_parallel
+    import importlib
 
-    return getattr(tensor_parallel, name)
+    return getattr(importlib.import_module(f"samestep.distributed.{_LAZY[name]}"), name)

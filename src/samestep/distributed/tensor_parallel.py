@@ -13,9 +13,10 @@ number of ranks. The chunks that a reduction sums are summed along the canonical
 ranks combine their subtree sums in rank order with ``reduce.combine_across_ranks``, the bytes of a ring
 all-reduce. Unsplit (no group) the same function runs the whole tree in one process.
 
-The parameters are sharded by PyTorch's own styles (``ColwiseParallel``: weight and bias ``Shard(0)``;
-``RowwiseParallel``: weight ``Shard(1)``, bias ``Replicate``), so state dicts, FSDP2 and checkpoints see
-ordinary DTensors; only the layer's forward and backward are samestep's.
+The styles that route a module's forward here (``tp_styles``) shard its parameters by PyTorch's own
+partition (``ColwiseParallel``: weight and bias ``Shard(0)``; ``RowwiseParallel``: weight ``Shard(1)``, bias
+``Replicate``), so state dicts, FSDP2 and checkpoints see ordinary DTensors; only the layer's forward and
+backward are samestep's.
 """
 
 from __future__ import annotations
@@ -27,10 +28,8 @@ from torch import nn
 
 from samestep.distributed.reduce import tree_across_ranks
 from samestep.distributed.sequence_parallel import SequenceShard, all_gather_blocks, tree_to_block
-from samestep.distributed.vocab_parallel import vocab_parallel_embedding
 
-__all__ = ["CanonicalColwiseParallel", "CanonicalRowwiseParallel", "CanonicalVocabEmbedding", "column_linear",
-           "row_linear", "sequence_shard", "validate_tp"]
+__all__ = ["column_linear", "row_linear", "sequence_shard", "validate_tp"]
 
 
 def _is_pow2(n: int) -> bool:
@@ -81,6 +80,14 @@ def _dtypes(x: torch.Tensor) -> tuple[torch.dtype, torch.dtype]:
     return cd, torch.float32 if cd in (torch.float16, torch.bfloat16) else cd
 
 
+def _own(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``t`` shaped ``shape`` as a tensor of its own to autograd, not a view of the buffer the layer summed
+    into (which nothing else holds): FSDP2 warns of a module that returns a view on every call, since an
+    in-place op on one would drop its pre-backward hook. The bytes are ``t``'s, uncopied (what
+    ``torch.matmul`` returns a folded product as)."""
+    return torch.ops.aten._unsafe_view(t, shape)
+
+
 def _as(t: torch.Tensor | None, cd: torch.dtype, acc: torch.dtype) -> torch.Tensor | None:
     """``t`` rounded to ``cd``, held in ``acc`` (both no-ops in float32)."""
     return None if t is None else t.to(cd).to(acc)
@@ -103,7 +110,7 @@ class _Column(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.local_chunks, ctx.parts, ctx.group, ctx.has_bias = local_chunks, parts, group, bias is not None
         ctx.dtypes, ctx.sequence = (cd, acc), sequence
-        return y.view(*x.shape[:-1], weight.shape[0])
+        return _own(y, (*x.shape[:-1], weight.shape[0]))
 
     @staticmethod
     def backward(ctx, grad_y):
@@ -142,9 +149,10 @@ class _Row(torch.autograd.Function):
             ws = [c.contiguous() for c in _as(weight, cd, acc).chunk(local_chunks, 1)]
             leaves = [(xc @ wc.t()).to(cd) for xc, wc in zip(xs, ws)]
             if sequence is None:
-                y = tree_across_ranks(leaves, group).view(shape)
+                y = _own(tree_across_ranks(leaves, group), shape)
             else:  # this rank's block of the sum only
                 y = tree_to_block([leaf.view(shape) for leaf in leaves], sequence)
+                y = _own(y, tuple(y.shape))
             if bias is not None:
                 y = y + bias.to(cd)
         ctx.save_for_backward(x, weight)
@@ -191,146 +199,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return _Row.apply(x, _local(weight), _local(bias), local_chunks, group, sequence)
 
 
-def _strided_partition(parts: int) -> Any:
-    """A partition that gives each rank its rows of each of ``parts`` fused projections, part after part
-    (DTensor's ``_StridedShard``: the whole tensor keeps its unsplit layout, so state dicts and checkpoints
-    do not depend on the degree)."""
-    from torch.distributed.tensor import distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    def partition(name: str, module: nn.Module, device_mesh: Any) -> None:
-        for pname, param in list(module.named_parameters(recurse=False)):
-            placed = distribute_tensor(param, device_mesh, [_StridedShard(0, split_factor=parts)])
-            module.register_parameter(pname, nn.Parameter(placed, requires_grad=param.requires_grad))
-
-    return partition
-
-
-def _placed(module: nn.Module, device_mesh: Any, rows: bool) -> bool:
-    """Whether ``module``'s parameters are already sharded, as a weight tied to a vocabulary-parallel
-    embedding is (wrapping it again would make a second parameter and untie it): True only where every one
-    is a DTensor on ``device_mesh`` sharded by rows and ``rows`` (the style shards rows) says that is right.
-
-    Raises:
-        ValueError: some are placed and some not, or placed otherwise than the style would.
-    """
-    from torch.distributed.tensor import DTensor, Shard
-
-    params = list(module.named_parameters(recurse=False))
-    placed = [name for name, p in params if isinstance(p, DTensor)]
-    if not placed:
-        return False
-    wrong = [name for name, p in params if not (isinstance(p, DTensor) and rows and p.device_mesh == device_mesh
-                                                 and tuple(p.placements) == (Shard(0),))]
-    if wrong:
-        raise ValueError(f"{type(module).__name__}.{wrong[0]} is not placed as this style shards it (Shard(0) on "
-                         "its mesh) while another parameter of the layer already is a DTensor. Fix: tie only a "
-                         "column-parallel layer without bias to a vocabulary-parallel embedding")
-    return True
-
-
 def sequence_shard(device_mesh: Any) -> SequenceShard:
     """This rank's place among the ranks of a one-dimensional ``device_mesh`` that split sequences."""
     size = device_mesh.size()
     return SequenceShard(device_mesh.get_local_rank(), size, device_mesh.get_group() if size > 1 else None)
-
-
-def _style_apply(stock: Any, module: nn.Module, device_mesh: Any, fn: Any, chunks: int, parts: int = 1,
-                 sequence_dim: int | None = None) -> nn.Module:
-    """Shards ``module``'s parameters with the stock style's own partition (of ``parts`` fused projections:
-    each part split alike), then routes its forward through ``fn`` (local tensors in and out; with
-    ``sequence_dim``, the layer's side that is not split by features is this rank's block of the sequence)."""
-    from torch.distributed.tensor import distribute_module
-
-    if not isinstance(module, nn.Linear):
-        raise NotImplementedError(f"{type(stock).__name__} shards nn.Linear only, got {type(module).__name__}")
-    if module.out_features % parts:
-        raise ValueError(f"{type(stock).__name__}(parts={parts}): out_features={module.out_features} is not "
-                         f"{parts} equal projections. Fix: parts must divide it")
-    split = ({"in_features": module.in_features} if fn is row_linear
-             else {"out_features / parts": module.out_features // parts})
-    validate_tp(device_mesh.size(), chunks, split)
-    if not _placed(module, device_mesh, fn is column_linear and parts == 1):
-        distribute_module(module, device_mesh,
-                          stock._partition_linear_fn if parts == 1 else _strided_partition(parts))
-    group = device_mesh.get_group() if device_mesh.size() > 1 else None
-    sequence = sequence_shard(device_mesh) if sequence_dim is not None else None
-    if sequence_dim not in (None, 1):
-        raise ValueError(f"{type(stock).__name__}: sequence_dim={sequence_dim}; the sequence is dimension 1 "
-                         "(batch, positions, features)")
-
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if fn is row_linear:
-            return fn(x, module.weight, module.bias, chunks, group, sequence)
-        return fn(x, module.weight, module.bias, chunks, group, parts, sequence)
-
-    module.forward = forward
-    return module
-
-
-try:
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-except ImportError:  # a torch built without distributed
-    ColwiseParallel = RowwiseParallel = object  # type: ignore[misc,assignment]
-
-
-class CanonicalColwiseParallel(ColwiseParallel):  # type: ignore[misc,valid-type]
-    """``ColwiseParallel`` (weight and bias ``Shard(0)``) whose forward and backward are ``column_linear``:
-    input and output are local tensors, the input whole, the output this rank's slice of the last
-    dimension. ``chunks``: the fixed chunk count (parallel.tp_chunks) that every degree used divides.
-    ``parts``: the layer is that many fused projections of equal width (a fused q, k, v: 3), each split
-    alike, so a rank holds whole heads of each; its output is this rank's slice of each, part after part.
-    ``sequence_dim`` (1; sequence parallelism): the input is this rank's block of the sequence, gathered whole,
-    and its gradient comes back as that block (``sequence_parallel.tree_to_block``)."""
-
-    def __init__(self, chunks: int = 8, parts: int = 1, sequence_dim: int | None = None) -> None:
-        super().__init__()
-        self.chunks, self.parts, self.sequence_dim = chunks, parts, sequence_dim
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        return _style_apply(self, module, device_mesh, column_linear, self.chunks, self.parts, self.sequence_dim)
-
-
-class CanonicalRowwiseParallel(RowwiseParallel):  # type: ignore[misc,valid-type]
-    """``RowwiseParallel`` (weight ``Shard(1)``, bias ``Replicate``) whose forward and backward are
-    ``row_linear``: the input this rank's slice of the last dimension, the output whole on every rank
-    with the same bits at every degree. ``sequence_dim`` (1; sequence parallelism): the output is this rank's
-    block of the sequence instead, its sum reduced to that block (``sequence_parallel.tree_to_block``), and
-    the output's gradient blocks are gathered whole."""
-
-    def __init__(self, chunks: int = 8, sequence_dim: int | None = None) -> None:
-        super().__init__()
-        self.chunks, self.sequence_dim = chunks, sequence_dim
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        return _style_apply(self, module, device_mesh, row_linear, self.chunks, sequence_dim=self.sequence_dim)
-
-
-class CanonicalVocabEmbedding(RowwiseParallel):  # type: ignore[misc,valid-type]
-    """``RowwiseParallel`` for an ``nn.Embedding`` (weight ``Shard(0)``: rows split by vocabulary) whose
-    forward and backward are ``vocab_parallel_embedding``: the token ids whole on every rank, the output whole
-    with the unsplit lookup's bits at every degree. ``chunks`` (parallel.tp_chunks) only checks the degree:
-    the vocabulary must split into whole chunks for the head tied to it or paired with it
-    (``CanonicalColwiseParallel``)."""
-
-    def __init__(self, chunks: int = 8) -> None:
-        super().__init__()
-        self.chunks = chunks
-
-    def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
-        from torch.distributed.tensor import distribute_module
-
-        if not isinstance(module, nn.Embedding):
-            raise NotImplementedError(f"CanonicalVocabEmbedding shards nn.Embedding only, got {type(module).__name__}")
-        if module.padding_idx is not None or module.max_norm is not None or module.sparse:
-            raise NotImplementedError("CanonicalVocabEmbedding does not support padding_idx, max_norm or sparse "
-                                      "gradients. Fix: an nn.Embedding without them")
-        validate_tp(device_mesh.size(), self.chunks, {"num_embeddings": module.num_embeddings})
-        distribute_module(module, device_mesh, self._partition_embedding_fn)
-        group = device_mesh.get_group() if device_mesh.size() > 1 else None
-
-        def forward(idx: torch.Tensor) -> torch.Tensor:
-            return vocab_parallel_embedding(idx, module.weight, group)
-
-        module.forward = forward
-        return module

@@ -64,7 +64,7 @@ def _plan(model: nn.Module, chunks: int, sp: bool) -> dict[str, Any]:
     """The token embedding, each decoder block's linear layers and the Llama's head, each with its canonical
     style (fused projections split part by part; with ``sp`` the row-parallel layers' outputs cut to the
     rank's block of the sequence); the GPT's head is tied (see apply_tp)."""
-    from samestep.distributed.tensor_parallel import (
+    from samestep.distributed.tp_styles import (
         CanonicalColwiseParallel,
         CanonicalRowwiseParallel,
         CanonicalVocabEmbedding,
@@ -73,12 +73,14 @@ def _plan(model: nn.Module, chunks: int, sp: bool) -> dict[str, Any]:
     seq = 1 if sp else None  # with sequence parallelism the layers' outer sides are blocks of the sequence
     col, row = CanonicalColwiseParallel(chunks, sequence_dim=seq), CanonicalRowwiseParallel(chunks, sequence_dim=seq)
     if type(model).__name__ == "Llama":
-        styles = {"attn.q": col, "attn.kv": CanonicalColwiseParallel(chunks, parts=2, sequence_dim=seq), "attn.o": row}
+        kv = CanonicalColwiseParallel(chunks, parts=2, sequence_dim=seq, fused="stacked")  # k, then v
+        styles = {"attn.q": col, "attn.kv": kv, "attn.o": row}
         mlp = {"gate": col, "up": col, "down": row}
         blocks = model.layers  # type: ignore[attr-defined]
         prefix, ends = "layers", {"embed": CanonicalVocabEmbedding(chunks), "output": col}
     else:
-        styles = {"attn.c_attn": CanonicalColwiseParallel(chunks, parts=3, sequence_dim=seq), "attn.c_proj": row}
+        qkv = CanonicalColwiseParallel(chunks, parts=3, sequence_dim=seq, fused="stacked")  # q, then k, then v
+        styles = {"attn.c_attn": qkv, "attn.c_proj": row}
         mlp = {"c_fc": col, "c_proj": row}
         blocks = model.transformer.h  # type: ignore[attr-defined]
         prefix, ends = "transformer.h", {"transformer.wte": CanonicalVocabEmbedding(chunks)}
@@ -138,7 +140,7 @@ def apply_tp(model: nn.Module, cfg: Config, world: int, rank: int, device_type: 
     held = {name for name, _ in model.named_modules()}  # a pipeline stage holds some of them
     parallelize_module(model, mesh, {k: v for k, v in _plan(model, chunks, cfg.parallel.sp).items() if k in held})
     if getattr(model, "lm_head", None) is not None:  # the GPT's head: the embedding's weight, or a stage's copy
-        from samestep.distributed.tensor_parallel import CanonicalColwiseParallel
+        from samestep.distributed.tp_styles import CanonicalColwiseParallel
 
         if "transformer.wte" in held:  # tied again to the embedding's sharded parameter
             model.lm_head.weight = model.transformer.wte.weight  # type: ignore[attr-defined]
