@@ -28,6 +28,7 @@ the loop's randomness is keyed (``rng="keyed"``). Every rank calls what may be a
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from collections.abc import Generator
 from pathlib import Path
@@ -38,15 +39,16 @@ import torch
 from samestep import mode, preempt, program
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from samestep.distributed.agree import any_rank
-from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer
+from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer, whole_tensor
 from samestep.distributed.placement import model_layout
 from samestep.protocol import RunProtocol
 from samestep.replay_request import ReplayRequest
 from samestep.receipt_state import state_tree
 from samestep.receipts import genesis
 from samestep.checksums import state_hash_for
-from samestep._state import persistent_buffers, state_digest
-from samestep.rundir import checked_run_dir, checkpoints_dir, declared_changes, holds_run, record_declared
+from samestep._state import persistent_buffers, sha256_tensor, state_digest, tree_digest
+from samestep.rundir import (checked_run_dir, checkpoints_dir, declared_changes, final_doc, holds_run,
+                             record_declared, write_final)
 
 __all__ = ["Run"]
 
@@ -348,6 +350,7 @@ class Run:
                 self._step = None
                 if proto.receipts is not None:  # the metrics' bits read only for a receipt (a device sync)
                     proto.receipt(step, *(float(self._metrics.get(k, float("nan"))) for k in ("loss", "grad_norm")))
+                loss = self._metrics.get("loss", float("nan"))
                 self._metrics.clear()
                 if self._replay is not None:  # its receipts are all a replay keeps
                     continue
@@ -360,6 +363,8 @@ class Run:
                 if stop is not None:
                     self.stopped = stop
                     return
+                if step == total:
+                    self._write_final(step, float(loss))
         if self._replay is not None:  # the replay ends here: the program's code after its loop is the run's
             self._loop = None
             self.close()
@@ -375,6 +380,20 @@ class Run:
         self.recorder.metric(name, value)
         if name in ("loss", "grad_norm"):
             self._metrics[name] = value.detach() if isinstance(value, torch.Tensor) else value
+
+    def _write_final(self, step: int, loss: float) -> None:
+        """final.json of the finished run: the digest of its whole state as one process holds and names it (each
+        sharded tensor gathered whole in turn, a collective every rank joins; a DDP wrapper's names unwrapped),
+        so that runs on any two layouts compare by it (``samestep diff``)."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
+        tree = state_tree(step, model, self.optimizer, buffers=persistent_buffers(model),
+                          scheduler=self.scheduler, data_cursor=self.data_cursor)
+        digest = tree_digest(tree, lambda tensors: [sha256_tensor(whole_tensor(t)) for t in tensors], hashlib.sha256)
+        rank, world = _rank_and_world()
+        if rank == 0:
+            write_final(self.run_dir, final_doc(step, digest, loss, world, whole=True))
 
     def _state_tree(self, step: int) -> dict[str, Any]:
         """The state after ``step`` as a receipt digests it: every part a checkpoint of it holds."""

@@ -378,13 +378,17 @@ def last_logged_step(run_dir: _PathLike) -> int:
 
 # -- final.json ---------------------------------------------------------------------------------------------
 def final_doc(step: int, state_digest: str, loss: float, world_size: int,
-              state_checksum: dict[str, str] | None = None) -> dict[str, Any]:
+              state_checksum: dict[str, str] | None = None, whole: bool = False) -> dict[str, Any]:
     """final.json's contents: the last step, the final state digest (SHA-256), the last loss bits, the world
-    size, and the final state's checksum by the receipts' hash (``{hash: value}``; none without receipts)."""
+    size, and the final state's checksum by the receipts' hash (``{hash: value}``; none without receipts).
+    ``whole``: the digest is of the whole state as one process holds and names it (``samestep.Run``'s: shards
+    gathered, a DDP wrapper's names unwrapped), which its receipts' state need not be."""
     doc = {"format": FINAL_FORMAT, "version": FINAL_VERSION, "step": step, "state_digest": state_digest,
            "loss_hex": loss.hex(), "world_size": world_size}
     if state_checksum:
         doc["state_checksum"] = state_checksum
+    if whole:
+        doc["state_digest_of"] = "whole"
     return doc
 
 

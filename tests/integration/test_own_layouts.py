@@ -88,6 +88,13 @@ def test_tensor_parallel_llama_resumes_across_degrees_and_diffs_by_layout(tmp_pa
         moved = cli_here("diff", str(tmp_path / "one"), str(tmp_path / other))
         assert moved.returncode == 0 and moved.stdout.startswith("identical"), (other, moved.stdout)
     assert "device mesh dp=2 x tp=2; dp=2, FSDP2 sharding them" in moved.stdout
+    # final.json: the whole state (shards gathered) digested alike on every layout, so diff compares it too
+    finals = {name: json.loads((tmp_path / name / "final.json").read_text())
+              for name in ("one", "tp4", "to1", "grid", "togrid", "s2")}
+    assert {f["state_digest_of"] for f in finals.values()} == {"whole"}
+    assert len({finals[n]["state_digest"] for n in ("one", "tp4", "to1", "grid", "togrid")}) == 1, finals
+    assert finals["s2"]["state_digest"] != finals["one"]["state_digest"]
+    assert "and the final state digest are compared" in moved.stdout
 
     found = cli_here("diff", "--json", str(tmp_path / "tp4"), str(tmp_path / "planted"))
     report = json.loads(found.stdout)

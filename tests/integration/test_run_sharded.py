@@ -155,6 +155,13 @@ def _run(tmp_path: Path, name: str, layout: str, world: int, *, kill_at: int | N
     return np.load(out / "params.npy"), json.loads((out / "run.json").read_text())
 
 
+def _final(run_dir: Path) -> str:
+    """The digest of the whole state final.json holds (shards gathered, DDP's names unwrapped)."""
+    final = json.loads((run_dir / "final.json").read_text())
+    assert final["state_digest_of"] == "whole"
+    return final["state_digest"]
+
+
 def _receipts(run_dir: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted((run_dir / "receipts").glob("rank_*.jsonl"))}
 
@@ -195,6 +202,10 @@ def test_run_on_fsdp2_reruns_resumes_after_a_kill_and_moves_from_2_processes_to_
 
     forgot, info = _run(tmp_path, "forgot", "plain", 1, run_dir=tmp_path / "off", forget=True)
     assert info["start"] == 2 and not np.array_equal(forgot, straight)
+    # final.json: one digest of the whole state (parameters and optimizer moments) on every layout
+    assert len({_final(tmp_path / d) for d in ("straight", "one", "killed", "to1")}) == 1
+    assert _final(tmp_path / "off") != _final(tmp_path / "one")
+    assert _final(tmp_path / "own1") != _final(tmp_path / "own2")
 
 
 def test_run_on_ddp_reruns_and_resumes_after_a_kill(tmp_path):
@@ -221,3 +232,7 @@ def test_run_on_ddp_reruns_and_resumes_after_a_kill(tmp_path):
     assert check_receipts(tmp_path / "killed")["ok"]
     forgot, info = _run(tmp_path, "forgot", "ddp", 2, run_dir=tmp_path / "off", forget=True)
     assert info["start"] == 2 and not np.array_equal(forgot, straight)
+    # final.json: DDP's names unwrapped, the one process's digest; the control's differs
+    assert _final(tmp_path / "straight") == _final(tmp_path / "one") == _final(tmp_path / "killed")
+    assert _final(tmp_path / "off") != _final(tmp_path / "one")
+    assert _final(tmp_path / "own1") != _final(tmp_path / "own2")

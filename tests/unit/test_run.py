@@ -4,6 +4,7 @@ body raised is neither saved nor called complete."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import signal
@@ -55,10 +56,14 @@ def test_a_stopped_and_resumed_run_is_the_run_straight_through(tmp_path):
     straight, _ = _train(tmp_path / "straight")
     half, run = _train(tmp_path / "cut", stop_at=2)
     assert run.stopped == "SIGTERM" and [s for s, _ in committed_steps(tmp_path / "cut" / "checkpoints")] == [2, 1]
+    assert not (tmp_path / "cut" / "final.json").exists()  # a stopped run is not finished
     resumed, run = _train(tmp_path / "cut")
     assert run.start == 2 and run.stopped is None
     assert torch.equal(_bits(resumed), _bits(straight))
-    assert diff_runs(tmp_path / "straight", tmp_path / "cut")["identical"]
+    finals = [json.loads((d / "final.json").read_text()) for d in (tmp_path / "straight", tmp_path / "cut")]
+    assert finals[0] == finals[1] and finals[0]["step"] == 4 and finals[0]["state_digest_of"] == "whole"
+    same = diff_runs(tmp_path / "straight", tmp_path / "cut")
+    assert same["identical"] and same["compared"]["final_state"]
     assert certify_trace(tmp_path / "cut")["complete"]
     receipts = [d / "receipts" / "rank_00000.jsonl" for d in (tmp_path / "straight", tmp_path / "cut")]
     assert receipts[0].read_bytes() == receipts[1].read_bytes() and len(read_receipts(receipts[0])[1]) == 4
@@ -77,6 +82,7 @@ def test_a_stopped_and_resumed_run_is_the_run_straight_through(tmp_path):
     finally:
         samestep.Run.__init__ = original
     assert not torch.equal(_bits(other), _bits(straight))
+    assert json.loads((tmp_path / "norng" / "final.json").read_text())["state_digest"] != finals[0]["state_digest"]
     assert not diff_runs(tmp_path / "straight", tmp_path / "norng")["identical"]
     assert (tmp_path / "norng" / "receipts" / "rank_00000.jsonl").read_bytes() != receipts[0].read_bytes()
     # a run's receipts read once, by rank; a file under another rank's name is refused by name

@@ -29,7 +29,8 @@ from samestep.distributed.reduce import combine_across_ranks
 from samestep.distributed.tree import BinaryCounter, validate_layout
 
 __all__ = ["CanonicalReduceScatter", "FsdpDefaultGradients", "FsdpGradients", "Held", "ShardedModel",
-           "ShardedOptimizer", "full_state", "iter_local", "shard_model", "shard_rows", "tensor_ranks_part"]
+           "ShardedOptimizer", "full_state", "iter_local", "shard_model", "shard_rows", "tensor_ranks_part",
+           "whole_tensor"]
 
 
 def shard_model(model: torch.nn.Module, world_size: int, mesh: Any = None, blocks: Any = None) -> torch.nn.Module:
@@ -196,7 +197,9 @@ class FsdpDefaultGradients(FsdpGradients):
         return super().reduce()
 
 
-def _full(t: Any) -> Any:
+def whole_tensor(t: Any) -> Any:
+    """A DTensor gathered whole (a collective over its mesh: every rank calls it), any other tensor detached,
+    anything else itself."""
     from torch.distributed.tensor import DTensor
 
     # a 2-D one through its tensor ranks' part: DTensor's full_tensor misplaces doubly strided rows
@@ -212,12 +215,12 @@ def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None =
     model_sd = {}
     for key, value in model.state_dict(keep_vars=True).items():
         if id(value) not in seen:
-            seen[id(value)] = _full(value)
+            seen[id(value)] = whole_tensor(value)
         model_sd[key] = seen[id(value)]
     if optimizer is None:
         return model_sd, None
     sd = optimizer.state_dict()
-    sd["state"] = {i: {k: _full(v) for k, v in s.items()} for i, s in sd["state"].items()}
+    sd["state"] = {i: {k: whole_tensor(v) for k, v in s.items()} for i, s in sd["state"].items()}
     return model_sd, sd
 
 
