@@ -14,7 +14,8 @@ It turns deterministic mode on (``samestep.enable``), resumes from the newest in
 every step (``samestep.trace``), records the gradients and the state through the optimizer's own step
 hooks, makes the trace durable before each checkpoint, saves checkpoints, and on a stop signal finishes
 the step, saves, and ends the loop, on every rank after the same step (``run.stopped`` names the
-signal; exit with ``samestep.preempt.EXIT_PREEMPTED``). What stays the loop's: the data must be a pure
+signal; exit with ``samestep.preempt.EXIT_PREEMPTED``). A loop that finishes writes final.json, the digest
+of its whole state as one process holds it, the same on any layout. What stays the loop's: the data must be a pure
 function of where the run stands (the step and microbatch, or a ``data_cursor`` whose ``state_dict``
 holds its position).
 

@@ -110,7 +110,7 @@ def _dtensor_full_tensor() -> None:
     """The final state of FSDP2 over TP gathered by DTensor's own full_tensor."""
     from samestep.distributed import fsdp
 
-    fsdp._full = lambda t: t.full_tensor() if type(t).__name__ == "DTensor" else t.detach()
+    fsdp.whole_tensor = lambda t: t.full_tensor() if type(t).__name__ == "DTensor" else t.detach()
 
 
 def test_dtensors_own_full_tensor_under_fsdp2_over_tp_gives_another_state(one_process, tmp_path):
