@@ -37,7 +37,7 @@ def check_tp(cfg: Config, world: int, vocab: int | None = None) -> None:
     par, m, t = cfg.parallel, cfg.model, cfg.train
     if not par.tp_chunks:
         return
-    from samestep.distributed.tensor_parallel import validate_tp  # DTensor's styles: only for a TP run
+    from samestep.distributed.tensor_parallel import validate_tp  # loaded only for a TP run
 
     if t.compile:
         raise ValueError(f"parallel.tp_chunks={par.tp_chunks} with train.compile=true is not supported yet; use one "
