@@ -71,7 +71,7 @@ def build(styles: str, dp: int | None) -> torch.nn.Module:
 
 def data_rank(model: torch.nn.Module) -> tuple[int, object]:
     """This process's index among the data ranks and their process group (0 and None without FSDP2)."""
-    mesh = next(model.parameters()).device_mesh if type(next(model.parameters())).__name__ == "DTensor" else None
+    mesh = getattr(next(model.parameters()), "device_mesh", None)  # the embedding's: FSDP2's mesh where it shards
     if mesh is None or "dp" not in (mesh.mesh_dim_names or ()):
         return 0, None
     return mesh.get_local_rank("dp"), mesh.get_group("dp")
