@@ -157,7 +157,8 @@ def script_here(path: Path, *argv: str) -> subprocess.CompletedProcess:
 
 # What the spawn server imports once (``bench/forked.py``'s server: ``spawn`` and ``Forked`` share it); with
 # transformers' Llama, which the examples' ranks build (about 3.5 s of CPU a process, paid once a server).
-PRELOAD = [*forked.PRELOAD, forked.__name__, __name__, "transformers.models.llama.modeling_llama"]
+PRELOAD = [*forked.PRELOAD, forked.__name__, __name__, "transformers.models.llama.modeling_llama",
+           "transformers.models.mixtral.modeling_mixtral"]
 
 
 # A spawned process still running after this long is stuck (the longest take a minute on a busy 2-core

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tp_llama.py"
 PIPELINE = ROOT / "examples" / "pp_llama.py"
+EXPERTS = ROOT / "examples" / "ep_mixtral.py"
 PLANT = "rank=1,step=3,microbatch=1,phase=forward,scope=model.layers.1.mlp.up_proj,op=aten.mm.default"
 
 
@@ -121,3 +122,32 @@ def test_a_pipelined_llama_gives_the_one_process_bits_at_pp_2_and_pp_2_by_dp_2()
     assert len(digest) == 32 and loss.startswith("0x")
     assert pp2 == grid == one
     assert plain1.split()[0] != plain_grid.split()[0]
+
+
+def test_a_mixtral_gives_the_one_process_bits_at_ep_2_and_4_and_resumes_across_degrees(tmp_path):
+    """examples/ep_mixtral.py: a transformers Mixtral (4 experts, top 2) whose experts ``parallelize_experts``
+    spreads over the ranks: 1 process (the model's own call, transformers' default grouped_mm experts), EP 2,
+    and EP 2 killed after step 2 resumed on 1 process and at EP 4, print one digest of the final parameters;
+    so do 1 process and EP 4 in transformers' eager loop. `samestep diff` of the 1-process run and the EP 2 ->
+    1 run: "identical". Negative control: the usual sums at EP 2 (autograd's over the ranks' rows, the other
+    gradients all-reduced after each rank's microbatches in turn) give another digest, which diff calls
+    diverged."""
+    killed = KILLED
+    one, ep2, dead, plain, eager1, eager4 = side_by_side(*(
+        lambda a=a: script_ranks(EXPERTS, str(tmp_path / a[1]), *a[2:], nproc=a[0],
+                                 exit_code=killed if "--kill-after" in a else None).strip()
+        for a in ((1, "one"), (2, "ep2"), (2, "k", "--kill-after", "2"), (2, "plain", "--plain"),
+                  (1, "e1", "--experts", "eager"), (4, "e4", "--experts", "eager"))))
+    assert dead == "" and _digest(ep2) == _digest(one) != _digest(plain)
+    assert _digest(eager4) == _digest(eager1)
+    for name in ("to1", "to4"):
+        shutil.copytree(tmp_path / "k", tmp_path / name)
+    to1, to4 = side_by_side(lambda: script_ranks(EXPERTS, str(tmp_path / "to1"), nproc=1).strip(),
+                            lambda: script_ranks(EXPERTS, str(tmp_path / "to4"), nproc=4).strip())
+    assert _digest(to1) == _digest(to4) == _digest(one)
+    layout = json.loads((tmp_path / "ep2" / "run.json").read_text())["layout"]
+    assert layout["meshes"][0]["names"] == ["ep"] and layout["placed"]["S(0)"] == 4  # 2 layers' 2 stacked weights
+    same = cli_here("diff", str(tmp_path / "one"), str(tmp_path / "to1"))
+    assert same.returncode == 0 and same.stdout.startswith("identical"), same.stdout
+    other = cli_here("diff", str(tmp_path / "one"), str(tmp_path / "plain"))
+    assert other.returncode == 1 and "diverged" in other.stdout, other.stdout

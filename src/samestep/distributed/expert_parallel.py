@@ -126,6 +126,7 @@ class ExpertExchange:
     def __init__(self, group: Any, size: int, rank: int, per_rank: int, grads: ExpertGradients, layer: int) -> None:
         self.group, self.size, self.rank, self.per_rank, self.grads = group, size, rank, per_rank, grads
         self.layer = layer
+        self.table: list[list[int]] = []
 
     def run(self, rows: torch.Tensor, counts: list[int], call: Any) -> torch.Tensor:
         """The experts' outputs for ``rows`` (grouped by expert, ``counts[e]`` rows of expert e): each sent to its
@@ -138,6 +139,7 @@ class ExpertExchange:
         every = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(every, mine, group=self.group)
         table = [t.tolist() for t in every]  # table[s][e]: rows source s sends expert e
+        self.table = table  # the last call's, for a caller that needs what each source routed
         send = [sum(counts[r * m:(r + 1) * m]) for r in range(self.size)]
         recv = [sum(table[s][self.rank * m:(self.rank + 1) * m]) for s in range(self.size)]
         received = all_to_all(rows, send, recv, self.group)
