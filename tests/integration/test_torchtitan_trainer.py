@@ -196,3 +196,56 @@ def test_a_resume_that_restores_another_optimizer_state_is_refused(one, tmp_path
     with pytest.raises(Exception, match="the checkpoint of step 2 restores state"):
         titan(dump, "--checkpoint.exclude_from_loading", "optimizer")
     assert receipt_bits(dump) == receipt_bits(one)
+
+
+TP = ("--samestep.tp_chunks", "8")  # the canonical tensor-parallel layers, cut alike on every layout
+
+
+def test_tensor_parallelism_through_torchtitans_parallelize_gives_the_one_process_bits(seed, tmp_path):
+    """torchtitan's own parallelize function with samestep's canonical styles in place of its tensor-parallel
+    step: TP 2 and FSDP2 2 x TP 2 give the loss and grad-norm bits of every step and the checkpointed model and
+    optimizer bytes of one process (each with ``samestep.tp_chunks`` 8); a run killed at TP 2 in step 4 resumes
+    from torchtitan's checkpoint on one process (without receipts, which are of the tensor ranks' shards) to
+    the same bytes. Negative control: torchtitan's own tensor parallelism at TP 2 (``--samestep.no-canonical``:
+    one matmul a rank, the partial sums all-reduced) ends on other bytes than its one process."""
+    runs = {name: tmp_path / name for name in ("one", "tp2", "grid", "own1", "own2")}
+    titan(runs["one"], *TP, seed=seed)
+    titan(runs["tp2"], *TP, "--parallelism.tensor_parallel_degree", "2", nproc=2, seed=seed, kill_at=4)
+    titan(runs["tp2"], *TP, "--samestep.no-receipts")
+    titan(runs["grid"], *TP, "--parallelism.tensor_parallel_degree", "2", nproc=4, seed=seed)
+    reference = checkpointed(runs["one"])
+    assert len(receipt_bits(runs["one"])) == 4
+    assert receipt_bits(runs["grid"]) == receipt_bits(runs["one"])
+    assert receipt_bits(runs["tp2"]) == receipt_bits(runs["one"])[:3]  # the steps before the kill
+    for name in ("tp2", "grid"):
+        assert checkpointed(runs[name]) == reference, name
+    titan(runs["own1"], "--samestep.no-canonical", seed=seed)
+    titan(runs["own2"], "--samestep.no-canonical", "--parallelism.tensor_parallel_degree", "2", nproc=2, seed=seed)
+    assert checkpointed(runs["own2"]) != checkpointed(runs["own1"])
+
+
+def test_a_layout_it_cannot_keep_is_refused_from_the_config_before_anything_is_built(tmp_path):
+    """Tensor parallelism without ``samestep.tp_chunks``, a chunk count not a power of two, another SPMD backend
+    and pipeline parallelism: one line each, naming the field, the value and the fix, before torchtitan makes a
+    process group or a model. Negative control: the same config with ``tp_chunks`` passes the check and fails
+    later, in torchtitan (no process group here)."""
+    from samestep.integrations.torchtitan import SamestepTrainer
+    from samestep.integrations.torchtitan.config_registry import llama3_debugmodel
+
+    def build(tp: int = 1, chunks: int = 0, backend: str = "partial_dtensor", pp: int = 1) -> None:
+        config = llama3_debugmodel()
+        config.dump_folder = str(tmp_path)
+        config.parallelism.tensor_parallel_degree, config.parallelism.pipeline_parallel_degree = tp, pp
+        config.parallelism.spmd_backend, config.samestep.tp_chunks = backend, chunks
+        SamestepTrainer(config)
+
+    for kwargs, words in (({"tp": 2}, "tensor_parallel_degree = 2 needs samestep's canonical"),
+                          ({"tp": 2, "chunks": 6}, "samestep.tp_chunks = 6 is not a power of two"),
+                          ({"tp": 2, "chunks": 8, "backend": "spmd_types"}, "not spmd_types. Fix:"),
+                          ({"pp": 2}, "parallelism.pipeline_parallel_degree = 2 (pipeline parallelism) is not")):
+        with pytest.raises(ValueError, match="SamestepTrainer") as e:
+            build(**kwargs)
+        assert words in str(e.value) and "\n" not in str(e.value), (kwargs, str(e.value))
+    with pytest.raises(Exception) as e:
+        build(tp=2, chunks=8)
+    assert "SamestepTrainer" not in str(e.value)

@@ -326,8 +326,8 @@ class AllReduceGradients:
         return range(self.rank * self.k, (self.rank + 1) * self.k)
 
     def accumulate(self, microbatch: int, extra: torch.Tensor | None = None) -> None:
-        if extra is not None:
-            flat = extra.detach().reshape(-1).clone()
+        if extra is not None:  # a DTensor's (a loss replicated over tensor ranks): this rank's copy
+            flat = _local(extra.detach()).reshape(-1).clone()
             self._extra = flat if self._extra is None else self._extra + flat
 
     def reduce(self) -> torch.Tensor:

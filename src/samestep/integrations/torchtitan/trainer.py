@@ -18,8 +18,11 @@ What it changes of torchtitan's step, on one process or FSDP2 over every process
   holding the copy of torchtitan's checkpoint the replay starts from (``resume_points``), it traces as asked,
   and it ends after the request's last step.
 
-Other parallelisms (tensor, pipeline, context, expert, replicated data) are refused by name. Run it as
-torchtitan runs an extension module::
+Tensor parallelism (``parallelism.tensor_parallel_degree``, FSDP2 over it included) runs through torchtitan's
+own parallelize function with samestep's canonical styles in place of its tensor-parallel step
+(``tensor_parallel``), given ``samestep.tp_chunks`` on every layout; other parallelisms (pipeline, context,
+expert, replicated data) are refused by name before the model is built. Run it as torchtitan runs an extension
+module::
 
     torchrun --nproc_per_node 2 -m torchtitan.train --module samestep.integrations.torchtitan \\
         --config llama3_debugmodel --training.global_batch_size 16
@@ -42,6 +45,7 @@ from torchtitan.trainer import Trainer
 from samestep import program
 from samestep.integrations.steps import HookedSteps
 from samestep.integrations.torchtitan.data import CorpusLoader
+from samestep.integrations.torchtitan.tensor_parallel import with_canonical_tp
 from samestep.protocol import RunProtocol
 from samestep.receipts import ReceiptError
 from samestep.replay_request import ReplayRequest
@@ -70,7 +74,11 @@ class Samestep:
     receipts: bool = True
     """A receipt of every step; a resume whose restored state is not its step's receipt is refused."""
     canonical: bool = True
-    """False: torchtitan's own accumulation, reduction and norm (the other half of an A/B), traced alike."""
+    """False: torchtitan's own accumulation, reduction, norm and tensor parallelism (the other half of an A/B),
+    traced alike."""
+    tp_chunks: int = 0
+    """The canonical tensor-parallel layers' fixed chunk count (a power of two that every degree used divides),
+    the same on every layout, one process included; 0: plain layers, tensor parallelism refused."""
 
 
 class SamestepTrainer(Trainer):
@@ -98,28 +106,21 @@ class SamestepTrainer(Trainer):
             if config.debug.seed is None:
                 raise ValueError("SamestepTrainer: debug.seed is unset, so torchtitan draws the initial weights from a "
                                  "seed of its own choosing each run; fix: --debug.seed 0")
+            _refuse_layout(config)
+            if opts.canonical and opts.tp_chunks:
+                config.model_spec = with_canonical_tp(config.model_spec, opts.tp_chunks)
             self._proto.enable(threads=opts.threads, kernels=opts.kernels, who="SamestepTrainer")
             if isinstance(config.dataloader, CorpusLoader.Config) and not config.dataloader.global_batch_size:
                 config.dataloader.global_batch_size = config.training.global_batch_size
             super().__init__(config)
-            self._refuse_layout()
-            self.sharded = self.parallel_dims.fsdp_enabled
+            if len(self.model_parts) != 1:
+                raise ValueError(f"SamestepTrainer: {len(self.model_parts)} model parts; it trains one")
+            # each rank keeps receipts of its own shards where the state is split (FSDP2, tensor ranks)
+            self.sharded = self.parallel_dims.fsdp_enabled or self.parallel_dims.tp_enabled
             self._grads = self._gradients(opts.canonical)
         except BaseException:
             self._proto.close()
             raise
-
-    def _refuse_layout(self) -> None:
-        dims = self.parallel_dims
-        other = {"tensor parallelism (tp)": dims.tp, "pipeline parallelism (pp)": dims.pp,
-                 "context parallelism (cp)": dims.cp, "expert parallelism (ep)": dims.ep,
-                 "replicated data parallelism (dp_replicate)": dims.dp_replicate}
-        used = [f"{name} = {degree}" for name, degree in other.items() if degree > 1]
-        if used:
-            raise ValueError(f"SamestepTrainer: {', '.join(used)} is not supported yet; it runs on one process or "
-                             "FSDP2 over every process (parallelism.data_parallel_shard_degree = -1)")
-        if len(self.model_parts) != 1:
-            raise ValueError(f"SamestepTrainer: {len(self.model_parts)} model parts; it trains one")
 
     def _gradients(self, canonical: bool) -> Any:
         """The rank's gradient accumulation and combine: samestep's canonical tree, or torchtitan's own order."""
@@ -127,7 +128,7 @@ class SamestepTrainer(Trainer):
         from samestep.distributed.fsdp import FsdpDefaultGradients
 
         model, k = self.model_parts[0], self.gradient_accumulation_steps
-        if self.sharded:
+        if self.parallel_dims.fsdp_enabled:
             mesh = self.parallel_dims.get_mesh("batch")
             kind = FsdpGradients if canonical else FsdpDefaultGradients
             return kind(model, microbatches_per_process=k, world_size=mesh.size(), rank=mesh.get_local_rank(),
@@ -250,6 +251,33 @@ class SamestepTrainer(Trainer):
                     hooked.close()
             finally:
                 self._proto.close()
+
+
+def _refuse_layout(config: Any) -> None:
+    """The layouts it cannot keep on samestep's path, refused from the config, before anything is built."""
+    par, opts = config.parallelism, config.samestep
+    other = {"pipeline_parallel_degree": "pipeline", "context_parallel_degree": "context",
+             "expert_parallel_degree": "expert", "data_parallel_replicate_degree": "replicated data"}
+    used = [f"parallelism.{field} = {getattr(par, field)} ({kind} parallelism)" for field, kind in other.items()
+            if getattr(par, field) > 1]
+    if used:
+        raise ValueError(f"SamestepTrainer: {', '.join(used)} is not supported yet; it runs on one process, FSDP2 "
+                         "over the data ranks (parallelism.data_parallel_shard_degree) and tensor parallelism. "
+                         "Fix: set it to 1")
+    if opts.tp_chunks and (opts.tp_chunks & (opts.tp_chunks - 1) or opts.tp_chunks < 0):
+        raise ValueError(f"SamestepTrainer: samestep.tp_chunks = {opts.tp_chunks} is not a power of two. Fix: "
+                         "--samestep.tp_chunks 8 (any power of two that every tensor-parallel degree used divides)")
+    tp = par.tensor_parallel_degree
+    if not opts.canonical or (tp <= 1 and not opts.tp_chunks):
+        return
+    if not opts.tp_chunks:
+        raise ValueError(f"SamestepTrainer: parallelism.tensor_parallel_degree = {tp} needs samestep's canonical "
+                         "tensor-parallel layers, cut alike on every layout. Fix: --samestep.tp_chunks 8 on every "
+                         "layout (one process included), or --samestep.no-canonical for torchtitan's own")
+    if par.spmd_backend != "partial_dtensor":
+        raise ValueError(f"SamestepTrainer: samestep.tp_chunks takes parallelism.spmd_backend = partial_dtensor "
+                         f"(DTensor over the tensor ranks, as PyTorch's parallel styles place it), not "
+                         f"{par.spmd_backend}. Fix: --parallelism.spmd_backend partial_dtensor")
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:
