@@ -15,15 +15,17 @@ every step (``samestep.trace``), records the gradients and the state through the
 hooks, makes the trace durable before each checkpoint, saves checkpoints, and on a stop signal finishes
 the step, saves, and ends the loop, on every rank after the same step (``run.stopped`` names the
 signal; exit with ``samestep.preempt.EXIT_PREEMPTED``). A loop that finishes writes final.json, the digest
-of its whole state as one process holds it, the same on any layout. What stays the loop's: the data must be a pure
-function of where the run stands (the step and microbatch, or a ``data_cursor`` whose ``state_dict``
+of its whole state as one process holds it, the same on any layout. What stays the loop's: the data must be a
+pure function of where the run stands (the step and microbatch, or a ``data_cursor`` whose ``state_dict``
 holds its position).
 
 On several processes it takes the model as the loop built it: replicated (DDP, or a plain module), rank 0
 saves and receipts the whole state; sharded by FSDP2 or split by tensor parallelism (its parameters are
 DTensors), every rank saves and receipts its own shards, through the model's own ``state_dict`` and
 ``load_state_dict`` (their hooks run on every rank), and a checkpoint resumes on any number of processes where
-the loop's randomness is keyed (``rng="keyed"``). Every rank calls what may be a collective at the same points. The protocol itself is ``protocol.RunProtocol``'s.
+the loop's randomness is keyed (``rng="keyed"``). Every rank calls what may be a collective at the same
+points. The protocol itself is ``protocol.RunProtocol``'s. The mistakes a loop makes first (``loop_checks``)
+end the program with one line and exit 2.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
+import sys
 from collections.abc import Generator
 from pathlib import Path
 from typing import Any
@@ -42,6 +46,7 @@ from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoin
 from samestep.distributed.agree import any_rank
 from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer, whole_tensor
 from samestep.distributed.placement import model_layout
+from samestep.loop_checks import LoopError, StaleGradients
 from samestep.protocol import RunProtocol
 from samestep.replay_request import ReplayRequest
 from samestep.receipt_state import state_tree
@@ -137,6 +142,14 @@ def _refuse_changes(run_dir: Path, declared: dict[str, Any]) -> None:
     if changed:
         raise ValueError(f"samestep.Run: {run_dir} holds a run started with other settings ({'; '.join(changed)}); "
                          "continuing it would change its bits: continue it as it started, or use a new run directory")
+
+
+def _grads_changed(step: int, name: str) -> LoopError:
+    """A gradient the loop changed in place after ``optimizer.step()`` recorded it, before its digest was done."""
+    return LoopError(f"samestep.Run: step {step}'s gradients changed in place after optimizer.step() recorded them "
+                     f"({name}.grad; zero_grad(set_to_none=False) does this) before their digest was done. Fix: "
+                     "optimizer.zero_grad() (set_to_none=True, PyTorch's default), or samestep.Run(..., copy=True) "
+                     "to digest copies of them")
 
 
 def _refuse_parts(model_digest: str) -> None:
@@ -251,8 +264,10 @@ class Run:
         self.start = 0  # the step the run resumed after (0: a new run)
         self._signals = stop_signals
         self._hooks: list[Any] = []
+        self._stale: StaleGradients | None = None
         self._step: int | None = None
         self._loop: Generator[int, None, None] | None = None
+        self._stepped = False  # steps() begins the one loop a run is
         self._metrics: dict[str, float] = {}
         held = bool(committed_steps(self.checkpoints))
         if held and resume is False:
@@ -299,6 +314,7 @@ class Run:
             self._proto.trace(model, level=level, steps=trace_steps, resume=continues, copy=copy,
                               perturb=Perturb.parse(perturb) if perturb else None, layout=model_layout(model),
                               resumed_from=self.start)
+            self.recorder.grads_changed = _grads_changed
             if rank == 0:
                 record_declared(self.run_dir, self._declared)
                 if self._replay is None:  # what `samestep verify` and `bisect` run again
@@ -306,6 +322,7 @@ class Run:
             self._grad_copy: bool | str = True if copy or level != "step" else "checked"
             self._hooks = [optimizer.register_step_pre_hook(self._before_update),
                            optimizer.register_step_post_hook(self._after_update)]
+            self._stale = StaleGradients(self._params)
             if keeps_receipts:  # the state tree taken at the step's end: a scheduler may change the optimizer's
                 # groups before the next update; the next update waits for the receipt of the last
                 where = next((p.device for p in model.parameters()), torch.device("cpu"))
@@ -323,17 +340,26 @@ class Run:
 
     def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._step is not None:
+            self._stale.check(self._step)  # before the update it would take on two steps' gradients
             self.recorder.grads(self._params, copy=self._grad_copy)
 
     def _after_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self._step is not None:
             self.recorder.state(self.model, optimizer, named_params=self._params, named_buffers=self._buffers)
+            self._stale.updated(self._step, self._params)
 
     def steps(self, total: int) -> Generator[int, None, None]:
         """Yields the steps ``start + 1`` .. ``total`` (1-based), each inside the recorder's step; after each,
         saves a checkpoint every ``checkpoint_every`` steps and at the last. A stop signal ends the loop
         after the step it arrives in, with a checkpoint of it. A step whose body raises (or leaves the loop
-        with ``break``) is recorded as failed when the run closes, and nothing of it is saved."""
+        with ``break``) is recorded as failed when the run closes, and nothing of it is saved. Called once a
+        ``Run``: a second call raises ``LoopError`` before it takes a step."""
+        if self._stepped:
+            raise LoopError(f"samestep.Run: steps() was called a second time on {self.run_dir}; a run is one loop "
+                            "over its steps (a resume continues it where its checkpoint left it). Fix: one "
+                            "`for step in run.steps(N)` a Run, or another samestep.Run (its own run directory) "
+                            "for another loop")
+        self._stepped = True
         self._loop = self._steps(total)
         return self._loop
 
@@ -409,10 +435,17 @@ class Run:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        if self._stale is not None:
+            self._stale.remove()
         self._proto.close()
 
     def __enter__(self) -> Run:
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
+        """Closes the run; a ``LoopError`` (a mistake in the loop: docs/api.md) ends the program with its one line
+        and exit 2, as samestep's commands report bad input (``SAMESTEP_DEBUG=1``: the traceback instead)."""
         self.close()
+        if isinstance(error, LoopError) and os.environ.get("SAMESTEP_DEBUG") != "1":
+            print(error, file=sys.stderr)
+            raise SystemExit(2) from None

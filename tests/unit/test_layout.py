@@ -15,7 +15,7 @@ LAYERS = (
      "samestep.durable", "samestep.version", "samestep.numerics", "samestep.spelling"),
     ("samestep.rng", "samestep.env", "samestep.mode", "samestep.data", "samestep.rundir", "samestep.testing",
      "samestep.preempt", "samestep.receipts", "samestep.receipt_state", "samestep.program", "samestep.replay_request",
-     "samestep.resume_points"),
+     "samestep.resume_points", "samestep.loop_checks"),
     ("samestep.checkpoint", "samestep.tracing"),
     ("samestep.analysis", "samestep.train", "samestep.run", "samestep.integrations", "samestep.protocol"),
     ("samestep.cli", "samestep.__main__"),

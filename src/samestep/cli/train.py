@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 
 from samestep.cli.errors import InputError
-from samestep.train.config import PRESETS
+from samestep.train.config import PRESETS, Config
+
+_SECTIONS = [f.name for f in dataclasses.fields(Config)]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,10 +26,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                "  samestep train --run-dir runs/l --preset small --set train.steps=100\n"
                "  samestep train --run-dir runs/b --nproc 2\n"
                "  samestep train --show-config --preset small   # every key, its value and what it does\n"
-               "  torchrun --standalone --nproc_per_node 2 -m samestep train --run-dir runs/b",
+               "  torchrun --standalone --nproc_per_node 2 -m samestep train --run-dir runs/b\n\n"
+               "exit codes: 0 done, 2 bad input (one line naming it), 3 an unexpected error, 4 a fault check "
+               "stopped it,\n  5 a non-finite loss or gradient norm, 6 a process of the job lost another, 75 "
+               "preempted (SIGTERM,\n  SIGUSR1, Ctrl-C: --resume continues), 128 + N stopped at once by a second "
+               "signal N, 130 interrupted",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run-dir", help="the run directory (required to train)")
-    p.add_argument("--config", help="a TOML file with [train], [model], [data], [determinism] sections")
+    p.add_argument("--config", help=f"a TOML file with {', '.join(f'[{name}]' for name in _SECTIONS)} sections "
+                   "(--show-config prints them all)")
     p.add_argument("--preset", choices=sorted(PRESETS), help="start from a named config: 'small' (a 12.8M Llama "
                    "for a CPU), 'gpu' (a 133M Llama for one GPU); --config and --set apply on top")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

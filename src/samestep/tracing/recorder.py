@@ -96,6 +96,8 @@ class Recorder:
         # so it is opt-in.
         self.worker = "thread" if worker == "auto" else worker
         self.enabled = level != "off" and (ranks is None or rank in ranks)
+        # what a gradient changed in place after rec.grads() is reported as (samestep.Run: its loop's mistake)
+        self.grads_changed: Callable[[int, str], Exception] | None = None
         self._paused = False
         self._rank_level = LEVELS.index(level)
         self.run_dir = Path(run_dir)
@@ -233,8 +235,7 @@ class Recorder:
                 self._staging.free(batch.packs)
             self._refuse(batch, changed)
 
-    @staticmethod
-    def _refuse(batch: Any, changed: list[int]) -> None:
+    def _refuse(self, batch: Any, changed: list[int]) -> None:
         """Raises for the first tensor digested without a copy that was changed in place before its digest
         was done.
 
@@ -246,6 +247,8 @@ class Recorder:
             live, version, i = batch.check_live[k], batch.check_version[k], batch.check_record[k]
             step, mb, phase, scope, op, occurrence = (batch.step[i], batch.mb[i], batch.phase[i], batch.scope[i],
                                                       batch.op[i], batch.occ[i])
+            if phase == "step" and op == "grad" and self.grads_changed is not None:
+                raise self.grads_changed(step, scope)
             fix = ("call rec.grads() where the gradients are final (after clipping, or clip out of place), or "
                    "rec.grads(..., copy=True)"
                    if phase == "step" and op == "grad" else

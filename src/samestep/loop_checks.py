@@ -1,0 +1,63 @@
+"""The mistakes a loop under ``samestep.Run`` makes first, caught where they are made, before they cost a step:
+``LoopError`` (one line naming the fix; ``Run`` ends the program with it and exit 2, docs/api.md), and
+``StaleGradients``, which finds a step's backward adding to the gradients of the step before (no
+``zero_grad`` between the updates)."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["LoopError", "StaleGradients"]
+
+
+class LoopError(ValueError):
+    """A loop's misuse of ``samestep.Run``: one line, the fix in it."""
+
+
+class StaleGradients:
+    """Watches ``params``' gradients between optimizer updates. After an update (``updated``) it keeps a weak
+    reference to each gradient and its version; the first time a backward accumulates into a parameter after
+    that, the gradient is stale where it is the same tensor and only that accumulation changed it (a
+    ``zero_grad(set_to_none=True)`` leaves a new tensor, ``set_to_none=False`` one more version). ``check``
+    raises ``LoopError`` at the next update, before it is taken. One Python call a parameter a backward;
+    nothing is held alive (FSDP2's sharded gradients, set rather than accumulated, are not watched)."""
+
+    def __init__(self, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+        self._after: dict[int, tuple[weakref.ref, int]] = {}  # parameter index -> its gradient after the update
+        self._stale: str | None = None
+        self._step = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i, name))
+                         for i, (name, p) in enumerate(params) if p.requires_grad]
+
+    def _hook(self, index: int, name: str) -> Any:
+        def accumulated(p: torch.Tensor) -> None:
+            after = self._after.pop(index, None)
+            if after is None or self._stale is not None:
+                return
+            ref, version = after
+            if ref() is p.grad and p.grad._version == version + 1:
+                self._stale = name
+
+        return accumulated
+
+    def updated(self, step: int, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+        """The update of ``step`` is done: each gradient as it stands now."""
+        self._step = step
+        self._after = {i: (weakref.ref(p.grad), p.grad._version) for i, (_, p) in enumerate(params)
+                       if p.grad is not None}
+
+    def check(self, step: int) -> None:
+        """Raises ``LoopError`` where a backward of ``step`` added to the gradients of the update before."""
+        if self._stale is not None:
+            name, self._stale = self._stale, None
+            raise LoopError(f"samestep.Run: step {step}'s backward added to the gradients of step {self._step} "
+                            f"(the first: {name}.grad), which nothing zeroed after that step's optimizer.step(). "
+                            "Fix: call optimizer.zero_grad() after optimizer.step() (or before the backward)")
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

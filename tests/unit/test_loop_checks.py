@@ -1,0 +1,109 @@
+"""The mistakes a loop under ``samestep.Run`` makes first: a missing ``zero_grad`` and a second ``run.steps()``
+each end the program with one line naming the fix and exit 2, before the update they would spoil."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import samestep
+
+LOOP = """
+import sys, torch, samestep
+torch.manual_seed(0)
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+with samestep.Run(sys.argv[1], model=model, optimizer=optimizer) as run:
+    for step in run.steps(3):
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+"""
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _loop(run_dir, model: torch.nn.Module | None = None, steps: int = 3, zero: str | None = "after",
+          twice: bool = False, copy: bool = False) -> torch.nn.Module:
+    """A small loop under Run over ``model`` (a fresh one where None), which it returns; ``zero``: where it zeroes
+    the gradients ("after" the update, "before" the backward, "in_place": after, keeping the tensors, or None:
+    nowhere)."""
+    model = model if model is not None else _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with samestep.Run(run_dir, model=model, optimizer=optimizer, copy=copy) as run:
+        for _ in range(2 if twice else 1):
+            for step in run.steps(steps):
+                if zero == "before":
+                    optimizer.zero_grad()
+                for i in range(2):  # two microbatches: the second adds to the first's gradients
+                    x = torch.randn(2, 4, generator=samestep.rng.generator(0, step, i, "data"))
+                    model(x).sum().backward()
+                optimizer.step()
+                if zero == "after":
+                    optimizer.zero_grad()
+                elif zero == "in_place":
+                    optimizer.zero_grad(set_to_none=False)
+    return model
+
+
+def _bits(model: torch.nn.Module) -> bytes:
+    return b"".join(p.detach().reshape(-1).view(torch.uint8).numpy().tobytes() for p in model.parameters())
+
+
+def test_a_loop_that_never_zeroes_its_gradients_stops_before_the_second_update(tmp_path, capsys):
+    """No ``zero_grad``: step 2's backward adds to step 1's gradients, and the run ends at step 2's
+    ``optimizer.step()`` with one line naming the fix and exit 2, the model as one step left it. Negative
+    controls: zeroing after the update or before the backward trains all 3 steps, to one model."""
+    model = _model()
+    with pytest.raises(SystemExit) as e:
+        _loop(tmp_path / "none", model, zero=None)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err, err
+    assert "step 2's backward added to the gradients of step 1" in err and "optimizer.zero_grad()" in err
+    assert _bits(model) == _bits(_loop(tmp_path / "one", steps=1))
+    trained = {zero: _bits(_loop(tmp_path / zero, zero=zero)) for zero in ("after", "before")}
+    assert len(set(trained.values())) == 1 and trained["after"] != _bits(model)
+
+
+def test_gradients_zeroed_in_place_before_their_digest_are_one_line_naming_copy(tmp_path, capsys):
+    """``zero_grad(set_to_none=False)`` right after the update changes the gradients the step recorded before
+    their digest is done: one line naming ``samestep.Run(..., copy=True)`` and exit 2 (not the recorder's
+    ``rec.grads`` advice). Negative control: with ``copy=True`` the same loop trains, to the bits of zeroing
+    by ``set_to_none``."""
+    with pytest.raises(SystemExit) as e:
+        _loop(tmp_path / "in_place", zero="in_place")
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and "samestep.Run(..., copy=True)" in err, err
+    assert "rec.grads" not in err
+    assert _bits(_loop(tmp_path / "copied", zero="in_place", copy=True)) == _bits(_loop(tmp_path / "after"))
+
+
+def test_a_second_steps_loop_is_refused_before_it_takes_a_step(tmp_path, capsys):
+    """``run.steps()`` called again after the loop: exit 2 with one line, before any update of the second loop
+    (the model is the first loop's). Negative control: the model differs from one that took a fourth step."""
+    model = _model()
+    with pytest.raises(SystemExit) as e:
+        _loop(tmp_path / "twice", model, twice=True)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and "\n" not in err and "steps() was called a second time" in err, err
+    assert _bits(model) == _bits(_loop(tmp_path / "once"))
+    assert _bits(model) != _bits(_loop(tmp_path / "four", steps=4))
+
+
+def test_the_program_ends_with_one_line_and_no_traceback(tmp_path):
+    """As a user's script runs: stderr is the one line, the exit code 2; ``SAMESTEP_DEBUG=1`` shows the traceback
+    (the negative control: the same failure, reported the other way)."""
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    quiet = subprocess.run([sys.executable, str(script), str(tmp_path / "a")], capture_output=True, text=True,
+                           stdin=subprocess.DEVNULL, timeout=300)
+    assert quiet.returncode == 2 and quiet.stderr.count("\n") == 1 and "Traceback" not in quiet.stderr, quiet.stderr
+    loud = subprocess.run([sys.executable, str(script), str(tmp_path / "b")], capture_output=True, text=True,
+                          stdin=subprocess.DEVNULL, timeout=300, env={**os.environ, "SAMESTEP_DEBUG": "1"})
+    assert loud.returncode == 1 and "Traceback" in loud.stderr and "LoopError" in loud.stderr, loud.stderr
