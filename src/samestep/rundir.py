@@ -27,9 +27,9 @@ from samestep.version import __version__
 
 __all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "RunLock", "checked_run_dir",
            "checkpoints_dir", "declared_changes", "determinism_diff", "final_digest", "final_doc", "final_path",
-           "hold", "holds_run", "last_logged_step", "layout_at", "logged_loss", "metrics_line", "metrics_path", "new_run",
-           "read_final", "read_metrics", "read_run", "receipts_dir", "record_close", "record_declared",
-           "record_resume", "run_json", "trace_dir", "truncate_metrics", "write_final", "write_run"]
+           "hold", "holds_run", "last_logged_step", "layout_at", "logged_loss", "metrics_line", "metrics_path",
+           "new_run", "read_final", "read_metrics", "read_run", "receipts_dir", "record_close", "record_declared",
+           "record_resume", "run_json", "run_writer", "trace_dir", "truncate_metrics", "write_final", "write_run"]
 
 RUN_FORMAT, RUN_VERSION = "samestep.run", 1
 FINAL_FORMAT, FINAL_VERSION = "samestep.final", 1
@@ -74,6 +74,14 @@ def trace_dir(run_dir: _PathLike) -> Path:
 def holds_run(run_dir: _PathLike) -> bool:
     """Whether the directory holds a run (its run.json)."""
     return run_json(run_dir).exists()
+
+
+def run_writer(doc: dict[str, Any]) -> str:
+    """What wrote a run (its run.json ``doc``), in words: the reference trainer's config has a ``train``
+    section, and nothing else writes one."""
+    if "train" in (doc.get("config") or {}):
+        return "samestep train's reference run"
+    return "a loop of one's own (samestep.Run, a framework callback or samestep.trace)"
 
 
 class RunDirError(ValueError):

@@ -28,6 +28,7 @@ from samestep.rundir import (
     layout_at,
     read_metrics,
     read_run,
+    run_writer,
 )
 from samestep.tracing.selection import LEVELS, format_selection, parse_selection
 from samestep.analysis.divergence import (
@@ -377,7 +378,16 @@ def _compare_ranks(run_a: Path, run_b: Path, ranks: list[int], steps: set[int] |
 
 def _check_comparable(doc_a: dict[str, Any], doc_b: dict[str, Any], force: bool, notes: list[str]) -> None:
     """Refuses runs whose configs (less what changes no bit), environments or deterministic modes differ,
-    unless ``force``; with ``force``, a note says what differs."""
+    unless ``force``; with ``force``, a note says what differs. A reference run beside a loop of one's own is
+    refused in one line saying so: their configs have nothing in common."""
+    writers = run_writer(doc_a), run_writer(doc_b)
+    if writers[0] != writers[1]:
+        if not force:
+            raise DiffError(f"run A is {writers[0]} and run B {writers[1]}: their configs have nothing in common, "
+                            "so their bits are not expected to match. Fix: compare runs of one program (pass "
+                            "--force to compare their records anyway)")
+        notes.append(f"run A is {writers[0]}, run B {writers[1]} (compared with --force)")
+        return
     cfg_diff = {k: v for k, v in compare_environments(dotted(doc_a.get("config", {})),
                                                       dotted(doc_b.get("config", {}))).items()
                 if k not in IGNORED_CONFIG}

@@ -17,6 +17,7 @@ from samestep.rundir import (
     holds_run,
     metrics_path,
     read_run,
+    run_writer,
     truncate_metrics,
 )
 from samestep.train.config import Config
@@ -43,6 +44,11 @@ def restore_run(trainer: Any, run_dir: Path, resume: bool, world: int,
     if none). A run killed before its first checkpoint goes on from step 0 under its own config; a run
     directory that holds a run is refused without ``resume``."""
     ckpt_root = checkpoints_dir(run_dir)
+    if holds_run(run_dir):
+        writer = run_writer(read_run(run_dir))
+        if not writer.startswith("samestep train"):  # its checkpoints and config are not a reference run's
+            raise ValueError(f"--run-dir {run_dir} holds {writer}, not a samestep train run, which samestep train "
+                             "neither continues nor overwrites. Fix: choose a new --run-dir")
     if resume and any(ckpt_root.glob("step_*")):
         model, optimizer = trainer.loadable()
         loaded = load_checkpoint(
