@@ -1,0 +1,105 @@
+"""docs/tutorial.md runs as printed: every ``console`` block's commands, in order, in a fresh directory, each
+printing the lines the page shows (``<X>``: a digest, the same letter the same bits; a line ending in ``...``:
+a line that begins so) and exiting with the code its comment names (``# exit N``; 0 where none); every
+``python`` block is an excerpt of the example file it introduces."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TUTORIAL = ROOT / "docs" / "tutorial.md"
+
+pytestmark = pytest.mark.slow
+
+
+def _blocks(kind: str) -> list[str]:
+    return re.findall(rf"```{kind}\n(.*?)```", TUTORIAL.read_text(encoding="utf-8"), re.S)
+
+
+def _steps() -> list[tuple[str, int, list[str]]]:
+    """(command, exit code, expected lines) of every console block, in order."""
+    steps: list[tuple[str, int, list[str]]] = []
+    for block in _blocks("console"):
+        for line in block.splitlines():
+            if line.startswith("$ "):
+                command, _, comment = line[2:].partition("  #")
+                code = re.search(r"exit (\d+)", comment)
+                steps.append((command.strip(), int(code.group(1)) if code else 0, []))
+            elif line.strip():
+                steps[-1][2].append(line)
+    return steps
+
+
+def _argv(command: str) -> list[str]:
+    words = shlex.split(command)
+    head = {"python": [sys.executable], "samestep": [sys.executable, "-m", "samestep"],
+            "torchrun": [sys.executable, "-m", "torch.distributed.run"]}[words[0]]
+    return head + words[1:]
+
+
+def _matches(expected: list[str], printed: list[str], seen: dict[str, str]) -> str | None:
+    """Where ``expected`` is not a subsequence of ``printed`` (placeholders bound in ``seen``): the first line
+    not found, or None."""
+    lines = iter(printed)
+    for want in expected:
+        bound_here: set[str] = set()
+
+        def placeholder(m: re.Match) -> str:
+            name = m.group(1)
+            if name in seen:
+                return re.escape(seen[name])
+            if name in bound_here:
+                return f"(?P={name})"
+            bound_here.add(name)
+            return f"(?P<{name}>[0-9a-f]{{16,}})"
+
+        text = want[:-3].rstrip() if want.endswith("...") else want
+        pattern = "".join(re.sub(r"<([A-Z])>", placeholder, part) if i % 2 else re.escape(part)
+                          for i, part in enumerate(re.split(r"(<[A-Z]>)", text)))
+        pattern += "" if want.endswith("...") else "$"
+        for line in lines:
+            m = re.match(pattern, line)
+            if m:
+                seen.update({k: v for k, v in m.groupdict().items() if v})
+                break
+        else:
+            return want
+    return None
+
+
+def test_the_tutorial_runs_as_printed(tmp_path):
+    """Negative control: a digest placeholder bound to one run's bits does not match another's (``<A>`` after
+    the planted run), so the check can fail where the page claims the same bits."""
+    shutil.copytree(ROOT / "examples", tmp_path / "examples")
+    env = {k: v for k, v in os.environ.items() if k != "SAMESTEP_REPLAY"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    seen: dict[str, str] = {}
+    printed_of: dict[str, list[str]] = {}
+    steps = _steps()
+    assert len(steps) >= 12, steps
+    for command, code, expected in steps:
+        proc = subprocess.run(_argv(command), cwd=tmp_path, env=env, capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=600)
+        printed = proc.stdout.splitlines()
+        assert proc.returncode == code, (command, proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+        missing = _matches(expected, printed, seen)
+        assert missing is None, (command, missing, printed)
+        printed_of[command] = printed
+    planted = printed_of["python examples/tutorial.py runs/tut_p --plant 30"]
+    assert _matches(["digest <A>"], planted, dict(seen)) == "digest <A>"
+    assert len({seen[k] for k in "APDT"}) == 4
+
+
+def test_each_listing_is_an_excerpt_of_its_example():
+    example = (ROOT / "examples" / "tutorial.py").read_text(encoding="utf-8")
+    blocks = _blocks("python")
+    assert blocks and all(block in example for block in blocks)
