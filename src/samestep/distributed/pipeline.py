@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CanonicalStage", "TiedWeight", "broadcast_from", "canonical_stage"]
+__all__ = ["CanonicalStage", "TiedWeight", "broadcast_from", "canonical_stage", "canonical_stage_of"]
 
 
 def _stage_class() -> type:
@@ -33,8 +33,9 @@ class CanonicalStage:
     """A ``PipelineStage`` whose every microbatch's backward ends with ``after_backward(chunk, loss)`` (the
     schedule's chunk index; the loss the last stage's backward started from, None elsewhere), where the
     gradients of that microbatch alone lie in ``p.grad`` added to what the tree left there. Only the schedules
-    that run one full backward per microbatch in chunk order (GPipe, 1F1B) call it so; ``make`` builds one.
-    Each chunk's forward and backward run inside ``scope(chunk)`` (a trace recorder's microbatch)."""
+    that run one full backward per microbatch in chunk order (GPipe, 1F1B) call it so; ``make`` builds one,
+    ``adopt`` turns a stage a framework built into one. Each chunk's forward and backward run inside
+    ``scope(chunk)`` (a trace recorder's microbatch)."""
 
     @staticmethod
     def make(module: torch.nn.Module, stage_index: int, num_stages: int, device: torch.device, group: Any,
@@ -42,24 +43,40 @@ class CanonicalStage:
              outputs: tuple[torch.Tensor, ...], scope: Callable[[int], Any]) -> Any:
         """``inputs`` and ``outputs``: a microbatch's (meta tensors will do), so that pipelining takes the
         shapes as given instead of running a forward on placeholders to infer them."""
-        base = _stage_class()
+        stage = _stage_class()(module, stage_index, num_stages, device, input_args=inputs, output_args=outputs,
+                               group=group)
+        return CanonicalStage.adopt(stage, after_backward, scope)
 
-        class _Stage(base):  # type: ignore[misc, valid-type]
-            def forward_one_chunk(self, fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
-                with scope(fwd_chunk_id):
-                    return super().forward_one_chunk(fwd_chunk_id, *args, **kwargs)
+    @staticmethod
+    def adopt(stage: Any, after_backward: Callable[[int, torch.Tensor | None], None],
+              scope: Callable[[int], Any]) -> Any:
+        """``stage`` (a ``PipelineStage``), its chunk methods wrapped in place (the schedule calls them through
+        the instance), returned. A stage module that FSDP2 wraps whole gets FSDP2's post-backward after each
+        microbatch, where pipelining defers it to the step's end (``perform_reduce_grad``)."""
+        from torch.distributed.fsdp import FSDPModule
 
-            def backward_one_chunk(self, bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
-                                   last_backward: bool = False) -> None:
-                if not full_backward:
-                    raise RuntimeError("CanonicalStage: a schedule that splits the backward (input, then weight "
-                                       "gradients) is not supported; use parallel.pp_schedule=gpipe or 1f1b")
-                with scope(bwd_chunk_id):
-                    super().backward_one_chunk(bwd_chunk_id, loss=loss, full_backward=True,
-                                               last_backward=last_backward)
-                after_backward(bwd_chunk_id, None if loss is None else loss.detach())
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+        # a stage module FSDP2 wraps whole (torchtitan's, a shard degree of 1 included): its post-backward, which
+        # puts the microbatch's gradients in p.grad, run after each microbatch as a plain backward() runs it
+        fsdp = isinstance(stage.submod, FSDPModule)
 
-        return _Stage(module, stage_index, num_stages, device, input_args=inputs, output_args=outputs, group=group)
+        def forward_one_chunk(fwd_chunk_id: int, *args: Any, **kwargs: Any) -> Any:
+            with scope(fwd_chunk_id):
+                return forward(fwd_chunk_id, *args, **kwargs)
+
+        def backward_one_chunk(bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
+                               last_backward: bool = False) -> None:
+            if not full_backward:
+                raise RuntimeError("CanonicalStage: a schedule that splits the backward (input, then weight "
+                                   "gradients) is not supported; use a GPipe or 1F1B schedule")
+            with scope(bwd_chunk_id):
+                backward(bwd_chunk_id, loss=loss, full_backward=True, last_backward=last_backward)
+                if fsdp:  # see above
+                    stage.perform_reduce_grad(1)
+            after_backward(bwd_chunk_id, None if loss is None else loss.detach())
+
+        stage.forward_one_chunk, stage.backward_one_chunk = forward_one_chunk, backward_one_chunk
+        return stage
 
 
 def canonical_stage(module: torch.nn.Module, stage_index: int, num_stages: int, device: torch.device, *,
@@ -76,18 +93,34 @@ def canonical_stage(module: torch.nn.Module, stage_index: int, num_stages: int, 
     ``input_args``, ``output_args``: a microbatch's inputs and outputs of this stage (meta tensors will do; as
     ``PipelineStage`` takes them). ``scope(i)``: a context around microbatch i's forward and backward (a
     ``samestep.trace`` recorder's ``microbatch``), or None. docs/layouts.md, "Pipeline parallelism"."""
-    import contextlib
-
-    chunks = grads.microbatches
-
-    def after_backward(chunk: int, loss: torch.Tensor | None) -> None:
-        grads.accumulate(chunks[chunk], extra=loss)
-
-    def in_scope(chunk: int) -> Any:
-        return scope(chunks[chunk]) if scope is not None else contextlib.nullcontext()
-
+    after_backward, in_scope = _handing(grads, lambda chunk: grads.microbatches[chunk], scope)
     return CanonicalStage.make(module, stage_index, num_stages, device, group, after_backward,
                                input_args, output_args, in_scope)
+
+
+def canonical_stage_of(stage: Any, *, grads: Any, microbatch: Callable[[int], int] | None = None,
+                       scope: Callable[[int], Any] | None = None) -> Any:
+    """``canonical_stage`` for a ``PipelineStage`` already built (a framework's, such as torchtitan's
+    pipelining function makes): its microbatch gradients handed to ``grads`` as their backwards end.
+    ``microbatch(chunk)``: the global microbatch index of the schedule's chunk (default
+    ``grads.microbatches[chunk]``; a step of several ``schedule.step`` calls numbers each call's chunks on)."""
+    index = microbatch or (lambda chunk: grads.microbatches[chunk])
+    after_backward, in_scope = _handing(grads, index, scope)
+    return CanonicalStage.adopt(stage, after_backward, in_scope)
+
+
+def _handing(grads: Any, index: Callable[[int], int], scope: Callable[[int], Any] | None) -> tuple[Any, Any]:
+    """The stage's callbacks: each chunk's gradients to ``grads`` as microbatch ``index(chunk)``, and each chunk's
+    forward and backward inside ``scope(index(chunk))``."""
+    import contextlib
+
+    def after_backward(chunk: int, loss: torch.Tensor | None) -> None:
+        grads.accumulate(index(chunk), extra=loss)
+
+    def in_scope(chunk: int) -> Any:
+        return scope(index(chunk)) if scope is not None else contextlib.nullcontext()
+
+    return after_backward, in_scope
 
 
 class TiedWeight:

@@ -20,8 +20,10 @@ What it changes of torchtitan's step, on one process or FSDP2 over every process
 
 Tensor parallelism (``parallelism.tensor_parallel_degree``, FSDP2 over it included) runs through torchtitan's
 own parallelize function with samestep's canonical styles in place of its tensor-parallel step
-(``tensor_parallel``), given ``samestep.tp_chunks`` on every layout; other parallelisms (pipeline, context,
-expert, replicated data) are refused by name before the model is built. Run it as torchtitan runs an extension
+(``tensor_parallel``), given ``samestep.tp_chunks`` on every layout; pipeline parallelism (a 1F1B or GPipe
+schedule, stages alone) through its pipelining function, each stage's microbatch gradients on the canonical
+tree (``pipeline``); other parallelisms (context, expert, replicated data, stages beside data or tensor ranks)
+are refused by name before the model is built. Run it as torchtitan runs an extension
 module::
 
     torchrun --nproc_per_node 2 -m torchtitan.train --module samestep.integrations.torchtitan \\
@@ -45,6 +47,7 @@ from torchtitan.trainer import Trainer
 from samestep import program
 from samestep.integrations.steps import HookedSteps
 from samestep.integrations.torchtitan.data import CorpusLoader
+from samestep.integrations.torchtitan.pipeline import SCHEDULES, Pipelined
 from samestep.integrations.torchtitan.tensor_parallel import with_canonical_tp
 from samestep.protocol import RunProtocol
 from samestep.receipts import ReceiptError
@@ -115,9 +118,12 @@ class SamestepTrainer(Trainer):
             super().__init__(config)
             if len(self.model_parts) != 1:
                 raise ValueError(f"SamestepTrainer: {len(self.model_parts)} model parts; it trains one")
-            # each rank keeps receipts of its own shards where the state is split (FSDP2, tensor ranks)
-            self.sharded = self.parallel_dims.fsdp_enabled or self.parallel_dims.tp_enabled
-            self._grads = self._gradients(opts.canonical)
+            dims = self.parallel_dims
+            # each rank keeps receipts of its own part where the state is split (FSDP2, tensor ranks, stages)
+            self.sharded = dims.fsdp_enabled or dims.tp_enabled or dims.pp_enabled
+            self._pipe = (Pipelined(self, canonical=opts.canonical, scope=self._microbatch_scope)
+                          if dims.pp_enabled else None)
+            self._grads = None if self._pipe is not None else self._gradients(opts.canonical)
         except BaseException:
             self._proto.close()
             raise
@@ -135,6 +141,18 @@ class SamestepTrainer(Trainer):
                         group=mesh.get_group())
         kind = CanonicalGradients if canonical else AllReduceGradients
         return kind(model.parameters(), microbatches_per_process=k)
+
+    @contextlib.contextmanager
+    def _microbatch_scope(self, index: int) -> Any:
+        """A pipeline stage's microbatch ``index`` in the trace (its forward, or its backward)."""
+        hooked = self._hooked
+        if hooked is not None:
+            hooked.begin_microbatch(index)
+        try:
+            yield
+        finally:
+            if hooked is not None:
+                hooked.end_microbatch()
 
     # -- the protocol, from the first step (torchtitan has restored its checkpoint by then) ----------------
     def _begin(self) -> HookedSteps:
@@ -189,21 +207,28 @@ class SamestepTrainer(Trainer):
         rec = hooked.rec
         self.optimizers.zero_grad(set_to_none=True)
         lr_metrics = self.lr_schedulers.get_metrics()
-        batches = [next(data_iterator) for _ in range(self.gradient_accumulation_steps)]
+        pipe = self._pipe
+        batches = [next(data_iterator) for _ in range(pipe.microbatches if pipe else self.gradient_accumulation_steps)]
         local_tokens = sum(((labels != IGNORE_INDEX).sum() for _, labels in batches), torch.tensor(0))
         # an integer sum across ranks: exact in any order
         tokens = (dist_utils.dist_sum_tensor(local_tokens.to(self.device), self.parallel_dims.get_mesh("batch"))
                   if self.parallel_dims.dp_enabled else local_tokens.to(self.device))
-        for i, (input_dict, labels) in zip(grads.microbatches, batches):
-            inputs = {key: v.to(self.device) if isinstance(v, torch.Tensor) else v for key, v in input_dict.items()}
-            hooked.begin_microbatch(i)
-            loss = self.forward_backward_step(input_dict=inputs, labels=labels.to(self.device),
-                                              global_valid_tokens=tokens)
-            hooked.end_microbatch()
-            grads.accumulate(i, extra=loss.detach())
-        loss = grads.reduce().reshape(())
+        if pipe is not None:
+            loss = pipe.step(self, batches, tokens)
+        else:
+            for i, (input_dict, labels) in zip(grads.microbatches, batches):
+                inputs = {key: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                          for key, v in input_dict.items()}
+                hooked.begin_microbatch(i)
+                loss = self.forward_backward_step(input_dict=inputs, labels=labels.to(self.device),
+                                                  global_valid_tokens=tokens)
+                hooked.end_microbatch()
+                grads.accumulate(i, extra=loss.detach())
+            loss = grads.reduce().reshape(())
         params = [p for _, p in self._params]
-        if self.config.samestep.canonical:
+        if pipe is not None:
+            grad_norm = pipe.clip(self, params, self.config.training.max_norm)
+        elif self.config.samestep.canonical:
             from samestep.distributed import clip_grad_norm_
 
             grad_norm = clip_grad_norm_(params, self.config.training.max_norm)
@@ -256,14 +281,15 @@ class SamestepTrainer(Trainer):
 def _refuse_layout(config: Any) -> None:
     """The layouts it cannot keep on samestep's path, refused from the config, before anything is built."""
     par, opts = config.parallelism, config.samestep
-    other = {"pipeline_parallel_degree": "pipeline", "context_parallel_degree": "context",
+    other = {"context_parallel_degree": "context",
              "expert_parallel_degree": "expert", "data_parallel_replicate_degree": "replicated data"}
     used = [f"parallelism.{field} = {getattr(par, field)} ({kind} parallelism)" for field, kind in other.items()
             if getattr(par, field) > 1]
     if used:
         raise ValueError(f"SamestepTrainer: {', '.join(used)} is not supported yet; it runs on one process, FSDP2 "
-                         "over the data ranks (parallelism.data_parallel_shard_degree) and tensor parallelism. "
-                         "Fix: set it to 1")
+                         "over the data ranks (parallelism.data_parallel_shard_degree), tensor parallelism and "
+                         "pipeline parallelism. Fix: set it to 1")
+    _refuse_pipeline(par)
     if opts.tp_chunks and (opts.tp_chunks & (opts.tp_chunks - 1) or opts.tp_chunks < 0):
         raise ValueError(f"SamestepTrainer: samestep.tp_chunks = {opts.tp_chunks} is not a power of two. Fix: "
                          "--samestep.tp_chunks 8 (any power of two that every tensor-parallel degree used divides)")
@@ -278,6 +304,28 @@ def _refuse_layout(config: Any) -> None:
         raise ValueError(f"SamestepTrainer: samestep.tp_chunks takes parallelism.spmd_backend = partial_dtensor "
                          f"(DTensor over the tensor ranks, as PyTorch's parallel styles place it), not "
                          f"{par.spmd_backend}. Fix: --parallelism.spmd_backend partial_dtensor")
+
+
+def _refuse_pipeline(par: Any) -> None:
+    """Pipeline stages it can keep: a schedule of one full backward per microbatch, in order, with no other
+    parallelism beside it (the stages' data ranks and tensor ranks are not supported yet)."""
+    pp = par.pipeline_parallel_degree
+    if pp <= 1:
+        return
+    if par.pipeline_parallel_schedule not in SCHEDULES or par.pipeline_parallel_schedule_csv:
+        schedule = par.pipeline_parallel_schedule_csv or par.pipeline_parallel_schedule
+        raise ValueError(f"SamestepTrainer: parallelism.pipeline_parallel_schedule = {schedule} is not supported: "
+                         "its microbatch gradients are not one full backward each, in order. Fix: "
+                         "--parallelism.pipeline_parallel_schedule 1F1B (or GPipe)")
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    others = pp * par.tensor_parallel_degree * par.context_parallel_degree * par.data_parallel_replicate_degree
+    shard = par.data_parallel_shard_degree if par.data_parallel_shard_degree > 0 else max(world // others, 1)
+    beside = [f"parallelism.{name} = {value}" for name, value in (("data_parallel_shard_degree", shard),
+              ("tensor_parallel_degree", par.tensor_parallel_degree)) if value > 1]
+    if beside:
+        raise ValueError(f"SamestepTrainer: parallelism.pipeline_parallel_degree = {pp} with {', '.join(beside)} "
+                         "is not supported yet (pipeline stages run alone). Fix: as many processes as stages "
+                         f"(torchrun --nproc_per_node {pp}), or pipeline_parallel_degree 1")
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:
