@@ -11,17 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.test_torchtitan_trainer import checkpointed, receipt_bits, titan
+from tests.integration.test_torchtitan_trainer import checkpointed, receipt_bits, seed, titan  # noqa: F401 (seed: a fixture)
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def seed(tmp_path_factory) -> Path:
-    """torchtitan's seed checkpoint, made on one process."""
-    dump = tmp_path_factory.mktemp("seed")
-    titan(dump, "--checkpoint.create_seed_checkpoint")
-    return dump / "checkpoint" / "step-0"
 
 
 @pytest.fixture(scope="module")
