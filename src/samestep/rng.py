@@ -63,11 +63,17 @@ _M32 = 0xFFFFFFFF
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (two multiply-xorshift rounds) of int64 values below 2**32: every product
-    stays below 2**59, so int64 arithmetic gives the same bits on any device."""
+    """A 32-bit integer hash (two multiply-xorshift rounds) in int32 lanes: products wrap modulo 2**32 on every
+    device and a right shift is made logical by masking what the sign spread, so the bits are those of the
+    same hash over unsigned 32-bit values (``tests/unit/test_rng.py`` holds it to an int64 reference)."""
     for _ in range(2):
-        x = ((x >> 16) ^ x) * 0x45D9F3B & _M32
-    return (x >> 16) ^ x
+        x = (((x >> 16) & 0xFFFF) ^ x) * 0x45D9F3B
+    return ((x >> 16) & 0xFFFF) ^ x
+
+
+def _int32(value: int) -> int:
+    """An unsigned 32-bit value as the int32 of the same bits."""
+    return value - (1 << 32) if value >= 1 << 31 else value
 
 
 def positional_keep(stream_key: int, global_shape: tuple[int, ...], starts: tuple[int, ...],
@@ -92,9 +98,10 @@ def positional_keep(stream_key: int, global_shape: tuple[int, ...], starts: tupl
         pos = torch.arange(starts[d], starts[d] + local_shape[d], dtype=torch.int64, device=device) * stride
         flat = flat + pos.view(-1, *([1] * (len(global_shape) - 1 - d)))
         stride *= global_shape[d]
-    lo, hi = stream_key & _M32, (stream_key >> 32) & _M32
-    h = _mix32(_mix32((flat & _M32) ^ lo) ^ (flat >> 32) ^ hi)
-    return h >= int(p * 2**32)
+    lo, hi = _int32(stream_key & _M32), _int32((stream_key >> 32) & _M32)
+    h = _mix32(_mix32(flat.to(torch.int32) ^ lo) ^ (flat >> 32).to(torch.int32) ^ hi)  # to(int32): the low bits
+    # unsigned h >= t, compared as signed: both moved by 2**31
+    return (h ^ torch.iinfo(torch.int32).min) >= int(p * 2**32) - (1 << 31)
 
 
 def register_generator(name: str, gen: torch.Generator) -> None:
