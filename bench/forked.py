@@ -53,15 +53,18 @@ def _command(argv: list[str], script: str | None, code: str | None, env: dict[st
         import runpy
 
         sys.argv = [script, *argv]
+        sys.orig_argv = [sys.executable, script, *argv]  # the interpreter's own, as a program records itself by it
         sys.path.insert(0, str(Path(script).parent))  # as python puts a script's folder first
         runpy.run_path(script, run_name="__main__")
         return
     if code is not None:
         sys.argv = ["-c", *argv]
+        sys.orig_argv = [sys.executable, "-c", code, *argv]
         exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
         return
     from samestep.cli import main
 
+    sys.orig_argv = [sys.executable, "-m", "samestep", *argv]
     raise SystemExit(main(argv))
 
 

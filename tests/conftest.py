@@ -156,9 +156,11 @@ def script_here(path: Path, *argv: str) -> subprocess.CompletedProcess:
 
 
 # What the spawn server imports once (``bench/forked.py``'s server: ``spawn`` and ``Forked`` share it); with
-# transformers' Llama, which the examples' ranks build (about 3.5 s of CPU a process, paid once a server).
+# transformers' Llama, which the examples' ranks build (about 3.5 s of CPU a process, paid once a server), and
+# torchtitan's trainer and Llama 3, which its trainer processes import (about 2 s each; none changes torch's
+# settings on import, and the CPU stand-ins patch its modules after the fork as before).
 PRELOAD = [*forked.PRELOAD, forked.__name__, __name__, "transformers.models.llama.modeling_llama",
-           "transformers.models.mixtral.modeling_mixtral"]
+           "transformers.models.mixtral.modeling_mixtral", "torchtitan.train", "torchtitan.models.llama3"]
 
 
 # A spawned process still running after this long is stuck (the longest take a minute on a busy 2-core
@@ -246,6 +248,31 @@ class Forked(forked.Forked):
             return super().wait(timeout)
         except subprocess.TimeoutExpired:
             pytest.fail(f"samestep still running after {timeout} s; its stderr:\n{(self.stderr or '')[-4000:]}")
+
+
+def run_printed(command: str, cwd: Path, timeout: float = 600) -> tuple[int, str, str]:
+    """A command line as the docs print it (``python SCRIPT ...``, ``samestep ...`` or ``torchrun ...``, parts
+    joined by ``&&``), in ``cwd``, each part forked from the server (``Forked``: the imports a fresh interpreter
+    would pay, paid once); (the exit code of the last part run, every part's stdout, every part's stderr)."""
+    import shlex
+
+    code, out, err = 0, [], []
+    for part in command.split("&&"):
+        head, *argv = shlex.split(part)
+        if head == "samestep":
+            proc = Forked(argv, cwd=cwd)
+        elif head == "python":
+            proc = Forked(argv[1:], script=Path(argv[0]), cwd=cwd)
+        elif head == "torchrun":
+            proc = Forked(argv, cwd=cwd, code="from torch.distributed.run import main; main()")
+        else:
+            raise ValueError(f"run_printed: {head!r} in {command!r} is none of python, samestep, torchrun")
+        code = proc.wait(timeout)
+        out.append(proc.stdout or "")
+        err.append(proc.stderr or "")
+        if code:
+            break
+    return code, "".join(out), "".join(err)
 
 
 def _as_launched(rank: int, nproc: int, port: int, threads: int) -> None:

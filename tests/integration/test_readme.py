@@ -1,18 +1,18 @@
 """The README's commands run as printed: every command block from the quick start to "When runs differ", in
-order, each line through bash in one fresh directory (``python`` and ``samestep`` this environment's), each
-exiting 0; the digests the README calls the same are the same. The set-up block (``make``) and the command
-line synopsis are not commands to run."""
+order, each line in one fresh directory (``python`` and ``samestep`` this environment's, forked from the test's
+server: ``run_printed``), each exiting 0; the digests the README calls the same are the same. The set-up block
+(``make``) and the command line synopsis are not commands to run."""
 
 from __future__ import annotations
 
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_printed
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -52,11 +52,6 @@ def _commands() -> list[tuple[str, str]]:
     return commands
 
 
-def _run(command: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", "-c", command], cwd=cwd, env=env, capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=600)
-
-
 def _digest(printed: str) -> str:
     """The weights' digest the quick start prints, or the state digest of samestep train's last run."""
     found = re.findall(r"state digest ([0-9a-f]{16})", printed) or re.findall(r"^([0-9a-f]{16,})$", printed, re.M)
@@ -64,33 +59,34 @@ def _digest(printed: str) -> str:
     return found[-1]
 
 
-def test_the_readmes_commands_run_in_order_as_printed(tmp_path):
+def test_the_readmes_commands_run_in_order_as_printed(tmp_path, monkeypatch):
     """Negative control: the reference run with another seed prints another state digest and ``diff`` of it
     with ``runs/a`` exits 1 (``--force``: their configs differ), so the equalities below can fail."""
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
-    env = {k: v for k, v in os.environ.items() if k != "SAMESTEP_REPLAY"}
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    monkeypatch.delenv("SAMESTEP_REPLAY", raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
     commands = _commands()
     assert {section for section, _ in commands} == set(RUN_SECTIONS), commands
     printed: dict[str, str] = {}
     for _, command in commands:
-        proc = _run(command, tmp_path, env)
-        assert proc.returncode == 0, (command, proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
-        printed[command] = proc.stdout
+        code, out, err = run_printed(command, tmp_path)
+        assert code == 0, (command, code, out[-2000:], err[-3000:])
+        printed[command] = out
 
     def digest_of(prefix: str) -> str:
         matching = [out for command, out in printed.items() if command.startswith(prefix)]
         assert len(matching) == 1, (prefix, list(printed))
         return _digest(matching[0])
 
-    assert digest_of("python examples/quickstart.py runs/loop_a") == digest_of("python examples/quickstart.py runs/loop_b")
+    quick = "python examples/quickstart.py runs/loop_"
+    assert digest_of(quick + "a") == digest_of(quick + "b")
     trained = {digest_of(f"samestep train --run-dir runs/{name} ") for name in "abcd"}
     assert len(trained) == 1, trained
     for command, out in printed.items():
         if command.startswith(("samestep diff", "samestep bisect")):
             assert re.search(r"^identical", out, re.M), (command, out)
-    control = _run("samestep train --run-dir runs/control --set train.steps=50 --set train.seed=7", tmp_path, env)
-    assert control.returncode == 0, control.stderr[-3000:]
-    assert _digest(control.stdout) not in trained
-    assert _run("samestep diff runs/a runs/control --force", tmp_path, env).returncode == 1
+    code, out, err = run_printed("samestep train --run-dir runs/control --set train.steps=50 --set train.seed=7",
+                                 tmp_path)
+    assert code == 0, err[-3000:]
+    assert _digest(out) not in trained
+    assert run_printed("samestep diff runs/a runs/control --force", tmp_path)[0] == 1

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import os
 import re
-import shlex
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import run_printed
 
 ROOT = Path(__file__).resolve().parents[2]
 TUTORIAL = ROOT / "docs" / "tutorial.md"
@@ -37,13 +36,6 @@ def _steps() -> list[tuple[str, int, list[str]]]:
             elif line.strip():
                 steps[-1][2].append(line)
     return steps
-
-
-def _argv(command: str) -> list[str]:
-    words = shlex.split(command)
-    head = {"python": [sys.executable], "samestep": [sys.executable, "-m", "samestep"],
-            "torchrun": [sys.executable, "-m", "torch.distributed.run"]}[words[0]]
-    return head + words[1:]
 
 
 def _matches(expected: list[str], printed: list[str], seen: dict[str, str]) -> str | None:
@@ -76,21 +68,20 @@ def _matches(expected: list[str], printed: list[str], seen: dict[str, str]) -> s
     return None
 
 
-def test_the_tutorial_runs_as_printed(tmp_path):
+def test_the_tutorial_runs_as_printed(tmp_path, monkeypatch):
     """Negative control: a digest placeholder bound to one run's bits does not match another's (``<A>`` after
     the planted run), so the check can fail where the page claims the same bits."""
     shutil.copytree(ROOT / "examples", tmp_path / "examples")
-    env = {k: v for k, v in os.environ.items() if k != "SAMESTEP_REPLAY"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    monkeypatch.delenv("SAMESTEP_REPLAY", raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(ROOT / "src"), os.environ.get("PYTHONPATH")])))
     seen: dict[str, str] = {}
     printed_of: dict[str, list[str]] = {}
     steps = _steps()
     assert len(steps) >= 12, steps
     for command, code, expected in steps:
-        proc = subprocess.run(_argv(command), cwd=tmp_path, env=env, capture_output=True, text=True,
-                              stdin=subprocess.DEVNULL, timeout=600)
-        printed = proc.stdout.splitlines()
-        assert proc.returncode == code, (command, proc.returncode, proc.stdout[-2000:], proc.stderr[-3000:])
+        returncode, out, err = run_printed(command, tmp_path)
+        printed = out.splitlines()
+        assert returncode == code, (command, returncode, out[-2000:], err[-3000:])
         missing = _matches(expected, printed, seen)
         assert missing is None, (command, missing, printed)
         printed_of[command] = printed
