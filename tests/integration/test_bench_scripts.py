@@ -157,12 +157,22 @@ def test_layout_bench_times_canonical_tensor_parallelism_against_pytorchs():
 
 
 def test_chunks_bench_times_the_chunked_layers_against_plain_ones():
-    """`bench/bench_chunks.py` (1 round of 1 step a side): both sides' step times and their ratio."""
-    proc = _bench("bench_chunks.py", "--pairs", "1", "--steps", "1", "--json")
+    """`bench/bench_chunks.py` (1 round of 1 step a side, at width 64 by ``--set``): both sides' step times and
+    their ratio."""
+    proc = _bench("bench_chunks.py", "--pairs", "1", "--steps", "1", "--set", "model.n_embd=64", "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert r["chunks"] == 8
+    assert r["chunks"] == 8 and r["set"] == ["model.n_embd=64"]
     _numbers(r, "step_ms_plain", "step_ms_chunked", "ratio_median")
+
+
+def test_mask_bench_times_the_int32_mask_against_its_int64_definition():
+    """`bench/bench_mask.py` (2 calls a side): both masks' times and their ratio, after checking they agree."""
+    proc = _bench("bench_mask.py", "--calls", "2", "--shape", "2", "64", "64", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["shape"] == [2, 64, 64]
+    _numbers(r, "ms_int32", "ms_int64", "ratio")
 
 
 def test_cost_model_prices_canonical_tensor_parallelism_against_plain():

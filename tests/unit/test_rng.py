@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.bench_mask import keep_by_int64
 from samestep import capture_rng, restore_rng, rng
 
 
@@ -98,31 +99,18 @@ def test_a_positional_mask_outside_its_tensor_or_of_a_bad_probability_is_refused
         rng.positional_keep(1, (4, 4), (0, 0), (4, 4), 1.0)
 
 
-def _keep_by_int64(stream_key: int, flat: torch.Tensor, p: float) -> torch.Tensor:
-    """The positional mask's definition, over unsigned 32-bit values held in int64 (every product below
-    2**59): the reference the int32 lanes must give bit for bit."""
-    m32 = 0xFFFFFFFF
-
-    def mix(x: torch.Tensor) -> torch.Tensor:
-        for _ in range(2):
-            x = ((x >> 16) ^ x) * 0x45D9F3B & m32
-        return (x >> 16) ^ x
-
-    lo, hi = stream_key & m32, (stream_key >> 32) & m32
-    return mix(mix((flat & m32) ^ lo) ^ (flat >> 32) ^ hi) >= int(p * 2**32)
-
-
 def test_the_positional_mask_in_int32_lanes_is_its_int64_definition_bit_for_bit():
     """positional_keep hashes in int32 lanes (wrapping products, logical shifts by masking): for stream keys with
     the top bits of either half set or clear, positions past 2**32 (a block far into a large tensor), and p at
-    0, the ends and between, every element is the int64 definition's. Negative control: the same comparison
+    0, the ends and between, every element is the int64 definition's (``bench/bench_mask.py``'s, which times
+    the two). Negative control: the same comparison
     with a plain arithmetic shift in place of the logical one (the sign spread left unmasked) differs."""
     shape = (1, 3, 1 << 31)  # positions up to 2**32 + 2**31; the block at the end past 2**32
     starts, local = (0, 2, (1 << 31) - 4096), (1, 1, 4096)
     flat = (torch.arange(4096, dtype=torch.int64) + 2 * (1 << 31) + starts[2]).view(local)
     for key in (0, 7, 0xFFFFFFFFFFFFFFFF, 0x8000000080000000, rng.key(0, 3, 5, "dropout")):
         for p in (0.0, 0.1, 0.5, 0.9, 0.999):
-            assert torch.equal(rng.positional_keep(key, shape, starts, local, p), _keep_by_int64(key, flat, p)), \
+            assert torch.equal(rng.positional_keep(key, shape, starts, local, p), keep_by_int64(key, flat, p)), \
                 (hex(key), p)
 
     def arithmetic(x: torch.Tensor) -> torch.Tensor:
@@ -133,4 +121,4 @@ def test_the_positional_mask_in_int32_lanes_is_its_int64_definition_bit_for_bit(
     key = 0x8000000080000000
     h = arithmetic(arithmetic(flat.to(torch.int32) ^ -(1 << 31)) ^ (flat >> 32).to(torch.int32) ^ -(1 << 31))
     assert not torch.equal((h ^ torch.iinfo(torch.int32).min) >= int(0.5 * 2**32) - (1 << 31),
-                           _keep_by_int64(key, flat, 0.5))
+                           keep_by_int64(key, flat, 0.5))
