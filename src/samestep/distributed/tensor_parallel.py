@@ -16,7 +16,9 @@ all-reduce. Unsplit (no group) the same function runs the whole tree in one proc
 The styles that route a module's forward here (``tp_styles``) shard its parameters by PyTorch's own
 partition (``ColwiseParallel``: weight and bias ``Shard(0)``; ``RowwiseParallel``: weight ``Shard(1)``, bias
 ``Replicate``), so state dicts, FSDP2 and checkpoints see ordinary DTensors; only the layer's forward and
-backward are samestep's.
+backward are samestep's. A DTensor parameter enters the layer's autograd function as it is: its shard is taken
+inside and its gradient placed back as a DTensor in the backward, with no autograd node of their own a call
+(``to_local``'s would cost about 5 ms of a 150 ms reference step, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -98,7 +100,9 @@ class _Column(torch.autograd.Function):
     ``local_chunks`` chunks of its rows, part after part; y laid out the same way."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, local_chunks, parts, group, sequence):
+    def forward(ctx, x, placed_weight, placed_bias, local_chunks, parts, group, sequence):
+        weight, bias = _local(placed_weight), _local(placed_bias)
+        ctx.placed = (_placement(placed_weight), _placement(placed_bias))
         if sequence is not None:  # x is this rank's block of the sequence: the layer takes the whole
             x = all_gather_blocks(x, sequence)
         cd, acc = _dtypes(x)
@@ -131,7 +135,7 @@ class _Column(torch.autograd.Function):
             grad_x = tree_to_block([leaf.view(x.shape) for leaf in leaves], ctx.sequence).to(x.dtype)
         grad_w = torch.cat([g.t() @ x2 for g in gs], dim=0).to(cd).to(weight.dtype)
         grad_b = torch.cat([g.sum(0) for g in gs]).to(cd).to(weight.dtype) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None, None, None
+        return grad_x, _placed(grad_w, ctx.placed[0]), _placed(grad_b, ctx.placed[1]), None, None, None, None
 
 
 class _Row(torch.autograd.Function):
@@ -140,7 +144,9 @@ class _Row(torch.autograd.Function):
     rank's block of it."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, local_chunks, group, sequence):
+    def forward(ctx, x, placed_weight, placed_bias, local_chunks, group, sequence):
+        weight, bias = _local(placed_weight), _local(placed_bias)
+        ctx.placed = (_placement(placed_weight), _placement(placed_bias))
         cd, acc = _dtypes(x)
         shape = (*x.shape[:-1], weight.shape[0])
         with torch.autocast(x.device.type, enabled=False):
@@ -171,11 +177,32 @@ class _Row(torch.autograd.Function):
         grad_x = torch.cat([g2 @ wc for wc in ws], dim=1).view(x.shape).to(cd).to(x.dtype)
         grad_w = torch.cat([g2.t() @ xc for xc in xs], dim=1).to(cd).to(weight.dtype)
         grad_b = g2.sum(0).to(cd).to(weight.dtype) if ctx.has_bias else None
-        return grad_x, grad_w, grad_b, None, None, None
+        return grad_x, _placed(grad_w, ctx.placed[0]), _placed(grad_b, ctx.placed[1]), None, None, None
 
 
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """A DTensor parameter's shard on this rank, taken inside the layer's autograd function (no autograd node of
+    its own, no DTensor wrap per call); any other tensor itself."""
     return t.to_local() if t is not None and hasattr(t, "to_local") else t
+
+
+def _placement(t: torch.Tensor | None) -> tuple | None:
+    """How a DTensor parameter lies (its mesh, placements, global shape and stride), or None for another tensor:
+    what its gradient is placed by (``_placed``), kept without the parameter itself."""
+    if t is None or not hasattr(t, "to_local"):
+        return None
+    return t.device_mesh, t.placements, t.shape, t.stride()
+
+
+def _placed(grad: torch.Tensor | None, placement: tuple | None) -> torch.Tensor | None:
+    """``grad`` (this rank's shard of a parameter's gradient) as a DTensor lying as ``placement`` says, the
+    gradient autograd accumulates into the parameter; ``grad`` itself where the parameter is a plain tensor."""
+    if grad is None or placement is None:
+        return grad
+    from torch.distributed.tensor import DTensor
+
+    mesh, placements, shape, stride = placement
+    return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int,
@@ -186,7 +213,7 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     of the last dimension (of each part). The input's gradient sums the ``chunks`` chunks along the canonical
     tree across the group, a chunk's parts in part order (with ``sequence``: this rank's block of it)."""
     local_chunks = chunks // _degree(group)
-    return _Column.apply(x, _local(weight), _local(bias), local_chunks, parts, group, sequence)
+    return _Column.apply(x, weight, bias, local_chunks, parts, group, sequence)
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int,
@@ -196,7 +223,7 @@ def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     ``sequence``: this rank's block of the sequence), the ``chunks`` partial products summed along the
     canonical tree across the group."""
     local_chunks = chunks // _degree(group)
-    return _Row.apply(x, _local(weight), _local(bias), local_chunks, group, sequence)
+    return _Row.apply(x, weight, bias, local_chunks, group, sequence)
 
 
 def sequence_shard(device_mesh: Any) -> SequenceShard:
