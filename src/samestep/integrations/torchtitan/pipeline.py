@@ -33,12 +33,12 @@ class Pipelined:
         self.group, self.first, self.last = mesh.get_group(), trainer.pp_has_first_stage, trainer.pp_has_last_stage
         self.schedule = trainer.pp_schedule
         self.last_rank = dist.get_global_rank(self.group, mesh.size() - 1)
-        self.canonical, self._call = canonical, 0
-        stage = getattr(trainer.pp_schedule, "_stage", None)  # a single-stage schedule's (GPipe, 1F1B)
+        self._call = 0
+        stage = getattr(self.schedule, "_stage", None)  # a single-stage schedule's (GPipe, 1F1B)
         if stage is None:
-            raise ValueError(f"SamestepTrainer: the pipeline schedule {type(trainer.pp_schedule).__name__} holds "
+            raise ValueError(f"SamestepTrainer: the pipeline schedule {type(self.schedule).__name__} holds "
                              "more than one stage a rank. Fix: --parallelism.pipeline_parallel_schedule 1F1B")
-        self.grads = None
+        self.grads = None  # canonical: the stage's tree; else pipelining's own sums
         if canonical:
             self.grads = CanonicalGradients(trainer.model_parts[0].parameters(),
                                             microbatches_per_process=self.calls * self.n)
@@ -87,7 +87,7 @@ class Pipelined:
     def clip(self, trainer: Any, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """The norm of every stage's gradients together, this stage's clipped by it: the stages' rows gathered
         in stage order (canonical), or torchtitan's own (the stages' norms combined)."""
-        if self.canonical:
+        if self.grads is not None:
             from samestep.distributed import clip_grad_norm_
 
             return clip_grad_norm_(params, max_norm, over=self.group)

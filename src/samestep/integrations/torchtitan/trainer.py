@@ -144,7 +144,8 @@ class SamestepTrainer(Trainer):
 
     @contextlib.contextmanager
     def _microbatch_scope(self, index: int) -> Any:
-        """A pipeline stage's microbatch ``index`` in the trace (its forward, or its backward)."""
+        """Microbatch ``index`` in the trace: a step's forward and backward of it, or a pipeline stage's forward or
+        backward of it."""
         hooked = self._hooked
         if hooked is not None:
             hooked.begin_microbatch(index)
@@ -219,10 +220,9 @@ class SamestepTrainer(Trainer):
             for i, (input_dict, labels) in zip(grads.microbatches, batches):
                 inputs = {key: v.to(self.device) if isinstance(v, torch.Tensor) else v
                           for key, v in input_dict.items()}
-                hooked.begin_microbatch(i)
-                loss = self.forward_backward_step(input_dict=inputs, labels=labels.to(self.device),
-                                                  global_valid_tokens=tokens)
-                hooked.end_microbatch()
+                with self._microbatch_scope(i):
+                    loss = self.forward_backward_step(input_dict=inputs, labels=labels.to(self.device),
+                                                      global_valid_tokens=tokens)
                 grads.accumulate(i, extra=loss.detach())
             loss = grads.reduce().reshape(())
         params = [p for _, p in self._params]
