@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tp_llama.py"
 PIPELINE = ROOT / "examples" / "pp_llama.py"
 EXPERTS = ROOT / "examples" / "ep_mixtral.py"
-PLANT = "rank=1,step=3,microbatch=1,phase=forward,scope=model.layers.1.mlp.up_proj,op=aten.mm.default"
+PLANT = "rank=1,step=3,microbatch=1,phase=forward,scope=model.layers.1.mlp.up_proj,op=aten.bmm.default"
 
 
 KILLED = 9  # the example's exit code where --kill-after ends it
@@ -104,7 +104,7 @@ def test_tensor_parallel_llama_resumes_across_degrees_and_diffs_by_layout(tmp_pa
     # fills, digested before it is, would make one an origin of its own)
     kinds = {rank: res["divergence"]["kind"] for rank, res in report["per_rank"].items()}
     assert kinds == {"0": "receiver", "1": "origin", "2": "receiver", "3": "receiver"}, kinds
-    assert report["origin"]["scope"] == "model.layers.1.mlp.up_proj" and report["origin"]["op"] == "aten.mm.default"
+    assert report["origin"]["scope"] == "model.layers.1.mlp.up_proj" and report["origin"]["op"] == "aten.bmm.default"
     assert any("rank 1 at step 3 is tp 1 of the mesh tp=4" in note for note in report["notes"])
     assert cli_here("diff", str(tmp_path / "one"), str(tmp_path / "s2")).returncode == 1
 

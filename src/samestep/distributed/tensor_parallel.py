@@ -8,7 +8,8 @@ calls one matmul over its whole shard, whose blocking (and so its bits) follows 
 
 Here the split dimension is cut into ``chunks`` fixed chunks whatever the degree (T must divide ``chunks``,
 both powers of two), and every matmul runs chunk by chunk, so each has the same shapes unsplit and on any
-number of ranks. The chunks that a reduction sums are summed along the canonical tree over chunk index
+number of ranks (``chunk_products``: as one batched matmul where that keeps each chunk's bits). The chunks that a
+reduction sums are summed along the canonical tree over chunk index
 (``tree.BinaryCounter``): a rank holds an aligned run of ``chunks / T`` chunks, a subtree, sums it, and the
 ranks combine their subtree sums in rank order with ``reduce.combine_across_ranks``, the bytes of a ring
 all-reduce. Unsplit (no group) the same function runs the whole tree in one process.
@@ -26,8 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
+from samestep.distributed.chunk_products import (column_forward, column_grad_input_parts, column_grad_weight,
+                                                 row_forward, row_grad_input, row_grad_weight)
 from samestep.distributed.reduce import tree_across_ranks
 from samestep.distributed.sequence_parallel import SequenceShard, all_gather_blocks, tree_to_block
 
@@ -107,10 +109,8 @@ class _Column(torch.autograd.Function):
             x = all_gather_blocks(x, sequence)
         cd, acc = _dtypes(x)
         with torch.autocast(x.device.type, enabled=False):
-            x2 = _as(_rows(x), cd, acc)
-            ws = _as(weight, cd, acc).chunk(parts * local_chunks, 0)  # part p's chunk c at p * local_chunks + c
-            bs = _as(bias, cd, acc).chunk(parts * local_chunks, 0) if bias is not None else [None] * len(ws)
-            y = torch.cat([nn.functional.linear(x2, w, b) for w, b in zip(ws, bs)], dim=1).to(cd)
+            y = column_forward(_as(_rows(x), cd, acc), _as(weight, cd, acc), _as(bias, cd, acc),
+                               parts * local_chunks).to(cd)  # part p's chunk c at p * local_chunks + c
         ctx.save_for_backward(x, weight)
         ctx.local_chunks, ctx.parts, ctx.group, ctx.has_bias = local_chunks, parts, group, bias is not None
         ctx.dtypes, ctx.sequence = (cd, acc), sequence
@@ -120,21 +120,17 @@ class _Column(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
         k, parts, (cd, acc) = ctx.local_chunks, ctx.parts, ctx.dtypes
-        x2, g2 = _as(_rows(x), cd, acc), _as(_rows(grad_y), cd, acc)
-        ws = _as(weight, cd, acc).chunk(parts * k, 0)
-        gs = [g.contiguous() for g in g2.chunk(parts * k, 1)]  # a chunk's matmuls: one shape anywhere
-        leaves = []  # chunk c: its parts' products summed in part order, all on the rank that holds chunk c
-        for c in range(k):
-            leaf = gs[c] @ ws[c]
-            for p in range(1, parts):
-                leaf.add_(gs[p * k + c] @ ws[p * k + c])
-            leaves.append(leaf.to(cd))
+        x2, g2 = _as(_rows(x), cd, acc), _as(_rows(grad_y), cd, acc).contiguous()
+        # chunk c: its parts' products summed in part order, all on the rank that holds chunk c
+        leaves = [leaf.to(cd) for leaf in column_grad_input_parts(g2, _as(weight, cd, acc), k, parts)]
         if ctx.sequence is None:
             grad_x = tree_across_ranks(leaves, ctx.group).view(x.shape).to(x.dtype)
         else:  # the input's gradient of this rank's block only
             grad_x = tree_to_block([leaf.view(x.shape) for leaf in leaves], ctx.sequence).to(x.dtype)
-        grad_w = torch.cat([g.t() @ x2 for g in gs], dim=0).to(cd).to(weight.dtype)
-        grad_b = torch.cat([g.sum(0) for g in gs]).to(cd).to(weight.dtype) if ctx.has_bias else None
+        grad_w = column_grad_weight(g2, x2, parts * k).to(cd).to(weight.dtype)
+        grad_b = None
+        if ctx.has_bias:  # a chunk's column sums over its own rows: one shape anywhere
+            grad_b = torch.cat([g.contiguous().sum(0) for g in g2.chunk(parts * k, 1)]).to(cd).to(weight.dtype)
         return grad_x, _placed(grad_w, ctx.placed[0]), _placed(grad_b, ctx.placed[1]), None, None, None, None
 
 
@@ -150,10 +146,7 @@ class _Row(torch.autograd.Function):
         cd, acc = _dtypes(x)
         shape = (*x.shape[:-1], weight.shape[0])
         with torch.autocast(x.device.type, enabled=False):
-            x2 = _as(_rows(x), cd, acc)
-            xs = [c.contiguous() for c in x2.chunk(local_chunks, 1)]
-            ws = [c.contiguous() for c in _as(weight, cd, acc).chunk(local_chunks, 1)]
-            leaves = [(xc @ wc.t()).to(cd) for xc, wc in zip(xs, ws)]
+            leaves = [leaf.to(cd) for leaf in row_forward(_as(_rows(x), cd, acc), _as(weight, cd, acc), local_chunks)]
             if sequence is None:
                 y = _own(tree_across_ranks(leaves, group), shape)
             else:  # this rank's block of the sum only
@@ -172,10 +165,8 @@ class _Row(torch.autograd.Function):
         if ctx.sequence is not None:  # this rank's block of the output's gradient: the layer needs the whole
             grad_y = all_gather_blocks(grad_y, ctx.sequence)
         x2, g2 = _as(_rows(x), cd, acc), _as(_rows(grad_y), cd, acc).contiguous()
-        xs = [c.contiguous() for c in x2.chunk(ctx.local_chunks, 1)]
-        ws = [c.contiguous() for c in _as(weight, cd, acc).chunk(ctx.local_chunks, 1)]
-        grad_x = torch.cat([g2 @ wc for wc in ws], dim=1).view(x.shape).to(cd).to(x.dtype)
-        grad_w = torch.cat([g2.t() @ xc for xc in xs], dim=1).to(cd).to(weight.dtype)
+        grad_x = row_grad_input(g2, _as(weight, cd, acc), ctx.local_chunks).view(x.shape).to(cd).to(x.dtype)
+        grad_w = row_grad_weight(g2, x2, ctx.local_chunks).to(cd).to(weight.dtype)
         grad_b = g2.sum(0).to(cd).to(weight.dtype) if ctx.has_bias else None
         return grad_x, _placed(grad_w, ctx.placed[0]), _placed(grad_b, ctx.placed[1]), None, None, None
 
@@ -186,21 +177,27 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if t is not None and hasattr(t, "to_local") else t
 
 
-def _placement(t: torch.Tensor | None) -> tuple | None:
-    """How a DTensor parameter lies (its mesh, placements, global shape and stride), or None for another tensor:
-    what its gradient is placed by (``_placed``), kept without the parameter itself."""
+def _placement(t: torch.Tensor | None) -> Any:
+    """How a DTensor parameter lies (its spec: mesh, placements, global shape, stride and dtype), or None for
+    another tensor: what its gradient is placed by (``_placed``), kept without the parameter itself."""
     if t is None or not hasattr(t, "to_local"):
         return None
-    return t.device_mesh, t.placements, t.shape, t.stride()
+    spec = getattr(t, "_spec", None)  # DTensor's own record of its layout, which its operators hand on as is
+    return spec if spec is not None else (t.device_mesh, t.placements, t.shape, t.stride())
 
 
-def _placed(grad: torch.Tensor | None, placement: tuple | None) -> torch.Tensor | None:
-    """``grad`` (this rank's shard of a parameter's gradient) as a DTensor lying as ``placement`` says, the
-    gradient autograd accumulates into the parameter; ``grad`` itself where the parameter is a plain tensor."""
+def _placed(grad: torch.Tensor | None, placement: Any) -> torch.Tensor | None:
+    """``grad`` (this rank's shard of a parameter's gradient, laid out as the parameter's shard) as a DTensor lying
+    as ``placement`` says, the gradient autograd accumulates into the parameter; ``grad`` itself where the
+    parameter is a plain tensor. From the parameter's spec it is wrapped as DTensor's operators wrap their outputs,
+    without ``from_local``'s autograd node and spec checks (a sixth of the layer's own time in a small model's
+    backward); a gradient needs neither."""
     if grad is None or placement is None:
         return grad
     from torch.distributed.tensor import DTensor
 
+    if not isinstance(placement, tuple):
+        return DTensor(grad, placement, requires_grad=False)
     mesh, placements, shape, stride = placement
     return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
 
