@@ -1,7 +1,8 @@
 """Layout benchmark: canonical reduction vs PyTorch DDP's all-reduce (or, with --fsdp, the canonical
 FSDP2 reduce-scatter vs FSDP2's own), 2 processes, side by side.
 
-    .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py [--fsdp|--tp|--pp|--ep] [--pairs 60]
+    .venv/bin/torchrun --standalone --nproc_per_node 2 bench/bench_layout.py [--fsdp|--tp [--block]|--pp|--ep]
+        [--pairs 60]
 
 The variants run the reference config's step in the same processes, in turn (so machine noise hits
 them alike): the canonical variant is the reference run's own step (samestep.enable +
@@ -11,13 +12,15 @@ the last microbatch (the usual gradient-accumulation idiom), and lets DDP's buck
 backward-overlapped all-reduce run; a third is the canonical step with the combine after the whole
 backward (parallel.overlap=false); a fourth keeps DDP with samestep's communication hook
 (``canonical_ddp_hook``, the first of each microbatch pair under no_sync() by ``CanonicalDdpState.microbatch``)
-and clips by the canonical norm, what a loop of one's own that keeps DDP runs. Reported on rank 0: the medians of per-pair step-time ratios to DDP,
-and bytes sent per process per step (by collective semantics) against a ring all-reduce of the same
-gradient. With --fsdp both variants are the reference run's step with
+and clips by the canonical norm, what a loop of one's own that keeps DDP runs. Reported on rank 0: the medians
+of per-pair step-time ratios to DDP, and bytes sent per process per step (by collective semantics) against a
+ring all-reduce of the same gradient. With --fsdp both variants are the reference run's step with
 parallel.fsdp=true: deterministic mode on (distributed/fsdp.py's reduce-scatter) against off (FSDP2's
 own reduce-scatter of every microbatch), bytes against a ring reduce-scatter of the same gradient.
-With --tp the processes are one tensor-parallel group training one decoder block (``TpBlock``) under
-samestep's CanonicalColwiseParallel/CanonicalRowwiseParallel against PyTorch's ColwiseParallel/RowwiseParallel.
+With --tp the processes are one tensor-parallel group running the reference run's step (``--preset``, ``--set``)
+with parallel.tp_chunks against the same step with the decoder blocks' linear layers under PyTorch's
+ColwiseParallel/RowwiseParallel (``stock_apply_tp``); with --tp --block, one decoder block (``TpBlock``) under
+samestep's CanonicalColwiseParallel/CanonicalRowwiseParallel against PyTorch's styles.
 With --pp every process is one pipeline stage of the reference run (``--set`` adds settings): the stages'
 canonical tree against pipelining's own accumulation, deterministic mode on in both, and the bytes each sends.
 With --ep a Llama MoE's experts spread over every process: each expert's canonical tree against the usual
@@ -114,7 +117,7 @@ class TpBlock(torch.nn.Module):
 
 
 def tp_main(args: argparse.Namespace) -> int:
-    """--tp: one TpBlock's training step (forward, backward, AdamW) under samestep's canonical styles against
+    """--tp --block: one TpBlock's training step (forward, backward, AdamW) under samestep's canonical styles against
     PyTorch's ColwiseParallel/RowwiseParallel, on every process as one tensor-parallel group."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -149,6 +152,72 @@ def tp_main(args: argparse.Namespace) -> int:
         print(json.dumps(result) if args.json else
               f"TP {world}: canonical {result['step_ms_canonical']} ms/step vs PyTorch's styles "
               f"{result['step_ms_plain_tp']} ms/step; ratio median of {args.pairs} pairs: "
+              f"{result['time_ratio_median']}")
+    dist.destroy_process_group()
+    samestep.disable()
+    return 0
+
+
+def stock_apply_tp(model: torch.nn.Module, cfg, world: int, rank: int, device_type: str, meshes=None) -> None:
+    """``train.tp.apply_tp``'s place in ``build`` for the other side of --tp: the decoder blocks' linear layers under
+    PyTorch's ColwiseParallel/RowwiseParallel over one mesh of every process, as a user of PyTorch's styles runs
+    them (one matmul a shard, a row layer's sum an all-reduce, dropout drawn per rank, the activation whole); the
+    embedding, the head and the vocabulary-parallel loss samestep's, as on the canonical side. A fused q/k/v is
+    split in contiguous rows: a rank's q, k and v are other rows of the unsplit weight than the canonical split's,
+    of the same shapes and cost."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    from samestep.distributed.tp_styles import CanonicalColwiseParallel, CanonicalVocabEmbedding
+
+    if meshes is not None or world != cfg.parallel.tp or cfg.parallel.sp or cfg.model.moe_experts:
+        raise SystemExit("bench_layout.py --tp: every process one tensor rank, without parallel.sp or experts")
+    chunks, mesh = cfg.parallel.tp_chunks, init_device_mesh(device_type, (world,))
+    col, row = ColwiseParallel(), RowwiseParallel()
+    if cfg.model.arch == "llama":
+        styles = {"attn.q": col, "attn.kv": col, "attn.o": row, "mlp.gate": col, "mlp.up": col, "mlp.down": row}
+        prefix, blocks = "layers", len(model.layers)
+        ends = {"embed": CanonicalVocabEmbedding(chunks), "output": CanonicalColwiseParallel(chunks)}
+    else:
+        styles = {"attn.c_attn": col, "attn.c_proj": row, "mlp.c_fc": col, "mlp.c_proj": row}
+        prefix, blocks = "transformer.h", len(model.transformer.h)
+        ends = {"transformer.wte": CanonicalVocabEmbedding(chunks)}
+    parallelize_module(model, mesh, ends | {f"{prefix}.{i}.{name}": style for i in range(blocks)
+                                            for name, style in styles.items()})
+    if getattr(model, "lm_head", None) is not None:  # the GPT's head, tied to the sharded embedding
+        model.lm_head.weight = model.transformer.wte.weight
+        parallelize_module(model, mesh, {"lm_head": CanonicalColwiseParallel(chunks)})
+    model.vocab_parallel = (chunks, mesh.get_group())
+
+
+def tp_step_main(args: argparse.Namespace) -> int:
+    """--tp: the reference run's step at TP = the process count with parallel.tp_chunks (samestep's canonical
+    styles) against the same step with PyTorch's styles in its decoder blocks (``stock_apply_tp``)."""
+    import samestep.train.trainer as trainer_module
+
+    samestep.enable(threads=1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    corpus = load_corpus("stdlib")
+    base = ["determinism.threads=1", f"parallel.tp_chunks={args.tp_chunks}", f"parallel.tp={world}", *args.set]
+    cfg = load_config(None, base, args.preset)
+    canon = build(cfg, world=world, rank=rank, corpus=corpus)
+    own, trainer_module.apply_tp = trainer_module.apply_tp, stock_apply_tp
+    try:
+        stock = build(cfg, world=world, rank=rank, corpus=corpus)
+    finally:
+        trainer_module.apply_tp = own
+    for trainer in (canon, stock):
+        trainer.model.train()
+    times = alternate([canon.step, stock.step], args.pairs, args.steps)
+    result = {"world_size": world, "pairs": args.pairs, "preset": args.preset or "reference", "settings": base,
+              "step_ms_canonical": round(1000 * statistics.median(times[0]), 2),
+              "step_ms_plain_tp": round(1000 * statistics.median(times[1]), 2),
+              "time_ratio_median": round(statistics.median([a / b for a, b in zip(*times)]), 4)}
+    if rank == 0:
+        print(json.dumps(result) if args.json else
+              f"{result['preset']} step at TP {world}: canonical {result['step_ms_canonical']} ms/step vs PyTorch's "
+              f"styles {result['step_ms_plain_tp']} ms/step; ratio median of {args.pairs} pairs: "
               f"{result['time_ratio_median']}")
     dist.destroy_process_group()
     samestep.disable()
@@ -263,20 +332,21 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--fsdp", action="store_true", help="FSDP2: canonical reduce-scatter vs FSDP2's own")
     ap.add_argument("--tp", action="store_true", help="tensor parallelism: canonical styles vs PyTorch's own")
-    ap.add_argument("--width", type=int, default=256, help="--tp: the block's width")
-    ap.add_argument("--heads", type=int, default=8, help="--tp: its attention heads")
-    ap.add_argument("--seq", type=int, default=128, help="--tp: tokens per sequence")
-    ap.add_argument("--batch", type=int, default=8, help="--tp: sequences per step")
+    ap.add_argument("--block", action="store_true", help="--tp: one decoder block, not the reference step")
+    ap.add_argument("--width", type=int, default=256, help="--tp --block: the block's width")
+    ap.add_argument("--heads", type=int, default=8, help="--tp --block: its attention heads")
+    ap.add_argument("--seq", type=int, default=128, help="--tp --block: tokens per sequence")
+    ap.add_argument("--batch", type=int, default=8, help="--tp --block: sequences per step")
     ap.add_argument("--tp-chunks", type=int, default=8, help="--tp: parallel.tp_chunks")
     ap.add_argument("--pp", action="store_true", help="pipeline stages: the canonical tree vs pipelining's own")
     ap.add_argument("--ep", action="store_true", help="expert parallelism: the experts' trees vs the usual sums")
     ap.add_argument("--experts", type=int, default=8, help="--ep: experts per MoE layer")
-    ap.add_argument("--set", action="append", default=[], help="--pp, --ep: a config setting (section.key=value)")
-    ap.add_argument("--preset", default=None, help="--pp, --ep: a config preset (small)")
+    ap.add_argument("--set", action="append", default=[], help="--tp, --pp, --ep: a config setting (section.key=value)")
+    ap.add_argument("--preset", default=None, help="--tp, --pp, --ep: a config preset (small)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.tp:
-        return tp_main(args)
+        return tp_main(args) if args.block else tp_step_main(args)
     if args.pp or args.ep:
         return parts_main(args)
     samestep.enable(threads=1)  # before the process group: NCCL_ALGO and friends

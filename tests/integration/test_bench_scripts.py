@@ -144,16 +144,18 @@ def test_receipt_and_check_benches_run():
 
 
 def test_layout_bench_times_canonical_tensor_parallelism_against_pytorchs():
-    """`bench/bench_layout.py --tp` on 2 processes (2 pairs, a small block): both sides' step times and their
-    ratio are reported (the bench that measures what canonical tensor parallelism costs)."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "bench/bench_layout.py", "--tp", "--pairs", "2", "--width", "64", "--seq", "16",
-                           "--batch", "2", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert r["world_size"] == 2
-    _numbers(r, "step_ms_canonical", "step_ms_plain_tp", "time_ratio_median")
+    """`bench/bench_layout.py --tp` on 2 processes: the reference step (1 pair, one narrow layer by ``--set``) and
+    with ``--block`` one decoder block (2 pairs, a small one): both sides' step times and their ratio are reported
+    (the bench that measures what canonical tensor parallelism costs against PyTorch's styles)."""
+    for args in (["--set", "model.n_embd=64", "--set", "model.n_layer=1", "--pairs", "1"],
+                 ["--block", "--pairs", "2", "--width", "64", "--seq", "16", "--batch", "2"]):
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                               "bench/bench_layout.py", "--tp", *args, "--json"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        r = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert r["world_size"] == 2
+        _numbers(r, "step_ms_canonical", "step_ms_plain_tp", "time_ratio_median")
 
 
 def test_chunks_bench_times_the_chunked_layers_against_plain_ones():
