@@ -126,7 +126,7 @@ def tp_main(args: argparse.Namespace) -> int:
 
     samestep.enable(threads=1)
     dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     steps = []
     for col, row in ((CanonicalColwiseParallel(args.tp_chunks), CanonicalRowwiseParallel(args.tp_chunks)),
@@ -143,14 +143,21 @@ def tp_main(args: argparse.Namespace) -> int:
             opt.zero_grad(set_to_none=True)
 
         steps.append(step)
-    times = alternate(steps, args.pairs, args.steps)
-    result = {"world_size": world, "pairs": args.pairs, "width": args.width, "seq": args.seq, "batch": args.batch,
-              "tp_chunks": args.tp_chunks, "step_ms_canonical": round(1000 * statistics.median(times[0]), 2),
+    return tp_report(args, steps, f"TP {world}", {"width": args.width, "seq": args.seq, "batch": args.batch,
+                                                  "tp_chunks": args.tp_chunks})
+
+
+def tp_report(args: argparse.Namespace, sides: list, label: str, about: dict) -> int:
+    """Times --tp's two sides (canonical, PyTorch's styles) by ``alternate``, prints the result on rank 0 and ends
+    the process group."""
+    times = alternate(sides, args.pairs, args.steps)
+    result = {"world_size": dist.get_world_size(), "pairs": args.pairs, **about,
+              "step_ms_canonical": round(1000 * statistics.median(times[0]), 2),
               "step_ms_plain_tp": round(1000 * statistics.median(times[1]), 2),
               "time_ratio_median": round(statistics.median([a / b for a, b in zip(*times)]), 4)}
-    if rank == 0:
+    if dist.get_rank() == 0:
         print(json.dumps(result) if args.json else
-              f"TP {world}: canonical {result['step_ms_canonical']} ms/step vs PyTorch's styles "
+              f"{label}: canonical {result['step_ms_canonical']} ms/step vs PyTorch's styles "
               f"{result['step_ms_plain_tp']} ms/step; ratio median of {args.pairs} pairs: "
               f"{result['time_ratio_median']}")
     dist.destroy_process_group()
@@ -209,19 +216,9 @@ def tp_step_main(args: argparse.Namespace) -> int:
         trainer_module.apply_tp = own
     for trainer in (canon, stock):
         trainer.model.train()
-    times = alternate([canon.step, stock.step], args.pairs, args.steps)
-    result = {"world_size": world, "pairs": args.pairs, "preset": args.preset or "reference", "settings": base,
-              "step_ms_canonical": round(1000 * statistics.median(times[0]), 2),
-              "step_ms_plain_tp": round(1000 * statistics.median(times[1]), 2),
-              "time_ratio_median": round(statistics.median([a / b for a, b in zip(*times)]), 4)}
-    if rank == 0:
-        print(json.dumps(result) if args.json else
-              f"{result['preset']} step at TP {world}: canonical {result['step_ms_canonical']} ms/step vs PyTorch's "
-              f"styles {result['step_ms_plain_tp']} ms/step; ratio median of {args.pairs} pairs: "
-              f"{result['time_ratio_median']}")
-    dist.destroy_process_group()
-    samestep.disable()
-    return 0
+    preset = args.preset or "reference"
+    return tp_report(args, [canon.step, stock.step], f"{preset} step at TP {world}",
+                     {"preset": preset, "settings": base})
 
 
 class SentBytes:
