@@ -65,3 +65,43 @@ def test_the_batched_form_is_refused_where_atens_bmm_would_not_give_the_loops_bi
     assert torch.equal(cp.column_forward(x, w, None, 8).view(torch.int32), loop.view(torch.int32))
     torch.set_num_threads(2)
     assert not cp.batched(x, 256, 128, 48)
+
+
+def _activation(fn, x: torch.Tensor, width: int | None, grad: torch.Tensor) -> list[torch.Tensor]:
+    """``fn`` on ``x`` (whole, or chunk by chunk as ``chunkwise`` defines it) and its input's gradient, as bits."""
+    x = x.detach().requires_grad_()
+    y = fn(x) if width is None else torch.cat([fn(c.contiguous()) for c in x.split(width, -1)], -1)
+    (gx,) = torch.autograd.grad(y, x, grad)
+    view = torch.int16 if x.dtype == torch.bfloat16 else torch.int32
+    return [y.detach().view(view), gx.view(view)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fn", [torch.nn.functional.gelu, torch.nn.functional.silu], ids=["gelu", "silu"])
+@pytest.mark.parametrize("rows, width, chunks", [(256, 64, 8), (7, 64, 8), (128, 128, 4), (33, 128, 2)])
+def test_an_activation_runs_whole_where_that_gives_it_the_bits_of_its_chunks(rows, width, chunks, fn, dtype):
+    """Where ``elementwise_whole`` says so (the reference GPT's and the small Llama's MLP widths, any row count),
+    an activation and its gradient on the whole tensor have the bytes of the chunk-by-chunk ones."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(rows * width)
+    x = (3 * torch.randn(rows, width * chunks, generator=g)).to(dtype)
+    grad = torch.randn(rows, width * chunks, generator=g).to(dtype)
+    assert cp.elementwise_whole(x, width)
+    whole, chunked = _activation(fn, x, None, grad), _activation(fn, x, width, grad)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+
+
+def test_an_activation_keeps_its_chunks_where_a_scalar_tail_would_move():
+    """Chunks 12 wide over 33 rows put some elements in silu's scalar tail chunk by chunk and in its vectorized
+    loop whole: the same check catches the other bits (control), and ``elementwise_whole`` refuses that width,
+    a strided tensor and more threads."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    x, grad = 3 * torch.randn(33, 96, generator=g), torch.randn(33, 96, generator=g)
+    whole, chunked = _activation(torch.nn.functional.silu, x, None, grad), _activation(torch.nn.functional.silu,
+                                                                                     x, 12, grad)
+    assert not all(torch.equal(a, b) for a, b in zip(whole, chunked))
+    assert not cp.elementwise_whole(x, 12)
+    assert not cp.elementwise_whole(torch.randn(128, 64).t(), 64)
+    torch.set_num_threads(2)
+    assert not cp.elementwise_whole(torch.randn(64, 128), 64)

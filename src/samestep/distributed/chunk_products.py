@@ -1,17 +1,20 @@
-"""The chunk products of the canonical tensor-parallel layers (``tensor_parallel``), each written once: as one
-matmul a chunk, the path's definition, or as one batched matmul where that gives every chunk the same bits.
+"""The chunk-by-chunk work of the canonical tensor-parallel layers (``tensor_parallel``) and of the activations
+between them (``train.model.chunkwise``), each written once: chunk by chunk, the path's definition, or as one
+call where that gives every chunk the same bits.
 
 A layer cut into C chunks runs C matmuls of one chunk's shape where a plain layer runs one; on a small layer
 the C calls, their copies and their concatenation cost more than the products (docs/performance.md, "tensor
 parallelism's path on one device"). ATen's CPU ``bmm`` hands every batch item to the GEMM one ``mm`` would
 call, with the same operands' strides, when its process runs one intra-op thread and an item has at least
 ``_BATCHED_MIN`` multiply-adds (below it ATen runs a loop kernel of its own; with more threads it splits the
-batch where ``mm`` splits the matrix). There, and only there, a chunk's product is batched:
-``tests/unit/test_chunk_products.py`` holds both forms to the same bits over the layers' shapes, and to
-different bits where the conditions fail. On a GPU every chunk keeps its own matmul: whether cuBLAS's
+batch where ``mm`` splits the matrix). There, and only there, a chunk's product is batched. An activation runs
+chunk by chunk so that a vectorized kernel's scalar tail falls on the same elements at every degree; where no
+element of the whole tensor or of a chunk falls in a tail (``elementwise_whole``) it runs on the whole.
+``tests/unit/test_chunk_products.py`` holds each form to the chunk-by-chunk bits over the layers' shapes, and
+shows them differing where the conditions fail. On a GPU every chunk keeps its own call: whether cuBLAS's
 strided-batched GEMM picks each item the kernel of its own GEMM at every batch count is for a device to show.
 
-Every function takes operands already rounded and held as the layer computes (``tensor_parallel._dtypes``).
+Every product takes operands already rounded and held as the layer computes (``tensor_parallel._dtypes``).
 """
 
 from __future__ import annotations
@@ -19,16 +22,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["batched", "column_grad_input_parts", "column_grad_weight", "column_forward", "row_forward",
-           "row_grad_input", "row_grad_weight"]
+__all__ = ["batched", "column_grad_input_parts", "column_grad_weight", "column_forward", "elementwise_whole",
+           "row_forward", "row_grad_input", "row_grad_weight"]
 
 _BATCHED_MIN = 400  # ATen's CPU bmm runs its own loop kernel below this many multiply-adds an item
+_LANES = 64  # elements a vectorized CPU loop takes a turn at most: two 512-bit vectors of a 2-byte type
 
 
 def batched(x: torch.Tensor, rows: int, inner: int, cols: int) -> bool:
     """Whether a batch of (rows x inner) @ (inner x cols) chunk products on ``x``'s device gives each item the bits
     of its own matmul (the conditions in the module's docstring)."""
     return x.device.type == "cpu" and torch.get_num_threads() == 1 and rows * inner * cols >= _BATCHED_MIN
+
+
+def elementwise_whole(x: torch.Tensor, width: int) -> bool:
+    """Whether an elementwise op (an activation, its gradient) on ``x`` whole gives every element the bits it gets
+    with ``x`` cut into ``width``-wide chunks of its last dimension, each made contiguous: on a CPU process of
+    one intra-op thread, ``x`` contiguous and ``width`` whole runs of ``_LANES``, every element of either falls
+    in the kernel's vectorized loop, which computes lane by lane alike, and none in its scalar tail."""
+    return x.device.type == "cpu" and torch.get_num_threads() == 1 and x.is_contiguous() and width % _LANES == 0
 
 
 def column_forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int) -> torch.Tensor:

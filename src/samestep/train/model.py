@@ -26,6 +26,7 @@ from torch import nn
 
 from samestep import ops
 from samestep import rng as _rng
+from samestep.distributed.chunk_products import elementwise_whole
 from samestep.distributed.sequence_parallel import SequenceShard, gather_sequence, scatter_sequence
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
 from samestep.train.config import ModelConfig
@@ -115,8 +116,10 @@ def chunkwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, width
     """``fn`` (an activation) on each ``width``-wide chunk of ``x``'s last dimension, each made contiguous
     (``width`` None: on ``x`` whole). A vectorized kernel computes its last elements in a scalar tail, whose
     transcendental functions round otherwise; chunk by chunk the tail falls on the same elements at every
-    tensor-parallel degree (a rank's part of a layer is a run of whole chunks), whatever the row count."""
-    if width is None:
+    tensor-parallel degree (a rank's part of a layer is a run of whole chunks), whatever the row count. Where no
+    element falls in a tail either way (``chunk_products.elementwise_whole``) it runs on ``x`` whole: the same
+    bits without the chunks' copies and concatenation."""
+    if width is None or elementwise_whole(x, width):
         return fn(x)
     return torch.cat([fn(c.contiguous()) for c in x.split(width, -1)], -1)
 
