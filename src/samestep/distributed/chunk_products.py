@@ -22,17 +22,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["batched", "column_grad_input_parts", "column_grad_weight", "column_forward", "elementwise_whole",
+__all__ = ["batched", "column_grad_bias", "column_grad_input_parts", "column_grad_weight", "column_forward",
+           "elementwise_whole", "one_thread_cpu",
            "row_forward", "row_grad_input", "row_grad_weight"]
 
 _BATCHED_MIN = 400  # ATen's CPU bmm runs its own loop kernel below this many multiply-adds an item
 _LANES = 64  # elements a vectorized CPU loop takes a turn at most: two 512-bit vectors of a 2-byte type
 
 
+def one_thread_cpu(x: torch.Tensor) -> bool:
+    """Whether ``x`` is on the CPU in a process of one intra-op thread, where ATen runs one call over several
+    chunks as it runs each chunk alone (with more threads it splits the work where a single chunk's call would
+    split it otherwise)."""
+    return x.device.type == "cpu" and torch.get_num_threads() == 1
+
+
 def batched(x: torch.Tensor, rows: int, inner: int, cols: int) -> bool:
     """Whether a batch of (rows x inner) @ (inner x cols) chunk products on ``x``'s device gives each item the bits
     of its own matmul (the conditions in the module's docstring)."""
-    return x.device.type == "cpu" and torch.get_num_threads() == 1 and rows * inner * cols >= _BATCHED_MIN
+    return one_thread_cpu(x) and rows * inner * cols >= _BATCHED_MIN
 
 
 def elementwise_whole(x: torch.Tensor, width: int) -> bool:
@@ -40,7 +48,7 @@ def elementwise_whole(x: torch.Tensor, width: int) -> bool:
     with ``x`` cut into ``width``-wide chunks of its last dimension, each made contiguous: on a CPU process of
     one intra-op thread, ``x`` contiguous and ``width`` whole runs of ``_LANES``, every element of either falls
     in the kernel's vectorized loop, which computes lane by lane alike, and none in its scalar tail."""
-    return x.device.type == "cpu" and torch.get_num_threads() == 1 and x.is_contiguous() and width % _LANES == 0
+    return one_thread_cpu(x) and x.is_contiguous() and width % _LANES == 0
 
 
 def column_forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int) -> torch.Tensor:
@@ -83,6 +91,16 @@ def column_grad_weight(g2: torch.Tensor, x2: torch.Tensor, chunks: int) -> torch
     if not batched(g2, n, m, k):
         return torch.cat([g.contiguous().t() @ x2 for g in g2.chunk(chunks, 1)], dim=0)
     return torch.bmm(g2.reshape(m, chunks, n).permute(1, 2, 0), x2.expand(chunks, m, k)).view(rows, k)
+
+
+def column_grad_bias(g2: torch.Tensor, chunks: int) -> torch.Tensor:
+    """The bias's gradient of a column layer: chunk c's column sums over its own rows, each chunk made contiguous
+    (one shape anywhere), laid side by side, (N,). On one intra-op thread the chunks go in one contiguous copy,
+    chunk after chunk, summed over their rows in one call, which runs each chunk as it runs it alone."""
+    m, rows = g2.shape
+    if not one_thread_cpu(g2):
+        return torch.cat([g.contiguous().sum(0) for g in g2.chunk(chunks, 1)])
+    return g2.reshape(m, chunks, rows // chunks).transpose(0, 1).contiguous().sum(1).view(rows)
 
 
 def row_forward(x2: torch.Tensor, weight: torch.Tensor, chunks: int) -> list[torch.Tensor]:

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from samestep.distributed.chunk_products import (column_forward, column_grad_input_parts, column_grad_weight,
-                                                 row_forward, row_grad_input, row_grad_weight)
+from samestep.distributed.chunk_products import (column_forward, column_grad_bias, column_grad_input_parts,
+                                                 column_grad_weight, row_forward, row_grad_input, row_grad_weight)
 from samestep.distributed.reduce import tree_across_ranks
 from samestep.distributed.sequence_parallel import SequenceShard, all_gather_blocks, tree_to_block
 
@@ -128,9 +128,7 @@ class _Column(torch.autograd.Function):
         else:  # the input's gradient of this rank's block only
             grad_x = tree_to_block([leaf.view(x.shape) for leaf in leaves], ctx.sequence).to(x.dtype)
         grad_w = column_grad_weight(g2, x2, parts * k).to(cd).to(weight.dtype)
-        grad_b = None
-        if ctx.has_bias:  # a chunk's column sums over its own rows: one shape anywhere
-            grad_b = torch.cat([g.contiguous().sum(0) for g in g2.chunk(parts * k, 1)]).to(cd).to(weight.dtype)
+        grad_b = column_grad_bias(g2, parts * k).to(cd).to(weight.dtype) if ctx.has_bias else None
         return grad_x, _placed(grad_w, ctx.placed[0]), _placed(grad_b, ctx.placed[1]), None, None, None, None
 
 
