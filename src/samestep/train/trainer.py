@@ -24,6 +24,7 @@ from samestep.distributed.fsdp import (
     shard_model,
 )
 from samestep.distributed.norm import clip_grad_norm_
+from samestep.distributed.shard_adamw import ShardAdamW
 from samestep.receipt_state import buffers_now, model_state
 from samestep.tracing import Perturb, Recorder, parse_selection
 from samestep.train.capacity import check_capacity
@@ -47,9 +48,9 @@ def _make_optimizer(model: torch.nn.Module, cfg: Config, params: list[torch.nn.P
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     t = cfg.train
-    return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=t.lr, betas=(t.beta1, t.beta2), foreach=False)
+    # AdamW's single-tensor update, on a DTensor parameter's shard (distributed/shard_adamw.py): AdamW's bits
+    return ShardAdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+                      lr=t.lr, betas=(t.beta1, t.beta2))
 
 
 @dataclass(slots=True)
