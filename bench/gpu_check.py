@@ -10,6 +10,9 @@ Sections (each result is written to DIR/gpu_check.json as soon as it is known):
 - train: ``samestep demo`` on CUDA (repeat, SIGKILL + resume, the pair with determinism off and its
   diff); a run traced at op level against an untraced one (same final digest), certified;
 - bench: bench_kernels.py and bench_trace.py with ``--device cuda``;
+- chunks: whether cuBLAS's strided-batched GEMM gives each chunk of a canonical tensor-parallel layer the bits
+  of its own GEMM at every batch count (distributed/chunk_products.py batches them on the CPU only), fp32 and
+  bf16, by shape;
 - suite: the whole test suite on this machine (pytest-xdist), for the CUDA paths it reaches.
 """
 
@@ -35,7 +38,7 @@ from samestep.digests import digest, digest_many
 
 dg = importlib.import_module("samestep.digests.rows")  # the paths and their switches
 
-SECTIONS = ("env", "digest", "kernels", "train", "bench", "suite")
+SECTIONS = ("env", "digest", "kernels", "train", "bench", "chunks", "suite")
 
 
 def _cases() -> dict[str, Callable[[str], torch.Tensor]]:
@@ -236,6 +239,26 @@ def check_bench(log: Path) -> dict:
     return out
 
 
+def check_chunks(dev: torch.device) -> dict:
+    """For each (rows, in, out) of a layer cut in 8 chunks, fp32 and bf16: whether ``bmm`` over 8, 4, 2 and 1 of
+    them gives each the bytes ``mm`` gives it alone (a column layer's forward, ``x W_c^T``)."""
+    out = {}
+    g = torch.Generator(device=dev).manual_seed(0)
+    shapes = ((256, 128, 384), (8192, 1024, 3072), (8192, 4096, 4096), (16384, 8192, 8192))
+    for rows, k, n in shapes if dev.type == "cuda" else shapes[:1]:  # the CPU's answer is its unit test's
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, k, device=dev, generator=g).to(dtype)
+            w = torch.randn(n, k, device=dev, generator=g).to(dtype)
+            alone = [x @ c.t() for c in w.chunk(8, 0)]
+            same = {}
+            for batch in (8, 4, 2, 1):
+                part = w[: batch * n // 8].view(batch, n // 8, k).transpose(1, 2)
+                items = torch.bmm(x.expand(batch, rows, k), part)
+                same[batch] = all(torch.equal(items[i], alone[i]) for i in range(batch))
+            out[f"{rows}x{k}x{n}/{str(dtype).removeprefix('torch.')}"] = same
+    return out
+
+
 def check_suite(log: Path, workers: int) -> dict:
     proc = _run([*_pytest(), "-n", str(workers), "--timeout", "120",
                  "-p", "no:cacheprovider", "--tb=short", "-rfE", "tests"], 240, log)
@@ -273,6 +296,9 @@ def main() -> int:
                 result[name] = check_train(work, log, out_dir)
             elif name == "bench":
                 result[name] = check_bench(log)
+            elif name == "chunks":
+                result[name] = check_chunks(torch.device("cuda", torch.cuda.current_device())
+                                            if torch.cuda.is_available() else torch.device("cpu"))
             elif name == "suite":
                 result[name] = check_suite(log, args.workers)
             else:
