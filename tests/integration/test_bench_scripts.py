@@ -122,6 +122,26 @@ def test_cost_model_prices_the_combine_against_ddp():
     assert all(abs(r["ratio_to_ddp"] - 1.0) < 1e-6 for r in free)
 
 
+def test_chunk_cost_model_prices_the_chunks_against_one_gemm_a_rank():
+    """`bench/cost_chunks.py --json`: for the 7B and the 70B at TP 1, 2, 4 and 8, the canonical layers cost more
+    than PyTorch's styles while a rank holds several chunks, less so the wider the model, and at TP 8 (one chunk
+    a rank: one GEMM a projection, no sums) the same. With one chunk (TP 1 only) both run the same GEMMs and are
+    priced alike: the check can tell."""
+    def rows(*extra):
+        proc = _bench("cost_chunks.py", "--json", *extra, timeout=60)
+        assert proc.returncode == 0, proc.stderr
+        return {(r["model"], r["tp"]): r for r in json.loads(proc.stdout)}
+
+    got = rows()
+    assert set(got) == {(m, t) for m in ("7B", "70B") for t in (1, 2, 4, 8)}
+    for m in ("7B", "70B"):
+        assert got[m, 1]["layer_ratio"] > got[m, 2]["layer_ratio"] > got[m, 4]["layer_ratio"] > 1.0
+        assert got[m, 8]["layer_ratio"] == pytest.approx(1.0)
+    assert all(got["70B", t]["layer_ratio"] < got["7B", t]["layer_ratio"] for t in (1, 2, 4))
+    one = rows("--chunks", "1")
+    assert set(one) == {("7B", 1), ("70B", 1)} and all(r["linears_ratio"] == 1.0 for r in one.values())
+
+
 def test_receipt_and_check_benches_run():
     """`bench/bench_receipts.py`, `bench/bench_checks.py` and `bench/bench_production.py` (one pair of one or two
     steps): ratios, the training thread's own time for the receipts, every side of the production bench (with
