@@ -1,6 +1,6 @@
 """What the fixed chunks of canonical tensor parallelism cost on a GPU, estimated for a 7B and a 70B Llama
-(docs/performance.md, "Tensor parallelism's chunks on a GPU, projected"): the decoder layer's compute at TP T,
-PyTorch's styles (one GEMM a linear a rank) against the canonical layers (``parallel.tp_chunks`` C: C / T GEMMs
+(docs/performance.md, its row "tensor parallelism's chunks on a GPU, projected"): the decoder layer's compute at
+TP T, PyTorch's styles (one GEMM a linear a rank) against the canonical layers (``parallel.tp_chunks`` C: C / T GEMMs
 of a chunk's width a linear a rank, and the tree sums of their partial products).
 
     .venv/bin/python bench/cost_chunks.py [--chunks 8] [--tokens 8192] [--seq 4096] [--tflops 989]
