@@ -167,25 +167,27 @@ def test_pinned_matmul_precision_gives_the_fp32_bits_on_this_cpu():
     assert not torch.equal(medium, full)
 
 
-def test_compiler_settings_that_time_kernels_are_refused(monkeypatch):
+def test_compiler_settings_that_time_kernels_are_refused():
     """max-autotune picks compiled kernels by timing them: enable() refuses it, naming the setting and the
     fix; warn_only warns instead. Negative control: with it off, enable() accepts and pins Inductor's
     deterministic mode, and disable() puts back what was there."""
     import torch._inductor.config as config
 
-    monkeypatch.setattr(config, "max_autotune", True)
-    with pytest.raises(ValueError, match=r"torch._inductor.config.max_autotune is on \(TORCHINDUCTOR_MAX_AUTOTUNE\).*"
-                                         r"Fix: turn it off"):
-        samestep.enable(threads=1)
-    assert not torch.are_deterministic_algorithms_enabled()
-    with pytest.warns(RuntimeWarning, match="max_autotune"):
-        samestep.enable(threads=1, warn_only=True)
-    samestep.disable()
-    monkeypatch.setattr(config, "max_autotune", False)
-    monkeypatch.setattr(config, "deterministic", False)
-    with samestep.enable(threads=1):
-        assert config.deterministic is True
-    assert config.deterministic is False
+    # Inductor's own patch: monkeypatch would delete the setting on undo (it finds no module __dict__ entry),
+    # which hides it from every later test in the process
+    with config.patch(max_autotune=True):
+        with pytest.raises(ValueError, match=r"torch._inductor.config.max_autotune is on \(TORCHINDUCTOR_MAX_AUTOTUNE\)"
+                                             r".*Fix: turn it off"):
+            samestep.enable(threads=1)
+        assert not torch.are_deterministic_algorithms_enabled()
+        with pytest.warns(RuntimeWarning, match="max_autotune"):
+            samestep.enable(threads=1, warn_only=True)
+        samestep.disable()
+    with config.patch(max_autotune=False, deterministic=False):
+        with samestep.enable(threads=1):
+            assert config.deterministic is True
+        assert config.deterministic is False
+    assert config.max_autotune is False  # still there for whatever runs next
 
 
 def test_the_knob_probe_moves_with_every_knob_enable_sets():
