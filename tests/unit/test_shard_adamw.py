@@ -76,10 +76,14 @@ def test_the_update_on_shards_has_adamws_bits_and_state(tmp_path):
 
 def test_an_option_of_another_update_and_a_closure_are_refused_by_name():
     """foreach, fused, amsgrad and the like take another update than the one on shards: refused at construction,
-    naming the option; a closure at step."""
+    naming the option, and in a group added after it at step; a closure at step."""
     p = torch.nn.Parameter(torch.zeros(2))
     for option in ({"foreach": True}, {"fused": True}, {"amsgrad": True}, {"maximize": True}):
-        with pytest.raises(ValueError, match=f"ShardAdamW\\({next(iter(option))}=True\\)"):
+        with pytest.raises(ValueError, match=f"ShardAdamW: {next(iter(option))}=True takes another update"):
             ShardAdamW([p], **option)
     with pytest.raises(ValueError, match="closure"):
         ShardAdamW([p]).step(lambda: 0.0)
+    opt = ShardAdamW([p])
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))], "amsgrad": True})
+    with pytest.raises(ValueError, match="param group 1: amsgrad=True"):
+        opt.step()

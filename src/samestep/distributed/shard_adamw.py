@@ -25,16 +25,22 @@ def _shard(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _refuse_other_updates(options: dict[str, Any], where: str) -> None:
+    """Raises ValueError naming the first option in ``options`` that takes another update than AdamW's
+    single-tensor one."""
+    other = {k: options[k] for k, allowed in _PLAIN.items() if k in options and options[k] not in allowed}
+    if other:
+        name, value = next(iter(other.items()))
+        raise ValueError(f"{where}: {name}={value!r} takes another update than AdamW's single-tensor one, which "
+                         f"ShardAdamW runs. Fix: torch.optim.AdamW for that option")
+
+
 class ShardAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW(..., foreach=False)`` with its update on DTensor parameters' shards (the module's
     docstring): the same arguments, state and bits; a plain tensor parameter is updated as it is."""
 
     def __init__(self, params: Any, **kwargs: Any) -> None:
-        other = {k: kwargs[k] for k, allowed in _PLAIN.items() if k in kwargs and kwargs[k] not in allowed}
-        if other:
-            name, value = next(iter(other.items()))
-            raise ValueError(f"ShardAdamW({name}={value!r}): it runs AdamW's single-tensor update only. Fix: "
-                             f"torch.optim.AdamW for that option")
+        _refuse_other_updates(kwargs, "ShardAdamW")
         super().__init__(params, **{**kwargs, "foreach": False})
 
     @torch.no_grad()
@@ -42,7 +48,8 @@ class ShardAdamW(torch.optim.AdamW):
         if closure is not None:
             raise ValueError("ShardAdamW.step(closure): a closure is not taken. Fix: compute the loss before step()")
         scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
-        for group in self.param_groups:
+        for i, group in enumerate(self.param_groups):
+            _refuse_other_updates(group, f"ShardAdamW param group {i}")  # one added after construction too
             params = [p for p in group["params"] if p.grad is not None]
             for p in params:
                 state = self.state[p]
