@@ -23,9 +23,10 @@ the GEMM's epilogue, fp32 accumulation of the sums.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
+
+from cost_model import report  # bench/ is this script's directory
 
 MODELS = {  # Llama 2: hidden, MLP width, heads, kv heads, layers
     "7B": (4096, 11008, 32, 32, 32),
@@ -91,17 +92,11 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     rows = [layer(name, t, a) for name in MODELS for t in (1, 2, 4, 8) if a.chunks % t == 0]
-    if a.json:
-        print(json.dumps(rows))
-        return 0
-    print("| model | TP | chunks a rank | linears a layer, PyTorch's / canonical | attention | linears | layer |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['model']} | {r['tp']} | {r['chunks_a_rank']} | {r['linears_ms_plain']:.2f} / "
-              f"{r['linears_ms_canonical']:.2f} ms | {r['attention_ms']:.2f} ms | {r['linears_ratio']:.3f}x | "
-              f"{r['layer_ratio']:.3f}x |")
-    return 0
-
+    return report(rows, a.json, ["model", "TP", "chunks a rank", "linears a layer, PyTorch's / canonical",
+                                 "attention", "linears", "layer"],
+                  lambda r: [r["model"], str(r["tp"]), str(r["chunks_a_rank"]),
+                             f"{r['linears_ms_plain']:.2f} / {r['linears_ms_canonical']:.2f} ms",
+                             f"{r['attention_ms']:.2f} ms", f"{r['linears_ratio']:.3f}x", f"{r['layer_ratio']:.3f}x"])
 
 if __name__ == "__main__":
     sys.exit(main())

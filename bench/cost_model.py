@@ -169,19 +169,19 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.pp:
-        return _report([pp_estimate(p, dp, a) for p in (2, 4, 8) for dp in (8, 64, 512)], a.json,
+        return report([pp_estimate(p, dp, a) for p in (2, 4, 8) for dp in (8, 64, 512)], a.json,
                        ["PP x DP", "exposed, plain / canonical", "ratio to plain PP", "receipts' gather"],
                        lambda r: [f"{r['pp']} x {r['dp']}",
                                   f"{r['plain_exposed_ms']:.1f} / {r['canonical_exposed_ms']:.1f} ms",
                                   f"{r['ratio_to_plain_pp']:.3f}x", f"{r['receipts_gather_ms']:.0f} ms"])
     if a.ep:
-        return _report([ep_estimate(g, dp, a) for g in (8, 64) for dp in (64, 512, 4096)], a.json,
+        return report([ep_estimate(g, dp, a) for g in (8, 64) for dp in (64, 512, 4096)], a.json,
                        ["EP in DP", "exposed, usual / canonical (+ split GEMMs)", "ratio to the usual EP"],
                        lambda r: [f"{r['ep']} in {r['dp']}",
                                   f"{r['plain_exposed_ms']:.1f} / {r['canonical_exposed_ms']:.1f} ms",
                                   f"{r['ratio_to_plain_ep']:.3f}x"])
     if a.tp:
-        return _report([tp_estimate(t, dp, a) for t in (2, 4, 8) for dp in (8, 64, 512, 4096)], a.json,
+        return report([tp_estimate(t, dp, a) for t in (2, 4, 8) for dp in (8, 64, 512, 4096)], a.json,
                        ["TP x DP", "TP sums, plain / canonical", "DP exposed, DDP / canonical",
                         "exposed, plain / canonical (+ chunks)", "ratio to plain TP"],
                        lambda r: [f"{r['tp']} x {r['dp']}",
@@ -191,7 +191,7 @@ def main() -> int:
                                   f"{r['ratio_to_plain_tp']:.3f}x"])
     rows = [estimate(w, a.grad_mb * 1e6, a.buckets, a.alpha_us * 1e-6, a.gbps * 1e9, a.sum_gbps * 1e9,
                      a.backward_ms * 1e-3) for w in (8, 64, 512, 4096)]
-    return _report(rows, a.json, ["ranks", "DDP ring exposed", "canonical after backward", "ratio to DDP",
+    return report(rows, a.json, ["ranks", "DDP ring exposed", "canonical after backward", "ratio to DDP",
                                   "canonical as built", "ratio", "whole overlap", "ratio"],
                    lambda r: [str(r["ranks"]), f"{r['ddp_exposed_ms']:.1f} ms", f"{r['canonical_exposed_ms']:.1f} ms",
                               f"{r['ratio_to_ddp']:.3f}x", f"{r['canonical_overlapped_exposed_ms']:.1f} ms",
@@ -200,7 +200,7 @@ def main() -> int:
                               f"{r['ratio_to_ddp_whole_overlap']:.3f}x"])
 
 
-def _report(rows: list[dict], as_json: bool, header: list[str], cells) -> int:
+def report(rows: list[dict], as_json: bool, header: list[str], cells) -> int:
     """Prints ``rows`` as JSON, or as a markdown table of ``header`` and each row's ``cells(row)``."""
     if as_json:
         print(json.dumps(rows))
