@@ -176,28 +176,23 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 def _placement(t: torch.Tensor | None) -> Any:
-    """How a DTensor parameter lies (its spec: mesh, placements, global shape, stride and dtype), or None for
-    another tensor: what its gradient is placed by (``_placed``), kept without the parameter itself."""
-    if t is None or not hasattr(t, "to_local"):
-        return None
-    spec = getattr(t, "_spec", None)  # DTensor's own record of its layout, which its operators hand on as is
-    return spec if spec is not None else (t.device_mesh, t.placements, t.shape, t.stride())
+    """A DTensor parameter's spec (mesh, placements, global shape, stride and dtype: DTensor's own record of its
+    layout, which its operators hand on as is), or None for another tensor: what its gradient is placed by
+    (``_placed``), kept without the parameter itself."""
+    return t._spec if t is not None and hasattr(t, "to_local") else None
 
 
-def _placed(grad: torch.Tensor | None, placement: Any) -> torch.Tensor | None:
+def _placed(grad: torch.Tensor | None, spec: Any) -> torch.Tensor | None:
     """``grad`` (this rank's shard of a parameter's gradient, laid out as the parameter's shard) as a DTensor lying
-    as ``placement`` says, the gradient autograd accumulates into the parameter; ``grad`` itself where the
-    parameter is a plain tensor. From the parameter's spec it is wrapped as DTensor's operators wrap their outputs,
-    without ``from_local``'s autograd node and spec checks (a sixth of the layer's own time in a small model's
-    backward); a gradient needs neither."""
-    if grad is None or placement is None:
+    as ``spec`` says, the gradient autograd accumulates into the parameter; ``grad`` itself where the parameter is
+    a plain tensor. It is wrapped as DTensor's operators wrap their outputs, without ``from_local``'s autograd
+    node and spec checks (a sixth of the layer's own time in a small model's backward); a gradient needs
+    neither."""
+    if grad is None or spec is None:
         return grad
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(placement, tuple):
-        return DTensor(grad, placement, requires_grad=False)
-    mesh, placements, shape, stride = placement
-    return DTensor.from_local(grad, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return DTensor(grad, spec, requires_grad=False)
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int,
