@@ -6,7 +6,7 @@ microbatch has 32k gradient elements) and a linear head, 2 global microbatches a
         [--plant-step S]
     torchrun --standalone --nproc_per_node 2 replayed_loop.py RUN_DIR ...   # DDP, the canonical reduction
 
-It prints the final parameters' digest.
+It prints the final parameters' digest (rank 0 alone: two ranks writing one pipe can interleave their lines).
 """
 
 import argparse
@@ -80,7 +80,8 @@ def main() -> None:
             if step == args.plant_step:
                 with torch.no_grad():
                     model.head.weight.view(-1).view(torch.int32)[0] += 1
-    print(samestep.digest(torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
+    if rank == 0:
+        print(samestep.digest(torch.cat([p.detach().reshape(-1) for p in model.parameters()])))
 
 
 if __name__ == "__main__":
