@@ -32,6 +32,8 @@ def gather_rows(local: list[torch.Tensor], group: object = None) -> list[torch.T
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
+    if world == 1:  # the rows are this rank's alone: no collective to wait on
+        return list(local)
     device = local[0].device
     counts = torch.tensor([t.numel() for t in local], dtype=torch.int64, device=device)
     all_counts = [torch.empty_like(counts) for _ in range(world)]
@@ -168,8 +170,19 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     coef = float(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))  # an fp32 value: the same products
     for p in params:
         if p.grad is not None:
-            if out_of_place:
-                p.grad = p.grad * coef
-            else:
-                p.grad.mul_(coef)
+            p.grad = _scaled(p.grad, coef, out_of_place)
     return total_norm
+
+
+def _scaled(grad: torch.Tensor, coef: float, out_of_place: bool) -> torch.Tensor:
+    """``grad * coef`` (``out_of_place``) or ``grad.mul_(coef)``. A DTensor's shard is scaled as it lies: an
+    elementwise product by one scalar is the same on every placement, without DTensor's dispatch a gradient."""
+    local = grad.to_local() if type(grad).__name__ == "DTensor" else None  # type: ignore[attr-defined]
+    if local is None:
+        return grad * coef if out_of_place else grad.mul_(coef)
+    if not out_of_place:
+        local.mul_(coef)
+        return grad
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local * coef, grad._spec, requires_grad=False)  # type: ignore[attr-defined]
