@@ -16,6 +16,7 @@ pickle.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 import struct
 from typing import Any
@@ -62,13 +63,14 @@ def generator(seed: int, step: int, microbatch: int, purpose: str,
 _M32 = 0xFFFFFFFF
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash (two multiply-xorshift rounds) in int32 lanes: products wrap modulo 2**32 on every
-    device and a right shift is made logical by masking what the sign spread, so the bits are those of the
-    same hash over unsigned 32-bit values (``tests/unit/test_rng.py`` holds it to an int64 reference)."""
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (two multiply-xorshift rounds) of ``x``, in place in its int32 lanes: products wrap
+    modulo 2**32 on every device and a right shift is made logical by masking what the sign spread, so the bits
+    are those of the same hash over unsigned 32-bit values (``tests/unit/test_rng.py`` holds it to an int64
+    reference)."""
     for _ in range(2):
-        x = (((x >> 16) & 0xFFFF) ^ x) * 0x45D9F3B
-    return ((x >> 16) & 0xFFFF) ^ x
+        x.bitwise_xor_((x >> 16).bitwise_and_(0xFFFF)).mul_(0x45D9F3B)
+    return x.bitwise_xor_((x >> 16).bitwise_and_(0xFFFF))
 
 
 def _int32(value: int) -> int:
@@ -92,16 +94,29 @@ def positional_keep(stream_key: int, global_shape: tuple[int, ...], starts: tupl
             s < 0 or s + n > g for g, s, n in zip(global_shape, starts, local_shape)):
         raise ValueError(f"rng.positional_keep: block {tuple(local_shape)} at {tuple(starts)} does not lie inside "
                          f"a tensor of shape {tuple(global_shape)}")
-    flat = torch.zeros((), dtype=torch.int64, device=device)
+    lo, hi = _int32(stream_key & _M32), _int32((stream_key >> 32) & _M32)
+    if math.prod(global_shape) <= 1 << 31:  # every position below 2**31: its high half 0, its low half int32's
+        h = _mix32_(_mix32_(_positions(global_shape, starts, local_shape, torch.int32, device).bitwise_xor_(lo))
+                    .bitwise_xor_(hi))
+    else:
+        flat = _positions(global_shape, starts, local_shape, torch.int64, device)
+        h = _mix32_(_mix32_(flat.to(torch.int32).bitwise_xor_(lo)).bitwise_xor_((flat >> 32).to(torch.int32))
+                    .bitwise_xor_(hi))  # to(int32): the low bits
+    # unsigned h >= t, compared as signed: both moved by 2**31
+    return h.bitwise_xor_(torch.iinfo(torch.int32).min) >= int(p * 2**32) - (1 << 31)
+
+
+def _positions(global_shape: tuple[int, ...], starts: tuple[int, ...], local_shape: tuple[int, ...],
+               dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+    """Each element's flat position in the whole tensor, over the block ``local_shape`` at ``starts``, in
+    ``dtype`` (one that holds the last position)."""
+    flat = torch.zeros((), dtype=dtype, device=device)
     stride = 1
     for d in reversed(range(len(global_shape))):
-        pos = torch.arange(starts[d], starts[d] + local_shape[d], dtype=torch.int64, device=device) * stride
+        pos = torch.arange(starts[d], starts[d] + local_shape[d], dtype=dtype, device=device) * stride
         flat = flat + pos.view(-1, *([1] * (len(global_shape) - 1 - d)))
         stride *= global_shape[d]
-    lo, hi = _int32(stream_key & _M32), _int32((stream_key >> 32) & _M32)
-    h = _mix32(_mix32(flat.to(torch.int32) ^ lo) ^ (flat >> 32).to(torch.int32) ^ hi)  # to(int32): the low bits
-    # unsigned h >= t, compared as signed: both moved by 2**31
-    return (h ^ torch.iinfo(torch.int32).min) >= int(p * 2**32) - (1 << 31)
+    return flat.contiguous()
 
 
 def register_generator(name: str, gen: torch.Generator) -> None:

@@ -103,8 +103,9 @@ def test_the_positional_mask_in_int32_lanes_is_its_int64_definition_bit_for_bit(
     """positional_keep hashes in int32 lanes (wrapping products, logical shifts by masking): for stream keys with
     the top bits of either half set or clear, positions past 2**32 (a block far into a large tensor), and p at
     0, the ends and between, every element is the int64 definition's (``bench/bench_mask.py``'s, which times
-    the two). Negative control: the same comparison
-    with a plain arithmetic shift in place of the logical one (the sign spread left unmasked) differs."""
+    the two); so it is for a tensor whose positions all fit int32 lanes, hashed from int32 positions. Negative
+    control: the same comparison with a plain arithmetic shift in place of the logical one (the sign spread left
+    unmasked) differs."""
     shape = (1, 3, 1 << 31)  # positions up to 2**32 + 2**31; the block at the end past 2**32
     starts, local = (0, 2, (1 << 31) - 4096), (1, 1, 4096)
     flat = (torch.arange(4096, dtype=torch.int64) + 2 * (1 << 31) + starts[2]).view(local)
@@ -117,6 +118,12 @@ def test_the_positional_mask_in_int32_lanes_is_its_int64_definition_bit_for_bit(
         for _ in range(2):
             x = ((x >> 16) ^ x) * 0x45D9F3B
         return (x >> 16) ^ x
+
+    small, block = (2, 8, 16, 16), (2, 4, 16, 16)  # every position below 2**31: hashed as int32 positions
+    positions = torch.arange(2 * 8 * 16 * 16, dtype=torch.int64).view(small)[:, 4:]
+    for key in (0, 0xFFFFFFFFFFFFFFFF, rng.key(0, 3, 5, "dropout")):
+        assert torch.equal(rng.positional_keep(key, small, (0, 4, 0, 0), block, 0.25),
+                           keep_by_int64(key, positions, 0.25)), hex(key)
 
     key = 0x8000000080000000
     h = arithmetic(arithmetic(flat.to(torch.int32) ^ -(1 << 31)) ^ (flat >> 32).to(torch.int32) ^ -(1 << 31))
