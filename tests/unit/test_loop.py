@@ -16,7 +16,7 @@ from samestep.distributed import clip_grad_norm_
 from samestep.tracing import read_stream, stream_path
 from samestep.train import load_config
 from samestep.train import trainer as trainer_module
-from tests.conftest import TINY
+from tests.conftest import TINY, spawn
 
 SHAPES = [(7, 5), (5,), (3, 4, 2), ()]
 
@@ -63,6 +63,50 @@ def test_clip_out_of_place_has_the_bits_of_clip_grad_norm_and_leaves_the_gradien
     assert ours_buf._version == version and torch.equal(_bits(ours_buf), _bits(flat))
     if max_norm == 0.5:
         assert not torch.equal(_bits(ref_buf), _bits(flat))
+
+
+def _clip_dtensors(rank: int, init: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        locals_ = [torch.randn(6, 4), torch.randn(4, 6), torch.randn(5)]
+        placements = [Shard(0), Shard(1), Replicate()]
+
+        def params() -> list[torch.nn.Parameter]:
+            out = []
+            for g, place in zip(locals_, placements):
+                p = torch.nn.Parameter(DTensor.from_local(torch.zeros_like(g), mesh, [place]))
+                p.grad = DTensor.from_local(g.clone(), mesh, [place])
+                out.append(p)
+            return out
+
+        kept, scaled = params(), params()
+        before = [p.grad for p in kept]
+        norm = clip_grad_norm_(kept, 0.5, out_of_place=True)
+        assert torch.equal(_bits(clip_grad_norm_(scaled, 0.5)), _bits(norm))
+        coef = float(torch.clamp(0.5 / (norm + 1e-6), max=1.0))
+        assert coef < 1.0
+        for g, old, p, q, place in zip(locals_, before, kept, scaled, placements):
+            assert isinstance(p.grad, DTensor) and p.grad.placements == (place,) and p.grad is not old
+            assert torch.equal(_bits(old.to_local()), _bits(g))  # out of place: the old gradient as it was
+            for got in (p.grad, q.grad):
+                assert torch.equal(_bits(got.to_local()), _bits(g * coef)), place
+                assert not torch.equal(_bits(got.to_local()), _bits(g))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_clipping_scales_dtensor_gradients_on_their_shards(tmp_path):
+    """Tensor-parallel gradients (DTensors placed Shard(0), Shard(1) and Replicate, on a mesh of one process)
+    clipped in place and out of place: each becomes a DTensor of the same placement whose shard has the bits of
+    the shard times the scale, and out of place the old gradient keeps its bits. Negative control: the scale is
+    below 1, so every clipped shard differs from the unclipped one."""
+    spawn(_clip_dtensors, (str(tmp_path / "init"),), 1)
 
 
 def test_step_level_records_the_reduced_gradients_before_clipping(tmp_path, monkeypatch):
