@@ -163,6 +163,12 @@ def test_receipt_and_check_benches_run():
     _numbers(result["sides"]["production+trace"], "vs_production")
 
 
+def _ranks_said(proc: subprocess.CompletedProcess) -> str:
+    """What a torchrun'd bench printed, for a failure: whether rank 0 got to its result, and the ranks' own lines
+    before torchrun's summary of the failure."""
+    return f"stdout:\n{proc.stdout[-2000:]}\nstderr:\n{proc.stderr[-10000:]}"
+
+
 def test_layout_bench_times_canonical_tensor_parallelism_against_pytorchs():
     """`bench/bench_layout.py --tp` on 2 processes: the reference step (1 pair, one narrow layer by ``--set``) and
     with ``--block`` one decoder block (2 pairs, a small one): both sides' step times and their ratio are reported
@@ -172,7 +178,7 @@ def test_layout_bench_times_canonical_tensor_parallelism_against_pytorchs():
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                                "bench/bench_layout.py", "--tp", *args, "--json"], cwd=ROOT, capture_output=True,
                               text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, _ranks_said(proc)
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         assert r["world_size"] == 2
         _numbers(r, "step_ms_canonical", "step_ms_plain_tp", "time_ratio_median")
@@ -224,7 +230,7 @@ def test_layout_bench_times_pipeline_and_expert_parallelism_against_the_usual_su
                            "bench/bench_layout.py", layout, "--pairs", "1", "--set", "model.n_layer=2", "--json"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, _ranks_said(proc)
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["layout"] == layout[2:] and r["world_size"] == 2
     _numbers(r, "step_ms_canonical", "step_ms_plain")
