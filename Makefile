@@ -23,15 +23,14 @@ demo: install
 	$(BIN)/samestep demo
 
 # Tests run in TEST_WORKERS processes (pytest-xdist), each handed the next test module as it frees up, the
-# longest first (tests/conftest.py; --no-loadscope-reorder keeps that order, which xdist would otherwise replace
-# by test count). Each waits on its trainers and ranks at times, so three fill a 2-core machine (four made the
-# suite slower: docs/performance.md, "The test suite"). TEST_WORKERS=0 runs them in this one process.
+# modules with the most tests first (xdist's order; docs/performance.md, "The test suite", says why not by
+# seconds). Each waits on its trainers and ranks at times, so three fill a 2-core machine (four made the
+# suite slower). TEST_WORKERS=0 runs them in this one process.
 TEST_WORKERS ?= 3
 
 # PYTHONDONTWRITEBYTECODE= : pytest rewrites samestep's asserts (its plugin's package) once, not in every worker.
 test: install
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
-		--durations=30 tests
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
 
 # The edit-test loop: the unit tests but the slow ones (in two workers), and the demo end to end.
 test-fast: install

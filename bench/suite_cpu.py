@@ -1,6 +1,6 @@
 """The test suite's CPU, test by test: a pytest plugin, and a summary of what it wrote.
 
-    PYTHONPATH=bench .venv/bin/python -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder -p suite_cpu tests
+    PYTHONPATH=bench .venv/bin/python -m pytest -q -n 3 --dist loadfile -p suite_cpu tests
     .venv/bin/python bench/suite_cpu.py suite_cpu.jsonl [--durations tests/durations.json]
 
 Around each test, the plugin reads the CPU time (user and system) of the worker itself, of its children

@@ -29,9 +29,10 @@ TINY = ("train.device=cpu", "train.steps=8", "train.global_batch=8", "train.micr
 
 def pytest_collection_modifyitems(config, items):
     """Modules by their seconds in tests/durations.json (a suite run's, per test: ``bench/suite_cpu.py
-    --durations``), most first, and each module's tests longest first: make test hands each worker a whole
-    module as it frees up (``--dist loadfile``: its fixtures made once), so the longest work starts first and
-    the last modules to start are short."""
+    --durations``), most first, and each module's tests longest first. make test hands each worker a whole
+    module as it frees up (``--dist loadfile``: its fixtures made once) in xdist's own order, the modules with
+    the most tests first, which keeps this order among modules of as many tests (docs/performance.md, "The test
+    suite"); without xdist (``-n 0``) this order is the run's."""
     known = json.loads((Path(__file__).parent / "durations.json").read_text())
     total: dict[str, float] = {}
     for item in items:
