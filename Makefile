@@ -23,8 +23,8 @@ demo: install
 	$(BIN)/samestep demo
 
 # Tests run in TEST_WORKERS processes (pytest-xdist), each handed the next test module as it frees up, the
-# modules with the most tests first (xdist's order; docs/performance.md, "The test suite", says why not by
-# seconds). Each waits on its trainers and ranks at times, so three fill a 2-core machine (four made the
+# modules with the most tests first (xdist's order; by seconds measured no faster: docs/performance.md, "The
+# test suite"). Each waits on its trainers and ranks at times, so three fill a 2-core machine (four made the
 # suite slower). TEST_WORKERS=0 runs them in this one process.
 TEST_WORKERS ?= 3
 
