@@ -17,6 +17,8 @@ from collections.abc import Iterable
 
 import torch
 
+from samestep.distributed.shards import local_shard, placed, spec_of
+
 __all__ = ["canonical_grad_norm", "clip_grad_norm_", "gather_rows", "row_squares"]
 
 
@@ -177,12 +179,10 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
 def _scaled(grad: torch.Tensor, coef: float, out_of_place: bool) -> torch.Tensor:
     """``grad * coef`` (``out_of_place``) or ``grad.mul_(coef)``. A DTensor's shard is scaled as it lies: an
     elementwise product by one scalar is the same on every placement, without DTensor's dispatch a gradient."""
-    local = grad.to_local() if type(grad).__name__ == "DTensor" else None  # type: ignore[attr-defined]
-    if local is None:
+    spec = spec_of(grad)
+    if spec is None:
         return grad * coef if out_of_place else grad.mul_(coef)
     if not out_of_place:
-        local.mul_(coef)
+        local_shard(grad).mul_(coef)
         return grad
-    from torch.distributed.tensor import DTensor
-
-    return DTensor(local * coef, grad._spec, requires_grad=False)  # type: ignore[attr-defined]
+    return placed(local_shard(grad) * coef, spec)

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from samestep.distributed.shards import local_shard
+
 __all__ = ["CanonicalStage", "TiedWeight", "broadcast_from", "canonical_stage", "canonical_stage_of"]
 
 
@@ -151,7 +153,7 @@ class TiedWeight:
     def _send_rows(self, grad: torch.Tensor) -> None:
         import torch.distributed as dist
 
-        local = _local(grad).contiguous()  # a tensor-parallel weight: this tensor rank's shard, the copy's alike
+        local = local_shard(grad).contiguous()  # a tensor-parallel weight: this tensor rank's shard, the copy's alike
         held = local.view(local.shape[0], -1).view(torch.uint8).ne(0).any(1)  # rows with a bit set
         index = held.nonzero().view(-1)
         rows = local.index_select(0, index)
@@ -174,20 +176,20 @@ class TiedWeight:
 
         if not self.per_microbatch:
             if self.is_first:
-                local = _local(self.weight.grad)
+                local = local_shard(self.weight.grad)
                 other = torch.empty_like(local)
                 dist.recv(other, src=self.peer, group=self.group)
                 local.add_(other)
             else:
                 grad, self.weight.grad = self.weight.grad, None
-                dist.send(_local(grad).contiguous(), dst=self.peer, group=self.group)
+                dist.send(local_shard(grad).contiguous(), dst=self.peer, group=self.group)
             return
         if self.is_first:
             return
         from samestep.distributed.reduce import tree_across_ranks
         from samestep.distributed.tree import BinaryCounter
 
-        counter, like = BinaryCounter(), _local(self.weight)
+        counter, like = BinaryCounter(), local_shard(self.weight)
         for grad in self._pending:
             count = torch.empty(1, dtype=torch.int64, device=like.device)
             dist.recv(count, src=self.peer, group=self.group)
@@ -196,7 +198,7 @@ class TiedWeight:
             for t in (index, rows):
                 dist.recv(t, src=self.peer, group=self.group)
             first = torch.zeros_like(like).index_copy_(0, index, rows)  # the first stage's, bit for bit
-            counter.push((_local(grad) if grad is not None else torch.zeros_like(like)).add(first))
+            counter.push((local_shard(grad) if grad is not None else torch.zeros_like(like)).add(first))
         self._pending.clear()
         total = tree_across_ranks([counter.result()], self.data_group)
         self.weight.grad = _like(total, self.weight)
@@ -209,7 +211,7 @@ class TiedWeight:
             work.wait()
         self._sends.clear()
         with torch.no_grad():
-            local = _local(self.weight)
+            local = local_shard(self.weight)
             if self.owns:
                 dist.send(local.detach().contiguous(), dst=self.peer, group=self.group)
             else:
@@ -235,8 +237,3 @@ def broadcast_from(value: torch.Tensor, src: int, group: Any) -> torch.Tensor:
     out = value.detach().clone()
     dist.broadcast(out, src=src, group=group)
     return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank; any other tensor itself."""
-    return t.to_local() if type(t).__name__ == "DTensor" else t  # type: ignore[attr-defined]

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from samestep.distributed.buckets import BUCKET_ELEMENTS, GradientBuckets
+from samestep.distributed.shards import local_shard
 from samestep.distributed.tree import BinaryCounter, validate_layout
 
 __all__ = ["AllReduceGradients", "CanonicalGradients", "PendingCombine", "combine_across_ranks",
@@ -141,16 +142,11 @@ def tree_across_ranks(leaves: list[torch.Tensor], group: object = None) -> torch
     return both[:n].add_(both[n:]).view(local.shape)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's shard on this rank (a tensor-parallel parameter's or gradient's); any other tensor itself."""
-    return t.to_local() if type(t).__name__ == "DTensor" else t  # type: ignore[attr-defined]
-
-
 def _flat_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     """Each parameter's gradient (of a DTensor parameter, this rank's shard of it) as a 1-D tensor (zeros for a
     parameter that received none)."""
-    return [_local(p.grad).reshape(-1) if p.grad is not None
-            else torch.zeros(_local(p).numel(), dtype=p.dtype, device=p.device) for p in params]
+    return [local_shard(p.grad).reshape(-1) if p.grad is not None
+            else torch.zeros(local_shard(p).numel(), dtype=p.dtype, device=p.device) for p in params]
 
 
 def _grad_like(g: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
@@ -205,7 +201,7 @@ class CanonicalGradients:
             group = dist.new_group()
         self.group = group
         # a tensor-parallel (DTensor) parameter: its shard is what this rank combines with the other data ranks
-        self.buckets = (GradientBuckets([_local(p) for p in self.params], world_size=world_size, group=group,
+        self.buckets = (GradientBuckets([local_shard(p) for p in self.params], world_size=world_size, group=group,
                                         **bucket_options)
                         if world_size > 1 else None)
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(j)) for j, p in enumerate(self.params)
@@ -232,7 +228,7 @@ class CanonicalGradients:
             # Not one of the model's ops: an op-level trace recorder (a dispatch mode) must not see it. Entered
             # only under one: it costs more than the packing's own Python.
             with _disable_current_modes() if _get_current_dispatch_mode_stack() else _NOTHING:
-                buckets.pack(j, self._counter, _local(p.grad))  # the hook runs once p.grad exists
+                buckets.pack(j, self._counter, local_shard(p.grad))  # the hook runs once p.grad exists
                 buckets.start_ready()
 
         return packed_when_final
@@ -280,7 +276,7 @@ class CanonicalGradients:
         buckets = self.buckets
         for j in buckets.unpacked():
             grad = self.params[j].grad
-            buckets.pack(j, self._counter, _local(grad) if grad is not None else None)
+            buckets.pack(j, self._counter, local_shard(grad) if grad is not None else None)
         buckets.pack_extra(self._counter, extra)
         buckets.start_ready()
         self._counter.clear()
@@ -327,7 +323,7 @@ class AllReduceGradients:
 
     def accumulate(self, microbatch: int, extra: torch.Tensor | None = None) -> None:
         if extra is not None:  # a DTensor's (a loss replicated over tensor ranks): this rank's copy
-            flat = _local(extra.detach()).reshape(-1).clone()
+            flat = local_shard(extra.detach()).reshape(-1).clone()
             self._extra = flat if self._extra is None else self._extra + flat
 
     def reduce(self) -> torch.Tensor:
@@ -344,7 +340,7 @@ class AllReduceGradients:
             self.bytes_sent += ring_allreduce_bytes(total.numel(), total.element_size(), self.world_size)
         offset = 0
         for p in self.params:
-            n = _local(p).numel()
+            n = local_shard(p).numel()
             p.grad = _grad_like(total[offset: offset + n], p)
             offset += n
         self._extra = None

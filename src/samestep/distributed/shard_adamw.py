@@ -13,16 +13,13 @@ from typing import Any
 import torch
 from torch.optim.adam import adam
 
+from samestep.distributed.shards import local_shard
+
 __all__ = ["ShardAdamW"]
 
 # The options under which AdamW's update is its single-tensor loop of elementwise ops on each parameter.
 _PLAIN = {"foreach": (False, None), "fused": (None, False), "capturable": (False,), "differentiable": (False,),
           "amsgrad": (False,), "maximize": (False,)}
-
-
-def _shard(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (the storage its updates change), any other tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _refuse_other_updates(options: dict[str, Any], where: str) -> None:
@@ -59,8 +56,8 @@ class ShardAdamW(torch.optim.AdamW):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             states = [self.state[p] for p in params]
             beta1, beta2 = group["betas"]
-            adam([_shard(p) for p in params], [_shard(p.grad) for p in params],
-                 [_shard(s["exp_avg"]) for s in states], [_shard(s["exp_avg_sq"]) for s in states], [],
+            adam([local_shard(p) for p in params], [local_shard(p.grad) for p in params],
+                 [local_shard(s["exp_avg"]) for s in states], [local_shard(s["exp_avg_sq"]) for s in states], [],
                  [s["step"] for s in states], foreach=False, capturable=False, differentiable=False, fused=None,
                  grad_scale=None, found_inf=None, has_complex=any(torch.is_complex(p) for p in params),
                  decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],

@@ -32,6 +32,7 @@ from samestep.distributed.chunk_products import (column_forward, column_grad_bia
                                                  column_grad_weight, row_forward, row_grad_input, row_grad_weight)
 from samestep.distributed.reduce import tree_across_ranks
 from samestep.distributed.sequence_parallel import SequenceShard, all_gather_blocks, tree_to_block
+from samestep.distributed.shards import local_shard, placed, spec_of
 
 __all__ = ["column_linear", "row_linear", "sequence_shard", "validate_tp"]
 
@@ -103,8 +104,8 @@ class _Column(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, placed_weight, placed_bias, local_chunks, parts, group, sequence):
-        weight, bias = _local(placed_weight), _local(placed_bias)
-        ctx.placed = (_placement(placed_weight), _placement(placed_bias))
+        weight, bias = local_shard(placed_weight), local_shard(placed_bias)
+        ctx.placed = (spec_of(placed_weight), spec_of(placed_bias))
         if sequence is not None:  # x is this rank's block of the sequence: the layer takes the whole
             x = all_gather_blocks(x, sequence)
         cd, acc = _dtypes(x)
@@ -129,7 +130,7 @@ class _Column(torch.autograd.Function):
             grad_x = tree_to_block([leaf.view(x.shape) for leaf in leaves], ctx.sequence).to(x.dtype)
         grad_w = column_grad_weight(g2, x2, parts * k).to(cd).to(weight.dtype)
         grad_b = column_grad_bias(g2, parts * k).to(cd).to(weight.dtype) if ctx.has_bias else None
-        return grad_x, _placed(grad_w, ctx.placed[0]), _placed(grad_b, ctx.placed[1]), None, None, None, None
+        return grad_x, placed(grad_w, ctx.placed[0]), placed(grad_b, ctx.placed[1]), None, None, None, None
 
 
 class _Row(torch.autograd.Function):
@@ -139,8 +140,8 @@ class _Row(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, placed_weight, placed_bias, local_chunks, group, sequence):
-        weight, bias = _local(placed_weight), _local(placed_bias)
-        ctx.placed = (_placement(placed_weight), _placement(placed_bias))
+        weight, bias = local_shard(placed_weight), local_shard(placed_bias)
+        ctx.placed = (spec_of(placed_weight), spec_of(placed_bias))
         cd, acc = _dtypes(x)
         shape = (*x.shape[:-1], weight.shape[0])
         with torch.autocast(x.device.type, enabled=False):
@@ -166,33 +167,7 @@ class _Row(torch.autograd.Function):
         grad_x = row_grad_input(g2, _as(weight, cd, acc), ctx.local_chunks).view(x.shape).to(cd).to(x.dtype)
         grad_w = row_grad_weight(g2, x2, ctx.local_chunks).to(cd).to(weight.dtype)
         grad_b = g2.sum(0).to(cd).to(weight.dtype) if ctx.has_bias else None
-        return grad_x, _placed(grad_w, ctx.placed[0]), _placed(grad_b, ctx.placed[1]), None, None, None
-
-
-def _local(t: torch.Tensor | None) -> torch.Tensor | None:
-    """A DTensor parameter's shard on this rank, taken inside the layer's autograd function (no autograd node of
-    its own, no DTensor wrap per call); any other tensor itself."""
-    return t.to_local() if t is not None and hasattr(t, "to_local") else t
-
-
-def _placement(t: torch.Tensor | None) -> Any:
-    """A DTensor parameter's spec (mesh, placements, global shape, stride and dtype: DTensor's own record of its
-    layout, which its operators hand on as is), or None for another tensor: what its gradient is placed by
-    (``_placed``), kept without the parameter itself."""
-    return t._spec if t is not None and hasattr(t, "to_local") else None
-
-
-def _placed(grad: torch.Tensor | None, spec: Any) -> torch.Tensor | None:
-    """``grad`` (this rank's shard of a parameter's gradient, laid out as the parameter's shard) as a DTensor lying
-    as ``spec`` says, the gradient autograd accumulates into the parameter; ``grad`` itself where the parameter is
-    a plain tensor. It is wrapped as DTensor's operators wrap their outputs, without ``from_local``'s autograd
-    node and spec checks (a sixth of the layer's own time in a small model's backward); a gradient needs
-    neither."""
-    if grad is None or spec is None:
-        return grad
-    from torch.distributed.tensor import DTensor
-
-    return DTensor(grad, spec, requires_grad=False)
+        return grad_x, placed(grad_w, ctx.placed[0]), placed(grad_b, ctx.placed[1]), None, None, None
 
 
 def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int,
