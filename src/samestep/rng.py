@@ -116,7 +116,7 @@ def _positions(global_shape: tuple[int, ...], starts: tuple[int, ...], local_sha
         pos = torch.arange(starts[d], starts[d] + local_shape[d], dtype=dtype, device=device) * stride
         flat = flat + pos.view(-1, *([1] * (len(global_shape) - 1 - d)))
         stride *= global_shape[d]
-    return flat.contiguous()
+    return flat  # a new tensor of its own (the sums above make one), which the hash changes in place
 
 
 def register_generator(name: str, gen: torch.Generator) -> None:
