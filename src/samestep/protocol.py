@@ -120,7 +120,8 @@ class RunProtocol:
 
     # -- 2. before any file changes ------------------------------------------------------------------------
     def check_receipts(self, rank: int, start: int, state: Callable[[], Any] | None, *, checkpoint: Any = None,
-                       sharded_over: int | None = None, same_layout: bool | None = None) -> None:
+                       sharded_over: int | None = None, same_layout: bool | None = None,
+                       agree: Callable[[bool], bool] | None = None) -> None:
         """What going on after step ``start`` needs of the receipts, checked before any file changes. Where this
         rank keeps receipts (``state`` makes the restored state tree they checksum; None: it keeps none),
         their chain whole up to ``start``. Then the restored state against the run's receipts of ``start``:
@@ -129,12 +130,28 @@ class RunProtocol:
         another (the receipts are of other shards), rank 0 checks the checkpoint's files against the
         receipts of every rank that wrote them. ``same_layout``: whether this job splits tensors as the one
         that wrote ``checkpoint`` did (None: where both split them over as many ranks; a caller that knows the
-        placements says, as the same count may split them otherwise).
+        placements says, as the same count may split them otherwise). ``agree``: where the job has several
+        processes, ``any_rank`` (a collective every rank calls, keeping receipts or not): no rank goes on to
+        write before every rank has checked (rank 0 may be reading the files of ranks that are about to start
+        theirs), and a refusal on one rank is every rank's.
 
         Raises:
-            ReceiptError: names the file, the step and what to do.
+            ReceiptError: names the file, the step and what to do; under ``agree``, on the ranks that refused
+                nothing themselves, that another rank refused.
         """
         run_dir = self._dir("check_receipts")
+        try:
+            self._check_receipts(run_dir, rank, start, state, checkpoint, sharded_over, same_layout)
+        except BaseException:
+            if agree is not None:
+                agree(True)
+            raise
+        if agree is not None and agree(False):
+            raise ReceiptError(f"{run_dir}: another rank refused this resume (its error names the file and the "
+                               "fix); nothing was written")
+
+    def _check_receipts(self, run_dir: Path, rank: int, start: int, state: Callable[[], Any] | None,
+                        checkpoint: Any, sharded_over: int | None, same_layout: bool | None) -> None:
         if state is not None:
             truncate_receipts(run_dir, rank, start, check_only=True)
         if not start:

@@ -121,14 +121,14 @@ class ReceiptWriter:
             if not fresh:  # a resumed run goes on in its file's format and hash
                 header = read_header(self.path)
                 self.hash, self.version = state_hash_of(header), header["version"]
-            self._file = open(self.path, "a", encoding="utf-8")
             if fresh:  # durable now: a run killed before its first checkpoint must still read as a run
-                # start: the step before its first receipt, where a rank joins a run resumed on more processes
-                self._file.write(json.dumps({"format": RECEIPTS_FORMAT, "version": RECEIPTS_VERSION, "rank": rank,
-                                             "state_hash": hash, "genesis": first_prev,
-                                             **({"start": start} if start else {})}, sort_keys=True) + "\n")
-                self._file.flush()
-                os.fsync(self._file.fileno())
+                # start: the step before its first receipt, where a rank joins a run resumed on more processes.
+                # Whole or absent: another process may be reading the run's receipts files as this one starts.
+                replace_atomic(self.path, (json.dumps({"format": RECEIPTS_FORMAT, "version": RECEIPTS_VERSION,
+                                                       "rank": rank, "state_hash": hash, "genesis": first_prev,
+                                                       **({"start": start} if start else {})}, sort_keys=True)
+                                           + "\n").encode("utf-8"))
+            self._file = open(self.path, "a", encoding="utf-8")
         if hash not in STATE_HASHES:  # a file's own was checked as it was read
             raise ReceiptError(f"{self.path}: state hash {hash!r} is not one of {', '.join(STATE_HASHES)}")
         self.shared = shared if shared is not None else StepChecksums()

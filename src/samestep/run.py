@@ -306,7 +306,8 @@ class Run:
             if receipts:  # a resume that cannot go on fails before anything is written
                 self._proto.check_receipts(rank, self.start,
                                              (lambda: self._state_tree(self.start)) if keeps_receipts else None,
-                                             checkpoint=loaded, sharded_over=world if self.sharded else None)
+                                             checkpoint=loaded, sharded_over=world if self.sharded else None,
+                                             agree=any_rank)
             # a run killed before its first checkpoint goes on from step 0, in a new trace segment
             continues = self.start > 0 or (resume is not False and holds_run(self.run_dir))
             from samestep.tracing.perturb import Perturb  # the tracing layer loads when a run traces

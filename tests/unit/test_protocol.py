@@ -161,3 +161,58 @@ def test_a_resume_refuses_a_ranks_receipts_file_lost_while_another_ranks_holds_t
     proto.check_receipts(1, 2, lambda: {}, same_layout=False)
     _receipts(tmp_path / "later", 0, range(3, 5))
     RunProtocol(tmp_path / "later").check_receipts(1, 2, lambda: {}, same_layout=True)
+
+
+def test_a_resume_check_is_agreed_by_every_rank_before_any_writes(tmp_path):
+    """Under ``agree`` (``any_rank``, a collective), every rank calls it once its checks are done, keeping
+    receipts or not, from step 0 too: no rank starts its files while rank 0 may still read them. A rank that
+    refuses says so to the others before raising its own error; a rank whose checks passed raises that another
+    rank refused, and writes nothing. Negative control: without ``agree`` the same rank goes on."""
+    import pytest
+
+    from samestep.protocol import RunProtocol
+    from samestep.receipts import ReceiptError
+
+    _receipts(tmp_path / "kept", 0, range(1, 3))
+    told: list[bool] = []
+
+    def others_refused(flag: bool) -> bool:
+        told.append(flag)
+        return True
+
+    def nobody(flag: bool) -> bool:
+        told.append(flag)
+        return flag
+
+    with pytest.raises(ReceiptError, match=r"rank_00001.jsonl: missing"):
+        RunProtocol(tmp_path / "kept").check_receipts(1, 2, lambda: {}, same_layout=True, agree=nobody)
+    assert told == [True]
+    before = sorted(tmp_path.rglob("*"))
+    with pytest.raises(ReceiptError, match=r"another rank refused this resume .*nothing was written"):
+        RunProtocol(tmp_path / "kept").check_receipts(2, 2, None, agree=others_refused)
+    assert told == [True, False] and sorted(tmp_path.rglob("*")) == before
+    RunProtocol(tmp_path / "kept").check_receipts(2, 2, None)  # the control: alone, it goes on
+    RunProtocol(tmp_path / "new").check_receipts(3, 0, None, agree=nobody)
+    assert told == [True, False, False]
+
+
+def test_a_receipts_header_that_cannot_be_written_leaves_no_file(tmp_path, monkeypatch):
+    """A new receipts file appears whole, with its header, or not at all (another rank may be reading the run's
+    files as this one starts): a write that fails leaves no empty file. Negative control: the writer on a
+    working disk leaves the header, which ``read_header`` reads."""
+    import pytest
+
+    import samestep.durable
+    from samestep.receipts import ReceiptWriter, read_header, receipts_path
+
+    def full(path, data):
+        path.write_bytes(data[:0])
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(samestep.durable, "write_durable", full)
+        with pytest.raises(OSError, match="No space"):
+            ReceiptWriter(tmp_path, 1, "g")
+    assert list(receipts_path(tmp_path, 1).parent.iterdir()) == []
+    ReceiptWriter(tmp_path, 1, "g").close()
+    assert read_header(receipts_path(tmp_path, 1))["rank"] == 1
