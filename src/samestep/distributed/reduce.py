@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from samestep.distributed.buckets import BUCKET_ELEMENTS, GradientBuckets
-from samestep.distributed.shards import local_shard
+from samestep.distributed.shards import local_shard, placed, spec_of
 from samestep.distributed.tree import BinaryCounter, validate_layout
 
 __all__ = ["AllReduceGradients", "CanonicalGradients", "PendingCombine", "combine_across_ranks",
@@ -150,13 +150,14 @@ def _flat_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
 
 
 def _grad_like(g: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
-    """``g`` (flat, this rank's part) shaped as ``p.grad``: a DTensor placed as ``p`` where ``p`` is one."""
-    if type(p).__name__ != "DTensor":
-        return g.view_as(p)
-    from torch.distributed.tensor import DTensor
+    """``g`` (flat, this rank's part) shaped as ``p.grad``: a DTensor placed as ``p`` where ``p`` is one (its
+    spec, as DTensor's operators place an output like their input, without ``from_local``'s checks)."""
+    return placed(g.view(local_shard(p).shape), spec_of(p))
 
-    return DTensor.from_local(g.view(p.to_local().shape), p.device_mesh, p.placements,  # type: ignore[attr-defined]
-                              run_check=False, shape=p.shape, stride=p.stride())
+
+def _zeros_like(p: torch.nn.Parameter) -> torch.Tensor:
+    """Zeros laid out as ``p``: of a DTensor, its shard's zeros placed as ``p`` (no dispatch through DTensor)."""
+    return placed(torch.zeros_like(local_shard(p)), spec_of(p))
 
 
 class CanonicalGradients:
@@ -255,7 +256,7 @@ class CanonicalGradients:
         if (microbatch - self.microbatches.start) % 2 == 0 and self._next < self.microbatches.stop:
             for p in self.params:  # the first of a pair: the next backward adds into these
                 if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+                    p.grad = _zeros_like(p)
             self._pending_extra = extra_flat
             return
         size = 1
