@@ -24,6 +24,7 @@ inside and its gradient placed back as a DTensor in the backward, with no autogr
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -94,8 +95,20 @@ def _own(t: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
 
 
 def _as(t: torch.Tensor | None, cd: torch.dtype, acc: torch.dtype) -> torch.Tensor | None:
-    """``t`` rounded to ``cd``, held in ``acc`` (both no-ops in float32)."""
-    return None if t is None else t.to(cd).to(acc)
+    """``t`` rounded to ``cd``, held in ``acc`` (``t`` itself where it is held in ``acc`` already and ``cd`` is
+    ``acc``: float32, where both are no-ops)."""
+    if t is None or t.dtype is acc is cd:
+        return t
+    return t.to(cd).to(acc)
+
+
+_NOTHING = contextlib.nullcontext()
+
+
+def _without_autocast(x: torch.Tensor) -> Any:
+    """Autocast off on ``x``'s device where it is on (the products round as the layer says, ``_dtypes``)."""
+    kind = x.device.type
+    return torch.autocast(kind, enabled=False) if torch.is_autocast_enabled(kind) else _NOTHING
 
 
 class _Column(torch.autograd.Function):
@@ -109,7 +122,7 @@ class _Column(torch.autograd.Function):
         if sequence is not None:  # x is this rank's block of the sequence: the layer takes the whole
             x = all_gather_blocks(x, sequence)
         cd, acc = _dtypes(x)
-        with torch.autocast(x.device.type, enabled=False):
+        with _without_autocast(x):
             y = column_forward(_as(_rows(x), cd, acc), _as(weight, cd, acc), _as(bias, cd, acc),
                                parts * local_chunks).to(cd)  # part p's chunk c at p * local_chunks + c
         ctx.save_for_backward(x, weight)
@@ -144,7 +157,7 @@ class _Row(torch.autograd.Function):
         ctx.placed = (spec_of(placed_weight), spec_of(placed_bias))
         cd, acc = _dtypes(x)
         shape = (*x.shape[:-1], weight.shape[0])
-        with torch.autocast(x.device.type, enabled=False):
+        with _without_autocast(x):
             leaves = [leaf.to(cd) for leaf in row_forward(_as(_rows(x), cd, acc), _as(weight, cd, acc), local_chunks)]
             if sequence is None:
                 y = _own(tree_across_ranks(leaves, group), shape)
