@@ -186,12 +186,14 @@ def test_layout_bench_times_canonical_tensor_parallelism_against_pytorchs():
 
 def test_chunks_bench_times_the_chunked_layers_against_plain_ones():
     """`bench/bench_chunks.py` (1 round of 1 step a side, at width 64 by ``--set``): both sides' step times and
-    their ratio."""
-    proc = _bench("bench_chunks.py", "--pairs", "1", "--steps", "1", "--set", "model.n_embd=64", "--json")
+    their ratio, and with ``--floor`` the two controls' (the layers' plain arithmetic, on DTensor parameters and
+    on plain ones)."""
+    proc = _bench("bench_chunks.py", "--pairs", "1", "--steps", "1", "--set", "model.n_embd=64", "--json", "--floor")
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["chunks"] == 8 and r["set"] == ["model.n_embd=64"]
-    _numbers(r, "step_ms_plain", "step_ms_chunked", "ratio_median")
+    _numbers(r, "step_ms_plain", "step_ms_chunked", "ratio_median", "step_ms_floor", "ratio_median_floor",
+             "step_ms_floor_local", "ratio_median_floor_local")
 
 
 def test_mask_bench_times_the_int32_mask_against_its_int64_definition():
