@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import os
 import sys
 from collections.abc import Generator
@@ -52,9 +51,10 @@ from samestep.replay_request import ReplayRequest
 from samestep.receipt_state import state_tree
 from samestep.receipts import genesis
 from samestep.checksums import state_hash_for
-from samestep._state import persistent_buffers, sha256_tensor, state_digest, tree_digest
-from samestep.rundir import (checked_run_dir, checkpoints_dir, declared_changes, final_doc, holds_run,
-                             record_declared, write_final)
+from samestep._state import persistent_buffers, sha256_tensor, tree_digest
+from samestep.run_checks import (declared, loader_generators, refuse_changes, refuse_parts, refuse_rng_change,
+                                 resume_epoch)
+from samestep.rundir import checked_run_dir, checkpoints_dir, final_doc, holds_run, record_declared, write_final
 
 __all__ = ["Run"]
 
@@ -82,108 +82,12 @@ def _is_sharded(model: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in model.parameters())
 
 
-def _declared(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data_cursor: Any,
-              config: dict[str, Any] | None) -> dict[str, Any]:
-    """What a run holds fixed, as built (before a resume restores anything): JSON, for run.json."""
-    shapes = [[name, list(t.shape), str(t.dtype)] for name, t in model.state_dict().items()]
-    groups = {str(i): {k: v for k, v in group.items() if k != "params"} | {"params": len(group["params"])}
-              for i, group in enumerate(optimizer.param_groups)}  # by index: a change is named by its field
-    out: dict[str, Any] = {
-        "model": state_digest({"shapes": shapes}),
-        "optimizer": json.loads(json.dumps({"class": type(optimizer).__qualname__, "groups": groups}, default=repr)),
-        "config": json.loads(json.dumps(config or {}, default=repr))}
-    for name, obj in (("scheduler", scheduler), ("data_cursor", data_cursor)):
-        if obj is not None:
-            out[name] = state_digest(obj.state_dict())
-    return out
-
-
-def _loader_generators(data_cursor: Any) -> dict[str, torch.Generator] | None:
-    """The generators a DataLoader data cursor (torchdata's StatefulDataLoader is one) draws from, for each
-    checkpoint to hold and a resume to restore: its own and its sampler's. Its state dict alone leaves them
-    where the new loader's construction put them.
-
-    Raises:
-        ValueError: it draws from torch's global RNG each time an iterator starts (the workers' seed without a
-            ``generator``, the shuffle order of a sampler without one of its own). A resume starts its iterator
-            mid-epoch, where the run it continues drew nothing, so every later draw of the global RNG (dropout,
-            the next epoch's order) would differ; names the fix.
-    """
-    from torch.utils.data import DataLoader
-
-    if not isinstance(data_cursor, DataLoader):
-        return None
-    sampler = getattr(data_cursor, "sampler", None)
-    shuffled = type(sampler).__name__ == "RandomSampler"  # torch's, or torchdata's stateful one
-    if data_cursor.generator is None or (shuffled and getattr(sampler, "generator", None) is None):
-        raise ValueError(f"samestep.Run(data_cursor={type(data_cursor).__name__}(...)): it draws from torch's global "
-                         "RNG each time an iterator starts (its workers' seed, and a shuffle order without a "
-                         "generator of its own), which a resume does where the run it continues drew nothing, so "
-                         "the bits would differ from the resume on. Fix: pass the loader (and any RandomSampler) "
-                         "generator=torch.Generator().manual_seed(SEED)")
-    own = {"samestep.data_cursor": data_cursor.generator}
-    if shuffled and sampler.generator is not data_cursor.generator:
-        own["samestep.data_cursor.sampler"] = sampler.generator
-    return own
-
-
-def _resume_epoch(loader: Any, generators: dict[str, torch.Generator]) -> None:
-    """Makes a restored DataLoader's iterator of the epoch it resumes now (its ``state_dict`` does, and its
-    next ``iter`` takes that one), then puts its generators back where the checkpoint had them: making it draws
-    from them, and the run it continues drew that when the epoch began, not here."""
-    states = {name: g.get_state() for name, g in generators.items()}
-    loader.state_dict()
-    for name, g in generators.items():
-        g.set_state(states[name])
-
-
-def _refuse_changes(run_dir: Path, declared: dict[str, Any]) -> None:
-    changed = declared_changes(run_dir, declared)
-    if changed:
-        raise ValueError(f"samestep.Run: {run_dir} holds a run started with other settings ({'; '.join(changed)}); "
-                         "continuing it would change its bits: continue it as it started, or use a new run directory")
-
-
 def _grads_changed(step: int, name: str) -> LoopError:
     """A gradient the loop changed in place after ``optimizer.step()`` recorded it, before its digest was done."""
     return LoopError(f"samestep.Run: step {step}'s gradients changed in place after optimizer.step() recorded them "
                      f"({name}.grad; zero_grad(set_to_none=False) does this) before their digest was done. Fix: "
                      "optimizer.zero_grad() (set_to_none=True, PyTorch's default), or samestep.Run(..., copy=True) "
                      "to digest copies of them")
-
-
-def _refuse_parts(model_digest: str) -> None:
-    """Rank 0 saves and receipts the whole state of a model that no DTensor splits: refused, on every rank alike,
-    where the ranks hold other models (their parameter names, shapes or dtypes), as pipeline stages or experts
-    placed by the loop do, whose checkpoint would hold rank 0's part alone."""
-    from samestep.distributed.agree import ranks_unlike_rank_0
-
-    unlike = ranks_unlike_rank_0(model_digest)
-    if unlike:
-        raise ValueError(f"samestep.Run: rank(s) {', '.join(map(str, unlike))} hold another model than rank 0 (other "
-                         "parameter names, shapes or dtypes): a model in parts across ranks (pipeline stages, "
-                         "experts a loop places) is not one state that rank 0 can save, and a resume from rank 0's "
-                         "part would leave the run. Fix: the same model on every rank (replicated, DDP), or split "
-                         "by DTensors (FSDP2, tensor parallelism), which each rank saves its shards of")
-
-
-def _refuse_rng_change(loaded: Any, world: int, rng: str, generators: dict[str, torch.Generator] | None) -> None:
-    """A checkpoint written by another number of processes holds no generator states for this layout's ranks:
-    its resume is the run's only where the loop's randomness is keyed by where the run stands (``rng="keyed"``;
-    docs/api.md), and a DataLoader cursor's generators, saved per rank, cannot follow. Raised on every rank
-    alike, before anything is written."""
-    if loaded.world_size == world:
-        return
-    where = f"{loaded.path} was written by {loaded.world_size} process(es), this run has {world}"
-    if rng == "restore":
-        raise ValueError(f"samestep.Run: {where}, so each rank's generator states cannot carry over. Fix: resume "
-                         f"on {loaded.world_size} process(es), or, where every random draw of the loop comes from "
-                         "samestep.rng.generator(seed, step, microbatch, ...) (no global RNG: no dropout drawn from "
-                         "torch's generator), pass samestep.Run(..., rng='keyed')")
-    if generators:
-        raise ValueError(f"samestep.Run: {where}, and its DataLoader data cursor's generators are saved per rank. "
-                         "Fix: resume on as many processes, or make the data a pure function of the step and "
-                         "microbatch (samestep.rng.generator)")
 
 
 class Run:
@@ -256,7 +160,7 @@ class Run:
             run_dir, level, trace_steps = self._replay.into, self._replay.level, self._replay.trace_steps
             receipts, resume = True, "auto"
         self.run_dir = checked_run_dir(run_dir)
-        self._generators = _loader_generators(data_cursor)
+        self._generators = loader_generators(data_cursor)
         self.model, self.optimizer, self.scheduler, self.data_cursor = model, optimizer, scheduler, data_cursor
         self.checkpoints = checkpoints_dir(self.run_dir)
         self.checkpoint_every, self.keep = checkpoint_every, keep
@@ -280,11 +184,11 @@ class Run:
         self.sharded = _is_sharded(model)
         self._proto = RunProtocol(self.run_dir, hold_dir=rank == 0)
         try:
-            self._declared = _declared(model, optimizer, scheduler, data_cursor, config)
+            self._declared = declared(model, optimizer, scheduler, data_cursor, config)
             if not self.sharded:
-                _refuse_parts(self._declared["model"])
+                refuse_parts(self._declared["model"])
             if resume is not False:  # another run's settings are refused before anything is restored or written
-                _refuse_changes(self.run_dir, self._declared)
+                refuse_changes(self.run_dir, self._declared)
             self.report = (self._proto.enable(threads=threads, kernels=kernels, who="samestep.Run") if deterministic
                            else mode.active_report())
             loaded = None
@@ -294,10 +198,10 @@ class Run:
                                          scheduler=scheduler, data_cursor=data_cursor, fallback=True,
                                          strict_env=strict_env, generators=self._generators,
                                          restore_rng="same_world_size")
-                _refuse_rng_change(loaded, world, rng, self._generators)
+                refuse_rng_change(loaded, world, rng, self._generators)
                 self.start = loaded.step
                 if self._generators:
-                    _resume_epoch(data_cursor, self._generators)
+                    resume_epoch(data_cursor, self._generators)
             # kept from step to step, as the reference loop keeps them: a model gains or loses no parameter
             self._params = list(model.named_parameters())
             self._buffers = persistent_buffers(model)
@@ -365,7 +269,7 @@ class Run:
         return self._loop
 
     def _steps(self, total: int) -> Generator[int, None, None]:
-        _refuse_changes(self.run_dir, {"steps": total})
+        refuse_changes(self.run_dir, {"steps": total})
         if _rank() == 0:
             record_declared(self.run_dir, {"steps": total})
         proto = self._proto

@@ -17,7 +17,8 @@ LAYERS = (
      "samestep.preempt", "samestep.receipts", "samestep.receipt_state", "samestep.program", "samestep.replay_request",
      "samestep.resume_points", "samestep.loop_checks"),
     ("samestep.checkpoint", "samestep.tracing"),
-    ("samestep.analysis", "samestep.train", "samestep.run", "samestep.integrations", "samestep.protocol"),
+    ("samestep.analysis", "samestep.train", "samestep.run", "samestep.run_checks", "samestep.integrations",
+     "samestep.protocol"),
     ("samestep.cli", "samestep.__main__"),
     ("samestep",),
 )

@@ -445,10 +445,10 @@ def test_a_dataloader_cursor_that_draws_the_global_rng_is_refused_before_step_1(
     for stop in (5, 8):
         _loader_run(tmp_path / f"cut{stop}", generator=True, stop_at=stop)
         assert torch.equal(_bits(_loader_run(tmp_path / f"cut{stop}", generator=True)), _bits(straight)), stop
-    monkeypatch.setattr(run_module, "_resume_epoch", lambda loader, generators: None)
+    monkeypatch.setattr(run_module, "resume_epoch", lambda loader, generators: None)
     _loader_run(tmp_path / "unprimed", generator=True, stop_at=5)
     assert not torch.equal(_bits(_loader_run(tmp_path / "unprimed", generator=True)), _bits(straight))
-    monkeypatch.setattr(run_module, "_loader_generators", lambda cursor: None)
+    monkeypatch.setattr(run_module, "loader_generators", lambda cursor: None)
     unkeyed = _loader_run(tmp_path / "unkeyed", generator=False)
     _loader_run(tmp_path / "unkeyed_cut", generator=False, stop_at=5)
     assert not torch.equal(_bits(_loader_run(tmp_path / "unkeyed_cut", generator=False)), _bits(unkeyed))

@@ -1,0 +1,115 @@
+"""What ``samestep.Run`` checks and fixes before it restores or writes anything: the settings a run holds fixed
+(run.json's ``declared``) and a resume's changes to them, the models on the ranks, the generator states a
+resume on another number of processes cannot carry, and a DataLoader data cursor's own generators (refused
+where it draws from torch's global RNG; the ones a checkpoint holds and a resume puts back). Each refusal is
+raised on every rank alike (docs/api.md, ``samestep.Run``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from samestep._state import state_digest
+from samestep.rundir import declared_changes
+
+__all__ = ["declared", "loader_generators", "refuse_changes", "refuse_parts", "refuse_rng_change", "resume_epoch"]
+
+
+def declared(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data_cursor: Any,
+             config: dict[str, Any] | None) -> dict[str, Any]:
+    """What a run holds fixed, as built (before a resume restores anything): JSON, for run.json."""
+    shapes = [[name, list(t.shape), str(t.dtype)] for name, t in model.state_dict().items()]
+    groups = {str(i): {k: v for k, v in group.items() if k != "params"} | {"params": len(group["params"])}
+              for i, group in enumerate(optimizer.param_groups)}  # by index: a change is named by its field
+    out: dict[str, Any] = {
+        "model": state_digest({"shapes": shapes}),
+        "optimizer": json.loads(json.dumps({"class": type(optimizer).__qualname__, "groups": groups}, default=repr)),
+        "config": json.loads(json.dumps(config or {}, default=repr))}
+    for name, obj in (("scheduler", scheduler), ("data_cursor", data_cursor)):
+        if obj is not None:
+            out[name] = state_digest(obj.state_dict())
+    return out
+
+
+def refuse_changes(run_dir: Path, settings: dict[str, Any]) -> None:
+    """Refuses to continue ``run_dir`` with other ``settings`` (``declared``'s, or a part of them) than it holds."""
+    changed = declared_changes(run_dir, settings)
+    if changed:
+        raise ValueError(f"samestep.Run: {run_dir} holds a run started with other settings ({'; '.join(changed)}); "
+                         "continuing it would change its bits: continue it as it started, or use a new run directory")
+
+
+def refuse_parts(model_digest: str) -> None:
+    """Rank 0 saves and receipts the whole state of a model that no DTensor splits: refused, on every rank alike,
+    where the ranks hold other models (their parameter names, shapes or dtypes), as pipeline stages or experts
+    placed by the loop do, whose checkpoint would hold rank 0's part alone."""
+    from samestep.distributed.agree import ranks_unlike_rank_0
+
+    unlike = ranks_unlike_rank_0(model_digest)
+    if unlike:
+        raise ValueError(f"samestep.Run: rank(s) {', '.join(map(str, unlike))} hold another model than rank 0 (other "
+                         "parameter names, shapes or dtypes): a model in parts across ranks (pipeline stages, "
+                         "experts a loop places) is not one state that rank 0 can save, and a resume from rank 0's "
+                         "part would leave the run. Fix: the same model on every rank (replicated, DDP), or split "
+                         "by DTensors (FSDP2, tensor parallelism), which each rank saves its shards of")
+
+
+def refuse_rng_change(loaded: Any, world: int, rng: str, generators: dict[str, torch.Generator] | None) -> None:
+    """A checkpoint written by another number of processes holds no generator states for this layout's ranks:
+    its resume is the run's only where the loop's randomness is keyed by where the run stands (``rng="keyed"``;
+    docs/api.md), and a DataLoader cursor's generators, saved per rank, cannot follow. Raised on every rank
+    alike, before anything is written."""
+    if loaded.world_size == world:
+        return
+    where = f"{loaded.path} was written by {loaded.world_size} process(es), this run has {world}"
+    if rng == "restore":
+        raise ValueError(f"samestep.Run: {where}, so each rank's generator states cannot carry over. Fix: resume "
+                         f"on {loaded.world_size} process(es), or, where every random draw of the loop comes from "
+                         "samestep.rng.generator(seed, step, microbatch, ...) (no global RNG: no dropout drawn from "
+                         "torch's generator), pass samestep.Run(..., rng='keyed')")
+    if generators:
+        raise ValueError(f"samestep.Run: {where}, and its DataLoader data cursor's generators are saved per rank. "
+                         "Fix: resume on as many processes, or make the data a pure function of the step and "
+                         "microbatch (samestep.rng.generator)")
+
+
+def loader_generators(data_cursor: Any) -> dict[str, torch.Generator] | None:
+    """The generators a DataLoader data cursor (torchdata's StatefulDataLoader is one) draws from, for each
+    checkpoint to hold and a resume to restore: its own and its sampler's. Its state dict alone leaves them
+    where the new loader's construction put them.
+
+    Raises:
+        ValueError: it draws from torch's global RNG each time an iterator starts (the workers' seed without a
+            ``generator``, the shuffle order of a sampler without one of its own). A resume starts its iterator
+            mid-epoch, where the run it continues drew nothing, so every later draw of the global RNG (dropout,
+            the next epoch's order) would differ; names the fix.
+    """
+    from torch.utils.data import DataLoader
+
+    if not isinstance(data_cursor, DataLoader):
+        return None
+    sampler = getattr(data_cursor, "sampler", None)
+    shuffled = type(sampler).__name__ == "RandomSampler"  # torch's, or torchdata's stateful one
+    if data_cursor.generator is None or (shuffled and getattr(sampler, "generator", None) is None):
+        raise ValueError(f"samestep.Run(data_cursor={type(data_cursor).__name__}(...)): it draws from torch's global "
+                         "RNG each time an iterator starts (its workers' seed, and a shuffle order without a "
+                         "generator of its own), which a resume does where the run it continues drew nothing, so "
+                         "the bits would differ from the resume on. Fix: pass the loader (and any RandomSampler) "
+                         "generator=torch.Generator().manual_seed(SEED)")
+    own = {"samestep.data_cursor": data_cursor.generator}
+    if shuffled and sampler.generator is not data_cursor.generator:
+        own["samestep.data_cursor.sampler"] = sampler.generator
+    return own
+
+
+def resume_epoch(loader: Any, generators: dict[str, torch.Generator]) -> None:
+    """Makes a restored DataLoader's iterator of the epoch it resumes now (its ``state_dict`` does, and its
+    next ``iter`` takes that one), then puts its generators back where the checkpoint had them: making it draws
+    from them, and the run it continues drew that when the epoch began, not here."""
+    states = {name: g.get_state() for name, g in generators.items()}
+    loader.state_dict()
+    for name, g in generators.items():
+        g.set_state(states[name])
