@@ -20,6 +20,7 @@ from samestep.preempt import StopRequest
 from samestep.receipts import (
     ReceiptError,
     ReceiptWriter,
+    RefusedElsewhere,
     check_restored,
     continue_receipts,
     lost_receipts,
@@ -137,7 +138,7 @@ class RunProtocol:
 
         Raises:
             ReceiptError: names the file, the step and what to do; under ``agree``, on the ranks that refused
-                nothing themselves, that another rank refused.
+                nothing themselves, ``RefusedElsewhere``: that another rank refused.
         """
         run_dir = self._dir("check_receipts")
         try:
@@ -147,8 +148,8 @@ class RunProtocol:
                 agree(True)
             raise
         if agree is not None and agree(False):
-            raise ReceiptError(f"{run_dir}: another rank refused this resume (its error names the file and the "
-                               "fix); nothing was written")
+            raise RefusedElsewhere(f"{run_dir}: another rank refused this resume (its error names the file and the "
+                                   "fix); nothing was written")
 
     def _check_receipts(self, run_dir: Path, rank: int, start: int, state: Callable[[], Any] | None,
                         checkpoint: Any, sharded_over: int | None, same_layout: bool | None) -> None:

@@ -43,9 +43,9 @@ from samestep.checksums import STATE_HASH, STATE_HASHES, Checksums, StepChecksum
 from samestep.durable import read_file, replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL, receipts_dir
 
-__all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "StepSums", "chain_break",
-           "check_restored", "continue_receipts", "genesis", "lost_receipts", "read_header", "read_receipts",
-           "read_run_receipts", "receipt_hash", "receipts_path", "receipt_state_of", "state_hash_of",
+__all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "RefusedElsewhere", "StepSums",
+           "chain_break", "check_restored", "continue_receipts", "genesis", "lost_receipts", "read_header",
+           "read_receipts", "read_run_receipts", "receipt_hash", "receipts_path", "receipt_state_of", "state_hash_of",
            "truncate_receipts"]
 
 RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 2
@@ -53,6 +53,11 @@ RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 2
 
 class ReceiptError(ValueError):
     """A receipts file is missing, malformed, or its chain is broken."""
+
+
+class RefusedElsewhere(ReceiptError):
+    """Another rank of the job refused a resume that this rank's own checks passed: the other rank's error names
+    the file and the fix (``protocol.RunProtocol.check_receipts`` under ``agree``)."""
 
 
 def receipts_path(run_dir: str | os.PathLike[str], rank: int = 0) -> Path:
@@ -155,8 +160,8 @@ class ReceiptWriter:
         until the next wait) are checksummed for ``last``."""
         self.wait()
         if step != self.last_step + 1:
-            raise ReceiptError(f"{self.path}: receipt of step {step} follows step {self.last_step}; steps are receipted "
-                               "in order, one each")
+            raise ReceiptError(f"{self.path}: receipt of step {step} follows step {self.last_step}; steps are "
+                               "receipted in order, one each")
         self.last_step = step
         self._idle.clear()
         fields = {"step": step, "loss_hex": float(loss).hex(), "grad_norm_hex": float(grad_norm).hex()}

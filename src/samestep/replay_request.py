@@ -83,10 +83,14 @@ class ReplayRequest:
     @contextlib.contextmanager
     def refusing(self, *refusals: type[BaseException]) -> Iterator[None]:
         """Around a replayed resume's checks: one that raises one of ``refusals`` (its checkpoint is not the
-        run's) leaves its message in ``into`` (``REFUSAL``) before it propagates."""
+        run's) leaves its message in ``into`` (``REFUSAL``) before it propagates; a rank whose checks passed
+        while another's refused (``RefusedElsewhere``) leaves the file to the rank that says why."""
+        from samestep.receipts import RefusedElsewhere
+
         try:
             yield
         except refusals as e:
-            Path(self.into).mkdir(parents=True, exist_ok=True)
-            (Path(self.into) / REFUSAL).write_text(f"{type(e).__name__}: {e}\n", encoding="utf-8")
+            if not isinstance(e, RefusedElsewhere):
+                Path(self.into).mkdir(parents=True, exist_ok=True)
+                (Path(self.into) / REFUSAL).write_text(f"{type(e).__name__}: {e}\n", encoding="utf-8")
             raise

@@ -178,6 +178,43 @@ def test_a_resume_on_another_layout_is_refused_by_its_receipts_and_exact_without
     assert checkpointed(dump) == checkpointed(one)
 
 
+def _reporting(rank: int, world: int, port: int, argv: list[str], kill_at: int | None, errors: str) -> None:
+    """``_trainer``, leaving the error it ends with in ``errors``/rank<N>.txt."""
+    try:
+        _trainer(rank, world, port, argv, kill_at)
+    except BaseException as e:
+        (Path(errors) / f"rank{rank}.txt").write_text(f"{type(e).__name__}: {e}")
+        raise
+
+
+def test_a_refusal_on_one_rank_stops_every_rank_before_anything_is_written(killed, tmp_path):
+    """The checkpoint of 2 sharded processes resumed on 2, rank 1's receipt of step 2 recording another state
+    (its chain rehashed): rank 1 refuses, naming its file, and rank 0, whose own check passed, learns it before
+    starting its files (``agree``) and stops too, saying another rank refused; no file of the run changes.
+    Negative control (by hand, the agreement left out): rank 0 goes on into the step and dies of its peer's
+    exit, a gloo error ("Connection closed by peer") where this says why."""
+    from samestep.cli.launch import free_port
+
+    dump, errors = tmp_path / "run", tmp_path / "errors"
+    shutil.copytree(killed, dump)
+    errors.mkdir()
+    rewrite_receipts(dump / "receipts" / "rank_00001.jsonl", lambda rs: rs[1].update(state="0" * 32))
+
+    def files() -> dict[Path, bytes]:
+        """The run's records and checkpoints (not the lock's holder, nor torchtitan's own logs)."""
+        return {p: p.read_bytes() for p in sorted(dump.rglob("*")) if p.is_file() and p.name != ".samestep.lock"
+                and "structured_logs" not in p.parts}
+
+    before = files()
+    with pytest.raises(Exception, match="refused|restores state"):  # whichever rank's error is found first
+        spawn(_reporting, (2, free_port(), [*ARGS, "--dump_folder", str(dump)], None, str(errors)), 2)
+    said = {p.name: p.read_text() for p in errors.iterdir()}
+    assert said["rank1.txt"].startswith("ReceiptError: the checkpoint of step 2 restores state"), said
+    assert "rank_00001.jsonl" in said["rank1.txt"]
+    assert said["rank0.txt"].startswith("RefusedElsewhere: ") and "another rank refused" in said["rank0.txt"], said
+    assert files() == before
+
+
 def test_torchtitans_own_accumulation_gives_other_bytes_on_two_processes(seed, tmp_path):
     """Negative control: with torchtitan's own order (gradients added as microbatches arrive, FSDP2's
     reduce-scatter, its norm: ``--samestep.no-canonical``), 2 processes end on other bytes than 1."""

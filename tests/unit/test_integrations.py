@@ -151,3 +151,49 @@ def test_a_callback_on_several_processes_is_refused_at_its_start_unless_told(tmp
     assert samestep.mode.active_report() is None and not any(tmp_path.iterdir())
     refuse_processes(1, "SamestepCallback", False)
     refuse_processes(2, "SamestepCallback", True)
+
+
+def test_hooked_steps_of_a_rank_keeping_no_receipts_agree_with_the_others_before_anything_is_written(tmp_path):
+    """Under ``agree`` every rank's HookedSteps checks, a rank that keeps no receipts too (it checks nothing of
+    its own): where another rank refused, it raises ``RefusedElsewhere`` and writes nothing (no trace, no run
+    directory); where none did, it starts. Negative control: without ``agree`` the same rank starts whatever
+    the others found."""
+    from samestep.integrations.steps import HookedSteps
+    from samestep.protocol import RunProtocol
+    from samestep.receipts import RefusedElsewhere
+
+    model, opt = _trained()
+    told: list[bool] = []
+
+    def start(run_dir, agree):
+        return HookedSteps.start(RunProtocol(), run_dir, level="step", steps=None, resume=False, model=model,
+                                 how_to_resume="-", receipts=False, start=0, optimizer=opt, rank=1, agree=agree)
+
+    def refused(flag: bool) -> bool:
+        told.append(flag)
+        return True
+
+    with pytest.raises(RefusedElsewhere, match="another rank refused this resume"):
+        start(tmp_path / "refused", refused)
+    assert told == [False] and not (tmp_path / "refused").exists()
+    start(tmp_path / "agreed", lambda flag: told.append(flag) or flag).close()
+    assert told == [False, False] and (tmp_path / "agreed").is_dir()
+    start(tmp_path / "alone", None).close()  # the control: no agreement asked, it starts
+    assert told == [False, False] and (tmp_path / "alone").is_dir()
+
+
+def test_a_replay_leaves_its_refusal_to_the_rank_that_refused(tmp_path):
+    """``ReplayRequest.refusing`` writes the refusal of the rank whose check refused; a rank that only learned
+    of it (``RefusedElsewhere``) re-raises and leaves the file alone, so the verdict reads the reason. Control:
+    a ``ReceiptError`` of its own is written."""
+    from samestep.receipts import ReceiptError, RefusedElsewhere
+    from samestep.replay_request import REFUSAL, ReplayRequest
+
+    request = ReplayRequest(run_dir=str(tmp_path / "run"), into=str(tmp_path / "into"), stop_after=3)
+    with pytest.raises(ReceiptError), request.refusing(ReceiptError):
+        raise ReceiptError("rank_00001.jsonl: the checkpoint of step 2 restores state 0x1")
+    assert (tmp_path / "into" / REFUSAL).read_text() == ("ReceiptError: rank_00001.jsonl: the checkpoint of step 2 "
+                                                         "restores state 0x1\n")
+    with pytest.raises(RefusedElsewhere), request.refusing(ReceiptError):
+        raise RefusedElsewhere("another rank refused this resume")
+    assert "rank_00001.jsonl" in (tmp_path / "into" / REFUSAL).read_text()

@@ -151,7 +151,7 @@ def test_a_resume_refuses_a_ranks_receipts_file_lost_while_another_ranks_holds_t
     import pytest
 
     from samestep.protocol import RunProtocol
-    from samestep.receipts import ReceiptError
+    from samestep.receipts import ReceiptError, RefusedElsewhere
 
     _receipts(tmp_path / "kept", 0, range(1, 3))
     proto = RunProtocol(tmp_path / "kept")
@@ -171,7 +171,7 @@ def test_a_resume_check_is_agreed_by_every_rank_before_any_writes(tmp_path):
     import pytest
 
     from samestep.protocol import RunProtocol
-    from samestep.receipts import ReceiptError
+    from samestep.receipts import ReceiptError, RefusedElsewhere
 
     _receipts(tmp_path / "kept", 0, range(1, 3))
     told: list[bool] = []
@@ -187,8 +187,12 @@ def test_a_resume_check_is_agreed_by_every_rank_before_any_writes(tmp_path):
     with pytest.raises(ReceiptError, match=r"rank_00001.jsonl: missing"):
         RunProtocol(tmp_path / "kept").check_receipts(1, 2, lambda: {}, same_layout=True, agree=nobody)
     assert told == [True]
+    with pytest.raises(ReceiptError) as own:  # the refusing rank's own error is no echo of another's
+        RunProtocol(tmp_path / "kept").check_receipts(1, 2, lambda: {}, same_layout=True, agree=nobody)
+    assert not isinstance(own.value, RefusedElsewhere)
+    del told[1:]
     before = sorted(tmp_path.rglob("*"))
-    with pytest.raises(ReceiptError, match=r"another rank refused this resume .*nothing was written"):
+    with pytest.raises(RefusedElsewhere, match=r"another rank refused this resume .*nothing was written"):
         RunProtocol(tmp_path / "kept").check_receipts(2, 2, None, agree=others_refused)
     assert told == [True, False] and sorted(tmp_path.rglob("*")) == before
     RunProtocol(tmp_path / "kept").check_receipts(2, 2, None)  # the control: alone, it goes on

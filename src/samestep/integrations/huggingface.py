@@ -41,6 +41,7 @@ from transformers import TrainerCallback
 
 from samestep import program
 from samestep.durable import read_file, write_durable
+from samestep.distributed.agree import any_rank
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, rng_digest, state_fingerprint
 from samestep.integrations.steps import HookedSteps, refuse_processes
 from samestep.protocol import RunProtocol
@@ -122,7 +123,7 @@ class SamestepCallback(TrainerCallback):
             how_to_resume="trainer.train(resume_from_checkpoint=...)", receipts=self.receipts and args.should_save,
             start=state.global_step if resumed else 0,
             optimizer=getattr(optimizer, "optimizer", optimizer),  # accelerate wraps it; the update is the inner one's
-            scheduler=lr_scheduler, source="transformers.Trainer",
+            scheduler=lr_scheduler, source="transformers.Trainer", agree=any_rank if self.receipts else None,
             program=None if self._replay or not args.should_save else program.describe(
                 run_dir, resumes(HF, run_dir, Path(args.output_dir))))
         self._rec = self._hooked.rec

@@ -42,6 +42,7 @@ import lightning.pytorch as pl
 import torch
 
 from samestep import program
+from samestep.distributed.agree import any_rank
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, state_fingerprint
 from samestep.integrations.sampler import KeyedSampler
 from samestep.integrations.steps import HookedSteps, refuse_processes
@@ -121,6 +122,7 @@ class SamestepCallback(pl.Callback):
             start=trainer.global_step if resumed else 0,
             optimizer=trainer.optimizers[0] if trainer.optimizers else None,
             scheduler=configs[0].scheduler if configs else None, source="lightning.Trainer",
+            agree=any_rank if self.receipts else None,
             program=program.describe(self.run_dir, resumes(LIGHTNING, self.run_dir)) if self._indexes(trainer)
             else None)
         self._rec = self._hooked.rec

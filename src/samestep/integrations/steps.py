@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +39,7 @@ class HookedSteps:
     def start(cls, proto: RunProtocol, run_dir: Path, *, level: str, steps: Any, resume: bool, model: Any,
               how_to_resume: str, receipts: bool = False, start: int = 0, optimizer: Any = None,
               scheduler: Any = None, source: str = "", rank: int = 0, sharded: bool = False,
-              program: dict[str, Any] | None = None) -> HookedSteps:
+              program: dict[str, Any] | None = None, agree: Callable[[bool], bool] | None = None) -> HookedSteps:
         """Starts the RunProtocol's trace of ``run_dir`` (a resume continues its stream) with the model's hooks
         attached, and, with ``receipts``, the receipts of the state of ``model``, ``optimizer`` and
         ``scheduler`` (``receipt_state.state_tree``): those past ``start`` (the step the framework resumed after,
@@ -47,12 +48,16 @@ class HookedSteps:
         made the run (in the receipts' genesis). ``rank``: the receipts file's; ``sharded``: the model's
         parameters are this rank's shards (the receipts are of them). ``program``: what run.json's ``programs``
         records as running the steps after ``start`` (``program.describe``; None: nothing, a replay or a rank
-        that does not write run.json).
+        that does not write run.json). ``agree``: where the job keeps receipts (on any of its ranks),
+        ``agree.any_rank``, passed on every rank: each checks what it keeps (a rank that keeps none, nothing),
+        and no rank writes a file before every rank has checked, a refusal on one being every rank's
+        (``RunProtocol.check_receipts``); without it a rank that keeps none checks nothing and goes on.
 
         Raises:
             ValueError: ``run_dir`` holds a traced run and this is no resume: says ``how_to_resume``.
             ReceiptError: the receipts file is damaged or lacks a step up to ``start``, or the restored state
-                is not the one its receipt of ``start`` records.
+                is not the one its receipt of ``start`` records; under ``agree``, ``RefusedElsewhere`` where that
+                was another rank's.
         """
         from samestep._state import persistent_buffers
         from samestep.checksums import state_hash_for
@@ -66,8 +71,8 @@ class HookedSteps:
             return state_tree(step, model, optimizer, buffers=buffers, scheduler=scheduler)
 
         proto.run_dir = Path(run_dir)
-        if receipts:  # a resume that cannot go on fails before anything is written
-            proto.check_receipts(rank, start, lambda: state(start))
+        if receipts or agree is not None:  # a resume that cannot go on fails before anything is written
+            proto.check_receipts(rank, start, (lambda: state(start)) if receipts else None, agree=agree)
         try:
             proto.trace(model, level=level, steps=steps, resume=resume, layout=model_layout(model), resumed_from=start)
         except ValueError as e:

@@ -45,6 +45,7 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
 from samestep import program
+from samestep.distributed.agree import any_rank
 from samestep.integrations.steps import HookedSteps
 from samestep.integrations.torchtitan.data import CorpusLoader
 from samestep.integrations.torchtitan.pipeline import SCHEDULES, Pipelined
@@ -172,8 +173,9 @@ class SamestepTrainer(Trainer):
                 model=model, how_to_resume="torchtitan's checkpoint (checkpoint.enable, the same dump_folder)",
                 receipts=opts.receipts and RunProtocol.keeps_receipts(self.rank, self.sharded), start=start,
                 optimizer=self.optimizers, scheduler=self.lr_schedulers, source="torchtitan", rank=self.rank,
-                sharded=self.sharded, program=program.describe(self._proto.run_dir, resumes(
-                    TORCHTITAN, self._proto.run_dir, self._checkpoints)) if records else None)
+                sharded=self.sharded, agree=any_rank if opts.receipts else None,
+                program=program.describe(self._proto.run_dir, resumes(TORCHTITAN, self._proto.run_dir,
+                                                                      self._checkpoints)) if records else None)
         self._params = list(model.named_parameters())
         return self._hooked
 
