@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -129,3 +130,26 @@ def test_the_positional_mask_in_int32_lanes_is_its_int64_definition_bit_for_bit(
     h = arithmetic(arithmetic(flat.to(torch.int32) ^ -(1 << 31)) ^ (flat >> 32).to(torch.int32) ^ -(1 << 31))
     assert not torch.equal((h ^ torch.iinfo(torch.int32).min) >= int(0.5 * 2**32) - (1 << 31),
                            keep_by_int64(key, flat, 0.5))
+
+
+def test_the_positional_mask_of_any_block_is_its_definition_at_the_blocks_positions():
+    """Blocks of tensors of 1 to 4 dimensions, at random places (the whole tensor, blocks whose trailing
+    dimensions are whole, and blocks that cut every dimension): each element is the int64 definition's at its
+    flat position in the whole tensor, read off an index tensor. Negative control: the positions of a block as
+    if it began the tensor give another mask."""
+    r = random.Random(7)
+    for case in range(60):
+        shape = tuple(r.choice((1, 2, 3, 5, 8)) for _ in range(r.randint(1, 4)))
+        whole = case % 3 == 0
+        starts = tuple(0 if whole or (case % 3 == 1 and d > 0) else r.randrange(n) for d, n in enumerate(shape))
+        local = tuple(n - s if whole or (case % 3 == 1 and d > 0) else r.randint(1, n - s)
+                      for d, (n, s) in enumerate(zip(shape, starts)))
+        index = torch.arange(math.prod(shape), dtype=torch.int64).view(shape)
+        flat = index[tuple(slice(s, s + n) for s, n in zip(starts, local))]
+        key = r.getrandbits(64)
+        got = rng.positional_keep(key, shape, starts, local, 0.5)
+        assert got.shape == local and torch.equal(got, keep_by_int64(key, flat, 0.5)), (shape, starts, local)
+    shape, starts, local = (4, 8, 16), (2, 0, 0), (2, 8, 16)
+    key = rng.key(0, 1, 2, "dropout")
+    moved = keep_by_int64(key, torch.arange(2 * 8 * 16, dtype=torch.int64).view(local), 0.5)
+    assert not torch.equal(rng.positional_keep(key, shape, starts, local, 0.5), moved)
