@@ -40,8 +40,8 @@ from typing import Any
 from transformers import TrainerCallback
 
 from samestep import program
-from samestep.durable import read_file, write_durable
 from samestep.distributed.agree import any_rank
+from samestep.durable import read_file, write_durable
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, rng_digest, state_fingerprint
 from samestep.integrations.steps import HookedSteps, refuse_processes
 from samestep.protocol import RunProtocol
