@@ -151,7 +151,7 @@ def test_a_resume_refuses_a_ranks_receipts_file_lost_while_another_ranks_holds_t
     import pytest
 
     from samestep.protocol import RunProtocol
-    from samestep.receipts import ReceiptError, RefusedElsewhere
+    from samestep.receipts import ReceiptError
 
     _receipts(tmp_path / "kept", 0, range(1, 3))
     proto = RunProtocol(tmp_path / "kept")
