@@ -179,12 +179,21 @@ def test_a_resume_on_another_layout_is_refused_by_its_receipts_and_exact_without
 
 
 def _reporting(rank: int, world: int, port: int, argv: list[str], kill_at: int | None, errors: str) -> None:
-    """``_trainer``, leaving the error it ends with in ``errors``/rank<N>.txt."""
-    try:
-        _trainer(rank, world, port, argv, kill_at)
-    except BaseException as e:
-        (Path(errors) / f"rank{rank}.txt").write_text(f"{type(e).__name__}: {e}")
-        raise
+    """``_trainer``, leaving the error a training step raises in ``errors``/rank<N>.txt as it is raised (before
+    torchtitan closes its trainer)."""
+    from samestep.integrations.torchtitan import SamestepTrainer
+
+    step = SamestepTrainer.train_step
+
+    def reporting(self, data_iterator):
+        try:
+            return step(self, data_iterator)
+        except BaseException as e:
+            (Path(errors) / f"rank{rank}.txt").write_text(f"{type(e).__name__}: {e}")
+            raise
+
+    SamestepTrainer.train_step = reporting
+    _trainer(rank, world, port, argv, kill_at)
 
 
 def test_a_refusal_on_one_rank_stops_every_rank_before_anything_is_written(killed, tmp_path):
