@@ -20,7 +20,7 @@ or not.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,7 +29,7 @@ from samestep.distributed.reduce import combine_across_ranks
 from samestep.distributed.tree import BinaryCounter, validate_layout
 
 __all__ = ["CanonicalReduceScatter", "FsdpDefaultGradients", "FsdpGradients", "Held", "ShardedModel",
-           "ShardedOptimizer", "full_state", "iter_local", "shard_model", "shard_rows", "tensor_ranks_part",
+           "ShardedOptimizer", "full_state", "shard_model", "shard_rows", "tensor_ranks_part",
            "whole_tensor"]
 
 
@@ -337,10 +337,3 @@ class ShardedOptimizer:
             for k, v in list(s.items()):
                 if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dim() > 0:
                     s[k] = _shard_like(v, p)
-
-
-def iter_local(tensors: Iterable[Any]) -> list[torch.Tensor]:
-    """Each tensor's local part (a DTensor's shard; any other tensor itself)."""
-    from torch.distributed.tensor import DTensor
-
-    return [t.to_local() if isinstance(t, DTensor) else t for t in tensors]

@@ -29,6 +29,7 @@ import torch
 
 from samestep.checkpoint import committed_steps
 from samestep.distributed.gather import gather_if_different
+from samestep.distributed.shards import local_shard
 from samestep.receipts import ReceiptWriter
 from samestep.rundir import checkpoints_dir
 
@@ -203,7 +204,7 @@ class RecomputeCheck:
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit: same dtype, shape and bytes (NaNs with the same payload are the same); of DTensors, this
     rank's shards (DTensor's own ``equal`` is a collective over their mesh)."""
-    a, b = (t.to_local() if hasattr(t, "to_local") else t for t in (a, b))
+    a, b = local_shard(a), local_shard(b)
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
     ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from samestep.distributed.shards import local_shard
+
 __all__ = ["Fault", "flip_bit"]
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -30,8 +32,7 @@ _KEYS = {"output": ("rank", "step", "microbatch", "module", "bit"), "param": ("r
 def flip_bit(t: torch.Tensor, bit: int) -> None:
     """Flips bit ``bit`` of element 0 of ``t`` (of a DTensor, of this rank's shard), in place, as autograd does
     not see."""
-    if hasattr(t, "to_local"):
-        t = t.to_local()
+    t = local_shard(t)
     if not 0 <= bit < 8 * t.element_size():
         raise ValueError(f"train.fault: bit={bit} is not a bit of a {8 * t.element_size()}-bit {t.dtype} value")
     with torch.no_grad():
