@@ -6,13 +6,21 @@ and its arguments as it was started (``sys.orig_argv``), the working directory, 
 its process count per node and node count), the environment variables that change bits (``env.ENV_VARS``),
 and a SHA-256 of the entry script and of every module the program imported from the working directory.
 ``relaunch()`` is the command, directory and environment that run it again; ``check()`` says why it cannot
-(a notebook, ``-c``, stdin, a script deleted since, several nodes) and which sources changed since.
+(a notebook, ``-c``, stdin, a script deleted since, several nodes, a record whose parts disagree) and which
+sources changed since; ``identity()`` is what a replay of it runs, named for the verifier and the verdict.
+
+A record is data from whoever made the run: a replay takes from it only what it can check. The entry is read
+from the arguments (never from ``entry``/``target`` alone) and must be among the hashed sources; the
+interpreter is the verifier's own; of the environment only ``env.ENV_VARS`` apply; the process count is
+capped by this machine (docs/debugging.md, "Verifying someone else's run").
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,7 +28,8 @@ from typing import Any
 from samestep.env import ENV_VARS
 from samestep.rundir import read_run, write_run
 
-__all__ = ["ProgramError", "check", "describe", "program_at", "record", "relaunch", "run_dir_of"]
+__all__ = ["ProgramError", "check", "describe", "given", "identity", "ignored_env", "process_cap", "program_at", "record",
+           "relaunch", "run_dir_of"]
 
 # what torchrun's workers find in their environment (torch.distributed.run sets each)
 _TORCHRUN = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "WORLD_SIZE")
@@ -56,9 +65,9 @@ def _own_sources(cwd: Path) -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def _entry(argv: list[str]) -> tuple[str, str | None]:
+def _entry(argv: list[str], kernel: bool = False) -> tuple[str, str | None]:
     """How the interpreter was started: ("script", path), ("module", name), or (why it cannot run again,
-    None)."""
+    None). ``kernel``: this process runs a notebook kernel, whatever its arguments say."""
     args = argv[1:]
     while args and args[0].startswith("-") and args[0] not in ("-c", "-m", "-"):
         args = args[1:] if args[0] not in ("-W", "-X") else args[2:]  # interpreter flags (-u, -O, -W x)
@@ -68,7 +77,7 @@ def _entry(argv: list[str]) -> tuple[str, str | None]:
         return "a `python -c` command (its code is not on disk)", None
     module = args[1] if args[0] == "-m" and len(args) > 1 else None
     if Path(args[0]).name == "ipykernel_launcher.py" or (module or "").startswith("ipykernel") \
-            or "ipykernel" in sys.modules:
+            or kernel:
         return "a notebook (its cells are not a program on disk)", None
     if args[0] == "-m":
         return ("module", module) if module else ("a `python -m` with no module", None)
@@ -82,7 +91,7 @@ def describe(run_dir: Path, resumes: dict[str, Any] | None = None) -> dict[str, 
     (``resume_points.resumes``); none for a Run."""
     argv = list(getattr(sys, "orig_argv", [sys.executable, *sys.argv]))
     cwd = Path.cwd()
-    kind, target = _entry(argv)
+    kind, target = _entry(argv, kernel="ipykernel" in sys.modules)
     where = Path(run_dir).resolve()
     program: dict[str, Any] = {"argv": argv, "cwd": str(cwd), "executable": sys.executable, "entry": kind,
                                "run_dir": str(where.relative_to(cwd) if where.is_relative_to(cwd) else where),
@@ -131,12 +140,26 @@ def program_at(doc: dict[str, Any], step: int) -> dict[str, Any] | None:
     return found
 
 
+def _entry_file(cwd: Path, kind: str, target: str) -> str | None:
+    """The sources' name of the file the entry runs (a script; a module found in the working tree, where
+    ``python -m`` looks first), or None for a module from elsewhere (an installed package: the environment)."""
+    if kind == "script":
+        path = (cwd / target).resolve()
+        return str(path.relative_to(cwd.resolve())) if path.is_relative_to(cwd.resolve()) else str(path)
+    base = cwd / Path(*target.split("."))
+    for path in (base.with_suffix(".py"), base / "__main__.py"):
+        if path.is_file():
+            return str(path.resolve().relative_to(cwd.resolve()))
+    return None
+
+
 def check(program: dict[str, Any], where: Path) -> list[str]:
     """The sources of ``program`` that differ on disk now (edited, or deleted), as ``"path: why"``.
 
     Raises:
-        ProgramError: it cannot run again at all (how it was started, its launcher, a missing interpreter or
-            directory); names why, for the run in ``where``.
+        ProgramError: it cannot run again at all (how it was started, its launcher, a missing directory or
+            script, an entry its arguments do not run, an entry file it does not hash); names why, for the run
+            in ``where``.
     """
     if program.get("not_replayable"):
         raise ProgramError(f"{where} was run from {program['not_replayable']}: it cannot be replayed; run the loop "
@@ -145,21 +168,98 @@ def check(program: dict[str, Any], where: Path) -> list[str]:
     if launcher.get("nnodes", 1) > 1:
         raise ProgramError(f"{where} ran on {launcher['nnodes']} nodes (torchrun --nnodes {launcher['nnodes']}): a "
                            "replay runs on this machine only; replay a run of one node")
+    argv = program.get("argv")
+    if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv) or len(argv) < 2:
+        raise ProgramError(f"{where / 'run.json'}: programs[].argv={argv!r} is not an interpreter's command line "
+                           "(a list of strings): the record cannot be replayed")
+    kind, target = _entry(argv)
+    if target is None:
+        raise ProgramError(f"{where / 'run.json'}: programs[].argv runs {kind}, not a program on disk: it cannot be "
+                           "replayed")
+    if (program.get("entry"), program.get("target")) != (kind, target):
+        raise ProgramError(f"{where / 'run.json'}: programs[] says it ran the {program.get('entry')} "
+                           f"{program.get('target')!r}, but its argv runs the {kind} {target!r}: the record "
+                           "disagrees with itself and cannot be replayed")
     cwd = Path(program["cwd"])
     if not cwd.is_dir():
         raise ProgramError(f"{where} ran in {cwd}, which is gone: restore it to replay the run")
-    if not Path(program["executable"]).exists():
-        raise ProgramError(f"{where} ran under {program['executable']}, which is gone: replay it where that "
-                           "interpreter is")
-    if program.get("entry") == "script" and not (cwd / program["target"]).exists():
-        raise ProgramError(f"{where} ran the script {cwd / program['target']}, which is gone (deleted or moved "
+    if kind == "script" and not (cwd / target).exists():
+        raise ProgramError(f"{where} ran the script {cwd / target}, which is gone (deleted or moved "
                            "since): restore it to replay the run")
+    sources = program.get("sources", {})
+    entry = _entry_file(cwd, kind, target)
+    if entry is not None and entry not in sources:
+        raise ProgramError(f"{where / 'run.json'}: programs[].sources does not hash {entry}, the file its argv "
+                           "runs: the record does not say what ran, so a replay would verify nothing of it")
     changed = []
-    for name, digest in program.get("sources", {}).items():
+    for name, digest in sources.items():
         now = _digest(cwd / name)
         if now != digest:
             changed.append(f"{name}: {'deleted' if now is None else 'edited'} since the run")
     return changed
+
+
+def identity(program: dict[str, Any]) -> dict[str, Any]:
+    """What a replay of ``program`` runs, as the verifier is shown it and the verdict names it: the entry file
+    and its SHA-256 now, every hashed file of the working tree with its SHA-256 now (None: gone), the git
+    commit of the working tree where it is a checkout (read from ``.git``, no git run there), and ``program``:
+    one SHA-256 over the arguments, directory, entry and those files' hashes."""
+    cwd = Path(program["cwd"])
+    kind, target = _entry(program["argv"])
+    entry = _entry_file(cwd, kind, target) if target is not None else None
+    files = {name: _digest(cwd / name) for name in program.get("sources", {})}
+    bound = {"argv": program["argv"][1:], "cwd": str(cwd), "entry": [kind, target], "files": files}
+    return {"entry": entry or target, "entry_sha256": files.get(entry) if entry else None, "files": files,
+            "commit": _git_commit(cwd),
+            "program": hashlib.sha256(json.dumps(bound, sort_keys=True).encode()).hexdigest()}
+
+
+def _git_commit(cwd: Path) -> str | None:
+    """The commit checked out in the git working tree holding ``cwd``, read from its files (running git in a
+    received directory would run that directory's hooks and config)."""
+    for d in (cwd, *cwd.parents):
+        git = d / ".git"
+        if git.is_file():  # a worktree or submodule: "gitdir: PATH"
+            text = git.read_text(encoding="utf-8", errors="replace").strip()
+            git = (d / text.removeprefix("gitdir:").strip()) if text.startswith("gitdir:") else git
+        if not git.is_dir():
+            continue
+        try:
+            head = (git / "HEAD").read_text(encoding="utf-8").strip()
+            if not head.startswith("ref:"):
+                return head or None
+            ref = head.removeprefix("ref:").strip()
+            if (git / ref).is_file():
+                return (git / ref).read_text(encoding="utf-8").strip() or None
+            for line in (git / "packed-refs").read_text(encoding="utf-8").splitlines():
+                if line.endswith(" " + ref):
+                    return line.split()[0]
+        except OSError:
+            return None
+        return None
+    return None
+
+
+def process_cap(program: dict[str, Any], where: Path, gpus: int | None) -> int:
+    """The processes a node ``program`` ran, which a replay starts here.
+
+    Args:
+        gpus: this machine's GPUs, for a run on GPUs; None for a run on CPUs (capped by the cores).
+
+    Raises:
+        ProgramError: not a count, or more than this machine's cores or GPUs: names the field and the cap.
+    """
+    count = program.get("launcher", {}).get("nproc_per_node", 1)
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ProgramError(f"{where / 'run.json'}: programs[].launcher.nproc_per_node={count!r} is not a process "
+                           "count (an integer >= 1): the record cannot be replayed")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    cap, what = (cores, "CPU cores") if gpus is None else (gpus, "GPUs")
+    if count > cap:
+        raise ProgramError(f"{where / 'run.json'}: programs[].launcher.nproc_per_node={count}: this machine has "
+                           f"{cap} {what}, and a replay starts at most one process for each; replay it on a "
+                           "machine with as many")
+    return count
 
 
 def run_dir_of(program: dict[str, Any]) -> Path:
@@ -167,12 +267,38 @@ def run_dir_of(program: dict[str, Any]) -> Path:
     return (Path(program["cwd"]) / program["run_dir"]).resolve()
 
 
-def relaunch(program: dict[str, Any]) -> tuple[list[str], Path, dict[str, str]]:
+def given(recorded: dict[str, Any], argv: list[str], cwd: Path) -> tuple[dict[str, Any], str]:
+    """``recorded`` with the verifier's own command line ``argv`` (``python SCRIPT ARGS`` or ``python -m MODULE
+    ARGS``, run in ``cwd`` under the run's launcher) in place of its arguments and directory, and the
+    interpreter it names (found on PATH).
+
+    Raises:
+        ProgramError: ``argv`` is not a Python command line of a program on disk; names it.
+    """
+    interpreter = shutil.which(argv[0]) if argv else None
+    kind, target = _entry(argv) if len(argv) > 1 else ("nothing to run", None)
+    if interpreter is None or not Path(argv[0]).name.startswith("python") or target is None:
+        raise ProgramError(f"the program after --: {' '.join(argv)!r}: give it as `python SCRIPT ARGS` or `python -m "
+                           "MODULE ARGS` (its launcher is the run's), with an interpreter on PATH")
+    return {**recorded, "argv": [interpreter, *argv[1:]], "cwd": str(cwd), "entry": kind, "target": target}, \
+        interpreter
+
+
+def ignored_env(program: dict[str, Any]) -> list[str]:
+    """The variables ``program`` records that a replay does not apply: all but ``env.ENV_VARS`` (those that change
+    bits). Any other (``PYTHONPATH``, ``LD_PRELOAD``) would run code the record chooses."""
+    recorded = program.get("env", {})
+    return sorted(k for k in (recorded if isinstance(recorded, dict) else {}) if k not in ENV_VARS)
+
+
+def relaunch(program: dict[str, Any], interpreter: str | None = None) -> tuple[list[str], Path, dict[str, str]]:
     """The command, working directory and environment (this one's, with the program's bit-changing variables
-    as they were) that run ``program`` again, under its launcher."""
+    as they were, and no other of its variables) that run ``program`` again, under its launcher, with
+    ``interpreter`` (default: this one, the verifier's; the record's ``executable`` is never run)."""
     argv = list(program["argv"])
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
-    env.update({k: v for k, v in program.get("env", {}).items() if v is not None})
+    env.update({k: v for k, v in program.get("env", {}).items() if k in ENV_VARS and isinstance(v, str)})
+    interpreter = interpreter or sys.executable
     interpreter_args = argv[1:]
     launcher = program.get("launcher", {})
     if launcher.get("name") == "torchrun":
@@ -180,8 +306,8 @@ def relaunch(program: dict[str, Any]) -> tuple[list[str], Path, dict[str, str]]:
         rest = interpreter_args[1:] if interpreter_args[:1] == ["-u"] else interpreter_args
         if rest[:1] == ["-m"]:
             rest = ["--module", *rest[1:]]
-        cmd = [program["executable"], "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
+        cmd = [interpreter, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
                "--nproc_per_node", str(launcher["nproc_per_node"]), *rest]
     else:
-        cmd = [program["executable"], *interpreter_args]
+        cmd = [interpreter, *interpreter_args]
     return cmd, Path(program["cwd"]), env

@@ -13,7 +13,9 @@ under samestep's callbacks, found from a run's run.json, and copied into a repla
   checkpoint; a replay's copy goes where the job in the scratch directory looks for it (``resumes.folder``).
 
 A ``samestep.Run``'s checkpoints are samestep's own (``checkpoint.committed_steps``); a program that records
-no ``resumes`` is one.
+no ``resumes`` is one. A replay reads only what lies inside the run directory: every recorded path is relative
+to it and stays in it (``inside``), so that a copy or a move of a run is replayed from its own files, and a
+run.json cannot point a replay at files elsewhere.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from samestep.rundir import read_run, write_run
+from samestep.rundir import RunDirError, read_run, write_run
 
-__all__ = ["HF", "HF_FINGERPRINT", "LIGHTNING", "RUN", "TORCHTITAN", "index", "points", "resumed_by", "resumes", "stage"]
+__all__ = ["HF", "HF_FINGERPRINT", "LIGHTNING", "RUN", "TORCHTITAN", "index", "inside", "points", "resumed_by",
+           "resumes", "stage"]
 
 RUN, HF, LIGHTNING, TORCHTITAN = "samestep.Run", "transformers.Trainer", "lightning.Trainer", "torchtitan"
 HF_FINGERPRINT = "samestep.json"  # the callback's, in each of the Trainer's checkpoint-N directories
@@ -42,6 +45,24 @@ def resumes(by: str, run_dir: Path, checkpoints: Path | None = None) -> dict[str
     return out
 
 
+def inside(run_dir: Path, value: object, field: str) -> Path:
+    """``value``, a path run.json's ``field`` records, resolved in ``run_dir``.
+
+    Raises:
+        RunDirError: it is not a relative path, or it leads out of the run directory (``..``, a link): names the
+            field, the value and the fix.
+    """
+    if not isinstance(value, str) or not value or Path(value).is_absolute():
+        raise RunDirError(f"{Path(run_dir) / 'run.json'}: {field}={value!r}: a replay reads only paths relative to the "
+                          "run directory, inside it; keep the framework's checkpoints in the run directory (a run "
+                          "recorded by an older version: move them in and record them relative to it)")
+    path = (Path(run_dir) / value).resolve()
+    if not path.is_relative_to(Path(run_dir).resolve()):
+        raise RunDirError(f"{Path(run_dir) / 'run.json'}: {field}={value!r} leads out of the run directory (to "
+                          f"{path}): a replay reads only files inside it")
+    return path
+
+
 def resumed_by(doc: dict[str, Any]) -> str:
     """The loop that saves a run's checkpoints (``RUN``, ``HF`` or ``LIGHTNING``), from its programs."""
     programs = [p for p in doc.get("programs", []) if isinstance(p, dict)]
@@ -53,18 +74,21 @@ def points(run_dir: Path, doc: dict[str, Any]) -> dict[int, Path]:
     by, found = resumed_by(doc), {}
     prefix, finished = {HF: ("checkpoint-", HF_FINGERPRINT), TORCHTITAN: ("step-", ".metadata")}.get(by, ("", ""))
     if prefix:
-        for program in doc.get("programs", []):
+        for i, program in enumerate(doc.get("programs", [])):
             where = program.get("resumes", {}).get("checkpoints") if isinstance(program, dict) else None
             if where is None:
                 continue
-            for path in (Path(run_dir) / where).glob(prefix + "*"):
+            for path in inside(run_dir, where, f"programs[{i}].resumes.checkpoints").glob(prefix + "*"):
                 step = path.name.removeprefix(prefix)
                 if step.isdigit() and (path / finished).is_file():
-                    found[int(step)] = path
+                    found[int(step)] = inside(run_dir, str(path.relative_to(Path(run_dir).resolve())),
+                                              f"programs[{i}].resumes.checkpoints")
     elif by == LIGHTNING:
-        for entry in doc.get("checkpoints", []):
-            if isinstance(entry, dict) and isinstance(entry.get("step"), int) and Path(entry["path"]).is_file():
-                found[entry["step"]] = Path(entry["path"])
+        for i, entry in enumerate(doc.get("checkpoints", [])):
+            if isinstance(entry, dict) and isinstance(entry.get("step"), int):
+                path = inside(run_dir, entry.get("path"), f"checkpoints[{i}].path")
+                if path.is_file():
+                    found[entry["step"]] = path
     return dict(sorted(found.items()))
 
 
@@ -74,6 +98,9 @@ def stage(path: Path, scratch: Path, doc: dict[str, Any]) -> Path:
     directory; torchtitan's ``step-N`` in its checkpoint folder), to resume the replay from."""
     programs = [p for p in doc.get("programs", []) if isinstance(p, dict)]
     folder = programs[-1].get("resumes", {}).get("folder", "") if programs else ""
+    if not isinstance(folder, str) or Path(folder).name != folder or folder == "..":
+        raise RunDirError(f"run.json: programs[{len(programs) - 1}].resumes.folder={folder!r}: not a folder's name "
+                          "(a replay copies the checkpoint into that folder of its scratch directory)")
     copy = Path(scratch) / folder / path.name
     copy.parent.mkdir(parents=True, exist_ok=True)
     if path.is_dir():
@@ -84,9 +111,11 @@ def stage(path: Path, scratch: Path, doc: dict[str, Any]) -> Path:
 
 
 def index(run_dir: Path, step: int, path: Path) -> None:
-    """Records in run.json that ``path`` is a checkpoint of ``step`` (Lightning's: its file names need not say)."""
+    """Records in run.json that ``path`` is a checkpoint of ``step`` (Lightning's: its file names need not say),
+    relative to the run directory where it lies in it (a replay reads no other: ``inside``)."""
     doc = read_run(run_dir)
-    where = str(Path(path).resolve())
+    where, base = Path(path).resolve(), Path(run_dir).resolve()
+    where = str(where.relative_to(base) if where.is_relative_to(base) else where)
     kept = [e for e in doc.get("checkpoints", []) if isinstance(e, dict) and e.get("path") != where]
     doc["checkpoints"] = [*kept, {"step": step, "path": where}]
     write_run(run_dir, doc)

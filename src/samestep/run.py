@@ -222,8 +222,8 @@ class Run:
             self.recorder.grads_changed = _grads_changed
             if rank == 0:
                 record_declared(self.run_dir, self._declared)
-                if self._replay is None:  # what `samestep verify` and `bisect` run again
-                    program.record(self.run_dir, self.start, program.describe(self.run_dir))
+                # what `samestep verify` and `bisect` run again; a replay's, what it ran (checked against the run's)
+                program.record(self.run_dir, self.start, program.describe(self.run_dir))
             self._grad_copy: bool | str = True if copy or level != "step" else "checked"
             self._hooks = [optimizer.register_step_pre_hook(self._before_update),
                            optimizer.register_step_post_hook(self._after_update)]

@@ -57,17 +57,17 @@ def test_an_hf_trainer_run_is_verified_from_its_checkpoint_and_bisected_to_a_pla
     program = json.loads((tmp_path / "a" / "run.json").read_text())["programs"][0]
     assert program["resumes"] == {"by": "transformers.Trainer", "checkpoints": "."}, program
     before = _files(tmp_path / "a")
-    report = _json(cli_here("verify", str(tmp_path / "a"), "--steps", "4-6", "--json"), 0)
+    report = _json(cli_here("verify", "--yes", str(tmp_path / "a"), "--steps", "4-6", "--json"), 0)
     assert report["reproduced"] and report["replayed_from"] == 3 and report["compared"] == 3, report
     assert _files(tmp_path / "a") == before
 
-    bisected = _json(cli_here("bisect", str(tmp_path / "a"), str(tmp_path / "p"), "--json"), 1)
+    bisected = _json(cli_here("bisect", "--yes", str(tmp_path / "a"), str(tmp_path / "p"), "--json"), 1)
     assert bisected["first_divergent_step"] == 5 and bisected["replayed_from"] == 3, bisected["summary"]
     assert bisected["steps_compared"] == 6 and bisected["reproduced"], bisected
 
     checkpoint = tmp_path / "a" / "checkpoint-3" / "model.safetensors"
     checkpoint.write_bytes(flip_a_weight(checkpoint.read_bytes()))
-    proc = cli_here("verify", str(tmp_path / "a"), "--steps", "4-6")
+    proc = cli_here("verify", "--yes", str(tmp_path / "a"), "--steps", "4-6")
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "NOT THE RUN'S: the checkpoint of step 3" in proc.stdout and "model differs" in proc.stdout, proc.stdout
 
@@ -84,10 +84,10 @@ def test_a_lightning_run_is_verified_from_its_indexed_checkpoint_and_an_edited_l
     assert doc["programs"][0]["resumes"] == {"by": "lightning.Trainer"}
     assert sorted(e["step"] for e in doc["checkpoints"]) == [3, 6], doc["checkpoints"]
     before = _files(run)
-    report = _json(cli_here("verify", str(run), "--steps", "4-6", "--json"), 0)
+    report = _json(cli_here("verify", "--yes", str(run), "--steps", "4-6", "--json"), 0)
     assert report["reproduced"] and report["replayed_from"] == 3 and report["compared"] == 3, report
     assert _files(run) == before
 
     rewrite_receipts(run / "receipts" / "rank_00000.jsonl", lambda rs: rs[4].update(loss_hex=(0.5).hex()))
-    proc = cli_here("verify", str(run), "--steps", "5")
+    proc = cli_here("verify", "--yes", str(run), "--steps", "5")
     assert proc.returncode == 1 and "NOT REPRODUCED: step 5 (rank 0): loss" in proc.stdout, proc.stdout + proc.stderr

@@ -4,6 +4,7 @@ torchrun, is run again from its recorded command under a replay request."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -61,23 +62,27 @@ def test_verify_replays_an_own_loop_and_catches_a_forged_checkpoint_or_loss_and_
     from the checkpoint before step 3 and steps 3-4 reproduce. Negative controls: a weight flipped in the
     checkpoint of step 2 and resealed is not the run's; a loss edited in the receipts with the chain rehashed
     is NOT REPRODUCED at its step; the script edited since is refused by name (exit 2), and with --force
-    replayed, the verdict saying so."""
+    replayed, its receipts equal but the verdict not "reproduced" (exit 1): other code than the run's ran."""
     program = json.loads((runs / "a" / "run.json").read_text())["programs"][0]
     assert program["argv"][1:] == ["replayed_loop.py", "a"] and (program["cwd"], program["run_dir"]) == (str(runs), "a")
     assert program["launcher"]["name"] == "python" and set(program["sources"]) == {"replayed_loop.py"}
-    report = _json(cli_here("verify", str(runs / "a"), "--steps", "3-4", "--json"), 0)
+    report = _json(cli_here("verify", "--yes", str(runs / "a"), "--steps", "3-4", "--json"), 0)
     assert report["reproduced"] and report["replayed_from"] == 2 and report["compared"] == 2
+    said = cli_here("verify", "--yes", str(runs / "a"), "--steps", "3-4")
+    sha = hashlib.sha256((runs / "replayed_loop.py").read_bytes()).hexdigest()
+    assert said.returncode == 0 and f"reproduced by replayed_loop.py sha256:{sha[:12]}" in said.stdout, said.stdout
+    assert report["by"]["files"] == {"replayed_loop.py": sha}
 
     forged = runs / "forged"
     shutil.copytree(runs / "a", forged)
     step_dir = forged / "checkpoints" / "step_000002"
     reseal(step_dir, "model.safetensors", flip_a_weight((step_dir / "model.safetensors").read_bytes()))
-    proc = cli_here("verify", str(forged), "--steps", "3-4")
+    proc = cli_here("verify", "--yes", str(forged), "--steps", "3-4")
     assert proc.returncode == 1 and "NOT THE RUN'S: the checkpoint of step 2" in proc.stdout, proc.stdout + proc.stderr
     shutil.rmtree(forged)
     shutil.copytree(runs / "a", forged)
     rewrite_receipts(forged / "receipts" / "rank_00000.jsonl", lambda rs: rs[3].update(loss_hex=(0.5).hex()))
-    proc = cli_here("verify", str(forged), "--steps", "4")
+    proc = cli_here("verify", "--yes", str(forged), "--steps", "4")
     assert proc.returncode == 1 and "NOT REPRODUCED: step 4 (rank 0): loss" in proc.stdout, proc.stdout + proc.stderr
     shutil.rmtree(forged)
 
@@ -88,10 +93,12 @@ def test_verify_replays_an_own_loop_and_catches_a_forged_checkpoint_or_loss_and_
     (edited / "a" / "run.json").write_text(json.dumps(doc))
     with open(edited / "replayed_loop.py", "a") as f:
         f.write("# edited\n")
-    proc = cli_here("verify", str(edited / "a"), "--steps", "4")
+    proc = cli_here("verify", "--yes", str(edited / "a"), "--steps", "4")
     assert proc.returncode == 2 and "replayed_loop.py: edited since the run" in proc.stderr, proc.stderr
-    forced = _json(cli_here("verify", str(edited / "a"), "--steps", "4", "--force", "--json"), 0)
-    assert forced["reproduced"] and any("replayed as it is now (--force)" in n for n in forced["notes"])
+    forced = _json(cli_here("verify", "--yes", str(edited / "a"), "--steps", "4", "--force", "--json"), 1)
+    assert not forced["reproduced"] and forced["first_mismatch"] is None, forced  # the receipts agree, ...
+    assert forced["program_differs"] == ["replayed_loop.py: edited since the run"], forced  # ... by other code
+    assert any("replayed as it is now (--force)" in n for n in forced["notes"])
 
 
 def test_bisect_names_step_s_of_a_parameter_planted_there_and_diff_points_to_bisect(runs, tmp_path):
@@ -103,9 +110,9 @@ def test_bisect_names_step_s_of_a_parameter_planted_there_and_diff_points_to_bis
     diff = cli_here("diff", str(runs / "a"), str(tmp_path / "planted"))
     assert diff.returncode == 1 and diff.stdout.startswith("diverged at step 3") and "samestep bisect" in diff.stdout, \
         diff.stdout
-    report = _json(cli_here("bisect", str(runs / "a"), str(tmp_path / "planted"), "--json"), 1)
+    report = _json(cli_here("bisect", "--yes", str(runs / "a"), str(tmp_path / "planted"), "--json"), 1)
     assert report["first_divergent_step"] == 3 and report["replayed_from"] == 2, report["summary"]
-    same = _json(cli_here("bisect", str(runs / "a"), str(runs / "b"), "--json"), 0)
+    same = _json(cli_here("bisect", "--yes", str(runs / "a"), str(runs / "b"), "--json"), 0)
     assert same["identical"] and same["attempts"] == 0, same["summary"]
 
 
@@ -118,7 +125,7 @@ def test_bisect_names_a_real_race_in_an_own_loops_lookup(tmp_path):
     for attempt in range(3):  # the race is real; a pair can (rarely) agree on every step, or a replay not race
         a, b = f"a{attempt}", f"b{attempt}"
         _finish(_start(tmp_path, a, "--nondeterministic"), _start(tmp_path, b, "--nondeterministic"))
-        proc = cli_here("bisect", str(tmp_path / a), str(tmp_path / b), "--json")
+        proc = cli_here("bisect", "--yes", str(tmp_path / a), str(tmp_path / b), "--json")
         assert proc.returncode in (0, 1), proc.stderr
         report = json.loads(proc.stdout)
         if proc.returncode == 1 and report["reproduced"]:
@@ -142,7 +149,7 @@ def test_bisect_names_the_rank_of_a_difference_in_a_ddp_loop_under_torchrun(runs
     assert two == (runs / "a.digest").read_text() != planted
     launcher = json.loads((tmp_path / "two" / "run.json").read_text())["programs"][0]["launcher"]
     assert launcher == {"name": "torchrun", "nproc_per_node": 2, "nnodes": 1}
-    report = _json(cli_here("bisect", str(tmp_path / "two"), str(tmp_path / "planted"), "--json"), 1)
+    report = _json(cli_here("bisect", "--yes", str(tmp_path / "two"), str(tmp_path / "planted"), "--json"), 1)
     o = report["origin"]
     assert (o["step"], o["rank"], o["microbatch"], o["phase"], o["scope"], o["op"]) == (
         2, 1, 1, "backward", "module.head", "aten.mm.default"), report["summary"]

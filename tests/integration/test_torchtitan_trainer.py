@@ -157,7 +157,7 @@ def test_one_and_two_processes_and_a_kill_and_resume_give_the_same_bits(seed, on
     program = json.loads((two / "run.json").read_text())["programs"][0]
     assert program["launcher"] == {"name": "torchrun", "nproc_per_node": 2, "nnodes": 1}
     assert program["resumes"] == {"by": "torchtitan", "checkpoints": "checkpoint", "folder": "checkpoint"}
-    report = json.loads(cli_here("verify", str(two), "--steps", "3-4", "--json", "--keep",
+    report = json.loads(cli_here("verify", "--yes", str(two), "--steps", "3-4", "--json", "--keep",
                                  str(tmp_path / "replay")).stdout)
     assert report["reproduced"] and report["replayed_from"] == 2 and report["compared"] == 4, report
     rewrite_receipts(two / "receipts" / "rank_00000.jsonl", lambda rs: rs[3].update(loss_hex=(0.5).hex()))

@@ -3,7 +3,7 @@ a token lookup by indexing (its backward an index_put with accumulation, which r
 microbatch has 32k gradient elements) and a linear head, 2 global microbatches a step.
 
     python replayed_loop.py RUN_DIR [--steps N] [--nondeterministic] [--perturb SPEC --trace-steps S]
-        [--plant-step S]
+        [--plant-step S] [--sleep SECONDS]
     torchrun --standalone --nproc_per_node 2 replayed_loop.py RUN_DIR ...   # DDP, the canonical reduction
 
 It prints the final parameters' digest (rank 0 alone: two ranks writing one pipe can interleave their lines).
@@ -12,6 +12,7 @@ It prints the final parameters' digest (rank 0 alone: two ranks writing one pipe
 import argparse
 import contextlib
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--perturb", help="Run(perturb=...): one ULP planted in an op's output")
     ap.add_argument("--trace-steps", help="the steps traced at op level (where --perturb plants)")
     ap.add_argument("--plant-step", type=int, help="one ULP added to a head weight after that step's update")
+    ap.add_argument("--sleep", type=float, default=0.0, help="seconds each step waits (a replay that is still running)")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
@@ -68,6 +70,7 @@ def main() -> None:
     with samestep.Run(args.run_dir, model=wrapped, optimizer=opt, deterministic=not args.nondeterministic,
                       threads=1, perturb=args.perturb, **traced) as run:
         for step in run.steps(args.steps):
+            time.sleep(args.sleep)
             for i in grads.microbatches:
                 with run.microbatch(i), wrapped.no_sync() if world > 1 else contextlib.nullcontext():
                     idx = torch.randint(0, VOCAB, (TOKENS + 1,), generator=samestep.rng.generator(0, step, i, "data"))

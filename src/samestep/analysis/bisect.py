@@ -12,15 +12,15 @@ again, up to ``retries`` times, and says that it did not reproduce.
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from samestep.analysis.consent import Consent
 from samestep.analysis.diff import diff_runs
 from samestep.analysis.layouts import rank_coordinates
-from samestep.analysis.replay import checkpoint_steps, replay
+from samestep.analysis.replay import checkpoint_steps, plan, replay
+from samestep.analysis.scratch import kill_children, scratch_root
 from samestep.analysis.receipt_diff import compare_receipts
 from samestep.rundir import final_digest, layout_at, read_run
 
@@ -32,15 +32,17 @@ class BisectError(ValueError):
 
 
 def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force: bool = False,
-                keep: Path | None = None) -> dict[str, Any]:
+                keep: Path | None = None, consent: Consent | None = None) -> dict[str, Any]:
     """Bisects two runs (``samestep train``'s, or ``samestep.Run`` loops', whose programs run again); returns
     ``{"identical", "first_divergent_step", "origin", "reproduced", "attempts", "replayed_from", "steps_compared",
     "difference", "diff", "notes", "summary"}``, where ``origin`` has ``samestep diff --json``'s fields (None if
-    no replay reproduced the divergence).
+    no replay reproduced the divergence). ``consent``: the verifier's word for the programs the runs name, asked
+    once for both before either runs (default: none, and runs of programs of one's own are refused).
 
     Raises:
         BisectError, RunDirError, ReceiptError: nothing to compare, or a damaged run file; DiffError: the
-            runs' configs or environments differ (without ``force``); ReplayError: a replay failed.
+            runs' configs or environments differ (without ``force``); ReplayError: a replay failed;
+            ConsentError: a run's program would run without the verifier's word.
     """
     run_a, run_b = Path(run_a), Path(run_b)
     read_run(run_a), read_run(run_b)
@@ -65,22 +67,24 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
     step = difference["step"]
     starts = [{s for s in checkpoint_steps(run) if s < step} for run in (run_a, run_b)]
     start = max(starts[0] & starts[1], default=0)  # the newest common checkpoint before the step
-    root = keep if keep is not None else Path(tempfile.mkdtemp(prefix="samestep-bisect-"))
+    plans = [plan(run, start, step, force=force) for run in (run_a, run_b)]
+    (consent or Consent()).grant([p.launch for p in plans], "samestep bisect")
     settings = ("trace.level=op", f"trace.steps={step}", "trace.ranks=all", "train.checkpoint_every=0")
     report, attempt, notes = None, 0, []
-    try:
+    with scratch_root("bisect", keep) as root:
         for attempt in range(1, retries + 2):
             dirs = [root / f"a{attempt}", root / f"b{attempt}"]
             with ThreadPoolExecutor(2) as pool:  # two processes: the replays run side by side
-                for f in [pool.submit(replay, run, d, start, step, settings, force=force)
-                          for run, d in zip((run_a, run_b), dirs)]:
-                    notes += [n for n in f.result() if n not in notes]
+                futures = [pool.submit(replay, p, d, settings) for p, d in zip(plans, dirs)]
+                try:
+                    for f in futures:
+                        notes += [n for n in f.result() if n not in notes]
+                except BaseException:  # Ctrl-C, SIGTERM, the other replay failed: the pool waits on its threads
+                    kill_children()
+                    raise
             report = diff_runs(*dirs, steps={step}, force=force)
             if not report["identical"]:
                 break
-    finally:
-        if keep is None:
-            shutil.rmtree(root, ignore_errors=True)
     reproduced = not report["identical"]
     origin = report.get("origin") if reproduced else None
     where = f"from step {start}" if start else "from scratch"

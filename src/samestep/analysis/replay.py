@@ -10,6 +10,10 @@ request (``replay_request``): its Run works in the scratch directory, traces as 
 after the last step; a framework's run (the Hugging Face or Lightning callback) likewise, resuming from a copy
 of the framework's own checkpoint (``resume_points``). The run's bits do not depend on where it runs, so the
 replay's receipts and traces are the run's.
+
+``plan`` says what a replay will run (``consent.Launch``: shown to the verifier, who agrees before a program of
+the run's runs, ``consent.Consent``) and refuses what it cannot check; ``replay`` runs a plan into a scratch
+directory, its process dying with the verifier (``scratch.run_child``).
 """
 
 from __future__ import annotations
@@ -18,19 +22,22 @@ import json
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from samestep import program, resume_points
 from samestep._state import dotted
+from samestep.analysis.consent import Launch
+from samestep.analysis.scratch import run_child
 from samestep.checkpoint import committed_steps, step_dir_name
-from samestep.env import numerics_differences
+from samestep.env import ENV_VARS, numerics_differences
 from samestep.receipts import read_run_receipts, receipts_path
-from samestep.replay_request import REFUSAL, ReplayRequest
+from samestep.replay_request import REFUSAL, ReplayRequest, process_mark
 from samestep.rundir import checkpoints_dir, holds_run, layout_at, metrics_path, read_metrics, read_run, receipts_dir
 
-__all__ = ["ReplayError", "ReplayRefused", "check_replayable", "checkpoint_steps", "environment_differences",
-           "framework_run", "replay", "replay_start"]
+__all__ = ["Plan", "ReplayError", "ReplayRefused", "check_replayable", "checkpoint_steps", "environment_differences",
+           "framework_run", "plan", "replay", "replay_start", "unrecorded_sources"]
 
 
 class ReplayError(RuntimeError):
@@ -88,20 +95,85 @@ def environment_differences(doc: dict[str, Any], replayed: Path) -> dict[str, tu
     return numerics_differences(doc.get("environment", {}), read_run(replayed).get("environment", {}))
 
 
-def replay(run_dir: Path, scratch: Path, start: int, end: int, settings: tuple[str, ...] = (),
-           timeout: float = 3600, force: bool = False) -> list[str]:
-    """Replays steps ``start + 1`` to ``end`` of the run in ``run_dir`` into ``scratch`` (a new directory),
-    from its checkpoint of step ``start`` (0: from scratch), with ``settings`` (``section.key=value``, only
-    numerics-neutral ones keep the run's bits; a loop of one's own takes ``trace.level`` and ``trace.steps``)
-    over the run's config. Returns notes for the verdict (a changed program replayed with ``force``).
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A replay of steps ``start + 1`` to ``end`` of a run, checked and ready to run (``plan``)."""
+
+    run_dir: Path
+    doc: dict[str, Any]
+    start: int
+    end: int
+    launch: Launch
+    """What it runs, as the verifier is shown it."""
+    program: dict[str, Any] | None = None
+    """A loop of one's own: the program record it runs (the run's, or with the verifier's command line)."""
+    env: dict[str, str] = field(default_factory=dict)
+    """The whole environment of its process (a program's)."""
+    changed: tuple[str, ...] = ()
+    """The program's files changed since the run (``program.check``; replayed only with ``force``)."""
+    notes: tuple[str, ...] = ()
+    """For the verdict: what the replay does otherwise than the record says, and why."""
+
+
+def plan(run_dir: Path, start: int, end: int, *, force: bool = False, given: list[str] | None = None) -> Plan:
+    """What a replay of steps ``start + 1`` to ``end`` of the run in ``run_dir`` runs, from its checkpoint of step
+    ``start`` (0: from scratch): ``samestep train`` with the run's config, or the program that ran step
+    ``start + 1`` (with ``given``: the verifier's command line in its place), checked.
 
     Raises:
-        ReplayError: the replay's process failed (the message ends with its last lines of stderr), or a loop of
-            one's own whose program changed since the run (without ``force``); ProgramError: its program cannot
-            run again here.
+        ReplayError: a program of one's own that changed since the run (without ``force``) or is not recorded
+            for that step; ProgramError: that program cannot run again here (how it was started, a record that
+            disagrees with itself, more processes than this machine has).
     """
+    run_dir = Path(run_dir)
     doc = read_run(run_dir)
     check_replayable(run_dir, doc)
+    if doc.get("written_by") != "samestep.trace":
+        nproc = layout_at(doc, start + 1).get("world_size", 1)
+        return Plan(run_dir=run_dir, doc=doc, start=start, end=end,
+                    launch=Launch(run_dir=run_dir, cmd=[sys.executable, "-m", "samestep", "train"], cwd=Path.cwd(),
+                                  nproc=nproc))
+    ran = program.program_at(doc, start + 1)
+    if ran is None:
+        raise ReplayError(f"{run_dir / 'run.json'} records no program for step {start + 1} (its programs start "
+                          "later): replay steps a recorded program ran")
+    interpreter, notes = None, []
+    if given is not None:
+        ran, interpreter = program.given(ran, given, Path.cwd())
+    elif ran.get("executable") != sys.executable:
+        notes.append(f"run under this interpreter ({sys.executable}), not the recorded {ran.get('executable')}")
+    changed = program.check(ran, run_dir)
+    if changed and not force:
+        raise ReplayError(f"{run_dir}: the program changed since the run ({'; '.join(changed[:3])}"
+                          f"{' ...' if len(changed) > 3 else ''}): a replay would run other code; restore it, or "
+                          "pass --force (the verdict then says so)")
+    if changed:
+        notes.append(f"the program changed since the run, replayed as it is now (--force): {'; '.join(changed)}")
+    gpu_run = bool(doc.get("environment", {}).get("cuda.device_count"))
+    nproc = program.process_cap(ran, run_dir, _gpus_here() if gpu_run else None)
+    ignored = program.ignored_env(ran)
+    if ignored:
+        notes.append(f"not applied from the record: {', '.join(ignored)} (a replay applies only the variables that "
+                     "change bits)")
+    cmd, cwd, env = program.relaunch(ran, interpreter)
+    applied = {k: env[k] for k in ENV_VARS if isinstance(ran.get("env", {}).get(k), str)}
+    launch = Launch(run_dir=run_dir, cmd=cmd, cwd=cwd, env=applied, nproc=nproc, identity=program.identity(ran),
+                    given=given is not None, ignored=tuple(ignored))
+    return Plan(run_dir=run_dir, doc=doc, start=start, end=end, launch=launch, program=ran, env=env,
+                changed=tuple(changed), notes=tuple(notes))
+
+
+def replay(plan: Plan, scratch: Path, settings: tuple[str, ...] = (), timeout: float = 3600) -> list[str]:
+    """Replays ``plan`` into ``scratch`` (a new directory) with ``settings`` (``section.key=value``, only
+    numerics-neutral ones keep the run's bits; a loop of one's own takes ``trace.level`` and ``trace.steps``)
+    over the run's config. Returns notes for the verdict (``plan.notes``). Run a program of the run's only on
+    the verifier's word (``consent.Consent.grant`` of ``plan.launch``).
+
+    Raises:
+        ReplayError: the replay's process failed (the message ends with its last lines of stderr);
+            ReplayRefused: the program refused its resume from the run's checkpoint.
+    """
+    run_dir, doc, start, end = plan.run_dir, plan.doc, plan.start, plan.end
     scratch.mkdir(parents=True)
     resume_from = None
     if framework_run(doc):  # a seed checkpoint of step 0 (torchtitan's) is copied too
@@ -119,63 +191,67 @@ def replay(run_dir: Path, scratch: Path, start: int, end: int, settings: tuple[s
             kept = [header, *(r for r in receipts if r["step"] <= start)]
             receipts_path(scratch, rank).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept),
                                                     encoding="utf-8")
-    if doc.get("written_by") == "samestep.trace":
-        return _replay_program(run_dir, doc, scratch, start, end, dict(s.split("=", 1) for s in settings), timeout,
-                               force, resume_from)
+    if plan.program is not None:
+        _replay_program(plan, scratch, dict(s.split("=", 1) for s in settings), timeout, resume_from)
+        return list(plan.notes)
     layout = layout_at(doc, start + 1)  # the layout that ran the first step replayed
     config = dotted(doc["config"])
     config["parallel.fsdp"] = layout.get("sharded") == "fsdp2"
     config["parallel.tp"] = layout["tensor_parallel"]
     args = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in config.items()]
-    cmd = [sys.executable, "-m", "samestep", "train", "--run-dir", str(scratch), "--nproc",
-           str(layout.get("world_size", 1)), "--stop-after", str(end - start),
-           *(["--resume"] if start else []), *(a for s in [*args, *settings] for a in ("--set", s))]
+    cmd = [*plan.launch.cmd, "--run-dir", str(scratch), "--nproc", str(plan.launch.nproc),
+           "--stop-after", str(end - start), *(["--resume"] if start else []),
+           *(a for s in [*args, *settings] for a in ("--set", s))]
     _run(cmd, f"the replay of steps {start + 1}-{end} of {run_dir}", timeout)
-    return []
+    return list(plan.notes)
+
+
+def unrecorded_sources(plan: Plan, scratch: Path) -> list[str]:
+    """The files of the working tree the replayed program ran (as its own record in ``scratch`` says) other than
+    those the verifier was shown (``plan.launch.identity``: the run's hashed files as they are now), as
+    ``"path: why"``. Empty for ``samestep train``, and where the replay recorded no program (torchtitan's)."""
+    if plan.program is None or plan.launch.identity is None:
+        return []
+    replayed = program.program_at(read_run(scratch), plan.start + 1) if holds_run(scratch) else None
+    if replayed is None:
+        return []
+    shown = plan.launch.identity["files"]
+    return [f"{name}: {'not hashed by the run' if name not in shown else 'changed while the replay ran'}"
+            for name, sha in replayed.get("sources", {}).items() if shown.get(name) != sha]
 
 
 def _run(cmd: list[str], what: str, timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
-    """Runs a replay's process to its end.
+    """Runs a replay's process to its end (``scratch.run_child``: it dies with this process).
 
     Raises:
         ReplayError: it failed; names ``what`` and ends with its last lines of stderr.
     """
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
-                          stdin=subprocess.DEVNULL)
+    try:
+        proc = run_child(cmd, timeout=timeout, cwd=cwd, env=env)
+    except subprocess.TimeoutExpired:
+        raise ReplayError(f"{what} ran past {timeout:.0f} s and was stopped") from None
     if proc.returncode != 0:
         tail = " | ".join(proc.stderr.strip().splitlines()[-3:])
         raise ReplayError(f"{what} failed (exit {proc.returncode}): {tail}")
 
 
-def _replay_program(run_dir: Path, doc: dict[str, Any], scratch: Path, start: int, end: int,
-                    settings: dict[str, str], timeout: float, force: bool, resume_from: Path | None) -> list[str]:
-    """``replay`` of a loop of one's own: its recorded program run again under a replay request (resuming a
-    framework's run from ``resume_from``).
+def _replay_program(plan: Plan, scratch: Path, settings: dict[str, str], timeout: float,
+                    resume_from: Path | None) -> None:
+    """``replay`` of a loop of one's own: its program run again under a replay request (resuming a framework's
+    run from ``resume_from``).
 
     Raises:
         ReplayRefused: the program refused its resume from the run's checkpoint (names why).
     """
-    ran = program.program_at(doc, start + 1)
-    if ran is None:
-        raise ReplayError(f"{run_dir / 'run.json'} records no program for step {start + 1} (its programs start "
-                          "later): replay steps a recorded program ran")
-    changed = program.check(ran, run_dir)
-    if changed and not force:
-        raise ReplayError(f"{run_dir}: the program changed since the run ({'; '.join(changed[:3])}"
-                          f"{' ...' if len(changed) > 3 else ''}): a replay would run other code; restore it, or "
-                          "pass --force (the verdict then says so)")
-    nproc = ran.get("launcher", {}).get("nproc_per_node", 1)
-    if doc.get("environment", {}).get("cuda.device_count") and nproc > (here := _gpus_here()):
-        raise ReplayError(f"{run_dir} ran {nproc} processes a node on GPUs; this machine has {here}: replay it on a "
-                          "machine with as many")
     # the directory the program's Run names: where a copy or a move of the run is replayed from, it is not this one
-    request = ReplayRequest(run_dir=str(program.run_dir_of(ran)), into=str(scratch.resolve()), stop_after=end,
-                            level=settings.get("trace.level", "off"), trace_steps=settings.get("trace.steps"),
+    request = ReplayRequest(run_dir=str(program.run_dir_of(plan.program)), into=str(scratch.resolve()),
+                            stop_after=plan.end, level=settings.get("trace.level", "off"),
+                            trace_steps=settings.get("trace.steps"), watch=process_mark(),
                             resume_from=None if resume_from is None else str(resume_from.resolve()))
-    cmd, cwd, env = program.relaunch(ran)
+    cmd, run_dir = plan.launch.cmd, plan.run_dir
     try:
-        _run(cmd, f"the replay of steps {start + 1}-{end} of {run_dir} ({' '.join(cmd)})", timeout, cwd,
-             {**env, **request.to_env()})
+        _run(cmd, f"the replay of steps {plan.start + 1}-{plan.end} of {run_dir} ({' '.join(cmd)})", timeout,
+             plan.launch.cwd, {**plan.env, **request.to_env()})
     except ReplayError:
         if (scratch / REFUSAL).is_file():
             raise ReplayRefused((scratch / REFUSAL).read_text(encoding="utf-8").strip()) from None
@@ -183,8 +259,6 @@ def _replay_program(run_dir: Path, doc: dict[str, Any], scratch: Path, start: in
     if not holds_run(scratch):
         raise ReplayError(f"the replay of {run_dir} ({' '.join(cmd)}) ended (exit 0) before its samestep.Run of "
                           f"{run_dir} started: the program no longer reaches it as it ran")
-    return [f"the program changed since the run, replayed as it is now (--force): {'; '.join(changed)}"] if changed \
-        else []
 
 
 def _gpus_here() -> int:

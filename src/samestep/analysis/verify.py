@@ -8,11 +8,10 @@ directory check what it claims: that these checkpoints and metrics came from thi
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from samestep.analysis.consent import Consent, code_line
 from samestep.analysis.receipt_check import checkpoint_mismatches
 from samestep.analysis.receipt_diff import by_rank, first_receipt_difference
 from samestep.analysis.replay import (
@@ -20,9 +19,12 @@ from samestep.analysis.replay import (
     check_replayable,
     environment_differences,
     framework_run,
+    plan,
     replay,
     replay_start,
+    unrecorded_sources,
 )
+from samestep.analysis.scratch import scratch_root
 from samestep.receipts import chain_break, read_run_receipts, receipts_path, state_hash_of
 from samestep.checkpoint import step_dir_name
 from samestep.rundir import checkpoints_dir, read_run
@@ -58,17 +60,24 @@ def _not_the_runs(step: int, why: str) -> dict[str, Any]:
 
 
 def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force: bool = False,
-               keep: Path | None = None) -> dict[str, Any]:
+               keep: Path | None = None, consent: Consent | None = None,
+               given: list[str] | None = None) -> dict[str, Any]:
     """Replays steps A-B of a run (``samestep train``'s, or the loop of a ``samestep.Run`` or framework callback:
     its program run again; default: all it receipted) and compares receipts.
 
-    Returns ``{"reproduced", "steps", "replayed_from", "compared", "first_mismatch", "chain", "notes"}``.
-    ``keep``: where to leave the replay (default: a temporary directory, removed).
+    Returns ``{"reproduced", "steps", "replayed_from", "compared", "first_mismatch", "chain", "notes", "by",
+    "program_differs"}``: ``by``, what ran (``program.identity``; None for ``samestep train``);
+    ``program_differs``, why the program that ran is not the run's (changed since, replayed with ``force``; or
+    files the replay ran that the run's record does not hash), which no reproduction can be. ``keep``: where
+    to leave the replay (default: a temporary directory, removed). ``consent``: the verifier's word for a
+    program the run names (default: none, and such a run is refused); ``given``: the verifier's own command
+    line for it (``python train.py ARGS``), their word.
 
     Raises:
         VerifyError, RunDirError, ReceiptError: it cannot replay (no receipts, steps beyond them, a replay
-            in another environment without ``force``); ReplayError: the replay failed, or the program of a loop
-            of one's own changed (without ``force``); ProgramError: that program cannot run again.
+            in another environment without ``force``); ConsentError: the run's program would run without the
+            verifier's word; ReplayError: the replay failed, or the program of a loop of one's own changed
+            (without ``force``); ProgramError: that program cannot run again.
     """
     run_dir = Path(run_dir)
     doc = read_run(run_dir)
@@ -84,20 +93,22 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
         raise VerifyError(f"--steps {a}-{b}: the run receipted steps 1-{last}; choose steps within them")
     start = replay_start(run_dir, a - 1)
     foreign = _foreign_checkpoint(run_dir, doc, files, start)
+    report: dict[str, Any] = {"steps": f"{a}-{b}", "replayed_from": start, "by": None, "program_differs": []}
     if foreign is not None:  # a replay from it would verify nothing of this run
-        return {"reproduced": False, "steps": f"{a}-{b}", "replayed_from": start, "compared": 0,
-                "first_mismatch": foreign, "chain": {}, "notes": []}
-    scratch = keep if keep is not None else Path(tempfile.mkdtemp(prefix="samestep-verify-")) / "replay"
-    notes = []
-    try:
+        return {**report, "reproduced": False, "compared": 0, "first_mismatch": foreign, "chain": {}, "notes": []}
+    planned = plan(run_dir, start, b, force=force, given=given)
+    (consent or Consent()).grant([planned.launch], "samestep verify")
+    report["by"] = planned.launch.identity
+    differs = list(planned.changed)
+    with scratch_root("verify", keep) as root:
+        scratch = root if keep is not None else root / "replay"
         # receipts on (a resume may have turned them off), by the run's own state hash
         try:
-            notes += replay(run_dir, scratch, start, b, ("train.receipts=true",
-                                                         f"train.receipt_hash={state_hash_of(files[min(files)][0])}"),
-                            force=force)
+            notes = replay(planned, scratch, ("train.receipts=true",
+                                              f"train.receipt_hash={state_hash_of(files[min(files)][0])}"))
         except ReplayRefused as e:  # the framework's checkpoint is not the run's: a verdict
-            return {"reproduced": False, "steps": f"{a}-{b}", "replayed_from": start, "compared": 0,
-                    "first_mismatch": _not_the_runs(start, str(e)), "chain": {}, "notes": notes}
+            return {**report, "reproduced": False, "compared": 0, "first_mismatch": _not_the_runs(start, str(e)),
+                    "chain": {}, "notes": list(planned.notes)}
         env = environment_differences(doc, scratch)
         if env and not force:
             raise VerifyError(f"the replay ran in another environment than the run ({', '.join(sorted(env)[:4])}"
@@ -105,16 +116,17 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
                               "pass --force")
         if env:
             notes.append(f"environment differs (verified with --force): {', '.join(sorted(env))}")
+        differs += unrecorded_sources(planned, scratch)
         replayed = by_rank(read_run_receipts(scratch))
-    finally:
-        if keep is None:
-            shutil.rmtree(scratch.parent, ignore_errors=True)
     mismatch, compared, states = first_receipt_difference(recorded, replayed, range(start + 1, b + 1))
     if states < compared:
         notes.append(f"the state was compared in {states} of {compared} receipts (the others are of another layout "
                      "or hash): not reproduced in full")
+    if planned.launch.identity is not None:
+        notes.append(f"replayed by {code_line(planned.launch.identity)}")
     chain = {receipts_path(run_dir, rank).name: chain_break(header, receipts) or "holds"
              for rank, (header, receipts) in files.items()}
     holds = all(v == "holds" for v in chain.values())
-    return {"reproduced": mismatch is None and 0 < states == compared and holds, "steps": f"{a}-{b}",
-            "replayed_from": start, "compared": compared, "first_mismatch": mismatch, "chain": chain, "notes": notes}
+    return {**report, "reproduced": mismatch is None and 0 < states == compared and holds and not differs,
+            "compared": compared, "first_mismatch": mismatch, "chain": chain, "notes": notes,
+            "program_differs": differs}

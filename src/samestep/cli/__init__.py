@@ -45,7 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     usage or input error, 3 an unexpected error (one line; ``--debug`` or ``SAMESTEP_DEBUG=1`` prints the
     traceback), 130 interrupted."""
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    program = argv[argv.index("--") + 1:] if "--" in argv else None  # verify's program, given by the verifier
+    args = parser.parse_args(argv[:argv.index("--")] if program is not None else argv)
+    if program is not None and (args.command != "verify" or not program):
+        parser.error(f"samestep {args.command}: -- {' '.join(program)}: only verify takes a program after --, as "
+                     "`python SCRIPT ARGS`" if args.command != "verify" else "samestep verify: no program after --")
+    args.program = program
     try:
         code = int(args.run(args, args.subparser) or 0)
         sys.stdout.flush()  # a reader that left shows here, in the handler below, not as a traceback at exit

@@ -1,5 +1,5 @@
-"""``samestep verify RUN [--steps A-B]``: replay a run and check every receipt (exit 0 all reproduce, 1 the
-first step that does not, 2 cannot replay)."""
+"""``samestep verify RUN [--steps A-B] [--yes | -- python train.py ARGS]``: replay a run and check every receipt
+(exit 0 all reproduce, 1 the first step that does not, 2 cannot replay, or the run's program not agreed to)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from samestep.cli.errors import InputError, verdict
+from samestep.cli.trust import consent_of
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -16,14 +17,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "callback run again) and compare every receipt, bit for bit",
         description="Replays steps A-B of a run from its newest checkpoint before A (from scratch if none) in a "
                     "scratch directory and compares each replayed receipt with the recorded one. Exit 0 all "
-                    "reproduce, 1 names the first step that does not (or a broken receipt chain), 2 cannot replay.",
-        epilog="examples:\n  samestep verify runs/a\n  samestep verify runs/a --steps 40-50 --json",
+                    "reproduce, 1 names the first step that does not (or a broken receipt chain), 2 cannot replay. A "
+                    "loop of one's own is replayed by the program its run.json records: it is shown, and runs only "
+                    "on your word (a yes at the prompt, --yes, or the program given after --).",
+        epilog="examples:\n  samestep verify runs/a\n  samestep verify runs/a --steps 40-50 --json --yes\n"
+               "  samestep verify runs/a --steps 40-50 -- python train.py runs/a",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dir")
     p.add_argument("--steps", metavar="A-B", help="the steps to check (default: every receipted step)")
     p.add_argument("--force", action="store_true", help="verify even if this machine's environment differs, or a "
                                                        "program of one's own changed since its run")
     p.add_argument("--keep", metavar="DIR", help="leave the replay in DIR (a new directory) instead of removing it")
+    p.add_argument("--yes", action="store_true", help="run the program the run directory records without asking "
+                                                     "(it is shown first); without a terminal, needed to run it")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run, subparser=p)
 
@@ -41,12 +47,17 @@ def steps_arg(text: str | None, parser: argparse.ArgumentParser, name: str) -> t
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from samestep.analysis.consent import code_line
     from samestep.analysis.replay import ReplayError
     from samestep.analysis.verify import verify_run
 
+    from samestep.analysis.scratch import stopping
+
     steps = steps_arg(args.steps, parser, "verify")
     try:
-        report = verify_run(args.run_dir, steps, force=args.force, keep=Path(args.keep) if args.keep else None)
+        with stopping():
+            report = verify_run(args.run_dir, steps, force=args.force, keep=Path(args.keep) if args.keep else None,
+                                consent=consent_of(args), given=args.program)
     except (ValueError, ReplayError, FileExistsError) as e:  # cannot replay: not a verdict
         raise InputError(str(e)) from None
     code = verdict(args, 0 if report["reproduced"] else 1)
@@ -65,10 +76,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
               f"(recorded {m['a']}, replayed {m['b']})")
     for name, why in broken.items():
         print(f"BROKEN: receipts/{name}: {why}")
+    if report["program_differs"] and m is None:
+        print(f"NOT THE RUN'S PROGRAM: the replay ran other code than the run records "
+              f"({'; '.join(report['program_differs'][:3])}): its receipts prove nothing of the run")
     if report["reproduced"]:
-        print(f"reproduced: steps {report['steps']}, replayed from "
+        by = f" by {code_line(report['by'])}" if report["by"] else ""
+        print(f"reproduced{by}: steps {report['steps']}, replayed from "
               f"{'step ' + str(report['replayed_from']) if report['replayed_from'] else 'scratch'}, "
               f"{report['compared']} receipt(s) equal bit for bit")
-    elif m is None and not broken:
+    elif m is None and not broken and not report["program_differs"]:
         print(f"not reproduced: no receipt compared (steps {report['steps']})")
     return code

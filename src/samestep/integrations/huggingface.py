@@ -124,7 +124,7 @@ class SamestepCallback(TrainerCallback):
             start=state.global_step if resumed else 0,
             optimizer=getattr(optimizer, "optimizer", optimizer),  # accelerate wraps it; the update is the inner one's
             scheduler=lr_scheduler, source="transformers.Trainer", agree=any_rank if self.receipts else None,
-            program=None if self._replay or not args.should_save else program.describe(
+            program=None if not args.should_save else program.describe(  # a replay's: what it ran
                 run_dir, resumes(HF, run_dir, Path(args.output_dir))))
         self._rec = self._hooked.rec
 

@@ -123,8 +123,8 @@ class SamestepCallback(pl.Callback):
             optimizer=trainer.optimizers[0] if trainer.optimizers else None,
             scheduler=configs[0].scheduler if configs else None, source="lightning.Trainer",
             agree=any_rank if self.receipts else None,
-            program=program.describe(self.run_dir, resumes(LIGHTNING, self.run_dir)) if self._indexes(trainer)
-            else None)
+            program=program.describe(self.run_dir, resumes(LIGHTNING, self.run_dir)) if trainer.is_global_zero
+            else None)  # a replay's: what it ran
         self._rec = self._hooked.rec
         if self._indexes(trainer):
             self._indexed = _saved_files(trainer)  # a resumed ModelCheckpoint knows the files before this process

@@ -1,0 +1,132 @@
+"""The verifier's word before a replay runs a run's program (analysis/consent.py), the replay's lifetime
+(analysis/scratch.py) and what a replay takes from a program record (program.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from samestep import program
+from samestep.analysis.consent import Consent, ConsentError, Launch
+from samestep.analysis.scratch import OWNER, remove_stale, run_child
+from samestep.replay_request import alive, process_mark
+
+IDENTITY = {"entry": "train.py", "entry_sha256": "ab" * 32, "files": {"train.py": "ab" * 32}, "commit": None,
+            "program": "cd" * 32}
+
+
+def _launch(run: str, **kw) -> Launch:
+    return Launch(run_dir=Path(run), cmd=[sys.executable, "train.py", run], cwd=Path("/work"), **kw)
+
+
+def test_a_runs_program_needs_a_yes_and_samestep_train_or_a_given_program_does_not():
+    """No word: a launch of the run's program is refused in one line naming the command, the directory and the
+    code, nothing asked. Control: samestep train's replay (no program of the run's) and a program the verifier
+    gave need no word; --yes grants."""
+    with pytest.raises(ConsentError) as refused:
+        Consent().grant([_launch("runs/a", identity=IDENTITY)], "samestep verify")
+    line = str(refused.value)
+    assert "\n" not in line and "train.py runs/a` in /work (1 process" in line and "--yes" in line
+    assert f"train.py sha256:{'ab' * 6}" in line and "nothing ran" in line, line
+    Consent().grant([_launch("runs/a"), _launch("runs/b", identity=IDENTITY, given=True)], "samestep verify")
+    Consent(yes=True).grant([_launch("runs/a", identity=IDENTITY)], "samestep verify")
+
+
+def test_the_prompt_shows_every_launch_once_and_a_no_runs_nothing():
+    """Two runs' programs are shown in one prompt (command, directory, processes, every file's hash), asked once;
+    a launch agreed to is not asked again (bisect's retries). A no is refused (control)."""
+    asked = []
+
+    def answer(text: str, reply: bool) -> bool:
+        asked.append(text)
+        return reply
+
+    launches = [_launch("runs/a", identity=IDENTITY, env={"OMP_NUM_THREADS": "1"}, ignored=("PYTHONPATH",)),
+                _launch("runs/b", identity=IDENTITY)]
+    consent = Consent(ask=lambda text: answer(text, True))
+    consent.grant(launches, "samestep bisect")
+    consent.grant(launches, "samestep bisect")
+    assert len(asked) == 1 and asked[0].count("command:") == 2 and "ab" * 32 + "  train.py" in asked[0]
+    assert "OMP_NUM_THREADS=1" in asked[0] and "not applied" in asked[0] and "PYTHONPATH" in asked[0]
+    with pytest.raises(ConsentError, match="not agreed to"):
+        Consent(ask=lambda text: answer(text, False)).grant(launches, "samestep bisect")
+
+
+def test_the_process_count_is_capped_by_this_machine():
+    """A CPU run's process count up to the cores this process may use replays; one past it, and a count that is
+    not one, are refused naming the field. A GPU run is capped by the GPUs."""
+    cores = len(os.sched_getaffinity(0))
+    ran = {"launcher": {"name": "torchrun", "nproc_per_node": cores, "nnodes": 1}}
+    assert program.process_cap(ran, Path("run"), None) == cores
+    for bad in (cores + 1, 0, "2", True):
+        with pytest.raises(program.ProgramError, match=r"launcher.nproc_per_node="):
+            program.process_cap({"launcher": {"nproc_per_node": bad}}, Path("run"), None)
+    with pytest.raises(program.ProgramError, match="this machine has 0 GPUs"):
+        program.process_cap({"launcher": {"nproc_per_node": 1}}, Path("run"), 0)
+
+
+def test_only_the_variables_that_change_bits_are_applied():
+    """relaunch applies the record's bit-changing variables and no other (control: OMP_NUM_THREADS is), runs
+    this interpreter whatever the record's executable, and ignored_env names the rest."""
+    ran = {"argv": ["/evil/python", "train.py"], "cwd": "/work", "executable": "/evil/python", "launcher": {},
+           "env": {"OMP_NUM_THREADS": "3", "PYTHONPATH": "/evil", "LD_PRELOAD": "/evil.so"}}
+    cmd, _, env = program.relaunch(ran)
+    assert cmd == [sys.executable, "train.py"] and env["OMP_NUM_THREADS"] == "3"
+    assert env.get("PYTHONPATH") == os.environ.get("PYTHONPATH") and env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD")
+    assert program.ignored_env(ran) == ["LD_PRELOAD", "PYTHONPATH"]
+
+
+def test_the_identity_reads_the_git_commit_without_running_git(tmp_path):
+    """identity names the commit a working tree's .git says (a branch ref, or packed-refs), hashes each recorded
+    file as it is now (None: gone), and binds them into one program hash that changes with any file."""
+    (tmp_path / "train.py").write_text("print(1)\n")
+    git = tmp_path / ".git"
+    (git / "refs" / "heads").mkdir(parents=True)
+    (git / "HEAD").write_text("ref: refs/heads/main\n")
+    (git / "packed-refs").write_text("# pack-refs\n" + "1" * 40 + " refs/heads/main\n")
+    ran = {"argv": ["python", "train.py"], "cwd": str(tmp_path), "sources": {"train.py": "x", "gone.py": "y"}}
+    first = program.identity(ran)
+    assert first["commit"] == "1" * 40 and first["entry"] == "train.py" and first["files"]["gone.py"] is None
+    (git / "refs" / "heads" / "main").write_text("2" * 40 + "\n")
+    (tmp_path / "train.py").write_text("print(2)\n")
+    second = program.identity(ran)
+    assert second["commit"] == "2" * 40 and second["program"] != first["program"]
+
+
+def test_a_stale_scratch_is_removed_only_when_its_verifier_is_gone(tmp_path):
+    """A scratch root whose owner mark is a process that ended is removed; one of a live process, and a
+    directory without an owner file, are kept (controls)."""
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_mark = process_mark(ended.pid)
+    ended.wait()
+    assert alive(process_mark()) and not alive(dead_mark)
+    roots = {name: tmp_path / f"samestep-verify-{name}" for name in ("dead", "live", "unowned")}
+    for root in roots.values():
+        root.mkdir()
+    (roots["dead"] / OWNER).write_text(json.dumps({"mark": dead_mark}))
+    (roots["live"] / OWNER).write_text(json.dumps({"mark": process_mark()}))
+    assert remove_stale(tmp_path) == [roots["dead"]]
+    assert not roots["dead"].exists() and roots["live"].exists() and roots["unowned"].exists()
+
+
+def test_a_replay_process_is_killed_with_its_group_when_the_wait_ends_early(tmp_path):
+    """A timeout (as Ctrl-C or SIGTERM would) kills the child and the processes of its group (a grandchild).
+    Control: a child that finishes returns its output."""
+    assert run_child([sys.executable, "-c", "print('done')"], timeout=60).stdout == "done\n"
+    pidfile = tmp_path / "grandchild"
+    script = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(60)']); open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_child([sys.executable, "-c", script], timeout=8)
+    grandchild = int(pidfile.read_text())
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and Path(f"/proc/{grandchild}").exists() and \
+            Path(f"/proc/{grandchild}/stat").read_text().split()[2] != "Z":
+        time.sleep(0.1)
+    assert not Path(f"/proc/{grandchild}").exists() or Path(f"/proc/{grandchild}/stat").read_text().split()[2] == "Z"
