@@ -132,7 +132,7 @@ class SamestepCallback(pl.Callback):
                 index(self.run_dir, trainer.global_step, Path(trainer.ckpt_path))
 
     def _indexes(self, trainer: pl.Trainer) -> bool:
-        """Whether this process records the program and the checkpoints in run.json (global rank 0's, no replay)."""
+        """Whether this process records the checkpoints in run.json (global rank 0's, no replay)."""
         return self._replay is None and trainer.is_global_zero
 
     def _note_saved(self, trainer: pl.Trainer) -> None:
