@@ -28,11 +28,12 @@ from typing import Any
 from samestep.env import ENV_VARS
 from samestep.rundir import read_run, write_run
 
-__all__ = ["ProgramError", "check", "describe", "given", "identity", "ignored_env", "process_cap", "program_at", "record",
+__all__ = ["ProgramError", "check", "describe", "given", "identity", "ignored_env", "machine_cap", "process_cap", "program_at", "record",
            "relaunch", "run_dir_of"]
 
 # what torchrun's workers find in their environment (torch.distributed.run sets each)
 _TORCHRUN = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "WORLD_SIZE")
+_LAUNCHERS = ("torch.distributed.run", "torch.distributed.launch")  # never a worker's own arguments
 
 
 class ProgramError(ValueError):
@@ -40,8 +41,9 @@ class ProgramError(ValueError):
 
 
 def _digest(path: Path) -> str | None:
+    """The SHA-256 of a regular file (None: none there; a FIFO or device a record names is never read)."""
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
+        return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
     except OSError:
         return None
 
@@ -176,6 +178,9 @@ def check(program: dict[str, Any], where: Path) -> list[str]:
     if target is None:
         raise ProgramError(f"{where / 'run.json'}: programs[].argv runs {kind}, not a program on disk: it cannot be "
                            "replayed")
+    if kind == "module" and target in _LAUNCHERS:
+        raise ProgramError(f"{where / 'run.json'}: programs[].argv runs the launcher {target}: a launcher is recorded "
+                           "in programs[].launcher, never in the arguments (a replay caps its processes there)")
     if (program.get("entry"), program.get("target")) != (kind, target):
         raise ProgramError(f"{where / 'run.json'}: programs[] says it ran the {program.get('entry')} "
                            f"{program.get('target')!r}, but its argv runs the {kind} {target!r}: the record "
@@ -240,6 +245,14 @@ def _git_commit(cwd: Path) -> str | None:
     return None
 
 
+def machine_cap(gpus: int | None) -> tuple[int, str]:
+    """How many processes of a replay this machine runs at once, one a core (``gpus`` None: a run on CPUs) or
+    one a GPU, and what they are ("CPU cores", "GPUs")."""
+    if gpus is not None:
+        return gpus, "GPUs"
+    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1), "CPU cores"
+
+
 def process_cap(program: dict[str, Any], where: Path, gpus: int | None) -> int:
     """The processes a node ``program`` ran, which a replay starts here.
 
@@ -253,8 +266,7 @@ def process_cap(program: dict[str, Any], where: Path, gpus: int | None) -> int:
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
         raise ProgramError(f"{where / 'run.json'}: programs[].launcher.nproc_per_node={count!r} is not a process "
                            "count (an integer >= 1): the record cannot be replayed")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    cap, what = (cores, "CPU cores") if gpus is None else (gpus, "GPUs")
+    cap, what = machine_cap(gpus)
     if count > cap:
         raise ProgramError(f"{where / 'run.json'}: programs[].launcher.nproc_per_node={count}: this machine has "
                            f"{cap} {what}, and a replay starts at most one process for each; replay it on a "

@@ -101,12 +101,13 @@ def test_a_program_runs_only_on_the_verifiers_word_and_the_verdict_names_what_ra
     ("dash_m", "its argv runs the module 'evil'"),
     ("cwd", "replayed_loop.py: edited since the run"),
     ("nproc", "nproc_per_node=1000000"),
+    ("launcher_in_argv", "runs the launcher torch.distributed.run"),
 ])
 def test_a_record_that_does_not_say_what_runs_is_refused_even_with_yes(tree, attack, says):
     """argv pointing at evil.py with the record's target and hashes left as they were; argv and target, the
     hashes not; `python -c CODE` or `-m evil` while the entry still says the script; the directory moved to
-    another tree whose replayed_loop.py is other code; a million processes: refused by name (exit 2) with
-    --yes, and nothing ran."""
+    another tree whose replayed_loop.py is other code; a million processes; torchrun in the arguments (a launcher
+    whose process count no cap sees): refused by name (exit 2) with --yes, and nothing ran."""
     other = tree / "other_tree"
     other.mkdir(exist_ok=True)
     (other / "replayed_loop.py").write_text(EVIL)
@@ -117,6 +118,8 @@ def test_a_record_that_does_not_say_what_runs_is_refused_even_with_yes(tree, att
         "dash_m": lambda p: p.update(argv=[p["argv"][0], "-m", "evil", "a"]),
         "cwd": lambda p: p.update(cwd=str(other)),
         "nproc": lambda p: p["launcher"].update(nproc_per_node=1000000),
+        "launcher_in_argv": lambda p: p.update(argv=[p["argv"][0], "-m", "torch.distributed.run", "--nproc_per_node",
+                                                     "64", "evil.py", "a"], entry="module", target="torch.distributed.run"),
     }
     forged = _forged(tree, f"attack_{attack}", edits[attack])
     proc = cli_here("verify", "--yes", str(forged), "--steps", "4")
@@ -203,3 +206,44 @@ def test_a_replay_dies_with_its_verifier_and_its_scratch_does_not_outlive_it(tre
     else:
         assert code == -signal.SIGKILL and scratch[0].exists()
         assert remove_stale(temp) == scratch and not scratch[0].exists()
+
+
+def _at_a_terminal(argv: list[str], answer: str, env: dict[str, str]) -> tuple[int, str]:
+    """``python -m samestep ARGV`` with a terminal for stdin and stderr: ``answer`` typed at its prompt (the
+    first "[y/N]" it shows). Returns its exit code and what the terminal showed."""
+    import pty
+    import select
+
+    leader, follower = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "samestep", *argv], stdin=follower, stdout=subprocess.PIPE,
+                            stderr=follower, env=env, text=True)
+    os.close(follower)
+    shown, answered, deadline = b"", False, time.monotonic() + 300
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([leader], [], [], 0.5)
+        if ready:
+            try:
+                chunk = os.read(leader, 4096)
+            except OSError:  # the process closed the terminal
+                break
+            shown += chunk
+            if not answered and b"[y/N]" in shown:
+                os.write(leader, answer.encode() + b"\n")
+                answered = True
+        elif proc.poll() is not None:
+            break
+    code = proc.wait(timeout=300)
+    os.close(leader)
+    return code, shown.decode(errors="replace") + proc.stdout.read()
+
+
+def test_at_a_terminal_the_program_is_shown_and_runs_on_yes_only(tree):
+    """With a terminal, verify shows the command, the directory and every file with its SHA-256, and asks: a no
+    runs nothing (exit 2), a yes replays and reproduces (exit 0)."""
+    env = {k: v for k, v in os.environ.items() if k != "SAMESTEP_REPLAY"}
+    argv = ["verify", str(tree / "a"), "--steps", "4"]
+    code, shown = _at_a_terminal(argv, "n", env)
+    assert code == 2 and "not agreed to" in shown, shown
+    assert "command:" in shown and f"{_sha(tree / 'replayed_loop.py')}  replayed_loop.py" in shown, shown
+    code, shown = _at_a_terminal(argv, "y", env)
+    assert code == 0 and "reproduced by replayed_loop.py" in shown, shown

@@ -38,6 +38,17 @@ def test_a_runs_program_needs_a_yes_and_samestep_train_or_a_given_program_does_n
     Consent(yes=True).grant([_launch("runs/a", identity=IDENTITY)], "samestep verify")
 
 
+def test_more_processes_than_processors_need_a_word_even_for_samestep_train():
+    """samestep train's replay on more processes than this machine's cores is refused without a word, naming
+    both counts; as many as the cores need none (control), and --yes grants, shown where asked to."""
+    with pytest.raises(ConsentError, match=r"\(5 processes, more than this machine's 4 CPU cores\)"):
+        Consent().grant([_launch("runs/t", nproc=5, cap=(4, "CPU cores"))], "samestep verify")
+    Consent().grant([_launch("runs/t", nproc=4, cap=(4, "CPU cores"))], "samestep verify")
+    shown = []
+    Consent(yes=True, show=shown.append).grant([_launch("runs/t", nproc=5, cap=(4, "CPU cores"))], "samestep verify")
+    assert len(shown) == 1 and "processes:  5 (this machine has 4 CPU cores)" in shown[0], shown
+
+
 def test_the_prompt_shows_every_launch_once_and_a_no_runs_nothing():
     """Two runs' programs are shown in one prompt (command, directory, processes, every file's hash), asked once;
     a launch agreed to is not asked again (bisect's retries). A no is refused (control)."""

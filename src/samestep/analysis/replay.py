@@ -130,9 +130,14 @@ def plan(run_dir: Path, start: int, end: int, *, force: bool = False, given: lis
     check_replayable(run_dir, doc)
     if doc.get("written_by") != "samestep.trace":
         nproc = layout_at(doc, start + 1).get("world_size", 1)
+        if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+            raise ReplayError(f"{run_dir / 'run.json'}: the layout of step {start + 1} has world_size={nproc!r}, not "
+                              "a process count (an integer >= 1): the run cannot be replayed")
+        device = dotted(doc.get("config", {})).get("train.device", "auto")
+        gpus = _gpus_here() if device == "cuda" or (device == "auto" and _gpus_here()) else None
         return Plan(run_dir=run_dir, doc=doc, start=start, end=end,
                     launch=Launch(run_dir=run_dir, cmd=[sys.executable, "-m", "samestep", "train"], cwd=Path.cwd(),
-                                  nproc=nproc))
+                                  nproc=nproc, cap=program.machine_cap(gpus)))
     ran = program.program_at(doc, start + 1)
     if ran is None:
         raise ReplayError(f"{run_dir / 'run.json'} records no program for step {start + 1} (its programs start "
@@ -158,7 +163,8 @@ def plan(run_dir: Path, start: int, end: int, *, force: bool = False, given: lis
     cmd, cwd, env = program.relaunch(ran, interpreter)
     applied = {k: env[k] for k in ENV_VARS if isinstance(ran.get("env", {}).get(k), str)}
     launch = Launch(run_dir=run_dir, cmd=cmd, cwd=cwd, env=applied, nproc=nproc, identity=program.identity(ran),
-                    given=given is not None, ignored=tuple(ignored))
+                    given=given is not None, ignored=tuple(ignored),
+                    cap=program.machine_cap(_gpus_here() if gpu_run else None))
     return Plan(run_dir=run_dir, doc=doc, start=start, end=end, launch=launch, program=ran, env=env,
                 changed=tuple(changed), notes=tuple(notes))
 
