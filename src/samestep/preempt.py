@@ -14,6 +14,8 @@ presses Ctrl-C, finish the step, save, and stop; a second signal stops at once.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import signal
 import sys
@@ -49,7 +51,8 @@ class StopRequest:
     the first one's name); a second one stops the process at once, with ``exit_by_signal``'s code. The same
     signal again within ``DUPLICATE_S`` is the first one delivered twice (a scheduler that signals every
     process of a job, and a launcher that forwards it), not a second.
-    Once the block is left after a stop was asked for, a further signal exits with ``EXIT_PREEMPTED``.
+    Once the block is left after a stop was asked for, a further signal exits with ``EXIT_PREEMPTED``, and
+    while the interpreter exits it is ignored (the exit code stays the process's own).
     Handlers are installed in the main thread only (elsewhere Python refuses them: then nothing is
     installed and ``requested`` stays None)."""
 
@@ -86,6 +89,8 @@ class StopRequest:
             # after a stop was asked for (and the loop saved what it had), a further signal ends the process
             # as a preempted one, not as killed by it
             signal.signal(signum, _exit_preempted if self.requested is not None else previous)
+        if self.requested is not None and self._previous:
+            atexit.register(_ignore_while_exiting, tuple(self._previous))
         self._previous.clear()
 
 
@@ -97,3 +102,12 @@ def exit_by_signal(signum: int) -> int:
 
 def _exit_preempted(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(EXIT_PREEMPTED)
+
+
+def _ignore_while_exiting(signums: tuple[int, ...]) -> None:
+    """At exit after a stop: the interpreter's finalization puts its handlers back to the default (which ends
+    the process by the signal, as killed) while torch and the rest tear down, for a second or so; the process
+    is already leaving with everything saved, so a further signal is ignored and its exit code stays its own."""
+    for signum in signums:
+        with contextlib.suppress(ValueError, OSError):
+            signal.signal(signum, signal.SIG_IGN)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -107,3 +109,32 @@ def test_two_processes_stop_as_one_job_with_exit_75_and_resume_exact(reference, 
     final = run_train(run, *LONG, resume=True, nproc=2)
     assert final["state_digest"] == json.loads((reference / "final.json").read_text())["state_digest"]
     assert metrics_bytes(run) == metrics_bytes(reference)
+
+
+def test_a_signal_while_the_stopped_process_exits_leaves_its_exit_code_its_own(tmp_path):
+    """After a stop was asked for and the loop has left its block, the process exits with its own code (75)
+    even when a second signal arrives while the interpreter tears down (torch's teardown takes a second or so;
+    here an object that takes 3 s to go): the interpreter has put its handlers back to the default by then.
+    Negative control: the same teardown without a stop request is ended by the signal (-15)."""
+    script = ("import os, signal, sys, time\n"
+              "from samestep.preempt import StopRequest\n"
+              "class Slow:\n"
+              "    def __del__(self, sleep=time.sleep):\n"
+              "        print('tearing down', flush=True)\n"
+              "        sleep(3)\n"
+              "keep = Slow()\n"
+              "if sys.argv[1] == 'stopped':\n"
+              "    with StopRequest(('SIGTERM',)):\n"
+              "        os.kill(os.getpid(), signal.SIGTERM)\n"
+              "        time.sleep(0.2)\n"
+              "sys.exit(75)\n")
+    codes = {}
+    for how in ("stopped", "plain"):
+        proc = subprocess.Popen([sys.executable, "-c", script, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        for line in proc.stdout:
+            if "tearing down" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        codes[how] = proc.wait(timeout=60)
+    assert codes == {"stopped": EXIT_PREEMPTED, "plain": -signal.SIGTERM}, codes
