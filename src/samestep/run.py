@@ -50,7 +50,7 @@ from samestep.protocol import RunProtocol
 from samestep.replay_request import ReplayRequest
 from samestep.receipt_state import state_tree
 from samestep.receipts import genesis
-from samestep.checksums import state_hash_for
+from samestep.checksums import state_checksum, state_hash_for
 from samestep._state import persistent_buffers, sha256_tensor, tree_digest
 from samestep.run_checks import (declared, loader_generators, refuse_changes, refuse_parts, refuse_rng_change,
                                  resume_epoch)
@@ -316,7 +316,8 @@ class Run:
     def _write_final(self, step: int, loss: float) -> None:
         """final.json of the finished run: the digest of its whole state as one process holds and names it (each
         sharded tensor gathered whole in turn, a collective every rank joins; a DDP wrapper's names unwrapped),
-        so that runs on any two layouts compare by it (``samestep diff``)."""
+        so that runs on any two layouts compare by it (``samestep diff``); with receipts of the whole state, its
+        checksum as the last receipt holds it (``samestep receipts verify`` compares the two)."""
         from torch.nn.parallel import DistributedDataParallel
 
         model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
@@ -325,7 +326,10 @@ class Run:
         digest = tree_digest(tree, lambda tensors: [sha256_tensor(whole_tensor(t)) for t in tensors], hashlib.sha256)
         rank, world = _rank_and_world()
         if rank == 0:
-            write_final(self.run_dir, final_doc(step, digest, loss, world, whole=True))
+            receipts, checksum = self._proto.receipts, None
+            if receipts is not None and receipts.path and not self.sharded:  # the last receipt's state, as it holds it
+                checksum = {receipts.hash: state_checksum(self._state_tree(step), receipts.hash)}
+            write_final(self.run_dir, final_doc(step, digest, loss, world, checksum, whole=True))
 
     def _state_tree(self, step: int) -> dict[str, Any]:
         """The state after ``step`` as a receipt digests it: every part a checkpoint of it holds."""

@@ -67,7 +67,14 @@ def test_a_stopped_and_resumed_run_is_the_run_straight_through(tmp_path):
     assert certify_trace(tmp_path / "cut")["complete"]
     receipts = [d / "receipts" / "rank_00000.jsonl" for d in (tmp_path / "straight", tmp_path / "cut")]
     assert receipts[0].read_bytes() == receipts[1].read_bytes() and len(read_receipts(receipts[0])[1]) == 4
-    assert check_receipts(tmp_path / "cut")["ok"]
+    checked = check_receipts(tmp_path / "cut")
+    assert checked["ok"] and "final.json's step, loss bits and state against the last receipt" in checked["checked"]
+    last = read_receipts(receipts[1])[1][-1]
+    assert finals[1]["state_checksum"] == {read_receipts(receipts[1])[0]["state_hash"]: last["state"]}
+    edited = {**finals[1], "state_checksum": {k: "0" * len(v) for k, v in finals[1]["state_checksum"].items()}}
+    (tmp_path / "straight" / "final.json").write_text(json.dumps(edited))  # control: a final state not the receipt's
+    assert not check_receipts(tmp_path / "straight")["ok"]
+    (tmp_path / "straight" / "final.json").write_text(json.dumps(finals[0]))
     # negative control: the same stop and resume, but the RNG a resumed run starts from is not the saved one
     _train(tmp_path / "norng", stop_at=2)
     original = samestep.Run.__init__
