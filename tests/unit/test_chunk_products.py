@@ -54,14 +54,16 @@ def test_the_batched_products_give_every_chunk_the_bits_of_its_own_matmul(shape,
 
 
 def test_the_batched_form_is_refused_where_atens_bmm_would_not_give_the_loops_bits():
-    """Below the size threshold ATen's CPU bmm runs its own kernel, whose bytes differ from the GEMM's: the
-    same check catches it (control), and ``batched`` refuses that shape, and any shape on more threads."""
+    """Below the size threshold ATen's CPU bmm may run a kernel of its own (on some CPUs its bytes differ from
+    the GEMM's, on others not: a CPU decides), so ``batched`` refuses that shape on any CPU, and any shape on
+    more threads; the chunked form there is the loop's bits. Control: the same bitwise check catches the same
+    products summed in another order (the kind of difference another kernel makes)."""
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(4, 4, generator=g), torch.randn(16, 4, generator=g)
     loop = torch.cat([x @ c.t() for c in w.chunk(8, 0)], dim=1)
-    bmm = torch.bmm(x.expand(8, 4, 4), w.view(8, 2, 4).transpose(1, 2)).transpose(0, 1).reshape(4, 16)
-    assert not torch.equal(loop.view(torch.int32), bmm.view(torch.int32))
+    reordered = torch.cat([x.flip(1) @ c.flip(1).t() for c in w.chunk(8, 0)], dim=1)
+    assert not torch.equal(loop.view(torch.int32), reordered.view(torch.int32))
     assert not cp.batched(x, 4, 4, 2)
     assert torch.equal(cp.column_forward(x, w, None, 8).view(torch.int32), loop.view(torch.int32))
     torch.set_num_threads(2)
