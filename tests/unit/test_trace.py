@@ -939,3 +939,26 @@ def test_a_collective_forgets_what_it_may_write_and_keeps_memory_still_uninitial
     st.forget([target[2:]])  # a view: the storage is what counts
     assert st.cached(spare, spare._version) == NO_REF
     assert st.cached(target, target._version) is None and st.cached(filled, filled._version) is None
+
+
+def test_a_tensor_set_to_a_storage_object_is_recorded_uninitialised_until_written(tmp_path):
+    """empty then set_ to a new storage (a DataLoader's collate does this before stack(out=) fills it): the
+    set_'s output and the out= destination are uninitialised (UNINIT, not whatever bytes lay there), and the
+    written result is digested. Control: set_ to another tensor (its bytes known) records them."""
+    rec = Recorder(tmp_path, level="op")
+    with rec.step(1), rec.microbatch(0):
+        parts = [torch.full((3,), float(i)) for i in range(2)]
+        out = torch.empty(0).set_(torch.UntypedStorage(6 * 4), 0, (2, 3), (3, 1))
+        torch.stack(parts, out=out)
+        (out + 0).sum()
+        torch.empty(0).set_(parts[1])
+    rec.close()
+    rows = read_stream(stream_path(tmp_path, 0)).table.to_pylist()
+    by_op = {}
+    for r in rows:
+        by_op.setdefault(r["op"], []).append(r)
+    stored = [r for r in by_op["aten.set_.source_Storage_storage_offset"]]
+    assert len(stored) == 1 and stored[0]["outputs"] == bytes(16)
+    assert by_op["aten.stack.out"][0]["outputs"] == bytes.fromhex(digest(torch.tensor([[0.0] * 3, [1.0] * 3])))
+    assert by_op["aten.add.Tensor"][0]["inputs"] == bytes.fromhex(digest(torch.tensor([[0.0] * 3, [1.0] * 3])))
+    assert by_op["aten.set_.source_Tensor"][0]["outputs"] == bytes.fromhex(digest(parts[1]))

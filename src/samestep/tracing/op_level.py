@@ -27,6 +27,9 @@ SCOPE: contextvars.ContextVar[str] = contextvars.ContextVar("samestep_scope", de
 # Ops whose output is uninitialised memory: digesting it would report noise as divergence.
 EMPTY_OPS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
              "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out"}
+# Ops that point their first argument at a storage object, not a tensor: nothing staged says what that memory
+# holds (a DataLoader's collate gets a new one of uninitialised bytes this way, then fills it with out=).
+STORAGE_SET_OPS = {"aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset"}
 # Ops whose first argument is overwritten whole, whatever it held.
 OVERWRITE_OPS = {"aten.copy_.default", "aten.fill_.Scalar", "aten.fill_.Tensor", "aten.zero_.default",
                  "aten.normal_.default", "aten.uniform_.default", "aten.bernoulli_.float", "aten.random_.default",
@@ -221,6 +224,10 @@ class OpMode(TorchDispatchMode):
             self.perturb.apply((self.rank, st.step, st.mb, phase, scope, name, occurrence), outs)
         if name in EMPTY_OPS:
             refs = [stage(t, uninit=True) for t in outs]
+        elif name in STORAGE_SET_OPS:  # counted uninitialised, as a view of it would be, at this version and the next
+            for t in outs:
+                st.remember(t, NO_REF, t._version, also_next=True)
+            refs = [NO_REF] * len(outs)
         elif kind.collective:
             # It completes on another thread after it returns: its output bytes are not there yet (the
             # step level records the finished reduction; see collectives.py). It writes them below the
