@@ -215,6 +215,21 @@ class RunProtocol:
             self.receipts.watch(optimizer)
         return self.receipts
 
+    def receipt_holds(self, step: int) -> bool | None:
+        """Whether the state now is the one this rank's receipt of ``step`` (the newest) records: something may
+        have changed it since (a framework's callback after samestep's, before the framework saves it). None:
+        this rank keeps no receipt of that step."""
+        receipts = self.receipts
+        if receipts is None or receipts.path is None or self._state is None or receipts.last_step != step:
+            return None
+        receipts.wait()
+        if receipts.last_state is None:
+            return None
+        from samestep.checksums import state_checksum
+        from samestep.receipts import local_tree
+
+        return state_checksum(local_tree(self._state(step)()), receipts.hash) == receipts.last_state
+
     # -- 4. after each step --------------------------------------------------------------------------------
     @contextlib.contextmanager
     def watching(self, signals: tuple[str, ...]) -> Generator[StopRequest, None, None]:

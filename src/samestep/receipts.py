@@ -44,7 +44,7 @@ from samestep.durable import read_file, replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL, receipts_dir
 
 __all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "RefusedElsewhere", "StepSums",
-           "chain_break", "check_restored", "continue_receipts", "genesis", "lost_receipts", "read_header",
+           "chain_break", "check_restored", "continue_receipts", "genesis", "local_tree", "lost_receipts", "read_header",
            "read_receipts", "read_run_receipts", "receipt_hash", "receipts_path", "receipt_state_of", "state_hash_of",
            "truncate_receipts"]
 
@@ -77,13 +77,13 @@ def receipt_hash(receipt: dict[str, Any]) -> str:
     return hashlib.sha256(canonical_json({k: v for k, v in receipt.items() if k != "hash"})).hexdigest()
 
 
-def _local(tree: Any) -> Any:
+def local_tree(tree: Any) -> Any:
     """A state tree with each DTensor replaced by its local shard: checksumming one must not start a
     collective (the receipt thread joins none)."""
     if isinstance(tree, dict):
-        return {k: _local(v) for k, v in tree.items()}
+        return {k: local_tree(v) for k, v in tree.items()}
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_local(v) for v in tree)
+        return type(tree)(local_tree(v) for v in tree)
     to_local = getattr(tree, "to_local", None)
     return to_local() if callable(to_local) else tree
 
@@ -139,6 +139,7 @@ class ReceiptWriter:
         self.shared = shared if shared is not None else StepChecksums()
         self.prev, self.last_step = first_prev, start
         self.last: StepSums | None = None  # of the newest step given ``sums`` (read after ``wait``)
+        self.last_state: str | None = None  # the newest receipt's state checksum (read after ``wait``)
         self.cpu_seconds = 0.0  # the receipt thread's CPU time, all steps: what the receipts take from the machine
         self._error: BaseException | None = None
         self._hooks: list[Any] = []
@@ -175,15 +176,16 @@ class ReceiptWriter:
                 memo = self.shared.of_step(fields["step"], self.hash)  # one pass over the step's tensors
                 if sums is not None:
                     of = memo if self.sums_hash == self.hash else Checksums(self.sums_hash)  # a version-1 file's
-                    self.last = StepSums(fields["step"], {group: of.named([(n, _local(t)) for n, t in named])
+                    self.last = StepSums(fields["step"], {group: of.named([(n, local_tree(t)) for n, t in named])
                                                           for group, named in sums.items()})
                 if self._file is not None:
-                    receipt = {**fields, "state": state_checksum(_local(state()), self.hash, memo), "prev": self.prev}
+                    receipt = {**fields, "state": state_checksum(local_tree(state()), self.hash, memo),
+                               "prev": self.prev}
                     if self.version >= 2:
                         receipt["state_of"] = self.state_of
                     receipt["hash"] = receipt_hash(receipt)
                     self._file.write(json.dumps(receipt, sort_keys=True) + "\n")  # flushed by sync
-                    self.prev = receipt["hash"]
+                    self.prev, self.last_state = receipt["hash"], receipt["state"]
             except BaseException as e:  # raised on the training thread at the next wait
                 self._error = e
             finally:
@@ -418,7 +420,7 @@ def check_restored(run_dir: str | os.PathLike[str], rank: int, step: int, tree: 
     receipt = next((r for r in receipts if r["step"] == step), None)
     if receipt is None:
         return
-    digest = state_checksum(_local(tree), state_hash_of(header))
+    digest = state_checksum(local_tree(tree), state_hash_of(header))
     if digest != receipt["state"]:
         raise ReceiptError(f"the checkpoint of step {step} restores state {digest[:16]}..., but {path} records "
                            f"{receipt['state'][:16]}... for that step: the checkpoint was changed after it was "

@@ -76,3 +76,31 @@ def test_lightning_killed_and_resumed_mid_epoch_is_the_run_straight_through(tmp_
     assert _diff(tmp_path / "straight", tmp_path / "cut") == 0
     _same_receipts(tmp_path / "straight", tmp_path / "cut")
     assert refused.returncode != 0 and "ResumeMismatch" in refused.stderr and "KeyedSampler" in refused.stderr
+
+
+def test_a_callback_that_changes_the_model_after_samesteps_receipt_is_named_at_the_save(tmp_path):
+    """The example's PlantAt (one ULP added to a weight in on_step_end) listed after SamestepCallback, at the
+    step the Trainer saves: the state saved is not the one samestep's receipt of that step records (so no resume
+    from it could pass its check, and verify would call the checkpoint not the run's); the save says so at once,
+    naming the checkpoint, what happened and the fix. Control: listed before it, as the example lists it, the
+    receipt holds the change and the save passes."""
+    code = ("import sys, torch\n"
+            "from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments\n"
+            f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+            "from hf_trainer import PlantAt, Tokens\n"
+            "from samestep.integrations.huggingface import SamestepCallback\n"
+            "out = sys.argv[1]\n"
+            "plant, samestep_cb = PlantAt(3), SamestepCallback()\n"
+            "callbacks = [samestep_cb, plant] if sys.argv[2] == 'after' else [plant, samestep_cb]\n"
+            "args = TrainingArguments(output_dir=out, max_steps=3, save_steps=3, per_device_train_batch_size=4,\n"
+            "                         use_cpu=True, report_to=[], logging_steps=100, dataloader_num_workers=0)\n"
+            "torch.manual_seed(0)\n"
+            "config = GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=2)\n"
+            "Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(), callbacks=callbacks).train()\n")
+    after, before = (Forked([str(tmp_path / order), order], code=code) for order in ("after", "before"))
+    after.wait(), before.wait()
+    assert after.returncode != 0, after.stderr[-3000:]
+    assert "checkpoint-3: the Trainer saved another state than samestep's receipt of step 3" in after.stderr
+    assert "list SamestepCallback after that callback" in after.stderr
+    assert before.returncode == 0, before.stderr[-3000:]
+    assert (tmp_path / "before" / "checkpoint-3" / "samestep.json").is_file()

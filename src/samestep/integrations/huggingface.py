@@ -180,6 +180,13 @@ class SamestepCallback(TrainerCallback):
         checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if not args.should_save or not checkpoint.is_dir():
             return
+        if self._hooked is not None and self._hooked.proto.receipt_holds(state.global_step) is False:
+            raise ValueError(f"{checkpoint}: the Trainer saved another state than samestep's receipt of step "
+                             f"{state.global_step} records: something changed the model, optimizer or scheduler "
+                             "between SamestepCallback's on_step_end and the save (a callback listed after it, in "
+                             "its on_step_end), so no resume from this checkpoint would pass its check. Fix: make "
+                             "that change before the step's update ends (on_pre_optimizer_step, or in the "
+                             "optimizer), or list SamestepCallback after that callback")
         doc = {**state_fingerprint(state.global_step, model, optimizer, lr_scheduler), "rng": rng_digest()}
         write_durable(checkpoint / FINGERPRINT, json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n")
 
