@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import cli_here
 from tests.forgery import flip_a_weight, rewrite_receipts
@@ -75,18 +76,31 @@ def test_an_hf_trainer_run_is_verified_from_its_checkpoint_and_bisected_to_a_pla
 def test_a_lightning_run_is_verified_from_its_indexed_checkpoint_and_an_edited_loss_is_not_reproduced(tmp_path):
     """The Lightning example (6 steps, 2 batches a step, ModelCheckpoint every 3): run.json indexes the files of
     steps 3 and 6; verify of steps 4-6 resumes fit from a copy of step 3's file and reproduces every receipt
-    (loss bits and state), writing nothing into the run's checkpoint folder. Negative control: the loss of
-    step 5 edited in the receipts, the chain rehashed, is NOT REPRODUCED at step 5."""
+    (loss bits and state), writing nothing into the run's checkpoint folder. The indexed paths are relative to
+    the run directory: a copy of the run with one weight of its step-3 file changed is NOT THE RUN'S (it was
+    checked against the original's files when they were absolute). Negative control: the loss of step 5 edited
+    in the receipts, the chain rehashed, is NOT REPRODUCED at step 5."""
     shutil.copy(EXAMPLES / "lightning_fit.py", tmp_path)
     _finish(_start(tmp_path, "lightning_fit.py", "run"))
     run = tmp_path / "run"
     doc = json.loads((run / "run.json").read_text())
     assert doc["programs"][0]["resumes"] == {"by": "lightning.Trainer"}
     assert sorted(e["step"] for e in doc["checkpoints"]) == [3, 6], doc["checkpoints"]
+    assert all(e["path"].startswith("checkpoints/") for e in doc["checkpoints"]), doc["checkpoints"]
     before = _files(run)
     report = _json(cli_here("verify", "--yes", str(run), "--steps", "4-6", "--json"), 0)
     assert report["reproduced"] and report["replayed_from"] == 3 and report["compared"] == 3, report
     assert _files(run) == before
+
+    copy = tmp_path / "copy"  # a copy is verified against its own checkpoint files, not the original's
+    shutil.copytree(run, copy)
+    (ckpt,) = [copy / e["path"] for e in doc["checkpoints"] if e["step"] == 3]
+    state = torch.load(ckpt, weights_only=False)
+    weight = state["state_dict"]["net.0.weight"].view(-1)
+    weight[0] = torch.nextafter(weight[0], torch.tensor(float("inf")))
+    torch.save(state, ckpt)
+    proc = cli_here("verify", "--yes", str(copy), "--steps", "4-6")
+    assert proc.returncode == 1 and "NOT THE RUN'S: the checkpoint of step 3" in proc.stdout, proc.stdout + proc.stderr
 
     rewrite_receipts(run / "receipts" / "rank_00000.jsonl", lambda rs: rs[4].update(loss_hex=(0.5).hex()))
     proc = cli_here("verify", "--yes", str(run), "--steps", "5")
