@@ -247,3 +247,24 @@ def test_at_a_terminal_the_program_is_shown_and_runs_on_yes_only(tree):
     assert "command:" in shown and f"{_sha(tree / 'replayed_loop.py')}  replayed_loop.py" in shown, shown
     code, shown = _at_a_terminal(argv, "y", env)
     assert code == 0 and "reproduced by replayed_loop.py" in shown, shown
+
+
+def test_a_program_the_verifier_gives_runs_without_asking_and_is_checked_against_the_runs_hashes(tree, tmp_path,
+                                                                                              monkeypatch):
+    """`samestep verify RUN -- python replayed_loop.py a`, in the verifier's own checkout of the program: it runs
+    with no --yes (the verifier's own word), under the run's launcher, and reproduces, naming that code. A
+    checkout whose script differs from the run's hashes is refused (exit 2) as a changed program is; a command
+    line that is not `python SCRIPT` is refused by name (controls)."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    shutil.copy(tree / "replayed_loop.py", checkout)
+    monkeypatch.chdir(checkout)
+    proc = cli_here("verify", str(tree / "a"), "--steps", "4", "--", sys.executable, "replayed_loop.py", "a")
+    assert proc.returncode == 0 and "reproduced by replayed_loop.py sha256:" in proc.stdout, proc.stdout + proc.stderr
+    assert not (checkout / "a").exists() and not _ran(tree)  # the replay wrote its scratch directory only
+    with open(checkout / "replayed_loop.py", "a") as f:
+        f.write("# another version\n")
+    proc = cli_here("verify", str(tree / "a"), "--steps", "4", "--", sys.executable, "replayed_loop.py", "a")
+    assert proc.returncode == 2 and "replayed_loop.py: edited since the run" in proc.stderr, proc.stderr
+    proc = cli_here("verify", str(tree / "a"), "--steps", "4", "--", "bash", "-c", "true")
+    assert proc.returncode == 2 and "give it as `python SCRIPT ARGS`" in proc.stderr, proc.stderr
