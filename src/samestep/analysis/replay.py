@@ -129,15 +129,7 @@ def plan(run_dir: Path, start: int, end: int, *, force: bool = False, given: lis
     doc = read_run(run_dir)
     check_replayable(run_dir, doc)
     if doc.get("written_by") != "samestep.trace":
-        nproc = layout_at(doc, start + 1).get("world_size", 1)
-        if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
-            raise ReplayError(f"{run_dir / 'run.json'}: the layout of step {start + 1} has world_size={nproc!r}, not "
-                              "a process count (an integer >= 1): the run cannot be replayed")
-        device = dotted(doc.get("config", {})).get("train.device", "auto")
-        gpus = _gpus_here() if device == "cuda" or (device == "auto" and _gpus_here()) else None
-        return Plan(run_dir=run_dir, doc=doc, start=start, end=end,
-                    launch=Launch(run_dir=run_dir, cmd=[sys.executable, "-m", "samestep", "train"], cwd=Path.cwd(),
-                                  nproc=nproc, cap=program.machine_cap(gpus)))
+        return _train_plan(run_dir, doc, start, end)
     ran = program.program_at(doc, start + 1)
     if ran is None:
         raise ReplayError(f"{run_dir / 'run.json'} records no program for step {start + 1} (its programs start "
@@ -154,8 +146,8 @@ def plan(run_dir: Path, start: int, end: int, *, force: bool = False, given: lis
                           "pass --force (the verdict then says so)")
     if changed:
         notes.append(f"the program changed since the run, replayed as it is now (--force): {'; '.join(changed)}")
-    gpu_run = bool(doc.get("environment", {}).get("cuda.device_count"))
-    nproc = program.process_cap(ran, run_dir, _gpus_here() if gpu_run else None)
+    gpus = _gpus_here() if doc.get("environment", {}).get("cuda.device_count") else None  # None: a CPU run
+    nproc = program.process_cap(ran, run_dir, gpus)
     ignored = program.ignored_env(ran)
     if ignored:
         notes.append(f"not applied from the record: {', '.join(ignored)} (a replay applies only the variables that "
@@ -163,10 +155,26 @@ def plan(run_dir: Path, start: int, end: int, *, force: bool = False, given: lis
     cmd, cwd, env = program.relaunch(ran, interpreter)
     applied = {k: env[k] for k in ENV_VARS if isinstance(ran.get("env", {}).get(k), str)}
     launch = Launch(run_dir=run_dir, cmd=cmd, cwd=cwd, env=applied, nproc=nproc, identity=program.identity(ran),
-                    given=given is not None, ignored=tuple(ignored),
-                    cap=program.machine_cap(_gpus_here() if gpu_run else None))
+                    given=given is not None, ignored=tuple(ignored), cap=program.machine_cap(gpus))
     return Plan(run_dir=run_dir, doc=doc, start=start, end=end, launch=launch, program=ran, env=env,
                 changed=tuple(changed), notes=tuple(notes))
+
+
+def _train_plan(run_dir: Path, doc: dict[str, Any], start: int, end: int) -> Plan:
+    """``plan`` of a ``samestep train`` run: samestep's trainer on the layout that ran step ``start + 1``.
+
+    Raises:
+        ReplayError: that layout's process count is not one.
+    """
+    nproc = layout_at(doc, start + 1).get("world_size", 1)
+    if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
+        raise ReplayError(f"{run_dir / 'run.json'}: the layout of step {start + 1} has world_size={nproc!r}, not a "
+                          "process count (an integer >= 1): the run cannot be replayed")
+    device = dotted(doc.get("config", {})).get("train.device", "auto")
+    gpus = _gpus_here() if device == "cuda" or (device == "auto" and _gpus_here()) else None
+    launch = Launch(run_dir=run_dir, cmd=[sys.executable, "-m", "samestep", "train"], cwd=Path.cwd(), nproc=nproc,
+                    cap=program.machine_cap(gpus))
+    return Plan(run_dir=run_dir, doc=doc, start=start, end=end, launch=launch)
 
 
 def replay(plan: Plan, scratch: Path, settings: tuple[str, ...] = (), timeout: float = 3600) -> list[str]:
