@@ -28,8 +28,8 @@ from typing import Any
 from samestep.env import ENV_VARS
 from samestep.rundir import read_run, write_run
 
-__all__ = ["ProgramError", "check", "describe", "given", "identity", "ignored_env", "machine_cap", "process_cap", "program_at", "record",
-           "relaunch", "run_dir_of"]
+__all__ = ["ProgramError", "check", "describe", "given", "identity", "ignored_env", "machine_cap", "process_cap",
+           "program_at", "record", "relaunch", "run_dir_of"]
 
 # what torchrun's workers find in their environment (torch.distributed.run sets each)
 _TORCHRUN = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "WORLD_SIZE")
@@ -178,6 +178,9 @@ def check(program: dict[str, Any], where: Path) -> list[str]:
     if target is None:
         raise ProgramError(f"{where / 'run.json'}: programs[].argv runs {kind}, not a program on disk: it cannot be "
                            "replayed")
+    if kind == "module" and not all(part.isidentifier() for part in target.split(".")):
+        raise ProgramError(f"{where / 'run.json'}: programs[].argv runs the module {target!r}, which is no module "
+                           "name: the record cannot be replayed")
     if kind == "module" and target in _LAUNCHERS:
         raise ProgramError(f"{where / 'run.json'}: programs[].argv runs the launcher {target}: a launcher is recorded "
                            "in programs[].launcher, never in the arguments (a replay caps its processes there)")
