@@ -4,6 +4,8 @@
     python examples/lightning_fit.py runs/plcut --kill-after 3   # killed (SIGKILL) after checkpoint 3 ...
     python examples/lightning_fit.py runs/plcut --resume         # ... resumed: the same bits as runs/pl
     samestep diff runs/pl runs/plcut                             # exit 0: identical
+    python examples/lightning_fit.py runs/plp --plant-step 5     # one ULP added to a weight after step 5 ...
+    samestep bisect runs/pl runs/plp                             # ... found: diverged at step 5
 """
 
 import argparse
@@ -45,7 +47,23 @@ class KillAfter(pl.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def main(run: Path, kill_after: int | None, resume: bool, seed: int, plain: bool, without: bool) -> str:
+class PlantAt(pl.Callback):
+    """Adds one ULP to a weight after step ``step``'s update (a difference for samestep bisect to find); before
+    SamestepCallback in the list, so that step's receipt holds it."""
+
+    def __init__(self, step: int) -> None:
+        self.step, self.done = step, False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.step and not self.done:  # the batch that ended the step's update
+            self.done = True
+            with torch.no_grad():
+                w = pl_module.net[0].weight.view(-1)
+                w[0] = torch.nextafter(w[0], torch.tensor(float("inf")))
+
+
+def main(run: Path, kill_after: int | None, resume: bool, seed: int, plain: bool, without: bool,
+         plant_step: int | None = None) -> str:
     g = samestep.rng.generator(seed, 0, 0, "dataset")
     x = torch.randn(32, 8, generator=g)
     data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
@@ -53,7 +71,8 @@ def main(run: Path, kill_after: int | None, resume: bool, seed: int, plain: bool
     sampler = torch.utils.data.RandomSampler(data) if plain else KeyedSampler(len(data), seed)
     loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=run / "checkpoints", every_n_train_steps=3, save_top_k=-1)
-    callbacks = [checkpoints] + ([] if without else [SamestepCallback(run)]) + ([KillAfter(kill_after)] if kill_after else [])
+    callbacks = ([checkpoints] + ([PlantAt(plant_step)] if plant_step else []) + ([] if without else [SamestepCallback(run)])
+                 + ([KillAfter(kill_after)] if kill_after else []))
     pl.seed_everything(seed, verbose=False)
     module = Regression()
     trainer = pl.Trainer(max_steps=6, accumulate_grad_batches=2, callbacks=callbacks, accelerator="cpu",
@@ -72,5 +91,6 @@ if __name__ == "__main__":
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plain-sampler", action="store_true", help="torch's RandomSampler, which cannot resume")
     ap.add_argument("--without-samestep", action="store_true", help="Lightning alone, for comparison")
+    ap.add_argument("--plant-step", type=int, default=None, help="one ULP added to a weight after this step")
     a = ap.parse_args()
-    print(main(a.run, a.kill_after, a.resume, a.seed, a.plain_sampler, a.without_samestep))
+    print(main(a.run, a.kill_after, a.resume, a.seed, a.plain_sampler, a.without_samestep, a.plant_step))

@@ -78,10 +78,12 @@ def test_a_lightning_run_is_verified_from_its_indexed_checkpoint_and_an_edited_l
     steps 3 and 6; verify of steps 4-6 resumes fit from a copy of step 3's file and reproduces every receipt
     (loss bits and state), writing nothing into the run's checkpoint folder. The indexed paths are relative to
     the run directory: a copy of the run with one weight of its step-3 file changed is NOT THE RUN'S (it was
-    checked against the original's files when they were absolute). Negative control: the loss of step 5 edited
-    in the receipts, the chain rehashed, is NOT REPRODUCED at step 5."""
+    checked against the original's files when they were absolute). A run with a ULP planted after step 5 is
+    bisected to step 5 (both replayed from step 3), its origin not the collate's set_ of a fresh storage, which
+    op tracing once took for data. Negative control: the loss of step 5 edited in the receipts, the chain
+    rehashed, is NOT REPRODUCED at step 5."""
     shutil.copy(EXAMPLES / "lightning_fit.py", tmp_path)
-    _finish(_start(tmp_path, "lightning_fit.py", "run"))
+    _finish(_start(tmp_path, "lightning_fit.py", "run"), _start(tmp_path, "lightning_fit.py", "p", "--plant-step", "5"))
     run = tmp_path / "run"
     doc = json.loads((run / "run.json").read_text())
     assert doc["programs"][0]["resumes"] == {"by": "lightning.Trainer"}
@@ -91,6 +93,10 @@ def test_a_lightning_run_is_verified_from_its_indexed_checkpoint_and_an_edited_l
     report = _json(cli_here("verify", "--yes", str(run), "--steps", "4-6", "--json"), 0)
     assert report["reproduced"] and report["replayed_from"] == 3 and report["compared"] == 3, report
     assert _files(run) == before
+
+    bisected = _json(cli_here("bisect", "--yes", str(run), str(tmp_path / "p"), "--json"), 1)
+    assert bisected["first_divergent_step"] == 5 and bisected["replayed_from"] == 3, bisected["summary"]
+    assert bisected["reproduced"] and "set_" not in bisected["summary"], bisected["summary"]
 
     copy = tmp_path / "copy"  # a copy is verified against its own checkpoint files, not the original's
     shutil.copytree(run, copy)
