@@ -230,7 +230,8 @@ def test_nan_inf_and_signed_zero():
 
 def test_half_precision_accumulates_in_float32():
     """bfloat16 sums accumulate in float32 and round once: samestep's bits equal that reference, and PyTorch's
-    1-d index_add, which rounds at every addition, gives other bits here (the documented difference)."""
+    1-d index_add, which rounds at every addition, gives other bits here (the documented difference); so does
+    PyTorch's 2-d index_add with an alpha other than 1, farther from the exact sum (with alpha 1: the same)."""
     n = 300
     idx = torch.randint(0, 3, (n,), generator=G)
     src = _wide(n, dtype=torch.bfloat16)
@@ -243,6 +244,17 @@ def test_half_precision_accumulates_in_float32():
     assert first_difference(ops.index_add(base, 0, idx, src), wide) is None
     assert first_difference(ops.index_put(base, (idx,), src, accumulate=True), wide) is None
     assert first_difference(base.clone().index_add_(0, idx, src), per_step) is None  # PyTorch's 1-d kernel
+    # with alpha the sum is alpha times each contribution, in float32, rounded once: closer to the exact sum
+    # than PyTorch's 2-d kernel, whose bits differ in most elements (the documented difference; alpha 1: equal)
+    base2, src2 = _wide(3, 4, dtype=torch.bfloat16), _wide(n, 4, dtype=torch.bfloat16)
+    exact = base2.double().index_add(0, idx, src2.double(), alpha=-1.7)
+    ours = ops.index_add(base2, 0, idx, src2, alpha=-1.7)
+    assert first_difference(ours, base2.float().index_add_(0, idx, src2.float(), alpha=-1.7).to(torch.bfloat16)) \
+        is None
+    theirs = base2.clone().index_add_(0, idx, src2, alpha=-1.7)
+    assert first_difference(ours, theirs) is not None
+    assert (ours.double() - exact).abs().sum() < (theirs.double() - exact).abs().sum()
+    assert first_difference(ops.index_add(base2, 0, idx, src2), base2.clone().index_add_(0, idx, src2)) is None
 
 
 # -- routing: what races, what is refused or warned about -------------------------------------------------
