@@ -419,3 +419,64 @@ def test_routed_ops_on_tensors_without_values_take_pytorchs_shapes(where):
     finally:
         _impl.fold = folded
     assert calls, "a routed op on real tensors did not reach samestep's kernel"
+
+
+def _out_cases():
+    """(name, functional call, out= call) for every out= overload of a routed op, on inputs where samestep
+    computes the answer (put: bf16, which PyTorch's serial loop does not take)."""
+    aten = torch.ops.aten
+    x, i, s = _wide(50, 8), torch.randint(0, 50, (40,), generator=G), _wide(40, 8)
+    i2 = i.unsqueeze(1).expand(-1, 8).contiguous()
+    xb, sb = x.to(torch.bfloat16), s.to(torch.bfloat16)
+    w, b = torch.rand(40, generator=G), torch.randint(0, 9, (40,), generator=G)
+    return [
+        ("index_put", lambda: aten.index_put(x, [i], s, True), lambda o: aten.index_put.out(x, [i], s, True, out=o)),
+        ("put", lambda: aten.put(xb, i * 8, sb[:, 0], True), lambda o: aten.put.out(xb, i * 8, sb[:, 0], True, out=o)),
+        ("index_add", lambda: aten.index_add(x, 0, i, s, alpha=-0.3),
+         lambda o: aten.index_add.out(x, 0, i, s, alpha=-0.3, out=o)),
+        ("scatter_add", lambda: aten.scatter_add(x, 0, i2, s), lambda o: aten.scatter_add.out(x, 0, i2, s, out=o)),
+        ("scatter_reduce", lambda: aten.scatter_reduce.two(x, 0, i2, s, "mean"),
+         lambda o: aten.scatter_reduce.two_out(x, 0, i2, s, "mean", out=o)),
+        ("scatter", lambda: aten.scatter.reduce(x, 0, i2, s, reduce="add"),
+         lambda o: aten.scatter.reduce_out(x, 0, i2, s, reduce="add", out=o)),
+        ("embedding_dense_backward", lambda: aten.embedding_dense_backward(s, i, 50, -1, False),
+         lambda o: aten.embedding_dense_backward.out(s, i, 50, -1, False, out=o)),
+        ("bincount", lambda: aten.bincount(b, w, 0), lambda o: aten.bincount.out(b, w, 0, out=o)),
+    ]
+
+
+@pytest.mark.parametrize("case", _out_cases(), ids=lambda c: c[0])
+def test_every_out_overload_of_a_routed_op_writes_its_out(case):
+    """An out= overload of a routed op writes samestep's answer (the functional form's bits) into ``out`` and
+    returns it: into an ``out`` of the right shape holding -7, into an empty one (resized), and into one of
+    another shape (resized, with PyTorch's warning). Negative control: ``out`` as it was (what the routing
+    once left there) is not that answer."""
+    name, functional, into = case
+    with samestep.enable(kernels=True):
+        want = functional()
+        for out in (torch.full_like(want, -7), torch.empty(0, dtype=want.dtype)):
+            assert first_difference(out, want) is not None or not want.numel()  # the control: not yet written
+            got = into(out)
+            assert got is out and first_difference(out, want) is None, name
+        other = torch.zeros(3, dtype=want.dtype)
+        with pytest.warns(UserWarning, match="was resized"):
+            into(other)
+        assert first_difference(other, want) is None, name
+
+
+def test_an_expanded_destination_is_left_to_pytorchs_kernel_by_name():
+    """index_put_ with accumulate into an expanded tensor (every row the same memory) adds every contribution
+    into it, as PyTorch does ([[3, 3, 3]]), with a warning naming the fallback; a fold could not write it.
+    Control: into a tensor of its own the kernel takes it, with no warning."""
+    def call(base):
+        return base.index_put_((torch.tensor([0, 1, 1]),), torch.ones(3, 3), accumulate=True)
+
+    want = call(torch.zeros(1, 3).expand(4, 3))
+    with samestep.enable(kernels=True):
+        with pytest.warns(RuntimeWarning, match="index_put_ into a tensor whose elements share memory"):
+            got = call(torch.zeros(1, 3).expand(4, 3))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", RuntimeWarning)
+            own = call(torch.zeros(4, 3))
+    assert first_difference(got, want) is None and got.tolist() == [[3.0] * 3] * 4
+    assert own.tolist() == [[1.0] * 3, [2.0] * 3, [0.0] * 3, [0.0] * 3]

@@ -1,7 +1,9 @@
 """Routes PyTorch's own scatter-type ops to samestep's deterministic kernels, with no model change.
 
 Pushed by ``samestep.enable(kernels=True)`` as a TorchDispatchMode (below autograd, so gradients are
-unchanged in meaning, and PyTorch's backward formulas reach the kernels too). Tensors without values (on the
+unchanged in meaning, and PyTorch's backward formulas reach the kernels too). Every overload of a routed op
+is routed, its ``out=`` forms writing the answer into ``out``; an in-place destination whose elements share
+memory (expanded) is PyTorch's kernel's, named in a warning. Tensors without values (on the
 meta device, or fake ones a compiler traces) go to PyTorch's own op: only shapes are computed there.
 ``ROUTED`` lists what is routed and when; every other accumulating op is listed in ``UNROUTED`` with the reason PyTorch's own
 kernel is kept, and on a device where that kernel may race (not the CPU) with deterministic algorithms
@@ -23,7 +25,8 @@ __all__ = ["KernelMode", "ROUTED", "UNROUTED"]
 
 aten = torch.ops.aten
 
-# ATen op -> when it is routed. Every form of each, in place or not.
+# ATen op -> when it is routed. Every form of each: functional, in place, and out= (into ``out``, resized as
+# PyTorch resizes it).
 ROUTED: dict[str, str] = {
     "aten.index_put": "accumulate=True, any index form (tensors, masks, None between them)",
     "aten.index_put_": "accumulate=True, any index form",
@@ -86,12 +89,38 @@ def _arg(args, kwargs, position: int, name: str, default=None):
     return args[position] if len(args) > position else kwargs.get(name, default)
 
 
+# an out= overload -> the overload whose arguments it takes, less ``out``
+_FUNCTIONAL_OF = {"out": "default", "two_out": "two", "reduce_out": "reduce", "src_out": "src", "value_out": "value",
+                  "value_reduce_out": "value_reduce"}
+
+
+def _writes_out(func) -> bool:
+    return any(a.is_out for a in func._schema.arguments)
+
+
+def _into(func, args, kwargs, result):
+    """An out= overload's ``result`` (computed fresh) written into its ``out``, as PyTorch writes one: resized to
+    the result's shape (PyTorch's ``resize_output``, which warns where it resizes a non-empty tensor). Where
+    ``out`` overlaps an argument PyTorch's own call runs first, and raises as PyTorch does."""
+    out = kwargs["out"]
+    if any(overlaps(out, t) for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)):
+        func(*args, **kwargs)
+    if out.shape != result.shape:
+        if out.numel():
+            warnings.warn(f"An output with one or more elements was resized since it had shape {list(out.shape)}, which "
+                          f"does not match the required output shape {list(result.shape)} (PyTorch's resize_output "
+                          "warning: resize out to zero elements, out.resize_(0), to reuse it)", UserWarning,
+                          stacklevel=4)
+        out.resize_(result.shape)
+    return out.copy_(result)
+
+
 class KernelMode(TorchDispatchMode):
     """Replaces the ops in ``ROUTED`` by samestep's deterministic implementations."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._warned: set[str] = set()
+        self._warned: set[str | tuple[str, str]] = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -102,6 +131,16 @@ class KernelMode(TorchDispatchMode):
         if func.overloadpacket in _UNROUTED_PACKETS:
             self._warn_if_racy(func, args)
         return func(*args, **kwargs)
+
+    def _fall_back(self, packet, why: str) -> None:
+        """Warns once for ``packet`` that a call ``why`` goes to PyTorch's own kernel (its bits, serial under
+        deterministic algorithms), not samestep's."""
+        name = str(packet)
+        if (name, why) in self._warned:
+            return
+        self._warned.add((name, why))
+        warnings.warn(f"samestep kernels: {name} {why} is left to PyTorch's own kernel: its bits, not samestep's "
+                      "(deterministic algorithms keep it in one order)", RuntimeWarning, stacklevel=4)
 
     def _warn_if_racy(self, func, args) -> None:
         name = str(func.overloadpacket)
@@ -116,8 +155,24 @@ class KernelMode(TorchDispatchMode):
                       RuntimeWarning, stacklevel=3)
 
     def _route(self, func, args, kwargs):
+        if not _writes_out(func):
+            return self._values(func, func._overloadname, args, kwargs)
+        out = kwargs.get("out")
+        rest = {k: v for k, v in kwargs.items() if k != "out"}
+        result = self._values(func, _FUNCTIONAL_OF.get(func._overloadname, ""), args, rest)
+        if result is NotImplemented or not isinstance(out, torch.Tensor) or out.dtype != result.dtype \
+                or out.device != result.device:
+            return NotImplemented  # another dtype or device for out: PyTorch's own rules (casts, errors)
+        return _into(func, args, kwargs, result)
+
+    def _values(self, func, overload: str, args, kwargs):
+        """The op's result as a new tensor (in place: written into ``args[0]``), or NotImplemented where it is not
+        routed; ``overload``: the functional form's name (an out= overload's twin)."""
         packet = func.overloadpacket
         inplace = str(packet).endswith("_")
+        if inplace and isinstance(args[0], torch.Tensor) and torch._debug_has_internal_overlap(args[0]) == 1:
+            self._fall_back(packet, "into a tensor whose elements share memory (expanded)")
+            return NotImplemented  # PyTorch adds every contribution into the shared memory; a fold cannot write it
 
         def run(compute):  # in place: into args[0]; else a new tensor
             return _in_place(func, args, kwargs, lambda a: compute(a, a[0])) if inplace else compute(args, None)
@@ -136,7 +191,6 @@ class KernelMode(TorchDispatchMode):
             if not _arg(args, kwargs, 3, "accumulate", False) or _indexing.put_by_torch(args[0], args[1]):
                 return NotImplemented  # PyTorch's own kernel computes the definition
             return run(lambda a, out: _indexing.put(a[0], a[1], a[2], True, out=out))
-        overload = func._overloadname
         if packet in (aten.index_add, aten.index_add_) and overload == "default":
             alpha = _arg(args, kwargs, 4, "alpha", 1)
             return run(lambda a, out: _impl.index_add(*a[:4], alpha, out=out))
