@@ -962,3 +962,27 @@ def test_a_tensor_set_to_a_storage_object_is_recorded_uninitialised_until_writte
     assert by_op["aten.stack.out"][0]["outputs"] == bytes.fromhex(digest(torch.tensor([[0.0] * 3, [1.0] * 3])))
     assert by_op["aten.add.Tensor"][0]["inputs"] == bytes.fromhex(digest(torch.tensor([[0.0] * 3, [1.0] * 3])))
     assert by_op["aten.set_.source_Tensor"][0]["outputs"] == bytes.fromhex(digest(parts[1]))
+
+
+def test_a_perturbation_that_plants_nothing_is_an_error_at_the_end_of_its_step(tmp_path):
+    """A perturb spec that matches no op of its step (a scope misspelt), or whose step is not traced at op
+    level, raises at that step's end naming the spec, instead of leaving the run unperturbed and a diff of it
+    "identical". Control: the spec of a record the step makes plants its ULP and the step ends."""
+    def run(path: Path, perturb: Perturb, level: str = "op") -> None:
+        rec = Recorder(path, level=level, perturb=perturb)
+        try:
+            with rec.step(1), rec.microbatch(0):
+                (torch.ones(4) * 3).sum()
+        finally:
+            rec.close()
+
+    hit = Perturb(rank=0, step=1, microbatch=0, phase="forward", scope="", op="aten.mul.Tensor")
+    run(tmp_path / "hit", hit)
+    assert hit.fired
+    missed = Perturb(rank=0, step=1, microbatch=0, phase="forward", scope="lm_haed", op="aten.mul.Tensor")
+    with pytest.raises(ValueError, match=r"trace.perturb: rank=0,step=1,microbatch=0,phase=forward,scope=lm_haed,"
+                                         r"op=aten.mul.Tensor,occurrence=0 matched no floating-point op output"):
+        run(tmp_path / "missed", missed)
+    with pytest.raises(ValueError, match="nothing was planted"):
+        run(tmp_path / "untraced", Perturb(rank=0, step=1, microbatch=0, phase="forward", scope="",
+                                           op="aten.mul.Tensor"), level="step")

@@ -286,6 +286,8 @@ class Recorder:
                         self._collectives.record_done()
                     self.record(END, [])
                 self.flush()
+        if self.perturb is not None:  # one that never fired is an error (a rank or step not traced at op level too)
+            self.perturb.check_fired(step, self.rank)
 
     def _look_at_knobs(self, step: int, where: Callable[[], str] | None = None) -> None:
         """Whether the knobs enable() set still hold: the whole check at the first look, then whenever the
