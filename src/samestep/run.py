@@ -52,8 +52,8 @@ from samestep.receipt_state import state_tree
 from samestep.receipts import genesis
 from samestep.checksums import state_checksum, state_hash_for
 from samestep._state import persistent_buffers, sha256_tensor, tree_digest
-from samestep.run_checks import (declared, loader_generators, refuse_changes, refuse_parts, refuse_rng_change,
-                                 resume_epoch)
+from samestep.run_checks import (declared, loader_generators, refuse_changes, refuse_foreign_parameters, refuse_parts,
+                                 refuse_rng_change, resume_epoch)
 from samestep.rundir import checked_run_dir, checkpoints_dir, final_doc, holds_run, record_declared, write_final
 
 __all__ = ["Run"]
@@ -155,6 +155,7 @@ class Run:
         if rng not in ("restore", "keyed"):
             raise ValueError(f"samestep.Run(rng={rng!r}): use 'restore' (each rank's generator states carry over) "
                              "or 'keyed' (the loop's randomness is keyed by step and microbatch)")
+        refuse_foreign_parameters(model, optimizer)  # before anything is made or written
         self._replay = ReplayRequest.for_run(run_dir, "samestep.Run")
         if self._replay is not None:  # the scratch directory, traced as asked, receipted; see replay_request
             run_dir, level, trace_steps = self._replay.into, self._replay.level, self._replay.trace_steps

@@ -15,7 +15,8 @@ import torch
 from samestep._state import state_digest
 from samestep.rundir import declared_changes
 
-__all__ = ["declared", "loader_generators", "refuse_changes", "refuse_parts", "refuse_rng_change", "resume_epoch"]
+__all__ = ["declared", "loader_generators", "refuse_changes", "refuse_foreign_parameters", "refuse_parts",
+           "refuse_rng_change", "resume_epoch"]
 
 
 def declared(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data_cursor: Any,
@@ -32,6 +33,24 @@ def declared(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler
         if obj is not None:
             out[name] = state_digest(obj.state_dict())
     return out
+
+
+def refuse_foreign_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuses an optimizer that updates tensors which are not ``model``'s parameters: one built before
+    ``fully_shard`` or ``parallelize_module`` replaced them (it updates the old tensors, and the model trains
+    nothing), or a tensor kept outside the model (its value is in no checkpoint, so a resume loses it).
+
+    Raises:
+        ValueError: names how many, the first one's shape, and the fix.
+    """
+    own = {id(p) for p in model.parameters()}
+    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
+    if foreign:
+        raise ValueError(f"samestep.Run: the optimizer updates {len(foreign)} tensor(s) that are not the model's "
+                         f"parameters (the first of shape {list(foreign[0].shape)}): it was built before "
+                         "fully_shard or parallelize_module replaced them, or holds a tensor kept outside the model, "
+                         "whose value no checkpoint would hold. Fix: build the optimizer from model.parameters() "
+                         "after sharding or parallelizing the model, and keep every trained tensor in the model")
 
 
 def refuse_changes(run_dir: Path, settings: dict[str, Any]) -> None:

@@ -459,3 +459,23 @@ def test_a_dataloader_cursor_that_draws_the_global_rng_is_refused_before_step_1(
     unkeyed = _loader_run(tmp_path / "unkeyed", generator=False)
     _loader_run(tmp_path / "unkeyed_cut", generator=False, stop_at=5)
     assert not torch.equal(_bits(_loader_run(tmp_path / "unkeyed_cut", generator=False)), _bits(unkeyed))
+
+
+def test_an_optimizer_of_other_tensors_than_the_models_parameters_is_refused_by_name(tmp_path):
+    """An optimizer built before the model's parameters were replaced (as fully_shard and parallelize_module
+    replace them), or holding a tensor kept outside the model, is refused at Run's start naming the cause and
+    the fix, before anything is written (it would train nothing, or lose that tensor at a resume). Control: the
+    optimizer built after the replacement starts."""
+    model = torch.nn.Linear(4, 2)
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.weight = torch.nn.Parameter(model.weight.detach().clone())  # what sharding does to each parameter
+    with pytest.raises(ValueError, match=r"the optimizer updates 1 tensor\(s\) that are not the model's parameters "
+                                         r"\(the first of shape \[2, 4\]\): it was built before fully_shard"):
+        samestep.Run(tmp_path / "early", model=model, optimizer=early)
+    outside = torch.optim.SGD([*model.parameters(), torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    with pytest.raises(ValueError, match="holds a tensor kept outside the model"):
+        samestep.Run(tmp_path / "outside", model=model, optimizer=outside)
+    assert not (tmp_path / "early").exists() and not (tmp_path / "outside").exists()
+    with samestep.Run(tmp_path / "late", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                      level="off") as run:
+        assert run.start == 0
