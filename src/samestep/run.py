@@ -173,6 +173,7 @@ class Run:
         self._step: int | None = None
         self._loop: Generator[int, None, None] | None = None
         self._stepped = False  # steps() begins the one loop a run is
+        self._total: int | None = None  # the step count given to steps()
         self._metrics: dict[str, float] = {}
         held = bool(committed_steps(self.checkpoints))
         if held and resume is False:
@@ -265,7 +266,7 @@ class Run:
                             "over its steps (a resume continues it where its checkpoint left it). Fix: one "
                             "`for step in run.steps(N)` a Run, or another samestep.Run (its own run directory) "
                             "for another loop")
-        self._stepped = True
+        self._stepped, self._total = True, total
         self._loop = self._steps(total)
         return self._loop
 
@@ -354,8 +355,20 @@ class Run:
 
     def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
         """Closes the run; a ``LoopError`` (a mistake in the loop: docs/api.md) ends the program with its one line
-        and exit 2, as samestep's commands report bad input (``SAMESTEP_DEBUG=1``: the traceback instead)."""
+        and exit 2, as samestep's commands report bad input (``SAMESTEP_DEBUG=1``: the traceback instead). A loop
+        left inside a step without an error (a ``break``) is said on stderr: what was not saved, and where a
+        resume goes on from."""
+        left = self._step if self._loop is not None and error is None else None  # a break or return inside a step
         self.close()
+        if left is not None and _rank() == 0:
+            newest = max((step for step, _ in committed_steps(self.checkpoints)), default=0)
+            print(f"samestep.Run: the loop left step {left} of {self._total} before that step ended (a break or "
+                  "return inside `for step in run.steps(...)`): the step is recorded as failed and not saved, and "
+                  "no final.json is written; "
+                  + (f"the newest checkpoint is of step {newest}, which a resume goes on from" if newest else
+                     "no checkpoint was saved, so a resume starts from step 0")
+                  + ". Fix: pass run.steps() the step count the loop means to run, and leave the loop only by "
+                    "finishing it", file=sys.stderr)
         if isinstance(error, LoopError) and os.environ.get("SAMESTEP_DEBUG") != "1":
             print(error, file=sys.stderr)
             raise SystemExit(2) from None

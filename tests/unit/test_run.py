@@ -479,3 +479,29 @@ def test_an_optimizer_of_other_tensors_than_the_models_parameters_is_refused_by_
     with samestep.Run(tmp_path / "late", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                       level="off") as run:
         assert run.start == 0
+
+
+def test_a_loop_left_with_break_says_what_was_not_saved(tmp_path, capsys):
+    """nanoGPT's `if iter_num > max_iters: break` inside `for step in run.steps(5)` at step 3 (checkpoints every
+    2 steps): the program goes on (no error of its own), but stderr says the loop left step 3 of 5 unsaved, no
+    final.json, and that a resume goes on from step 2's checkpoint. Control: the loop run to its end says
+    nothing of it and writes final.json."""
+    def loop(run_dir: Path, leave_at: int | None) -> None:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with samestep.Run(run_dir, model=model, optimizer=opt, checkpoint_every=2, level="off") as run:
+            for step in run.steps(5):
+                if step == leave_at:
+                    break
+                model(torch.ones(3, 4)).sum().backward()
+                opt.step()
+                opt.zero_grad()
+
+    loop(tmp_path / "left", 3)
+    said = capsys.readouterr().err
+    assert "samestep.Run: the loop left step 3 of 5 before that step ended" in said, said
+    assert "the newest checkpoint is of step 2, which a resume goes on from" in said
+    assert not (tmp_path / "left" / "final.json").exists()
+    loop(tmp_path / "whole", None)
+    assert "the loop left" not in capsys.readouterr().err and (tmp_path / "whole" / "final.json").exists()
