@@ -166,6 +166,7 @@ def check(program: dict[str, Any], where: Path) -> list[str]:
     if program.get("not_replayable"):
         raise ProgramError(f"{where} was run from {program['not_replayable']}: it cannot be replayed; run the loop "
                            "as a script (python train.py, or torchrun train.py) to replay it")
+    _check_shape(program, where)
     launcher = program.get("launcher", {})
     if launcher.get("nnodes", 1) > 1:
         raise ProgramError(f"{where} ran on {launcher['nnodes']} nodes (torchrun --nnodes {launcher['nnodes']}): a "
@@ -205,6 +206,27 @@ def check(program: dict[str, Any], where: Path) -> list[str]:
         if now != digest:
             changed.append(f"{name}: {'deleted' if now is None else 'edited'} since the run")
     return changed
+
+
+def _check_shape(program: dict[str, Any], where: Path) -> None:
+    """Refuses a record whose fields are not of the types ``describe`` writes (a record made by hand).
+
+    Raises:
+        ProgramError: names the field and its value.
+    """
+    launcher, nnodes = program.get("launcher", {}), None
+    if isinstance(launcher, dict):
+        nnodes = launcher.get("nnodes", 1)
+    fields = {"cwd": isinstance(program.get("cwd"), str),
+              "launcher": isinstance(launcher, dict) and isinstance(nnodes, int) and not isinstance(nnodes, bool),
+              "sources": isinstance(program.get("sources", {}), dict)
+              and all(isinstance(k, str) and isinstance(v, str) for k, v in program.get("sources", {}).items()),
+              "env": isinstance(program.get("env", {}), dict),
+              "run_dir": isinstance(program.get("run_dir", ""), str)}
+    for name, ok in fields.items():
+        if not ok:
+            raise ProgramError(f"{where / 'run.json'}: programs[].{name}={program.get(name)!r} is not what a "
+                               "samestep.Run records there: the record cannot be replayed")
 
 
 def identity(program: dict[str, Any]) -> dict[str, Any]:

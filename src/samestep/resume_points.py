@@ -63,10 +63,16 @@ def inside(run_dir: Path, value: object, field: str) -> Path:
     return path
 
 
+def _resumes(program: Any) -> dict[str, Any]:
+    """A program record's ``resumes`` (empty where it has none, or something else than a table)."""
+    resumes = program.get("resumes") if isinstance(program, dict) else None
+    return resumes if isinstance(resumes, dict) else {}
+
+
 def resumed_by(doc: dict[str, Any]) -> str:
     """The loop that saves a run's checkpoints (``RUN``, ``HF`` or ``LIGHTNING``), from its programs."""
     programs = [p for p in doc.get("programs", []) if isinstance(p, dict)]
-    return programs[-1].get("resumes", {}).get("by", RUN) if programs else RUN
+    return _resumes(programs[-1]).get("by", RUN) if programs else RUN
 
 
 def points(run_dir: Path, doc: dict[str, Any]) -> dict[int, Path]:
@@ -75,7 +81,7 @@ def points(run_dir: Path, doc: dict[str, Any]) -> dict[int, Path]:
     prefix, finished = {HF: ("checkpoint-", HF_FINGERPRINT), TORCHTITAN: ("step-", ".metadata")}.get(by, ("", ""))
     if prefix:
         for i, program in enumerate(doc.get("programs", [])):
-            where = program.get("resumes", {}).get("checkpoints") if isinstance(program, dict) else None
+            where = _resumes(program).get("checkpoints")
             if where is None:
                 continue
             for path in inside(run_dir, where, f"programs[{i}].resumes.checkpoints").glob(prefix + "*"):
@@ -97,7 +103,7 @@ def stage(path: Path, scratch: Path, doc: dict[str, Any]) -> Path:
     ``scratch``, by its name, where the replayed job looks for it (the Trainer's ``checkpoint-N`` in its output
     directory; torchtitan's ``step-N`` in its checkpoint folder), to resume the replay from."""
     programs = [p for p in doc.get("programs", []) if isinstance(p, dict)]
-    folder = programs[-1].get("resumes", {}).get("folder", "") if programs else ""
+    folder = _resumes(programs[-1]).get("folder", "") if programs else ""
     if not isinstance(folder, str) or Path(folder).name != folder or folder == "..":
         raise RunDirError(f"run.json: programs[{len(programs) - 1}].resumes.folder={folder!r}: not a folder's name "
                           "(a replay copies the checkpoint into that folder of its scratch directory)")

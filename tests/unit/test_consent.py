@@ -141,3 +141,18 @@ def test_a_replay_process_is_killed_with_its_group_when_the_wait_ends_early(tmp_
             Path(f"/proc/{grandchild}/stat").read_text().split()[2] != "Z":
         time.sleep(0.1)
     assert not Path(f"/proc/{grandchild}").exists() or Path(f"/proc/{grandchild}/stat").read_text().split()[2] == "Z"
+
+
+@pytest.mark.parametrize("field,value", [("cwd", 3), ("launcher", {"nnodes": "2"}), ("launcher", []),
+                                         ("sources", {"train.py": 1}), ("env", []), ("run_dir", None)])
+def test_a_record_of_other_types_than_a_run_writes_is_refused_by_field(tmp_path, field, value):
+    """A program record whose field is not of the type samestep.Run writes (a record made by hand) is refused
+    naming the field, not a crash. Control: the record as written passes."""
+    (tmp_path / "train.py").write_text("pass\n")
+    ran = {"argv": ["python", "train.py"], "cwd": str(tmp_path), "entry": "script", "target": "train.py",
+           "sources": {"train.py": program.identity({"argv": ["python", "train.py"], "cwd": str(tmp_path),
+                                                     "sources": {"train.py": ""}})["files"]["train.py"]},
+           "launcher": {"name": "python", "nproc_per_node": 1, "nnodes": 1}, "env": {}, "run_dir": "a"}
+    assert program.check(ran, tmp_path) == []
+    with pytest.raises(program.ProgramError, match=rf"programs\[\]\.{field}="):
+        program.check({**ran, field: value}, tmp_path)
