@@ -71,8 +71,8 @@ def main(run: Path, kill_after: int | None, resume: bool, seed: int, plain: bool
     sampler = torch.utils.data.RandomSampler(data) if plain else KeyedSampler(len(data), seed)
     loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=run / "checkpoints", every_n_train_steps=3, save_top_k=-1)
-    callbacks = ([checkpoints] + ([PlantAt(plant_step)] if plant_step else []) + ([] if without else [SamestepCallback(run)])
-                 + ([KillAfter(kill_after)] if kill_after else []))
+    callbacks = ([checkpoints] + ([PlantAt(plant_step)] if plant_step else [])
+                 + ([] if without else [SamestepCallback(run)]) + ([KillAfter(kill_after)] if kill_after else []))
     pl.seed_everything(seed, verbose=False)
     module = Regression()
     trainer = pl.Trainer(max_steps=6, accumulate_grad_batches=2, callbacks=callbacks, accelerator="cpu",

@@ -44,9 +44,9 @@ from samestep.durable import read_file, replace_atomic
 from samestep.rundir import NUMERICS_NEUTRAL, receipts_dir
 
 __all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "RefusedElsewhere", "StepSums",
-           "chain_break", "check_restored", "continue_receipts", "genesis", "local_tree", "lost_receipts", "read_header",
-           "read_receipts", "read_run_receipts", "receipt_hash", "receipts_path", "receipt_state_of", "state_hash_of",
-           "truncate_receipts"]
+           "chain_break", "check_restored", "continue_receipts", "genesis", "local_tree", "lost_receipts",
+           "read_header", "read_receipts", "read_run_receipts", "receipt_hash", "receipts_path", "receipt_state_of",
+           "state_hash_of", "truncate_receipts"]
 
 RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 2
 

@@ -118,8 +118,9 @@ def test_a_record_that_does_not_say_what_runs_is_refused_even_with_yes(tree, att
         "dash_m": lambda p: p.update(argv=[p["argv"][0], "-m", "evil", "a"]),
         "cwd": lambda p: p.update(cwd=str(other)),
         "nproc": lambda p: p["launcher"].update(nproc_per_node=1000000),
-        "launcher_in_argv": lambda p: p.update(argv=[p["argv"][0], "-m", "torch.distributed.run", "--nproc_per_node",
-                                                     "64", "evil.py", "a"], entry="module", target="torch.distributed.run"),
+        "launcher_in_argv": lambda p: p.update(
+            argv=[p["argv"][0], "-m", "torch.distributed.run", "--nproc_per_node", "64", "evil.py", "a"],
+            entry="module", target="torch.distributed.run"),
     }
     forged = _forged(tree, f"attack_{attack}", edits[attack])
     proc = cli_here("verify", "--yes", str(forged), "--steps", "4")
@@ -159,7 +160,8 @@ def _replay_pids(marker: str) -> list[int]:
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             try:
-                if marker.encode() in (d / "environ").read_bytes() and b"SAMESTEP_REPLAY" in (d / "environ").read_bytes():
+                environ = (d / "environ").read_bytes()
+                if marker.encode() in environ and b"SAMESTEP_REPLAY" in environ:
                     found.append(int(d.name))
             except OSError:
                 continue
@@ -189,7 +191,8 @@ def test_a_replay_dies_with_its_verifier_and_its_scratch_does_not_outlive_it(tre
     assert proc.returncode == 0, proc.stderr[-3000:]
     temp = tmp_path / "temp"
     temp.mkdir()
-    verifier = subprocess.Popen([sys.executable, "-m", "samestep", "verify", "--yes", str(tree / slow), "--steps", "1-2"],
+    verifier = subprocess.Popen([sys.executable, "-m", "samestep", "verify", "--yes", str(tree / slow),
+                                 "--steps", "1-2"],
                                 env={**env, "TMPDIR": str(temp)}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     assert _wait(lambda: _replay_pids(str(temp)), 120), verifier.stderr.read() if verifier.poll() is not None else ""

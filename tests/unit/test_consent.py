@@ -89,7 +89,8 @@ def test_only_the_variables_that_change_bits_are_applied():
            "env": {"OMP_NUM_THREADS": "3", "PYTHONPATH": "/evil", "LD_PRELOAD": "/evil.so"}}
     cmd, _, env = program.relaunch(ran)
     assert cmd == [sys.executable, "train.py"] and env["OMP_NUM_THREADS"] == "3"
-    assert env.get("PYTHONPATH") == os.environ.get("PYTHONPATH") and env.get("LD_PRELOAD") == os.environ.get("LD_PRELOAD")
+    for name in ("PYTHONPATH", "LD_PRELOAD"):  # the verifier's own, whatever the record says
+        assert env.get(name) == os.environ.get(name)
     assert program.ignored_env(ran) == ["LD_PRELOAD", "PYTHONPATH"]
 
 

@@ -78,9 +78,9 @@ class Launch:
 
     def text(self) -> str:
         """The launch as shown before it runs: the command, directory, processes, variables and every file."""
-        lines = [f"  run:        {self.run_dir}", f"  command:    {shlex.join(self.cmd)}", f"  directory:  {self.cwd}",
-                 f"  processes:  {self.nproc}" + (f" (this machine has {self.cap[0]} {self.cap[1]})" if self.oversubscribed
-                                                   else "")]
+        over = f" (this machine has {self.cap[0]} {self.cap[1]})" if self.oversubscribed else ""
+        lines = [f"  run:        {self.run_dir}", f"  command:    {shlex.join(self.cmd)}",
+                 f"  directory:  {self.cwd}", f"  processes:  {self.nproc}{over}"]
         if self.env:
             lines.append("  variables:  " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items())))
         if self.ignored:

@@ -17,9 +17,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        "Lightning callbacks): step, then op, module, microbatch and rank",
         description="Finds the first step whose receipts differ, replays both runs from their newest common "
                     "checkpoint before it with op-level tracing of that step, and diffs the replays. Exit 0 "
-                    "identical, 1 diverged, 2 usage or input error, or nothing in common to compare. Loops of one's own "
-                    "are replayed by the programs their run.json records: they are shown, and run only on your word "
-                    "(a yes at the prompt, or --yes).",
+                    "identical, 1 diverged, 2 usage or input error, or nothing in common to compare. Loops of "
+                    "one's own are replayed by the programs their run.json records: they are shown, and run only "
+                    "on your word (a yes at the prompt, or --yes).",
         epilog="examples:\n  samestep bisect runs/a runs/b\n  samestep bisect runs/a runs/b --json --retries 5",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_a")

@@ -48,9 +48,9 @@ class HookedSteps:
         made the run (in the receipts' genesis). ``rank``: the receipts file's; ``sharded``: the model's
         parameters are this rank's shards (the receipts are of them). ``program``: what run.json's ``programs``
         records as running the steps after ``start`` (``program.describe``; a replay's, what it ran, checked
-        against the run's; None: nothing, a rank that does not write run.json). ``agree``: where the job keeps receipts (on any of its ranks),
-        ``agree.any_rank``, passed on every rank: each checks what it keeps (a rank that keeps none, nothing),
-        and no rank writes a file before every rank has checked, a refusal on one being every rank's
+        against the run's; None: nothing, a rank that does not write run.json). ``agree``: where the job keeps
+        receipts (on any of its ranks), ``agree.any_rank``, passed on every rank: each checks what it keeps (a
+        rank that keeps none, nothing), and no rank writes a file before every rank has checked, a refusal on one being every rank's
         (``RunProtocol.check_receipts``); without it a rank that keeps none checks nothing and goes on.
 
         Raises:

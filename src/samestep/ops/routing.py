@@ -107,10 +107,10 @@ def _into(func, args, kwargs, result):
         func(*args, **kwargs)
     if out.shape != result.shape:
         if out.numel():
-            warnings.warn(f"An output with one or more elements was resized since it had shape {list(out.shape)}, which "
-                          f"does not match the required output shape {list(result.shape)} (PyTorch's resize_output "
-                          "warning: resize out to zero elements, out.resize_(0), to reuse it)", UserWarning,
-                          stacklevel=4)
+            warnings.warn(f"An output with one or more elements was resized since it had shape "
+                          f"{list(out.shape)}, which does not match the required output shape "
+                          f"{list(result.shape)} (PyTorch's resize_output warning: resize out to zero elements, "
+                          "out.resize_(0), to reuse it)", UserWarning, stacklevel=4)
         out.resize_(result.shape)
     return out.copy_(result)
 
