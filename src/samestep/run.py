@@ -174,6 +174,7 @@ class Run:
         self._loop: Generator[int, None, None] | None = None
         self._stepped = False  # steps() begins the one loop a run is
         self._total: int | None = None  # the step count given to steps()
+        self._implicit: contextlib.ExitStack | None = None  # microbatch 0 of a step, until the loop names one
         self._metrics: dict[str, float] = {}
         held = bool(committed_steps(self.checkpoints))
         if held and resume is False:
@@ -227,6 +228,7 @@ class Run:
                 # what `samestep verify` and `bisect` run again; a replay's, what it ran (checked against the run's)
                 program.record(self.run_dir, self.start, program.describe(self.run_dir))
             self._grad_copy: bool | str = True if copy or level != "step" else "checked"
+            self._op_level = level == "op"  # a step that names no microbatch is microbatch 0 (``_implicit``)
             self._hooks = [optimizer.register_step_pre_hook(self._before_update),
                            optimizer.register_step_post_hook(self._after_update)]
             self._stale = StaleGradients(self._params)
@@ -246,6 +248,7 @@ class Run:
         return self._proto.recorder
 
     def _before_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._close_implicit()  # the update and what follows are the step's, outside any microbatch
         if self._step is not None:
             self._stale.check(self._step)  # before the update it would take on two steps' gradients
             self.recorder.grads(self._params, copy=self._grad_copy)
@@ -280,7 +283,11 @@ class Run:
             for step in range(self.start + 1, last + 1):
                 self._step = step
                 with self.recorder.step(step):
-                    yield step
+                    self._open_implicit()
+                    try:
+                        yield step
+                    finally:
+                        self._close_implicit()
                 self._step = None
                 if proto.receipts is not None:  # the metrics' bits read only for a receipt (a device sync)
                     proto.receipt(step, *(float(self._metrics.get(k, float("nan"))) for k in ("loss", "grad_norm")))
@@ -306,8 +313,23 @@ class Run:
 
     def microbatch(self, index: int) -> contextlib.AbstractContextManager[None]:
         """Everything inside belongs to global microbatch ``index`` (the same index whatever the number of
-        processes): module and op records are named by it."""
+        processes): module and op records are named by it. At op level, a step's ops before the loop names a
+        microbatch (all of them, in a loop that names none) are microbatch 0's, up to the update."""
+        self._close_implicit()
         return self.recorder.microbatch(index)
+
+    def _open_implicit(self) -> None:
+        """At op level, opens microbatch 0 for the step's ops until the loop names a microbatch or updates: a
+        loop that never calls ``microbatch()`` would otherwise record no op, and bisect could name none."""
+        if self._op_level:
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.recorder.microbatch(0))
+            self._implicit = stack
+
+    def _close_implicit(self) -> None:
+        stack, self._implicit = self._implicit, None
+        if stack is not None:
+            stack.close()
 
     def metric(self, name: str, value: float | torch.Tensor) -> None:
         """A scalar of the step (a loss, a gradient norm), recorded as its exact bits."""

@@ -4,6 +4,7 @@ body raised is neither saved nor called complete."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shutil
@@ -505,3 +506,36 @@ def test_a_loop_left_with_break_says_what_was_not_saved(tmp_path, capsys):
     assert not (tmp_path / "left" / "final.json").exists()
     loop(tmp_path / "whole", None)
     assert "the loop left" not in capsys.readouterr().err and (tmp_path / "whole" / "final.json").exists()
+
+
+def test_at_op_level_a_step_that_names_no_microbatch_is_microbatch_0(tmp_path):
+    """A loop that never calls run.microbatch() (the README's quick start), traced at op level: its forward and
+    backward are recorded as microbatch 0's ops, the same records (identity and digests) the loop wrapped in
+    run.microbatch(0) writes (but for the batch's draw before it, and the profiler mark optimizer.step() enters
+    before its hooks run), and the update stays outside (its step-level records at microbatch -1). Negative
+    control: the loop's own ops are what is recorded (a bigger batch in step 2 changes their digests)."""
+    from samestep.tracing import read_stream, stream_path
+
+    def loop(run_dir: Path, named: bool, rows: int = 16) -> list[dict]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with samestep.Run(run_dir, model=model, optimizer=opt, level="op", trace_steps="2") as run:
+            for step in run.steps(2):
+                x = torch.randn(rows, 8, generator=samestep.rng.generator(0, step, 0, "data"))
+                with run.microbatch(0) if named else contextlib.nullcontext():
+                    loss = torch.nn.functional.mse_loss(model(x), x.sum(1, keepdim=True))
+                    loss.backward()
+                opt.step()
+                opt.zero_grad()
+        return read_stream(stream_path(run_dir, 0)).table.to_pylist()
+
+    def ops(rows: list[dict]) -> list[tuple]:
+        return [(r["microbatch"], r["phase"], r["scope"], r["op"], r["occurrence"], r["outputs"]) for r in rows
+                if r["microbatch"] == 0 and r["op"] != "aten.randn.generator" and not r["op"].startswith("profiler.")]
+
+    implicit, named = loop(tmp_path / "implicit", False), loop(tmp_path / "named", True)
+    assert len(ops(implicit)) > 20 and ops(implicit) == ops(named)
+    assert {r["phase"] for r in implicit if r["microbatch"] == 0} == {"forward", "backward"}
+    assert all(r["microbatch"] == -1 for r in implicit if r["phase"] == "step")
+    assert ops(loop(tmp_path / "other", False, rows=17)) != ops(implicit)
