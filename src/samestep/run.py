@@ -50,7 +50,7 @@ from samestep.protocol import RunProtocol
 from samestep.replay_request import ReplayRequest
 from samestep.receipt_state import state_tree
 from samestep.receipts import genesis
-from samestep.checksums import state_checksum, state_hash_for
+from samestep.checksums import state_hash_for
 from samestep._state import persistent_buffers, sha256_tensor, tree_digest
 from samestep.run_checks import (declared, loader_generators, refuse_changes, refuse_foreign_parameters, refuse_parts,
                                  refuse_rng_change, resume_epoch)
@@ -351,8 +351,10 @@ class Run:
         rank, world = _rank_and_world()
         if rank == 0:
             receipts, checksum = self._proto.receipts, None
-            if receipts is not None and receipts.path and not self.sharded:  # the last receipt's state, as it holds it
-                checksum = {receipts.hash: state_checksum(self._state_tree(step), receipts.hash)}
+            if receipts is not None and receipts.path and not self.sharded:  # the whole state's: its last receipt's
+                receipts.wait()
+                if receipts.last_step == step and receipts.last_state is not None:
+                    checksum = {receipts.hash: receipts.last_state}
             write_final(self.run_dir, final_doc(step, digest, loss, world, checksum, whole=True))
 
     def _state_tree(self, step: int) -> dict[str, Any]:

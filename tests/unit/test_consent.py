@@ -157,3 +157,17 @@ def test_a_record_of_other_types_than_a_run_writes_is_refused_by_field(tmp_path,
     assert program.check(ran, tmp_path) == []
     with pytest.raises(program.ProgramError, match=rf"programs\[\]\.{field}="):
         program.check({**ran, field: value}, tmp_path)
+
+
+def test_only_verify_takes_a_program_after_the_double_dash(capsys):
+    """`--` before a program is verify's alone: another command, or verify with nothing after it, exits 2 naming
+    it (argparse's usage error). Control: verify's own parse takes the program (its run directory is missing:
+    the error is that, not the `--`)."""
+    from samestep.cli import main
+
+    for argv in (["diff", "a", "b", "--", "python", "x.py"], ["verify", "a", "--"]):
+        with pytest.raises(SystemExit) as ended:
+            main(argv)
+        assert ended.value.code == 2 and "--" in capsys.readouterr().err
+    assert main(["verify", "no_such_run", "--", sys.executable, "train.py"]) == 2
+    assert "no_such_run" in capsys.readouterr().err

@@ -48,9 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     program = argv[argv.index("--") + 1:] if "--" in argv else None  # verify's program, given by the verifier
     args = parser.parse_args(argv[:argv.index("--")] if program is not None else argv)
-    if program is not None and (args.command != "verify" or not program):
-        parser.error(f"samestep {args.command}: -- {' '.join(program)}: only verify takes a program after --, as "
-                     "`python SCRIPT ARGS`" if args.command != "verify" else "samestep verify: no program after --")
+    if program is not None and args.command != "verify":
+        parser.error(f"-- {' '.join(program)}: only samestep verify takes a program after -- (python SCRIPT ARGS)")
+    if program == []:
+        parser.error("samestep verify: -- with no program after it; give one, as -- python SCRIPT ARGS")
     args.program = program
     try:
         code = int(args.run(args, args.subparser) or 0)
