@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 import samestep
 from samestep.checkpoint import load_checkpoint, save_checkpoint
-from samestep.data import load_corpus
+from samestep.loop.data import load_corpus
 from samestep.train import load_config
 from samestep.train.loop import build
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 import samestep
-from samestep.data import load_corpus
-from samestep.receipts import ReceiptWriter
+from samestep.loop.data import load_corpus
+from samestep.records.receipts import ReceiptWriter
 from samestep.train import load_config
 from samestep.train.checks import CrossRankCheck
 from samestep.train.loop import build

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 import samestep
 from samestep.distributed import tp_styles
 from samestep.distributed.shards import local_shard, placed, spec_of
-from samestep.data import load_corpus
+from samestep.loop.data import load_corpus
 from samestep.train import load_config
 from samestep.train.loop import build
 

@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from fault_corpus import CASES, run_case  # noqa: E402
 from forked import Forked  # noqa: E402
 
-from samestep.rundir import last_logged_step  # noqa: E402
+from samestep.records.rundir import last_logged_step  # noqa: E402
 
 SMALL = ("train.device=cpu", "train.global_batch=8", "train.micro_batch=2", "train.warmup_steps=2", "model.n_layer=2",
          "model.n_head=2", "model.n_embd=32", "model.block_size=32", "trace.level=step")
@@ -119,7 +119,7 @@ _SAVE_OPS = textwrap.dedent("""
     import os, shutil, signal, sys
     import samestep.checkpoint._format as fmt
     import samestep.checkpoint.save as save_mod
-    import samestep.durable as durable
+    import samestep.records.durable as durable
     from samestep.train import loop
     target, at_step, count, saving = int(sys.argv[1]), int(sys.argv[2]), [0], [False]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 import samestep
-from samestep.data import load_corpus
+from samestep.loop.data import load_corpus
 from samestep.train import load_config
 from samestep.train.loop import build
 

@@ -42,8 +42,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import samestep
-from samestep import rng
-from samestep.data import load_corpus
+from samestep.determinism import rng
+from samestep.loop.data import load_corpus
 from samestep.distributed import CanonicalDdpState, canonical_ddp_hook, clip_grad_norm_, ring_allreduce_bytes
 from samestep.train import load_config
 from samestep.train.loop import build

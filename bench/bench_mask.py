@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from samestep import rng
+from samestep.determinism import rng
 
 M32 = 0xFFFFFFFF
 

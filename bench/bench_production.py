@@ -38,10 +38,10 @@ from pathlib import Path
 import torch
 
 import samestep
-from samestep._state import flatten
-from samestep.checksums import Checksums
-from samestep.data import load_corpus
-from samestep.receipts import ReceiptWriter, genesis
+from samestep.hashing.state import flatten
+from samestep.hashing.checksums import Checksums
+from samestep.loop.data import load_corpus
+from samestep.records.receipts import ReceiptWriter, genesis
 from samestep.train import load_config
 from samestep.train.checks import CrossRankCheck
 from samestep.train.loop import build

@@ -4,7 +4,7 @@
 
 Two copies of the reference run (deterministic mode, one thread, as ``samestep train`` runs it) take
 blocks of ``--steps`` steps alternately in one process; one of them writes a receipt after each step
-(``samestep.receipts.ReceiptWriter``: the state checksum on its own thread, the optimizer's next step
+(``samestep.records.receipts.ReceiptWriter``: the state checksum on its own thread, the optimizer's next step
 waiting for it), as ``samestep train`` does. The cost is the median of per-pair ratios; the training
 thread's own time is what it spends in the receipt calls and waiting for the receipt thread.
 
@@ -27,9 +27,10 @@ import tempfile
 import time
 
 import samestep
-from samestep.data import load_corpus
-from samestep import checksums, receipts
-from samestep.receipts import ReceiptWriter, genesis
+from samestep.loop.data import load_corpus
+from samestep.hashing import checksums
+from samestep.records import receipts
+from samestep.records.receipts import ReceiptWriter, genesis
 from samestep.train import load_config
 from samestep.train.loop import build
 
@@ -39,7 +40,7 @@ def _variant(name: str, nbytes: int):
     import torch
     import xxhash
 
-    from samestep._state import flatten, tensor_bytes
+    from samestep.hashing.state import flatten, tensor_bytes
 
     buffer = tensor_bytes(torch.zeros(nbytes // 4))
 

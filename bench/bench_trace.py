@@ -32,7 +32,7 @@ import torch
 
 import samestep
 from samestep.analysis import diff_runs
-from samestep.data import load_corpus
+from samestep.loop.data import load_corpus
 from samestep.digests.rows import lanes
 from samestep.tracing.stream import SCHEMA, StreamWriter, stream_path
 from samestep.train import load_config

@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_foundation import determinism_overhead  # noqa: E402
 
 import samestep  # noqa: E402
-from samestep.data import load_corpus  # noqa: E402
+from samestep.loop.data import load_corpus  # noqa: E402
 from samestep.train import load_config  # noqa: E402
 from samestep.train.config import PRESETS  # noqa: E402
 from samestep.train.loop import build  # noqa: E402

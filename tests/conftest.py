@@ -91,7 +91,7 @@ def run_train(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 
 
 def run_files(root: Path) -> dict[str, bytes]:
     """Every file of a run directory and its bytes, but the lock's (each holder writes its pid there)."""
-    from samestep.rundir import LOCK
+    from samestep.records.rundir import LOCK
 
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != LOCK}
 

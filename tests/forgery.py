@@ -63,7 +63,7 @@ def rewrite_receipts(path: Path, change) -> None:
     forger who knows the format does."""
     import json
 
-    from samestep.receipts import read_receipts, receipt_hash
+    from samestep.records.receipts import read_receipts, receipt_hash
 
     header, receipts = read_receipts(path)
     change(receipts)

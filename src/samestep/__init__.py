@@ -11,15 +11,16 @@
 ``samestep.trace`` loads the recorder (and pyarrow) when first used: ``import samestep`` stays light.
 """
 
+import sys
 from typing import Any
 
-from samestep import preempt, rng
+from samestep.determinism import preempt, rng
 from samestep.checkpoint import CheckpointError, LoadedCheckpoint, load_checkpoint, save_checkpoint, verify_checkpoint
 from samestep.digests import digest, digest_many
-from samestep.env import compare_environments, environment
-from samestep.mode import DeterminismReport, disable, enable, is_enabled
-from samestep.rng import capture_rng, restore_rng
-from samestep.run import Run
+from samestep.determinism.env import compare_environments, environment
+from samestep.determinism.mode import DeterminismReport, disable, enable, is_enabled
+from samestep.determinism.rng import capture_rng, restore_rng
+from samestep.loop.run import Run
 from samestep.version import __version__
 
 __all__ = [
@@ -28,6 +29,18 @@ __all__ = [
     "restore_rng", "rng",
     "save_checkpoint", "trace", "verify_checkpoint",
 ]
+
+
+# The module paths docs/api.md named before these modules lived in packages: `import samestep.preempt` and
+# `from samestep.protocol import RunProtocol` keep working (all are loaded by the imports above already).
+_OLD_PATHS = {
+    "checksums": "samestep.hashing.checksums", "loop_checks": "samestep.loop.step_checks",
+    "preempt": "samestep.determinism.preempt", "protocol": "samestep.loop.protocol",
+    "receipts": "samestep.records.receipts", "rng": "samestep.determinism.rng", "run": "samestep.loop.run",
+}
+for _old, _new in _OLD_PATHS.items():
+    sys.modules[f"{__name__}.{_old}"] = sys.modules[_new]
+    globals().setdefault(_old, sys.modules[_new])
 
 
 def __getattr__(name: str) -> Any:

@@ -167,7 +167,7 @@ class Golden:
     """
 
     def __init__(self, path: Path, update: bool, missing: Callable[[str], Any] | None = None) -> None:
-        from samestep.env import environment
+        from samestep.determinism.env import environment
 
         self.path, self.update = path, update
         self.missing = missing if missing is not None else _fail

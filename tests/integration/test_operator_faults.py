@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import samestep
-from samestep.rundir import RunDirError, last_logged_step
+from samestep.records.rundir import RunDirError, last_logged_step
 from tests.conftest import TINY, Forked, cli_here, run_files, train_cmd, train_here
 from tests.forgery import flip_a_weight, move_cursor, reseal, reseal_manifest
 
@@ -169,7 +169,7 @@ def test_a_signal_to_the_whole_process_group_stops_the_run_with_a_checkpoint(tmp
     import os
     import signal
 
-    from samestep.preempt import EXIT_PREEMPTED
+    from samestep.determinism.preempt import EXIT_PREEMPTED
 
     traced = (*UNSAVED, "trace.level=step", "trace.worker=process")
     straight = train_here(tmp_path / "straight", *UNSAVED)
@@ -243,7 +243,7 @@ def test_a_rank_killed_by_a_signal_is_named_by_the_launcher(tmp_path, rank):
 
 _SECOND_SIGNAL = """
 import signal, sys, time
-from samestep.preempt import StopRequest
+from samestep.determinism.preempt import StopRequest
 with StopRequest(("SIGTERM",)) as stop:
     if sys.argv[1] == "stop":
         signal.raise_signal(signal.SIGTERM)
@@ -258,7 +258,7 @@ def test_a_signal_after_the_graceful_stop_exits_as_preempted():
     everything saved), not 143. Control: with no stop asked for, the same signal acts as it always does."""
     import signal
 
-    from samestep.preempt import EXIT_PREEMPTED
+    from samestep.determinism.preempt import EXIT_PREEMPTED
 
     stopped, plain = Forked(["stop"], code=_SECOND_SIGNAL), Forked(["plain"], code=_SECOND_SIGNAL)
     assert stopped.wait(60) == EXIT_PREEMPTED, stopped.stderr
@@ -276,7 +276,7 @@ def test_a_forged_checkpoint_is_refused(tmp_path, forgery):
 
     from samestep.analysis.receipt_check import check_receipts
     from samestep.checkpoint import CheckpointError, verify_checkpoint
-    from samestep.receipts import ReceiptError
+    from samestep.records.receipts import ReceiptError
 
     straight = train_here(tmp_path / "straight", *TINY)
     run, control = tmp_path / "run", tmp_path / "control"
@@ -346,7 +346,7 @@ def test_receipts_verify_names_damage_to_metrics_and_final(tmp_path, damage):
 def test_receipts_verify_of_a_run_without_receipts_is_an_input_error(tmp_path):
     """A run that kept no receipt (train.receipts=false) has nothing to verify: an input error, not "hold"."""
     from samestep.analysis.receipt_check import check_receipts
-    from samestep.receipts import ReceiptError
+    from samestep.records.receipts import ReceiptError
 
     train_here(tmp_path / "run", *TINY, "train.receipts=false")
     with pytest.raises(ReceiptError):
@@ -381,7 +381,7 @@ def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
     mine.write_bytes(kept)
     step_dir = run / "checkpoints" / "step_000008"
     from samestep.analysis.receipt_check import checkpoint_mismatches
-    from samestep.receipts import read_run_receipts
+    from samestep.records.receipts import read_run_receipts
     assert checkpoint_mismatches(run, step_dir, read_run_receipts(run), None) == []
     zero, one = (step_dir / "model.rank_00000.safetensors").read_bytes(), \
         (step_dir / "model.rank_00001.safetensors").read_bytes()

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from samestep.preempt import EXIT_PREEMPTED
-from samestep.rundir import last_logged_step
+from samestep.determinism.preempt import EXIT_PREEMPTED
+from samestep.records.rundir import last_logged_step
 from tests.conftest import TINY, Forked, metrics_bytes, run_train, train_cmd, train_here
 
 # Checkpoints only at the end: without the signal handler a stop loses every step.
@@ -69,7 +69,7 @@ def test_a_second_signal_stops_at_once(tmp_path):
     (a job's every process signalled, and a launcher forwarding it) is one request. Negative control: one
     signal alone leaves it running to its own end."""
     script = ("import os, signal, sys, time\n"
-              "from samestep.preempt import StopRequest\n"
+              "from samestep.determinism.preempt import StopRequest\n"
               "with StopRequest(('SIGTERM',)) as stop:\n"
               "    os.kill(os.getpid(), signal.SIGTERM)\n"
               "    if sys.argv[1] == 'duplicated':\n"
@@ -117,7 +117,7 @@ def test_a_signal_while_the_stopped_process_exits_leaves_its_exit_code_its_own(t
     here an object that takes 3 s to go): the interpreter has put its handlers back to the default by then.
     Negative control: the same teardown without a stop request is ended by the signal (-15)."""
     script = ("import os, signal, sys, time\n"
-              "from samestep.preempt import StopRequest\n"
+              "from samestep.determinism.preempt import StopRequest\n"
               "class Slow:\n"
               "    def __del__(self, sleep=time.sleep):\n"
               "        print('tearing down', flush=True)\n"

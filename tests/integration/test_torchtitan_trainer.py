@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from samestep.analysis.receipt_diff import by_rank, first_receipt_difference
-from samestep.receipts import read_run_receipts
+from samestep.records.receipts import read_run_receipts
 from tests.conftest import cli_here, spawn
 from tests.forgery import rewrite_receipts
 from tests.programs.titan_on_cpu import on_cpu

@@ -175,7 +175,7 @@ def test_diff_names_the_op_rank_and_module_of_a_planted_difference_at_tp_2(tmp_p
     """Two TP-2 runs traced at op level in step 3, one with one ULP planted on tensor rank 1 in the final norm's
     op: `samestep diff` names step 3, rank 1, the module and the op, and `bisect` (replaying both at TP 2 from
     step 2) the same; the pair without the plant is identical (every record, rank by rank: the same layout)."""
-    from samestep.analysis.bisect import bisect_runs
+    from samestep.replay.bisect import bisect_runs
     from samestep.analysis.diff import diff_runs
 
     traced = (*TP, "parallel.tp=2", "trace.level=op", "trace.steps=3")

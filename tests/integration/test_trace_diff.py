@@ -125,7 +125,7 @@ def test_one_process_against_fsdp2_compares_what_both_layouts_hold(tmp_path):
     digests are of other shards (not a divergence at a gradient shard). Negative control: the FSDP2 run with
     one ULP planted on rank 1 at step 3 is "diverged" by the final state (that ULP leaves the loss and norm
     bits as they were), by diff and by bisect."""
-    from samestep.analysis.bisect import bisect_runs
+    from samestep.replay.bisect import bisect_runs
     from samestep.analysis.diff import diff_runs
 
     settings = (*[s for s in TINY if not s.startswith("train.steps")], "train.steps=4", "trace.level=step")

@@ -89,7 +89,7 @@ def test_resume_without_data_cursor_restore_diverges(reference, tmp_path, monkey
     (load_checkpoint patched), is refused by the run's receipts (the restored state is not the one its
     receipt of step 4 records) and, with receipts off, ends elsewhere than the reference."""
     import samestep.train.resume as resume
-    from samestep.receipts import ReceiptError
+    from samestep.records.receipts import ReceiptError
 
     d = tmp_path / "run"
     assert train_here(d, *TINY, stop_after=4) is None
@@ -293,7 +293,7 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_one_blocks_no
     import socket
 
     run, held = tmp_path / "run", tmp_path / "held"
-    holder = Forked([], code=f"import time; from samestep.rundir import hold; hold({str(run)!r}); "
+    holder = Forked([], code=f"import time; from samestep.records.rundir import hold; hold({str(run)!r}); "
                              f"open({str(held)!r}, 'w').close(); time.sleep(600)")
     try:
         deadline = time.monotonic() + 300

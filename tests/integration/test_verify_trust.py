@@ -198,7 +198,7 @@ def test_a_replay_dies_with_its_verifier_and_its_scratch_does_not_outlive_it(tre
     assert _wait(lambda: _replay_pids(str(temp)), 120), verifier.stderr.read() if verifier.poll() is not None else ""
     scratch = list(temp.glob("samestep-verify-*"))
     assert len(scratch) == 1
-    from samestep.analysis.scratch import remove_stale
+    from samestep.replay.scratch import remove_stale
 
     assert remove_stale(temp) == [] and scratch[0].exists()  # its verifier lives: kept
     verifier.send_signal(getattr(signal, how))

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 import samestep
 from samestep import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
-from samestep._state import state_digest
-from samestep.data import Corpus, DataCursor
+from samestep.hashing.state import state_digest
+from samestep.loop.data import Corpus, DataCursor
 from samestep.train import GPT, ModelConfig
 
 CFG = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.1)
@@ -391,7 +391,7 @@ def test_a_full_disk_anywhere_in_a_save_leaves_nothing_partial(tmp_path, monkeyp
     import errno
     import os
 
-    from samestep import durable
+    from samestep.records import durable
     from samestep.checkpoint import _format
     from samestep.checkpoint import save as save_mod
 

@@ -1,4 +1,4 @@
-"""The state checksum (checksums.py) and receipts version 2 (receipts.py): one pass a step, version 1 read."""
+"""The state checksum (hashing/checksums.py) and receipts version 2 (records/receipts.py): one pass a step, version 1 read."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import pytest
 import torch
 import xxhash
 
-from samestep import checksums
-from samestep._state import state_digest
-from samestep.checksums import Checksums, state_checksum
+from samestep.hashing import checksums
+from samestep.hashing.state import state_digest
+from samestep.hashing.checksums import Checksums, state_checksum
 from samestep.digests import digest
-from samestep.receipts import (
+from samestep.records.receipts import (
     ReceiptError,
     ReceiptWriter,
     chain_break,
@@ -104,7 +104,7 @@ def test_a_steps_pass_is_shared_by_threads_and_renewed_each_step():
     have changed them). Control: two separate passes hash the shared tensors twice."""
     import threading
 
-    from samestep.checksums import StepChecksums
+    from samestep.hashing.checksums import StepChecksums
 
     started = threading.Barrier(2)
     tensors = [torch.full((256, 64), float(i)) for i in range(12)]
@@ -213,7 +213,7 @@ def test_a_rank_that_joined_at_a_resume_keeps_its_receipts_through_the_next_resu
     """A receipts file begun after step 2 (its rank joined a run resumed there on more processes) says so in
     its header (start 2): a later resume from step 4 or 3 keeps its chain, and one from step 2 or before starts
     it afresh. Negative control: the same steps in a file without the start (a head cut off) are refused."""
-    from samestep.receipts import truncate_receipts
+    from samestep.records.receipts import truncate_receipts
 
     tree = _tree()
     writer = ReceiptWriter(tmp_path, 3, "g", state_of="rank", start=2)

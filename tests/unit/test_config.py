@@ -88,7 +88,7 @@ def test_every_trace_field_is_classified_for_resume_and_diff():
     trace.perturb; a new field must be put on one side (this fails until it is)."""
     import dataclasses
 
-    from samestep.rundir import NUMERICS_NEUTRAL
+    from samestep.records.rundir import NUMERICS_NEUTRAL
     from samestep.train.config import TraceConfig
 
     fields = {f"trace.{f.name}" for f in dataclasses.fields(TraceConfig)}

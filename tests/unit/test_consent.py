@@ -1,5 +1,5 @@
-"""The verifier's word before a replay runs a run's program (analysis/consent.py), the replay's lifetime
-(analysis/scratch.py) and what a replay takes from a program record (program.py)."""
+"""The verifier's word before a replay runs a run's program (replay/consent.py), the replay's lifetime
+(replay/scratch.py) and what a replay takes from a program record (replay/program.py)."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from samestep import program
-from samestep.analysis.consent import Consent, ConsentError, Launch
-from samestep.analysis.scratch import OWNER, remove_stale, run_child
-from samestep.replay_request import alive, process_mark
+from samestep.replay import program
+from samestep.replay.consent import Consent, ConsentError, Launch
+from samestep.replay.scratch import OWNER, remove_stale, run_child
+from samestep.replay.request import alive, process_mark
 
 IDENTITY = {"entry": "train.py", "entry_sha256": "ab" * 32, "files": {"train.py": "ab" * 32}, "commit": None,
             "program": "cd" * 32}

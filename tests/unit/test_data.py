@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from samestep.data import Corpus, DataCursor, load_corpus, stdlib_files
+from samestep.loop.data import Corpus, DataCursor, load_corpus, stdlib_files
 
 
 def test_stdlib_corpus_is_deterministic_and_fingerprinted():

@@ -15,7 +15,7 @@ import torch
 
 import samestep
 from samestep.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
-from samestep.rundir import read_metrics
+from samestep.records.rundir import read_metrics
 from samestep.tracing import Recorder, read_stream, stream_path
 from samestep.tracing.stream import END
 from samestep.train import load_config
@@ -207,7 +207,7 @@ def test_a_second_tracer_of_a_users_run_is_refused_until_the_first_closes(tmp_pa
     holder's pid, with nothing written. Negative control: once the first closes, the same call resumes."""
     import socket
 
-    from samestep.rundir import RunDirError
+    from samestep.records.rundir import RunDirError
 
     run = tmp_path / "run"
     model = torch.nn.Linear(4, 1)

@@ -43,7 +43,7 @@ def test_thread_variables_change_no_bit_under_one_pinned_thread_count():
     """A 1-process run and a torchrun one (whose launcher sets OMP_NUM_THREADS) under one pinned intra-op
     thread count differ in nothing that changes a bit, nor in the fields that differ between the processes
     of one job; control: under other thread counts the variables are named with the count."""
-    from samestep.env import numerics_differences
+    from samestep.determinism.env import numerics_differences
 
     a = samestep.environment()
     b = {**a, "env.OMP_NUM_THREADS": "1", "env.MKL_NUM_THREADS": "1", "cpu.count": 96}

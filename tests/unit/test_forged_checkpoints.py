@@ -15,7 +15,7 @@ import torch
 
 import samestep
 from samestep import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
-from samestep.data import Corpus, DataCursor
+from samestep.loop.data import Corpus, DataCursor
 from samestep.train import GPT, ModelConfig
 from tests.conftest import cli_here
 from tests.forgery import reseal, reseal_manifest

@@ -61,7 +61,7 @@ def test_the_keyed_sampler_is_a_pure_function_of_seed_and_epoch_and_resumes_part
 def _hooked_run(run_dir, model, opt, steps: range, start: int = 0):
     """A framework's loop as the callbacks drive HookedSteps: a step per batch, a receipt at each step's end."""
     from samestep.integrations.steps import HookedSteps
-    from samestep.protocol import RunProtocol
+    from samestep.loop.protocol import RunProtocol
 
     hooked = HookedSteps.start(RunProtocol(), run_dir, level="step", steps=None, resume=start > 0, model=model,
                                how_to_resume="-", receipts=True, start=start, optimizer=opt, source="a framework")
@@ -100,7 +100,7 @@ def test_hooked_steps_write_receipts_that_a_resume_continues_and_a_changed_state
     import shutil
 
     from samestep.analysis.receipt_check import check_receipts
-    from samestep.receipts import ReceiptError
+    from samestep.records.receipts import ReceiptError
 
     model, opt = _trained()
     _hooked_run(tmp_path / "straight", model, opt, range(1, 5))
@@ -148,7 +148,7 @@ def test_a_callback_on_several_processes_is_refused_at_its_start_unless_told(tmp
     with pytest.raises(ValueError, match="on 2 processes") as e:
         start()
     assert "multiprocess=True" in str(e.value) and "canonical_ddp_hook" in str(e.value) and "\n" not in str(e.value)
-    assert samestep.mode.active_report() is None and not any(tmp_path.iterdir())
+    assert samestep.determinism.mode.active_report() is None and not any(tmp_path.iterdir())
     refuse_processes(1, "SamestepCallback", False)
     refuse_processes(2, "SamestepCallback", True)
 
@@ -159,8 +159,8 @@ def test_hooked_steps_of_a_rank_keeping_no_receipts_agree_with_the_others_before
     directory); where none did, it starts. Negative control: without ``agree`` the same rank starts whatever
     the others found."""
     from samestep.integrations.steps import HookedSteps
-    from samestep.protocol import RunProtocol
-    from samestep.receipts import RefusedElsewhere
+    from samestep.loop.protocol import RunProtocol
+    from samestep.records.receipts import RefusedElsewhere
 
     model, opt = _trained()
     told: list[bool] = []
@@ -186,8 +186,8 @@ def test_a_replay_leaves_its_refusal_to_the_rank_that_refused(tmp_path):
     """``ReplayRequest.refusing`` writes the refusal of the rank whose check refused; a rank that only learned
     of it (``RefusedElsewhere``) re-raises and leaves the file alone, so the verdict reads the reason. Control:
     a ``ReceiptError`` of its own is written."""
-    from samestep.receipts import ReceiptError, RefusedElsewhere
-    from samestep.replay_request import REFUSAL, ReplayRequest
+    from samestep.records.receipts import ReceiptError, RefusedElsewhere
+    from samestep.replay.request import REFUSAL, ReplayRequest
 
     request = ReplayRequest(run_dir=str(tmp_path / "run"), into=str(tmp_path / "into"), stop_after=3)
     with pytest.raises(ReceiptError), request.refusing(ReceiptError):

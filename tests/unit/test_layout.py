@@ -11,14 +11,12 @@ import samestep
 MAX_LINES = 500
 # docs/design.md, "Layers": bottom first. A module imports modules of its own layer or lower ones only.
 LAYERS = (
-    ("samestep.digests", "samestep.ops", "samestep.distributed", "samestep._state", "samestep.checksums",
-     "samestep.durable", "samestep.version", "samestep.numerics", "samestep.spelling"),
-    ("samestep.rng", "samestep.env", "samestep.mode", "samestep.data", "samestep.rundir", "samestep.testing",
-     "samestep.preempt", "samestep.receipts", "samestep.receipt_state", "samestep.program", "samestep.replay_request",
-     "samestep.resume_points", "samestep.loop_checks"),
+    ("samestep.digests", "samestep.ops", "samestep.distributed", "samestep.hashing", "samestep.records.durable",
+     "samestep.version", "samestep.determinism.numerics"),
+    ("samestep.determinism", "samestep.records", "samestep.loop.data", "samestep.loop.step_checks",
+     "samestep.replay.program", "samestep.replay.request", "samestep.replay.resume_points", "samestep.testing"),
     ("samestep.checkpoint", "samestep.tracing"),
-    ("samestep.analysis", "samestep.train", "samestep.run", "samestep.run_checks", "samestep.integrations",
-     "samestep.protocol"),
+    ("samestep.analysis", "samestep.train", "samestep.loop", "samestep.integrations", "samestep.replay"),
     ("samestep.cli", "samestep.__main__"),
     ("samestep",),
 )
@@ -182,3 +180,28 @@ def test_only_rundir_names_the_run_directorys_paths():
     found = [f"{path.relative_to(root)}: {name}" for path in root.rglob("*.py") if path.name != "rundir.py"
              for name in names if f"/ {name}" in path.read_text()]
     assert not found, found
+
+
+def test_the_top_level_holds_at_most_five_modules_and_the_documented_old_paths_import():
+    """Each flow lives in a package: the top of src/samestep keeps at most five modules. The module paths
+    docs/api.md named before (``samestep.preempt``, ``samestep.protocol``, ...) still import, as the same
+    module objects. Control: a path never documented does not import."""
+    import importlib
+
+    root = Path(samestep.__file__).parent
+    assert len(list(root.glob("*.py"))) <= 5, sorted(p.name for p in root.glob("*.py"))
+    old = {"samestep.preempt": "samestep.determinism.preempt", "samestep.rng": "samestep.determinism.rng",
+           "samestep.protocol": "samestep.loop.protocol", "samestep.loop_checks": "samestep.loop.step_checks",
+           "samestep.checksums": "samestep.hashing.checksums", "samestep.receipts": "samestep.records.receipts",
+           "samestep.run": "samestep.loop.run"}
+    for path, new in old.items():
+        assert importlib.import_module(path) is importlib.import_module(new), path
+    from samestep.preempt import EXIT_PREEMPTED, StopRequest  # noqa: F401 (the form docs/api.md shows)
+    from samestep.protocol import RunProtocol  # noqa: F401
+
+    try:
+        importlib.import_module("samestep.rundir")
+    except ModuleNotFoundError:
+        pass
+    else:
+        raise AssertionError("samestep.rundir was never a documented path")

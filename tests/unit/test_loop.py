@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import samestep
-from samestep.data import load_corpus
+from samestep.loop.data import load_corpus
 from samestep.digests import digest
 from samestep.distributed import clip_grad_norm_
 from samestep.tracing import read_stream, stream_path

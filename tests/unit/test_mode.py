@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import samestep
-from samestep import mode, numerics
+from samestep.determinism import mode
+from samestep.determinism import numerics
 
 
 @pytest.fixture(autouse=True)
@@ -120,7 +121,7 @@ def test_pinned_thread_count_is_what_makes_sums_repeat():
 
 
 def test_matmul_precision_reductions_attention_and_compiler_are_pinned_recorded_and_restored(monkeypatch):
-    """enable() pins the knobs of bf16, TF32, fused attention and torch.compile (numerics.py): each
+    """enable() pins the knobs of bf16, TF32, fused attention and torch.compile (determinism/numerics.py): each
     reported with its value before, in environment(), watched for drift; disable() puts back every value
     a loop had, including the ones that are not PyTorch's defaults."""
     torch.set_float32_matmul_precision("high")  # sets allow_tf32 too

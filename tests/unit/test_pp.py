@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from samestep import rng
+from samestep.determinism import rng
 from samestep.train import load_config
 from samestep.train.pp import check_pp, stage_blocks
 

@@ -1,5 +1,5 @@
-"""The program a loop of one's own records for replay (samestep.program) and the replay request it runs under
-(samestep.replay_request): what can run again, how, and what is refused by name."""
+"""The program a loop of one's own records for replay (samestep.replay.program) and the replay request it runs under
+(samestep.replay.request): what can run again, how, and what is refused by name."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import samestep
-from samestep import program
-from samestep.replay_request import REPLAY_VAR, ReplayRequest
+from samestep.replay import program
+from samestep.replay.request import REPLAY_VAR, ReplayRequest
 
 
 @pytest.mark.parametrize("argv,why", [
@@ -78,7 +78,7 @@ def test_torchrun_is_relaunched_on_one_node_with_the_recorded_process_count_and_
 def test_a_resume_by_another_program_is_recorded_from_its_step(tmp_path):
     """run.json's programs: a resume under the same program adds nothing, under another one adds it from the
     step it resumed after; program_at picks the one that ran a step."""
-    from samestep.rundir import new_run, read_run, write_run
+    from samestep.records.rundir import new_run, read_run, write_run
 
     write_run(tmp_path, new_run({}, {"world_size": 1}, None, written_by="samestep.trace"))
     first, second = {"argv": ["p", "a.py"]}, {"argv": ["p", "b.py"]}

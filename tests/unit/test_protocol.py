@@ -1,12 +1,12 @@
-"""The step protocol's shared rules (samestep/protocol.py): the stop every rank agrees on, and the order
+"""The step protocol's shared rules (samestep/loop/protocol.py): the stop every rank agrees on, and the order
 in which a checkpoint's records are made durable before it is saved."""
 
 from __future__ import annotations
 
 import os
 
-from samestep.preempt import StopRequest
-from samestep.protocol import agreed_stop, save_after_records
+from samestep.determinism.preempt import StopRequest
+from samestep.loop.protocol import agreed_stop, save_after_records
 
 
 class _Synced:
@@ -53,8 +53,8 @@ def test_a_run_protocol_owns_deterministic_mode_it_turned_on_and_refuses_other_s
     are refused, naming both, and the mode in force is left as it was."""
     import pytest
 
-    from samestep import mode
-    from samestep.protocol import RunProtocol
+    from samestep.determinism import mode
+    from samestep.loop.protocol import RunProtocol
 
     assert not mode.is_enabled()
     own = RunProtocol()
@@ -77,8 +77,8 @@ def test_a_run_protocol_holds_the_run_directory_and_closes_the_trace_before_the_
     close; ``end`` closes the trace, then the receipts; the receipts' last step is in the file after it."""
     import pytest
 
-    from samestep.protocol import RunProtocol
-    from samestep.rundir import RunDirError, hold
+    from samestep.loop.protocol import RunProtocol
+    from samestep.records.rundir import RunDirError, hold
 
     calls: list[str] = []
 
@@ -122,7 +122,7 @@ def test_the_protocol_is_driven_from_run_protocol_alone():
         return found & owned
 
     root = Path(samestep.__file__).parent
-    drivers = [root / "train" / "loop.py", root / "train" / "resume.py", root / "run.py",
+    drivers = [root / "train" / "loop.py", root / "train" / "resume.py", root / "loop" / "run.py",
                *(root / "integrations" / f"{name}.py" for name in ("steps", "huggingface", "lightning"))]
     assert {d.name: calls(d.read_text(encoding="utf-8")) for d in drivers} == {d.name: set() for d in drivers}
     assert calls("from samestep import mode\nmode.enable(threads=1)\nproto.enable()\n") == {"enable"}
@@ -132,7 +132,7 @@ def _receipts(run_dir, rank: int, steps: range) -> None:
     """A receipts file of ``rank`` holding ``steps`` (their chain is not what is checked here)."""
     import json
 
-    from samestep.receipts import RECEIPTS_FORMAT, RECEIPTS_VERSION, receipts_path
+    from samestep.records.receipts import RECEIPTS_FORMAT, RECEIPTS_VERSION, receipts_path
 
     path = receipts_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,8 +150,8 @@ def test_a_resume_refuses_a_ranks_receipts_file_lost_while_another_ranks_holds_t
     on another layout (the rank keeps receipts only from now on), go on."""
     import pytest
 
-    from samestep.protocol import RunProtocol
-    from samestep.receipts import ReceiptError
+    from samestep.loop.protocol import RunProtocol
+    from samestep.records.receipts import ReceiptError
 
     _receipts(tmp_path / "kept", 0, range(1, 3))
     proto = RunProtocol(tmp_path / "kept")
@@ -170,8 +170,8 @@ def test_a_resume_check_is_agreed_by_every_rank_before_any_writes(tmp_path):
     rank refused, and writes nothing. Negative control: without ``agree`` the same rank goes on."""
     import pytest
 
-    from samestep.protocol import RunProtocol
-    from samestep.receipts import ReceiptError, RefusedElsewhere
+    from samestep.loop.protocol import RunProtocol
+    from samestep.records.receipts import ReceiptError, RefusedElsewhere
 
     _receipts(tmp_path / "kept", 0, range(1, 3))
     told: list[bool] = []
@@ -206,15 +206,15 @@ def test_a_receipts_header_that_cannot_be_written_leaves_no_file(tmp_path, monke
     working disk leaves the header, which ``read_header`` reads."""
     import pytest
 
-    import samestep.durable
-    from samestep.receipts import ReceiptWriter, read_header, receipts_path
+    import samestep.records.durable
+    from samestep.records.receipts import ReceiptWriter, read_header, receipts_path
 
     def full(path, data):
         path.write_bytes(data[:0])
         raise OSError(28, "No space left on device")
 
     with monkeypatch.context() as m:
-        m.setattr(samestep.durable, "write_durable", full)
+        m.setattr(samestep.records.durable, "write_durable", full)
         with pytest.raises(OSError, match="No space"):
             ReceiptWriter(tmp_path, 1, "g")
     assert list(receipts_path(tmp_path, 1).parent.iterdir()) == []

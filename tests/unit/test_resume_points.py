@@ -1,4 +1,4 @@
-"""Where a replay enters a framework's run: the checkpoints found from run.json (resume_points.py)."""
+"""Where a replay enters a framework's run: the checkpoints found from run.json (replay/resume_points.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from samestep.resume_points import HF, HF_FINGERPRINT, LIGHTNING, RUN, index, points, resumed_by, resumes, stage
-from samestep.rundir import RUN_FORMAT, RUN_VERSION, RunDirError, read_run, write_run
+from samestep.replay.resume_points import HF, HF_FINGERPRINT, LIGHTNING, RUN, index, points, resumed_by, resumes, stage
+from samestep.records.rundir import RUN_FORMAT, RUN_VERSION, RunDirError, read_run, write_run
 
 
 def _run(run_dir: Path, resumed: dict) -> dict:

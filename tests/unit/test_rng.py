@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from bench.bench_mask import keep_by_int64
-from samestep import capture_rng, restore_rng, rng
+from samestep import capture_rng, restore_rng
+from samestep.determinism import rng
 
 
 def test_key_is_a_pure_function_of_its_coordinates():

@@ -18,7 +18,7 @@ import samestep
 from samestep.analysis import certify_trace, diff_runs
 from samestep.analysis.receipt_check import check_receipts
 from samestep.checkpoint import committed_steps
-from samestep.receipts import ReceiptError, read_receipts, read_run_receipts
+from samestep.records.receipts import ReceiptError, read_receipts, read_run_receipts
 
 
 def _train(run_dir: Path, *, total: int = 4, stop_at: int | None = None, fail_at: int | None = None,
@@ -118,8 +118,8 @@ def test_the_trace_takes_its_state_records_from_the_receipts_pass(tmp_path, monk
     tensors are hashed as with the trace off, none of the parameters or optimizer state reaches the trace's
     lanes, and the last step's state records are the state checksums of the final parameters and optimizer
     state. Control: a recorder with a pass of its own hashes each of those tensors a second time a step."""
-    from samestep import checksums
-    from samestep.protocol import RunProtocol
+    from samestep.hashing import checksums
+    from samestep.loop.protocol import RunProtocol
     from samestep.tracing import read_stream, stream_path, thread_worker
 
     hashed: list[tuple] = []
@@ -168,7 +168,8 @@ def test_a_receipt_is_of_the_buffers_at_its_steps_end_whatever_the_next_forward_
     be refused)."""
     import threading
 
-    from samestep import receipt_state, receipts
+    from samestep.records import receipt_state
+    from samestep.records import receipts
 
     forwards, seen = [0], threading.Condition()
 
@@ -388,7 +389,7 @@ def test_verify_refuses_a_loop_that_recorded_no_program_and_receipts_verify_chec
     newest checkpoint against its receipt (its parts rebuilt from the checkpoint's files); with a weight of it
     changed and resealed, it names the checkpoint (the control)."""
     from samestep.cli import main
-    from samestep.rundir import read_run, write_run
+    from samestep.records.rundir import read_run, write_run
 
     _train(tmp_path / "run", total=4)
     doc = read_run(tmp_path / "run")
@@ -443,7 +444,7 @@ def test_a_dataloader_cursor_that_draws_the_global_rng_is_refused_before_step_1(
     controls: the resumed epoch's iterator made after the generators are restored (it draws from them) differs;
     with the refusal taken away, the same resume without a generator differs (its new iterator draws
     the global RNG where the straight run drew nothing)."""
-    import samestep.run as run_module
+    import samestep.loop.run as run_module
 
     with pytest.raises(ValueError, match=r"data_cursor=StatefulDataLoader\(...\)\): it draws from torch's global "
                                          r"RNG .* generator=torch.Generator\(\).manual_seed\(SEED\)"):

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from samestep._state import flatten, state_digest, unflatten
+from samestep.hashing.state import flatten, state_digest, unflatten
 
 
 def test_round_trip_keeps_types_and_bits():
@@ -41,7 +41,7 @@ def test_tensor_bytes_are_the_row_major_bytes_of_every_kind_of_tensor():
     values in row-major order, as a copy made element by element does: contiguous, transposed, sliced,
     strided, expanded, 0-d, empty, requiring grad, negated, bf16, fp16, complex, bool, int. Negative
     control: the same comparison tells a transposed tensor's bytes from its storage's."""
-    from samestep._state import tensor_bytes
+    from samestep.hashing.state import tensor_bytes
 
     def row_major(t: torch.Tensor) -> bytes:  # one element at a time, through a copy
         flat = t.detach().clone().contiguous().reshape(-1)

@@ -13,7 +13,7 @@ import torch
 
 import samestep
 from samestep.analysis import DiffError, certify_trace, diff_runs
-from samestep.checksums import Checksums
+from samestep.hashing.checksums import Checksums
 from samestep.digests import digest
 from samestep.tracing import Perturb, Recorder, format_selection, parse_selection, read_stream, stream_path
 from samestep.tracing.stream import END, FORMAT, SCHEMA, VERSION, StreamWriter

@@ -210,7 +210,7 @@ def test_a_damaged_metrics_line_is_named_and_a_resume_refuses_to_cut_there(tmp_p
     """A metrics.jsonl line that is a list, has a string step, or is garbage before the last line: diff
     names the file and line; a resume refuses to cut the file there (every later step would be lost).
     Negative control: a torn last line alone is a killed run's, and the rows before it are read."""
-    from samestep.rundir import RunDirError, read_metrics, truncate_metrics
+    from samestep.records.rundir import RunDirError, read_metrics, truncate_metrics
 
     run = tmp_path / "run"
     run.mkdir()
@@ -230,7 +230,7 @@ def test_a_damaged_metrics_line_is_named_and_a_resume_refuses_to_cut_there(tmp_p
 def test_a_gap_in_the_metrics_refuses_the_resume(tmp_path):
     """Metrics that lack a step before the checkpoint's: the resume refuses, naming the missing step.
     Negative control: contiguous steps are cut back to the checkpoint's."""
-    from samestep.rundir import RunDirError, read_metrics, truncate_metrics
+    from samestep.records.rundir import RunDirError, read_metrics, truncate_metrics
 
     run = tmp_path / "run"
     run.mkdir()

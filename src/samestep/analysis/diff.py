@@ -18,9 +18,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from samestep._state import dotted
-from samestep.env import compare_environments, numerics_differences
-from samestep.rundir import (
+from samestep.hashing.state import dotted
+from samestep.determinism.env import compare_environments, numerics_differences
+from samestep.records.rundir import (
     NUMERICS_NEUTRAL,
     RunDirError,
     determinism_diff,

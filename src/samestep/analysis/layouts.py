@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from samestep.distributed.placement import mesh_coordinates
-from samestep.rundir import layout_at
+from samestep.records.rundir import layout_at
 from samestep.tracing.selection import format_selection
 
 __all__ = ["rank_coordinates", "steps_on_other_layouts"]

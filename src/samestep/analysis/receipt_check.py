@@ -13,10 +13,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from samestep.checksums import state_checksum
-from samestep.durable import read_file
-from samestep.receipt_state import receipted_state
-from samestep.receipts import (
+from samestep.hashing.checksums import state_checksum
+from samestep.records.durable import read_file
+from samestep.records.receipt_state import receipted_state
+from samestep.records.receipts import (
     ReceiptError,
     chain_break,
     genesis,
@@ -25,7 +25,7 @@ from samestep.receipts import (
     receipts_path,
     state_hash_of,
 )
-from samestep.rundir import checkpoints_dir, final_path, layout_at, metrics_path, read_final, read_metrics, read_run
+from samestep.records.rundir import checkpoints_dir, final_path, layout_at, metrics_path, read_final, read_metrics, read_run
 
 __all__ = ["check_receipts", "checkpoint_mismatches"]
 

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 from samestep.analysis.diff import DiffError, diff_runs, load_metrics, load_run
 from samestep.analysis.receipt_diff import by_rank, states_comparable
-from samestep.receipts import read_run_receipts
+from samestep.records.receipts import read_run_receipts
 
 __all__ = ["KIND_COLOURS", "make_report"]
 

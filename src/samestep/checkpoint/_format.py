@@ -27,8 +27,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from samestep._state import canonical_json
-from samestep.durable import write_durable
+from samestep.hashing.state import canonical_json
+from samestep.records.durable import write_durable
 
 FORMAT = "samestep.checkpoint"
 VERSION = 1

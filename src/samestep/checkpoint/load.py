@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from safetensors.torch import load as safetensors_load
 
-from samestep import rng as _rng
-from samestep._state import sha256_tensor, unflatten
+from samestep.determinism import rng as _rng
+from samestep.hashing.state import sha256_tensor, unflatten
 from samestep.checkpoint._format import (
     FORMAT,
     MANIFEST,
@@ -30,8 +30,8 @@ from samestep.checkpoint._format import (
     sha256_bytes,
     shard_names,
 )
-from samestep.durable import NotAFile, read_file
-from samestep.env import compare_environments, environment, numerics_differences
+from samestep.records.durable import NotAFile, read_file
+from samestep.determinism.env import compare_environments, environment, numerics_differences
 
 __all__ = ["LoadedCheckpoint", "checkpoint_state", "load_checkpoint", "shard_count", "verify_checkpoint"]
 

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from samestep import rng as _rng
-from samestep._state import flatten, sha256_tensor
+from samestep.determinism import rng as _rng
+from samestep.hashing.state import flatten, sha256_tensor
 from samestep.checkpoint._format import (
     FORMAT,
     LATEST,
@@ -35,8 +35,8 @@ from samestep.checkpoint._format import (
     write_json,
 )
 from samestep.distributed.fsdp import shard_rows
-from samestep.durable import fsync_dir, replace_atomic, write_durable
-from samestep.env import environment
+from samestep.records.durable import fsync_dir, replace_atomic, write_durable
+from samestep.determinism.env import environment
 
 __all__ = ["save_checkpoint"]
 

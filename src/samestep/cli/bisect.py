@@ -36,9 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from samestep.analysis.bisect import bisect_runs
-    from samestep.analysis.replay import ReplayError
-    from samestep.analysis.scratch import stopping
+    from samestep.replay.bisect import bisect_runs
+    from samestep.replay.plan import ReplayError
+    from samestep.replay.scratch import stopping
 
     if args.retries < 0:
         raise InputError(f"--retries {args.retries}: expected 0 or more")

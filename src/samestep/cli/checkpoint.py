@@ -8,7 +8,7 @@ from pathlib import Path
 
 from samestep.checkpoint import CheckpointError, committed_steps, verify_checkpoint
 from samestep.cli.errors import InputError, verdict
-from samestep.rundir import checkpoints_dir, run_json
+from samestep.records.rundir import checkpoints_dir, run_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

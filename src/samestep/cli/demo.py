@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from samestep.cli.errors import verdict
-from samestep.rundir import last_logged_step, metrics_path, read_final, read_run
+from samestep.records.rundir import last_logged_step, metrics_path, read_final, read_run
 
 # Sized for about two minutes on a 2-core laptop CPU.
 DEMO_SETTINGS = ("train.steps=200", "train.checkpoint_every=25", "train.warmup_steps=20")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from samestep.env import environment
+from samestep.determinism.env import environment
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

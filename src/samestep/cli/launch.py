@@ -4,7 +4,7 @@ The launcher sets the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE, LOC
 MASTER_ADDR, MASTER_PORT) and starts each process outside the launcher's process group
 (``start_new_session``), so a signal reaches a process once, from the launcher: a scheduler's SIGTERM
 or a Ctrl-C is forwarded, every process finishes its step and saves, and the job exits with the
-processes' own code (75 when preempted, see samestep.preempt). It waits for them as long as they take:
+processes' own code (75 when preempted, see samestep.determinism.preempt). It waits for them as long as they take:
 the scheduler's kill is the deadline, not a launcher's timeout. A process that fails takes the others
 down after ``GRACE_S`` (they would wait in a collective for ever), and its code is the job's: a process killed by
 a signal is named by the launcher (the job exits 128 + the signal's number), the others say in one line that they
@@ -26,7 +26,7 @@ import time
 from types import FrameType
 
 from samestep.cli.errors import EXIT_PEER_LOST
-from samestep.preempt import EXIT_PREEMPTED
+from samestep.determinism.preempt import EXIT_PREEMPTED
 
 __all__ = ["GRACE_S", "LAUNCHER_PID", "follow_launcher", "free_port", "launch"]
 

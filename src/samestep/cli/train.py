@@ -66,7 +66,7 @@ def _launch(args: argparse.Namespace, threads: int, signals: tuple[str, ...]) ->
 
 def _show_config(cfg, as_json: bool) -> int:
     """Every key of ``cfg``'s sections with its value and docstring, as TOML (or JSON)."""
-    from samestep._state import dotted
+    from samestep.hashing.state import dotted
     from samestep.train.config import Config
 
     values = dotted(cfg.to_dict())
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         raise InputError(f"--nproc={args.nproc} must be at least 1")
     if args.stop_after is not None and args.stop_after < 1:
         raise InputError(f"--stop-after={args.stop_after} must be at least 1")
-    from samestep.preempt import EXIT_PREEMPTED, parse_signals
+    from samestep.determinism.preempt import EXIT_PREEMPTED, parse_signals
 
     if args.nproc > 1:
         from samestep.train.loop import check_layout

@@ -1,4 +1,4 @@
-"""The verifier's word for ``samestep verify`` and ``samestep bisect`` (``analysis.consent``): ``--yes``, else a
+"""The verifier's word for ``samestep verify`` and ``samestep bisect`` (``replay.consent``): ``--yes``, else a
 yes at the terminal's prompt, else nothing (a run's program is then refused, exit 2)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from samestep.analysis.consent import Consent
+from samestep.replay.consent import Consent
 
 __all__ = ["consent_of"]
 

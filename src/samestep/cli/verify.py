@@ -47,11 +47,11 @@ def steps_arg(text: str | None, parser: argparse.ArgumentParser, name: str) -> t
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from samestep.analysis.consent import code_line
-    from samestep.analysis.replay import ReplayError
-    from samestep.analysis.verify import verify_run
+    from samestep.replay.consent import code_line
+    from samestep.replay.plan import ReplayError
+    from samestep.replay.verify import verify_run
 
-    from samestep.analysis.scratch import stopping
+    from samestep.replay.scratch import stopping
 
     steps = steps_arg(args.steps, parser, "verify")
     try:

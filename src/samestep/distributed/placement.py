@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from samestep._state import state_digest
+from samestep.hashing.state import state_digest
 
 __all__ = ["mesh_coordinates", "model_layout"]
 

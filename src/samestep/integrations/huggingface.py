@@ -22,8 +22,8 @@ What it does:
 The Trainer's own resume restores the data position (it skips the batches its checkpoint consumed) and
 the RNG states; this callback checks that it did, and the trace shows the rest.
 
-run.json records the program (``samestep.program``), so that ``samestep verify`` and ``samestep bisect`` run
-it again: under their replay request (``samestep.replay_request``) the callback points the Trainer's output
+run.json records the program (``samestep.replay.program``), so that ``samestep verify`` and ``samestep bisect`` run
+it again: under their replay request (``samestep.replay.request``) the callback points the Trainer's output
 directory and the trace at the request's scratch directory, has ``Trainer.train`` resume from the copy of
 the checkpoint there (whatever the program passes it), traces as asked, saves no checkpoint, and ends the
 process (exit 0) after the request's last step.
@@ -39,15 +39,15 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from samestep import program
+from samestep.replay import program
 from samestep.distributed.agree import any_rank
-from samestep.durable import read_file, write_durable
+from samestep.records.durable import read_file, write_durable
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, rng_digest, state_fingerprint
 from samestep.integrations.steps import HookedSteps, refuse_processes
-from samestep.protocol import RunProtocol
-from samestep.receipts import ReceiptError
-from samestep.replay_request import ReplayRequest
-from samestep.resume_points import HF, HF_FINGERPRINT, resumes
+from samestep.loop.protocol import RunProtocol
+from samestep.records.receipts import ReceiptError
+from samestep.replay.request import ReplayRequest
+from samestep.replay.resume_points import HF, HF_FINGERPRINT, resumes
 
 __all__ = ["FINGERPRINT", "ResumeMismatch", "SamestepCallback"]
 

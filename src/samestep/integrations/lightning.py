@@ -20,9 +20,9 @@ What it does:
   first sample the checkpoint had not consumed; a mid-epoch resume with a loader that can do neither
   (Lightning would restart the epoch's data, and only warn) is refused.
 
-run.json records the program (``samestep.program``) and each checkpoint Lightning's ``ModelCheckpoint`` wrote
+run.json records the program (``samestep.replay.program``) and each checkpoint Lightning's ``ModelCheckpoint`` wrote
 with its step (``resume_points.index``), so that ``samestep verify`` and ``samestep bisect`` run the program
-again: under their replay request (``samestep.replay_request``) the callback traces into the request's
+again: under their replay request (``samestep.replay.request``) the callback traces into the request's
 scratch directory, points every ``ModelCheckpoint`` there, has ``Trainer.fit`` resume from the copy of the
 checkpoint in it (whatever ``ckpt_path`` the program passes), traces as asked, and ends the process (exit 0)
 after the request's last step.
@@ -41,16 +41,16 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from samestep import program
+from samestep.replay import program
 from samestep.distributed.agree import any_rank
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, state_fingerprint
 from samestep.integrations.sampler import KeyedSampler
 from samestep.integrations.steps import HookedSteps, refuse_processes
-from samestep.protocol import RunProtocol
-from samestep.receipts import ReceiptError
-from samestep.replay_request import ReplayRequest
-from samestep.resume_points import LIGHTNING, index, resumes
-from samestep.rng import capture_rng, restore_rng
+from samestep.loop.protocol import RunProtocol
+from samestep.records.receipts import ReceiptError
+from samestep.replay.request import ReplayRequest
+from samestep.replay.resume_points import LIGHTNING, index, resumes
+from samestep.determinism.rng import capture_rng, restore_rng
 
 __all__ = ["KeyedSampler", "ResumeMismatch", "SamestepCallback"]
 

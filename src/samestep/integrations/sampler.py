@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-from samestep import rng
+from samestep.determinism import rng
 
 __all__ = ["KeyedSampler"]
 

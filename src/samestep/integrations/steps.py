@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from samestep.protocol import RunProtocol
+from samestep.loop.protocol import RunProtocol
 
 __all__ = ["HookedSteps", "refuse_processes"]
 
@@ -33,7 +33,7 @@ def refuse_processes(world: int, who: str, multiprocess: bool) -> None:
 
 class HookedSteps:
     """Opens and closes ``Recorder.step`` and ``Recorder.microbatch`` from separate framework callbacks, and
-    has the RunProtocol write a receipt of every step that ends (``samestep.receipts``, the rank's file)."""
+    has the RunProtocol write a receipt of every step that ends (``samestep.records.receipts``, the rank's file)."""
 
     @classmethod
     def start(cls, proto: RunProtocol, run_dir: Path, *, level: str, steps: Any, resume: bool, model: Any,
@@ -59,11 +59,11 @@ class HookedSteps:
                 is not the one its receipt of ``start`` records; under ``agree``, ``RefusedElsewhere`` where that
                 was another rank's.
         """
-        from samestep._state import persistent_buffers
-        from samestep.checksums import state_hash_for
+        from samestep.hashing.state import persistent_buffers
+        from samestep.hashing.checksums import state_hash_for
         from samestep.distributed.placement import model_layout
-        from samestep.receipt_state import state_tree
-        from samestep.receipts import genesis
+        from samestep.records.receipt_state import state_tree
+        from samestep.records.receipts import genesis
 
         buffers = persistent_buffers(model)  # found once: a model gains or loses no buffer between steps
 
@@ -82,7 +82,7 @@ class HookedSteps:
                              "into another run directory") from None
         try:
             if program is not None:  # what samestep verify and bisect run again
-                from samestep.program import record
+                from samestep.replay.program import record
 
                 record(proto.run_dir, start, program)
             if receipts:

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from samestep._state import tensor_header
+from samestep.hashing.state import tensor_header
 from samestep.digests import ROW_BYTES, rows_of
 from samestep.tracing.batch import Batch
 from samestep.tracing.wire import describe, frame, recv, send

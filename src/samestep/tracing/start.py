@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from samestep.env import compare_environments, environment
-from samestep.mode import active_report
-from samestep.rundir import (
+from samestep.determinism.env import compare_environments, environment
+from samestep.determinism.mode import active_report
+from samestep.records.rundir import (
     RunLock,
     determinism_diff,
     hold,
@@ -49,7 +49,7 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
             only). Both write the same stream.
         resume: continue the run that ``run_dir`` holds (after loading its checkpoint): the stream gets a
             new segment, and run.json a resume record with what differs from the run's start.
-        held: the run directory's lock (``samestep.rundir.hold``) where the caller holds it already and
+        held: the run directory's lock (``samestep.records.rundir.hold``) where the caller holds it already and
             keeps it past the recorder's close (``samestep.Run``).
         layout: what run.json records of the layout besides the world size (``distributed.placement.
             model_layout``): ``samestep diff`` pairs trace records only between steps written on one layout.

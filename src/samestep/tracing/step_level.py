@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 import torch
 
-from samestep._state import persistent_buffers, tensor_header
+from samestep.hashing.state import persistent_buffers, tensor_header
 from samestep.tracing.staging import RecorderView, Staging
 from samestep.tracing.wire import describe_all
 

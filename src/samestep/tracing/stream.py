@@ -46,8 +46,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from samestep.durable import fsync_dir
-from samestep.rundir import trace_dir
+from samestep.records.durable import fsync_dir
+from samestep.records.rundir import trace_dir
 
 __all__ = ["COLUMNS", "END", "FORMAT", "KEY", "SCHEMA", "VERSION", "DamagedStream", "StreamWriter",
            "TraceStream", "batch_checksum", "iter_stream", "read_stream", "state_records", "stream_path",

@@ -8,7 +8,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from samestep.checksums import state_hash_for
+from samestep.hashing.checksums import state_hash_for
 from samestep.digests import Packed, finish, lanes_packed
 from samestep.tracing.batch import HASHED, Batch, Columns
 from samestep.tracing.stream import StreamWriter

@@ -30,8 +30,8 @@ import torch
 from samestep.checkpoint import committed_steps
 from samestep.distributed.gather import gather_if_different
 from samestep.distributed.shards import local_shard
-from samestep.receipts import ReceiptWriter
-from samestep.rundir import checkpoints_dir
+from samestep.records.receipts import ReceiptWriter
+from samestep.records.rundir import checkpoints_dir
 
 __all__ = ["EXIT_FAULT", "EXIT_NONFINITE", "CrossRankCheck", "FaultDetected", "NonFinite", "RecomputeCheck",
            "check_finite", "report_fault"]

@@ -16,9 +16,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from samestep.checksums import STATE_HASHES
-from samestep.data import SOURCES
-from samestep.preempt import parse_signals
+from samestep.hashing.checksums import STATE_HASHES
+from samestep.loop.data import SOURCES
+from samestep.determinism.preempt import parse_signals
 
 __all__ = ["PRESETS", "Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TraceConfig", "TrainConfig"]
 
@@ -110,10 +110,10 @@ class TrainConfig:
     """Compile the model's forward (with its loss) with torch.compile (Inductor, deterministic mode); the
     optimizer step and the gradient reduction run eagerly."""
     receipts: bool = True
-    """Write a receipt of every step (src/samestep/receipts.py): the state checksum after the update, the loss
+    """Write a receipt of every step (src/samestep/records/receipts.py): the state checksum after the update, the loss
     and grad-norm bits, chained by hash; what ``samestep verify``, ``bisect`` and ``receipts verify`` read."""
     receipt_hash: str = "auto"
-    """The state checksum's hash in a new receipts file (src/samestep/checksums.py): 'auto' (xxh3-128 where
+    """The state checksum's hash in a new receipts file (src/samestep/hashing/checksums.py): 'auto' (xxh3-128 where
     the state lies in host memory, samestep-digest-1 on an accelerator), or one of them, or 'sha256'; a
     resumed run keeps its file's."""
     cross_rank_check: bool = True

@@ -10,8 +10,8 @@ from typing import Any
 
 import tomllib
 
-from samestep.durable import read_file
-from samestep.spelling import did_you_mean
+from samestep.records.durable import read_file
+from samestep.train.spelling import did_you_mean
 from samestep.train.config import PRESETS, Config
 
 __all__ = ["build", "load_config"]

@@ -18,15 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from samestep._state import state_digest
-from samestep.checksums import state_checksum, state_hash_for
+from samestep.hashing.state import state_digest
+from samestep.hashing.checksums import state_checksum, state_hash_for
 from samestep.checkpoint import save_checkpoint
-from samestep.data import DataCursor
+from samestep.loop.data import DataCursor
 from samestep.distributed import validate_layout
-from samestep.preempt import parse_signals
-from samestep.protocol import RunProtocol
-from samestep.receipts import genesis, read_header, receipts_path, state_hash_of
-from samestep.rundir import (
+from samestep.determinism.preempt import parse_signals
+from samestep.loop.protocol import RunProtocol
+from samestep.records.receipts import genesis, read_header, receipts_path, state_hash_of
+from samestep.records.rundir import (
     checked_run_dir,
     checkpoints_dir,
     final_doc,

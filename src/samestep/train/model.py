@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from samestep import ops
-from samestep import rng as _rng
+from samestep.determinism import rng as _rng
 from samestep.distributed.chunk_products import elementwise_whole
 from samestep.distributed.sequence_parallel import SequenceShard, gather_sequence, scatter_sequence
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy

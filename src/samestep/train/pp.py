@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from samestep import rng
+from samestep.determinism import rng
 from samestep.train.config import Config
 from samestep.train.parts import Parts
 

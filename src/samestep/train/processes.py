@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from samestep.distributed import any_rank
-from samestep.env import describe_rank_differences, environment, rank_differences
+from samestep.determinism.env import describe_rank_differences, environment, rank_differences
 from samestep.train.config import Config
 
 __all__ = ["Processes", "device_kind"]

@@ -8,10 +8,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from samestep._state import dotted
+from samestep.hashing.state import dotted
 from samestep.checkpoint import LoadedCheckpoint, load_checkpoint
-from samestep.protocol import RunProtocol
-from samestep.rundir import (
+from samestep.loop.protocol import RunProtocol
+from samestep.records.rundir import (
     NUMERICS_NEUTRAL,
     checkpoints_dir,
     holds_run,

@@ -1,4 +1,4 @@
-"""torchtitan's data loader and tokenizer interfaces over samestep's token sources (``samestep.data``).
+"""torchtitan's data loader and tokenizer interfaces over samestep's token sources (``samestep.loop.data``).
 
 A step's global batch is the same samples on any number of data ranks: the trainer's microbatch ``i`` of
 step ``s`` on data rank ``r`` of ``D`` is global microbatch ``r k + i`` (``k`` = the rank's gradient
@@ -18,7 +18,7 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.tokenizer import BaseTokenizer
 
-from samestep.data import DataCursor, load_corpus
+from samestep.loop.data import DataCursor, load_corpus
 
 __all__ = ["ByteTokenizer", "CorpusLoader"]
 
@@ -47,13 +47,13 @@ class ByteTokenizer(BaseTokenizer):
 class CorpusLoader(BaseDataLoader):
     """Batches of ``local_batch_size`` windows of ``seq_len + 1`` tokens from a samestep token source
     (``dataset``: ``stdlib``, the interpreter's standard library, or ``text`` / ``bin`` with
-    ``dataset_path``), in the counter-keyed order of ``samestep.data``; yields ``({"input": x}, labels)``."""
+    ``dataset_path``), in the counter-keyed order of ``samestep.loop.data``; yields ``({"input": x}, labels)``."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseDataLoader.Config):
         dataset: str = "stdlib"
         seed: int = 0
-        """The sample order's key (``samestep.data``)."""
+        """The sample order's key (``samestep.loop.data``)."""
         global_batch_size: int = 0
         """Samples a step takes over all data ranks; the trainer sets it from ``training.global_batch_size``."""
 

@@ -13,8 +13,8 @@ What it changes of torchtitan's step, on one process or FSDP2 over every process
   the whole state, or every rank's of its own shards), continued on a resume through torchtitan's checkpoint,
   which is refused where the restored state is not the receipt of its step;
 - every rank's RNG states in torchtitan's checkpoint (the trainer's ``train_state``), as tensors;
-- the program in run.json (``samestep.program``), so ``samestep verify`` and ``bisect`` run the job again: under
-  their replay request (``samestep.replay_request``) the job's dump folder is the request's scratch directory,
+- the program in run.json (``samestep.replay.program``), so ``samestep verify`` and ``bisect`` run the job again: under
+  their replay request (``samestep.replay.request``) the job's dump folder is the request's scratch directory,
   holding the copy of torchtitan's checkpoint the replay starts from (``resume_points``), it traces as asked,
   and it ends after the request's last step.
 
@@ -44,17 +44,17 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
-from samestep import program
+from samestep.replay import program
 from samestep.distributed.agree import any_rank
 from samestep.integrations.steps import HookedSteps
 from samestep.integrations.torchtitan.data import CorpusLoader
 from samestep.integrations.torchtitan.pipeline import SCHEDULES, Pipelined
 from samestep.integrations.torchtitan.tensor_parallel import with_canonical_tp
-from samestep.protocol import RunProtocol
-from samestep.receipts import ReceiptError
-from samestep.replay_request import ReplayRequest
-from samestep.resume_points import TORCHTITAN, resumes
-from samestep.rng import capture_rng, restore_rng
+from samestep.loop.protocol import RunProtocol
+from samestep.records.receipts import ReceiptError
+from samestep.replay.request import ReplayRequest
+from samestep.replay.resume_points import TORCHTITAN, resumes
+from samestep.determinism.rng import capture_rng, restore_rng
 
 __all__ = ["Samestep", "SamestepTrainer"]
 
@@ -183,7 +183,7 @@ class SamestepTrainer(Trainer):
         """A resume's receipts check compares each rank's restored state with its own receipt of ``start``; on
         another layout than the one that wrote the checkpoint they are of other shards, and torchtitan's checkpoint
         holds nothing samestep could check against them: refused, naming both layouts."""
-        from samestep.receipts import read_run_receipts
+        from samestep.records.receipts import read_run_receipts
 
         def layout(ranks: list[int], sharded: bool) -> str:
             return f"{len(ranks)} process(es) keeping receipts of {'their shards' if sharded else 'the whole state'}"

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from samestep._state import sha256_tensor, tensor_bytes, tensor_header, tree_digest
+from samestep.hashing.state import sha256_tensor, tensor_bytes, tensor_header, tree_digest
 
 __all__ = ["DEVICE_STATE_HASH", "STATE_HASH", "STATE_HASHES", "Checksums", "StepChecksums", "state_checksum",
            "state_hash_for", "xxh3_tensor"]

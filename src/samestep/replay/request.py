@@ -131,7 +131,7 @@ class ReplayRequest:
         """Around a replayed resume's checks: one that raises one of ``refusals`` (its checkpoint is not the
         run's) leaves its message in ``into`` (``REFUSAL``) before it propagates; a rank whose checks passed
         while another's refused (``RefusedElsewhere``) leaves the file to the rank that says why."""
-        from samestep.receipts import RefusedElsewhere
+        from samestep.records.receipts import RefusedElsewhere
 
         try:
             yield

@@ -1,7 +1,7 @@
 """The step protocol, in one place (docs/design.md, invariant 4 and "The step protocol"): ``RunProtocol`` owns one
 process's part in a run, from deterministic mode on to the run directory released, and the rules every
 loop keeps in the same order: the stop every rank agrees on after a step, and what is made durable before a
-checkpoint commits. ``samestep train`` (train/loop.py), ``samestep.Run`` (run.py) and the framework
+checkpoint commits. ``samestep train`` (train/loop.py), ``samestep.Run`` (loop/run.py) and the framework
 callbacks (integrations/steps.py) drive it."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import IO, Any
 
-from samestep import mode
-from samestep.checksums import StepChecksums
-from samestep.mode import DeterminismReport
-from samestep.preempt import StopRequest
-from samestep.receipts import (
+from samestep.determinism import mode
+from samestep.hashing.checksums import StepChecksums
+from samestep.determinism.mode import DeterminismReport
+from samestep.determinism.preempt import StopRequest
+from samestep.records.receipts import (
     ReceiptError,
     ReceiptWriter,
     RefusedElsewhere,
@@ -27,7 +27,7 @@ from samestep.receipts import (
     read_run_receipts,
     truncate_receipts,
 )
-from samestep.rundir import hold
+from samestep.records.rundir import hold
 
 __all__ = ["RunProtocol", "agreed_stop", "make_durable", "save_after_records"]
 
@@ -225,8 +225,8 @@ class RunProtocol:
         receipts.wait()
         if receipts.last_state is None:
             return None
-        from samestep.checksums import state_checksum
-        from samestep.receipts import local_tree
+        from samestep.hashing.checksums import state_checksum
+        from samestep.records.receipts import local_tree
 
         return state_checksum(local_tree(self._state(step)()), receipts.hash) == receipts.last_state
 

@@ -40,21 +40,23 @@ from typing import Any
 
 import torch
 
-from samestep import mode, preempt, program
+from samestep.determinism import mode
+from samestep.determinism import preempt
+from samestep.replay import program
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
 from samestep.distributed.agree import any_rank
 from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer, whole_tensor
 from samestep.distributed.placement import model_layout
-from samestep.loop_checks import LoopError, StaleGradients
-from samestep.protocol import RunProtocol
-from samestep.replay_request import ReplayRequest
-from samestep.receipt_state import state_tree
-from samestep.receipts import genesis
-from samestep.checksums import state_hash_for
-from samestep._state import persistent_buffers, sha256_tensor, tree_digest
-from samestep.run_checks import (declared, loader_generators, refuse_changes, refuse_foreign_parameters, refuse_parts,
+from samestep.loop.step_checks import LoopError, StaleGradients
+from samestep.loop.protocol import RunProtocol
+from samestep.replay.request import ReplayRequest
+from samestep.records.receipt_state import state_tree
+from samestep.records.receipts import genesis
+from samestep.hashing.checksums import state_hash_for
+from samestep.hashing.state import persistent_buffers, sha256_tensor, tree_digest
+from samestep.loop.start_checks import (declared, loader_generators, refuse_changes, refuse_foreign_parameters, refuse_parts,
                                  refuse_rng_change, resume_epoch)
-from samestep.rundir import checked_run_dir, checkpoints_dir, final_doc, holds_run, record_declared, write_final
+from samestep.records.rundir import checked_run_dir, checkpoints_dir, final_doc, holds_run, record_declared, write_final
 
 __all__ = ["Run"]
 
@@ -113,7 +115,7 @@ class Run:
             change in place, such as ``zero_grad(set_to_none=False)`` before they were digested, raises and
             names this option): what the reference loop does, and cheaper.
         receipts: append a receipt of every step to ``receipts/rank_RRRRR.jsonl`` (rank 0's, of the whole state;
-            of a sharded model every rank's, of its own shards; see ``samestep.receipts``): the checksum of the
+            of a sharded model every rank's, of its own shards; see ``samestep.records.receipts``): the checksum of the
             model, optimizer, scheduler and data cursor state after the update, the bits of the step's ``loss``
             and ``grad_norm`` metrics (NaN where the loop records none), chained by hash. ``samestep receipts
             verify`` checks the chain and the checkpoints.

@@ -16,13 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from samestep.analysis.consent import Consent
+from samestep.replay.consent import Consent
 from samestep.analysis.diff import diff_runs
 from samestep.analysis.layouts import rank_coordinates
-from samestep.analysis.replay import checkpoint_steps, plan, replay
-from samestep.analysis.scratch import kill_children, scratch_root
+from samestep.replay.plan import checkpoint_steps, plan, replay
+from samestep.replay.scratch import kill_children, scratch_root
 from samestep.analysis.receipt_diff import compare_receipts
-from samestep.rundir import final_digest, layout_at, read_run
+from samestep.records.rundir import final_digest, layout_at, read_run
 
 __all__ = ["BisectError", "bisect_runs"]
 

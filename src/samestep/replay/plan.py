@@ -26,15 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from samestep import program, resume_points
-from samestep._state import dotted
-from samestep.analysis.consent import Launch
-from samestep.analysis.scratch import run_child
+from samestep.replay import program
+from samestep.replay import resume_points
+from samestep.hashing.state import dotted
+from samestep.replay.consent import Launch
+from samestep.replay.scratch import run_child
 from samestep.checkpoint import committed_steps, step_dir_name
-from samestep.env import ENV_VARS, numerics_differences
-from samestep.receipts import read_run_receipts, receipts_path
-from samestep.replay_request import REFUSAL, ReplayRequest, process_mark
-from samestep.rundir import checkpoints_dir, holds_run, layout_at, metrics_path, read_metrics, read_run, receipts_dir
+from samestep.determinism.env import ENV_VARS, numerics_differences
+from samestep.records.receipts import read_run_receipts, receipts_path
+from samestep.replay.request import REFUSAL, ReplayRequest, process_mark
+from samestep.records.rundir import checkpoints_dir, holds_run, layout_at, metrics_path, read_metrics, read_run, receipts_dir
 
 __all__ = ["Plan", "ReplayError", "ReplayRefused", "check_replayable", "checkpoint_steps", "environment_differences",
            "framework_run", "plan", "replay", "replay_start", "unrecorded_sources"]

@@ -38,10 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from samestep._state import canonical_json, dotted
-from samestep.checksums import STATE_HASH, STATE_HASHES, Checksums, StepChecksums, state_checksum
-from samestep.durable import read_file, replace_atomic
-from samestep.rundir import NUMERICS_NEUTRAL, receipts_dir
+from samestep.hashing.state import canonical_json, dotted
+from samestep.hashing.checksums import STATE_HASH, STATE_HASHES, Checksums, StepChecksums, state_checksum
+from samestep.records.durable import read_file, replace_atomic
+from samestep.records.rundir import NUMERICS_NEUTRAL, receipts_dir
 
 __all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "ReceiptWriter", "RefusedElsewhere", "StepSums",
            "chain_break", "check_restored", "continue_receipts", "genesis", "local_tree", "lost_receipts",

@@ -20,9 +20,9 @@ import socket
 from pathlib import Path
 from typing import Any
 
-from samestep._state import dotted
-from samestep.durable import read_file, replace_atomic
-from samestep.env import environment
+from samestep.hashing.state import dotted
+from samestep.records.durable import read_file, replace_atomic
+from samestep.determinism.env import environment
 from samestep.version import __version__
 
 __all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "RunLock", "checked_run_dir",

@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from samestep.env import ENV_VARS
-from samestep.rundir import read_run, write_run
+from samestep.determinism.env import ENV_VARS
+from samestep.records.rundir import read_run, write_run
 
 __all__ = ["ProgramError", "check", "describe", "given", "identity", "ignored_env", "machine_cap", "process_cap",
            "program_at", "record", "relaunch", "run_dir_of"]

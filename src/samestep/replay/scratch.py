@@ -24,7 +24,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from samestep.replay_request import alive, process_mark
+from samestep.replay.request import alive, process_mark
 
 __all__ = ["OWNER", "kill_children", "remove_stale", "run_child", "scratch_root", "stopping"]
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from samestep import numerics
+from samestep.determinism import numerics
 
 __all__ = ["DeterminismReport", "Knob", "active_report", "available_threads", "current_knobs", "disable", "drifted",
            "enable", "is_enabled", "knob_probe"]
@@ -308,7 +308,7 @@ def _set_knobs(saved: dict[str, Any], report: DeterminismReport, threads: int) -
 
 
 def _pin_numerics(before: dict[str, Any], report: DeterminismReport) -> None:
-    """Matmul precision, reduced-precision reductions, attention backends, the compiler (numerics.py)."""
+    """Matmul precision, reduced-precision reductions, attention backends, the compiler (determinism/numerics.py)."""
     for knob in numerics.KNOBS:
         knob.set(knob.value)
         report.knobs.append(Knob(knob.name, before[knob.name], knob.value, knob.why))

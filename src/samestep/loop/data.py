@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from samestep import rng
-from samestep.durable import read_file
+from samestep.determinism import rng
+from samestep.records.durable import read_file
 
 __all__ = ["Corpus", "DataCursor", "load_corpus", "stdlib_files"]
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from samestep._state import state_digest
-from samestep.rundir import declared_changes
+from samestep.hashing.state import state_digest
+from samestep.records.rundir import declared_changes
 
 __all__ = ["declared", "loader_generators", "refuse_changes", "refuse_foreign_parameters", "refuse_parts",
            "refuse_rng_change", "resume_epoch"]

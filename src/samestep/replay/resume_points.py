@@ -24,7 +24,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from samestep.rundir import RunDirError, read_run, write_run
+from samestep.records.rundir import RunDirError, read_run, write_run
 
 __all__ = ["HF", "HF_FINGERPRINT", "LIGHTNING", "RUN", "TORCHTITAN", "index", "inside", "points", "resumed_by",
            "resumes", "stage"]

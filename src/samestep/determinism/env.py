@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from samestep import numerics
+from samestep.determinism import numerics
 from samestep.distributed.gather import gather_if_different
 
 __all__ = ["ENV_VARS", "RANK_LOCAL", "compare_environments", "describe_rank_differences", "environment",

@@ -1,6 +1,6 @@
 """What a receipt's state is of: the tree a loop driven by ``samestep.Run`` or a framework callback receipts at a
 step's end (its model with the buffers as they were then, its optimizer and further parts), and the parts of a
-checkpoint's state that a run's receipts digest (``samestep.receipts`` checksums them)."""
+checkpoint's state that a run's receipts digest (``samestep.records.receipts`` checksums them)."""
 
 from __future__ import annotations
 

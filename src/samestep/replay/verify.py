@@ -11,10 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from samestep.analysis.consent import Consent, code_line
+from samestep.replay.consent import Consent, code_line
 from samestep.analysis.receipt_check import checkpoint_mismatches
 from samestep.analysis.receipt_diff import by_rank, first_receipt_difference
-from samestep.analysis.replay import (
+from samestep.replay.plan import (
     ReplayRefused,
     check_replayable,
     environment_differences,
@@ -24,10 +24,10 @@ from samestep.analysis.replay import (
     replay_start,
     unrecorded_sources,
 )
-from samestep.analysis.scratch import scratch_root
-from samestep.receipts import chain_break, read_run_receipts, receipts_path, state_hash_of
+from samestep.replay.scratch import scratch_root
+from samestep.records.receipts import chain_break, read_run_receipts, receipts_path, state_hash_of
 from samestep.checkpoint import step_dir_name
-from samestep.rundir import checkpoints_dir, read_run
+from samestep.records.rundir import checkpoints_dir, read_run
 
 __all__ = ["VerifyError", "verify_run"]
 
