@@ -109,7 +109,8 @@ def main() -> int:
         result = recompute_costs(args.every, args.pairs, args.steps)
     if result:
         print(json.dumps(result) if args.json else
-              "\n".join(f"{name}: {r['ratio_median']:.4f}x (median of {r['pairs']} pairs of {r['steps_per_side']} steps)"
+              "\n".join(f"{name}: {r['ratio_median']:.4f}x "
+                        f"(median of {r['pairs']} pairs of {r['steps_per_side']} steps)"
                         + (f"; the training thread's own time {r['training_thread_ms']} ms a step"
                            if "training_thread_ms" in r else "")
                         for name, r in result.items() if isinstance(r, dict)))

@@ -187,7 +187,9 @@ def signals(work: Path, reference: tuple, trials: int, rng: random.Random, group
                                 signal.SIGINT if group else signal.SIGTERM, group=group)
         out["trials"] += 1
         out["exit_75"] += code == 75
-        saved = (run / "checkpoints" / "latest").read_text().strip() if (run / "checkpoints" / "latest").exists() else ""
+        saved = (
+            (run / "checkpoints" / "latest").read_text().strip() if (run / "checkpoints" / "latest").exists() else ""
+        )
         out["steps_lost"] += max(last_logged_step(run) - (int(saved[5:]) if saved else 0), 0)
         rc, _ = _resume(run, LONG)
         out["exact"] += rc == 0 and _outcome(run) == reference

@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 import samestep
-from samestep.hashing.state import flatten
 from samestep.hashing.checksums import Checksums
+from samestep.hashing.state import flatten
 from samestep.loop.data import load_corpus
 from samestep.records.receipts import ReceiptWriter, genesis
 from samestep.train import load_config

@@ -27,8 +27,8 @@ import tempfile
 import time
 
 import samestep
-from samestep.loop.data import load_corpus
 from samestep.hashing import checksums
+from samestep.loop.data import load_corpus
 from samestep.records import receipts
 from samestep.records.receipts import ReceiptWriter, genesis
 from samestep.train import load_config

@@ -32,8 +32,8 @@ import torch
 
 import samestep
 from samestep.analysis import diff_runs
-from samestep.loop.data import load_corpus
 from samestep.digests.rows import lanes
+from samestep.loop.data import load_corpus
 from samestep.tracing.stream import SCHEMA, StreamWriter, stream_path
 from samestep.train import load_config
 from samestep.train.loop import build

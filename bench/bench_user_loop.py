@@ -22,10 +22,10 @@ import time
 from pathlib import Path
 
 import torch
+from bench_trace import median_ci  # the same bootstrap interval as the reference loop's figures
 
 import samestep
 from samestep.analysis.records import records
-from bench_trace import median_ci  # the same bootstrap interval as the reference loop's figures
 
 BATCH, SEQ, VOCAB, MICROBATCHES = 8, 64, 256, 2
 

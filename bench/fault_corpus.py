@@ -195,7 +195,7 @@ def _odd(kind: str) -> Callable[[Path], None]:
 
 def _final_loss(run: Path) -> None:
     doc = json.loads((run / "final.json").read_text())
-    doc["loss_hex"] = float(1.5).hex()
+    doc["loss_hex"] = 1.5.hex()
     (run / "final.json").write_text(json.dumps(doc))
 
 
@@ -231,7 +231,8 @@ CASES = [
          ("train", "--run-dir", "RUN/new", "--config", "RUN/bad.toml"), 2),
     Case("config: TOML that does not parse", _config("[train\n"),
          ("train", "--run-dir", "RUN/new", "--config", "RUN/bad.toml"), 2),
-    Case("config: a missing --config file", _nothing, ("train", "--run-dir", "RUN/new", "--config", "RUN/none.toml"), 2),
+    Case("config: a missing --config file", _nothing,
+         ("train", "--run-dir", "RUN/new", "--config", "RUN/none.toml"), 2),
     Case("config: seed 2**64", _nothing, (*TRAIN, "--set", "train.seed=18446744073709551616"), 2),
     Case("config: determinism.threads=100000", _nothing, (*TRAIN, "--set", "determinism.threads=100000"), 2),
     Case("config: trace.steps=1-3000000000", _nothing, (*TRAIN, "--set", "trace.steps=1-3000000000"), 2),
@@ -257,9 +258,10 @@ CASES = [
     Case("a run directory that does not exist (diff)", _nothing, ("diff", "REF", "RUN/missing"), 2),
     Case("report of a run with run.json []", _write("run.json", b"[]"), ("report", "RUN", "--out", "RUN/r.html"), 2),
     # checkpoints
-    Case("manifest without 'files'", _resigned(lambda m: m.pop("files")), ("checkpoint", "verify", "RUN/checkpoints"), 1),
-    Case("manifest 'files' a list", _resigned(lambda m: m.update(files=[])), ("checkpoint", "verify", "RUN/checkpoints"),
-         1),
+    Case("manifest without 'files'", _resigned(lambda m: m.pop("files")),
+         ("checkpoint", "verify", "RUN/checkpoints"), 1),
+    Case("manifest 'files' a list", _resigned(lambda m: m.update(files=[])),
+         ("checkpoint", "verify", "RUN/checkpoints"), 1),
     Case("manifest entry without 'size'", _resigned(lambda m: m["files"]["state.json"].pop("size")),
          ("checkpoint", "verify", "RUN/checkpoints"), 1),
     Case("manifest naming ../../etc/passwd",
@@ -366,7 +368,8 @@ def run_case(case: Case, work: Path, reference: Path, settings: tuple[str, ...])
         return False, f"exit {code[0] if code else None}, expected {case.code}: {(stderr or out.getvalue())[-500:]}"
     if "Traceback" in stderr:
         return False, "printed a traceback"
-    lines = [line for line in stderr.splitlines() if line.strip() and "Warning" not in line and not line.startswith("  ")]
+    lines = [line for line in stderr.splitlines()
+             if line.strip() and "Warning" not in line and not line.startswith("  ")]
     if case.code == 2 and len(lines) != 1:
         return False, f"{len(lines)} lines on stderr, expected 1: {stderr[-500:]}"
     return True, ""

@@ -14,20 +14,19 @@
 import sys
 from typing import Any
 
-from samestep.determinism import preempt, rng
 from samestep.checkpoint import CheckpointError, LoadedCheckpoint, load_checkpoint, save_checkpoint, verify_checkpoint
-from samestep.digests import digest, digest_many
+from samestep.determinism import preempt, rng
 from samestep.determinism.env import compare_environments, environment
 from samestep.determinism.mode import DeterminismReport, disable, enable, is_enabled
 from samestep.determinism.rng import capture_rng, restore_rng
+from samestep.digests import digest, digest_many
 from samestep.loop.run import Run
 from samestep.version import __version__
 
 __all__ = [
-    "CheckpointError", "DeterminismReport", "Run", "LoadedCheckpoint", "__version__", "capture_rng", "compare_environments",
-    "digest", "digest_many", "disable", "enable", "environment", "is_enabled", "load_checkpoint", "preempt",
-    "restore_rng", "rng",
-    "save_checkpoint", "trace", "verify_checkpoint",
+    "CheckpointError", "DeterminismReport", "Run", "LoadedCheckpoint", "__version__", "capture_rng",
+    "compare_environments", "digest", "digest_many", "disable", "enable", "environment", "is_enabled",
+    "load_checkpoint", "preempt", "restore_rng", "rng", "save_checkpoint", "trace", "verify_checkpoint",
 ]
 
 

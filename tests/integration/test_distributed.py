@@ -12,8 +12,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import samestep
-from samestep.hashing.checksums import Checksums
 from samestep.distributed import canonical_sum, combine_across_ranks, ring_allreduce_bytes
+from samestep.hashing.checksums import Checksums
 from samestep.tracing import Perturb
 from tests.conftest import spawn, traced_step
 

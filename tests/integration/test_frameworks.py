@@ -44,7 +44,8 @@ def test_hf_trainer_killed_and_resumed_is_the_run_straight_through(tmp_path):
     """A GPT-2 (dropout on) under transformers.Trainer with SamestepCallback: killed once checkpoint-3 is
     saved and resumed through the Trainer's own resume_from_checkpoint, it ends on the straight run's
     digest, and `samestep diff` compares the traces of all 6 steps, the first 3 from two independent runs,
-    identical (exit 0); its receipts are the straight run's byte for byte, and verify. Negative control: the same killed run, its rng_state.pth removed (the Trainer
+    identical (exit 0); its receipts are the straight run's byte for byte, and verify. Negative control: the same
+    killed run, its rng_state.pth removed (the Trainer
     only warns, and goes on elsewhere), is refused before its first step, naming the RNG."""
     straight, killed = _together(("hf_trainer.py", tmp_path / "straight"),
                                  ("hf_trainer.py", tmp_path / "cut", "--kill-after", "3"))
@@ -66,9 +67,11 @@ def test_lightning_killed_and_resumed_mid_epoch_is_the_run_straight_through(tmp_
     receipts are the straight run's byte for byte, and verify.
     Lightning saves no RNG state and restarts a plain loader's epoch: negative control, the same resume
     with torch's RandomSampler is refused, naming the fix."""
-    straight, killed, plain = _together(("lightning_fit.py", tmp_path / "straight"),
-                                        ("lightning_fit.py", tmp_path / "cut", "--kill-after", "3"),
-                                        ("lightning_fit.py", tmp_path / "plain", "--kill-after", "3", "--plain-sampler"))
+    straight, killed, plain = _together(
+        ("lightning_fit.py", tmp_path / "straight"),
+        ("lightning_fit.py", tmp_path / "cut", "--kill-after", "3"),
+        ("lightning_fit.py", tmp_path / "plain", "--kill-after", "3", "--plain-sampler"),
+    )
     assert killed.returncode == plain.returncode == -signal.SIGKILL, killed.stderr[-2000:] + plain.stderr[-2000:]
     resumed, refused = _together(("lightning_fit.py", tmp_path / "cut", "--resume"),
                                  ("lightning_fit.py", tmp_path / "plain", "--resume", "--plain-sampler"))

@@ -114,7 +114,9 @@ def test_a_rank_killed_in_a_sharded_save_leaves_the_previous_checkpoint_and_the_
     blob[-3] ^= 1
     shard.write_bytes(bytes(blob))
     verify = cli_here("checkpoint", "verify", str(d))
-    assert verify.returncode == 1 and "model.rank_00001.safetensors: corrupt: tensor(s) '" in verify.stdout + verify.stderr
+    assert (
+        verify.returncode == 1 and "model.rank_00001.safetensors: corrupt: tensor(s) '" in verify.stdout + verify.stderr
+    )
 
 
 def test_fsdp2_in_bf16_matches_one_process_and_its_own_reduction_differs(tmp_path):

@@ -331,7 +331,7 @@ def test_receipts_verify_names_damage_to_metrics_and_final(tmp_path, damage):
         "two rows swapped": lambda: metrics.write_text("".join(lines[:2] + [lines[3], lines[2]] + lines[4:])),
         "a row repeated": lambda: metrics.write_text("".join(lines[:3] + lines[2:])),
         "final.json's loss": lambda: (run / "final.json").write_text(json.dumps(
-            {**json.loads((run / "final.json").read_text()), "loss_hex": float(1.5).hex()})),
+            {**json.loads((run / "final.json").read_text()), "loss_hex": 1.5.hex()})),
     }
     edits[damage]()
     report = check_receipts(run)

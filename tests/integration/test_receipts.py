@@ -117,7 +117,9 @@ def test_verify_replays_and_names_the_first_step_that_does_not_reproduce(runs, t
     shutil.copytree(runs / "other" / "checkpoints" / "step_000004", foreign / "checkpoints" / "step_000004")
     code, out, _ = _cli("verify", str(foreign), "--steps", "5-6", "--json")
     assert code == 1, out
-    assert json.loads(out)["first_mismatch"]["step"] == 4 and json.loads(out)["first_mismatch"]["fields"] == ["checkpoint"]
+    assert json.loads(out)["first_mismatch"]["step"] == 4 and json.loads(out)["first_mismatch"]["fields"] == [
+        "checkpoint"
+    ]
 
     code, _, err = _cli("verify", str(runs / "a"), "--steps", "7-9")
     assert code == 2 and "receipted steps 1-8" in err, err

@@ -99,8 +99,13 @@ def _worker(rank: int, world: int, init: str, out: str, how: str, ckpt: str, pha
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from samestep.checkpoint import load_checkpoint, save_checkpoint
-    from samestep.distributed import (CanonicalColwiseParallel, CanonicalRowwiseParallel, ShardedModel,
-                                      ShardedOptimizer, clip_grad_norm_)
+    from samestep.distributed import (
+        CanonicalColwiseParallel,
+        CanonicalRowwiseParallel,
+        ShardedModel,
+        ShardedOptimizer,
+        clip_grad_norm_,
+    )
 
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
     with samestep.enable(threads=1):

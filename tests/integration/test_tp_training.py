@@ -12,8 +12,16 @@ import json
 
 import pytest
 
-from tests.conftest import TINY, cli_here, killed_in_step_4, metrics_bytes, run_files, train_cmd, train_here, \
-    train_ranks
+from tests.conftest import (
+    TINY,
+    cli_here,
+    killed_in_step_4,
+    metrics_bytes,
+    run_files,
+    train_cmd,
+    train_here,
+    train_ranks,
+)
 from tests.controls import plain_norm_gradients, plain_tensor_parallel_sums, resume_without_the_optimizer_unchecked
 
 pytestmark = pytest.mark.slow
@@ -175,8 +183,8 @@ def test_diff_names_the_op_rank_and_module_of_a_planted_difference_at_tp_2(tmp_p
     """Two TP-2 runs traced at op level in step 3, one with one ULP planted on tensor rank 1 in the final norm's
     op: `samestep diff` names step 3, rank 1, the module and the op, and `bisect` (replaying both at TP 2 from
     step 2) the same; the pair without the plant is identical (every record, rank by rank: the same layout)."""
-    from samestep.replay.bisect import bisect_runs
     from samestep.analysis.diff import diff_runs
+    from samestep.replay.bisect import bisect_runs
 
     traced = (*TP, "parallel.tp=2", "trace.level=op", "trace.steps=3")
     target = "rank=1,step=3,microbatch=2,phase=forward,scope=transformer.ln_f,op=aten.native_layer_norm.default"

@@ -125,8 +125,8 @@ def test_one_process_against_fsdp2_compares_what_both_layouts_hold(tmp_path):
     digests are of other shards (not a divergence at a gradient shard). Negative control: the FSDP2 run with
     one ULP planted on rank 1 at step 3 is "diverged" by the final state (that ULP leaves the loss and norm
     bits as they were), by diff and by bisect."""
-    from samestep.replay.bisect import bisect_runs
     from samestep.analysis.diff import diff_runs
+    from samestep.replay.bisect import bisect_runs
 
     settings = (*[s for s in TINY if not s.startswith("train.steps")], "train.steps=4", "trace.level=step")
     target = "rank=1,step=3,microbatch=2,phase=forward,scope=transformer.ln_f,op=aten.native_layer_norm.default"

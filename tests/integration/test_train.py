@@ -206,7 +206,9 @@ def test_resume_with_no_step_left_writes_the_same_final_json(reference, tmp_path
     assert not (f / "final.json").exists()
 
 
-def two_nodes(run_dir: Path, *settings: str, node1_env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess]:
+def two_nodes(
+    run_dir: Path, *settings: str, node1_env: dict[str, str] | None = None
+) -> list[subprocess.CompletedProcess]:
     """``samestep train`` as a job of two "nodes" on this machine: two torchrun agents, one process each,
     meeting through the c10d rendezvous on 127.0.0.1 (as two machines would through the first one's
     address). ``node1_env``: what the second node's environment has on top of this one's."""
@@ -247,7 +249,8 @@ def test_a_node_in_another_environment_is_refused_by_name_or_recorded_when_allow
     """A second node whose CPU kernels differ (ATEN_CPU_CAPABILITY=default) is refused before the first step:
     every process prints one line naming the rank, its host and the fields and exits 2, and nothing is
     written. With determinism.env_mismatch=warn (and the cross-rank check off) the run goes on and run.json
-    records the differences by rank. (The matching nodes of the test above are the negative control: no refusal, no record.)"""
+    records the differences by rank. (The matching nodes of the test above are the negative control: no refusal, no
+    record.)"""
     skew = {"ATEN_CPU_CAPABILITY": "default"}
     refused, allowed = side_by_side(
         lambda: two_nodes(tmp_path / "refused", *TINY, node1_env=skew),

@@ -99,7 +99,9 @@ def test_a_compiled_model_repeats_resumes_and_matches_across_process_counts(tmp_
         return json.loads((tmp_path / "r" / "final.json").read_text())
 
     resumed, wide = side_by_side(killed_then_recompiled, lambda: train_ranks(tmp_path / "w", *settings, nproc=nproc))
-    assert resumed["state_digest"] == a["state_digest"] and metrics_bytes(tmp_path / "r") == metrics_bytes(tmp_path / "a")
+    assert resumed["state_digest"] == a["state_digest"] and metrics_bytes(tmp_path / "r") == metrics_bytes(
+        tmp_path / "a"
+    )
     assert wide["state_digest"] == a["state_digest"] and wide["world_size"] == nproc
     assert metrics_bytes(tmp_path / "w") == metrics_bytes(tmp_path / "a")
     eager = train_here(tmp_path / "e", *settings[:-1], "train.compile=false")

@@ -11,8 +11,8 @@ same error where PyTorch raises, and the same bytes over a rerun and at 1 and 2 
 from __future__ import annotations
 
 import re
-from contextlib import nullcontext
 from collections.abc import Callable, Iterator
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -193,7 +193,12 @@ def check_sample(name: str, s: Any, grad: bool, dtype: torch.dtype) -> list[str]
             again = attempt(threads)
             if _bytes(again[0] + again[1]) != _bytes(got[0] + got[1]):
                 found.append(f"{way}: other bytes on a rerun at {threads} thread(s)")
-    if not grad and op.inplace_variant is not None and isinstance(s.input, torch.Tensor) and not isinstance(ref, Exception):
+    if (
+        not grad
+        and op.inplace_variant is not None
+        and isinstance(s.input, torch.Tensor)
+        and not isinstance(ref, Exception)
+    ):
         found += _check_inplace(op, s)
     return found
 

@@ -10,8 +10,8 @@ import torch
 
 import samestep
 import samestep.ops as ops
-from samestep.testing import assert_replays_bit_exact, count_differing_replays, first_difference
 from samestep.digests import digest_many
+from samestep.testing import assert_replays_bit_exact, count_differing_replays, first_difference
 from tests.kernels.cases import make_cases
 
 RACE_ATTEMPTS = 25  # sets of replays a negative control runs until the race shows (a busy machine hides it)

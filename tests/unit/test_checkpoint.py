@@ -391,9 +391,9 @@ def test_a_full_disk_anywhere_in_a_save_leaves_nothing_partial(tmp_path, monkeyp
     import errno
     import os
 
-    from samestep.records import durable
     from samestep.checkpoint import _format
     from samestep.checkpoint import save as save_mod
+    from samestep.records import durable
 
     root = tmp_path / "ckpt"
     first, second = _two_checkpoints(root)

@@ -1,4 +1,5 @@
-"""The state checksum (hashing/checksums.py) and receipts version 2 (records/receipts.py): one pass a step, version 1 read."""
+"""The state checksum (hashing/checksums.py) and receipts version 2 (records/receipts.py): one pass a step,
+version 1 read."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import pytest
 import torch
 import xxhash
 
-from samestep.hashing import checksums
-from samestep.hashing.state import state_digest
-from samestep.hashing.checksums import Checksums, state_checksum
 from samestep.digests import digest
+from samestep.hashing import checksums
+from samestep.hashing.checksums import Checksums, state_checksum
+from samestep.hashing.state import state_digest
 from samestep.records.receipts import (
     ReceiptError,
     ReceiptWriter,

@@ -14,8 +14,8 @@ import pytest
 
 from samestep.replay import program
 from samestep.replay.consent import Consent, ConsentError, Launch
-from samestep.replay.scratch import OWNER, remove_stale, run_child
 from samestep.replay.request import alive, process_mark
+from samestep.replay.scratch import OWNER, remove_stale, run_child
 
 IDENTITY = {"entry": "train.py", "entry_sha256": "ab" * 32, "files": {"train.py": "ab" * 32}, "commit": None,
             "program": "cd" * 32}

@@ -139,12 +139,14 @@ def test_a_callback_on_several_processes_is_refused_at_its_start_unless_told(tmp
         from samestep.integrations.huggingface import SamestepCallback
 
         callback = SamestepCallback(tmp_path)
-        start = lambda: callback.on_init_end(SimpleNamespace(world_size=2, output_dir=str(tmp_path)), None, None)
+        def start():
+            return callback.on_init_end(SimpleNamespace(world_size=2, output_dir=str(tmp_path)), None, None)
     else:
         from samestep.integrations.lightning import SamestepCallback
 
         callback = SamestepCallback(tmp_path)
-        start = lambda: callback.setup(SimpleNamespace(world_size=2), None, "fit")
+        def start():
+            return callback.setup(SimpleNamespace(world_size=2), None, "fit")
     with pytest.raises(ValueError, match="on 2 processes") as e:
         start()
     assert "multiprocess=True" in str(e.value) and "canonical_ddp_hook" in str(e.value) and "\n" not in str(e.value)

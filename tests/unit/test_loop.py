@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import samestep
-from samestep.loop.data import load_corpus
 from samestep.digests import digest
 from samestep.distributed import clip_grad_norm_
+from samestep.loop.data import load_corpus
 from samestep.tracing import read_stream, stream_path
 from samestep.train import load_config
 from samestep.train import trainer as trainer_module

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 import samestep
-from samestep.determinism import mode
-from samestep.determinism import numerics
+from samestep.determinism import mode, numerics
 
 
 @pytest.fixture(autouse=True)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from samestep.replay.resume_points import HF, HF_FINGERPRINT, LIGHTNING, RUN, index, points, resumed_by, resumes, stage
 from samestep.records.rundir import RUN_FORMAT, RUN_VERSION, RunDirError, read_run, write_run
+from samestep.replay.resume_points import HF, HF_FINGERPRINT, LIGHTNING, RUN, index, points, resumed_by, resumes, stage
 
 
 def _run(run_dir: Path, resumed: dict) -> dict:

@@ -51,7 +51,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_a_stopped_and_resumed_run_is_the_run_straight_through(tmp_path):
     """A SIGTERM after step 2 of 4: the step ends, is saved, the loop stops (run.stopped names it); the
     resume continues to the bits of the run straight through (dropout draws torch's RNG, which the
-    checkpoint restores), `samestep diff` says identical, and its receipts are the straight run's bytes. Negative control: the same resume without
+    checkpoint restores), `samestep diff` says identical, and its receipts are the straight run's bytes. Negative
+    control: the same resume without
     its RNG state restored (the checkpoint's rank RNG file gone from the comparison: another seed
     before the resume) differs."""
     straight, _ = _train(tmp_path / "straight")
@@ -168,8 +169,7 @@ def test_a_receipt_is_of_the_buffers_at_its_steps_end_whatever_the_next_forward_
     be refused)."""
     import threading
 
-    from samestep.records import receipt_state
-    from samestep.records import receipts
+    from samestep.records import receipt_state, receipts
 
     forwards, seen = [0], threading.Condition()
 

@@ -196,9 +196,9 @@ def test_a_stream_whose_header_names_another_rank_is_refused(tmp_path, capsys):
     """Rank 0's stream copied over rank 1's (its header says rank 0): certify and diff refuse with one line
     naming the file and what its header says (exit 2), never "complete" or a divergence at rank 1. Negative
     control: the same records under a header that says rank 1 certify and diff as a rank-1 stream."""
-    from samestep.tracing.stream import iter_stream
-
     import json
+
+    from samestep.tracing.stream import iter_stream
 
     for name in ("a", "b"):
         _loop(tmp_path / name)

@@ -13,8 +13,8 @@ import torch
 
 import samestep
 from samestep.analysis import DiffError, certify_trace, diff_runs
-from samestep.hashing.checksums import Checksums
 from samestep.digests import digest
+from samestep.hashing.checksums import Checksums
 from samestep.tracing import Perturb, Recorder, format_selection, parse_selection, read_stream, stream_path
 from samestep.tracing.stream import END, FORMAT, SCHEMA, VERSION, StreamWriter
 from tests.conftest import traced_step
@@ -242,7 +242,8 @@ def _described(run: Path, trace: dict | None = None, config: dict | None = None,
     """``run`` with a minimal run.json: ``config``, or just a ``trace`` section."""
     config = config if config is not None else {"trace": trace} if trace else {}
     (run / "run.json").write_text(json.dumps({"format": "samestep.run", "version": 1, "config": config,
-                                              "determinism": {}, "environment": {"torch.version": "x"}, "layout": {"world_size": world}}))
+                                              "determinism": {}, "environment": {"torch.version": "x"},
+                                              "layout": {"world_size": world}}))
     return run
 
 

@@ -167,7 +167,9 @@ def test_what_changes_numerics_is_recorded_and_compared(tmp_path):
     # torch.use_deterministic_algorithms(False) turns Inductor's deterministic mode off too
     assert doc["determinism_changed"] == {"step": 2, "knobs": {"torch.use_deterministic_algorithms": [True, False],
                                                                "torch._inductor.config.deterministic": [True, False]}}
-    assert any("deterministic mode stopped holding at step 2" in p for p in certify_trace(tmp_path / "turned")["problems"])
+    assert any(
+        "deterministic mode stopped holding at step 2" in p for p in certify_trace(tmp_path / "turned")["problems"]
+    )
     with pytest.raises(DiffError, match="changed during the run"):
         diff_runs(tmp_path / "plain", tmp_path / "turned")
 
@@ -245,7 +247,8 @@ def test_a_gap_in_the_metrics_refuses_the_resume(tmp_path):
 
 def _metrics(run: Path, losses: dict[int, float]) -> None:
     (run / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": s, "loss_hex": float(v).hex(), "grad_norm_hex": "0x1p+0"}) + "\n" for s, v in losses.items()))
+        json.dumps({"step": s, "loss_hex": float(v).hex(), "grad_norm_hex": "0x1p+0"}) + "\n"
+        for s, v in losses.items()))
 
 
 def test_metrics_are_compared_by_step_number_not_by_line(tmp_path, deterministic):

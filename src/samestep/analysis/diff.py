@@ -18,19 +18,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from samestep.hashing.state import dotted
-from samestep.determinism.env import compare_environments, numerics_differences
-from samestep.records.rundir import (
-    NUMERICS_NEUTRAL,
-    RunDirError,
-    determinism_diff,
-    final_digest,
-    layout_at,
-    read_metrics,
-    read_run,
-    run_writer,
-)
-from samestep.tracing.selection import LEVELS, format_selection, parse_selection
 from samestep.analysis.divergence import (
     Divergence,
     first_seen_summary,
@@ -43,6 +30,19 @@ from samestep.analysis.divergence import (
 from samestep.analysis.layouts import rank_coordinates, steps_on_other_layouts
 from samestep.analysis.receipt_diff import receipts_compared
 from samestep.analysis.records import chunks, records, state_left_out, steps_recorded
+from samestep.determinism.env import compare_environments, numerics_differences
+from samestep.hashing.state import dotted
+from samestep.records.rundir import (
+    NUMERICS_NEUTRAL,
+    RunDirError,
+    determinism_diff,
+    final_digest,
+    layout_at,
+    read_metrics,
+    read_run,
+    run_writer,
+)
+from samestep.tracing.selection import LEVELS, format_selection, parse_selection
 from samestep.tracing.stream import KEY, traced_ranks
 
 __all__ = ["DiffError", "Divergence", "diff_runs", "load_metrics", "load_run"]
@@ -155,7 +155,8 @@ def _compare_rank(run_a: Path, run_b: Path, rank: int, steps: set[int] | None,
     one run's stream holds and the other's does not are reported as missing (``res.missing``), and the
     streams compared on the steps both hold: a lost step is not a difference of code paths."""
     res = _RankResult(rank)
-    have_a, have_b = (steps_recorded(run, rank, steps, level) for run, level in ((run_a, levels[0]), (run_b, levels[1])))
+    have_a, have_b = (steps_recorded(run, rank, steps, level)
+                      for run, level in ((run_a, levels[0]), (run_b, levels[1])))
     res.held = (have_a, have_b)
     if have_a != have_b:
         res.missing = {"A": sorted(have_b - have_a), "B": sorted(have_a - have_b)}

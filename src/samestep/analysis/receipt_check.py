@@ -2,7 +2,8 @@
 
 Checked: each rank's chain (from the genesis of run.json's config and data), the loss and grad-norm bits every
 rank of samestep train receipts alike against each other, metrics.jsonl against rank 0's receipts (every step
-receipted, in order, with the receipt's loss and grad-norm bits), final.json against the last receipt (step, loss bits, state checksum), and the newest checkpoint against the receipt of its
+receipted, in order, with the receipt's loss and grad-norm bits), final.json against the last receipt (step, loss
+bits, state checksum), and the newest checkpoint against the receipt of its
 step: its state, rebuilt from its files (each rank's shards where the run sharded it), checksummed by the
 receipts' state hash. A problem is named by file and step. Nothing to check (no receipt) is an input
 error, not a pass.
@@ -25,7 +26,15 @@ from samestep.records.receipts import (
     receipts_path,
     state_hash_of,
 )
-from samestep.records.rundir import checkpoints_dir, final_path, layout_at, metrics_path, read_final, read_metrics, read_run
+from samestep.records.rundir import (
+    checkpoints_dir,
+    final_path,
+    layout_at,
+    metrics_path,
+    read_final,
+    read_metrics,
+    read_run,
+)
 
 __all__ = ["check_receipts", "checkpoint_mismatches"]
 

@@ -13,14 +13,12 @@ from typing import Any
 import torch
 from safetensors.torch import load as safetensors_load
 
-from samestep.determinism import rng as _rng
-from samestep.hashing.state import sha256_tensor, unflatten
 from samestep.checkpoint._format import (
     FORMAT,
+    GRID_VERSION,
     MANIFEST,
     SHARDED_VERSION,
     SPLIT_VERSION,
-    GRID_VERSION,
     STEP_DIR,
     VERSION,
     CheckpointError,
@@ -30,8 +28,10 @@ from samestep.checkpoint._format import (
     sha256_bytes,
     shard_names,
 )
-from samestep.records.durable import NotAFile, read_file
+from samestep.determinism import rng as _rng
 from samestep.determinism.env import compare_environments, environment, numerics_differences
+from samestep.hashing.state import sha256_tensor, unflatten
+from samestep.records.durable import NotAFile, read_file
 
 __all__ = ["LoadedCheckpoint", "checkpoint_state", "load_checkpoint", "shard_count", "verify_checkpoint"]
 
@@ -83,7 +83,9 @@ def _verify(path: Path, only: set[str] | None = None) -> _Verified:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{mpath}: not valid JSON ({e}); the manifest is corrupt") from None
     except (NotAFile, NotADirectoryError, PermissionError) as e:
-        raise CheckpointError(str(e) if isinstance(e, NotAFile) else f"{mpath}: cannot be read ({e.strerror})") from None
+        raise CheckpointError(
+            str(e) if isinstance(e, NotAFile) else f"{mpath}: cannot be read ({e.strerror})"
+        ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{mpath}: format is {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
                               f"expected {FORMAT!r}")

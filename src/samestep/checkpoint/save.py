@@ -14,15 +14,13 @@ from typing import Any
 import torch
 from safetensors.torch import save as safetensors_bytes
 
-from samestep.determinism import rng as _rng
-from samestep.hashing.state import flatten, sha256_tensor
 from samestep.checkpoint._format import (
     FORMAT,
+    GRID_VERSION,
     LATEST,
     MANIFEST,
     SHARDED_VERSION,
     SPLIT_VERSION,
-    GRID_VERSION,
     SUPERSEDED,
     VERSION,
     CheckpointError,
@@ -34,9 +32,11 @@ from samestep.checkpoint._format import (
     step_dir_name,
     write_json,
 )
-from samestep.distributed.fsdp import shard_rows
-from samestep.records.durable import fsync_dir, replace_atomic, write_durable
+from samestep.determinism import rng as _rng
 from samestep.determinism.env import environment
+from samestep.distributed.fsdp import shard_rows
+from samestep.hashing.state import flatten, sha256_tensor
+from samestep.records.durable import fsync_dir, replace_atomic, write_durable
 
 __all__ = ["save_checkpoint"]
 

@@ -7,7 +7,6 @@ import os
 import sys
 import traceback
 
-from samestep.version import __version__
 from samestep.cli import bisect, checkpoint, demo, diff, env, receipts, report, trace, train, verify
 from samestep.cli.errors import (
     EXIT_PEER_LOST,
@@ -20,6 +19,7 @@ from samestep.cli.errors import (
     quiet_stdout,
 )
 from samestep.cli.errors import report as report_error
+from samestep.version import __version__
 
 __all__ = ["main"]
 
@@ -28,10 +28,13 @@ _COMMANDS = (train, demo, diff, bisect, report, trace, checkpoint, receipts, ver
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="samestep", description="Bitwise-deterministic PyTorch pretraining: same inputs, same bits.",
+        prog="samestep",
+        description="Bitwise-deterministic PyTorch pretraining: same inputs, same bits.",
         epilog="examples:\n  samestep demo\n  samestep train --run-dir runs/a --set train.steps=50\n"
-               "  samestep diff runs/a runs/b\n  samestep report runs/a runs/b --out report.html\n  samestep checkpoint verify runs/a/checkpoints\n  samestep env --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "  samestep diff runs/a runs/b\n  samestep report runs/a runs/b --out report.html\n"
+        "  samestep checkpoint verify runs/a/checkpoints\n  samestep env --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--version", action="version", version=f"samestep {__version__}")
     parser.add_argument("--debug", action="store_true", help="print the traceback of an unexpected error")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -49,9 +49,8 @@ def steps_arg(text: str | None, parser: argparse.ArgumentParser, name: str) -> t
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from samestep.replay.consent import code_line
     from samestep.replay.plan import ReplayError
-    from samestep.replay.verify import verify_run
-
     from samestep.replay.scratch import stopping
+    from samestep.replay.verify import verify_run
 
     steps = steps_arg(args.steps, parser, "verify")
     try:

@@ -16,8 +16,8 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch

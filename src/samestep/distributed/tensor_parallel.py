@@ -29,8 +29,15 @@ from typing import Any
 
 import torch
 
-from samestep.distributed.chunk_products import (column_forward, column_grad_bias, column_grad_input_parts,
-                                                 column_grad_weight, row_forward, row_grad_input, row_grad_weight)
+from samestep.distributed.chunk_products import (
+    column_forward,
+    column_grad_bias,
+    column_grad_input_parts,
+    column_grad_weight,
+    row_forward,
+    row_grad_input,
+    row_grad_weight,
+)
 from samestep.distributed.reduce import tree_across_ranks
 from samestep.distributed.sequence_parallel import SequenceShard, all_gather_blocks, tree_to_block
 from samestep.distributed.shards import local_shard, placed, spec_of

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from samestep.hashing.state import sha256_tensor, state_digest
 from samestep.determinism.rng import capture_rng
+from samestep.hashing.state import sha256_tensor, state_digest
 
 __all__ = ["FORMAT", "VERSION", "ResumeMismatch", "check_resume", "rng_digest", "state_fingerprint"]
 

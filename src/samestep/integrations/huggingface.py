@@ -39,13 +39,13 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from samestep.replay import program
 from samestep.distributed.agree import any_rank
-from samestep.records.durable import read_file, write_durable
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, rng_digest, state_fingerprint
 from samestep.integrations.steps import HookedSteps, refuse_processes
 from samestep.loop.protocol import RunProtocol
+from samestep.records.durable import read_file, write_durable
 from samestep.records.receipts import ReceiptError
+from samestep.replay import program
 from samestep.replay.request import ReplayRequest
 from samestep.replay.resume_points import HF, HF_FINGERPRINT, resumes
 

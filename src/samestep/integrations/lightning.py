@@ -41,16 +41,16 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from samestep.replay import program
+from samestep.determinism.rng import capture_rng, restore_rng
 from samestep.distributed.agree import any_rank
 from samestep.integrations.fingerprint import ResumeMismatch, check_resume, state_fingerprint
 from samestep.integrations.sampler import KeyedSampler
 from samestep.integrations.steps import HookedSteps, refuse_processes
 from samestep.loop.protocol import RunProtocol
 from samestep.records.receipts import ReceiptError
+from samestep.replay import program
 from samestep.replay.request import ReplayRequest
 from samestep.replay.resume_points import LIGHTNING, index, resumes
-from samestep.determinism.rng import capture_rng, restore_rng
 
 __all__ = ["KeyedSampler", "ResumeMismatch", "SamestepCallback"]
 

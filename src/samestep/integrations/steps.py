@@ -50,7 +50,8 @@ class HookedSteps:
         records as running the steps after ``start`` (``program.describe``; a replay's, what it ran, checked
         against the run's; None: nothing, a rank that does not write run.json). ``agree``: where the job keeps
         receipts (on any of its ranks), ``agree.any_rank``, passed on every rank: each checks what it keeps (a
-        rank that keeps none, nothing), and no rank writes a file before every rank has checked, a refusal on one being every rank's
+        rank that keeps none, nothing), and no rank writes a file before every rank has checked, a refusal on one
+        being every rank's
         (``RunProtocol.check_receipts``); without it a rank that keeps none checks nothing and goes on.
 
         Raises:
@@ -59,9 +60,9 @@ class HookedSteps:
                 is not the one its receipt of ``start`` records; under ``agree``, ``RefusedElsewhere`` where that
                 was another rank's.
         """
-        from samestep.hashing.state import persistent_buffers
-        from samestep.hashing.checksums import state_hash_for
         from samestep.distributed.placement import model_layout
+        from samestep.hashing.checksums import state_hash_for
+        from samestep.hashing.state import persistent_buffers
         from samestep.records.receipt_state import state_tree
         from samestep.records.receipts import genesis
 

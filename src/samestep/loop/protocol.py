@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import IO, Any
 
 from samestep.determinism import mode
-from samestep.hashing.checksums import StepChecksums
 from samestep.determinism.mode import DeterminismReport
 from samestep.determinism.preempt import StopRequest
+from samestep.hashing.checksums import StepChecksums
 from samestep.records.receipts import (
     ReceiptError,
     ReceiptWriter,

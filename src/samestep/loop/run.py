@@ -40,23 +40,29 @@ from typing import Any
 
 import torch
 
-from samestep.determinism import mode
-from samestep.determinism import preempt
-from samestep.replay import program
 from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
+from samestep.determinism import mode, preempt
 from samestep.distributed.agree import any_rank
 from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer, whole_tensor
 from samestep.distributed.placement import model_layout
-from samestep.loop.step_checks import LoopError, StaleGradients
-from samestep.loop.protocol import RunProtocol
-from samestep.replay.request import ReplayRequest
-from samestep.records.receipt_state import state_tree
-from samestep.records.receipts import genesis
 from samestep.hashing.checksums import state_hash_for
 from samestep.hashing.state import persistent_buffers, sha256_tensor, tree_digest
-from samestep.loop.start_checks import (declared, loader_generators, refuse_changes, refuse_foreign_parameters, refuse_parts,
-                                 refuse_rng_change, resume_epoch)
+from samestep.loop.protocol import RunProtocol
+from samestep.loop.start_checks import (
+    declared,
+    loader_generators,
+    refuse_changes,
+    refuse_foreign_parameters,
+    refuse_parts,
+    refuse_rng_change,
+    resume_epoch,
+)
+from samestep.loop.step_checks import LoopError, StaleGradients
+from samestep.records.receipt_state import state_tree
+from samestep.records.receipts import genesis
 from samestep.records.rundir import checked_run_dir, checkpoints_dir, final_doc, holds_run, record_declared, write_final
+from samestep.replay import program
+from samestep.replay.request import ReplayRequest
 
 __all__ = ["Run"]
 

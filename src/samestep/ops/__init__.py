@@ -12,8 +12,6 @@ ops to these (see ``samestep.ops.routing``).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch.types import Number
 
@@ -99,7 +97,7 @@ def scatter_reduce(input: _T, dim: int, index: _T, src: _T, reduce: str, *, incl
 
 # -- index_put (accumulate) ------------------------------------------------------------------------------
 @torch.library.custom_op("samestep::index_put", mutates_args=())
-def _index_put(input: _T, indices: list[Optional[_T]], values: _T, accumulate: bool) -> _T:
+def _index_put(input: _T, indices: list[_T | None], values: _T, accumulate: bool) -> _T:
     return _indexing.index_put(input, indices, values, accumulate)
 
 

@@ -21,7 +21,6 @@ Inputs outside an op's domain get PyTorch's own error (``_domain``); indexing fo
 
 from __future__ import annotations
 
-
 import torch
 
 from samestep.ops._domain import INDEX_DTYPES, check_bounds, raise_as_torch

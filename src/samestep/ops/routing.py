@@ -5,7 +5,8 @@ unchanged in meaning, and PyTorch's backward formulas reach the kernels too). Ev
 is routed, its ``out=`` forms writing the answer into ``out``; an in-place destination whose elements share
 memory (expanded) is PyTorch's kernel's, named in a warning. Tensors without values (on the
 meta device, or fake ones a compiler traces) go to PyTorch's own op: only shapes are computed there.
-``ROUTED`` lists what is routed and when; every other accumulating op is listed in ``UNROUTED`` with the reason PyTorch's own
+``ROUTED`` lists what is routed and when; every other accumulating op is listed in ``UNROUTED`` with the reason
+PyTorch's own
 kernel is kept, and on a device where that kernel may race (not the CPU) with deterministic algorithms
 off, the mode warns once by name rather than stay silent. docs/kernels.md has both tables.
 """

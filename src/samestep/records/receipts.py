@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from samestep.hashing.state import canonical_json, dotted
 from samestep.hashing.checksums import STATE_HASH, STATE_HASHES, Checksums, StepChecksums, state_checksum
+from samestep.hashing.state import canonical_json, dotted
 from samestep.records.durable import read_file, replace_atomic
 from samestep.records.rundir import NUMERICS_NEUTRAL, receipts_dir
 

@@ -20,9 +20,9 @@ import socket
 from pathlib import Path
 from typing import Any
 
+from samestep.determinism.env import environment
 from samestep.hashing.state import dotted
 from samestep.records.durable import read_file, replace_atomic
-from samestep.determinism.env import environment
 from samestep.version import __version__
 
 __all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "RunLock", "checked_run_dir",
@@ -38,9 +38,9 @@ FINAL_FORMAT, FINAL_VERSION = "samestep.final", 1
 # (trace.perturb changes bits on purpose.)
 NUMERICS_NEUTRAL = frozenset({"train.checkpoint_every", "train.keep_checkpoints", "train.log_every",
                               "train.exit_signals", "train.receipts", "train.receipt_hash", "train.cross_rank_check",
-                              "train.sdc_check_every", "train.sdc_action", "train.nonfinite", "determinism.env_mismatch",
-                              "parallel.fsdp", "parallel.overlap", "parallel.tp", "parallel.pp",
-                              "parallel.pp_schedule", "parallel.ep", "trace.level", "trace.steps",
+                              "train.sdc_check_every", "train.sdc_action", "train.nonfinite",
+                              "determinism.env_mismatch", "parallel.fsdp", "parallel.overlap", "parallel.tp",
+                              "parallel.pp", "parallel.pp_schedule", "parallel.ep", "trace.level", "trace.steps",
                               "trace.ranks", "trace.copy", "trace.worker"})
 
 _PathLike = str | os.PathLike[str]

@@ -16,13 +16,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from samestep.replay.consent import Consent
 from samestep.analysis.diff import diff_runs
 from samestep.analysis.layouts import rank_coordinates
-from samestep.replay.plan import checkpoint_steps, plan, replay
-from samestep.replay.scratch import kill_children, scratch_root
 from samestep.analysis.receipt_diff import compare_receipts
 from samestep.records.rundir import final_digest, layout_at, read_run
+from samestep.replay.consent import Consent
+from samestep.replay.plan import checkpoint_steps, plan, replay
+from samestep.replay.scratch import kill_children, scratch_root
 
 __all__ = ["BisectError", "bisect_runs"]
 
@@ -95,9 +95,11 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
         summary = f"diverged at step {step}; the replays {where} differ, but no origin was named: {report['summary']}"
     else:
         coords = rank_coordinates(layout_at(read_run(run_b), step), origin["rank"])
-        summary = (f"diverged at step {step}: origin {origin['op']} in {origin['scope'] or '(root)'} ({origin['phase']}), "
-                   f"microbatch {origin['microbatch']}, rank {origin['rank']}{f' ({coords})' if coords else ''}, "
-                   f"inputs matched; replayed {where}, attempt {attempt}")
+        summary = (
+            f"diverged at step {step}: origin {origin['op']} in {origin['scope'] or '(root)'} ({origin['phase']}), "
+            f"microbatch {origin['microbatch']}, rank {origin['rank']}{f' ({coords})' if coords else ''}, "
+            f"inputs matched; replayed {where}, attempt {attempt}"
+        )
     return {"identical": False, "first_divergent_step": step, "origin": origin, "reproduced": reproduced,
             "attempts": attempt, "replayed_from": start, "steps_compared": compared, "difference": difference,
             "diff": report["summary"], "per_rank": report.get("per_rank"), "notes": notes, "summary": summary}

@@ -26,16 +26,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from samestep.replay import program
-from samestep.replay import resume_points
-from samestep.hashing.state import dotted
-from samestep.replay.consent import Launch
-from samestep.replay.scratch import run_child
 from samestep.checkpoint import committed_steps, step_dir_name
 from samestep.determinism.env import ENV_VARS, numerics_differences
+from samestep.hashing.state import dotted
 from samestep.records.receipts import read_run_receipts, receipts_path
+from samestep.records.rundir import (
+    checkpoints_dir,
+    holds_run,
+    layout_at,
+    metrics_path,
+    read_metrics,
+    read_run,
+    receipts_dir,
+)
+from samestep.replay import program, resume_points
+from samestep.replay.consent import Launch
 from samestep.replay.request import REFUSAL, ReplayRequest, process_mark
-from samestep.records.rundir import checkpoints_dir, holds_run, layout_at, metrics_path, read_metrics, read_run, receipts_dir
+from samestep.replay.scratch import run_child
 
 __all__ = ["Plan", "ReplayError", "ReplayRefused", "check_replayable", "checkpoint_steps", "environment_differences",
            "framework_run", "plan", "replay", "replay_start", "unrecorded_sources"]

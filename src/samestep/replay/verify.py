@@ -11,9 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from samestep.replay.consent import Consent, code_line
 from samestep.analysis.receipt_check import checkpoint_mismatches
 from samestep.analysis.receipt_diff import by_rank, first_receipt_difference
+from samestep.checkpoint import step_dir_name
+from samestep.records.receipts import chain_break, read_run_receipts, receipts_path, state_hash_of
+from samestep.records.rundir import checkpoints_dir, read_run
+from samestep.replay.consent import Consent, code_line
 from samestep.replay.plan import (
     ReplayRefused,
     check_replayable,
@@ -25,9 +28,6 @@ from samestep.replay.plan import (
     unrecorded_sources,
 )
 from samestep.replay.scratch import scratch_root
-from samestep.records.receipts import chain_break, read_run_receipts, receipts_path, state_hash_of
-from samestep.checkpoint import step_dir_name
-from samestep.records.rundir import checkpoints_dir, read_run
 
 __all__ = ["VerifyError", "verify_run"]
 
@@ -111,9 +111,11 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
                     "chain": {}, "notes": list(planned.notes)}
         env = environment_differences(doc, scratch)
         if env and not force:
-            raise VerifyError(f"the replay ran in another environment than the run ({', '.join(sorted(env)[:4])}"
-                              f"{' ...' if len(env) > 4 else ''}): its bits need not match; run it where the run ran, or "
-                              "pass --force")
+            raise VerifyError(
+                f"the replay ran in another environment than the run ({', '.join(sorted(env)[:4])}"
+                f"{' ...' if len(env) > 4 else ''}): its bits need not match; run it where the run ran, or "
+                "pass --force"
+            )
         if env:
             notes.append(f"environment differs (verified with --force): {', '.join(sorted(env))}")
         differs += unrecorded_sources(planned, scratch)

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from samestep.hashing.state import tensor_bytes
-from samestep.hashing.checksums import xxh3_tensor
 from samestep.digests import ROW_BYTES, Packed, lanes_packed, rows_of
+from samestep.hashing.checksums import xxh3_tensor
+from samestep.hashing.state import tensor_bytes
 from samestep.tracing.batch import Columns
 from samestep.tracing.stream import StreamWriter
 from samestep.tracing.wire import recv, send

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from samestep.hashing.state import tensor_header
 from samestep.digests import ROW_BYTES, rows_of
+from samestep.hashing.state import tensor_header
 from samestep.tracing.batch import Batch
 from samestep.tracing.wire import describe, frame, recv, send
 from samestep.tracing.writer import plain

@@ -50,9 +50,9 @@ from typing import Any
 
 import torch
 
-from samestep.hashing.state import persistent_buffers
-from samestep.hashing.checksums import StepChecksums
 from samestep.determinism.mode import active_report, drifted, knob_probe
+from samestep.hashing.checksums import StepChecksums
+from samestep.hashing.state import persistent_buffers
 from samestep.tracing.collectives import Collectives, FsdpReduceScatter
 from samestep.tracing.hooks import module_paths, outside_compile
 from samestep.tracing.module_level import ModuleRecords

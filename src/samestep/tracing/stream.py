@@ -35,8 +35,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import os
+import re
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass

@@ -3,13 +3,12 @@ checksummed (``state_digests``), its records appended as one Arrow record batch 
 
 from __future__ import annotations
 
-
 import numpy as np
 import pyarrow as pa
 import torch
 
-from samestep.hashing.checksums import state_hash_for
 from samestep.digests import Packed, finish, lanes_packed
+from samestep.hashing.checksums import state_hash_for
 from samestep.tracing.batch import HASHED, Batch, Columns
 from samestep.tracing.stream import StreamWriter
 

@@ -17,9 +17,8 @@ with ``train.sdc_action=warn`` it warns and goes on.
 
 from __future__ import annotations
 
-import math
-
 import json
+import math
 import warnings
 from collections import Counter
 from collections.abc import Callable
@@ -82,7 +81,8 @@ class CrossRankCheck:
     """The cross-rank check of the module docstring, over one ``ReceiptWriter``'s sums. ``check`` is a
     collective: every rank calls it at the same point (the optimizer's pre-hook, and ``final`` at the end).
 
-    Each step's 32-byte digest of the sums (made on the receipt thread) is all-gathered asynchronously, started at the next update and
+    Each step's 32-byte digest of the sums (made on the receipt thread) is all-gathered asynchronously, started at
+    the next update and
     read at the one after, so the collective's latency overlaps a step of training instead of adding to it;
     a fault is named one step later than it could be, with the same step, rank and tensor.
 

@@ -16,9 +16,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from samestep.determinism.preempt import parse_signals
 from samestep.hashing.checksums import STATE_HASHES
 from samestep.loop.data import SOURCES
-from samestep.determinism.preempt import parse_signals
 
 __all__ = ["PRESETS", "Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TraceConfig", "TrainConfig"]
 

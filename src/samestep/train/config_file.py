@@ -5,14 +5,13 @@ one is refused naming the one it was probably meant to be)."""
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from samestep.records.durable import read_file
-from samestep.train.spelling import did_you_mean
 from samestep.train.config import PRESETS, Config
+from samestep.train.spelling import did_you_mean
 
 __all__ = ["build", "load_config"]
 

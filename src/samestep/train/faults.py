@@ -64,8 +64,10 @@ class Fault:
                        target=fields["module"] if kind == "output" else fields["name"], bit=int(fields["bit"]),
                        microbatch=int(fields.get("microbatch", -1)))
         except ValueError:
-            raise ValueError(f"train.fault={text!r}: expected 'output:rank=R,step=S,microbatch=M,module=PATH,bit=B', "
-                             "'param:rank=R,step=S,name=PARAM,bit=B' or 'grad:rank=R,step=S,name=PARAM,bit=B'") from None
+            raise ValueError(
+                f"train.fault={text!r}: expected 'output:rank=R,step=S,microbatch=M,module=PATH,bit=B', "
+                "'param:rank=R,step=S,name=PARAM,bit=B' or 'grad:rank=R,step=S,name=PARAM,bit=B'"
+            ) from None
 
     def install(self, model: torch.nn.Module, rank: int) -> None:
         """Hooks the module of an output fault on its rank (raises naming a module or parameter not there)."""

@@ -18,12 +18,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from samestep.hashing.state import state_digest
-from samestep.hashing.checksums import state_checksum, state_hash_for
 from samestep.checkpoint import save_checkpoint
-from samestep.loop.data import DataCursor
-from samestep.distributed import validate_layout
 from samestep.determinism.preempt import parse_signals
+from samestep.distributed import validate_layout
+from samestep.hashing.checksums import state_checksum, state_hash_for
+from samestep.hashing.state import state_digest
+from samestep.loop.data import DataCursor
 from samestep.loop.protocol import RunProtocol
 from samestep.records.receipts import genesis, read_header, receipts_path, state_hash_of
 from samestep.records.rundir import (

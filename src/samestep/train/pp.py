@@ -130,9 +130,8 @@ class Pipeline:
         """The job's mesh, (data, pipe, tensor) of the dimensions over one, a data rank's stages consecutive and
         a stage's tensor ranks consecutive; ``model`` cut to this rank's stage (in place). Then, after tensor
         parallelism splits what the stage holds (``tensor_meshes``), ``join``."""
-        from torch.distributed.device_mesh import init_device_mesh
-
         import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
 
         self = cls()
         pp = self.stages = cfg.parallel.pp

@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from samestep.distributed import any_rank
 from samestep.determinism.env import describe_rank_differences, environment, rank_differences
+from samestep.distributed import any_rank
 from samestep.train.config import Config
 
 __all__ = ["Processes", "device_kind"]

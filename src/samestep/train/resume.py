@@ -8,8 +8,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from samestep.hashing.state import dotted
 from samestep.checkpoint import LoadedCheckpoint, load_checkpoint
+from samestep.hashing.state import dotted
 from samestep.loop.protocol import RunProtocol
 from samestep.records.rundir import (
     NUMERICS_NEUTRAL,

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from samestep.determinism import rng
-from samestep.loop.data import DataCursor, load_corpus
 from samestep.distributed import AllReduceGradients, CanonicalGradients, any_rank
 from samestep.distributed.fsdp import (
     FsdpDefaultGradients,
@@ -25,6 +24,7 @@ from samestep.distributed.fsdp import (
 )
 from samestep.distributed.norm import clip_grad_norm_
 from samestep.distributed.shard_adamw import ShardAdamW
+from samestep.loop.data import DataCursor, load_corpus
 from samestep.records.receipt_state import buffers_now, model_state
 from samestep.tracing import Perturb, Recorder, parse_selection
 from samestep.train.capacity import check_capacity

@@ -15,7 +15,8 @@ each tensor rank, so their gradients are each rank's own whole ones. Activations
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch import nn
 

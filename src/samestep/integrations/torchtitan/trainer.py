@@ -44,7 +44,7 @@ from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.trainer import Trainer
 
-from samestep.replay import program
+from samestep.determinism.rng import capture_rng, restore_rng
 from samestep.distributed.agree import any_rank
 from samestep.integrations.steps import HookedSteps
 from samestep.integrations.torchtitan.data import CorpusLoader
@@ -52,9 +52,9 @@ from samestep.integrations.torchtitan.pipeline import SCHEDULES, Pipelined
 from samestep.integrations.torchtitan.tensor_parallel import with_canonical_tp
 from samestep.loop.protocol import RunProtocol
 from samestep.records.receipts import ReceiptError
+from samestep.replay import program
 from samestep.replay.request import ReplayRequest
 from samestep.replay.resume_points import TORCHTITAN, resumes
-from samestep.determinism.rng import capture_rng, restore_rng
 
 __all__ = ["Samestep", "SamestepTrainer"]
 
