@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from samestep.analysis.comparable import DiffError, check_comparable, ranks_to_compare, traced_alike
 from samestep.analysis.divergence import (
     Divergence,
     first_seen_summary,
@@ -30,36 +31,24 @@ from samestep.analysis.divergence import (
 from samestep.analysis.layouts import rank_coordinates, steps_on_other_layouts
 from samestep.analysis.receipt_diff import receipts_compared
 from samestep.analysis.records import chunks, records, state_left_out, steps_recorded
-from samestep.determinism.env import compare_environments, numerics_differences
-from samestep.hashing.state import dotted
 from samestep.records.rundir import (
-    NUMERICS_NEUTRAL,
     RunDirError,
-    determinism_diff,
     final_digest,
     layout_at,
     read_metrics,
     read_run,
-    run_writer,
 )
-from samestep.tracing.selection import LEVELS, format_selection, parse_selection
-from samestep.tracing.stream import KEY, traced_ranks
+from samestep.tracing.selection import format_selection
+from samestep.tracing.stream import KEY
 
 __all__ = ["DiffError", "Divergence", "diff_runs", "load_metrics", "load_run"]
 
-# Config fields not compared: those that change no bit of the steps (invariant 3 for trace.*; bookkeeping for
-# the rest), and trace.perturb, since a planted perturbation is what a diff is run to find.
-IGNORED_CONFIG = NUMERICS_NEUTRAL | {"trace.perturb"}
 # Ops that only move or reinterpret bytes: if one "diverges" with matching inputs, its input was
 # changed by something the dispatcher never saw.
 COPY_LIKE = ("aten.view", "aten._unsafe_view", "aten.reshape", "aten.clone", "aten.copy_", "aten._to_copy",
              "aten.contiguous", "aten.detach", "aten.alias", "aten.t.", "aten.transpose", "aten.permute",
              "aten.expand", "aten.slice", "aten.select", "aten.split", "aten.unsqueeze", "aten.squeeze",
              "aten.as_strided", "aten.lift_fresh")
-
-
-class DiffError(ValueError):
-    """The runs cannot be compared (missing files, other schema, other config or environment)."""
 
 
 @dataclass(slots=True)
@@ -204,35 +193,6 @@ def _compare_rank(run_a: Path, run_b: Path, rank: int, steps: set[int] | None,
             return res
 
 
-def _traced_alike(doc_a: dict, doc_b: dict, steps: set[int] | None,
-                  notes: list[str]) -> tuple[set[int] | None, tuple[str | None, str | None]]:
-    """Two runs traced at other levels or on other steps are compared on what both recorded (not
-    reported as code paths that differ): the steps both traced (within ``steps``), at the lower level.
-
-    Returns:
-        The steps to compare traces on, and the level to cut run A's and run B's records down to.
-    """
-    ta, tb = (doc.get("config", {}).get("trace", {}) for doc in (doc_a, doc_b))
-    levels: tuple[str | None, str | None] = (None, None)
-    la, lb = ta.get("level"), tb.get("level")
-    if la != lb and {la, lb} <= set(LEVELS) - {"off"}:
-        low = min(la, lb, key=LEVELS.index)
-        levels = (low if la != low else None, low if lb != low else None)
-        notes.append(f"A was traced at {la} level, B at {lb}: compared at {low} level (run "
-                     f"{'A' if la != low else 'B'}'s finer records are left out)")
-    try:
-        sa, sb = (parse_selection(t.get("steps", "all"), "trace.steps") for t in (ta, tb))
-    except ValueError as e:
-        raise DiffError(f"run.json: {e}") from None
-    if sa != sb:
-        both = sb if sa is None else sa if sb is None else sa & sb
-        notes.append(f"traced steps differ (A: {'all' if sa is None else format_selection(sa)}, B: "
-                     f"{'all' if sb is None else format_selection(sb)}): traces compared on the steps both "
-                     f"traced ({format_selection(both) or 'none'})")
-        steps = both if steps is None else steps & both
-    return steps, levels
-
-
 def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = None, steps: set[int] | None = None,
               force: bool = False) -> dict[str, Any]:
     """Compares two runs: metrics bits, then traces. See the module docstring.
@@ -245,10 +205,50 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
         DiffError: a run directory is missing or malformed, or the runs' configs or environments
             differ (unless ``force``), or their traces have other schema versions.
     """
-    run_a, run_b = Path(run_a), Path(run_b)
+    compared = _compare(Path(run_a), Path(run_b), ranks, steps, force)
+    return _render(compared, _decide(compared, steps))
+
+
+@dataclass(slots=True)
+class _Compared:
+    """What two runs' records gave, before any verdict: each kind of record's first difference, and how much
+    of each was compared."""
+
+    doc_a: dict[str, Any]
+    notes: list[str]
+    metric_diff: dict[str, Any] | None
+    metric_steps: int
+    receipt_diff: dict[str, Any] | None
+    receipt_steps: int
+    receipt_states: bool
+    gaps: list[str]  # receipts one run's files hold and the other's lack
+    finals: list[str | None]
+    final_compared: bool
+    per_rank: dict[int, _RankResult]
+    held: tuple[set[int], ...]  # steps both runs hold, either holds, A's, B's
+
+
+@dataclass(slots=True)
+class _Verdict:
+    """What a comparison means: one of "identical", "identical over steps ... of ...", "nothing compared" or
+    "diverged", the summary that says it, and the records it names."""
+
+    verdict: str
+    identical: bool
+    partial: bool
+    summary: str
+    first_step: int | None
+    origin: Divergence | None
+    first_seen: Divergence | None
+    first: Divergence | None
+
+
+def _compare(run_a: Path, run_b: Path, ranks: set[int] | None, steps: set[int] | None, force: bool) -> _Compared:
+    """Loads both runs once, refuses what cannot be compared, and compares metrics, receipts, final digests and
+    each rank's trace on what both hold."""
     doc_a, doc_b = load_run(run_a), load_run(run_b)
     notes: list[str] = []
-    _check_comparable(doc_a, doc_b, force, notes)
+    check_comparable(doc_a, doc_b, force, notes)
     metrics_a, metrics_b = load_metrics(run_a), load_metrics(run_b)
     run_steps = {r.get("step") for r in metrics_a} | {r.get("step") for r in metrics_b}
     if steps is not None and run_steps and not steps & run_steps:
@@ -259,26 +259,33 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     last_both = min(max((r["step"] for r in metrics_a), default=0), max((r["step"] for r in metrics_b), default=0))
     metric_diff = _first_metric_difference(metrics_a, metrics_b, steps, last_both)
     try:
-        receipt_diff, receipt_steps, receipt_states, held, gaps = receipts_compared(
+        receipt_diff, receipt_steps, receipt_states, receipted, gaps = receipts_compared(
             run_a, run_b, steps, lambda step: layout_at(doc_a, step) == layout_at(doc_b, step))
     except ValueError as e:  # a damaged receipts file
         raise DiffError(str(e)) from None
     notes += [f"not compared: {gap}" for gap in gaps]
     both = {r["step"] for r in metrics_a} & {r["step"] for r in metrics_b}
-    metric_steps = sum(1 for step in both if steps is None or step in steps)
     finals = [final_digest(run_a), final_digest(run_b)]
     final_compared = None not in finals and steps is None
-    final_differs = final_compared and finals[0] != finals[1]
-    common = _ranks_to_compare(run_a, run_b, ranks, notes)
-    trace_steps, levels = _traced_alike(doc_a, doc_b, steps, notes) if common else (steps, (None, None))
-    written = run_steps | held[0] | held[1]  # a loop of one's own logs no metrics.jsonl: its receipts say
+    common = ranks_to_compare(run_a, run_b, ranks, notes)
+    trace_steps, levels = traced_alike(doc_a, doc_b, steps, notes) if common else (steps, (None, None))
+    written = run_steps | receipted[0] | receipted[1]  # a loop of one's own logs no metrics.jsonl: its receipts say
     other = steps_on_other_layouts(doc_a, doc_b, written if trace_steps is None else trace_steps, notes,
                                    final=final_compared) if common else set()
     if other:  # their records do not pair up
         trace_steps = (written if trace_steps is None else trace_steps) - other
         common = common if trace_steps else []
     per_rank = _compare_ranks(run_a, run_b, common, trace_steps, levels, notes)
-    divs = [res.divergence for res in per_rank.values() if res.divergence is not None]
+    return _Compared(doc_a, notes, metric_diff, sum(1 for step in both if steps is None or step in steps),
+                     receipt_diff, receipt_steps, receipt_states, gaps, finals, final_compared, per_rank,
+                     _held_steps(receipted, metrics_a, metrics_b, per_rank, steps))
+
+
+def _decide(c: _Compared, steps: set[int] | None) -> _Verdict:
+    """The verdict and its summary: a structural difference before any numeric claim, then the origin, the
+    record first seen to differ, the receipts, or what differed without an origin; agreement is "identical"
+    only when both runs hold the same steps and something was compared."""
+    divs = [res.divergence for res in c.per_rank.values() if res.divergence is not None]
     structural = [d for d in divs if d.kind == "structural"]
     origins = [d for d in divs if d.kind == "origin"]
     first = min(divs, key=lambda d: (d.kind != "structural", d.step, d.rank)) if divs else None
@@ -287,75 +294,77 @@ def diff_runs(run_a: str | Path, run_b: str | Path, *, ranks: set[int] | None = 
     # difference was first seen: on the rank where it began, if the others only received it
     seen = [d for d in divs if d.kind == "first_seen"]
     first_seen = min(seen, key=lambda d: (d.step, d.microbatch, d.rank)) if seen and not structural else None
-    records = sum(r.records for r in per_rank.values())
-    same = metric_diff is None and receipt_diff is None and not divs and not final_differs
+    records = sum(r.records for r in c.per_rank.values())
+    final_differs = c.final_compared and c.finals[0] != c.finals[1]
+    same = c.metric_diff is None and c.receipt_diff is None and not divs and not final_differs
     # Nothing compared is no evidence of sameness: such a diff says so (exit 2), never "identical"
-    nothing = same and not (metric_steps or records or final_compared or receipt_steps)
+    nothing = same and not (c.metric_steps or records or c.final_compared or c.receipt_steps)
     # Steps that one run holds and the other does not make agreement partial: "identical over steps 1-6 of
-    # 1-20", never plain "identical"
-    held = _held_steps(held, metrics_a, metrics_b, per_rank, steps)
-    # so do receipts that one run's files hold and the other's lack (a rank's file lost, cut short, a line deleted)
-    partial = same and not nothing and (held[0] != held[1] or bool(gaps))
+    # 1-20", never plain "identical"; so do receipts that one run's files hold and the other's lack
+    partial = same and not nothing and (c.held[0] != c.held[1] or bool(c.gaps))
     identical = same and not nothing and not partial
-    if per_rank and not records and steps is not None:
-        notes.append(f"no trace records fall in --steps {format_selection(steps)}: only those steps' metrics were "
-                     "compared (the runs' trace.steps selects which steps were traced)")
+    verdict = "nothing compared" if nothing else "identical" if identical else \
+        partial_verdict(c.held, c.gaps) if partial else "diverged"
+    if c.per_rank and not records and steps is not None:
+        c.notes.append(f"no trace records fall in --steps {format_selection(steps)}: only those steps' metrics "
+                       "were compared (the runs' trace.steps selects which steps were traced)")
     if nothing:
         summary = ("nothing compared: the runs have no metrics, final state or trace records in common"
-                   + (" (see the notes)" if notes else "") + "; this is no evidence that they are the same")
+                   + (" (see the notes)" if c.notes else "") + "; this is no evidence that they are the same")
     elif identical or partial:
-        summary = identical_summary(metric_steps, records, len(per_rank), final_compared, receipt_steps,
-                                     receipt_states)
-        if partial:
-            summary = summary.replace("identical:", f"{partial_verdict(held, gaps)} (A holds "
-                                                    f"{format_selection(held[2]) or 'none'}, B "
-                                                    f"{format_selection(held[3]) or 'none'}"
-                                                    + "".join(f"; {gap}" for gap in gaps) + "):", 1)
+        held = "" if identical else (f" (A holds {format_selection(c.held[2]) or 'none'}, B "
+                                     f"{format_selection(c.held[3]) or 'none'}" + "".join(f"; {g}" for g in c.gaps)
+                                     + ")")
+        summary = identical_summary(c.metric_steps, records, len(c.per_rank), c.final_compared, c.receipt_steps,
+                                    c.receipt_states, verdict=verdict + held)
     elif structural:
         d = structural[0]
         summary = (f"structural divergence on rank {d.rank} at step {d.step}: {d.note} "
                    f"(A: {d.phase} {d.scope!r} {d.op}#{d.occurrence}; B: {d.other})")
     elif origin is not None:
-        summary = origin_summary(origin, origins, sorted(per_rank))
+        summary = origin_summary(origin, origins, sorted(c.per_rank))
     elif first_seen is not None:
         summary = first_seen_summary(first_seen, sorted(d.rank for d in divs if d.kind == "receiver"))
-    elif receipt_diff is not None and (metric_diff is None or receipt_diff["step"] < metric_diff["step"]) and \
-            (first is None or receipt_diff["step"] < first.step):
-        summary = (f"diverged at step {receipt_diff['step']}: the receipts' {', '.join(receipt_diff['fields'])} differ "
-                   f"(rank {receipt_diff['rank']}); samestep bisect replays that step and names the op")
+    elif c.receipt_diff is not None and (c.metric_diff is None or c.receipt_diff["step"] < c.metric_diff["step"]) \
+            and (first is None or c.receipt_diff["step"] < first.step):
+        summary = (f"diverged at step {c.receipt_diff['step']}: the receipts' {', '.join(c.receipt_diff['fields'])} "
+                   f"differ (rank {c.receipt_diff['rank']}); samestep bisect replays that step and names the op")
     else:
-        summary = no_origin_summary(first, metric_diff, finals, bool(per_rank))
+        summary = no_origin_summary(first, c.metric_diff, c.finals, bool(c.per_rank))
     named = structural[0] if structural else origin or first_seen or first
-    first_step = min([d.step for d in divs] + ([metric_diff["step"]] if metric_diff else [])
-                     + ([receipt_diff["step"]] if receipt_diff else []), default=None)
+    first_step = min([d.step for d in divs] + ([c.metric_diff["step"]] if c.metric_diff else [])
+                     + ([c.receipt_diff["step"]] if c.receipt_diff else []), default=None)
     if first_step is not None and not summary.startswith("diverged at step"):
-        summary = lead(first_step, named, metric_diff, receipt_diff) + summary
-    coords = rank_coordinates(layout_at(doc_a, named.step), named.rank) if named is not None else None
+        summary = lead(first_step, named, c.metric_diff, c.receipt_diff) + summary
+    coords = rank_coordinates(layout_at(c.doc_a, named.step), named.rank) if named is not None else None
     if coords:
-        notes.append(f"rank {named.rank} at step {named.step} is {coords} of the layout that wrote it")
-    verdict = "nothing compared" if nothing else "identical" if identical else \
-        partial_verdict(held, gaps) if partial else "diverged"
+        c.notes.append(f"rank {named.rank} at step {named.step} is {coords} of the layout that wrote it")
+    return _Verdict(verdict, identical, partial, summary, first_step, origin, first_seen, first)
+
+
+def _render(c: _Compared, v: _Verdict) -> dict[str, Any]:
+    """The JSON-able report ``samestep diff --json`` prints and the text verdict is read from."""
     return {
-        "identical": identical,
-        "partial": partial,
-        "verdict": verdict,
-        "compared": {"metric_steps": metric_steps, "trace_records": records, "ranks": len(per_rank),
-                     "final_state": final_compared, "receipt_steps": receipt_steps,
-                     "receipt_states": receipt_states,
-                     "steps": format_selection(held[0]), "steps_held": format_selection(held[1])},
-        "first_divergent_step": first_step,
-        "metrics": metric_diff,
-        "receipts": receipt_diff,
-        "final_state_digests": finals,
-        "origin": asdict(origin) if origin is not None else None,
-        "first_seen": asdict(first_seen) if first_seen is not None and origin is None else None,
-        "first_difference": asdict(first) if first is not None else None,
+        "identical": v.identical,
+        "partial": v.partial,
+        "verdict": v.verdict,
+        "compared": {"metric_steps": c.metric_steps, "trace_records": sum(r.records for r in c.per_rank.values()),
+                     "ranks": len(c.per_rank), "final_state": c.final_compared, "receipt_steps": c.receipt_steps,
+                     "receipt_states": c.receipt_states,
+                     "steps": format_selection(c.held[0]), "steps_held": format_selection(c.held[1])},
+        "first_divergent_step": v.first_step,
+        "metrics": c.metric_diff,
+        "receipts": c.receipt_diff,
+        "final_state_digests": c.finals,
+        "origin": asdict(v.origin) if v.origin is not None else None,
+        "first_seen": asdict(v.first_seen) if v.first_seen is not None and v.origin is None else None,
+        "first_difference": asdict(v.first) if v.first is not None else None,
         "per_rank": {str(r): {"records_compared": res.records, "notes": res.notes, "missing_steps": res.missing,
                               "divergence": asdict(res.divergence) if res.divergence else None}
-                     for r, res in per_rank.items()},
-        "not_compared": gaps,
-        "summary": summary,
-        "notes": notes,
+                     for r, res in c.per_rank.items()},
+        "not_compared": c.gaps,
+        "summary": v.summary,
+        "notes": c.notes,
     }
 
 
@@ -375,68 +384,6 @@ def _compare_ranks(run_a: Path, run_b: Path, ranks: list[int], steps: set[int] |
                              "which the other run's has (lost when the run was killed before they were written, "
                              "or not traced): compared on the steps both hold")
     return per_rank
-
-
-def _check_comparable(doc_a: dict[str, Any], doc_b: dict[str, Any], force: bool, notes: list[str]) -> None:
-    """Refuses runs whose configs (less what changes no bit), environments or deterministic modes differ,
-    unless ``force``; with ``force``, a note says what differs. A reference run beside a loop of one's own is
-    refused in one line saying so: their configs have nothing in common."""
-    writers = run_writer(doc_a), run_writer(doc_b)
-    if writers[0] != writers[1]:
-        if not force:
-            raise DiffError(f"run A is {writers[0]} and run B {writers[1]}: their configs have nothing in common, "
-                            "so their bits are not expected to match. Fix: compare runs of one program (pass "
-                            "--force to compare their records anyway)")
-        notes.append(f"run A is {writers[0]}, run B {writers[1]} (compared with --force)")
-        return
-    cfg_diff = {k: v for k, v in compare_environments(dotted(doc_a.get("config", {})),
-                                                      dotted(doc_b.get("config", {}))).items()
-                if k not in IGNORED_CONFIG}
-    env_diff = numerics_differences(doc_a.get("environment", {}), doc_b.get("environment", {}))
-    # deterministic mode first: the environment fingerprint records its knobs too, and its refusal says why
-    for what, d in (("deterministic mode", _numerics(doc_a, doc_b)), ("config", cfg_diff), ("environment", env_diff)):
-        if d:
-            fields = ", ".join(f"{k} ({a!r} vs {b!r})" for k, (a, b) in d.items())
-            if not force:
-                raise DiffError(f"the runs' {what}s differ: {fields}; bitwise comparison only holds for the same "
-                                f"{what} (pass --force to compare anyway)" + _why_off(doc_a, doc_b, d))
-            notes.append(f"{what} differs (compared with --force): {fields}")
-
-
-def _numerics(doc_a: dict[str, Any], doc_b: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """What the runs' deterministic modes set differently (each knob's value after ``enable()``), or changed
-    during the run (``determinism_changed``); "on" if one run had none."""
-    out = determinism_diff(doc_a.get("determinism"), doc_b.get("determinism"))
-    if "on" in out:
-        return out
-    changed = (doc_a.get("determinism_changed"), doc_b.get("determinism_changed"))
-    if changed[0] != changed[1]:
-        out["changed during the run"] = changed
-    return out
-
-
-def _why_off(doc_a: dict[str, Any], doc_b: dict[str, Any], diff: dict[str, tuple[Any, Any]]) -> str:
-    """For a run without deterministic mode recorded: why, in plain words, and the fix."""
-    if "on" not in diff:
-        return ""
-    run, doc = ("A", doc_a) if doc_a.get("determinism") is None else ("B", doc_b)
-    if doc.get("written_by") == "samestep.trace":
-        return (f". Run {run} recorded no deterministic mode: its samestep.trace() started before "
-                "samestep.enable() (or enable() was never called); call samestep.enable() first")
-    return f". Run {run} ran with determinism.enabled=false"
-
-
-def _ranks_to_compare(run_a: Path, run_b: Path, ranks: set[int] | None, notes: list[str]) -> list[int]:
-    """The ranks both runs traced (within ``ranks``); a note if they traced different ones."""
-    ranks_a, ranks_b = set(traced_ranks(run_a)), set(traced_ranks(run_b))
-    if ranks_a != ranks_b:
-        notes.append(f"traced ranks differ: A has {format_selection(ranks_a) or 'none'}, B has "
-                     f"{format_selection(ranks_b) or 'none'}; only the ranks both traced are compared")
-    if ranks is not None and ranks - ranks_a - ranks_b:
-        raise DiffError(f"--ranks {format_selection(ranks)}: rank(s) {format_selection(ranks - ranks_a - ranks_b)} "
-                        f"have no trace in either run (A traced {format_selection(ranks_a) or 'no rank'}, B "
-                        f"{format_selection(ranks_b) or 'no rank'}); choose traced ranks or leave --ranks out")
-    return sorted((ranks_a & ranks_b) if ranks is None else (ranks_a & ranks_b & ranks))
 
 
 def _held_steps(receipted: list[set[int]], metrics_a: list[dict], metrics_b: list[dict],

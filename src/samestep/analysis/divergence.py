@@ -41,8 +41,9 @@ def first_seen_summary(first_seen: Divergence, receivers: list[int]) -> str:
 
 
 def identical_summary(metric_steps: int, records: int, ranks: int, final_compared: bool,
-                       receipt_steps: int = 0, receipt_states: bool = True) -> str:
-    """What was compared and matched (a run of the user's own loop has its trace only: no metrics.jsonl)."""
+                       receipt_steps: int = 0, receipt_states: bool = True, verdict: str = "identical") -> str:
+    """What was compared and matched (a run of the user's own loop has its trace only: no metrics.jsonl), after
+    the ``verdict`` ("identical", or identical over some of the steps)."""
     parts = []
     if metric_steps:
         parts.append(f"the metric bits of {metric_steps} step(s)")
@@ -54,7 +55,7 @@ def identical_summary(metric_steps: int, records: int, ranks: int, final_compare
         parts.append(f"{records} trace records on {ranks} rank(s)")
     if final_compared:
         parts.append("the final state digest")
-    return "identical: " + ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1] + " match" + \
+    return f"{verdict}: " + ", ".join(parts[:-1]) + (" and " if len(parts) > 1 else "") + parts[-1] + " match" + \
         ("" if metric_steps else " (no metrics.jsonl)")
 
 
