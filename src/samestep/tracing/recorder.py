@@ -41,20 +41,19 @@ This class is the protocol; each level makes its records in a file of its own (`
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
-import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from samestep.determinism.mode import active_report, drifted, knob_probe
+from samestep.determinism.mode import active_report
 from samestep.hashing.checksums import StepChecksums
 from samestep.hashing.state import persistent_buffers
 from samestep.tracing.collectives import Collectives, FsdpReduceScatter
 from samestep.tracing.hooks import module_paths, outside_compile
+from samestep.tracing.knob_watch import KnobWatch
 from samestep.tracing.module_level import ModuleRecords
 from samestep.tracing.op_level import OpMode, Scopes
 from samestep.tracing.perturb import Perturb
@@ -69,16 +68,6 @@ __all__ = ["Recorder"]
 
 _MODULE = LEVELS.index("module")
 _OP = LEVELS.index("op")
-
-
-def _callers_level() -> int:
-    """The ``stacklevel`` that makes a warning name the first frame outside samestep and contextlib: the line
-    of the user's loop that opened the step, not a library's."""
-    ours = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))), contextlib.__file__.removesuffix(".py"))
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_code.co_filename.startswith(ours):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class Recorder:
@@ -117,15 +106,18 @@ class Recorder:
         self._worker: ThreadWorker | ProcessWorker | None = None
         # The enable() in force (None if none): a knob it set that no longer holds at a step is recorded in
         # numerics_changed (the first such step), and on_close (samestep.trace's) puts it in run.json.
-        self._report = active_report()
-        self.numerics_changed: dict[str, Any] | None = None
-        self._probe: tuple | None = None  # knob_probe() when the knobs were last checked
+        self._knobs = KnobWatch(active_report())
         self.failed_step: int | None = None  # the last step whose context raised
         self.on_close: Callable[[Recorder], None] | None = None
         if self.enabled and self.worker == "process":
             # Started now: the child imports torch (about 1.5 s) while the model is built and the first
             # step runs, instead of after the first flush, which would then wait for it.
             self._worker = self._start_worker()
+
+    @property
+    def numerics_changed(self) -> dict[str, Any] | None:
+        """The first step at which a knob enable() set no longer held (``KnobWatch.changed``), or None."""
+        return self._knobs.changed
 
     # -- selection -------------------------------------------------------------------------------------
     @property
@@ -270,8 +262,8 @@ class Recorder:
         self._collectives.new_step()
         # DTensor if torch.distributed.tensor was imported (else no DTensor exists): see Staging.shards
         st.dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-        if self._report is not None:
-            self._look_at_knobs(step)
+        if self._knobs.report is not None:
+            self._knobs.look(step)
         finished = False
         try:
             yield
@@ -289,30 +281,6 @@ class Recorder:
         if self.perturb is not None:  # one that never fired is an error (a rank or step not traced at op level too)
             self.perturb.check_fired(step, self.rank)
 
-    def _look_at_knobs(self, step: int, where: Callable[[], str] | None = None) -> None:
-        """Whether the knobs enable() set still hold: the whole check at the first look, then whenever the
-        cheap probe moved; once one no longer holds, never again (run.json records the first). ``where``
-        names the op running now (op level looks at each, so a knob a forward flips and puts back is seen)."""
-        if self.numerics_changed is not None:
-            return
-        probe = knob_probe()
-        if probe != self._probe:
-            self._probe = probe
-            self._check_numerics(step, where)
-
-    def _check_numerics(self, step: int, where: Callable[[], str] | None = None) -> None:
-        changed = drifted(self._report)
-        if changed:
-            self.numerics_changed = {"step": step, "knobs": {name: list(v) for name, v in changed.items()}}
-            inside = where() if where is not None else None
-            if inside is not None:
-                self.numerics_changed["inside"] = inside
-            warnings.warn(f"samestep.trace: at step {step} deterministic mode no longer holds what enable() set ("
-                          + ", ".join(f"{name}: {a!r} -> {b!r}" for name, (a, b) in changed.items())
-                          + (f", while {inside} ran" if inside else "")
-                          + "); the run's numerics changed, and run.json records it", RuntimeWarning,
-                          stacklevel=_callers_level())
-
     @contextlib.contextmanager
     def microbatch(self, index: int) -> Iterator[None]:
         """Everything inside belongs to global microbatch ``index``; at op level, ATen ops are recorded."""
@@ -320,7 +288,7 @@ class Recorder:
         st = self._staging
         st.mb = index
         token = self._scopes.enter_microbatch()
-        knobs = self._look_at_knobs if self._report is not None else None
+        knobs = self._knobs.look if self._knobs.report is not None else None
         mode = OpMode(st, self._scopes, self.perturb, self.rank, knobs) if self._rank_level >= _OP and self.active \
             else None
         try:
