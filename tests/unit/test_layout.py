@@ -12,7 +12,7 @@ MAX_LINES = 450
 # docs/design.md, "Layers": bottom first. A module imports modules of its own layer or lower ones only.
 LAYERS = (
     ("samestep.digests", "samestep.ops", "samestep.distributed", "samestep.hashing", "samestep.records.durable",
-     "samestep.version", "samestep.determinism.numerics"),
+     "samestep.version", "samestep.determinism.numerics", "samestep.exit_codes"),
     ("samestep.determinism", "samestep.records", "samestep.loop.data", "samestep.loop.step_checks",
      "samestep.replay.program", "samestep.replay.request", "samestep.replay.resume_points", "samestep.testing"),
     ("samestep.checkpoint", "samestep.tracing"),
@@ -205,3 +205,23 @@ def test_the_top_level_holds_at_most_five_modules_and_the_documented_old_paths_i
         pass
     else:
         raise AssertionError("samestep.rundir was never a documented path")
+
+
+def test_the_exit_code_table_in_code_is_the_one_the_docs_show():
+    """samestep.exit_codes holds every code; docs/debugging.md's "Exit codes" table lists the same numbers (and
+    128 + N). Control: a code missing from the docs' table would be named."""
+    import re
+
+    from samestep import exit_codes
+
+    text = (Path(samestep.__file__).parents[2] / "docs" / "debugging.md").read_text()
+    table = text[text.index("## Exit codes"):].split("\n\n")[1]
+    documented = {int(m) for m in re.findall(r"^\| (\d+) \|", table, re.M)}
+    assert documented == set(exit_codes.MEANINGS), (documented, set(exit_codes.MEANINGS))
+    assert "| 128 + N |" in table and exit_codes.SIGNALLED == 128
+    assert documented - {exit_codes.PEER_LOST} != set(exit_codes.MEANINGS)  # the control
+    from samestep.cli.errors import EXIT_PEER_LOST, INPUT_ERROR
+    from samestep.preempt import EXIT_PREEMPTED
+    from samestep.train.checks import EXIT_FAULT
+
+    assert (INPUT_ERROR, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_FAULT) == (2, 6, 75, 4)

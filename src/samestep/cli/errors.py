@@ -10,13 +10,13 @@ import os
 import sys
 from typing import Any
 
+from samestep.exit_codes import DIFFERENCE, INPUT_ERROR, INTERNAL_ERROR, INTERRUPTED, OK, PEER_LOST
+
 __all__ = ["DIFFERENCE", "EXIT_PEER_LOST", "INPUT_ERROR", "INTERNAL_ERROR", "INTERRUPTED", "OK", "InputError",
            "console", "input_error_of", "peer_lost", "quiet_stdout", "report", "verdict"]
 
-# Exit codes (every command; samestep train adds 4, a detected fault, 5, a non-finite loss, 6, a process of the job
-# whose collectives lost another, 75, preempted, and 128 + N, stopped at once by signal N; docs/debugging.md's table).
-OK, DIFFERENCE, INPUT_ERROR, INTERNAL_ERROR, INTERRUPTED = 0, 1, 2, 3, 130
-EXIT_PEER_LOST = 6
+# the exit codes: samestep.exit_codes is their one table (docs/debugging.md's)
+EXIT_PEER_LOST = PEER_LOST
 # What torch.distributed's backends say when the process at the other end of a collective has gone.
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
               "NCCL communicator was aborted", "Socket closed")

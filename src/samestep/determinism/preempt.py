@@ -24,9 +24,11 @@ import time
 from types import FrameType
 from typing import Any
 
+from samestep import exit_codes
+
 __all__ = ["DEFAULT_SIGNALS", "EXIT_PREEMPTED", "StopRequest", "exit_by_signal", "parse_signals"]
 
-EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with everything saved; a requeued job resumes
+EXIT_PREEMPTED = exit_codes.PREEMPTED  # stopped on request with everything saved; a requeued job resumes
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGINT")
 DUPLICATE_S = 0.5  # the same signal again within this time is the same request, not a second one
 

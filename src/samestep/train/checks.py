@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from samestep import exit_codes
 from samestep.checkpoint import committed_steps
 from samestep.distributed.gather import gather_if_different
 from samestep.distributed.shards import local_shard
@@ -35,8 +36,8 @@ from samestep.records.rundir import checkpoints_dir
 __all__ = ["EXIT_FAULT", "EXIT_NONFINITE", "CrossRankCheck", "FaultDetected", "NonFinite", "RecomputeCheck",
            "check_finite", "report_fault"]
 
-EXIT_FAULT = 4  # samestep train's exit code when a fault check stops the run
-EXIT_NONFINITE = 5  # and when a step's loss or gradient norm is not finite
+EXIT_FAULT = exit_codes.FAULT  # samestep train's exit code when a fault check stops the run
+EXIT_NONFINITE = exit_codes.NONFINITE  # and when a step's loss or gradient norm is not finite
 
 
 class FaultDetected(RuntimeError):

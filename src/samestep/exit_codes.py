@@ -1,0 +1,24 @@
+"""Every exit code a samestep command ends with, in one table: docs/debugging.md's "Exit codes" shows the same
+codes (a test holds them together). A code has one meaning in every command, so a script can tell a verdict
+from bad input from a crash."""
+
+from __future__ import annotations
+
+__all__ = ["DIFFERENCE", "FAULT", "INPUT_ERROR", "INTERNAL_ERROR", "INTERRUPTED", "MEANINGS", "NONFINITE", "OK",
+           "PEER_LOST", "PREEMPTED", "SIGNALLED"]
+
+OK = 0  # identical, holds, intact, complete, reproduced, trained
+DIFFERENCE = 1  # a difference found: diverged, broken, corrupt, incomplete, not reproduced
+INPUT_ERROR = 2  # bad input, named in one line with the fix
+INTERNAL_ERROR = 3  # an unexpected error
+FAULT = 4  # samestep train: a fault check stopped the run
+NONFINITE = 5  # samestep train: a step's loss or gradient norm is not finite
+PEER_LOST = 6  # samestep train: a collective lost another process of the job
+PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with everything saved; a requeued job resumes
+INTERRUPTED = 130  # interrupted (Ctrl-C outside a training step)
+SIGNALLED = 128  # + N: stopped at once by signal N
+
+MEANINGS = {OK: "done, and the same", DIFFERENCE: "a difference found", INPUT_ERROR: "bad input",
+            INTERNAL_ERROR: "an unexpected error", FAULT: "a fault check stopped the run",
+            NONFINITE: "a non-finite loss or gradient norm", PEER_LOST: "a collective lost another process",
+            PREEMPTED: "stopped after a step, with a checkpoint", INTERRUPTED: "interrupted"}
