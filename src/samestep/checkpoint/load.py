@@ -30,6 +30,7 @@ from samestep.checkpoint._format import (
 )
 from samestep.determinism import rng as _rng
 from samestep.determinism.env import compare_environments, environment, numerics_differences
+from samestep.distributed.group import group_up
 from samestep.hashing.state import sha256_tensor, unflatten
 from samestep.records.durable import NotAFile, read_file
 
@@ -280,7 +281,7 @@ def load_checkpoint(
     """
     import torch.distributed as dist
 
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = group_up()
     verified, skipped = _first_intact(Path(path), fallback)
     manifest, data = verified.manifest, verified.data
     state = json.loads(data["state.json"])

@@ -35,6 +35,7 @@ from samestep.checkpoint._format import (
 from samestep.determinism import rng as _rng
 from samestep.determinism.env import environment
 from samestep.distributed.fsdp import shard_rows
+from samestep.distributed.group import group_up, rank_and_world
 from samestep.hashing.state import flatten, sha256_tensor
 from samestep.records.durable import fsync_dir, replace_atomic, write_durable
 
@@ -44,9 +45,8 @@ __all__ = ["save_checkpoint"]
 def _dist() -> tuple[int, int, Any]:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), dist.barrier
-    return 0, 1, lambda: None
+    rank, world = rank_and_world()
+    return rank, world, dist.barrier if group_up() else (lambda: None)
 
 
 def _unique_tensors(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from samestep.determinism import numerics
+from samestep.distributed.group import group_up
 
 __all__ = ["DeterminismReport", "Knob", "active_report", "available_threads", "current_knobs", "disable", "drifted",
            "enable", "is_enabled", "knob_probe"]
@@ -162,7 +163,7 @@ def _cuda_initialized() -> bool:
 def _nccl_initialized() -> bool:
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not group_up():
         return False
     return "nccl" in str(dist.get_backend()).lower()
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from samestep.distributed.group import rank_and_world
+
 __all__ = ["any_rank", "ranks_unlike_rank_0"]
 
 
@@ -24,7 +26,7 @@ def ranks_unlike_rank_0(digest: str, device: torch.device | None = None) -> list
     is not rank 0's; every rank gets the same list. Without a process group, or with one rank, none."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if rank_and_world()[1] == 1:
         return []
     mine = torch.tensor(list(bytes.fromhex(digest)), dtype=torch.uint8, device=_device(device))
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
@@ -38,7 +40,7 @@ def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     the CPU). Without a process group, or with one rank, ``flag`` itself."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if rank_and_world()[1] == 1:
         return flag
     t = torch.tensor([int(flag)], device=_device(device))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from samestep.distributed.group import rank_and_world
+
 __all__ = ["all_gather_bytes", "gather_if_different", "gather_named"]
 
 
@@ -39,7 +41,7 @@ def gather_if_different(key: bytes, payload: bytes, device: torch.device | None 
     else the CPU)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if rank_and_world()[1] == 1:
         return None
     world = dist.get_world_size()
     if device is None:

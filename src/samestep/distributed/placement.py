@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from samestep.distributed.group import group_up
 from samestep.hashing.state import state_digest
 
 __all__ = ["mesh_coordinates", "model_layout"]
@@ -29,12 +30,11 @@ def model_layout(model: torch.nn.Module) -> dict[str, Any]:
     hold the same pieces have the same one); ``placed`` how many parameters have each placement
     (``"Replicate"`` for a plain tensor). No meshes and a None digest where no parameter is a DTensor (a plain,
     or DDP-wrapped, model)."""
-    import torch.distributed as dist
 
     sharded, ddp = None, isinstance(model, torch.nn.parallel.DistributedDataParallel)
     rows: list[list[Any]] = []  # [name, mesh, placements] of each DTensor parameter
     placed: Counter[str] = Counter()
-    if dist.is_available() and dist.is_initialized():
+    if group_up():
         from torch.distributed.fsdp import FSDPModule
         from torch.distributed.tensor import DTensor
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from samestep.distributed.buckets import BUCKET_ELEMENTS, GradientBuckets
+from samestep.distributed.group import group_up
 from samestep.distributed.shards import local_shard, placed, spec_of
 from samestep.distributed.tree import BinaryCounter, validate_layout
 
@@ -195,7 +196,7 @@ class CanonicalGradients:
         # Called as observer(name, input, output) around each collective (a trace recorder, say).
         self.observer: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None
         overlap = overlap and world_size > 1
-        if overlap and group is None and dist.is_available() and dist.is_initialized():
+        if overlap and group is None and group_up():
             # A process group of its own: the collectives started inside the backward then never interleave
             # with the default group's, which a rank may issue before or after them (a parameter that got no
             # gradient on one rank holds its bucket back to the backward's end there, and not on another).

@@ -44,6 +44,7 @@ from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoin
 from samestep.determinism import mode, preempt
 from samestep.distributed.agree import any_rank
 from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer, whole_tensor
+from samestep.distributed.group import group_up, rank_and_world
 from samestep.distributed.placement import model_layout
 from samestep.hashing.checksums import state_hash_for
 from samestep.hashing.state import persistent_buffers, sha256_tensor, tree_digest
@@ -67,23 +68,13 @@ from samestep.replay.request import ReplayRequest
 __all__ = ["Run"]
 
 
-def _rank_and_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
 def _rank() -> int:
-    return _rank_and_world()[0]
+    return rank_and_world()[0]
 
 
 def _is_sharded(model: torch.nn.Module) -> bool:
     """Whether FSDP2 shards the model: its parameters are DTensors."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
+    if not group_up():
         return False  # DTensors need a process group
     from torch.distributed.tensor import DTensor
 
@@ -191,7 +182,7 @@ class Run:
         if not held and resume is True:
             raise ValueError(f"samestep.Run: resume=True, but {self.checkpoints} holds no checkpoint")
         # one writer per run directory, as samestep train and samestep.trace take it (refused before anything)
-        rank, world = _rank_and_world()
+        rank, world = rank_and_world()
         self.sharded = _is_sharded(model)
         self._proto = RunProtocol(self.run_dir, hold_dir=rank == 0)
         try:
@@ -356,7 +347,7 @@ class Run:
         tree = state_tree(step, model, self.optimizer, buffers=persistent_buffers(model),
                           scheduler=self.scheduler, data_cursor=self.data_cursor)
         digest = tree_digest(tree, lambda tensors: [sha256_tensor(whole_tensor(t)) for t in tensors], hashlib.sha256)
-        rank, world = _rank_and_world()
+        rank, world = rank_and_world()
         if rank == 0:
             receipts, checksum = self._proto.receipts, None
             if receipts is not None and receipts.path and not self.sharded:  # the whole state's: its last receipt's

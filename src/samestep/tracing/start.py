@@ -7,6 +7,7 @@ from typing import Any
 
 from samestep.determinism.env import compare_environments, environment
 from samestep.determinism.mode import active_report
+from samestep.distributed.group import group_up
 from samestep.records.rundir import (
     RunLock,
     determinism_diff,
@@ -66,7 +67,7 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
     """
     import torch.distributed as dist
 
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = group_up()
     if rank is None:
         rank = dist.get_rank() if distributed else 0
     if isinstance(steps, str):
