@@ -3,7 +3,7 @@
     .venv/bin/python bench/bench_faults.py [--kills 10] [--signals 4] [--save-ops all] [--json]
 
 Every trial runs `samestep train` in processes of its own on a small config (its resume in this one), forked from
-a server that imported torch and samestep once (forked.py: a fresh interpreter's imports cost seconds; the
+a server that imported torch and samestep once (tests/support/forked.py: a fresh interpreter's imports cost seconds; the
 launcher's ranks are fresh interpreters, as it starts them), and checks the outcome against an uninterrupted
 reference run, bit for bit (final state digest and metrics.jsonl bytes):
   kills     SIGKILL at a random instant (after a random step, at a random delay), then --resume; as many
@@ -40,11 +40,11 @@ from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 from fault_corpus import CASES, run_case  # noqa: E402
-from forked import Forked  # noqa: E402
 
 from samestep.records.rundir import last_logged_step  # noqa: E402
+from tests.support.forked import Forked  # noqa: E402  (the tests' fork server, started the same way)
 
 SMALL = ("train.device=cpu", "train.global_batch=8", "train.micro_batch=2", "train.warmup_steps=2", "model.n_layer=2",
          "model.n_head=2", "model.n_embd=32", "model.block_size=32", "trace.level=step")

@@ -1,6 +1,7 @@
 """The positional dropout mask (``samestep.rng.positional_keep``, int32 lanes) against its definition over
-unsigned 32-bit values held in int64 (``keep_by_int64``, the reference tests/unit/test_rng.py holds the mask to
-bit for bit), side by side on one thread: the median of alternating calls each.
+unsigned 32-bit values held in int64 (``keep_by_int64`` in tests/support/masks.py, the reference
+tests/unit/test_rng.py holds the mask to bit for bit), side by side on one thread: the median of alternating
+calls each.
 
     .venv/bin/python bench/bench_mask.py [--shape 2 4 128 128] [--calls 30] [--json]
 """
@@ -10,25 +11,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from samestep.determinism import rng
 
-M32 = 0xFFFFFFFF
-
-
-def keep_by_int64(stream_key: int, flat: torch.Tensor, p: float) -> torch.Tensor:
-    """The mask's definition at flat positions ``flat`` (int64): every product below 2**59."""
-
-    def mix(x: torch.Tensor) -> torch.Tensor:
-        for _ in range(2):
-            x = ((x >> 16) ^ x) * 0x45D9F3B & M32
-        return (x >> 16) ^ x
-
-    lo, hi = stream_key & M32, (stream_key >> 32) & M32
-    return mix(mix((flat & M32) ^ lo) ^ (flat >> 32) ^ hi) >= int(p * 2**32)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.support.masks import keep_by_int64  # noqa: E402  (the definition the tests hold the mask to)
 
 
 def main() -> int:

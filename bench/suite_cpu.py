@@ -4,7 +4,7 @@
     .venv/bin/python bench/suite_cpu.py suite_cpu.jsonl [--durations tests/durations.json]
 
 Around each test, the plugin reads the CPU time (user and system) of the worker itself, of its children
-that it waited for (subprocesses), and of the children of its fork server (``tests/conftest.py``'s spawned
+that it waited for (subprocesses), and of the children of its fork server (``tests/support/processes.py``'s spawned
 ranks and ``Forked`` processes, which the server reaps), and adds one line to $SUITE_CPU_OUT
 (suite_cpu.jsonl by default), with the worker that ran the test and when it began (the suite's timeline). A
 process that nobody waits for (an orphan) is not counted. ``--durations``: each test's seconds written where

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Forked
+from tests.support import Forked
 
 ROOT = Path(__file__).resolve().parents[2]
 

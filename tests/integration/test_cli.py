@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import TINY, cli_here, train_here
+from tests.support import TINY, cli_here, train_here
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import samestep
-from tests.conftest import spawn
+from tests.support import spawn
 
 pytestmark = pytest.mark.slow
 MICROBATCHES, STEPS = 8, 3

@@ -15,7 +15,7 @@ import samestep
 from samestep.distributed import canonical_sum, combine_across_ranks, ring_allreduce_bytes
 from samestep.hashing.checksums import Checksums
 from samestep.tracing import Perturb
-from tests.conftest import spawn, traced_step
+from tests.support import spawn, traced_step
 
 pytestmark = pytest.mark.slow
 N_MICRO, SIZE = 8, 10_001  # SIZE is not a multiple of any world size: exercises the padding

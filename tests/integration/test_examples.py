@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import Forked, cli_here, script_here, side_by_side
+from tests.support import Forked, cli_here, script_here, side_by_side
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "own_loop.py"

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from tests.conftest import TINY, side_by_side, train_here, train_ranks
+from tests.support import TINY, side_by_side, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -9,7 +9,7 @@ import shutil
 import signal
 from pathlib import Path
 
-from tests.conftest import Forked, cli_here
+from tests.support import Forked, cli_here
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from tests.conftest import TINY, cli_here, metrics_bytes, train_here, train_ranks
+from tests.support import TINY, cli_here, metrics_bytes, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -136,7 +136,7 @@ def test_fsdp2_in_bf16_matches_one_process_and_its_own_reduction_differs(tmp_pat
 def test_unaligned_layout_is_refused_with_alternatives(tmp_path):
     """12 microbatches on 4 processes (3 each) is not an aligned layout: refused before any process starts
     (one line, exit 2), naming supported ones."""
-    from tests.conftest import train_cmd
+    from tests.support import train_cmd
 
     bad = (*LAYOUT, "train.global_batch=24")
     proc = cli_here(*train_cmd(tmp_path / "run", *bad, nproc=4)[3:])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import metrics_bytes, train_here, train_ranks
+from tests.support import metrics_bytes, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ import torch
 
 import samestep
 from samestep.records.rundir import RunDirError, last_logged_step
-from tests.conftest import TINY, Forked, cli_here, run_files, train_cmd, train_here
 from tests.forgery import flip_a_weight, move_cursor, reseal, reseal_manifest
+from tests.support import TINY, Forked, cli_here, run_files, train_cmd, train_here
 
 # Checkpoints only at the end: a kill before it leaves a run with no checkpoint at all.
 UNSAVED = (*TINY, "train.steps=40", "train.checkpoint_every=1000")
@@ -364,7 +364,7 @@ def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
     Control: unswapped, the checkpoint passes that check on 1 process (a resume of 0 further steps)."""
     from samestep.analysis.receipt_check import check_receipts
     from samestep.checkpoint import verify_checkpoint
-    from tests.conftest import train_ranks
+    from tests.support import train_ranks
 
     run = tmp_path / "run"
     train_ranks(run, *TINY, "parallel.fsdp=true", nproc=2)

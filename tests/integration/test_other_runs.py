@@ -9,7 +9,7 @@ import shutil
 import torch
 
 import samestep
-from tests.conftest import cli_here, run_files
+from tests.support import cli_here, run_files
 
 
 def _own_run(run_dir) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from samestep.distributed import AllReduceGradients, CanonicalGradients, GradientBuckets
-from tests.conftest import spawn
+from tests.support import spawn
 
 pytestmark = pytest.mark.slow
 N_MICRO = 8

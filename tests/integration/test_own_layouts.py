@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_here, script_ranks, side_by_side
+from tests.support import cli_here, script_ranks, side_by_side
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,8 +11,8 @@ import json
 
 import pytest
 
-from tests.conftest import TINY, cli_here, killed_in_step_4, metrics_bytes, origin_of, train_here, train_ranks
 from tests.controls import plain_norm_gradients, plain_tensor_parallel_sums, resume_without_the_optimizer_unchecked
+from tests.support import TINY, cli_here, killed_in_step_4, metrics_bytes, origin_of, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 

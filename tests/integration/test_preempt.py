@@ -15,7 +15,7 @@ import pytest
 
 from samestep.determinism.preempt import EXIT_PREEMPTED
 from samestep.records.rundir import last_logged_step
-from tests.conftest import TINY, Forked, metrics_bytes, run_train, train_cmd, train_here
+from tests.support import TINY, Forked, metrics_bytes, run_train, train_cmd, train_here
 
 # Checkpoints only at the end: without the signal handler a stop loses every step.
 LONG = (*TINY, "train.steps=120", "train.checkpoint_every=1000")

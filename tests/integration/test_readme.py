@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_printed
+from tests.support import run_printed
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY, cli_here, train_ranks
 from tests.forgery import rewrite_receipts
+from tests.support import TINY, cli_here, train_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from samestep.records.receipts import read_receipts
-from tests.conftest import TINY, cli_here, train_here, train_ranks
 from tests.controls import resume_without_the_optimizer, resume_without_the_optimizer_unchecked
 from tests.forgery import rewrite_receipts
+from tests.support import TINY, cli_here, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import cli_here
 from tests.forgery import flip_a_weight, rewrite_receipts
+from tests.support import cli_here
 
 pytestmark = pytest.mark.slow
 

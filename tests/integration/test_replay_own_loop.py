@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_here
 from tests.forgery import flip_a_weight, reseal, rewrite_receipts
+from tests.support import cli_here
 
 pytestmark = pytest.mark.slow
 

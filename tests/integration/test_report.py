@@ -10,7 +10,7 @@ import pytest
 
 from samestep.analysis import DiffError
 from samestep.analysis.report import KIND_COLOURS, make_report
-from tests.conftest import cli_here, train_here
+from tests.support import cli_here, train_here
 
 pytest.importorskip("matplotlib")  # a test extra: `make test` installs it
 SETTINGS = ("train.steps=4", "train.warmup_steps=1", "train.checkpoint_every=0", "trace.level=op", "trace.steps=1-2")
@@ -82,7 +82,7 @@ def test_the_pictures_show_a_divergence_the_losses_do_not_yet(tmp_path):
     import torch
 
     import samestep
-    from tests.conftest import TINY
+    from tests.support import TINY
 
     fault = "train.fault=param:rank=0,step=2,name=transformer.h.0.mlp.c_fc.weight,bit=20"
     for name, extra in (("a", ()), ("b", (fault,)), ("c", ())):

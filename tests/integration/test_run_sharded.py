@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import samestep
 from samestep.analysis.receipt_check import check_receipts
-from tests.conftest import spawn
+from tests.support import spawn
 
 pytestmark = pytest.mark.slow
 MICROBATCHES, TOTAL = 4, 4

@@ -18,7 +18,7 @@ from torch import nn
 
 import samestep
 from samestep.distributed.tensor_parallel import validate_tp
-from tests.conftest import spawn
+from tests.support import spawn
 
 pytestmark = pytest.mark.slow
 C, HEADS, T, CHUNKS, STEPS, SAVE_AT = 64, 4, 16, 8, 5, 3

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import samestep
 from samestep.analysis.receipt_check import check_receipts
-from tests.conftest import spawn
+from tests.support import spawn
 
 pytestmark = pytest.mark.slow
 MICROBATCHES, TOTAL, VOCAB = 4, 4, 2048

@@ -24,9 +24,9 @@ import torch
 
 from samestep.analysis.receipt_diff import by_rank, first_receipt_difference
 from samestep.records.receipts import read_run_receipts
-from tests.conftest import cli_here, spawn
 from tests.forgery import rewrite_receipts
 from tests.programs.titan_on_cpu import on_cpu
+from tests.support import cli_here, spawn
 
 PROGRAM = Path(__file__).resolve().parents[1] / "programs" / "titan_on_cpu.py"
 

@@ -12,7 +12,8 @@ import json
 
 import pytest
 
-from tests.conftest import (
+from tests.controls import plain_norm_gradients, plain_tensor_parallel_sums, resume_without_the_optimizer_unchecked
+from tests.support import (
     TINY,
     cli_here,
     killed_in_step_4,
@@ -22,7 +23,6 @@ from tests.conftest import (
     train_here,
     train_ranks,
 )
-from tests.controls import plain_norm_gradients, plain_tensor_parallel_sums, resume_without_the_optimizer_unchecked
 
 pytestmark = pytest.mark.slow
 

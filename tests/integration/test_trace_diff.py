@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from tests.conftest import TINY, cli_here, train_here, train_ranks
+from tests.support import TINY, cli_here, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 

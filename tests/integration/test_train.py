@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import TINY, Forked, cli_here, metrics_bytes, run_train, side_by_side, train_cmd, train_here
+from tests.support import TINY, Forked, cli_here, metrics_bytes, run_train, side_by_side, train_cmd, train_here
 
 pytestmark = pytest.mark.slow
 

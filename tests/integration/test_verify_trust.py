@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import cli_here
+from tests.support import cli_here
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from samestep.records.rundir import last_logged_step
-from tests.conftest import TINY, Forked, metrics_bytes, run_train, side_by_side, train_cmd, train_here, train_ranks
+from tests.support import TINY, Forked, metrics_bytes, run_train, side_by_side, train_cmd, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 

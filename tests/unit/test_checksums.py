@@ -193,7 +193,7 @@ def test_the_receipt_hash_is_a_setting_that_changes_no_bit(tmp_path):
     from samestep.analysis.receipt_check import check_receipts
     from samestep.train import load_config
     from samestep.train import loop as loop_module
-    from tests.conftest import TINY
+    from tests.support import TINY
 
     finals = {}
     for name, extra in (("xxh", ()), ("sha", ("train.receipt_hash=sha256",))):

@@ -20,7 +20,7 @@ from samestep.tracing import Recorder, read_stream, stream_path
 from samestep.tracing.stream import END
 from samestep.train import load_config
 from samestep.train import loop as loop_module
-from tests.conftest import TINY
+from tests.support import TINY
 
 thread_worker = importlib.import_module("samestep.tracing.thread_worker")
 save_mod = importlib.import_module("samestep.checkpoint.save")

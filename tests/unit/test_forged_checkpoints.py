@@ -17,8 +17,8 @@ import samestep
 from samestep import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
 from samestep.loop.data import Corpus, DataCursor
 from samestep.train import GPT, ModelConfig
-from tests.conftest import cli_here
 from tests.forgery import reseal, reseal_manifest
+from tests.support import cli_here
 
 CFG = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.0)
 

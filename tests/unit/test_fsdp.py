@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from samestep.distributed import shard_model
-from tests.conftest import spawn
+from tests.support import spawn
 
 
 class Layer(torch.nn.Module):

@@ -5,7 +5,7 @@ import time
 import _pytest.outcomes
 import pytest
 
-import tests.conftest as conftest
+import tests.support.processes as processes
 
 
 def _stuck_forever(rank: int) -> None:
@@ -19,10 +19,10 @@ def _quick(rank: int) -> None:
 
 @pytest.mark.slow
 def test_a_stuck_spawned_process_fails_its_test_with_its_stack_and_is_killed(monkeypatch):
-    monkeypatch.setattr(conftest, "SPAWN_DEADLINE_S", 3)
-    conftest.spawn(_quick, (), 2)  # the control: processes that end pass within the same deadline
+    monkeypatch.setattr(processes, "SPAWN_DEADLINE_S", 3)
+    processes.spawn(_quick, (), 2)  # the control: processes that end pass within the same deadline
     with pytest.raises(_pytest.outcomes.Failed) as failed:  # a guard that never fired would hang to pytest's timeout
-        conftest.spawn(_stuck_forever, (), 2)
+        processes.spawn(_stuck_forever, (), 2)
     message = str(failed.value)
     assert "_stuck_forever's processes still running after 3 s" in message
     for rank in (0, 1):
@@ -43,6 +43,6 @@ def _rank_1_exits_3_and_rank_0_fails_after(rank: int) -> None:
 def test_an_expected_exit_code_is_looked_for_in_every_process():
     """``spawn(..., exit_code=3)`` passes when any process ended with 3, though a peer failed too; the same
     check fails when none did (the control)."""
-    conftest.spawn(_rank_1_exits_3_and_rank_0_fails_after, (), 2, exit_code=3)
+    processes.spawn(_rank_1_exits_3_and_rank_0_fails_after, (), 2, exit_code=3)
     with pytest.raises(AssertionError, match="no process of _quick ended with exit code 3"):
-        conftest.spawn(_quick, (), 2, exit_code=3)
+        processes.spawn(_quick, (), 2, exit_code=3)

@@ -225,3 +225,21 @@ def test_the_exit_code_table_in_code_is_the_one_the_docs_show():
     from samestep.train.checks import EXIT_FAULT
 
     assert (INPUT_ERROR, EXIT_PEER_LOST, EXIT_PREEMPTED, EXIT_FAULT) == (2, 6, 75, 4)
+
+
+def test_no_test_imports_bench_or_conftest():
+    """What tests share is tests/support, a package; no test imports bench/ (a bench script is run as a
+    program) or conftest.py (pytest's hooks and fixtures only). Control: such an import is found."""
+    tests = Path(__file__).resolve().parents[1]
+
+    def bad(text: str) -> list[str]:
+        found = []
+        for node in ast.walk(ast.parse(text)):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            found += [n for n in names if n.split(".")[0] == "bench" or n.endswith("conftest")]
+        return found
+
+    assert {str(p.relative_to(tests)): b for p in tests.rglob("*.py") if (b := bad(p.read_text()))} == {}
+    assert sorted(bad("def f():\n    from bench.bench_mask import keep_by_int64\nimport tests.conftest\n")) == \
+        ["bench.bench_mask", "tests.conftest"]

@@ -16,7 +16,7 @@ from samestep.loop.data import load_corpus
 from samestep.tracing import read_stream, stream_path
 from samestep.train import load_config
 from samestep.train import trainer as trainer_module
-from tests.conftest import TINY, spawn
+from tests.support import TINY, spawn
 
 SHAPES = [(7, 5), (5,), (3, 4, 2), ()]
 

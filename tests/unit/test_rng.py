@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from bench.bench_mask import keep_by_int64
 from samestep import capture_rng, restore_rng
 from samestep.determinism import rng
+from tests.support.masks import keep_by_int64
 
 
 def test_key_is_a_pure_function_of_its_coordinates():
@@ -104,8 +104,9 @@ def test_a_positional_mask_outside_its_tensor_or_of_a_bad_probability_is_refused
 def test_the_positional_mask_in_int32_lanes_is_its_int64_definition_bit_for_bit():
     """positional_keep hashes in int32 lanes (wrapping products, logical shifts by masking): for stream keys with
     the top bits of either half set or clear, positions past 2**32 (a block far into a large tensor), and p at
-    0, the ends and between, every element is the int64 definition's (``bench/bench_mask.py``'s, which times
-    the two); so it is for a tensor whose positions all fit int32 lanes, hashed from int32 positions. Negative
+    0, the ends and between, every element is the int64 definition's (``tests/support/masks.py``'s, which
+    bench/bench_mask.py times against); so it is for a tensor whose positions all fit int32 lanes, hashed from
+    int32 positions. Negative
     control: the same comparison with a plain arithmetic shift in place of the logical one (the sign spread left
     unmasked) differs."""
     shape = (1, 3, 1 << 31)  # positions up to 2**32 + 2**31; the block at the end past 2**32

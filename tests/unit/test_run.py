@@ -259,7 +259,7 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step(tmp_path):
     3's checkpoint barrier alone), the checkpoint of step 2 is committed by both, and both resume from it."""
     import json
 
-    from tests.conftest import spawn
+    from tests.support import spawn
 
     run, out = tmp_path / "run", tmp_path / "out"
     out.mkdir()
@@ -297,7 +297,7 @@ def test_ranks_holding_other_parts_of_a_model_are_refused_on_every_rank(tmp_path
     """Rank 0 saves the whole state of a model no DTensor splits: ranks whose models differ (a loop's own
     pipeline stages) are refused on every rank alike, before a checkpoint, naming the ranks and the fix.
     Control: the same model on both ranks runs."""
-    from tests.conftest import spawn
+    from tests.support import spawn
 
     for split, name in ((True, "split"), (False, "same")):
         (tmp_path / name).mkdir()

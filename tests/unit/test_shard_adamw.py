@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from samestep.distributed.shard_adamw import ShardAdamW
-from tests.conftest import spawn
+from tests.support import spawn
 
 
 def _params(mesh) -> list[torch.nn.Parameter]:

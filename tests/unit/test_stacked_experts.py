@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from samestep.distributed import parallelize_experts
-from tests.conftest import spawn
+from tests.support import spawn
 
 
 def _block(implementation: str, top_k: int) -> torch.nn.Module:

@@ -18,7 +18,7 @@ from samestep.analysis import DiffError, certify_trace, diff_runs
 from samestep.cli import main
 from samestep.tracing import read_stream, stream_path
 from samestep.tracing.stream import END, SCHEMA, DamagedStream, StreamWriter
-from tests.conftest import traced_step
+from tests.support import traced_step
 
 stream_module = importlib.import_module("samestep.tracing.stream")
 

@@ -17,7 +17,7 @@ from samestep.digests import digest
 from samestep.hashing.checksums import Checksums
 from samestep.tracing import Perturb, Recorder, format_selection, parse_selection, read_stream, stream_path
 from samestep.tracing.stream import END, FORMAT, SCHEMA, VERSION, StreamWriter
-from tests.conftest import traced_step
+from tests.support import traced_step
 
 staging_module = importlib.import_module("samestep.tracing.staging")
 module_level = importlib.import_module("samestep.tracing.module_level")

@@ -271,7 +271,7 @@ def test_diff_takes_the_first_divergent_step_from_the_receipts(tmp_path):
     """A bit flipped in a parameter after step 2's update: the state differs from step 2 on, while the loss
     differs only from step 3 (it is computed before the update). diff reports step 2 from the receipts
     (metrics alone would say 3). Control: without receipts (train.receipts=false) only the metrics speak."""
-    from tests.conftest import TINY, train_here
+    from tests.support import TINY, train_here
 
     fault = "train.fault=param:rank=0,step=2,name=transformer.h.0.mlp.c_fc.weight,bit=20"
     for name, extra in (("a", ()), ("b", (fault,)), ("a_plain", ("train.receipts=false",)),
@@ -287,7 +287,7 @@ def test_diff_takes_the_first_divergent_step_from_the_receipts(tmp_path):
 def test_a_run_that_stopped_earlier_is_identical_only_over_the_steps_both_hold(tmp_path):
     """Runs of 3 and 8 steps of one config: "identical over steps 1-3 of 1-8" (exit 0; --strict exit 1), never
     plain "identical". Control: two whole runs are identical (exit 0 with --strict)."""
-    from tests.conftest import TINY, train_here
+    from tests.support import TINY, train_here
 
     train_here(tmp_path / "short", *TINY, stop_after=3)
     for name in ("long", "long2"):

@@ -11,7 +11,7 @@ It behaves as the ``subprocess.Popen`` of that command (``pid``, ``poll``, ``sen
 directory; ``new_session``: in a session and process group of its own (``start_new_session``). Settings read as
 torch or Inductor are imported (TORCHINDUCTOR_*, OMP_NUM_THREADS) are the server's: a claim about them runs a
 fresh interpreter. The server imports and never computes, so no thread pool is forked. The bench scripts
-(bench_faults.py) and the tests (tests/conftest.py) start their processes with it.
+(bench_faults.py) and the tests (tests/support/processes.py) start their processes with it.
 """
 
 from __future__ import annotations
