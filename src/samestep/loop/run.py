@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from samestep.checkpoint import committed_steps, load_checkpoint, save_checkpoint
+from samestep.checkpoint import LoadedCheckpoint, committed_steps, load_checkpoint, save_checkpoint
 from samestep.determinism import mode, preempt
 from samestep.distributed.agree import any_rank
 from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer, whole_tensor
@@ -79,6 +79,18 @@ def _is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def _check_arguments(checkpoint_every: int, resume: bool | str, rng: str) -> None:
+    """``samestep.Run``'s arguments that no run can take, refused before anything is made."""
+    if checkpoint_every < 1:
+        raise ValueError(f"samestep.Run(checkpoint_every={checkpoint_every!r}): save at least every step "
+                         "count >= 1")
+    if resume not in ("auto", True, False):
+        raise ValueError(f"samestep.Run(resume={resume!r}): use 'auto', True or False")
+    if rng not in ("restore", "keyed"):
+        raise ValueError(f"samestep.Run(rng={rng!r}): use 'restore' (each rank's generator states carry over) "
+                         "or 'keyed' (the loop's randomness is keyed by step and microbatch)")
 
 
 def _grads_changed(step: int, name: str) -> LoopError:
@@ -146,14 +158,7 @@ class Run:
                  stop_signals: tuple[str, ...] = preempt.DEFAULT_SIGNALS, strict_env: bool = False,
                  copy: bool = False, receipts: bool = True, config: dict[str, Any] | None = None,
                  deterministic: bool = True, perturb: str | None = None, rng: str = "restore") -> None:
-        if checkpoint_every < 1:
-            raise ValueError(f"samestep.Run(checkpoint_every={checkpoint_every!r}): save at least every step "
-                             "count >= 1")
-        if resume not in ("auto", True, False):
-            raise ValueError(f"samestep.Run(resume={resume!r}): use 'auto', True or False")
-        if rng not in ("restore", "keyed"):
-            raise ValueError(f"samestep.Run(rng={rng!r}): use 'restore' (each rank's generator states carry over) "
-                             "or 'keyed' (the loop's randomness is keyed by step and microbatch)")
+        _check_arguments(checkpoint_every, resume, rng)
         refuse_foreign_parameters(model, optimizer)  # before anything is made or written
         self._replay = ReplayRequest.for_run(run_dir, "samestep.Run")
         if self._replay is not None:  # the scratch directory, traced as asked, receipted; see replay_request
@@ -175,35 +180,16 @@ class Run:
         self._total: int | None = None  # the step count given to steps()
         self._implicit: contextlib.ExitStack | None = None  # microbatch 0 of a step, until the loop names one
         self._metrics: dict[str, float] = {}
-        held = bool(committed_steps(self.checkpoints))
-        if held and resume is False:
-            raise ValueError(f"samestep.Run: {self.checkpoints} already holds checkpoints; pass "
-                             "resume='auto' to continue that run, or use a new run directory")
-        if not held and resume is True:
-            raise ValueError(f"samestep.Run: resume=True, but {self.checkpoints} holds no checkpoint")
+        held = self._checkpoints_held(resume)
         # one writer per run directory, as samestep train and samestep.trace take it (refused before anything)
         rank, world = rank_and_world()
         self.sharded = _is_sharded(model)
         self._proto = RunProtocol(self.run_dir, hold_dir=rank == 0)
         try:
-            self._declared = declared(model, optimizer, scheduler, data_cursor, config)
-            if not self.sharded:
-                refuse_parts(self._declared["model"])
-            if resume is not False:  # another run's settings are refused before anything is restored or written
-                refuse_changes(self.run_dir, self._declared)
+            self._declare(config, resume)
             self.report = (self._proto.enable(threads=threads, kernels=kernels, who="samestep.Run") if deterministic
                            else mode.active_report())
-            loaded = None
-            if held:  # whole tensors, whichever layout wrote them: a sharded model takes its shards of them
-                loaded = load_checkpoint(self.checkpoints, model=ShardedModel(model) if self.sharded else model,
-                                         optimizer=ShardedOptimizer(optimizer) if self.sharded else optimizer,
-                                         scheduler=scheduler, data_cursor=data_cursor, fallback=True,
-                                         strict_env=strict_env, generators=self._generators,
-                                         restore_rng="same_world_size")
-                refuse_rng_change(loaded, world, rng, self._generators)
-                self.start = loaded.step
-                if self._generators:
-                    resume_epoch(data_cursor, self._generators)
+            loaded = self._restore(strict_env, world, rng) if held else None
             # kept from step to step, as the reference loop keeps them: a model gains or loses no parameter
             self._params = list(model.named_parameters())
             self._buffers = persistent_buffers(model)
@@ -214,32 +200,78 @@ class Run:
                                              (lambda: self._state_tree(self.start)) if keeps_receipts else None,
                                              checkpoint=loaded, sharded_over=world if self.sharded else None,
                                              agree=any_rank)
-            # a run killed before its first checkpoint goes on from step 0, in a new trace segment
-            continues = self.start > 0 or (resume is not False and holds_run(self.run_dir))
-            from samestep.tracing.perturb import Perturb  # the tracing layer loads when a run traces
-
-            self._proto.trace(model, level=level, steps=trace_steps, resume=continues, copy=copy,
-                              perturb=Perturb.parse(perturb) if perturb else None, layout=model_layout(model),
-                              resumed_from=self.start)
-            self.recorder.grads_changed = _grads_changed
+            self._trace(level, trace_steps, resume, copy, perturb)
             if rank == 0:
                 record_declared(self.run_dir, self._declared)
                 # what `samestep verify` and `bisect` run again; a replay's, what it ran (checked against the run's)
                 program.record(self.run_dir, self.start, program.describe(self.run_dir))
-            self._grad_copy: bool | str = True if copy or level != "step" else "checked"
-            self._op_level = level == "op"  # a step that names no microbatch is microbatch 0 (``_implicit``)
-            self._hooks = [optimizer.register_step_pre_hook(self._before_update),
-                           optimizer.register_step_post_hook(self._after_update)]
-            self._stale = StaleGradients(self._params)
-            if keeps_receipts:  # the state tree taken at the step's end: a scheduler may change the optimizer's
-                # groups before the next update; the next update waits for the receipt of the last
-                where = next((p.device for p in model.parameters()), torch.device("cpu"))
-                self._proto.open_receipts(rank, self.start, genesis({}, "samestep.Run"), optimizer=optimizer,
-                                            state=lambda step: (lambda tree=self._state_tree(step): tree),
-                                            hash=state_hash_for(where), sharded=self.sharded)
+            self._watch_updates(copy, level)
+            if keeps_receipts:
+                self._open_receipts(rank)
         except BaseException:
             self.close()
             raise
+
+    # -- the steps of __init__, in its order ----------------------------------------------------------------
+    def _checkpoints_held(self, resume: bool | str) -> bool:
+        """Whether the run directory holds a checkpoint, refused where ``resume`` says it must not (or must)."""
+        held = bool(committed_steps(self.checkpoints))
+        if held and resume is False:
+            raise ValueError(f"samestep.Run: {self.checkpoints} already holds checkpoints; pass "
+                             "resume='auto' to continue that run, or use a new run directory")
+        if not held and resume is True:
+            raise ValueError(f"samestep.Run: resume=True, but {self.checkpoints} holds no checkpoint")
+        return held
+
+    def _declare(self, config: dict[str, Any] | None, resume: bool | str) -> None:
+        """What the run holds fixed (run.json's ``declared``), its model's parts and a resume's changes to it
+        refused before anything is restored or written."""
+        self._declared = declared(self.model, self.optimizer, self.scheduler, self.data_cursor, config)
+        if not self.sharded:
+            refuse_parts(self._declared["model"])
+        if resume is not False:
+            refuse_changes(self.run_dir, self._declared)
+
+    def _restore(self, strict_env: bool, world: int, rng: str) -> LoadedCheckpoint:
+        """The newest intact checkpoint restored: whole tensors, whichever layout wrote them (a sharded model
+        takes its shards of them), and the generators where ``rng`` and the process count allow."""
+        loaded = load_checkpoint(self.checkpoints,
+                                 model=ShardedModel(self.model) if self.sharded else self.model,
+                                 optimizer=ShardedOptimizer(self.optimizer) if self.sharded else self.optimizer,
+                                 scheduler=self.scheduler, data_cursor=self.data_cursor, fallback=True,
+                                 strict_env=strict_env, generators=self._generators, restore_rng="same_world_size")
+        refuse_rng_change(loaded, world, rng, self._generators)
+        self.start = loaded.step
+        if self._generators:
+            resume_epoch(self.data_cursor, self._generators)
+        return loaded
+
+    def _trace(self, level: str, trace_steps: set[int] | str | None, resume: bool | str, copy: bool,
+               perturb: str | None) -> None:
+        """The trace started; a run killed before its first checkpoint goes on from step 0, in a new segment."""
+        continues = self.start > 0 or (resume is not False and holds_run(self.run_dir))
+        from samestep.tracing.perturb import Perturb  # the tracing layer loads when a run traces
+
+        self._proto.trace(self.model, level=level, steps=trace_steps, resume=continues, copy=copy,
+                          perturb=Perturb.parse(perturb) if perturb else None, layout=model_layout(self.model),
+                          resumed_from=self.start)
+        self.recorder.grads_changed = _grads_changed
+
+    def _watch_updates(self, copy: bool, level: str) -> None:
+        """The optimizer's hooks that close each step's microbatches and catch stale gradients."""
+        self._grad_copy: bool | str = True if copy or level != "step" else "checked"
+        self._op_level = level == "op"  # a step that names no microbatch is microbatch 0 (``_implicit``)
+        self._hooks = [self.optimizer.register_step_pre_hook(self._before_update),
+                       self.optimizer.register_step_post_hook(self._after_update)]
+        self._stale = StaleGradients(self._params)
+
+    def _open_receipts(self, rank: int) -> None:
+        """The receipts of this rank's state, taken at each step's end (a scheduler may change the optimizer's
+        groups before the next update; the next update waits for the receipt of the last)."""
+        where = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        self._proto.open_receipts(rank, self.start, genesis({}, "samestep.Run"), optimizer=self.optimizer,
+                                  state=lambda step: (lambda tree=self._state_tree(step): tree),
+                                  hash=state_hash_for(where), sharded=self.sharded)
 
     @property
     def recorder(self) -> Any:
