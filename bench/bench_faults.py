@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "bench"), str(ROOT)]
 from fault_corpus import CASES, run_case  # noqa: E402
 
-from samestep.records.rundir import last_logged_step  # noqa: E402
+from samestep.records.metrics import last_logged_step  # noqa: E402
 from tests.support.forked import Forked  # noqa: E402  (the tests' fork server, started the same way)
 
 SMALL = ("train.device=cpu", "train.global_batch=8", "train.micro_batch=2", "train.warmup_steps=2", "model.n_layer=2",

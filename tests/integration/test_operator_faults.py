@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import samestep
-from samestep.records.rundir import RunDirError, last_logged_step
+from samestep.records.metrics import last_logged_step
+from samestep.records.rundir import RunDirError
 from tests.forgery import flip_a_weight, move_cursor, reseal, reseal_manifest
 from tests.support import TINY, Forked, cli_here, run_files, train_cmd, train_here
 

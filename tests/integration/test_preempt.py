@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from samestep.determinism.preempt import EXIT_PREEMPTED
-from samestep.records.rundir import last_logged_step
+from samestep.records.metrics import last_logged_step
 from tests.support import TINY, Forked, metrics_bytes, run_train, train_cmd, train_here
 
 # Checkpoints only at the end: without the signal handler a stop loses every step.

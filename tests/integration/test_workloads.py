@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from samestep.records.rundir import last_logged_step
+from samestep.records.metrics import last_logged_step
 from tests.support import TINY, Forked, metrics_bytes, run_train, side_by_side, train_cmd, train_here, train_ranks
 
 pytestmark = pytest.mark.slow

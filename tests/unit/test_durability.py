@@ -15,7 +15,7 @@ import torch
 
 import samestep
 from samestep.checkpoint import CheckpointError, load_checkpoint, save_checkpoint, verify_checkpoint
-from samestep.records.rundir import read_metrics
+from samestep.records.metrics import read_metrics
 from samestep.tracing import Recorder, read_stream, stream_path
 from samestep.tracing.stream import END
 from samestep.train import load_config

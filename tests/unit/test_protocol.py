@@ -78,7 +78,8 @@ def test_a_run_protocol_holds_the_run_directory_and_closes_the_trace_before_the_
     import pytest
 
     from samestep.loop.protocol import RunProtocol
-    from samestep.records.rundir import RunDirError, hold
+    from samestep.records.lock import hold
+    from samestep.records.rundir import RunDirError
 
     calls: list[str] = []
 

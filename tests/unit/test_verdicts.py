@@ -212,7 +212,8 @@ def test_a_damaged_metrics_line_is_named_and_a_resume_refuses_to_cut_there(tmp_p
     """A metrics.jsonl line that is a list, has a string step, or is garbage before the last line: diff
     names the file and line; a resume refuses to cut the file there (every later step would be lost).
     Negative control: a torn last line alone is a killed run's, and the rows before it are read."""
-    from samestep.records.rundir import RunDirError, read_metrics, truncate_metrics
+    from samestep.records.metrics import read_metrics, truncate_metrics
+    from samestep.records.rundir import RunDirError
 
     run = tmp_path / "run"
     run.mkdir()
@@ -232,7 +233,8 @@ def test_a_damaged_metrics_line_is_named_and_a_resume_refuses_to_cut_there(tmp_p
 def test_a_gap_in_the_metrics_refuses_the_resume(tmp_path):
     """Metrics that lack a step before the checkpoint's: the resume refuses, naming the missing step.
     Negative control: contiguous steps are cut back to the checkpoint's."""
-    from samestep.records.rundir import RunDirError, read_metrics, truncate_metrics
+    from samestep.records.metrics import read_metrics, truncate_metrics
+    from samestep.records.rundir import RunDirError
 
     run = tmp_path / "run"
     run.mkdir()

@@ -31,13 +31,9 @@ from samestep.analysis.divergence import (
 from samestep.analysis.layouts import rank_coordinates, steps_on_other_layouts
 from samestep.analysis.receipt_diff import receipts_compared
 from samestep.analysis.records import chunks, records, state_left_out, steps_recorded
-from samestep.records.rundir import (
-    RunDirError,
-    final_digest,
-    layout_at,
-    read_metrics,
-    read_run,
-)
+from samestep.records.final import final_digest
+from samestep.records.metrics import read_metrics
+from samestep.records.rundir import RunDirError, layout_at, read_run
 from samestep.tracing.selection import format_selection
 from samestep.tracing.stream import KEY
 

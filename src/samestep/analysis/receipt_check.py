@@ -16,6 +16,8 @@ from typing import Any
 
 from samestep.hashing.checksums import state_checksum
 from samestep.records.durable import read_file
+from samestep.records.final import read_final
+from samestep.records.metrics import read_metrics
 from samestep.records.receipt_state import receipted_state
 from samestep.records.receipts import (
     ReceiptError,
@@ -26,15 +28,7 @@ from samestep.records.receipts import (
     receipts_path,
     state_hash_of,
 )
-from samestep.records.rundir import (
-    checkpoints_dir,
-    final_path,
-    layout_at,
-    metrics_path,
-    read_final,
-    read_metrics,
-    read_run,
-)
+from samestep.records.rundir import checkpoints_dir, final_path, layout_at, metrics_path, read_run
 
 __all__ = ["check_receipts", "checkpoint_mismatches"]
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from samestep.records.metrics import read_metrics
 from samestep.records.receipts import read_run_receipts, receipt_state_of, state_hash_of
-from samestep.records.rundir import read_metrics
 from samestep.tracing.selection import format_selection
 
 __all__ = ["FIELDS", "by_rank", "compare_receipts", "first_receipt_difference", "receipt_gaps", "receipts_compared",

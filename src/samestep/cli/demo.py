@@ -13,7 +13,9 @@ import time
 from pathlib import Path
 
 from samestep.cli.errors import verdict
-from samestep.records.rundir import last_logged_step, metrics_path, read_final, read_run
+from samestep.records.final import read_final
+from samestep.records.metrics import last_logged_step
+from samestep.records.rundir import metrics_path, read_run
 
 # Sized for about two minutes on a 2-core laptop CPU.
 DEMO_SETTINGS = ("train.steps=200", "train.checkpoint_every=25", "train.warmup_steps=20")

@@ -17,6 +17,7 @@ from samestep.determinism import mode
 from samestep.determinism.mode import DeterminismReport
 from samestep.determinism.preempt import StopRequest
 from samestep.hashing.checksums import StepChecksums
+from samestep.records.lock import hold
 from samestep.records.receipts import (
     ReceiptError,
     ReceiptWriter,
@@ -27,7 +28,6 @@ from samestep.records.receipts import (
     read_run_receipts,
     truncate_receipts,
 )
-from samestep.records.rundir import hold
 
 __all__ = ["RunProtocol", "agreed_stop", "make_durable", "save_after_records"]
 

@@ -59,9 +59,10 @@ from samestep.loop.start_checks import (
     resume_epoch,
 )
 from samestep.loop.step_checks import LoopError, StaleGradients
+from samestep.records.final import final_doc, write_final
 from samestep.records.receipt_state import state_tree
 from samestep.records.receipts import genesis
-from samestep.records.rundir import checked_run_dir, checkpoints_dir, final_doc, holds_run, record_declared, write_final
+from samestep.records.rundir import checked_run_dir, checkpoints_dir, holds_run, record_declared
 from samestep.replay import program
 from samestep.replay.request import ReplayRequest
 

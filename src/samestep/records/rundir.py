@@ -1,11 +1,11 @@
 """The run directory (format "samestep.run", version 1; docs/formats.md): the one module that names its
-files, and writes and reads run.json, metrics.jsonl and final.json.
+files, and writes and reads run.json (metrics.jsonl: ``metrics``; final.json: ``final``; its lock: ``lock``).
 
     RUN/run.json        config, environment, layout, determinism report, resumes
     RUN/metrics.jsonl   one line per step: loss and grad norm as exact bits (float.hex), lr, tokens
     RUN/final.json      the last step and the digest of the final state
     RUN/trace/          the trace streams (tracing/stream.py)
-    RUN/receipts/       a receipt of every step (receipts.py)
+    RUN/receipts/       a receipt of every step (records/receipts.py)
     RUN/checkpoints/    the checkpoints (checkpoint/)
 
 ``samestep train`` writes all of it; ``samestep.trace`` gives a run of the user's own loop its
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -25,14 +24,12 @@ from samestep.hashing.state import dotted
 from samestep.records.durable import read_file, replace_atomic
 from samestep.version import __version__
 
-__all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "RunLock", "checked_run_dir",
-           "checkpoints_dir", "declared_changes", "determinism_diff", "final_digest", "final_doc", "final_path",
-           "hold", "holds_run", "last_logged_step", "layout_at", "logged_loss", "metrics_line", "metrics_path",
-           "new_run", "read_final", "read_metrics", "read_run", "receipts_dir", "record_close", "record_declared",
-           "record_resume", "run_json", "run_writer", "trace_dir", "truncate_metrics", "write_final", "write_run"]
+__all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "check_version", "checked_run_dir",
+           "checkpoints_dir", "declared_changes", "determinism_diff", "final_path", "holds_run", "layout_at",
+           "metrics_path", "new_run", "read_run", "receipts_dir", "record_close", "record_declared", "record_resume",
+           "run_json", "run_writer", "trace_dir", "write_run"]
 
 RUN_FORMAT, RUN_VERSION = "samestep.run", 1
-FINAL_FORMAT, FINAL_VERSION = "samestep.final", 1
 # Config fields that change no bit of a run's steps (bookkeeping, what is traced or checked and how, whether the state
 # is sharded, when the combine starts): a resume may change them, and `samestep diff` does not compare them.
 # (trace.perturb changes bits on purpose.)
@@ -123,47 +120,7 @@ def checked_run_dir(run_dir: _PathLike) -> Path:
     return path
 
 
-# -- one writer -----------------------------------------------------------------------------------------------
-LOCK = ".samestep.lock"
-
-
-class RunLock:
-    """An exclusive hold on a run directory, for the life of the process that writes it. It is an
-    ``flock``: the kernel releases it when the process dies, so a killed run never blocks its own resume."""
-
-    def __init__(self, fd: int, path: Path) -> None:
-        self._fd, self.path = fd, path
-
-    def release(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)  # closing the file releases the lock
-            self._fd = -1
-
-
-def hold(run_dir: _PathLike) -> RunLock:
-    """Takes the run directory for this process (creating it if needed). Every writer of a run directory
-    takes it before it writes: ``samestep train``, ``samestep.Run``, and ``samestep.trace`` (unless its
-    caller holds it and passes it on).
-
-    Raises:
-        RunDirError: another live process holds it; names that process's pid and host.
-    """
-    import fcntl
-
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "an unknown process"
-        os.close(fd)
-        raise RunDirError(f"{run_dir} is in use by {holder}, which is writing this run; wait for it to end (or stop "
-                          "it), or choose another run directory") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
-    return RunLock(fd, path)
+LOCK = ".samestep.lock"  # the one writer's flock (records/lock.py)
 
 
 # -- run.json -----------------------------------------------------------------------------------------------
@@ -201,7 +158,7 @@ def read_run(run_dir: _PathLike) -> dict[str, Any]:
         raise RunDirError(f"{path}: is {type(doc).__name__}, expected a table (format {RUN_FORMAT!r})")
     if doc.get("format") != RUN_FORMAT:
         raise RunDirError(f"{path}: format {doc.get('format')!r} is not {RUN_FORMAT!r}")
-    _check_version(path, doc, RUN_VERSION)
+    check_version(path, doc, RUN_VERSION)
     for field, kind in (("config", dict), ("environment", dict), ("layout", dict), ("resumes", list)):
         if field in doc and not isinstance(doc[field], kind):
             raise RunDirError(f"{path}: {field!r} is {doc[field]!r}, expected a {kind.__name__}")
@@ -286,147 +243,7 @@ def record_close(run_dir: _PathLike, close: dict[str, Any], numerics_changed: di
     write_run(run_dir, doc)
 
 
-# -- metrics.jsonl ------------------------------------------------------------------------------------------
-def metrics_line(step: int, loss: float, grad_norm: float, lr: float, tokens: int) -> str:
-    """One step's line of metrics.jsonl: loss and grad norm also as their exact bits."""
-    return json.dumps({"step": step, "loss": loss, "loss_hex": loss.hex(), "grad_norm": grad_norm,
-                       "grad_norm_hex": grad_norm.hex(), "lr": lr, "tokens": tokens}) + "\n"
-
-
-def read_metrics(run_dir: _PathLike) -> list[dict[str, Any]]:
-    """metrics.jsonl's rows, up to a torn last line of a killed run (none if there is no file).
-
-    Raises:
-        RunDirError: a line that is no row of this format (not a table, or its step not an integer),
-            naming the file and line.
-    """
-    path = metrics_path(run_dir)
-    rows = []
-    try:
-        text = read_file(path).decode("utf-8")
-    except FileNotFoundError:
-        return rows
-    except UnicodeDecodeError as e:
-        raise RunDirError(f"{path}: not UTF-8 text ({e})") from None
-    lines = text.splitlines()
-    for number, line in enumerate(lines, 1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            if number == len(lines):
-                break  # a torn last line of a killed run
-            raise RunDirError(f"{path}:{number}: not valid JSON; only the last line may be torn") from None
-        if not isinstance(row, dict) or not isinstance(row.get("step"), int) or isinstance(row.get("step"), bool):
-            raise RunDirError(f"{path}:{number}: {line[:80]!r} is not a metrics row (a table with an integer step)")
-        rows.append(row)
-    return rows
-
-
-def truncate_metrics(run_dir: _PathLike, last_step: int, *, check_only: bool = False) -> None:
-    """Keeps the metric lines of steps <= last_step (a killed run may have written more, or a torn line).
-    ``check_only``: raise what it would raise, and change nothing (a resume checks every file before it
-    writes any).
-
-    Raises:
-        RunDirError: a damaged line before the last, the file missing although steps were trained, or the
-            lines kept are not steps 1..last_step in order (a gap): nothing is cut, and the message names
-            the file and what is wrong.
-    """
-    path = metrics_path(run_dir)
-    if not path.exists():
-        if last_step:
-            raise RunDirError(f"{path}: missing, though the run trained steps 1..{last_step}; resuming would leave "
-                              "the metrics incomplete: restore the file, or resume into a new run directory")
-        return
-    lines = read_file(path).decode("utf-8").splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):
-        lines.pop()  # a torn last line of a killed run
-    rows = read_metrics(run_dir)[: len(lines)]
-    kept = [line for line, row in zip(lines, rows) if row["step"] <= last_step]
-    steps = [row["step"] for row in rows if row["step"] <= last_step]
-    if steps != list(range(1, last_step + 1)):
-        missing = sorted(set(range(1, last_step + 1)) - set(steps))
-        raise RunDirError(f"{path}: the steps up to {last_step} are not 1..{last_step} in order (missing: "
-                          f"{missing[:10] or 'none'}; found {len(steps)} lines); resuming would leave the metrics "
-                          "incomplete: restore the file, or resume into a new run directory")
-    if not check_only:
-        replace_atomic(path, "".join(kept).encode("utf-8"))
-
-
-def logged_loss(run_dir: _PathLike, step: int) -> float:
-    """The loss bits that metrics.jsonl holds for ``step`` (NaN if it holds none): what final.json reports
-    when a resumed run has no step left to train."""
-    try:
-        lines = read_file(metrics_path(run_dir)).decode("utf-8").splitlines()
-    except FileNotFoundError:
-        return float("nan")
-    for line in reversed(lines):
-        try:
-            entry = json.loads(line)
-            if entry["step"] == step:
-                return float.fromhex(entry["loss_hex"])
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            continue
-    return float("nan")
-
-
-def last_logged_step(run_dir: _PathLike) -> int:
-    """The step of metrics.jsonl's last complete line (0 if none)."""
-    try:
-        lines = read_file(metrics_path(run_dir)).decode("utf-8").splitlines()
-    except FileNotFoundError:
-        return 0
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError):
-            continue
-    return 0
-
-
-# -- final.json ---------------------------------------------------------------------------------------------
-def final_doc(step: int, state_digest: str, loss: float, world_size: int,
-              state_checksum: dict[str, str] | None = None, whole: bool = False) -> dict[str, Any]:
-    """final.json's contents: the last step, the final state digest (SHA-256), the last loss bits, the world
-    size, and the final state's checksum by the receipts' hash (``{hash: value}``; none without receipts).
-    ``whole``: the digest is of the whole state as one process holds and names it (``samestep.Run``'s: shards
-    gathered, a DDP wrapper's names unwrapped), which its receipts' state need not be."""
-    doc = {"format": FINAL_FORMAT, "version": FINAL_VERSION, "step": step, "state_digest": state_digest,
-           "loss_hex": loss.hex(), "world_size": world_size}
-    if state_checksum:
-        doc["state_checksum"] = state_checksum
-    if whole:
-        doc["state_digest_of"] = "whole"
-    return doc
-
-
-def write_final(run_dir: _PathLike, final: dict[str, Any]) -> None:
-    """Writes final.json (atomically)."""
-    replace_atomic(final_path(run_dir), (json.dumps(final, indent=1) + "\n").encode())
-
-
-def read_final(run_dir: _PathLike) -> dict[str, Any] | None:
-    """final.json, or None if the run has none (it did not finish).
-
-    Raises:
-        RunDirError: it is there but damaged: not JSON, not a table, or without a state digest string.
-    """
-    path = final_path(run_dir)
-    try:
-        doc = json.loads(read_file(path))
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as e:
-        raise RunDirError(f"{path}: not readable JSON ({e}); the run's final record is damaged") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("state_digest"), str):
-        raise RunDirError(f"{path}: is {json.dumps(doc)[:60]}, expected a table with a 'state_digest' string; the "
-                          "run's final record is damaged")
-    if "version" in doc:
-        _check_version(path, doc, FINAL_VERSION)
-    return doc
-
-
-def _check_version(path: Path, doc: dict[str, Any], known: int) -> None:
+def check_version(path: Path, doc: dict[str, Any], known: int) -> None:
     """Refuses a file of a format version this samestep does not know (1 to ``known``)."""
     version = doc.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= known:
@@ -434,7 +251,3 @@ def _check_version(path: Path, doc: dict[str, Any], known: int) -> None:
                           f"versions 1 to {known} (a newer samestep wrote it: read it with that one)")
 
 
-def final_digest(run_dir: _PathLike) -> str | None:
-    """The final state digest of a finished run (None if it has none)."""
-    final = read_final(run_dir)
-    return final.get("state_digest") if final is not None else None

@@ -19,7 +19,8 @@ from typing import Any
 from samestep.analysis.diff import diff_runs
 from samestep.analysis.layouts import rank_coordinates
 from samestep.analysis.receipt_diff import compare_receipts
-from samestep.records.rundir import final_digest, layout_at, read_run
+from samestep.records.final import final_digest
+from samestep.records.rundir import layout_at, read_run
 from samestep.replay.consent import Consent
 from samestep.replay.plan import checkpoint_steps, plan, replay
 from samestep.replay.scratch import kill_children, scratch_root

@@ -29,16 +29,9 @@ from typing import Any
 from samestep.checkpoint import committed_steps, step_dir_name
 from samestep.determinism.env import ENV_VARS, numerics_differences
 from samestep.hashing.state import dotted
+from samestep.records.metrics import read_metrics
 from samestep.records.receipts import read_run_receipts, receipts_path
-from samestep.records.rundir import (
-    checkpoints_dir,
-    holds_run,
-    layout_at,
-    metrics_path,
-    read_metrics,
-    read_run,
-    receipts_dir,
-)
+from samestep.records.rundir import checkpoints_dir, holds_run, layout_at, metrics_path, read_run, receipts_dir
 from samestep.replay import program, resume_points
 from samestep.replay.consent import Launch
 from samestep.replay.request import REFUSAL, ReplayRequest, process_mark

@@ -8,10 +8,9 @@ from typing import Any
 from samestep.determinism.env import compare_environments, environment
 from samestep.determinism.mode import active_report
 from samestep.distributed.group import group_up
+from samestep.records.lock import RunLock, hold
 from samestep.records.rundir import (
-    RunLock,
     determinism_diff,
-    hold,
     holds_run,
     new_run,
     read_run,

@@ -25,19 +25,16 @@ from samestep.hashing.checksums import state_checksum, state_hash_for
 from samestep.hashing.state import state_digest
 from samestep.loop.data import DataCursor
 from samestep.loop.protocol import RunProtocol
+from samestep.records.final import final_doc, write_final
+from samestep.records.metrics import logged_loss, metrics_line, truncate_metrics
 from samestep.records.receipts import genesis, read_header, receipts_path, state_hash_of
 from samestep.records.rundir import (
     checked_run_dir,
     checkpoints_dir,
-    final_doc,
     holds_run,
-    logged_loss,
-    metrics_line,
     metrics_path,
     new_run,
     record_resume,
-    truncate_metrics,
-    write_final,
     write_run,
 )
 from samestep.train.checks import CrossRankCheck, NonFinite

@@ -11,15 +11,8 @@ from typing import Any
 from samestep.checkpoint import LoadedCheckpoint, load_checkpoint
 from samestep.hashing.state import dotted
 from samestep.loop.protocol import RunProtocol
-from samestep.records.rundir import (
-    NUMERICS_NEUTRAL,
-    checkpoints_dir,
-    holds_run,
-    metrics_path,
-    read_run,
-    run_writer,
-    truncate_metrics,
-)
+from samestep.records.metrics import truncate_metrics
+from samestep.records.rundir import NUMERICS_NEUTRAL, checkpoints_dir, holds_run, metrics_path, read_run, run_writer
 from samestep.train.config import Config
 
 __all__ = ["check_resume_config", "check_run_files", "restore_run"]
