@@ -23,7 +23,7 @@ import torch
 
 import samestep
 from samestep.loop.data import load_corpus
-from samestep.records.receipts import ReceiptWriter
+from samestep.records.receipt_writer import ReceiptWriter
 from samestep.train import load_config
 from samestep.train.checks import CrossRankCheck
 from samestep.train.loop import build

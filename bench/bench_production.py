@@ -10,7 +10,7 @@ The sides are copies of the reference run (or ``--preset``) in one process (one 
 - ``plain``: PyTorch's defaults (no ``samestep.enable``), plain ``.grad`` accumulation; on several
   processes DDP's all-reduce with ``no_sync()`` on all but the last microbatch (bench_layout.py's step);
 - ``deterministic``: deterministic mode and the canonical reduction (``samestep train``'s step);
-- ``+receipts``: and a receipt of every step (``receipts.ReceiptWriter``, the state checksum on its thread);
+- ``+receipts``: and a receipt of every step (``receipt_writer.ReceiptWriter``, the state checksum on its thread);
 - ``+cross_rank`` (several processes): and the cross-rank check (every rank's sums, all-gathered);
 - ``production``: all of them, what ``samestep train`` runs by default;
 - with ``--trace``, ``production+trace``: and the step-level trace (``trace.level=step``), its state records
@@ -41,7 +41,8 @@ import samestep
 from samestep.hashing.checksums import Checksums
 from samestep.hashing.state import flatten
 from samestep.loop.data import load_corpus
-from samestep.records.receipts import ReceiptWriter, genesis
+from samestep.records.receipt_writer import ReceiptWriter
+from samestep.records.receipts import genesis
 from samestep.train import load_config
 from samestep.train.checks import CrossRankCheck
 from samestep.train.loop import build

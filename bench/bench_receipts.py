@@ -4,7 +4,7 @@
 
 Two copies of the reference run (deterministic mode, one thread, as ``samestep train`` runs it) take
 blocks of ``--steps`` steps alternately in one process; one of them writes a receipt after each step
-(``samestep.records.receipts.ReceiptWriter``: the state checksum on its own thread, the optimizer's next step
+(``samestep.records.receipt_writer.ReceiptWriter``: the state checksum on its own thread, the optimizer's next step
 waiting for it), as ``samestep train`` does. The cost is the median of per-pair ratios; the training
 thread's own time is what it spends in the receipt calls and waiting for the receipt thread.
 
@@ -30,7 +30,8 @@ import samestep
 from samestep.hashing import checksums
 from samestep.loop.data import load_corpus
 from samestep.records import receipts
-from samestep.records.receipts import ReceiptWriter, genesis
+from samestep.records.receipt_writer import ReceiptWriter
+from samestep.records.receipts import genesis
 from samestep.train import load_config
 from samestep.train.loop import build
 

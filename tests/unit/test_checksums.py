@@ -13,9 +13,9 @@ from samestep.digests import digest
 from samestep.hashing import checksums
 from samestep.hashing.checksums import Checksums, state_checksum
 from samestep.hashing.state import state_digest
+from samestep.records.receipt_writer import ReceiptWriter
 from samestep.records.receipts import (
     ReceiptError,
-    ReceiptWriter,
     chain_break,
     check_restored,
     read_receipts,

@@ -208,7 +208,8 @@ def test_a_receipts_header_that_cannot_be_written_leaves_no_file(tmp_path, monke
     import pytest
 
     import samestep.records.durable
-    from samestep.records.receipts import ReceiptWriter, read_header, receipts_path
+    from samestep.records.receipt_writer import ReceiptWriter
+    from samestep.records.receipts import read_header, receipts_path
 
     def full(path, data):
         path.write_bytes(data[:0])

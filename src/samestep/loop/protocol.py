@@ -18,12 +18,11 @@ from samestep.determinism.mode import DeterminismReport
 from samestep.determinism.preempt import StopRequest
 from samestep.hashing.checksums import StepChecksums
 from samestep.records.lock import hold
+from samestep.records.receipt_writer import ReceiptWriter, continue_receipts
 from samestep.records.receipts import (
     ReceiptError,
-    ReceiptWriter,
     RefusedElsewhere,
     check_restored,
-    continue_receipts,
     lost_receipts,
     read_run_receipts,
     truncate_receipts,
