@@ -169,9 +169,9 @@ def test_a_receipt_is_of_the_buffers_at_its_steps_end_whatever_the_next_forward_
     be refused)."""
     import threading
 
-    from samestep.records import receipt_state, receipts
+    from samestep.records import receipt_state, receipt_writer
 
-    forwards, seen = [0], threading.Condition()
+    forwards, seen, held = [0], threading.Condition(), [0]
 
     def counted(*_) -> None:
         with seen:
@@ -193,15 +193,17 @@ def test_a_receipt_is_of_the_buffers_at_its_steps_end_whatever_the_next_forward_
         return [x["state"] for x in read_receipts(tmp_path / name / "receipts" / "rank_00000.jsonl")[1]]
 
     unhurried = run("unhurried")
-    checksum = receipts.state_checksum
+    checksum = receipt_writer.state_checksum
 
     def held_back(tree, *args, **kwargs):  # until the next step's forward ran (the last step has none)
+        held[0] += 1
         with seen:
             seen.wait_for(lambda: forwards[0] > tree["step"] or tree["step"] == 3, timeout=60)
         return checksum(tree, *args, **kwargs)
 
-    monkeypatch.setattr(receipts, "state_checksum", held_back)
+    monkeypatch.setattr(receipt_writer, "state_checksum", held_back)
     assert run("held") == unhurried and check_receipts(tmp_path / "held")["ok"]
+    assert held[0] >= 3  # the receipt thread was held back (the patch is where the thread checksums)
     monkeypatch.setattr(receipt_state, "buffers_now", lambda buffers: {})  # control: the live buffers
     live = run("live")
     assert live[0] != unhurried[0] and live[1] != unhurried[1] and live[2] == unhurried[2]

@@ -94,7 +94,7 @@ def test_a_dead_worker_process_is_reported_not_waited_for(tmp_path):
     rec = Recorder(tmp_path, level="step", worker="process")
     with rec.step(1):
         rec.record("x", [torch.ones(3)])
-    rec._worker._proc.kill()
+    rec._handoff.worker._proc.kill()
     with pytest.raises(RuntimeError, match="digest worker process exited"):
         rec.close()
 
@@ -106,9 +106,9 @@ def test_worker_process_writes_what_it_got_and_exits_when_the_trainer_goes(tmp_p
     for step in (1, 2):
         with rec.step(step):
             rec.record("x", [torch.full((3,), float(step))])
-    rec._wait()
-    proc = rec._worker._proc
-    rec._worker._sock.close()
+    rec._handoff.wait()
+    proc = rec._handoff.worker._proc
+    rec._handoff.worker._sock.close()
     assert proc.wait(timeout=30) == 0
     s = read_stream(stream_path(tmp_path, 0))
     assert s.torn is None and s.table.column("step").to_pylist() == [1, 1, 2, 2]  # each step: x, then step.end
@@ -130,14 +130,14 @@ def test_a_forked_process_does_not_keep_the_worker_waiting(tmp_path, monkeypatch
     rec = Recorder(tmp_path, level="step", worker="process")
     with rec.step(1):
         rec.record("x", [torch.ones(3)])
-    rec._wait()
+    rec._handoff.wait()
     pid = os.fork()
     if pid == 0:  # the forked process: lives on, like a DataLoader worker, until killed
         time.sleep(120)
         os._exit(0)
     try:
-        proc = rec._worker._proc
-        rec._worker._sock.close()  # the trainer's end closes, as at a SIGKILL
+        proc = rec._handoff.worker._proc
+        rec._handoff.worker._sock.close()  # the trainer's end closes, as at a SIGKILL
         if forget:
             assert proc.wait(timeout=30) == 0
         else:

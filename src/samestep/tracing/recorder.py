@@ -52,17 +52,16 @@ from samestep.determinism.mode import active_report
 from samestep.hashing.checksums import StepChecksums
 from samestep.hashing.state import persistent_buffers
 from samestep.tracing.collectives import Collectives, FsdpReduceScatter
+from samestep.tracing.handoff import Handoff
 from samestep.tracing.hooks import module_paths, outside_compile
 from samestep.tracing.knob_watch import KnobWatch
 from samestep.tracing.module_level import ModuleRecords
 from samestep.tracing.op_level import OpMode, Scopes
 from samestep.tracing.perturb import Perturb
-from samestep.tracing.process_worker import ProcessWorker
 from samestep.tracing.selection import LEVELS, WORKERS
 from samestep.tracing.staging import Staging
 from samestep.tracing.step_level import StepRecords
-from samestep.tracing.stream import END, stream_path, stream_segments
-from samestep.tracing.thread_worker import ThreadWorker
+from samestep.tracing.stream import END
 
 __all__ = ["Recorder"]
 
@@ -91,7 +90,6 @@ class Recorder:
         self._rank_level = LEVELS.index(level)
         self.run_dir = Path(run_dir)
         self._meta = {"rank": rank, "level": level, **(meta or {})}
-        self._writing = False  # the stream is opened at the first flush: nothing is written before
         self._staging = Staging()
         self._staging.full = self.flush
         self._scopes = Scopes(self)
@@ -101,9 +99,12 @@ class Recorder:
         # receipts share (each tensor hashed once a step for both).
         self.checksums = StepChecksums()
         self._collectives = Collectives(self)
-        self._inflight: Any = None  # the batch the worker is digesting
         self._hooks: list[Any] = []
-        self._worker: ThreadWorker | ProcessWorker | None = None
+        # the digest worker, handed each flush's batch; it opens the stream at the first flush (nothing is
+        # written before)
+        self._handoff = Handoff(self.run_dir, rank, self._meta, self.worker, self._staging)
+        self._handoff.grads_changed = lambda step, name: self.grads_changed(step, name) \
+            if self.grads_changed is not None else None
         # The enable() in force (None if none): a knob it set that no longer holds at a step is recorded in
         # numerics_changed (the first such step), and on_close (samestep.trace's) puts it in run.json.
         self._knobs = KnobWatch(active_report())
@@ -112,7 +113,7 @@ class Recorder:
         if self.enabled and self.worker == "process":
             # Started now: the child imports torch (about 1.5 s) while the model is built and the first
             # step runs, instead of after the first flush, which would then wait for it.
-            self._worker = self._start_worker()
+            self._handoff.start()
 
     @property
     def numerics_changed(self) -> dict[str, Any] | None:
@@ -147,7 +148,7 @@ class Recorder:
     @property
     def reads_in_place(self) -> bool:
         """Whether the worker reads tensors where they lie from their descriptions (the process worker)."""
-        return isinstance(self._worker, ProcessWorker)
+        return self._handoff.in_process
 
     # -- records and flushes ---------------------------------------------------------------------------
     def record(self, op: str, outputs: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor] = (),
@@ -173,82 +174,18 @@ class Recorder:
         self._modules.drain()
         if self._collectives.pending:
             self._collectives.record_done()
-        self._wait()
+        self._handoff.wait()
         batch = self._staging.take()
         if not batch.step:
             self._staging.free(batch.packs)
             return
-        if self._worker is None:
-            # Staged copies are never written again, and digests are exact integer arithmetic, so a worker
-            # can digest them while the training thread runs the next step.
-            self._worker = self._start_worker()
-        if not self._writing:  # a new segment: a resumed run never overwrites the earlier stream
-            path = stream_path(self.run_dir, self.rank, len(stream_segments(self.run_dir, self.rank)))
-            self._worker.open(path, self._meta)
-            self._writing = True
-        self._inflight = batch
-        # On a GPU, the worker's kernels run on its own thread's current stream: they start after
-        # everything the training thread has queued so far (the copies, the values recorded) is done.
-        events = []
-        # without CUDA started, no tensor is on a GPU (and listing the devices is not free)
-        for device in batch.devices() if torch.cuda.is_initialized() else ():
-            if device.type == "cuda":
-                event = torch.cuda.Event()
-                event.record(torch.cuda.current_stream(device))
-                events.append((device, event))
-        self._worker.submit(batch, events)
+        self._handoff.send(batch)
 
     def sync(self) -> None:
         """Makes every record of the steps closed so far durable: written and fsync'ed. Call it before
         a checkpoint commits (``samestep train`` does), so a crash right after the commit cannot lose
         the trace of a step the checkpoint holds."""
-        self._wait()
-        if self._worker is not None and self._writing:
-            self._worker.sync()
-
-    def _start_worker(self) -> ThreadWorker | ProcessWorker:
-        if self.worker == "process":
-            try:
-                return ProcessWorker()
-            except OSError as e:
-                raise RuntimeError(f"trace.worker=process: {e}") from None
-        return ThreadWorker()
-
-    def _wait(self) -> None:
-        batch, self._inflight = self._inflight, None
-        if batch is not None:
-            try:
-                # Re-raises a failure of the worker here, in the training thread. The batch is written only
-                # if no tensor digested without a copy was changed in place before its digest was done.
-                self._worker.wait()
-                changed = batch.changed()
-                self._worker.commit(not changed)
-            finally:
-                self._staging.free(batch.packs)
-            self._refuse(batch, changed)
-
-    def _refuse(self, batch: Any, changed: list[int]) -> None:
-        """Raises for the first tensor digested without a copy that was changed in place before its digest
-        was done.
-
-        The check runs on the training thread after the worker has finished, so whether it raises depends
-        only on what the training code did before this point, never on the worker's timing.
-        """
-        if changed:
-            k = changed[0]
-            live, version, i = batch.check_live[k], batch.check_version[k], batch.check_record[k]
-            step, mb, phase, scope, op, occurrence = (batch.step[i], batch.mb[i], batch.phase[i], batch.scope[i],
-                                                      batch.op[i], batch.occ[i])
-            if phase == "step" and op == "grad" and self.grads_changed is not None:
-                raise self.grads_changed(step, scope)
-            fix = ("call rec.grads() where the gradients are final (after clipping, or clip out of place), or "
-                   "rec.grads(..., copy=True)"
-                   if phase == "step" and op == "grad" else
-                   "record copies instead (trace.copy=true, or samestep.trace(..., copy=True))")
-            raise RuntimeError(
-                f"trace: the tensor of record step={step} microbatch={mb} phase={phase} scope={scope!r} "
-                f"op={op!r} occurrence={occurrence} was changed in place after it was recorded (version "
-                f"{version} -> {live._version}), so its digest may not be of the recorded value; {fix}")
+        self._handoff.sync()
 
     # -- the protocol ----------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -352,7 +289,7 @@ class Recorder:
         """
         if copy not in (True, "checked"):
             raise ValueError(f"grads(copy={copy!r}): use True (copies) or 'checked' (the gradients themselves)")
-        self._wait()
+        self._handoff.wait()
         if not self.active:
             return
         if self._collectives.pending:
@@ -428,16 +365,11 @@ class Recorder:
         try:
             if self.enabled:
                 self.flush()
-            self._wait()
+            self._handoff.wait()
         finally:
             self.enabled = False
-            self._inflight = None
-            worker, self._worker = self._worker, None
-            self._staging.drop_chunks()
-            self._writing = False
             try:
-                if worker is not None:
-                    worker.close()
+                self._handoff.close()
             finally:
                 on_close, self.on_close = self.on_close, None
                 if on_close is not None:
