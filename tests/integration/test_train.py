@@ -110,14 +110,14 @@ def test_resume_without_data_cursor_restore_diverges(reference, tmp_path, monkey
 # Each crash point SIGKILLs the process inside save_checkpoint of step 4.
 CRASH_POINTS = {
     "torn-tensor-file": """
-        real = save_mod.write_durable
+        real = files_mod.write_durable
         def write_durable(path, data):
             if path.name == "model.safetensors" and ".step_000004" in str(path):
                 with open(path, "wb") as f:
                     f.write(data[: len(data) // 2])
                 os.kill(os.getpid(), signal.SIGKILL)
             return real(path, data)
-        save_mod.write_durable = write_durable
+        files_mod.write_durable = write_durable
     """,
     "before-commit-rename": """
         real = os.replace
@@ -145,6 +145,7 @@ def test_sigkill_during_checkpoint_write_then_resume_is_identical(reference, tmp
     args = ["train", "--run-dir", str(d)] + [x for s in TINY for x in ("--set", s)]
     proc = _run_python(f"""
         import os, signal
+        import samestep.checkpoint.files as files_mod
         import samestep.checkpoint.save as save_mod
         {textwrap.indent(textwrap.dedent(CRASH_POINTS[point]), "        ").strip()}
         from samestep.cli import main

@@ -355,21 +355,21 @@ def test_a_failed_save_leaves_no_temporary_directory_and_the_previous_checkpoint
     control: the same save with room succeeds."""
     import errno
 
-    from samestep.checkpoint import save as save_mod
+    from samestep.checkpoint import files as files_mod
 
     root = tmp_path / "ckpt"
     first, _ = _two_checkpoints(root)
     shutil.rmtree(root / "step_000002")
     (root / "latest").write_text("step_000001\n")
     model, opt, cursor = _setup()
-    real = save_mod.write_durable
+    real = files_mod.write_durable
 
     def full(path, data):
         if path.name == "optimizer.safetensors":
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         real(path, data)
 
-    monkeypatch.setattr(save_mod, "write_durable", full)
+    monkeypatch.setattr(files_mod, "write_durable", full)
     with pytest.raises(CheckpointError, match=r"step_000002: not saved: writing .*optimizer.safetensors failed "
                                               r"\(No space left on device\)"):
         save_checkpoint(root, 2, model=model, optimizer=opt, data_cursor=cursor)
@@ -377,7 +377,7 @@ def test_a_failed_save_leaves_no_temporary_directory_and_the_previous_checkpoint
     model2, opt2, cursor2 = _setup()
     assert load_checkpoint(root, model=model2, optimizer=opt2, data_cursor=cursor2).step == 1
     assert _digest(model2, opt2, cursor2) == first
-    monkeypatch.setattr(save_mod, "write_durable", real)
+    monkeypatch.setattr(files_mod, "write_durable", real)
     save_checkpoint(root, 2, model=model, optimizer=opt, data_cursor=cursor)
     assert verify_checkpoint(root) == root / "step_000002"
 
