@@ -12,20 +12,18 @@ any), applies the overrides in order, and validates every field.
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from samestep.determinism.preempt import parse_signals
 from samestep.hashing.checksums import STATE_HASHES
 from samestep.loop.data import SOURCES
+from samestep.train.config_values import FLOAT32_MAX, MAX_STEPS, at_most, finite, positive
+from samestep.train.model_config import ModelConfig
 
-__all__ = ["PRESETS", "Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TraceConfig", "TrainConfig"]
+__all__ = ["PRESETS", "Config", "DataConfig", "DeterminismConfig", "TraceConfig", "TrainConfig"]
 
-# The longest run a config may name: bounds what a typo can make samestep allocate.
-MAX_STEPS = 10**9
 PRECISIONS = ("fp32", "bf16")
-ARCHS = ("gpt", "llama")
 PP_SCHEDULES = ("1f1b", "gpipe")
 # Named starting points (``--preset NAME``); a config file and --set apply on top.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
@@ -39,32 +37,6 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
             "train": {"device": "cuda", "global_batch": 32, "micro_batch": 8, "precision": "bf16", "lr": 6e-4,
                       "min_lr": 6e-5}},
 }
-
-
-
-FLOAT32_MAX = 3.4028234663852886e38
-
-
-def _positive(section: str, obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not value > 0:  # NaN too
-            raise ValueError(f"{section}.{name}={value!r} must be positive")
-
-
-def _finite(section: str, obj: Any, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if not math.isfinite(value):
-            raise ValueError(f"{section}.{name}={value!r} must be a finite number")
-
-
-def _at_most(section: str, obj: Any, limit: int, *names: str) -> None:
-    for name in names:
-        value = getattr(obj, name)
-        if value > limit:
-            raise ValueError(f"{section}.{name}={value!r} is larger than samestep accepts ({limit:,}); choose a "
-                             "smaller value")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -131,10 +103,10 @@ class TrainConfig:
     """A bit flip planted on purpose, to test the fault checks (train/faults.py); empty: none."""
 
     def __post_init__(self) -> None:
-        _finite("train", self, "lr", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip")
-        _positive("train", self, "steps", "global_batch", "micro_batch", "lr", "keep_checkpoints", "log_every")
-        _at_most("train", self, 2**63 - 1, "seed")
-        _at_most("train", self, MAX_STEPS, "steps", "warmup_steps")
+        finite("train", self, "lr", "min_lr", "weight_decay", "beta1", "beta2", "grad_clip")
+        positive("train", self, "steps", "global_batch", "micro_batch", "lr", "keep_checkpoints", "log_every")
+        at_most("train", self, 2**63 - 1, "seed")
+        at_most("train", self, MAX_STEPS, "steps", "warmup_steps")
         for name in ("beta1", "beta2"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ValueError(f"train.{name}={getattr(self, name)!r} must be in [0, 1)")
@@ -176,77 +148,6 @@ class TrainConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class ModelConfig:
-    """The model: the GPT (model.py) or the Llama-style decoder (llama.py)."""
-
-    arch: str = "gpt"
-    """'gpt' (LayerNorm, learned positions, GELU MLP, biases, tied head) or 'llama' (RMSNorm, rotary
-    positions, SwiGLU, grouped-query attention through SDPA, no biases)."""
-    n_layer: int = 4
-    """Transformer blocks."""
-    n_head: int = 4
-    """Attention heads per block."""
-    n_embd: int = 128
-    """Embedding width."""
-    block_size: int = 64
-    """Context length in tokens."""
-    dropout: float = 0.1
-    """Dropout probability (counter-keyed masks)."""
-    vocab_size: int = 0
-    """Vocabulary size; 0 takes it from the data source (256 for bytes)."""
-    embedding: str = "module"
-    """Token-embedding lookup: 'module' (nn.Embedding) or 'index' (weight[idx], backward index_put_)."""
-    moe_experts: int = 0
-    """Experts per MoE layer (the GPT's each an MLP, the Llama's each a SwiGLU); 0 keeps the dense MLP."""
-    moe_top_k: int = 2
-    """Experts each token is routed to."""
-    n_kv_head: int = 0
-    """llama: key/value heads (grouped-query attention); 0 is n_head."""
-    mlp_hidden: int = 0
-    """llama: SwiGLU width; 0 is 8/3 n_embd rounded up to a multiple of 32."""
-    rope_theta: float = 10000.0
-    """llama: base of the rotary embedding's frequencies."""
-
-    @property
-    def kv_heads(self) -> int:
-        return self.n_kv_head or self.n_head
-
-    @property
-    def mlp_width(self) -> int:
-        return self.mlp_hidden or -(-8 * self.n_embd // 3 // 32) * 32
-
-    def __post_init__(self) -> None:
-        if self.arch not in ARCHS:
-            raise ValueError(f"model.arch={self.arch!r} must be one of {', '.join(ARCHS)}")
-        _finite("model", self, "rope_theta")
-        _positive("model", self, "n_layer", "n_head", "n_embd", "block_size", "rope_theta")
-        _at_most("model", self, 1 << 16, "n_kv_head", "mlp_hidden")
-        if self.n_kv_head < 0 or self.mlp_hidden < 0:
-            raise ValueError("model.n_kv_head and model.mlp_hidden must not be negative (0 takes the default)")
-        if self.n_head % self.kv_heads:
-            raise ValueError(f"model.n_head={self.n_head} is not a multiple of model.n_kv_head={self.n_kv_head}")
-        if self.arch == "llama" and (self.n_embd // max(self.n_head, 1)) % 2:
-            raise ValueError(f"model.arch=llama needs an even head size for rotary embeddings; n_embd/n_head = "
-                             f"{self.n_embd // max(self.n_head, 1)}")
-        if self.arch == "llama" and self.embedding != "module":
-            raise ValueError(f"model.embedding={self.embedding!r} is for model.arch=gpt; the llama model looks its "
-                             "tokens up with an nn.Embedding. Fix: --set model.embedding=module")
-        _at_most("model", self, 1 << 16, "n_layer", "n_head", "n_embd", "block_size", "moe_experts")
-        _at_most("model", self, 1 << 24, "vocab_size")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"model.dropout={self.dropout!r} must be in [0, 1)")
-        if self.vocab_size < 0:
-            raise ValueError(f"model.vocab_size={self.vocab_size} must be 0 (from data) or positive")
-        if self.moe_experts < 0 or (self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts):
-            raise ValueError(f"model.moe_top_k={self.moe_top_k} must be between 1 and model.moe_experts="
-                             f"{self.moe_experts} (or set model.moe_experts=0 for a dense MLP)")
-        if self.embedding not in ("module", "index"):
-            raise ValueError(f"model.embedding={self.embedding!r} must be 'module' or 'index'")
-
-
-@dataclass(kw_only=True, slots=True)
 class DataConfig:
     """Where the tokens come from."""
 
@@ -280,8 +181,8 @@ class DeterminismConfig:
     def __post_init__(self) -> None:
         if self.env_mismatch not in ("refuse", "warn"):
             raise ValueError(f"determinism.env_mismatch={self.env_mismatch!r} is unknown; use 'refuse' or 'warn'")
-        _positive("determinism", self, "threads")
-        _at_most("determinism", self, 4096, "threads")
+        positive("determinism", self, "threads")
+        at_most("determinism", self, 4096, "threads")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -354,7 +255,7 @@ class ParallelConfig:
     """The pipeline's schedule: '1f1b' (Schedule1F1B) or 'gpipe' (ScheduleGPipe); the same bits either way."""
 
     def __post_init__(self) -> None:
-        _positive("parallel", self, "tp", "pp", "ep")
+        positive("parallel", self, "tp", "pp", "ep")
         if self.pp_schedule not in PP_SCHEDULES:
             raise ValueError(f"parallel.pp_schedule={self.pp_schedule!r} is unknown; use "
                              f"{' or '.join(PP_SCHEDULES)} (none with several stages a rank or a split backward)")

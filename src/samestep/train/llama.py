@@ -20,8 +20,8 @@ from torch import nn
 from samestep.determinism import rng as _rng
 from samestep.distributed.sequence_parallel import SequenceShard, scatter_sequence
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
-from samestep.train.config import ModelConfig
 from samestep.train.model import Decoder, MoE, chunkwise, dropout
+from samestep.train.model_config import ModelConfig
 
 __all__ = ["Llama"]
 

@@ -29,7 +29,7 @@ from samestep.determinism import rng as _rng
 from samestep.distributed.chunk_products import elementwise_whole
 from samestep.distributed.sequence_parallel import SequenceShard, gather_sequence, scatter_sequence
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy
-from samestep.train.config import ModelConfig
+from samestep.train.model_config import ModelConfig
 
 __all__ = ["GPT", "Decoder", "MoE", "chunkwise", "dropout"]
 
