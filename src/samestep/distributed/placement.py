@@ -15,7 +15,7 @@ import torch
 from samestep.distributed.group import group_up
 from samestep.hashing.state import state_digest
 
-__all__ = ["mesh_coordinates", "model_layout"]
+__all__ = ["is_sharded", "mesh_coordinates", "model_layout"]
 
 
 def _mesh(mesh: Any) -> dict[str, Any]:
@@ -58,3 +58,12 @@ def mesh_coordinates(mesh: dict[str, Any], rank: int) -> str | None:
     if not len(hit):
         return None
     return ", ".join(f"{name} {i}" for name, i in zip(mesh["names"], hit[0].tolist()))
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether FSDP2 shards the model: its parameters are DTensors."""
+    if not group_up():
+        return False  # DTensors need a process group
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in model.parameters())

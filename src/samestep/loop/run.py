@@ -31,7 +31,6 @@ end the program with one line and exit 2.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import sys
 from collections.abc import Generator
@@ -43,13 +42,15 @@ import torch
 from samestep.checkpoint import LoadedCheckpoint, committed_steps, load_checkpoint, save_checkpoint
 from samestep.determinism import mode, preempt
 from samestep.distributed.agree import any_rank
-from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer, whole_tensor
-from samestep.distributed.group import group_up, rank_and_world
-from samestep.distributed.placement import model_layout
+from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer
+from samestep.distributed.group import rank_and_world
+from samestep.distributed.placement import is_sharded, model_layout
 from samestep.hashing.checksums import state_hash_for
-from samestep.hashing.state import persistent_buffers, sha256_tensor, tree_digest
+from samestep.hashing.state import persistent_buffers
+from samestep.loop.final_state import write_whole_final
 from samestep.loop.protocol import RunProtocol
 from samestep.loop.start_checks import (
+    check_arguments,
     declared,
     loader_generators,
     refuse_changes,
@@ -58,8 +59,13 @@ from samestep.loop.start_checks import (
     refuse_rng_change,
     resume_epoch,
 )
-from samestep.loop.step_checks import LoopError, StaleGradients
-from samestep.records.final import final_doc, write_final
+from samestep.loop.step_checks import (
+    LoopError,
+    StaleGradients,
+    grads_changed_after_update,
+    left_inside_a_step,
+    second_loop,
+)
 from samestep.records.receipt_state import state_tree
 from samestep.records.receipts import genesis
 from samestep.records.rundir import checked_run_dir, checkpoints_dir, holds_run, record_declared
@@ -67,39 +73,6 @@ from samestep.replay import program
 from samestep.replay.request import ReplayRequest
 
 __all__ = ["Run"]
-
-
-def _rank() -> int:
-    return rank_and_world()[0]
-
-
-def _is_sharded(model: torch.nn.Module) -> bool:
-    """Whether FSDP2 shards the model: its parameters are DTensors."""
-    if not group_up():
-        return False  # DTensors need a process group
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
-
-
-def _check_arguments(checkpoint_every: int, resume: bool | str, rng: str) -> None:
-    """``samestep.Run``'s arguments that no run can take, refused before anything is made."""
-    if checkpoint_every < 1:
-        raise ValueError(f"samestep.Run(checkpoint_every={checkpoint_every!r}): save at least every step "
-                         "count >= 1")
-    if resume not in ("auto", True, False):
-        raise ValueError(f"samestep.Run(resume={resume!r}): use 'auto', True or False")
-    if rng not in ("restore", "keyed"):
-        raise ValueError(f"samestep.Run(rng={rng!r}): use 'restore' (each rank's generator states carry over) "
-                         "or 'keyed' (the loop's randomness is keyed by step and microbatch)")
-
-
-def _grads_changed(step: int, name: str) -> LoopError:
-    """A gradient the loop changed in place after ``optimizer.step()`` recorded it, before its digest was done."""
-    return LoopError(f"samestep.Run: step {step}'s gradients changed in place after optimizer.step() recorded them "
-                     f"({name}.grad; zero_grad(set_to_none=False) does this) before their digest was done. Fix: "
-                     "optimizer.zero_grad() (set_to_none=True, PyTorch's default), or samestep.Run(..., copy=True) "
-                     "to digest copies of them")
 
 
 class Run:
@@ -159,7 +132,7 @@ class Run:
                  stop_signals: tuple[str, ...] = preempt.DEFAULT_SIGNALS, strict_env: bool = False,
                  copy: bool = False, receipts: bool = True, config: dict[str, Any] | None = None,
                  deterministic: bool = True, perturb: str | None = None, rng: str = "restore") -> None:
-        _check_arguments(checkpoint_every, resume, rng)
+        check_arguments(checkpoint_every, resume, rng)
         refuse_foreign_parameters(model, optimizer)  # before anything is made or written
         self._replay = ReplayRequest.for_run(run_dir, "samestep.Run")
         if self._replay is not None:  # the scratch directory, traced as asked, receipted; see replay_request
@@ -184,7 +157,7 @@ class Run:
         held = self._checkpoints_held(resume)
         # one writer per run directory, as samestep train and samestep.trace take it (refused before anything)
         rank, world = rank_and_world()
-        self.sharded = _is_sharded(model)
+        self.sharded = is_sharded(model)
         self._proto = RunProtocol(self.run_dir, hold_dir=rank == 0)
         try:
             self._declare(config, resume)
@@ -256,7 +229,7 @@ class Run:
         self._proto.trace(self.model, level=level, steps=trace_steps, resume=continues, copy=copy,
                           perturb=Perturb.parse(perturb) if perturb else None, layout=model_layout(self.model),
                           resumed_from=self.start)
-        self.recorder.grads_changed = _grads_changed
+        self.recorder.grads_changed = grads_changed_after_update
 
     def _watch_updates(self, copy: bool, level: str) -> None:
         """The optimizer's hooks that close each step's microbatches and catch stale gradients."""
@@ -297,17 +270,14 @@ class Run:
         with ``break``) is recorded as failed when the run closes, and nothing of it is saved. Called once a
         ``Run``: a second call raises ``LoopError`` before it takes a step."""
         if self._stepped:
-            raise LoopError(f"samestep.Run: steps() was called a second time on {self.run_dir}; a run is one loop "
-                            "over its steps (a resume continues it where its checkpoint left it). Fix: one "
-                            "`for step in run.steps(N)` a Run, or another samestep.Run (its own run directory) "
-                            "for another loop")
+            raise second_loop(self.run_dir)
         self._stepped, self._total = True, total
         self._loop = self._steps(total)
         return self._loop
 
     def _steps(self, total: int) -> Generator[int, None, None]:
         refuse_changes(self.run_dir, {"steps": total})
-        if _rank() == 0:
+        if rank_and_world()[0] == 0:
             record_declared(self.run_dir, {"steps": total})
         proto = self._proto
         last = total if self._replay is None else min(total, self._replay.stop_after)
@@ -370,24 +340,8 @@ class Run:
             self._metrics[name] = value.detach() if isinstance(value, torch.Tensor) else value
 
     def _write_final(self, step: int, loss: float) -> None:
-        """final.json of the finished run: the digest of its whole state as one process holds and names it (each
-        sharded tensor gathered whole in turn, a collective every rank joins; a DDP wrapper's names unwrapped),
-        so that runs on any two layouts compare by it (``samestep diff``); with receipts of the whole state, its
-        checksum as the last receipt holds it (``samestep receipts verify`` compares the two)."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        model = self.model.module if isinstance(self.model, DistributedDataParallel) else self.model
-        tree = state_tree(step, model, self.optimizer, buffers=persistent_buffers(model),
-                          scheduler=self.scheduler, data_cursor=self.data_cursor)
-        digest = tree_digest(tree, lambda tensors: [sha256_tensor(whole_tensor(t)) for t in tensors], hashlib.sha256)
-        rank, world = rank_and_world()
-        if rank == 0:
-            receipts, checksum = self._proto.receipts, None
-            if receipts is not None and receipts.path and not self.sharded:  # the whole state's: its last receipt's
-                receipts.wait()
-                if receipts.last_step == step and receipts.last_state is not None:
-                    checksum = {receipts.hash: receipts.last_state}
-            write_final(self.run_dir, final_doc(step, digest, loss, world, checksum, whole=True))
+        write_whole_final(self.run_dir, step, loss, self.model, self.optimizer, self.scheduler, self.data_cursor,
+                          self._proto.receipts, self.sharded)
 
     def _state_tree(self, step: int) -> dict[str, Any]:
         """The state after ``step`` as a receipt digests it: every part a checkpoint of it holds."""
@@ -416,15 +370,9 @@ class Run:
         resume goes on from."""
         left = self._step if self._loop is not None and error is None else None  # a break or return inside a step
         self.close()
-        if left is not None and _rank() == 0:
+        if left is not None and rank_and_world()[0] == 0:
             newest = max((step for step, _ in committed_steps(self.checkpoints)), default=0)
-            print(f"samestep.Run: the loop left step {left} of {self._total} before that step ended (a break or "
-                  "return inside `for step in run.steps(...)`): the step is recorded as failed and not saved, and "
-                  "no final.json is written; "
-                  + (f"the newest checkpoint is of step {newest}, which a resume goes on from" if newest else
-                     "no checkpoint was saved, so a resume starts from step 0")
-                  + ". Fix: pass run.steps() the step count the loop means to run, and leave the loop only by "
-                    "finishing it", file=sys.stderr)
+            print(left_inside_a_step(left, self._total, newest), file=sys.stderr)
         if isinstance(error, LoopError) and os.environ.get("SAMESTEP_DEBUG") != "1":
             print(error, file=sys.stderr)
             raise SystemExit(2) from None

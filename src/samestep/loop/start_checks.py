@@ -15,8 +15,8 @@ import torch
 from samestep.hashing.state import state_digest
 from samestep.records.rundir import declared_changes
 
-__all__ = ["declared", "loader_generators", "refuse_changes", "refuse_foreign_parameters", "refuse_parts",
-           "refuse_rng_change", "resume_epoch"]
+__all__ = ["check_arguments", "declared", "loader_generators", "refuse_changes", "refuse_foreign_parameters",
+           "refuse_parts", "refuse_rng_change", "resume_epoch"]
 
 
 def declared(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data_cursor: Any,
@@ -132,3 +132,15 @@ def resume_epoch(loader: Any, generators: dict[str, torch.Generator]) -> None:
     loader.state_dict()
     for name, g in generators.items():
         g.set_state(states[name])
+
+
+def check_arguments(checkpoint_every: int, resume: bool | str, rng: str) -> None:
+    """``samestep.Run``'s arguments that no run can take, refused before anything is made."""
+    if checkpoint_every < 1:
+        raise ValueError(f"samestep.Run(checkpoint_every={checkpoint_every!r}): save at least every step "
+                         "count >= 1")
+    if resume not in ("auto", True, False):
+        raise ValueError(f"samestep.Run(resume={resume!r}): use 'auto', True or False")
+    if rng not in ("restore", "keyed"):
+        raise ValueError(f"samestep.Run(rng={rng!r}): use 'restore' (each rank's generator states carry over) "
+                         "or 'keyed' (the loop's randomness is keyed by step and microbatch)")

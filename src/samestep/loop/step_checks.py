@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["LoopError", "StaleGradients"]
+__all__ = ["LoopError", "StaleGradients", "grads_changed_after_update", "left_inside_a_step", "second_loop"]
 
 
 class LoopError(ValueError):
@@ -61,3 +61,30 @@ class StaleGradients:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def grads_changed_after_update(step: int, name: str) -> LoopError:
+    """A gradient the loop changed in place after ``optimizer.step()`` recorded it, before its digest was done."""
+    return LoopError(f"samestep.Run: step {step}'s gradients changed in place after optimizer.step() recorded them "
+                     f"({name}.grad; zero_grad(set_to_none=False) does this) before their digest was done. Fix: "
+                     "optimizer.zero_grad() (set_to_none=True, PyTorch's default), or samestep.Run(..., copy=True) "
+                     "to digest copies of them")
+
+
+def left_inside_a_step(left: int, total: int | None, newest: int) -> str:
+    """What ``samestep.Run`` says of a loop left inside step ``left`` without an error (a ``break``): the step
+    unsaved, no final.json, and the checkpoint (``newest``, 0: none) a resume goes on from."""
+    return (f"samestep.Run: the loop left step {left} of {total} before that step ended (a break or return inside "
+            "`for step in run.steps(...)`): the step is recorded as failed and not saved, and no final.json is "
+            "written; "
+            + (f"the newest checkpoint is of step {newest}, which a resume goes on from" if newest else
+               "no checkpoint was saved, so a resume starts from step 0")
+            + ". Fix: pass run.steps() the step count the loop means to run, and leave the loop only by finishing "
+              "it")
+
+
+def second_loop(run_dir: Any) -> LoopError:
+    """A second ``run.steps()`` on one Run: a run is one loop over its steps."""
+    return LoopError(f"samestep.Run: steps() was called a second time on {run_dir}; a run is one loop over its steps "
+                     "(a resume continues it where its checkpoint left it). Fix: one `for step in run.steps(N)` a "
+                     "Run, or another samestep.Run (its own run directory) for another loop")
