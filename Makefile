@@ -30,11 +30,13 @@ TEST_WORKERS ?= 3
 
 # PYTHONDONTWRITEBYTECODE= : pytest rewrites samestep's asserts (its plugin's package) once, not in every worker.
 test: install
+	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 tests
 
 # The edit-test loop: the unit tests but the slow ones (in two workers), and the demo end to end.
 test-fast: install
+	$(BIN)/ruff format --check .
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q -n 2 -m "not slow and not opinfo" tests/unit
 	$(BIN)/python -m pytest -q -m smoke tests/integration

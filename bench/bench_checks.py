@@ -82,8 +82,9 @@ def cross_rank_cost(pairs: int, steps: int) -> dict:
 
     def after(s: int, result: tuple) -> None:
         t = time.perf_counter()
-        writer.add(s + 1, lambda: None, result[0], result[1],
-                   {"grads": checked.reduced, "params": checked.named_params})
+        writer.add(
+            s + 1, lambda: None, result[0], result[1], {"grads": checked.reduced, "params": checked.named_params}
+        )
         own[0] += time.perf_counter() - t
         own[1] += 1
 
@@ -108,12 +109,21 @@ def main() -> int:
     else:
         result = recompute_costs(args.every, args.pairs, args.steps)
     if result:
-        print(json.dumps(result) if args.json else
-              "\n".join(f"{name}: {r['ratio_median']:.4f}x "
-                        f"(median of {r['pairs']} pairs of {r['steps_per_side']} steps)"
-                        + (f"; the training thread's own time {r['training_thread_ms']} ms a step"
-                           if "training_thread_ms" in r else "")
-                        for name, r in result.items() if isinstance(r, dict)))
+        print(
+            json.dumps(result)
+            if args.json
+            else "\n".join(
+                f"{name}: {r['ratio_median']:.4f}x "
+                f"(median of {r['pairs']} pairs of {r['steps_per_side']} steps)"
+                + (
+                    f"; the training thread's own time {r['training_thread_ms']} ms a step"
+                    if "training_thread_ms" in r
+                    else ""
+                )
+                for name, r in result.items()
+                if isinstance(r, dict)
+            )
+        )
     return 0
 
 

@@ -96,6 +96,7 @@ def main() -> int:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # the mesh of one
     base = load_config(None, args.set, preset=args.preset)
     corpus = load_corpus(base.data.source, base.data.path or None)
+
     def side(chunks: int) -> Any:
         return build(load_config(None, [*args.set, f"parallel.tp_chunks={chunks}"], preset=args.preset), corpus=corpus)
 
@@ -108,24 +109,34 @@ def main() -> int:
     times: dict[str, list[float]] = {name: [] for name in sides}
     names = list(sides)
     for p in range(args.pairs + 1):
-        for name in names[p % len(names):] + names[:p % len(names)]:  # each round starts with another side
+        for name in names[p % len(names) :] + names[: p % len(names)]:  # each round starts with another side
             t0 = time.perf_counter()
             for s in range(args.steps):
                 sides[name].step(p * args.steps + s)
             if p:  # round 0 warms up
                 times[name].append((time.perf_counter() - t0) / args.steps)
-    result = {"preset": args.preset or "reference", "set": args.set, "chunks": args.chunks, "pairs": args.pairs,
-              "step_ms_plain": round(1000 * statistics.median(times["plain"]), 1),
-              "step_ms_chunked": round(1000 * statistics.median(times["chunked"]), 1),
-              "ratio_median": round(statistics.median(a / b for a, b in zip(times["chunked"], times["plain"])), 4)}
+    result = {
+        "preset": args.preset or "reference",
+        "set": args.set,
+        "chunks": args.chunks,
+        "pairs": args.pairs,
+        "step_ms_plain": round(1000 * statistics.median(times["plain"]), 1),
+        "step_ms_chunked": round(1000 * statistics.median(times["chunked"]), 1),
+        "ratio_median": round(statistics.median(a / b for a, b in zip(times["chunked"], times["plain"])), 4),
+    }
     for name in names[2:]:
         result[f"step_ms_{name}"] = round(1000 * statistics.median(times[name]), 1)
         result[f"ratio_median_{name}"] = round(statistics.median(a / b for a, b in zip(times[name], times["plain"])), 4)
-    print(json.dumps(result) if args.json else
-          f"{' '.join([result['preset'], *args.set])}: {args.chunks} chunks {result['step_ms_chunked']} ms/step vs "
-          f"plain layers {result['step_ms_plain']} ms/step; ratio median of {args.pairs} rounds: "
-          f"{result['ratio_median']}" + "".join(f"; {name} {result[f'step_ms_{name}']} ms/step, "
-                                                f"{result[f'ratio_median_{name}']}" for name in names[2:]))
+    print(
+        json.dumps(result)
+        if args.json
+        else f"{' '.join([result['preset'], *args.set])}: {args.chunks} chunks {result['step_ms_chunked']} ms/step vs "
+        f"plain layers {result['step_ms_plain']} ms/step; ratio median of {args.pairs} rounds: "
+        f"{result['ratio_median']}"
+        + "".join(
+            f"; {name} {result[f'step_ms_{name}']} ms/step, {result[f'ratio_median_{name}']}" for name in names[2:]
+        )
+    )
     dist.destroy_process_group()
     samestep.disable()
     return 0

@@ -46,8 +46,17 @@ from fault_corpus import CASES, run_case  # noqa: E402
 from samestep.records.metrics import last_logged_step  # noqa: E402
 from tests.support.forked import Forked  # noqa: E402  (the tests' fork server, started the same way)
 
-SMALL = ("train.device=cpu", "train.global_batch=8", "train.micro_batch=2", "train.warmup_steps=2", "model.n_layer=2",
-         "model.n_head=2", "model.n_embd=32", "model.block_size=32", "trace.level=step")
+SMALL = (
+    "train.device=cpu",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "train.warmup_steps=2",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "trace.level=step",
+)
 EVERY = 2
 RUN = (*SMALL, "train.steps=8", f"train.checkpoint_every={EVERY}")
 LONG = (*SMALL, "train.steps=60", "train.checkpoint_every=1000")
@@ -82,8 +91,9 @@ def _resume(run: Path, settings: tuple[str, ...]) -> tuple[int, int | None]:
     return code, (resumes[-1]["step"] if resumes else 0)
 
 
-def _signal_after(run: Path, settings: tuple[str, ...], step: int, delay: float, sig: int,
-                  group: bool = False) -> tuple[int, int]:
+def _signal_after(
+    run: Path, settings: tuple[str, ...], step: int, delay: float, sig: int, group: bool = False
+) -> tuple[int, int]:
     """Starts a run and sends ``sig`` once it has logged ``step`` and ``delay`` more seconds have passed (with
     ``group``, to its whole process group); its exit code and the last step it had logged then."""
     proc = Forked(_cmd(run, settings), new_session=group)
@@ -97,8 +107,16 @@ def _signal_after(run: Path, settings: tuple[str, ...], step: int, delay: float,
     return proc.wait(), logged
 
 
-def kills(work: Path, reference: tuple, trials: int, rng: random.Random, settings: tuple[str, ...] = RUN,
-          last: int = 7, name: str = "kill", every: int = EVERY) -> dict:
+def kills(
+    work: Path,
+    reference: tuple,
+    trials: int,
+    rng: random.Random,
+    settings: tuple[str, ...] = RUN,
+    last: int = 7,
+    name: str = "kill",
+    every: int = EVERY,
+) -> dict:
     """SIGKILL after a random step of ``settings``'s run (at most ``last``, plus what it trains while the kill
     waits its random delay), then --resume; ``every``: the steps a kill may lose (the checkpoint interval)."""
     out = {"trials": 0, "exact": 0, "max_steps_lost": 0, "lost_beyond_interval": 0, "killed_before_end": 0}
@@ -183,8 +201,14 @@ def signals(work: Path, reference: tuple, trials: int, rng: random.Random, group
     settings = (*LONG, "trace.worker=process") if group else LONG
     for i in range(trials):
         run = work / f"{'group' if group else 'sig'}_{i}"
-        code, _ = _signal_after(run, settings, rng.randint(1, 40), rng.uniform(0, 0.08),
-                                signal.SIGINT if group else signal.SIGTERM, group=group)
+        code, _ = _signal_after(
+            run,
+            settings,
+            rng.randint(1, 40),
+            rng.uniform(0, 0.08),
+            signal.SIGINT if group else signal.SIGTERM,
+            group=group,
+        )
         out["trials"] += 1
         out["exit_75"] += code == 75
         saved = (
@@ -248,8 +272,9 @@ def writers(work: Path, reference: tuple, trials: int) -> dict:
         out["trials"] += 1
         out["one_refused"] += codes == [0, 2]
         refusal = [err for c, err in results if c == 2]
-        out["refusal_one_line"] += bool(refusal) and len(refusal[0].strip().splitlines()) == 1 and "in use by pid" in \
-            refusal[0]
+        out["refusal_one_line"] += (
+            bool(refusal) and len(refusal[0].strip().splitlines()) == 1 and "in use by pid" in refusal[0]
+        )
         out["exact"] += _outcome(run) == reference
         beside = work / f"beside_{i}"  # a loop of one's own started beside a live trainer
         trainer = Forked(_cmd(beside, (*LONG, "train.steps=100000")))  # alive until killed below
@@ -295,14 +320,18 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="samestep-faults-") as tmp:
         work = Path(tmp)
         with ThreadPoolExecutor(max_workers=2) as pool:  # two single-threaded runs, side by side
-            for proc in pool.map(lambda job: _finished(Forked(_cmd(work / job[0], job[1]))),
-                                 (("reference", RUN), ("reference_long", LONG))):
+            for proc in pool.map(
+                lambda job: _finished(Forked(_cmd(work / job[0], job[1]))),
+                (("reference", RUN), ("reference_long", LONG)),
+            ):
                 if proc.returncode:
                     raise SystemExit(f"a reference run failed (exit {proc.returncode}): {proc.stderr[-3000:]}")
         reference, reference_long = _outcome(work / "reference"), _outcome(work / "reference_long")
-        result = {"kills": kills(work, reference, args.kills, rng),
-                  # a run that saves only at its end loses what it trained, and resumes from step 0
-                  "kills_before_a_checkpoint": kills(work, reference_long, args.kills, rng, LONG, 40, "unsaved", 60)}
+        result = {
+            "kills": kills(work, reference, args.kills, rng),
+            # a run that saves only at its end loses what it trained, and resumes from step 0
+            "kills_before_a_checkpoint": kills(work, reference_long, args.kills, rng, LONG, 40, "unsaved", 60),
+        }
         if args.save_ops != "none":
             result["save_ops"] = save_ops(work, reference, args.save_ops)
         result["signals"] = signals(work, reference_long, args.signals, rng)

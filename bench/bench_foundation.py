@@ -49,10 +49,15 @@ def determinism_overhead(pairs: int, steps: int, threads: int, settings: tuple[s
         t_on.append(a / steps)
         t_off.append(b / steps)
         ratios.append(a / b)
-    return {"settings": list(settings), "threads": threads, "pairs": pairs, "steps_per_side": steps,
-            "step_ms_on": round(1000 * statistics.median(t_on), 2),
-            "step_ms_off": round(1000 * statistics.median(t_off), 2),
-            "overhead_ratio_median": round(statistics.median(ratios), 4)}
+    return {
+        "settings": list(settings),
+        "threads": threads,
+        "pairs": pairs,
+        "steps_per_side": steps,
+        "step_ms_on": round(1000 * statistics.median(t_on), 2),
+        "step_ms_off": round(1000 * statistics.median(t_off), 2),
+        "overhead_ratio_median": round(statistics.median(ratios), 4),
+    }
 
 
 def checkpoint_throughput(repeats: int) -> dict:
@@ -64,17 +69,21 @@ def checkpoint_throughput(repeats: int) -> dict:
     with tempfile.TemporaryDirectory() as d:
         for r in range(repeats):
             t0 = time.perf_counter()
-            path = samestep.save_checkpoint(Path(d), r + 1, model=parts.model, optimizer=parts.optimizer,
-                                            data_cursor=parts.cursor, keep=1)
+            path = samestep.save_checkpoint(
+                Path(d), r + 1, model=parts.model, optimizer=parts.optimizer, data_cursor=parts.cursor, keep=1
+            )
             saves.append(time.perf_counter() - t0)
             size = sum(f.stat().st_size for f in path.iterdir())
             t0 = time.perf_counter()
             samestep.verify_checkpoint(path)
             verifies.append(time.perf_counter() - t0)
     mb = size / 1e6
-    return {"params": sum(p.numel() for p in parts.model.parameters()), "checkpoint_mb": round(mb, 1),
-            "save_mb_s": round(mb / statistics.median(saves), 1),
-            "verify_mb_s": round(mb / statistics.median(verifies), 1)}
+    return {
+        "params": sum(p.numel() for p in parts.model.parameters()),
+        "checkpoint_mb": round(mb, 1),
+        "save_mb_s": round(mb / statistics.median(saves), 1),
+        "verify_mb_s": round(mb / statistics.median(verifies), 1),
+    }
 
 
 def main() -> int:
@@ -86,21 +95,28 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     # The MoE variant puts the scatter-type combine (samestep.ops.moe_combine vs index_put_) in the step.
-    result = {"determinism": determinism_overhead(args.pairs, args.steps, args.threads),
-              "determinism_moe": determinism_overhead(args.pairs, args.steps, args.threads,
-                                                      ("model.moe_experts=4", "model.moe_top_k=2")),
-              "checkpoint": checkpoint_throughput(args.repeats)}
+    result = {
+        "determinism": determinism_overhead(args.pairs, args.steps, args.threads),
+        "determinism_moe": determinism_overhead(
+            args.pairs, args.steps, args.threads, ("model.moe_experts=4", "model.moe_top_k=2")
+        ),
+        "checkpoint": checkpoint_throughput(args.repeats),
+    }
     if args.json:
         print(json.dumps(result))
     else:
         c = result["checkpoint"]
         for name in ("determinism", "determinism_moe"):
             d = result[name]
-            print(f"deterministic mode{' (MoE 4 experts, top-2)' if d['settings'] else ''}: {d['step_ms_on']} ms/step "
-                  f"on vs {d['step_ms_off']} ms/step off ({d['threads']} thread(s)); overhead ratio median of "
-                  f"{d['pairs']} pairs: {d['overhead_ratio_median']}")
-        print(f"checkpoint ({c['checkpoint_mb']} MB, {c['params']:,} params): save {c['save_mb_s']} MB/s, "
-              f"verify {c['verify_mb_s']} MB/s")
+            print(
+                f"deterministic mode{' (MoE 4 experts, top-2)' if d['settings'] else ''}: {d['step_ms_on']} ms/step "
+                f"on vs {d['step_ms_off']} ms/step off ({d['threads']} thread(s)); overhead ratio median of "
+                f"{d['pairs']} pairs: {d['overhead_ratio_median']}"
+            )
+        print(
+            f"checkpoint ({c['checkpoint_mb']} MB, {c['params']:,} params): save {c['save_mb_s']} MB/s, "
+            f"verify {c['verify_mb_s']} MB/s"
+        )
     return 0
 
 

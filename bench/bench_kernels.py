@@ -54,6 +54,7 @@ def _routed(fn):
     def call(*args):
         with KernelMode():
             return fn(*args)
+
     return call
 
 
@@ -105,8 +106,7 @@ def main() -> int:
             "samestep": lambda: ops.moe_combine(rows, tok, w, T),
             "torch": lambda: zeros(T, D).index_put_((tok,), rows * w.unsqueeze(-1), accumulate=True),
         },
-        "routed_index_put_slice": routed(lambda x: torch.ops.aten.index_put_(x, [None, cols], grad_t, True),
-                                         D, V // 8),
+        "routed_index_put_slice": routed(lambda x: torch.ops.aten.index_put_(x, [None, cols], grad_t, True), D, V // 8),
         "routed_put": routed(lambda x: x.put_(flat[:N], flat_src[:N], accumulate=True), V, 64),
         "routed_index_add": routed(lambda x: x.index_add_(0, idx, grad), V, D),
         "routed_scatter_add": routed(lambda x: x.scatter_add_(0, idx2, grad), V, D),
@@ -135,10 +135,12 @@ def main() -> int:
             torch.use_deterministic_algorithms(False)
         med = {k: statistics.median(t for t, _ in v[1:]) for k, v in runs.items()}  # the first round warms up
         det = med["torch_deterministic"]
-        result[name] = {**{f"{k}_ms": None if v != v else round(1000 * v, 2) for k, v in med.items()},
-                        "vs_default": round(med["samestep"] / med["torch_default"], 3),
-                        "vs_deterministic": None if det != det else round(med["samestep"] / det, 3),
-                        "distinct_results": {k: len({d for _, d in v if d != "none"}) for k, v in runs.items()}}
+        result[name] = {
+            **{f"{k}_ms": None if v != v else round(1000 * v, 2) for k, v in med.items()},
+            "vs_default": round(med["samestep"] / med["torch_default"], 3),
+            "vs_deterministic": None if det != det else round(med["samestep"] / det, 3),
+            "distinct_results": {k: len({d for _, d in v if d != "none"}) for k, v in runs.items()},
+        }
     print(json.dumps(result) if args.json else json.dumps(result, indent=1))
     return 0
 

@@ -129,11 +129,14 @@ def tp_main(args: argparse.Namespace) -> int:
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     steps = []
-    for col, row in ((CanonicalColwiseParallel(args.tp_chunks), CanonicalRowwiseParallel(args.tp_chunks)),
-                     (ColwiseParallel(), RowwiseParallel())):
+    for col, row in (
+        (CanonicalColwiseParallel(args.tp_chunks), CanonicalRowwiseParallel(args.tp_chunks)),
+        (ColwiseParallel(), RowwiseParallel()),
+    ):
         torch.manual_seed(0)
-        block = parallelize_module(TpBlock(args.width, args.heads), mesh,
-                                   {"q": col, "k": col, "v": col, "up": col, "o": row, "down": row})
+        block = parallelize_module(
+            TpBlock(args.width, args.heads), mesh, {"q": col, "k": col, "v": col, "up": col, "o": row, "down": row}
+        )
         opt = torch.optim.AdamW(block.parameters(), lr=1e-3, foreach=False)
         x = torch.randn(args.batch, args.seq, args.width, generator=rng.generator(0, 0, 0, "data"))
 
@@ -143,23 +146,34 @@ def tp_main(args: argparse.Namespace) -> int:
             opt.zero_grad(set_to_none=True)
 
         steps.append(step)
-    return tp_report(args, steps, f"TP {world}", {"width": args.width, "seq": args.seq, "batch": args.batch,
-                                                  "tp_chunks": args.tp_chunks})
+    return tp_report(
+        args,
+        steps,
+        f"TP {world}",
+        {"width": args.width, "seq": args.seq, "batch": args.batch, "tp_chunks": args.tp_chunks},
+    )
 
 
 def tp_report(args: argparse.Namespace, sides: list, label: str, about: dict) -> int:
     """Times --tp's two sides (canonical, PyTorch's styles) by ``alternate``, prints the result on rank 0 and ends
     the process group."""
     times = alternate(sides, args.pairs, args.steps)
-    result = {"world_size": dist.get_world_size(), "pairs": args.pairs, **about,
-              "step_ms_canonical": round(1000 * statistics.median(times[0]), 2),
-              "step_ms_plain_tp": round(1000 * statistics.median(times[1]), 2),
-              "time_ratio_median": round(statistics.median([a / b for a, b in zip(*times)]), 4)}
+    result = {
+        "world_size": dist.get_world_size(),
+        "pairs": args.pairs,
+        **about,
+        "step_ms_canonical": round(1000 * statistics.median(times[0]), 2),
+        "step_ms_plain_tp": round(1000 * statistics.median(times[1]), 2),
+        "time_ratio_median": round(statistics.median([a / b for a, b in zip(*times)]), 4),
+    }
     if dist.get_rank() == 0:
-        print(json.dumps(result) if args.json else
-              f"{label}: canonical {result['step_ms_canonical']} ms/step vs PyTorch's styles "
-              f"{result['step_ms_plain_tp']} ms/step; ratio median of {args.pairs} pairs: "
-              f"{result['time_ratio_median']}")
+        print(
+            json.dumps(result)
+            if args.json
+            else f"{label}: canonical {result['step_ms_canonical']} ms/step vs PyTorch's styles "
+            f"{result['step_ms_plain_tp']} ms/step; ratio median of {args.pairs} pairs: "
+            f"{result['time_ratio_median']}"
+        )
     dist.destroy_process_group()
     samestep.disable()
     return 0
@@ -189,8 +203,9 @@ def stock_apply_tp(model: torch.nn.Module, cfg, world: int, rank: int, device_ty
         styles = {"attn.c_attn": col, "attn.c_proj": row, "mlp.c_fc": col, "mlp.c_proj": row}
         prefix, blocks = "transformer.h", len(model.transformer.h)
         ends = {"transformer.wte": CanonicalVocabEmbedding(chunks)}
-    parallelize_module(model, mesh, ends | {f"{prefix}.{i}.{name}": style for i in range(blocks)
-                                            for name, style in styles.items()})
+    parallelize_module(
+        model, mesh, ends | {f"{prefix}.{i}.{name}": style for i in range(blocks) for name, style in styles.items()}
+    )
     if getattr(model, "lm_head", None) is not None:  # the GPT's head, tied to the sharded embedding
         model.lm_head.weight = model.transformer.wte.weight
         parallelize_module(model, mesh, {"lm_head": CanonicalColwiseParallel(chunks)})
@@ -217,8 +232,9 @@ def tp_step_main(args: argparse.Namespace) -> int:
     for trainer in (canon, stock):
         trainer.model.train()
     preset = args.preset or "reference"
-    return tp_report(args, [canon.step, stock.step], f"{preset} step at TP {world}",
-                     {"preset": preset, "settings": base})
+    return tp_report(
+        args, [canon.step, stock.step], f"{preset} step at TP {world}", {"preset": preset, "settings": base}
+    )
 
 
 class SentBytes:
@@ -234,9 +250,18 @@ class SentBytes:
 
         self.sent = 0
         me = dist.get_rank()
-        originals = {name: getattr(c10d, name) for name in ("isend", "send", "broadcast", "all_gather",
-                                                              "all_gather_into_tensor", "all_reduce",
-                                                              "all_to_all_single")}
+        originals = {
+            name: getattr(c10d, name)
+            for name in (
+                "isend",
+                "send",
+                "broadcast",
+                "all_gather",
+                "all_gather_into_tensor",
+                "all_reduce",
+                "all_to_all_single",
+            )
+        }
 
         def counted(name: str, tensor_at: int, only_source: bool = False):
             def fn(*a, **k):
@@ -244,12 +269,14 @@ class SentBytes:
                 if not only_source or (a[1] if len(a) > 1 else k.get("src")) == me:
                     self.sent += t.numel() * t.element_size()
                 return originals[name](*a, **k)
+
             return fn
 
         def gathered(name: str):  # a ring all-gather: this rank's input to each other rank
             def fn(out, inp, group=None, *a, **k):
                 self.sent += (dist.get_world_size(group) - 1) * inp.numel() * inp.element_size()
                 return originals[name](out, inp, group, *a, **k)
+
             return fn
 
         def all_reduce(t, op=dist.ReduceOp.SUM, group=None, *a, **k):  # a ring all-reduce: 2(W-1)/W of it
@@ -264,11 +291,15 @@ class SentBytes:
             self.sent += (rows - to_self) * (inp.numel() // max(rows, 1)) * inp.element_size()
             return originals["all_to_all_single"](out, inp, out_splits, in_splits, group, *a, **k)
 
-        for name, fn in (("isend", counted("isend", 0)), ("send", counted("send", 0)),
-                         ("all_to_all_single", all_to_all_single), ("all_reduce", all_reduce),
-                         ("all_gather_into_tensor", gathered("all_gather_into_tensor")),
-                         ("broadcast", counted("broadcast", 0, only_source=True)),
-                         ("all_gather", gathered("all_gather"))):
+        for name, fn in (
+            ("isend", counted("isend", 0)),
+            ("send", counted("send", 0)),
+            ("all_to_all_single", all_to_all_single),
+            ("all_reduce", all_reduce),
+            ("all_gather_into_tensor", gathered("all_gather_into_tensor")),
+            ("broadcast", counted("broadcast", 0, only_source=True)),
+            ("all_gather", gathered("all_gather")),
+        ):
             setattr(dist, name, fn)
             setattr(c10d, name, fn)
 
@@ -283,12 +314,16 @@ def parts_main(args: argparse.Namespace) -> int:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     corpus = load_corpus("stdlib")
-    layout = [f"parallel.pp={world}"] if args.pp else [f"parallel.ep={world}", "model.arch=llama",
-                                                        f"model.moe_experts={args.experts}"]
+    layout = (
+        [f"parallel.pp={world}"]
+        if args.pp
+        else [f"parallel.ep={world}", "model.arch=llama", f"model.moe_experts={args.experts}"]
+    )
     base = ["determinism.threads=1", *layout, *args.set]
     canon = build(load_config(None, base, args.preset), world=world, rank=rank, corpus=corpus)
-    plain = build(load_config(None, [*base, "determinism.enabled=false"], args.preset), world=world, rank=rank,
-                  corpus=corpus)
+    plain = build(
+        load_config(None, [*base, "determinism.enabled=false"], args.preset), world=world, rank=rank, corpus=corpus
+    )
     counter = SentBytes()
     sent = []
     for trainer in (canon, plain):  # the bytes of one step each, after a step that sets the stages up
@@ -297,27 +332,43 @@ def parts_main(args: argparse.Namespace) -> int:
         trainer.step(1)
         sent.append(counter.sent - before)
     times = alternate([canon.step, plain.step], args.pairs, args.steps)
-    result = {"layout": "pp" if args.pp else "ep", "world_size": world, "pairs": args.pairs, "preset": args.preset,
-              "settings": base, "step_ms_canonical": round(1000 * statistics.median(times[0]), 2),
-              "step_ms_plain": round(1000 * statistics.median(times[1]), 2),
-              "time_ratio_median": round(statistics.median([a / b for a, b in zip(*times)]), 4),
-              "bytes_sent_per_step_canonical": sent[0], "bytes_sent_per_step_plain": sent[1],
-              "bytes_ratio": round(sent[0] / sent[1], 4)}
+    result = {
+        "layout": "pp" if args.pp else "ep",
+        "world_size": world,
+        "pairs": args.pairs,
+        "preset": args.preset,
+        "settings": base,
+        "step_ms_canonical": round(1000 * statistics.median(times[0]), 2),
+        "step_ms_plain": round(1000 * statistics.median(times[1]), 2),
+        "time_ratio_median": round(statistics.median([a / b for a, b in zip(*times)]), 4),
+        "bytes_sent_per_step_canonical": sent[0],
+        "bytes_sent_per_step_plain": sent[1],
+        "bytes_ratio": round(sent[0] / sent[1], 4),
+    }
     mine = torch.tensor(sent, dtype=torch.int64)
     every = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(every, mine)
-    rank_results = [{"bytes_sent_per_step_canonical": int(e[0]), "bytes_sent_per_step_plain": int(e[1]),
-                     "bytes_ratio": round(int(e[0]) / int(e[1]), 4)} for e in every]
+    rank_results = [
+        {
+            "bytes_sent_per_step_canonical": int(e[0]),
+            "bytes_sent_per_step_plain": int(e[1]),
+            "bytes_ratio": round(int(e[0]) / int(e[1]), 4),
+        }
+        for e in every
+    ]
     if rank == 0:
         result["bytes_ratio_per_rank"] = [r["bytes_ratio"] for r in rank_results]
         other = "pipelining's own accumulation" if args.pp else "the usual expert parallelism"
-        print(json.dumps(result) if args.json else
-              f"{result['layout'].upper()} {world}: canonical {result['step_ms_canonical']} ms/step vs {other} "
-              f"{result['step_ms_plain']} ms/step; ratio median of {args.pairs} pairs: "
-              f"{result['time_ratio_median']}; bytes sent per step by rank: "
-              f"{[r['bytes_sent_per_step_canonical'] for r in rank_results]} vs "
-              f"{[r['bytes_sent_per_step_plain'] for r in rank_results]} (ratios "
-              f"{result['bytes_ratio_per_rank']})")
+        print(
+            json.dumps(result)
+            if args.json
+            else f"{result['layout'].upper()} {world}: canonical {result['step_ms_canonical']} ms/step vs {other} "
+            f"{result['step_ms_plain']} ms/step; ratio median of {args.pairs} pairs: "
+            f"{result['time_ratio_median']}; bytes sent per step by rank: "
+            f"{[r['bytes_sent_per_step_canonical'] for r in rank_results]} vs "
+            f"{[r['bytes_sent_per_step_plain'] for r in rank_results]} (ratios "
+            f"{result['bytes_ratio_per_rank']})"
+        )
     dist.destroy_process_group()
     samestep.disable()
     return 0
@@ -356,8 +407,16 @@ def main() -> int:
     plain = build(load_config(None, ["determinism.enabled=false", *fsdp]), world=world, rank=rank, corpus=corpus)
     ddp = None if args.fsdp else DDP(plain.model)
     # The canonical combine started after the whole backward (parallel.overlap=false), for the overlap's share.
-    after = None if args.fsdp else build(load_config(None, ["determinism.threads=1", "parallel.overlap=false"]),
-                                         world=world, rank=rank, corpus=corpus)
+    after = (
+        None
+        if args.fsdp
+        else build(
+            load_config(None, ["determinism.threads=1", "parallel.overlap=false"]),
+            world=world,
+            rank=rank,
+            corpus=corpus,
+        )
+    )
     # DDP kept, its reduction samestep's hook (a user's own loop): the canonical config's model, wrapped
     hooked = hooked_ddp = None
     if not args.fsdp:
@@ -373,8 +432,9 @@ def main() -> int:
         else:
             ddp_step(plain, ddp, step)
 
-    sides = [canon.step, other] + ([after.step, lambda step: ddp_step(hooked, hooked_ddp, step, hook_state)]
-                                   if after is not None else [])
+    sides = [canon.step, other] + (
+        [after.step, lambda step: ddp_step(hooked, hooked_ddp, step, hook_state)] if after is not None else []
+    )
     times = alternate(sides, args.pairs, args.steps)
     t_canon, t_ddp = times[0], times[1]
     ratios = [a / b for a, b in zip(t_canon, t_ddp)]
@@ -385,34 +445,50 @@ def main() -> int:
     else:
         numel = sum(p.numel() for p in canon.grads.params) + 1  # + the loss riding along
         ring, against, other = ring_allreduce_bytes(numel, 4, world), "ring all-reduce", "DDP"
-    result = {"world_size": world, "pairs": args.pairs, "steps_per_side": args.steps, "fsdp": args.fsdp,
-              "step_ms_canonical": round(1000 * statistics.median(t_canon), 2),
-              "step_ms_other": round(1000 * statistics.median(t_ddp), 2),
-              "time_ratio_median": round(statistics.median(ratios), 4),
-              "bytes_sent_per_step": int(sent_per_step), "ring_bytes": ring,
-              "bytes_ratio": round(sent_per_step / ring, 4)}
+    result = {
+        "world_size": world,
+        "pairs": args.pairs,
+        "steps_per_side": args.steps,
+        "fsdp": args.fsdp,
+        "step_ms_canonical": round(1000 * statistics.median(t_canon), 2),
+        "step_ms_other": round(1000 * statistics.median(t_ddp), 2),
+        "time_ratio_median": round(statistics.median(ratios), 4),
+        "bytes_sent_per_step": int(sent_per_step),
+        "ring_bytes": ring,
+        "bytes_ratio": round(sent_per_step / ring, 4),
+    }
     if after is not None:
         result["step_ms_after_backward"] = round(1000 * statistics.median(times[2]), 2)
-        result["time_ratio_after_backward_median"] = round(statistics.median(
-            [a / b for a, b in zip(times[2], t_ddp)]), 4)
-        result["time_ratio_overlap_to_after_median"] = round(statistics.median(
-            [a / b for a, b in zip(t_canon, times[2])]), 4)
+        result["time_ratio_after_backward_median"] = round(
+            statistics.median([a / b for a, b in zip(times[2], t_ddp)]), 4
+        )
+        result["time_ratio_overlap_to_after_median"] = round(
+            statistics.median([a / b for a, b in zip(t_canon, times[2])]), 4
+        )
         result["step_ms_ddp_hook"] = round(1000 * statistics.median(times[3]), 2)
         result["time_ratio_ddp_hook_median"] = round(statistics.median([a / b for a, b in zip(times[3], t_ddp)]), 4)
     if rank == 0:
         if args.json:
             print(json.dumps(result))
         else:
-            print(f"{world} processes: canonical {result['step_ms_canonical']} ms/step vs {other} "
-                  f"{result['step_ms_other']} ms/step; ratio median of {args.pairs} pairs: "
-                  f"{result['time_ratio_median']}")
+            print(
+                f"{world} processes: canonical {result['step_ms_canonical']} ms/step vs {other} "
+                f"{result['step_ms_other']} ms/step; ratio median of {args.pairs} pairs: "
+                f"{result['time_ratio_median']}"
+            )
             if after is not None:
-                print(f"combine after the whole backward (parallel.overlap=false): {result['step_ms_after_backward']} "
-                      f"ms/step; ratio to DDP {result['time_ratio_after_backward_median']}")
-                print(f"DDP with canonical_ddp_hook: {result['step_ms_ddp_hook']} ms/step; ratio to DDP's own "
-                      f"{result['time_ratio_ddp_hook_median']}")
-            print(f"bytes sent per process per step: {result['bytes_sent_per_step']:,} vs {against} "
-                  f"{ring:,} (ratio {result['bytes_ratio']})")
+                print(
+                    f"combine after the whole backward (parallel.overlap=false): {result['step_ms_after_backward']} "
+                    f"ms/step; ratio to DDP {result['time_ratio_after_backward_median']}"
+                )
+                print(
+                    f"DDP with canonical_ddp_hook: {result['step_ms_ddp_hook']} ms/step; ratio to DDP's own "
+                    f"{result['time_ratio_ddp_hook_median']}"
+                )
+            print(
+                f"bytes sent per process per step: {result['bytes_sent_per_step']:,} vs {against} "
+                f"{ring:,} (ratio {result['bytes_ratio']})"
+            )
     dist.destroy_process_group()
     samestep.disable()
     return 0

@@ -32,21 +32,30 @@ def main() -> int:
     torch.set_num_threads(1)
     shape, key, p = tuple(args.shape), rng.key(0, 3, 5, "dropout"), 0.1
     flat = torch.arange(torch.Size(shape).numel(), dtype=torch.int64).view(shape)
-    sides = {"int32": lambda: rng.positional_keep(key, shape, (0,) * len(shape), shape, p),
-             "int64": lambda: keep_by_int64(key, flat, p)}
+    sides = {
+        "int32": lambda: rng.positional_keep(key, shape, (0,) * len(shape), shape, p),
+        "int64": lambda: keep_by_int64(key, flat, p),
+    }
     if not torch.equal(sides["int32"](), sides["int64"]()):
         raise SystemExit("bench_mask: the two masks differ")
     times: dict[str, list[float]] = {name: [] for name in sides}
     for i in range(args.calls):
-        for name in (list(sides) if i % 2 else list(sides)[::-1]):
+        for name in list(sides) if i % 2 else list(sides)[::-1]:
             t0 = time.perf_counter()
             sides[name]()
             times[name].append(time.perf_counter() - t0)
-    result = {"shape": list(shape), "calls": args.calls,
-              **{f"ms_{name}": round(1000 * statistics.median(t), 3) for name, t in times.items()}}
+    result = {
+        "shape": list(shape),
+        "calls": args.calls,
+        **{f"ms_{name}": round(1000 * statistics.median(t), 3) for name, t in times.items()},
+    }
     result["ratio"] = round(result["ms_int32"] / result["ms_int64"], 3)
-    print(json.dumps(result) if args.json else f"mask of {shape}: int32 lanes {result['ms_int32']} ms vs int64 "
-          f"{result['ms_int64']} ms ({result['ratio']}x), median of {args.calls} calls each")
+    print(
+        json.dumps(result)
+        if args.json
+        else f"mask of {shape}: int32 lanes {result['ms_int32']} ms vs int64 "
+        f"{result['ms_int64']} ms ({result['ratio']}x), median of {args.calls} calls each"
+    )
     return 0
 
 

@@ -54,15 +54,23 @@ from bench_layout import ddp_step  # noqa: E402  (the DDP user's step, as bench_
 class Side:
     """One side: a trainer and the features on it."""
 
-    def __init__(self, name: str, preset: str | None, settings: list[str], corpus, world: int, rank: int,
-                 tmp: Path) -> None:
+    def __init__(
+        self, name: str, preset: str | None, settings: list[str], corpus, world: int, rank: int, tmp: Path
+    ) -> None:
         import torch.distributed as dist
 
         self.name = name
         deterministic = name != "plain"
         traced = "+trace" in name
-        cfg = load_config(None, [*settings, *([] if deterministic else ["determinism.enabled=false"]),
-                                 *(["trace.level=step"] if traced else [])], preset=preset)
+        cfg = load_config(
+            None,
+            [
+                *settings,
+                *([] if deterministic else ["determinism.enabled=false"]),
+                *(["trace.level=step"] if traced else []),
+            ],
+            preset=preset,
+        )
         self.parts = build(cfg, world=world, rank=rank, corpus=corpus, run_dir=tmp / name if traced else None)
         self.ddp = None
         if not deterministic and world > 1:
@@ -100,8 +108,9 @@ class Side:
                 loss, norm, _ = self.parts.step(s)
                 if self.writer is not None:
                     sums = {"grads": self.parts.reduced, "params": self.parts.named_params} if self.check else None
-                    self.writer.add(s + 1, self.parts.receipt_state(s + 1) if self.writer.path else None, loss, norm,
-                                    sums)
+                    self.writer.add(
+                        s + 1, self.parts.receipt_state(s + 1) if self.writer.path else None, loss, norm, sums
+                    )
             if self.writer is not None:
                 self.writer.wait()  # the block's last receipt is in its time
             self.parts.recorder.flush()  # and the last trace batch's digests (nothing to wait for untraced)
@@ -140,12 +149,18 @@ def run(preset: str | None, settings: list[str], pairs: int, steps: int, trace: 
         dist.init_process_group("gloo")
     rank = dist.get_rank() if world > 1 else 0
     corpus = load_corpus("stdlib")
-    names = ["plain", "deterministic", "+receipts", *(["+cross_rank"] if world > 1 else []), "production",
-             *(["production+trace", "production+trace apart"] if trace else [])]
+    names = [
+        "plain",
+        "deterministic",
+        "+receipts",
+        *(["+cross_rank"] if world > 1 else []),
+        "production",
+        *(["production+trace", "production+trace apart"] if trace else []),
+    ]
     with tempfile.TemporaryDirectory() as tmp:
         sides = [Side(n, preset, settings, corpus, world, rank, Path(tmp)) for n in names]
         for r in range(pairs + 1):
-            order = sides[r % len(sides):] + sides[:r % len(sides)]
+            order = sides[r % len(sides) :] + sides[: r % len(sides)]
             for side in order:
                 side.block(r * steps, steps)
             if r == 0:  # the first round warms the allocator and caches
@@ -157,18 +172,28 @@ def run(preset: str | None, settings: list[str], pairs: int, steps: int, trace: 
         for side in sides:
             side.close()
     by = {s.name: s for s in sides}
-    result = {"preset": preset or "reference", "settings": settings, "world_size": world, "pairs": pairs,
-              "steps_per_side": steps,
-              "params": sum(p.numel() for p in by["plain"].parts.model.parameters()), "sides": {}}
+    result = {
+        "preset": preset or "reference",
+        "settings": settings,
+        "world_size": world,
+        "pairs": pairs,
+        "steps_per_side": steps,
+        "params": sum(p.numel() for p in by["plain"].parts.model.parameters()),
+        "sides": {},
+    }
     for s in sides:
-        entry = {"step_ms": round(1000 * statistics.median(s.times), 2),
-                 "cpu_ms_per_step": round(1000 * statistics.median(s.cpu), 2),
-                 "vs_plain": round(statistics.median(a / b for a, b in zip(s.times, by["plain"].times)), 4)}
+        entry = {
+            "step_ms": round(1000 * statistics.median(s.times), 2),
+            "cpu_ms_per_step": round(1000 * statistics.median(s.cpu), 2),
+            "vs_plain": round(statistics.median(a / b for a, b in zip(s.times, by["plain"].times)), 4),
+        }
         if s.name not in ("plain", "deterministic"):
-            entry["vs_deterministic"] = round(statistics.median(
-                a / b for a, b in zip(s.times, by["deterministic"].times)), 4)
-            entry["cpu_ms_over_deterministic"] = round(1000 * (statistics.median(s.cpu)
-                                                              - statistics.median(by["deterministic"].cpu)), 2)
+            entry["vs_deterministic"] = round(
+                statistics.median(a / b for a, b in zip(s.times, by["deterministic"].times)), 4
+            )
+            entry["cpu_ms_over_deterministic"] = round(
+                1000 * (statistics.median(s.cpu) - statistics.median(by["deterministic"].cpu)), 2
+            )
             entry["receipt_thread_cpu_ms_per_step"] = round(1000 * s.writer.cpu_seconds / (pairs * steps), 3)
         if "+trace" in s.name:
             entry["vs_production"] = round(statistics.median(a / b for a, b in zip(s.times, by["production"].times)), 4)
@@ -182,8 +207,14 @@ def run(preset: str | None, settings: list[str], pairs: int, steps: int, trace: 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default=None)
-    ap.add_argument("--set", dest="settings", action="append", default=[], metavar="K=V",
-                    help="a config setting for every side (e.g. train.global_batch=32)")
+    ap.add_argument(
+        "--set",
+        dest="settings",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="a config setting for every side (e.g. train.global_batch=32)",
+    )
     ap.add_argument("--pairs", type=int, default=9)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--trace", action="store_true", help="also production with the step-level trace (and its control)")
@@ -195,15 +226,23 @@ def main() -> int:
     if args.json:
         print(json.dumps(result))
         return 0
-    print(f"{result['preset']} {' '.join(result['settings'])} ({result['params']:,} parameters), "
-          f"{result['world_size']} process(es), median of "
-          f"{result['pairs']} rounds of {result['steps_per_side']} steps a side:")
+    print(
+        f"{result['preset']} {' '.join(result['settings'])} ({result['params']:,} parameters), "
+        f"{result['world_size']} process(es), median of "
+        f"{result['pairs']} rounds of {result['steps_per_side']} steps a side:"
+    )
     for name, e in result["sides"].items():
-        extra = (f", {e['vs_deterministic']:.4f}x of deterministic (+{e['cpu_ms_over_deterministic']} CPU ms; "
-                 f"receipt thread {e['receipt_thread_cpu_ms_per_step']} CPU ms)" if "vs_deterministic" in e else "")
+        extra = (
+            f", {e['vs_deterministic']:.4f}x of deterministic (+{e['cpu_ms_over_deterministic']} CPU ms; "
+            f"receipt thread {e['receipt_thread_cpu_ms_per_step']} CPU ms)"
+            if "vs_deterministic" in e
+            else ""
+        )
         extra += f", {e['vs_production']:.4f}x of production" if "vs_production" in e else ""
-        print(f"  {name:23s} {e['step_ms']:8.2f} ms a step, {e['cpu_ms_per_step']:8.2f} CPU ms; "
-              f"{e['vs_plain']:.4f}x of plain{extra}")
+        print(
+            f"  {name:23s} {e['step_ms']:8.2f} ms a step, {e['cpu_ms_per_step']:8.2f} CPU ms; "
+            f"{e['vs_plain']:.4f}x of plain{extra}"
+        )
     c = result["checksum"]
     print(f"  state checksum: {c['state_bytes']:,} bytes in {c['ms']} ms ({c['ns_per_byte']} ns a byte)")
     return 0

@@ -50,9 +50,12 @@ def _variant(name: str, nbytes: int):
         flatten(tree, "state", tensors)
         return str([(t.data_ptr(), t.dtype, tuple(t.shape), t.stride()) for t in tensors.values()][:0])
 
-    return {"none": lambda tree, *_: "-", "walk": walk,
-            "buffer": lambda tree, *_: xxhash.xxh3_128(buffer).hexdigest(),
-            "sha256": lambda tree, hash_, memo=None: checksums.state_checksum(tree, "sha256")}[name]
+    return {
+        "none": lambda tree, *_: "-",
+        "walk": walk,
+        "buffer": lambda tree, *_: xxhash.xxh3_128(buffer).hexdigest(),
+        "sha256": lambda tree, hash_, memo=None: checksums.state_checksum(tree, "sha256"),
+    }[name]
 
 
 def receipts_overhead(pairs: int, steps: int, variant: str = "checksum") -> dict:
@@ -95,11 +98,16 @@ def receipts_overhead(pairs: int, steps: int, variant: str = "checksum") -> dict
                 t_on.append(a / steps)
                 t_off.append(b / steps)
         writer.close()
-    return {"pairs": pairs, "steps_per_side": steps, "training_thread_ms": round(1000 * own[0] / (pairs * steps), 3),
-            "step_ms_receipts": round(1000 * statistics.median(t_on), 2),
-            "step_ms_plain": round(1000 * statistics.median(t_off), 2),
-            "receipts_ratio_median": round(statistics.median(ratios), 4), "variant": variant,
-            "receipt_thread_cpu_ms": round(1000 * writer.cpu_seconds / (pairs * steps), 3)}
+    return {
+        "pairs": pairs,
+        "steps_per_side": steps,
+        "training_thread_ms": round(1000 * own[0] / (pairs * steps), 3),
+        "step_ms_receipts": round(1000 * statistics.median(t_on), 2),
+        "step_ms_plain": round(1000 * statistics.median(t_off), 2),
+        "receipts_ratio_median": round(statistics.median(ratios), 4),
+        "variant": variant,
+        "receipt_thread_cpu_ms": round(1000 * writer.cpu_seconds / (pairs * steps), 3),
+    }
 
 
 def main() -> int:
@@ -113,12 +121,15 @@ def main() -> int:
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
     result = receipts_overhead(args.pairs, args.steps, args.variant)
-    print(json.dumps(result) if args.json else
-          f"receipts ({args.variant}): {result['receipts_ratio_median']:.4f}x ({result['step_ms_receipts']} vs "
-          f"{result['step_ms_plain']} "
-          f"ms a step, median of {args.pairs} pairs of {args.steps} steps); the training thread's own time "
-          f"{result['training_thread_ms']} ms a step, the receipt thread's CPU {result['receipt_thread_cpu_ms']} ms "
-          "a step")
+    print(
+        json.dumps(result)
+        if args.json
+        else f"receipts ({args.variant}): {result['receipts_ratio_median']:.4f}x ({result['step_ms_receipts']} vs "
+        f"{result['step_ms_plain']} "
+        f"ms a step, median of {args.pairs} pairs of {args.steps} steps); the training thread's own time "
+        f"{result['training_thread_ms']} ms a step, the receipt thread's CPU {result['receipt_thread_cpu_ms']} ms "
+        "a step"
+    )
     return 0
 
 

@@ -84,8 +84,10 @@ def own_share() -> None:
 # The recorder's entry points a training loop calls (and ModuleRecords.drain, where the module level's
 # records are made when a microbatch ends): the time spent inside them is the training thread's own share,
 # measured directly in the loop instead of as the difference of two noisy step times.
-_RECORDER_CALLS = (("recorder", "Recorder", ("grads", "state", "metric", "flush", "record", "collective")),
-                   ("module_level", "ModuleRecords", ("drain",)))
+_RECORDER_CALLS = (
+    ("recorder", "Recorder", ("grads", "state", "metric", "flush", "record", "collective")),
+    ("module_level", "ModuleRecords", ("drain",)),
+)
 
 
 def time_recorder_calls() -> dict[int, float]:
@@ -96,6 +98,7 @@ def time_recorder_calls() -> dict[int, float]:
     for module, cls_name, names in _RECORDER_CALLS:
         cls = getattr(importlib.import_module(f"samestep.tracing.{module}"), cls_name)
         for name in names:
+
             def timed(self, *args, _f=getattr(cls, name), **kwargs):
                 if depth[0]:
                     return _f(self, *args, **kwargs)
@@ -107,12 +110,19 @@ def time_recorder_calls() -> dict[int, float]:
                     key = id(getattr(self, "rec", self))  # a level's helper counts for its recorder
                     spent[key] = spent.get(key, 0.0) + time.perf_counter() - t0
                     depth[0] = 0
+
             setattr(cls, name, timed)
     return spent
 
 
-def trace_overhead(pairs: int, steps: int, overrides: list[str], levels: list[str], device: str = "cpu",
-                   spent: dict[int, float] | None = None) -> dict:
+def trace_overhead(
+    pairs: int,
+    steps: int,
+    overrides: list[str],
+    levels: list[str],
+    device: str = "cpu",
+    spent: dict[int, float] | None = None,
+) -> dict:
     """Blocks of ``steps`` untraced then ``steps`` traced steps, alternating. After a traced block the
     digest worker is drained outside the timing, so the next untraced block is clean. A traced block
     then holds its steps' own costs and the worker's contention for all but its last batch: ``ratio``
@@ -124,8 +134,12 @@ def trace_overhead(pairs: int, steps: int, overrides: list[str], levels: list[st
     with tempfile.TemporaryDirectory() as d, samestep.enable(threads=1):
         base = build(load_config(None, overrides), corpus=corpus, device=device)
         for level in levels:
-            traced = build(load_config(None, [*overrides, f"trace.level={level}"]), corpus=corpus,
-                           run_dir=Path(d) / level, device=device)
+            traced = build(
+                load_config(None, [*overrides, f"trace.level={level}"]),
+                corpus=corpus,
+                run_dir=Path(d) / level,
+                device=device,
+            )
             ratios, drained, t_off, t_on, inside = [], [], [], [], []
             key = id(traced.recorder)
             for p in range(pairs + 1):
@@ -150,14 +164,19 @@ def trace_overhead(pairs: int, steps: int, overrides: list[str], levels: list[st
                     t_on.append((t2 - t1) / steps)
                     inside.append(within / (t1 - t0))
             traced.recorder.close()
-            result[level] = {"ratio_median": round(statistics.median(ratios), 3), "ratio_ci95": median_ci(ratios),
-                             "ratio_with_drain_median": round(statistics.median(drained), 3),
-                             "step_ms_untraced": round(1000 * statistics.median(t_off), 1),
-                             "step_ms_traced": round(1000 * statistics.median(t_on), 1)}
+            result[level] = {
+                "ratio_median": round(statistics.median(ratios), 3),
+                "ratio_ci95": median_ci(ratios),
+                "ratio_with_drain_median": round(statistics.median(drained), 3),
+                "step_ms_untraced": round(1000 * statistics.median(t_off), 1),
+                "step_ms_traced": round(1000 * statistics.median(t_on), 1),
+            }
             if spent is not None:
                 share = statistics.median(inside)
-                result[level].update(recorder_calls_ms_per_step=round(1000 * share * statistics.median(t_off), 3),
-                                     recorder_calls_share=round(share, 4))
+                result[level].update(
+                    recorder_calls_ms_per_step=round(1000 * share * statistics.median(t_off), 3),
+                    recorder_calls_share=round(share, 4),
+                )
     return result
 
 
@@ -191,8 +210,10 @@ def worker_contention(rounds: int, steps: int = 4) -> dict:
             base.step(s)
         state = list(base.model.parameters()) + [v for st in base.optimizer.state.values() for v in st.values()]
         spans = json.dumps([(t.data_ptr(), t.nbytes) for t in state])
-        children = {name: subprocess.Popen([sys.executable, "-c", _NONSTOP, str(os.getpid()), str(group), spans])
-                    for name, group in layouts.items()}
+        children = {
+            name: subprocess.Popen([sys.executable, "-c", _NONSTOP, str(os.getpid()), str(group), spans])
+            for name, group in layouts.items()
+        }
         try:
             time.sleep(5)  # torch imported, digesting
             for child in children.values():
@@ -218,8 +239,11 @@ def worker_contention(rounds: int, steps: int = 4) -> dict:
             for child in children.values():
                 child.kill()
                 child.wait()
-    return {"bytes": sum(t.nbytes for t in state), "rounds": rounds,
-            **{f"slowdown_{name}": round(statistics.median(r), 3) for name, r in ratios.items()}}
+    return {
+        "bytes": sum(t.nbytes for t in state),
+        "rounds": rounds,
+        **{f"slowdown_{name}": round(statistics.median(r), 3) for name, r in ratios.items()},
+    }
 
 
 def _write_synthetic(run: Path, rank: int, n: int, flip_last: bool) -> None:
@@ -238,13 +262,19 @@ def _write_synthetic(run: Path, rank: int, n: int, flip_last: bool) -> None:
                 dig[-1, 0] ^= 1
             binary = pa.FixedSizeBinaryArray.from_buffers(pa.binary(16), m, [None, pa.py_buffer(dig.tobytes())])
             inputs = pa.FixedSizeBinaryArray.from_buffers(pa.binary(16), m, [None, pa.py_buffer(dig_in.tobytes())])
-            cols = [pa.array(idx, pa.int64()), pa.array(idx // 100_000 + 1, pa.int32()),
-                    pa.array((idx // 1000) % 8, pa.int32()),
-                    pa.DictionaryArray.from_arrays(pa.array((idx // 500) % 2, pa.int8()),
-                                                   pa.array(["forward", "backward"])).cast(pa.string()),
-                    pa.DictionaryArray.from_arrays(pa.array(idx % 8, pa.int8()), scopes).cast(pa.string()),
-                    pa.DictionaryArray.from_arrays(pa.array(idx % 4, pa.int8()), ops).cast(pa.string()),
-                    pa.array(idx // 32 % 1000, pa.int32()), inputs.cast(pa.binary()), binary.cast(pa.binary())]
+            cols = [
+                pa.array(idx, pa.int64()),
+                pa.array(idx // 100_000 + 1, pa.int32()),
+                pa.array((idx // 1000) % 8, pa.int32()),
+                pa.DictionaryArray.from_arrays(
+                    pa.array((idx // 500) % 2, pa.int8()), pa.array(["forward", "backward"])
+                ).cast(pa.string()),
+                pa.DictionaryArray.from_arrays(pa.array(idx % 8, pa.int8()), scopes).cast(pa.string()),
+                pa.DictionaryArray.from_arrays(pa.array(idx % 4, pa.int8()), ops).cast(pa.string()),
+                pa.array(idx // 32 % 1000, pa.int32()),
+                inputs.cast(pa.binary()),
+                binary.cast(pa.binary()),
+            ]
             writer.write(dict(zip(SCHEMA.names, cols)))
     finally:
         writer.close()
@@ -252,8 +282,11 @@ def _write_synthetic(run: Path, rank: int, n: int, flip_last: bool) -> None:
 
 def _run_json(run: Path, world: int) -> None:
     run.mkdir(parents=True, exist_ok=True)
-    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "version": 1, "config": {}, "environment": {},
-                                              "layout": {"world_size": world}}))
+    (run / "run.json").write_text(
+        json.dumps(
+            {"format": "samestep.run", "version": 1, "config": {}, "environment": {}, "layout": {"world_size": world}}
+        )
+    )
 
 
 def diff_scale(records: int, ranks: int, per_rank: int) -> dict:
@@ -276,8 +309,13 @@ def diff_scale(records: int, ranks: int, per_rank: int) -> dict:
         report = diff_runs(a, b)
         many = time.perf_counter() - t0
         assert report["origin"]["rank"] == ranks - 1
-    return {"single_rank_records": records, "single_rank_seconds": round(single, 2),
-            "ranks": ranks, "records_per_rank": per_rank, "many_ranks_seconds": round(many, 2)}
+    return {
+        "single_rank_records": records,
+        "single_rank_seconds": round(single, 2),
+        "ranks": ranks,
+        "records_per_rank": per_rank,
+        "many_ranks_seconds": round(many, 2),
+    }
 
 
 def main() -> int:
@@ -285,20 +323,36 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=9)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--levels", default="step,module,op", help="trace levels to measure the overhead of")
-    ap.add_argument("--own-share", action="store_true",
-                    help="the worker process drops each batch unread: the training thread's own share")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                    help="config overrides for the overhead runs (as samestep train --set)")
+    ap.add_argument(
+        "--own-share",
+        action="store_true",
+        help="the worker process drops each batch unread: the training thread's own share",
+    )
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config overrides for the overhead runs (as samestep train --set)",
+    )
     ap.add_argument("--records", type=int, default=10_000_000)
     ap.add_argument("--ranks", type=int, default=1024)
     ap.add_argument("--records-per-rank", type=int, default=10_000)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    ap.add_argument("--digest-triton", default="auto", choices=("auto", "on", "off"),
-                    help="the digest's fused Triton kernel: auto (on CUDA tensors), or off to time the PyTorch path")
-    ap.add_argument("--contention-rounds", type=int, default=10,
-                    help="rounds of worker_contention (CPU only; 0 skips it)")
-    ap.add_argument("--recorder-calls", action="store_true",
-                    help="also time the recorder's calls inside the traced steps (the training thread's own share)")
+    ap.add_argument(
+        "--digest-triton",
+        default="auto",
+        choices=("auto", "on", "off"),
+        help="the digest's fused Triton kernel: auto (on CUDA tensors), or off to time the PyTorch path",
+    )
+    ap.add_argument(
+        "--contention-rounds", type=int, default=10, help="rounds of worker_contention (CPU only; 0 skips it)"
+    )
+    ap.add_argument(
+        "--recorder-calls",
+        action="store_true",
+        help="also time the recorder's calls inside the traced steps (the training thread's own share)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.own_share:
@@ -307,8 +361,11 @@ def main() -> int:
     importlib.import_module("samestep.digests.rows").TRITON = args.digest_triton  # in this process
     # the overhead first: samestep.enable() must run before CUDA starts (the digest timing would start it)
     overhead = trace_overhead(args.pairs, args.steps, args.set, args.levels.split(","), args.device, spent)
-    result = {"digest": digest_throughput(2, args.device), "trace_overhead": overhead,
-              "diff": diff_scale(args.records, args.ranks, args.records_per_rank)}
+    result = {
+        "digest": digest_throughput(2, args.device),
+        "trace_overhead": overhead,
+        "diff": diff_scale(args.records, args.ranks, args.records_per_rank),
+    }
     if args.device == "cpu" and args.contention_rounds:
         result["worker_contention"] = worker_contention(args.contention_rounds)
     if args.json:

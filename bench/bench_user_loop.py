@@ -34,8 +34,16 @@ def model() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=SEQ,
+        n_embd=64,
+        n_layer=2,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     return GPT2LMHeadModel(cfg)
 
 
@@ -92,10 +100,14 @@ def overhead(level: str, pairs: int, steps: int, root: Path) -> dict:
     n = sum(b.num_rows for b in records(root / level, 0, set(range(1, total + 1)), []))
     per_step = n / total
     extra = statistics.median(t_on) - statistics.median(t_off)
-    return {"ratio_median": round(statistics.median(ratios), 3), "ratio_ci95": median_ci(ratios),
-            "step_ms_untraced": round(1000 * statistics.median(t_off), 2),
-            "step_ms_traced": round(1000 * statistics.median(t_on), 2),
-            "records_per_step": round(per_step, 1), "us_per_record": round(1e6 * extra / per_step, 2)}
+    return {
+        "ratio_median": round(statistics.median(ratios), 3),
+        "ratio_ci95": median_ci(ratios),
+        "step_ms_untraced": round(1000 * statistics.median(t_off), 2),
+        "step_ms_traced": round(1000 * statistics.median(t_on), 2),
+        "records_per_step": round(per_step, 1),
+        "us_per_record": round(1e6 * extra / per_step, 2),
+    }
 
 
 def main() -> int:
@@ -111,9 +123,11 @@ def main() -> int:
         print(json.dumps(out))
     else:
         for level, r in out.items():
-            print(f"{level:7s} {r['ratio_median']:.3f}x  95% [{r['ratio_ci95'][0]}, {r['ratio_ci95'][1]}]  "
-                  f"{r['step_ms_untraced']} -> {r['step_ms_traced']} ms/step  {r['records_per_step']} records/step  "
-                  f"{r['us_per_record']} us/record")
+            print(
+                f"{level:7s} {r['ratio_median']:.3f}x  95% [{r['ratio_ci95'][0]}, {r['ratio_ci95'][1]}]  "
+                f"{r['step_ms_untraced']} -> {r['step_ms_traced']} ms/step  {r['records_per_step']} records/step  "
+                f"{r['us_per_record']} us/record"
+            )
     return 0
 
 

@@ -29,8 +29,9 @@ from samestep.train import load_config  # noqa: E402
 from samestep.train.config import PRESETS  # noqa: E402
 from samestep.train.loop import build  # noqa: E402
 
-PRESET = tuple(f"{section}.{key}={value}" for section, values in PRESETS["small"].items()
-               for key, value in values.items())
+PRESET = tuple(
+    f"{section}.{key}={value}" for section, values in PRESETS["small"].items() for key, value in values.items()
+)
 
 
 def compile_speedup(pairs: int, steps: int, threads: int) -> dict:
@@ -38,8 +39,9 @@ def compile_speedup(pairs: int, steps: int, threads: int) -> dict:
     corpus = load_corpus("stdlib")
     with samestep.enable(threads=threads):
         eager = build(load_config(None, [*PRESET, f"determinism.threads={threads}"]), corpus=corpus)
-        compiled = build(load_config(None, [*PRESET, f"determinism.threads={threads}", "train.compile=true"]),
-                         corpus=corpus)
+        compiled = build(
+            load_config(None, [*PRESET, f"determinism.threads={threads}", "train.compile=true"]), corpus=corpus
+        )
         t0 = time.perf_counter()
         compiled.step(0)  # compiles
         compile_s = time.perf_counter() - t0
@@ -57,10 +59,15 @@ def compile_speedup(pairs: int, steps: int, threads: int) -> dict:
             ratios.append(c / e)
             t_eager.append(e / steps)
             t_comp.append(c / steps)
-    return {"pairs": pairs, "steps_per_side": steps, "threads": threads, "compile_s": round(compile_s, 1),
-            "step_ms_eager": round(1000 * statistics.median(t_eager), 1),
-            "step_ms_compiled": round(1000 * statistics.median(t_comp), 1),
-            "compiled_over_eager_median": round(statistics.median(ratios), 4)}
+    return {
+        "pairs": pairs,
+        "steps_per_side": steps,
+        "threads": threads,
+        "compile_s": round(compile_s, 1),
+        "step_ms_eager": round(1000 * statistics.median(t_eager), 1),
+        "step_ms_compiled": round(1000 * statistics.median(t_comp), 1),
+        "compiled_over_eager_median": round(statistics.median(ratios), 4),
+    }
 
 
 def main() -> int:
@@ -73,8 +80,9 @@ def main() -> int:
     torch.manual_seed(0)
     result = {
         "determinism_eager": determinism_overhead(args.pairs, args.steps, args.threads, PRESET),
-        "determinism_compiled": determinism_overhead(args.pairs, args.steps, args.threads,
-                                                     (*PRESET, "train.compile=true")),
+        "determinism_compiled": determinism_overhead(
+            args.pairs, args.steps, args.threads, (*PRESET, "train.compile=true")
+        ),
         "compile": compile_speedup(args.pairs, args.steps, args.threads),
     }
     if args.json:
@@ -82,11 +90,15 @@ def main() -> int:
     else:
         for name in ("determinism_eager", "determinism_compiled"):
             d = result[name]
-            print(f"{name}: {d['step_ms_on']} ms/step on vs {d['step_ms_off']} off; overhead median of "
-                  f"{d['pairs']} pairs: {d['overhead_ratio_median']}")
+            print(
+                f"{name}: {d['step_ms_on']} ms/step on vs {d['step_ms_off']} off; overhead median of "
+                f"{d['pairs']} pairs: {d['overhead_ratio_median']}"
+            )
         c = result["compile"]
-        print(f"compiled vs eager (deterministic): {c['step_ms_compiled']} vs {c['step_ms_eager']} ms/step, "
-              f"ratio {c['compiled_over_eager_median']} (compile {c['compile_s']} s)")
+        print(
+            f"compiled vs eager (deterministic): {c['step_ms_compiled']} vs {c['step_ms_eager']} ms/step, "
+            f"ratio {c['compiled_over_eager_median']} (compile {c['compile_s']} s)"
+        )
     return 0
 
 

@@ -39,8 +39,15 @@ TILES = ((128, 256, 1.0), (128, 128, 0.9), (64, 128, 0.8), (64, 64, 0.65))  # ro
 
 def gemm_ms(m: int, n: int, k: int, a: argparse.Namespace) -> float:
     """One GEMM of (m x k) @ (k x n), in ms, by the waves-and-bytes model of the module's docstring."""
-    compute = min(math.ceil(math.ceil(m / tm) * math.ceil(n / tn) / a.sms) * 2 * tm * tn * k
-                  / (a.tflops * 1e12 * a.efficiency * rate / a.sms) for tm, tn, rate in TILES)
+    compute = min(
+        math.ceil(math.ceil(m / tm) * math.ceil(n / tn) / a.sms)
+        * 2
+        * tm
+        * tn
+        * k
+        / (a.tflops * 1e12 * a.efficiency * rate / a.sms)
+        for tm, tn, rate in TILES
+    )
     memory = 2 * (m * k + k * n + m * n) / (a.hbm_gbps * 1e9)
     return 1e3 * max(compute, memory) + a.launch_us * 1e-3
 
@@ -54,6 +61,7 @@ def linear_ms(m: int, k: int, n: int, t: int, column: bool, parts: int, a: argpa
     ``parts`` projections), column- or row-parallel at TP ``t``."""
     local = a.chunks // t  # chunks a rank holds
     if column:  # split along n: a chunk is n / chunks of each projection
+
         def three(width: int) -> float:  # forward, input gradient, weight gradient
             return gemm_ms(m, width, k, a) + gemm_ms(m, k, width, a) + gemm_ms(width, k, m, a)
 
@@ -69,14 +77,28 @@ def linear_ms(m: int, k: int, n: int, t: int, column: bool, parts: int, a: argpa
 def layer(name: str, t: int, a: argparse.Namespace) -> dict:
     hidden, mlp, heads, kv_heads, layers = MODELS[name]
     m, kv = a.tokens, 2 * hidden * kv_heads // heads
-    linears = [(hidden, hidden, True, 1), (hidden, kv, True, 2), (hidden, hidden, False, 1),
-               (hidden, mlp, True, 1), (hidden, mlp, True, 1), (mlp, hidden, False, 1)]
+    linears = [
+        (hidden, hidden, True, 1),
+        (hidden, kv, True, 2),
+        (hidden, hidden, False, 1),
+        (hidden, mlp, True, 1),
+        (hidden, mlp, True, 1),
+        (mlp, hidden, False, 1),
+    ]
     plain, canonical = (sum(x) for x in zip(*(linear_ms(m, k, n, t, c, p, a) for k, n, c, p in linears)))
     causal = 2 * m * a.seq * hidden / t  # flash attention's forward FLOPs a rank (half of the square)
     attention = 1e3 * 3.5 * causal / (a.tflops * 1e12 * a.efficiency)
-    return {"model": name, "tp": t, "chunks_a_rank": a.chunks // t, "linears_ms_plain": plain,
-            "linears_ms_canonical": canonical, "attention_ms": attention, "layers": layers,
-            "linears_ratio": canonical / plain, "layer_ratio": (canonical + attention) / (plain + attention)}
+    return {
+        "model": name,
+        "tp": t,
+        "chunks_a_rank": a.chunks // t,
+        "linears_ms_plain": plain,
+        "linears_ms_canonical": canonical,
+        "attention_ms": attention,
+        "layers": layers,
+        "linears_ratio": canonical / plain,
+        "layer_ratio": (canonical + attention) / (plain + attention),
+    }
 
 
 def main() -> int:
@@ -92,11 +114,21 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     rows = [layer(name, t, a) for name in MODELS for t in (1, 2, 4, 8) if a.chunks % t == 0]
-    return report(rows, a.json, ["model", "TP", "chunks a rank", "linears a layer, PyTorch's / canonical",
-                                 "attention", "linears", "layer"],
-                  lambda r: [r["model"], str(r["tp"]), str(r["chunks_a_rank"]),
-                             f"{r['linears_ms_plain']:.2f} / {r['linears_ms_canonical']:.2f} ms",
-                             f"{r['attention_ms']:.2f} ms", f"{r['linears_ratio']:.3f}x", f"{r['layer_ratio']:.3f}x"])
+    return report(
+        rows,
+        a.json,
+        ["model", "TP", "chunks a rank", "linears a layer, PyTorch's / canonical", "attention", "linears", "layer"],
+        lambda r: [
+            r["model"],
+            str(r["tp"]),
+            str(r["chunks_a_rank"]),
+            f"{r['linears_ms_plain']:.2f} / {r['linears_ms_canonical']:.2f} ms",
+            f"{r['attention_ms']:.2f} ms",
+            f"{r['linears_ratio']:.3f}x",
+            f"{r['layer_ratio']:.3f}x",
+        ],
+    )
+
 
 if __name__ == "__main__":
     sys.exit(main())

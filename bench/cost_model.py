@@ -80,11 +80,16 @@ def estimate(w: int, grad: float, buckets: int, alpha: float, beta: float, sum_b
     built = _hidden(all_to_all, buckets, backward) + buckets * (canon - all_to_all)  # sums and gathers after it
     full = _hidden(canon, buckets, backward)
     step = backward * 1.5  # forward + backward + optimizer, as a step of a dense decoder roughly is
-    return {"ranks": w, "ddp_exposed_ms": 1e3 * ddp_exposed, "canonical_exposed_ms": 1e3 * whole,
-            "canonical_overlapped_exposed_ms": 1e3 * built, "canonical_whole_overlap_exposed_ms": 1e3 * full,
-            "ratio_to_ddp": (step + whole) / (step + ddp_exposed),
-            "ratio_to_ddp_overlapped": (step + built) / (step + ddp_exposed),
-            "ratio_to_ddp_whole_overlap": (step + full) / (step + ddp_exposed)}
+    return {
+        "ranks": w,
+        "ddp_exposed_ms": 1e3 * ddp_exposed,
+        "canonical_exposed_ms": 1e3 * whole,
+        "canonical_overlapped_exposed_ms": 1e3 * built,
+        "canonical_whole_overlap_exposed_ms": 1e3 * full,
+        "ratio_to_ddp": (step + whole) / (step + ddp_exposed),
+        "ratio_to_ddp_overlapped": (step + built) / (step + ddp_exposed),
+        "ratio_to_ddp_whole_overlap": (step + full) / (step + ddp_exposed),
+    }
 
 
 def tp_estimate(t: int, dp: int, a: argparse.Namespace) -> dict:
@@ -94,16 +99,24 @@ def tp_estimate(t: int, dp: int, a: argparse.Namespace) -> dict:
     ring = ring_bucket(m, t, alpha, beta)
     canon = (alpha + m / beta + m / hbm) if t == 2 else canonical_bucket(m, t, alpha, beta, hbm)
     count = 4 * a.layers * a.microbatches
-    dp_rows = estimate(dp, a.grad_mb * 1e6 / t, a.buckets, a.alpha_us * 1e-6, a.gbps * 1e9, a.sum_gbps * 1e9,
-                       a.backward_ms * 1e-3)
+    dp_rows = estimate(
+        dp, a.grad_mb * 1e6 / t, a.buckets, a.alpha_us * 1e-6, a.gbps * 1e9, a.sum_gbps * 1e9, a.backward_ms * 1e-3
+    )
     step = a.backward_ms * 1e-3 * 1.5
     plain = count * ring + dp_rows["ddp_exposed_ms"] * 1e-3
     canonical = count * canon + dp_rows["canonical_overlapped_exposed_ms"] * 1e-3 + a.chunk_cost * step
-    return {"tp": t, "dp": dp, "ranks": t * dp, "plain_tp_sums_ms": 1e3 * count * ring,
-            "canonical_tp_sums_ms": 1e3 * count * canon, "plain_dp_exposed_ms": dp_rows["ddp_exposed_ms"],
-            "canonical_dp_exposed_ms": dp_rows["canonical_overlapped_exposed_ms"],
-            "plain_tp_exposed_ms": 1e3 * plain, "canonical_tp_exposed_ms": 1e3 * canonical,
-            "ratio_to_plain_tp": (step + canonical) / (step + plain)}
+    return {
+        "tp": t,
+        "dp": dp,
+        "ranks": t * dp,
+        "plain_tp_sums_ms": 1e3 * count * ring,
+        "canonical_tp_sums_ms": 1e3 * count * canon,
+        "plain_dp_exposed_ms": dp_rows["ddp_exposed_ms"],
+        "canonical_dp_exposed_ms": dp_rows["canonical_overlapped_exposed_ms"],
+        "plain_tp_exposed_ms": 1e3 * plain,
+        "canonical_tp_exposed_ms": 1e3 * canonical,
+        "ratio_to_plain_tp": (step + canonical) / (step + plain),
+    }
 
 
 def pp_estimate(p: int, dp: int, a: argparse.Namespace) -> dict:
@@ -119,9 +132,15 @@ def pp_estimate(p: int, dp: int, a: argparse.Namespace) -> dict:
     rows = min(tied, a.tied_rows_mb * 1e6)
     canonical = dp_rows["canonical_overlapped_exposed_ms"] * 1e-3 + (alpha + rows / beta if tied else 0.0) + joins
     receipts = (p - 1) / p * 3 * a.grad_mb * 1e6 / beta  # param + Adam's moments, 12 B a parameter, to rank 0
-    return {"pp": p, "dp": dp, "ranks": p * dp, "plain_exposed_ms": 1e3 * plain,
-            "canonical_exposed_ms": 1e3 * canonical, "ratio_to_plain_pp": (step + canonical) / (step + plain),
-            "receipts_gather_ms": 1e3 * receipts}
+    return {
+        "pp": p,
+        "dp": dp,
+        "ranks": p * dp,
+        "plain_exposed_ms": 1e3 * plain,
+        "canonical_exposed_ms": 1e3 * canonical,
+        "ratio_to_plain_pp": (step + canonical) / (step + plain),
+        "receipts_gather_ms": 1e3 * receipts,
+    }
 
 
 def ep_estimate(g: int, dp: int, a: argparse.Namespace) -> dict:
@@ -130,14 +149,23 @@ def ep_estimate(g: int, dp: int, a: argparse.Namespace) -> dict:
     alpha, beta, sum_bw, bwd = a.alpha_us * 1e-6, a.gbps * 1e9, a.sum_gbps * 1e9, a.backward_ms * 1e-3
     shared = estimate(dp, a.grad_mb * 1e6, a.buckets, alpha, beta, sum_bw, bwd)
     replicas = dp // g
-    experts = (estimate(replicas, a.expert_mb * 1e6 / g, a.buckets, alpha, beta, sum_bw, bwd) if replicas > 1
-               else {"ddp_exposed_ms": 0.0, "canonical_overlapped_exposed_ms": 0.0})
+    experts = (
+        estimate(replicas, a.expert_mb * 1e6 / g, a.buckets, alpha, beta, sum_bw, bwd)
+        if replicas > 1
+        else {"ddp_exposed_ms": 0.0, "canonical_overlapped_exposed_ms": 0.0}
+    )
     step = bwd * 1.5
     plain = (shared["ddp_exposed_ms"] + experts["ddp_exposed_ms"]) * 1e-3
-    canonical = ((shared["canonical_overlapped_exposed_ms"] + experts["canonical_overlapped_exposed_ms"]) * 1e-3
-                 + a.split_cost * step)
-    return {"ep": g, "dp": dp, "plain_exposed_ms": 1e3 * plain, "canonical_exposed_ms": 1e3 * canonical,
-            "ratio_to_plain_ep": (step + canonical) / (step + plain)}
+    canonical = (
+        shared["canonical_overlapped_exposed_ms"] + experts["canonical_overlapped_exposed_ms"]
+    ) * 1e-3 + a.split_cost * step
+    return {
+        "ep": g,
+        "dp": dp,
+        "plain_exposed_ms": 1e3 * plain,
+        "canonical_exposed_ms": 1e3 * canonical,
+        "ratio_to_plain_ep": (step + canonical) / (step + plain),
+    }
 
 
 def main() -> int:
@@ -149,8 +177,12 @@ def main() -> int:
     ap.add_argument("--buckets", type=int, default=25)
     ap.add_argument("--sum-gbps", type=float, default=200.0, help="memory bandwidth of the fixed-order sum")
     ap.add_argument("--tp", action="store_true", help="tensor parallelism at TP 2-8 x DP 8-4,096")
-    ap.add_argument("--message-mb", type=float, default=64.0,
-                    help="--tp: bytes of one activation sum (bf16 tokens x hidden of a microbatch)")
+    ap.add_argument(
+        "--message-mb",
+        type=float,
+        default=64.0,
+        help="--tp: bytes of one activation sum (bf16 tokens x hidden of a microbatch)",
+    )
     ap.add_argument("--layers", type=int, default=32, help="--tp: decoder layers")
     ap.add_argument("--microbatches", type=int, default=8, help="--tp: microbatches per step and rank")
     ap.add_argument("--nvlink-gbps", type=float, default=450.0, help="--tp: bandwidth per GPU within a node")
@@ -158,46 +190,98 @@ def main() -> int:
     ap.add_argument("--chunk-cost", type=float, default=0.03, help="--tp: the chunked matmuls' extra, of a step")
     ap.add_argument("--hbm-gbps", type=float, default=3000.0, help="--tp: device memory bandwidth of a sum")
     ap.add_argument("--pp", action="store_true", help="pipeline parallelism at PP 2-8 x DP 8-512")
-    ap.add_argument("--tied-mb", type=float, default=0.0,
-                    help="--pp: bytes of a weight tied across the first and last stage (0: an untied head)")
-    ap.add_argument("--tied-rows-mb", type=float, default=134.0,
-                    help="--pp: the tied embedding gradient's rows of a microbatch's tokens (8,192 x 4,096 x 4 B)")
+    ap.add_argument(
+        "--tied-mb",
+        type=float,
+        default=0.0,
+        help="--pp: bytes of a weight tied across the first and last stage (0: an untied head)",
+    )
+    ap.add_argument(
+        "--tied-rows-mb",
+        type=float,
+        default=134.0,
+        help="--pp: the tied embedding gradient's rows of a microbatch's tokens (8,192 x 4,096 x 4 B)",
+    )
     ap.add_argument("--ep", action="store_true", help="expert parallelism at EP 8-64 within DP 64-4,096")
     ap.add_argument("--expert-mb", type=float, default=8000.0, help="--ep: the experts' gradient bytes, all ranks'")
-    ap.add_argument("--split-cost", type=float, default=0.02,
-                    help="--ep: each expert's GEMMs per source rank instead of one, of a step")
+    ap.add_argument(
+        "--split-cost",
+        type=float,
+        default=0.02,
+        help="--ep: each expert's GEMMs per source rank instead of one, of a step",
+    )
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.pp:
-        return report([pp_estimate(p, dp, a) for p in (2, 4, 8) for dp in (8, 64, 512)], a.json,
-                       ["PP x DP", "exposed, plain / canonical", "ratio to plain PP", "receipts' gather"],
-                       lambda r: [f"{r['pp']} x {r['dp']}",
-                                  f"{r['plain_exposed_ms']:.1f} / {r['canonical_exposed_ms']:.1f} ms",
-                                  f"{r['ratio_to_plain_pp']:.3f}x", f"{r['receipts_gather_ms']:.0f} ms"])
+        return report(
+            [pp_estimate(p, dp, a) for p in (2, 4, 8) for dp in (8, 64, 512)],
+            a.json,
+            ["PP x DP", "exposed, plain / canonical", "ratio to plain PP", "receipts' gather"],
+            lambda r: [
+                f"{r['pp']} x {r['dp']}",
+                f"{r['plain_exposed_ms']:.1f} / {r['canonical_exposed_ms']:.1f} ms",
+                f"{r['ratio_to_plain_pp']:.3f}x",
+                f"{r['receipts_gather_ms']:.0f} ms",
+            ],
+        )
     if a.ep:
-        return report([ep_estimate(g, dp, a) for g in (8, 64) for dp in (64, 512, 4096)], a.json,
-                       ["EP in DP", "exposed, usual / canonical (+ split GEMMs)", "ratio to the usual EP"],
-                       lambda r: [f"{r['ep']} in {r['dp']}",
-                                  f"{r['plain_exposed_ms']:.1f} / {r['canonical_exposed_ms']:.1f} ms",
-                                  f"{r['ratio_to_plain_ep']:.3f}x"])
+        return report(
+            [ep_estimate(g, dp, a) for g in (8, 64) for dp in (64, 512, 4096)],
+            a.json,
+            ["EP in DP", "exposed, usual / canonical (+ split GEMMs)", "ratio to the usual EP"],
+            lambda r: [
+                f"{r['ep']} in {r['dp']}",
+                f"{r['plain_exposed_ms']:.1f} / {r['canonical_exposed_ms']:.1f} ms",
+                f"{r['ratio_to_plain_ep']:.3f}x",
+            ],
+        )
     if a.tp:
-        return report([tp_estimate(t, dp, a) for t in (2, 4, 8) for dp in (8, 64, 512, 4096)], a.json,
-                       ["TP x DP", "TP sums, plain / canonical", "DP exposed, DDP / canonical",
-                        "exposed, plain / canonical (+ chunks)", "ratio to plain TP"],
-                       lambda r: [f"{r['tp']} x {r['dp']}",
-                                  f"{r['plain_tp_sums_ms']:.1f} / {r['canonical_tp_sums_ms']:.1f} ms",
-                                  f"{r['plain_dp_exposed_ms']:.1f} / {r['canonical_dp_exposed_ms']:.1f} ms",
-                                  f"{r['plain_tp_exposed_ms']:.1f} / {r['canonical_tp_exposed_ms']:.1f} ms",
-                                  f"{r['ratio_to_plain_tp']:.3f}x"])
-    rows = [estimate(w, a.grad_mb * 1e6, a.buckets, a.alpha_us * 1e-6, a.gbps * 1e9, a.sum_gbps * 1e9,
-                     a.backward_ms * 1e-3) for w in (8, 64, 512, 4096)]
-    return report(rows, a.json, ["ranks", "DDP ring exposed", "canonical after backward", "ratio to DDP",
-                                  "canonical as built", "ratio", "whole overlap", "ratio"],
-                   lambda r: [str(r["ranks"]), f"{r['ddp_exposed_ms']:.1f} ms", f"{r['canonical_exposed_ms']:.1f} ms",
-                              f"{r['ratio_to_ddp']:.3f}x", f"{r['canonical_overlapped_exposed_ms']:.1f} ms",
-                              f"{r['ratio_to_ddp_overlapped']:.3f}x",
-                              f"{r['canonical_whole_overlap_exposed_ms']:.1f} ms",
-                              f"{r['ratio_to_ddp_whole_overlap']:.3f}x"])
+        return report(
+            [tp_estimate(t, dp, a) for t in (2, 4, 8) for dp in (8, 64, 512, 4096)],
+            a.json,
+            [
+                "TP x DP",
+                "TP sums, plain / canonical",
+                "DP exposed, DDP / canonical",
+                "exposed, plain / canonical (+ chunks)",
+                "ratio to plain TP",
+            ],
+            lambda r: [
+                f"{r['tp']} x {r['dp']}",
+                f"{r['plain_tp_sums_ms']:.1f} / {r['canonical_tp_sums_ms']:.1f} ms",
+                f"{r['plain_dp_exposed_ms']:.1f} / {r['canonical_dp_exposed_ms']:.1f} ms",
+                f"{r['plain_tp_exposed_ms']:.1f} / {r['canonical_tp_exposed_ms']:.1f} ms",
+                f"{r['ratio_to_plain_tp']:.3f}x",
+            ],
+        )
+    rows = [
+        estimate(w, a.grad_mb * 1e6, a.buckets, a.alpha_us * 1e-6, a.gbps * 1e9, a.sum_gbps * 1e9, a.backward_ms * 1e-3)
+        for w in (8, 64, 512, 4096)
+    ]
+    return report(
+        rows,
+        a.json,
+        [
+            "ranks",
+            "DDP ring exposed",
+            "canonical after backward",
+            "ratio to DDP",
+            "canonical as built",
+            "ratio",
+            "whole overlap",
+            "ratio",
+        ],
+        lambda r: [
+            str(r["ranks"]),
+            f"{r['ddp_exposed_ms']:.1f} ms",
+            f"{r['canonical_exposed_ms']:.1f} ms",
+            f"{r['ratio_to_ddp']:.3f}x",
+            f"{r['canonical_overlapped_exposed_ms']:.1f} ms",
+            f"{r['ratio_to_ddp_overlapped']:.3f}x",
+            f"{r['canonical_whole_overlap_exposed_ms']:.1f} ms",
+            f"{r['ratio_to_ddp_whole_overlap']:.3f}x",
+        ],
+    )
 
 
 def report(rows: list[dict], as_json: bool, header: list[str], cells) -> int:
@@ -210,6 +294,7 @@ def report(rows: list[dict], as_json: bool, header: list[str], cells) -> int:
     for r in rows:
         print("| " + " | ".join(cells(r)) + " |")
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -49,22 +49,36 @@ def _cases() -> dict[str, Callable[[str], torch.Tensor]]:
     special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 1e-45])
     special_nan = special.clone()
     special_nan.view(torch.int32)[2] = 0x7FC00001  # another NaN payload
-    ints = torch.randint(-(2 ** 31), 2 ** 31 - 1, (1000,), generator=g, dtype=torch.int64)
+    ints = torch.randint(-(2**31), 2**31 - 1, (1000,), generator=g, dtype=torch.int64)
 
     def on(t: torch.Tensor) -> Callable[[str], torch.Tensor]:
         return lambda d: t.to(d)
 
     cases = {
-        "float32": on(small), "float64": on(small.double()), "bfloat16": on(small.bfloat16()),
-        "float16": on(small.half()), "complex64": on(torch.complex(small, small.flip(0))),
+        "float32": on(small),
+        "float64": on(small.double()),
+        "bfloat16": on(small.bfloat16()),
+        "float16": on(small.half()),
+        "complex64": on(torch.complex(small, small.flip(0))),
         "complex128": on(torch.complex(small.double(), small.double().flip(1))),
-        "bool": on(small > 0), "int8": on(ints.to(torch.int8)), "uint8": on(ints.to(torch.uint8)),
-        "int16": on(ints.to(torch.int16)), "int32": on(ints.to(torch.int32)), "int64": on(ints),
-        "zero_dim": on(torch.tensor(3.5)), "empty": on(torch.empty(0)), "empty_2d": on(torch.empty(3, 0)),
-        "odd_bytes": on(torch.arange(7, dtype=torch.uint8)), "special": on(special), "nan_payload": on(special_nan),
-        "big_20MiB": on(base), "big_strided": lambda d: base.to(d)[::3, 1::2],
-        "transposed": lambda d: small.to(d).t(), "conj_view": lambda d: torch.complex(small, small).to(d).conj(),
-        "expanded": lambda d: small.to(d)[:1].expand(64, 129), "int8_path_rows": on(torch.randn(33 * 128, generator=g)),
+        "bool": on(small > 0),
+        "int8": on(ints.to(torch.int8)),
+        "uint8": on(ints.to(torch.uint8)),
+        "int16": on(ints.to(torch.int16)),
+        "int32": on(ints.to(torch.int32)),
+        "int64": on(ints),
+        "zero_dim": on(torch.tensor(3.5)),
+        "empty": on(torch.empty(0)),
+        "empty_2d": on(torch.empty(3, 0)),
+        "odd_bytes": on(torch.arange(7, dtype=torch.uint8)),
+        "special": on(special),
+        "nan_payload": on(special_nan),
+        "big_20MiB": on(base),
+        "big_strided": lambda d: base.to(d)[::3, 1::2],
+        "transposed": lambda d: small.to(d).t(),
+        "conj_view": lambda d: torch.complex(small, small).to(d).conj(),
+        "expanded": lambda d: small.to(d)[:1].expand(64, 129),
+        "int8_path_rows": on(torch.randn(33 * 128, generator=g)),
     }
     for name in ("float8_e4m3fn", "float8_e5m2"):
         if hasattr(torch, name):
@@ -73,13 +87,18 @@ def _cases() -> dict[str, Callable[[str], torch.Tensor]]:
 
 
 def check_env() -> dict:
-    out = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0],
-           "cuda_available": torch.cuda.is_available()}
+    out = {
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "cuda_available": torch.cuda.is_available(),
+    }
     if torch.cuda.is_available():
         out["device"] = torch.cuda.get_device_name()
         out["capability"] = list(torch.cuda.get_device_capability())
     try:
         import triton
+
         out["triton"] = triton.__version__
     except ImportError:
         out["triton"] = None
@@ -89,8 +108,11 @@ def check_env() -> dict:
 def check_digest(dev: torch.device) -> dict:
     cases = _cases()
     cpu = {k: digest(f("cpu")) for k, f in cases.items()}
-    out: dict = {"int8_path_on_cuda": dg._int_weights(dev) is not None, "cases": len(cases),
-                 "default_path_on_cuda": "triton" if dg._use_triton(dev) else "torch"}
+    out: dict = {
+        "int8_path_on_cuda": dg._int_weights(dev) is not None,
+        "cases": len(cases),
+        "default_path_on_cuda": "triton" if dg._use_triton(dev) else "torch",
+    }
     gpu = {k: digest(f(dev)) for k, f in cases.items()}
     out["mismatch_default_path"] = [k for k in cases if gpu[k] != cpu[k]]
     out["triton_fallback_warned"] = dev in dg._triton_failed
@@ -121,9 +143,13 @@ def check_digest(dev: torch.device) -> dict:
     t.view(torch.int32)[1234, 67] ^= 1
     out["flipped_bit_detected"] = digest(t) != cpu["big_20MiB"]
     out["distinct_digests"] = len(set(cpu.values()))
-    out["ok"] = (not out["mismatch_default_path"] and not out["mismatch_int8_path"]
-                 and not out["mismatch_float64_path"] and not out["mismatch_digest_many"]
-                 and out["flipped_bit_detected"])
+    out["ok"] = (
+        not out["mismatch_default_path"]
+        and not out["mismatch_int8_path"]
+        and not out["mismatch_float64_path"]
+        and not out["mismatch_digest_many"]
+        and out["flipped_bit_detected"]
+    )
     if dev.type != "cuda":
         return out
 
@@ -142,6 +168,7 @@ def check_digest(dev: torch.device) -> dict:
     out["sync_warnings_batch_of_200"] = len(caught)
     out["sync_warning_kinds"] = sorted({str(w.message).splitlines()[0][:120] for w in caught})
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         digest_many(batch)
         torch.cuda.synchronize()
@@ -221,8 +248,9 @@ def check_train(work: Path, log: Path, out_dir: Path) -> dict:
     cert = _run([sys.executable, "-m", "samestep", "trace", "certify", str(work / "traced"), "--json"], 120, log)
     out["certify"] = {"exit": cert.returncode, "tail": _tail(cert, 400)}
     g = _train(work / "traced2", [*small, "trace.level=op", "trace.steps=1-3"], log)
-    d = _run([sys.executable, "-m", "samestep", "diff", str(work / "traced"), str(work / "traced2"), "--json"],
-             120, log)
+    d = _run(
+        [sys.executable, "-m", "samestep", "diff", str(work / "traced"), str(work / "traced2"), "--json"], 120, log
+    )
     out["diff_two_traced_cuda_runs"] = {"train_exit": g.returncode, "exit": d.returncode, "tail": _tail(d, 400)}
     return out
 
@@ -233,8 +261,28 @@ def check_bench(log: Path) -> dict:
     out["kernels"] = json.loads(k.stdout) if k.returncode == 0 else {"exit": k.returncode, "tail": _tail(k)}
     torch_path = ["--digest-triton", "off", "--levels", "step,module"]  # the same, digests by the PyTorch path
     for name, extra in (("trace", []), ("trace_digest_torch_path", torch_path)):
-        t = _run([sys.executable, "bench/bench_trace.py", "--device", "cuda", "--pairs", "5", "--steps", "8",
-                  "--records", "100000", "--ranks", "4", "--records-per-rank", "1000", "--json", *extra], 400, log)
+        t = _run(
+            [
+                sys.executable,
+                "bench/bench_trace.py",
+                "--device",
+                "cuda",
+                "--pairs",
+                "5",
+                "--steps",
+                "8",
+                "--records",
+                "100000",
+                "--ranks",
+                "4",
+                "--records-per-rank",
+                "1000",
+                "--json",
+                *extra,
+            ],
+            400,
+            log,
+        )
         out[name] = json.loads(t.stdout) if t.returncode == 0 else {"exit": t.returncode, "tail": _tail(t)}
     return out
 
@@ -260,11 +308,17 @@ def check_chunks(dev: torch.device) -> dict:
 
 
 def check_suite(log: Path, workers: int) -> dict:
-    proc = _run([*_pytest(), "-n", str(workers), "--timeout", "120",
-                 "-p", "no:cacheprovider", "--tb=short", "-rfE", "tests"], 240, log)
+    proc = _run(
+        [*_pytest(), "-n", str(workers), "--timeout", "120", "-p", "no:cacheprovider", "--tb=short", "-rfE", "tests"],
+        240,
+        log,
+    )
     (log.parent / "suite.log").write_text(proc.stdout + proc.stderr)
-    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines()
-             if ln.startswith(("FAILED", "ERROR")) or " passed" in ln or " failed" in ln]
+    lines = [
+        ln
+        for ln in (proc.stdout + proc.stderr).splitlines()
+        if ln.startswith(("FAILED", "ERROR")) or " passed" in ln or " failed" in ln
+    ]
     return {"exit": proc.returncode, "seconds": proc.seconds, "summary": lines[-40:]}
 
 
@@ -288,8 +342,11 @@ def main() -> int:
             if name == "env":
                 result[name] = check_env()
             elif name == "digest":
-                result[name] = check_digest(torch.device("cuda", torch.cuda.current_device())
-                                            if torch.cuda.is_available() else torch.device("cpu"))
+                result[name] = check_digest(
+                    torch.device("cuda", torch.cuda.current_device())
+                    if torch.cuda.is_available()
+                    else torch.device("cpu")
+                )
             elif name == "kernels":
                 result[name] = check_kernels(log)
             elif name == "train":
@@ -297,8 +354,11 @@ def main() -> int:
             elif name == "bench":
                 result[name] = check_bench(log)
             elif name == "chunks":
-                result[name] = check_chunks(torch.device("cuda", torch.cuda.current_device())
-                                            if torch.cuda.is_available() else torch.device("cpu"))
+                result[name] = check_chunks(
+                    torch.device("cuda", torch.cuda.current_device())
+                    if torch.cuda.is_available()
+                    else torch.device("cpu")
+                )
             elif name == "suite":
                 result[name] = check_suite(log, args.workers)
             else:

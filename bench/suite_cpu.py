@@ -39,11 +39,15 @@ def pytest_runtest_protocol(item, nextitem):
     t0, c0, f0, began = time.monotonic(), os.times(), _fork_server_cpu(), time.time()
     yield
     t1, c1, f1 = time.monotonic(), os.times(), _fork_server_cpu()
-    row = {"test": item.nodeid, "worker": os.environ.get("PYTEST_XDIST_WORKER", ""), "start": round(began, 2),
-           "wall": round(t1 - t0, 2),
-           "own": round(c1.user - c0.user + c1.system - c0.system, 2),
-           "children": round(c1.children_user - c0.children_user + c1.children_system - c0.children_system, 2),
-           "forked": round(f1 - f0, 2)}
+    row = {
+        "test": item.nodeid,
+        "worker": os.environ.get("PYTEST_XDIST_WORKER", ""),
+        "start": round(began, 2),
+        "wall": round(t1 - t0, 2),
+        "own": round(c1.user - c0.user + c1.system - c0.system, 2),
+        "children": round(c1.children_user - c0.children_user + c1.children_system - c0.children_system, 2),
+        "forked": round(f1 - f0, 2),
+    }
     with open(os.environ.get("SUITE_CPU_OUT", "suite_cpu.jsonl"), "a") as f:
         f.write(json.dumps(row) + "\n")
 

@@ -47,20 +47,36 @@ def build(plain: bool, implementation: str) -> tuple[torch.nn.Module, object]:
     from samestep.distributed import parallelize_experts
 
     torch.manual_seed(0)
-    model = MixtralForCausalLM(MixtralConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
-        experts_implementation=implementation))
+    model = MixtralForCausalLM(
+        MixtralConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            experts_implementation=implementation,
+        )
+    )
     world = dist.get_world_size()
     if world == 1:
         return model, None
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
-    return model, parallelize_experts(model, MixtralExperts, mesh, microbatches_per_process=MICROBATCHES // world,
-                                      canonical=not plain)
+    return model, parallelize_experts(
+        model, MixtralExperts, mesh, microbatches_per_process=MICROBATCHES // world, canonical=not plain
+    )
 
 
-def train(run_dir: Path, plain: bool = False, implementation: str = "grouped_mm", kill_after: int | None = None,
-          **run_options: object) -> str:
+def train(
+    run_dir: Path,
+    plain: bool = False,
+    implementation: str = "grouped_mm",
+    kill_after: int | None = None,
+    **run_options: object,
+) -> str:
     """The loop; the digest of the final parameters. ``kill_after``: every process dies (as a preempted job
     would) as the step after this one begins, its checkpoint committed."""
     from samestep.distributed import CanonicalGradients, clip_grad_norm_, full_state
@@ -107,8 +123,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--plain", action="store_true", help="the usual sums, the control")
-    parser.add_argument("--experts", choices=("grouped_mm", "eager"), default="grouped_mm",
-                        help="transformers' experts implementation (its default: grouped_mm)")
+    parser.add_argument(
+        "--experts",
+        choices=("grouped_mm", "eager"),
+        default="grouped_mm",
+        help="transformers' experts implementation (its default: grouped_mm)",
+    )
     parser.add_argument("--kill-after", type=int, metavar="STEP", help="die as the step after STEP begins")
     args = parser.parse_args()
     if "RANK" in os.environ:  # torchrun's processes

@@ -1,12 +1,12 @@
 """The Hugging Face Trainer with samestep: one callback; its resume checked to the bit.
 
-    python examples/hf_trainer.py runs/hf                     # 6 steps, a checkpoint every 3
-    python examples/hf_trainer.py runs/hfcut --kill-after 3   # killed (SIGKILL) once checkpoint-3 is saved ...
-    python examples/hf_trainer.py runs/hfcut --resume         # ... resumed: the same bits as runs/hf
-    samestep diff runs/hf runs/hfcut                          # exit 0: identical
-    samestep verify runs/hf --steps 4-6                       # replayed from checkpoint-3: reproduced
-    python examples/hf_trainer.py runs/hfp --plant-step 5     # one ULP added to a weight after step 5 ...
-    samestep bisect runs/hf runs/hfp                          # ... found: diverged at step 5
+python examples/hf_trainer.py runs/hf                     # 6 steps, a checkpoint every 3
+python examples/hf_trainer.py runs/hfcut --kill-after 3   # killed (SIGKILL) once checkpoint-3 is saved ...
+python examples/hf_trainer.py runs/hfcut --resume         # ... resumed: the same bits as runs/hf
+samestep diff runs/hf runs/hfcut                          # exit 0: identical
+samestep verify runs/hf --steps 4-6                       # replayed from checkpoint-3: reproduced
+python examples/hf_trainer.py runs/hfp --plant-step 5     # one ULP added to a weight after step 5 ...
+samestep bisect runs/hf runs/hfp                          # ... found: diverged at step 5
 """
 
 import argparse
@@ -57,13 +57,27 @@ class PlantAt(TrainerCallback):
                 w[0] = torch.nextafter(w[0], torch.tensor(float("inf")))
 
 
-def main(out: Path, kill_after: int | None, resume: bool, seed: int, without: bool = False,
-         plant_step: int | None = None) -> str:
-    callbacks = (([PlantAt(plant_step)] if plant_step else []) + ([] if without else [SamestepCallback()])
-                 + ([KillAfter(kill_after)] if kill_after else []))
-    args = TrainingArguments(output_dir=str(out), max_steps=6, save_steps=3, per_device_train_batch_size=4,
-                             gradient_accumulation_steps=2, learning_rate=1e-3, seed=seed, use_cpu=True,
-                             report_to=[], logging_steps=100, dataloader_num_workers=0)
+def main(
+    out: Path, kill_after: int | None, resume: bool, seed: int, without: bool = False, plant_step: int | None = None
+) -> str:
+    callbacks = (
+        ([PlantAt(plant_step)] if plant_step else [])
+        + ([] if without else [SamestepCallback()])
+        + ([KillAfter(kill_after)] if kill_after else [])
+    )
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=6,
+        save_steps=3,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        seed=seed,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=100,
+        dataloader_num_workers=0,
+    )
     torch.manual_seed(seed)  # the model's initial weights (the Trainer reseeds with args.seed for training)
     config = GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=2)  # dropout 0.1 on
     trainer = Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(), callbacks=callbacks)

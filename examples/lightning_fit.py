@@ -1,11 +1,11 @@
 """PyTorch Lightning with samestep: one callback, a sampler that can resume mid-epoch, exact resumes.
 
-    python examples/lightning_fit.py runs/pl                     # 6 steps, a checkpoint every 3
-    python examples/lightning_fit.py runs/plcut --kill-after 3   # killed (SIGKILL) after checkpoint 3 ...
-    python examples/lightning_fit.py runs/plcut --resume         # ... resumed: the same bits as runs/pl
-    samestep diff runs/pl runs/plcut                             # exit 0: identical
-    python examples/lightning_fit.py runs/plp --plant-step 5     # one ULP added to a weight after step 5 ...
-    samestep bisect runs/pl runs/plp                             # ... found: diverged at step 5
+python examples/lightning_fit.py runs/pl                     # 6 steps, a checkpoint every 3
+python examples/lightning_fit.py runs/plcut --kill-after 3   # killed (SIGKILL) after checkpoint 3 ...
+python examples/lightning_fit.py runs/plcut --resume         # ... resumed: the same bits as runs/pl
+samestep diff runs/pl runs/plcut                             # exit 0: identical
+python examples/lightning_fit.py runs/plp --plant-step 5     # one ULP added to a weight after step 5 ...
+samestep bisect runs/pl runs/plp                             # ... found: diverged at step 5
 """
 
 import argparse
@@ -23,8 +23,9 @@ from samestep.integrations.lightning import KeyedSampler, SamestepCallback
 class Regression(pl.LightningModule):
     def __init__(self) -> None:
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.GELU(), torch.nn.Dropout(0.2),
-                                       torch.nn.Linear(64, 1))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(8, 64), torch.nn.GELU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 1)
+        )
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -32,8 +33,10 @@ class Regression(pl.LightningModule):
 
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5),
-                                                   "interval": "step"}}
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, 2, 0.5), "interval": "step"},
+        }
 
 
 class KillAfter(pl.Callback):
@@ -62,8 +65,15 @@ class PlantAt(pl.Callback):
                 w[0] = torch.nextafter(w[0], torch.tensor(float("inf")))
 
 
-def main(run: Path, kill_after: int | None, resume: bool, seed: int, plain: bool, without: bool,
-         plant_step: int | None = None) -> str:
+def main(
+    run: Path,
+    kill_after: int | None,
+    resume: bool,
+    seed: int,
+    plain: bool,
+    without: bool,
+    plant_step: int | None = None,
+) -> str:
     g = samestep.rng.generator(seed, 0, 0, "dataset")
     x = torch.randn(32, 8, generator=g)
     data = torch.utils.data.TensorDataset(x, x.sum(dim=1, keepdim=True))
@@ -71,13 +81,24 @@ def main(run: Path, kill_after: int | None, resume: bool, seed: int, plain: bool
     sampler = torch.utils.data.RandomSampler(data) if plain else KeyedSampler(len(data), seed)
     loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler)
     checkpoints = pl.callbacks.ModelCheckpoint(dirpath=run / "checkpoints", every_n_train_steps=3, save_top_k=-1)
-    callbacks = ([checkpoints] + ([PlantAt(plant_step)] if plant_step else [])
-                 + ([] if without else [SamestepCallback(run)]) + ([KillAfter(kill_after)] if kill_after else []))
+    callbacks = (
+        [checkpoints]
+        + ([PlantAt(plant_step)] if plant_step else [])
+        + ([] if without else [SamestepCallback(run)])
+        + ([KillAfter(kill_after)] if kill_after else [])
+    )
     pl.seed_everything(seed, verbose=False)
     module = Regression()
-    trainer = pl.Trainer(max_steps=6, accumulate_grad_batches=2, callbacks=callbacks, accelerator="cpu",
-                         logger=False, enable_progress_bar=False, enable_model_summary=False,
-                         default_root_dir=run)
+    trainer = pl.Trainer(
+        max_steps=6,
+        accumulate_grad_batches=2,
+        callbacks=callbacks,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=run,
+    )
     last = sorted(checkpoints.dirpath and Path(checkpoints.dirpath).glob("*.ckpt"), key=os.path.getmtime)
     trainer.fit(module, loader, ckpt_path=str(last[-1]) if resume else None)
     return samestep.digest(torch.cat([p.detach().reshape(-1) for p in module.parameters()]))

@@ -1,9 +1,9 @@
 """A training loop of your own with samestep: deterministic, resumable to the bit, traced for `samestep diff`.
 
-    python examples/own_loop.py runs/mine                  # 6 steps
-    python examples/own_loop.py runs/cut --stop-after 3    # a stop signal after step 3: saves, exits 75 ...
-    python examples/own_loop.py runs/cut                   # ... and resumes: the same bits as runs/mine
-    samestep diff runs/mine runs/cut                       # exit 0: identical
+python examples/own_loop.py runs/mine                  # 6 steps
+python examples/own_loop.py runs/cut --stop-after 3    # a stop signal after step 3: saves, exits 75 ...
+python examples/own_loop.py runs/cut                   # ... and resumes: the same bits as runs/mine
+samestep diff runs/mine runs/cut                       # exit 0: identical
 """
 
 import argparse

@@ -58,9 +58,18 @@ def llama() -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=128,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-                                        max_position_embeddings=SEQ, attn_implementation="sdpa"))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=WIDTH,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=SEQ,
+            attn_implementation="sdpa",
+        )
+    )
 
 
 def loss_of(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -87,8 +96,11 @@ def train(dp: int, plain: bool) -> tuple[str, str]:
     params = list(part.parameters())
     k = MICROBATCHES // dp
     mine = range(data * k, (data + 1) * k)  # this data rank's microbatches
-    grads = None if plain else CanonicalGradients(params, microbatches_per_process=k, world_size=dp, rank=data,
-                                                  group=data_group)
+    grads = (
+        None
+        if plain
+        else CanonicalGradients(params, microbatches_per_process=k, world_size=dp, rank=data, group=data_group)
+    )
     schedule = None if pp == 1 else pipeline(part, stage, pp, pipe_group, grads, k)
     optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=False)
     for step in range(1, STEPS + 1):
@@ -135,13 +147,20 @@ def pipeline(part: torch.nn.Module, stage: int, pp: int, pipe_group: object, gra
     from samestep.distributed import canonical_stage
 
     meta, first, last = torch.device("meta"), stage == 0, stage == pp - 1
-    inputs = (torch.empty(1, SEQ, dtype=torch.int64, device=meta) if first else
-              torch.empty(1, SEQ, WIDTH, device=meta, requires_grad=True),)
+    inputs = (
+        torch.empty(1, SEQ, dtype=torch.int64, device=meta)
+        if first
+        else torch.empty(1, SEQ, WIDTH, device=meta, requires_grad=True),
+    )
     outputs = (torch.empty(1, SEQ, VOCAB if last else WIDTH, device=meta, requires_grad=True),)
     cpu = torch.device("cpu")
-    runner = (PipelineStage(part, stage, pp, cpu, inputs, outputs, group=pipe_group) if grads is None
-              else canonical_stage(part, stage, pp, cpu, grads=grads, group=pipe_group, input_args=inputs,
-                                   output_args=outputs))
+    runner = (
+        PipelineStage(part, stage, pp, cpu, inputs, outputs, group=pipe_group)
+        if grads is None
+        else canonical_stage(
+            part, stage, pp, cpu, grads=grads, group=pipe_group, input_args=inputs, output_args=outputs
+        )
+    )
     return ScheduleGPipe(runner, n_microbatches=k, loss_fn=loss_of, scale_grads=False)
 
 
@@ -153,7 +172,7 @@ def digest_of(params: list[torch.Tensor], pipe_group: object, pp: int) -> str:
     longest = int(max(sizes))  # gloo gathers tensors of one size: each padded to the longest, then cut back
     every = [torch.empty(longest) for _ in sizes]
     dist.all_gather(every, torch.cat([mine, mine.new_zeros(longest - mine.numel())]), group=pipe_group)
-    return samestep.digest(torch.cat([t[:int(n)] for t, n in zip(every, sizes)]))
+    return samestep.digest(torch.cat([t[: int(n)] for t, n in zip(every, sizes)]))
 
 
 if __name__ == "__main__":
@@ -163,8 +182,10 @@ if __name__ == "__main__":
     args = parser.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world % args.dp or MICROBATCHES % args.dp or world // args.dp not in (1, 2):
-        parser.error(f"--dp {args.dp} on {world} process(es): 1 or 2 stages of --dp data ranks each, --dp dividing "
-                     f"the {MICROBATCHES} microbatches")
+        parser.error(
+            f"--dp {args.dp} on {world} process(es): 1 or 2 stages of --dp data ranks each, --dp dividing "
+            f"the {MICROBATCHES} microbatches"
+        )
     if "RANK" in os.environ:  # torchrun's processes
         dist.init_process_group("gloo")
     else:  # one process, without a launcher

@@ -48,8 +48,17 @@ def build(styles: str, dp: int | None) -> torch.nn.Module:
     from samestep.distributed import CanonicalColwiseParallel, CanonicalRowwiseParallel, shard_model
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64))
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=64,
+        )
+    )
     if styles == "pytorch" and dist.get_world_size() == 1:
         return model  # PyTorch's styles on one process: the plain model
     world = dist.get_world_size()
@@ -58,12 +67,25 @@ def build(styles: str, dp: int | None) -> torch.nn.Module:
     else:
         grid = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
         mesh = grid["tp"]
-    col, row = ((CanonicalColwiseParallel(CHUNKS), CanonicalRowwiseParallel(CHUNKS)) if styles == "samestep"
-                else (ColwiseParallel(), RowwiseParallel()))
+    col, row = (
+        (CanonicalColwiseParallel(CHUNKS), CanonicalRowwiseParallel(CHUNKS))
+        if styles == "samestep"
+        else (ColwiseParallel(), RowwiseParallel())
+    )
     for layer in model.model.layers:
-        parallelize_module(layer, mesh, {"self_attn.q_proj": col, "self_attn.k_proj": col, "self_attn.v_proj": col,
-                                         "self_attn.o_proj": row, "mlp.gate_proj": col, "mlp.up_proj": col,
-                                         "mlp.down_proj": row})
+        parallelize_module(
+            layer,
+            mesh,
+            {
+                "self_attn.q_proj": col,
+                "self_attn.k_proj": col,
+                "self_attn.v_proj": col,
+                "self_attn.o_proj": row,
+                "mlp.gate_proj": col,
+                "mlp.up_proj": col,
+                "mlp.down_proj": row,
+            },
+        )
     if dp is not None:
         shard_model(model, dp, mesh=grid["dp"], blocks=LlamaDecoderLayer)
     return model
@@ -90,8 +112,9 @@ def gradients(model: torch.nn.Module, styles: str, dp: int | None) -> object:
     return FsdpGradients(model, microbatches_per_process=MICROBATCHES // dp, world_size=dp, rank=rank, group=group)
 
 
-def train(run_dir: Path, styles: str = "samestep", dp: int | None = None, kill_after: int | None = None,
-          **run_options: object) -> str:
+def train(
+    run_dir: Path, styles: str = "samestep", dp: int | None = None, kill_after: int | None = None, **run_options: object
+) -> str:
     """The loop; the digest of the final parameters. ``kill_after``: every process dies (as a preempted job
     would) as the step after this one begins, its checkpoint committed. ``run_options``: ``samestep.Run``'s."""
     from samestep.distributed import clip_grad_norm_, full_state
@@ -136,14 +159,20 @@ if __name__ == "__main__":
     parser.add_argument("--styles", choices=("samestep", "pytorch"), default="samestep")
     parser.add_argument("--dp", type=int, metavar="D", help="D data ranks (FSDP2) by N / D tensor ranks")
     parser.add_argument("--kill-after", type=int, metavar="STEP", help="die as the step after STEP begins")
-    parser.add_argument("--rng", choices=("keyed", "restore"), default="keyed",
-                        help="samestep.Run(rng=): 'restore' refuses a resume on another number of processes")
+    parser.add_argument(
+        "--rng",
+        choices=("keyed", "restore"),
+        default="keyed",
+        help="samestep.Run(rng=): 'restore' refuses a resume on another number of processes",
+    )
     parser.add_argument("--trace-op", metavar="STEPS", help="trace these steps at op level (for diff and bisect)")
     parser.add_argument("--perturb", metavar="SPEC", help="plant one ULP (samestep.Run(perturb=)), to try diff")
     args = parser.parse_args()
     if args.dp is not None and (int(os.environ.get("WORLD_SIZE", 1)) % args.dp or MICROBATCHES % args.dp):
-        parser.error(f"--dp {args.dp}: must divide the process count ({os.environ.get('WORLD_SIZE', 1)}) and "
-                     f"the {MICROBATCHES} microbatches; pass a divisor of both")
+        parser.error(
+            f"--dp {args.dp}: must divide the process count ({os.environ.get('WORLD_SIZE', 1)}) and "
+            f"the {MICROBATCHES} microbatches; pass a divisor of both"
+        )
     if "RANK" in os.environ:  # torchrun's processes
         dist.init_process_group("gloo")
     else:  # one process, without a launcher

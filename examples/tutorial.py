@@ -1,9 +1,9 @@
 """The loop of docs/tutorial.md: a small regression model trained under ``samestep.Run``.
 
-    python examples/tutorial.py runs/tut_a                    # 40 steps; prints the weights' digest
-    python examples/tutorial.py runs/tut_b --stop-after 20    # stops after step 20 as Ctrl-C would (exit 75)
-    python examples/tutorial.py runs/tut_b                    # goes on from step 20: the same digest
-    python examples/tutorial.py runs/tut_p --plant 30         # one ULP planted in step 30's last layer
+python examples/tutorial.py runs/tut_a                    # 40 steps; prints the weights' digest
+python examples/tutorial.py runs/tut_b --stop-after 20    # stops after step 20 as Ctrl-C would (exit 75)
+python examples/tutorial.py runs/tut_b                    # goes on from step 20: the same digest
+python examples/tutorial.py runs/tut_p --plant 30         # one ULP planted in step 30's last layer
 """
 
 import argparse
@@ -29,8 +29,11 @@ def main(run_dir: str, stop_after: int | None, plant: int | None) -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     traced = {"level": "step"}
     if plant is not None:  # one ULP in the last layer's output of microbatch 0, where that step is traced by op
-        traced = {"level": "op", "trace_steps": {plant},
-                  "perturb": f"rank=0,step={plant},microbatch=0,phase=forward,scope=2,op=aten.addmm.default"}
+        traced = {
+            "level": "op",
+            "trace_steps": {plant},
+            "perturb": f"rank=0,step={plant},microbatch=0,phase=forward,scope=2,op=aten.addmm.default",
+        }
     with samestep.Run(run_dir, model=model, optimizer=optimizer, checkpoint_every=10, **traced) as run:
         for step in run.steps(STEPS):
             last = step

@@ -32,8 +32,7 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         total[item.module.__name__] = total.get(item.module.__name__, 0) + known.get(item.nodeid, 0)
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda it: (-total[it.module.__name__], it.module.__name__, -known.get(it.nodeid, 0),
-                               order[id(it)]))
+    items.sort(key=lambda it: (-total[it.module.__name__], it.module.__name__, -known.get(it.nodeid, 0), order[id(it)]))
 
 
 @pytest.fixture(autouse=True)

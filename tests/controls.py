@@ -64,7 +64,12 @@ def plain_norm_gradients() -> None:
         if ctx.group is not None:
             for t in sums:
                 dist.all_reduce(t, group=ctx.group)
-        return ((grad * weight).to(y.dtype), sums[0].to(weight.dtype),
-                sums[1].to(weight.dtype) if ctx.has_bias else None, None, None)
+        return (
+            (grad * weight).to(y.dtype),
+            sums[0].to(weight.dtype),
+            sums[1].to(weight.dtype) if ctx.has_bias else None,
+            None,
+            None,
+        )
 
     sequence_parallel._Affine.backward = staticmethod(backward)

@@ -33,8 +33,9 @@ def reseal_manifest(step_dir: Path, manifest: dict) -> None:
     import json
 
     body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    manifest["manifest_sha256"] = hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":"))
-                                                 .encode()).hexdigest()
+    manifest["manifest_sha256"] = hashlib.sha256(
+        json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+    ).hexdigest()
     (step_dir / "manifest.json").write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 

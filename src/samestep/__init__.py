@@ -24,18 +24,39 @@ from samestep.loop.run import Run
 from samestep.version import __version__
 
 __all__ = [
-    "CheckpointError", "DeterminismReport", "Run", "LoadedCheckpoint", "__version__", "capture_rng",
-    "compare_environments", "digest", "digest_many", "disable", "enable", "environment", "is_enabled",
-    "load_checkpoint", "preempt", "restore_rng", "rng", "save_checkpoint", "trace", "verify_checkpoint",
+    "CheckpointError",
+    "DeterminismReport",
+    "Run",
+    "LoadedCheckpoint",
+    "__version__",
+    "capture_rng",
+    "compare_environments",
+    "digest",
+    "digest_many",
+    "disable",
+    "enable",
+    "environment",
+    "is_enabled",
+    "load_checkpoint",
+    "preempt",
+    "restore_rng",
+    "rng",
+    "save_checkpoint",
+    "trace",
+    "verify_checkpoint",
 ]
 
 
 # The module paths docs/api.md named before these modules lived in packages: `import samestep.preempt` and
 # `from samestep.protocol import RunProtocol` keep working (all are loaded by the imports above already).
 _OLD_PATHS = {
-    "checksums": "samestep.hashing.checksums", "loop_checks": "samestep.loop.step_checks",
-    "preempt": "samestep.determinism.preempt", "protocol": "samestep.loop.protocol",
-    "receipts": "samestep.records.receipts", "rng": "samestep.determinism.rng", "run": "samestep.loop.run",
+    "checksums": "samestep.hashing.checksums",
+    "loop_checks": "samestep.loop.step_checks",
+    "preempt": "samestep.determinism.preempt",
+    "protocol": "samestep.loop.protocol",
+    "receipts": "samestep.records.receipts",
+    "rng": "samestep.determinism.rng",
+    "run": "samestep.loop.run",
 }
 for _old, _new in _OLD_PATHS.items():
     sys.modules[f"{__name__}.{_old}"] = sys.modules[_new]

@@ -4,8 +4,19 @@ from bad input from a crash."""
 
 from __future__ import annotations
 
-__all__ = ["DIFFERENCE", "FAULT", "INPUT_ERROR", "INTERNAL_ERROR", "INTERRUPTED", "MEANINGS", "NONFINITE", "OK",
-           "PEER_LOST", "PREEMPTED", "SIGNALLED"]
+__all__ = [
+    "DIFFERENCE",
+    "FAULT",
+    "INPUT_ERROR",
+    "INTERNAL_ERROR",
+    "INTERRUPTED",
+    "MEANINGS",
+    "NONFINITE",
+    "OK",
+    "PEER_LOST",
+    "PREEMPTED",
+    "SIGNALLED",
+]
 
 OK = 0  # identical, holds, intact, complete, reproduced, trained
 DIFFERENCE = 1  # a difference found: diverged, broken, corrupt, incomplete, not reproduced
@@ -18,7 +29,14 @@ PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with everything saved; a reque
 INTERRUPTED = 130  # interrupted (Ctrl-C outside a training step)
 SIGNALLED = 128  # + N: stopped at once by signal N
 
-MEANINGS = {OK: "done, and the same", DIFFERENCE: "a difference found", INPUT_ERROR: "bad input",
-            INTERNAL_ERROR: "an unexpected error", FAULT: "a fault check stopped the run",
-            NONFINITE: "a non-finite loss or gradient norm", PEER_LOST: "a collective lost another process",
-            PREEMPTED: "stopped after a step, with a checkpoint", INTERRUPTED: "interrupted"}
+MEANINGS = {
+    OK: "done, and the same",
+    DIFFERENCE: "a difference found",
+    INPUT_ERROR: "bad input",
+    INTERNAL_ERROR: "an unexpected error",
+    FAULT: "a fault check stopped the run",
+    NONFINITE: "a non-finite loss or gradient norm",
+    PEER_LOST: "a collective lost another process",
+    PREEMPTED: "stopped after a step, with a checkpoint",
+    INTERRUPTED: "interrupted",
+}

@@ -140,8 +140,9 @@ def assert_replays_bit_exact(fn: Callable[..., Any], *inputs: Any, replays: int 
                 raise AssertionError(f"output {k} of replay {r} differs from replay 0: {problem}")
 
 
-def count_differing_replays(fn: Callable[..., Any], *inputs: Any, replays: int = 6, contention: bool = True,
-                            attempts: int = 1) -> int:
+def count_differing_replays(
+    fn: Callable[..., Any], *inputs: Any, replays: int = 6, contention: bool = True, attempts: int = 1
+) -> int:
     """How many replays differ from the first (for negative controls: a racy kernel gives > 0). With
     ``attempts`` > 1, sets of ``replays`` run until one differs, at most ``attempts`` of them: on a busy
     machine a race may not show in one set."""
@@ -154,8 +155,17 @@ def count_differing_replays(fn: Callable[..., Any], *inputs: Any, replays: int =
 
 
 # Fields of the environment fingerprint that decide a kernel's bits.
-GOLDEN_ENV_FIELDS = ("python.version", "torch.version", "torch.git", "torch.cpu_capability", "torch.blas",
-                     "cpu.model", "cuda.version", "cuda.gpu0", "platform.system")
+GOLDEN_ENV_FIELDS = (
+    "python.version",
+    "torch.version",
+    "torch.git",
+    "torch.cpu_capability",
+    "torch.blas",
+    "cpu.model",
+    "cuda.version",
+    "cuda.gpu0",
+    "platform.system",
+)
 
 
 class Golden:
@@ -175,8 +185,9 @@ class Golden:
         fields = {k: env.get(k) for k in GOLDEN_ENV_FIELDS}
         self.env_key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
         self.fields = fields
-        self.data = _read_golden(path) if path.exists() else {"format": "samestep.golden", "version": 1,
-                                                              "environments": {}}
+        self.data = (
+            _read_golden(path) if path.exists() else {"format": "samestep.golden", "version": 1, "environments": {}}
+        )
         self.dirty = False
 
     def check(self, name: str, result: Any) -> None:
@@ -192,16 +203,22 @@ class Golden:
             return
         pinned = self.data["environments"].get(self.env_key, {}).get("digests", {}).get(name)
         if pinned is None:
-            about = ", ".join(f"{k}={self.fields[k]}" for k in ("torch.version", "torch.cpu_capability", "cpu.model",
-                                                                  "cuda.gpu0") if self.fields[k] is not None)
-            self.missing(f"golden {name!r} in {self.path}: no digests pinned for this environment ({self.env_key}: "
-                         f"{about}), so nothing is compared; record them with --samestep-update-golden")
+            about = ", ".join(
+                f"{k}={self.fields[k]}"
+                for k in ("torch.version", "torch.cpu_capability", "cpu.model", "cuda.gpu0")
+                if self.fields[k] is not None
+            )
+            self.missing(
+                f"golden {name!r} in {self.path}: no digests pinned for this environment ({self.env_key}: "
+                f"{about}), so nothing is compared; record them with --samestep-update-golden"
+            )
             return
         if pinned != digests:
             raise AssertionError(
                 f"golden {name!r} in {self.path}: digests {digests} differ from the pinned {pinned} for this "
                 f"environment ({self.env_key}); if the change is intended (a library upgrade), rerun with "
-                "--samestep-update-golden")
+                "--samestep-update-golden"
+            )
 
     def save(self) -> None:
         if self.dirty:
@@ -218,13 +235,20 @@ def _read_golden(path: Path) -> dict[str, Any]:
     try:
         doc = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: not a samestep.golden file ({e}); delete it and record again with "
-                         "--samestep-update-golden") from None
-    if not isinstance(doc, dict) or doc.get("format") != "samestep.golden" or doc.get("version") != 1 \
-            or not isinstance(doc.get("environments"), dict):
+        raise ValueError(
+            f"{path}: not a samestep.golden file ({e}); delete it and record again with --samestep-update-golden"
+        ) from None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != "samestep.golden"
+        or doc.get("version") != 1
+        or not isinstance(doc.get("environments"), dict)
+    ):
         seen = (doc.get("format"), doc.get("version")) if isinstance(doc, dict) else type(doc).__name__
-        raise ValueError(f"{path}: not a samestep.golden version 1 document (format, version: {seen}); delete it "
-                         "and record again with --samestep-update-golden")
+        raise ValueError(
+            f"{path}: not a samestep.golden version 1 document (format, version: {seen}); delete it "
+            "and record again with --samestep-update-golden"
+        )
     return doc
 
 
@@ -243,8 +267,11 @@ try:
         """Pinned digests for this test module, keyed by environment (see ``Golden``); a test whose digests
         this environment has not pinned is skipped with the reason."""
         root = Path(request.config.rootpath) / request.config.getoption("--samestep-golden-dir")
-        g = Golden(root / f"{request.module.__name__.rpartition('.')[2]}.json",
-                   request.config.getoption("--samestep-update-golden"), missing=pytest.skip)
+        g = Golden(
+            root / f"{request.module.__name__.rpartition('.')[2]}.json",
+            request.config.getoption("--samestep-update-golden"),
+            missing=pytest.skip,
+        )
         yield g
         g.save()
 except ImportError:  # pytest is a test extra; the helpers above work without it

@@ -38,8 +38,14 @@ def test_gpu_check_runs_its_cpu_sections(tmp_path):
     digest by each path (here all on CPU) and finds no mismatch; an unknown section is reported, not
     fatal to the others."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--out", str(tmp_path), "--sections",
-                           "env,digest,nonsense"], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--out", str(tmp_path), "--sections", "env,digest,nonsense"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads((tmp_path / "gpu_check.json").read_text())
     assert result["env"]["torch"] == __import__("torch").__version__
@@ -65,9 +71,26 @@ def test_trace_bench_times_the_recorder_calls(tmp_path):
     """`bench_trace.py --recorder-calls --own-share` (one pair of one step, small diff sets): the step
     level's time inside the recorder's calls and its share of the untraced step are reported, while the worker
     drops each batch once it is described (--own-share ran into a TypeError once unnoticed)."""
-    proc = _bench("bench_trace.py", "--levels", "step", "--pairs", "1", "--steps", "1", "--records", "1000",
-                  "--ranks", "2", "--records-per-rank", "10", "--contention-rounds", "0", "--recorder-calls",
-                  "--own-share", "--json")
+    proc = _bench(
+        "bench_trace.py",
+        "--levels",
+        "step",
+        "--pairs",
+        "1",
+        "--steps",
+        "1",
+        "--records",
+        "1000",
+        "--ranks",
+        "2",
+        "--records-per-rank",
+        "10",
+        "--contention-rounds",
+        "0",
+        "--recorder-calls",
+        "--own-share",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     step = json.loads(proc.stdout)["trace_overhead"]["step"]
     _numbers(step, "recorder_calls_ms_per_step", "recorder_calls_share")
@@ -90,8 +113,22 @@ def test_fault_harness_finds_every_outcome_as_documented(rng):
     whole malformed-input corpus: every resume exact, no step lost beyond the checkpoint interval, every
     input refused as documented, nothing blocking. Negative control: a case that expects the wrong outcome
     (a flipped checkpoint byte called intact) is caught by the same check."""
-    proc = _bench("bench_faults.py", "--kills", "1", "--signals", "1", "--writers", "1", "--launcher", "1",
-                  "--save-ops", "none", "--seed", str(rng.randrange(2**31)), "--json")
+    proc = _bench(
+        "bench_faults.py",
+        "--kills",
+        "1",
+        "--signals",
+        "1",
+        "--writers",
+        "1",
+        "--launcher",
+        "1",
+        "--save-ops",
+        "none",
+        "--seed",
+        str(rng.randrange(2**31)),
+        "--json",
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     r = json.loads(proc.stdout)
     for kills in (r["kills"], r["kills_before_a_checkpoint"]):
@@ -108,6 +145,7 @@ def test_cost_model_prices_the_combine_against_ddp():
     after the backward, exposes more time than DDP's ring; as built (all-to-alls in the backward), less, and
     with the whole combine in the backward less again, no less than one bucket's.
     A model with a free network (huge bandwidth, no latency) prices both alike: the check can tell."""
+
     def rows(*extra):
         proc = _bench("cost_model.py", "--json", *extra, timeout=60)
         assert proc.returncode == 0, proc.stderr
@@ -127,6 +165,7 @@ def test_chunk_cost_model_prices_the_chunks_against_one_gemm_a_rank():
     than PyTorch's styles while a rank holds several chunks, less so the wider the model, and at TP 8 (one chunk
     a rank: one GEMM a projection, no sums) the same. With one chunk (TP 1 only) both run the same GEMMs and are
     priced alike: the check can tell."""
+
     def rows(*extra):
         proc = _bench("cost_chunks.py", "--json", *extra, timeout=60)
         assert proc.returncode == 0, proc.stderr
@@ -156,8 +195,14 @@ def test_receipt_and_check_benches_run():
     proc = _bench("bench_production.py", "--pairs", "1", "--steps", "1", "--trace", "--json")
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
-    assert set(result["sides"]) == {"plain", "deterministic", "+receipts", "production", "production+trace",
-                                    "production+trace apart"}
+    assert set(result["sides"]) == {
+        "plain",
+        "deterministic",
+        "+receipts",
+        "production",
+        "production+trace",
+        "production+trace apart",
+    }
     _numbers(result["sides"]["production"], "vs_plain")
     _numbers(result["checksum"], "ns_per_byte")
     _numbers(result["sides"]["production+trace"], "vs_production")
@@ -173,11 +218,29 @@ def test_layout_bench_times_canonical_tensor_parallelism_against_pytorchs():
     """`bench/bench_layout.py --tp` on 2 processes: the reference step (1 pair, one narrow layer by ``--set``) and
     with ``--block`` one decoder block (2 pairs, a small one): both sides' step times and their ratio are reported
     (the bench that measures what canonical tensor parallelism costs against PyTorch's styles)."""
-    for args in (["--set", "model.n_embd=64", "--set", "model.n_layer=1", "--pairs", "1"],
-                 ["--block", "--pairs", "2", "--width", "64", "--seq", "16", "--batch", "2"]):
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                               "bench/bench_layout.py", "--tp", *args, "--json"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    for args in (
+        ["--set", "model.n_embd=64", "--set", "model.n_layer=1", "--pairs", "1"],
+        ["--block", "--pairs", "2", "--width", "64", "--seq", "16", "--batch", "2"],
+    ):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+                "bench/bench_layout.py",
+                "--tp",
+                *args,
+                "--json",
+            ],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         assert proc.returncode == 0, _ranks_said(proc)
         r = json.loads(proc.stdout.strip().splitlines()[-1])
         assert r["world_size"] == 2
@@ -192,8 +255,16 @@ def test_chunks_bench_times_the_chunked_layers_against_plain_ones():
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["chunks"] == 8 and r["set"] == ["model.n_embd=64"]
-    _numbers(r, "step_ms_plain", "step_ms_chunked", "ratio_median", "step_ms_floor", "ratio_median_floor",
-             "step_ms_floor_local", "ratio_median_floor_local")
+    _numbers(
+        r,
+        "step_ms_plain",
+        "step_ms_chunked",
+        "ratio_median",
+        "step_ms_floor",
+        "ratio_median_floor",
+        "step_ms_floor_local",
+        "ratio_median_floor_local",
+    )
 
 
 def test_mask_bench_times_the_int32_mask_against_its_int64_definition():
@@ -210,6 +281,7 @@ def test_cost_model_prices_canonical_tensor_parallelism_against_plain():
     cost the ring's messages and bytes plus their fixed-order sum on the device, so more than plain TP's,
     and the step more. Control: with a free device sum and no chunk cost, from TP 4 on the canonical sums
     price exactly as the ring (the model tells the sum apart from the messages)."""
+
     def rows(*extra):
         proc = _bench("cost_model.py", "--tp", "--json", *extra, timeout=60)
         assert proc.returncode == 0, proc.stderr
@@ -228,10 +300,28 @@ def test_cost_model_prices_canonical_tensor_parallelism_against_plain():
 def test_layout_bench_times_pipeline_and_expert_parallelism_against_the_usual_sums(layout):
     """`bench/bench_layout.py --pp` and `--ep` on 2 processes (1 pair, 2 layers): both sides' step times, their
     ratio and each rank's bytes a step (the benches of what the canonical stages and experts cost)."""
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           "bench/bench_layout.py", layout, "--pairs", "1", "--set", "model.n_layer=2", "--json"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "bench/bench_layout.py",
+            layout,
+            "--pairs",
+            "1",
+            "--set",
+            "model.n_layer=2",
+            "--json",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert proc.returncode == 0, _ranks_said(proc)
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["layout"] == layout[2:] and r["world_size"] == 2
@@ -245,6 +335,7 @@ def test_cost_model_prices_pipeline_and_expert_parallelism():
     untied head the canonical stages cost their data-parallel combines only; a tied weight's rows of each
     microbatch price below its whole once a step where they are smaller. Control: a free network and no split
     cost price the canonical and the usual ways alike."""
+
     def rows(*extra):
         proc = _bench("cost_model.py", "--json", *extra, timeout=60)
         assert proc.returncode == 0, proc.stderr
@@ -254,8 +345,10 @@ def test_cost_model_prices_pipeline_and_expert_parallelism():
     assert [(r["pp"], r["dp"]) for r in pp] == [(p, d) for p in (2, 4, 8) for d in (8, 64, 512)]
     assert all(r["ratio_to_plain_pp"] >= 1 and r["receipts_gather_ms"] > 0 for r in pp)
     tied = rows("--pp", "--tied-mb", "1000", "--tied-rows-mb", "10")
-    assert all(t["canonical_exposed_ms"] - r["canonical_exposed_ms"] < t["plain_exposed_ms"] - r["plain_exposed_ms"]
-               for r, t in zip(pp, tied))
+    assert all(
+        t["canonical_exposed_ms"] - r["canonical_exposed_ms"] < t["plain_exposed_ms"] - r["plain_exposed_ms"]
+        for r, t in zip(pp, tied)
+    )
     ep = rows("--ep")
     assert [(r["ep"], r["dp"]) for r in ep] == [(g, d) for g in (8, 64) for d in (64, 512, 4096)]
     assert all(r["ratio_to_plain_ep"] > 1 for r in ep)

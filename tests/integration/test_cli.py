@@ -24,9 +24,11 @@ def test_env_json_is_the_fingerprint():
 
 def test_usage_errors_exit_2_without_traceback(tmp_path):
     """A bad --set, a missing path and a bad --nproc are usage errors: exit 2, a message, no traceback."""
-    for args, needle in ((("train", "--run-dir", str(tmp_path / "r"), "--set", "train.steps=x"), "train.steps='x'"),
-                         (("checkpoint", "verify", str(tmp_path / "nope")), "does not exist"),
-                         (("train", "--run-dir", str(tmp_path / "r"), "--nproc", "0"), "--nproc=0")):
+    for args, needle in (
+        (("train", "--run-dir", str(tmp_path / "r"), "--set", "train.steps=x"), "train.steps='x'"),
+        (("checkpoint", "verify", str(tmp_path / "nope")), "does not exist"),
+        (("train", "--run-dir", str(tmp_path / "r"), "--nproc", "0"), "--nproc=0"),
+    ):
         proc = cli_here(*args)
         assert proc.returncode == 2 and needle in proc.stderr and "Traceback" not in proc.stderr, args
 
@@ -102,15 +104,21 @@ def test_a_closed_output_pipe_does_not_change_the_verdict(tiny_run, tmp_path):
     rows = [json.loads(line) for line in (other / "metrics.jsonl").read_text().splitlines()]
     rows[1]["loss_hex"] = float.fromhex(rows[1]["loss_hex"]).__add__(1.0).hex()
     (other / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    cases = [["diff", str(tiny_run), str(same)], ["diff", str(tiny_run), str(other)],
-             ["diff", str(tiny_run), str(other), "--json"], ["diff", str(tiny_run), str(tmp_path / "none"), "--json"],
-             ["receipts", "verify", str(same)]]
-    script = ("import os, sys, json\nfrom samestep.cli import main\ncodes = []\n"
-              f"for argv in {cases!r}:\n"
-              "    if sys.argv[1] == 'closed':\n"
-              "        r, w = os.pipe(); os.close(r); os.dup2(w, 1); os.close(w)\n"
-              "    codes.append(main(argv))\n"
-              "print(json.dumps(codes), file=sys.stderr)\n")
+    cases = [
+        ["diff", str(tiny_run), str(same)],
+        ["diff", str(tiny_run), str(other)],
+        ["diff", str(tiny_run), str(other), "--json"],
+        ["diff", str(tiny_run), str(tmp_path / "none"), "--json"],
+        ["receipts", "verify", str(same)],
+    ]
+    script = (
+        "import os, sys, json\nfrom samestep.cli import main\ncodes = []\n"
+        f"for argv in {cases!r}:\n"
+        "    if sys.argv[1] == 'closed':\n"
+        "        r, w = os.pipe(); os.close(r); os.dup2(w, 1); os.close(w)\n"
+        "    codes.append(main(argv))\n"
+        "print(json.dumps(codes), file=sys.stderr)\n"
+    )
     got = {}
     for how in ("open", "closed"):
         proc = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, timeout=300)

@@ -43,8 +43,7 @@ def _worker(rank: int, world: int, init: str, out: str, how: str) -> None:
         opt = torch.optim.AdamW(model.parameters(), lr=0.01, foreach=False)
         k = MICROBATCHES // world
         if how == "one":
-            net, grads = model, CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=1,
-                                                   rank=0)
+            net, grads = model, CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=1, rank=0)
             mine = grads.microbatches
         else:
             net = DistributedDataParallel(model)
@@ -89,7 +88,6 @@ def test_ddp_with_the_canonical_hook_gives_one_process_bits_on_2_and_4_processes
     assert not np.array_equal(np.load(tmp_path / "ddp_2.npy"), one)
 
 
-
 def test_the_hook_refuses_a_layout_it_cannot_make_invariant_and_an_update_before_the_last_microbatch():
     """3 microbatches per process over 2 processes is not an aligned layout: refused by name, before any
     training. Over 4 microbatches the state hands the first of each pair back as it is (the next backward
@@ -102,8 +100,12 @@ def test_the_hook_refuses_a_layout_it_cannot_make_invariant_and_an_update_before
     state = CanonicalDdpState(4, world_size=1, rank=0)
     assert list(state.microbatches) == [0, 1, 2, 3]
     w = torch.nn.Parameter(torch.zeros(3))
-    g = [torch.tensor([1.0, -0.0, 2.0**-30]), torch.tensor([1e8, -0.0, 1.0]), torch.tensor([-1e8, -0.0, 3.0]),
-         torch.tensor([0.5, -0.0, -1.0])]
+    g = [
+        torch.tensor([1.0, -0.0, 2.0**-30]),
+        torch.tensor([1e8, -0.0, 1.0]),
+        torch.tensor([-1e8, -0.0, 3.0]),
+        torch.tensor([0.5, -0.0, -1.0]),
+    ]
 
     def backward(grad: torch.Tensor) -> torch.Tensor:  # the gradient a view of the bucket's buffer, as in DDP
         buffer = grad.clone()
@@ -126,6 +128,7 @@ def test_the_hook_refuses_a_layout_it_cannot_make_invariant_and_an_update_before
     backward(g[0])
     with pytest.raises(RuntimeError, match="stepped after 1 of the 4 microbatches"):
         opt.step()
+
     # the first of a pair run under no_sync() (CanonicalDdpState.microbatch): an update right after it is refused
     class NoSync:
         def no_sync(self) -> contextlib.AbstractContextManager:

@@ -29,7 +29,7 @@ def _leaves() -> list[torch.Tensor]:
 def _worker(rank: int, world: int, init_file: str, out_dir: str, bucket: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     k = N_MICRO // world
-    local = canonical_sum(_leaves()[rank * k:(rank + 1) * k])
+    local = canonical_sum(_leaves()[rank * k : (rank + 1) * k])
     combined, sent = combine_across_ranks(local, world, bucket_elements=bucket)
     plain = local.clone()
     dist.all_reduce(plain)  # PyTorch's path, for the negative control
@@ -61,8 +61,9 @@ def test_combine_matches_one_process_on_2_and_4_ranks_and_allreduce_does_not(tmp
     assert not np.array_equal(plain[2], plain[4])
 
 
-def _three_steps(rec, model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, width: int, changed: bool,
-                 call: torch.nn.Module) -> None:
+def _three_steps(
+    rec, model: torch.nn.Module, opt: torch.optim.Optimizer, rank: int, width: int, changed: bool, call: torch.nn.Module
+) -> None:
     """Steps 1-3 of a distributed test loop, one microbatch per rank (``call``: the model as wrapped);
     ``changed``: rank 1's data differs at step 2. Closes ``rec``."""
     for step in (1, 2, 3):
@@ -87,12 +88,18 @@ def _ddp_worker(rank: int, world: int, init_file: str, run_dir: str, variant: st
         ddp = DistributedDataParallel(model, bucket_cap_mb=0.25, gradient_as_bucket_view=variant == "view")
         opt = torch.optim.AdamW(model.parameters(), lr=0.05)
         views = []
-        opt.register_step_pre_hook(lambda *_: views.append(
-            any(p.grad.untyped_storage().nbytes() > p.grad.nbytes for p in model.parameters())))
+        opt.register_step_pre_hook(
+            lambda *_: views.append(any(p.grad.untyped_storage().nbytes() > p.grad.nbytes for p in model.parameters()))
+        )
         level = {"untraced": "off", "op": "op", "op_ulp": "op"}.get(variant, "step")
         # the last layer's weight gradient on rank 1 (a ULP in a forward activation can round away)
-        perturb = Perturb(rank=1, step=2, microbatch=1, phase="backward", scope="module.2", op="aten.mm.default",
-                          occurrence=1) if variant == "op_ulp" else None
+        perturb = (
+            Perturb(
+                rank=1, step=2, microbatch=1, phase="backward", scope="module.2", op="aten.mm.default", occurrence=1
+            )
+            if variant == "op_ulp"
+            else None
+        )
         rec = samestep.trace(run_dir, level=level, steps="1-3", perturb=perturb)
         if variant != "untraced":
             rec.attach(ddp)
@@ -120,8 +127,15 @@ def test_ddp_comm_hook_records_each_bucket_and_diff_blames_the_rank_that_changed
     from samestep.tracing import read_stream, stream_path
 
     runs = {}
-    for name, variant in (("a", "traced"), ("b", "view"), ("c", "changed"), ("plain", "untraced"), ("opa", "op"),
-                          ("opb", "op"), ("opc", "op_ulp")):
+    for name, variant in (
+        ("a", "traced"),
+        ("b", "view"),
+        ("c", "changed"),
+        ("plain", "untraced"),
+        ("opa", "op"),
+        ("opb", "op"),
+        ("opc", "op_ulp"),
+    ):
         runs[name] = tmp_path / name
         runs[name].mkdir()
         spawn(_ddp_worker, (2, str(tmp_path / f"init_{name}"), str(runs[name]), variant), 2)
@@ -129,9 +143,16 @@ def test_ddp_comm_hook_records_each_bucket_and_diff_blames_the_rank_that_changed
         for name in ("a", "b", "opa"):
             assert np.array_equal(np.load(runs[name] / f"params_{r}.npy"), np.load(runs["plain"] / f"params_{r}.npy"))
     table = read_stream(stream_path(runs["a"], 0)).table
-    buckets = [(s, o) for s, sc, o, op in zip(table["step"].to_pylist(), table["scope"].to_pylist(),
-                                             table["occurrence"].to_pylist(), table["op"].to_pylist())
-               if sc == "collective" and op == "ddp.allreduce"]
+    buckets = [
+        (s, o)
+        for s, sc, o, op in zip(
+            table["step"].to_pylist(),
+            table["scope"].to_pylist(),
+            table["occurrence"].to_pylist(),
+            table["op"].to_pylist(),
+        )
+        if sc == "collective" and op == "ddp.allreduce"
+    ]
     per_step = [sum(s == step for s, _ in buckets) for step in (1, 2, 3)]
     assert per_step[1] >= 2 and buckets == [(s, o) for s in (1, 2, 3) for o in range(per_step[s - 1])], buckets
     same = diff_runs(runs["a"], runs["b"])
@@ -140,8 +161,13 @@ def test_ddp_comm_hook_records_each_bucket_and_diff_blames_the_rank_that_changed
     assert changed["origin"] is None and (changed["first_seen"]["rank"], changed["first_seen"]["step"]) == (1, 2)
     assert "rank(s) 0 received it through a collective" in changed["summary"]
     d0 = changed["per_rank"]["0"]["divergence"]
-    assert (d0["kind"], d0["scope"], d0["op"], d0["step"], d0["inputs_matched"]) == \
-        ("receiver", "collective", "ddp.allreduce", 2, True)
+    assert (d0["kind"], d0["scope"], d0["op"], d0["step"], d0["inputs_matched"]) == (
+        "receiver",
+        "collective",
+        "ddp.allreduce",
+        2,
+        True,
+    )
     ops = diff_runs(runs["opa"], runs["opb"])
     assert ops["identical"], ops["summary"]
     ops_table = read_stream(stream_path(runs["opa"], 0)).table
@@ -214,12 +240,21 @@ def test_fsdp2_sharded_state_is_traced_as_each_rank_shard(tmp_path):
         same = diff_runs(runs[a], runs[b])
         assert same["identical"], (a, b, same["summary"])
     table = read_stream(stream_path(runs["step"], 0)).table
-    calls = [(s, o) for s, op, o in zip(table["step"].to_pylist(), table["op"].to_pylist(),
-                                        table["occurrence"].to_pylist()) if op == "fsdp.reduce_scatter"]
+    calls = [
+        (s, o)
+        for s, op, o in zip(table["step"].to_pylist(), table["op"].to_pylist(), table["occurrence"].to_pylist())
+        if op == "fsdp.reduce_scatter"
+    ]
     assert calls == [(s, o) for s in (1, 2, 3) for o in range(2)], calls  # the two Linear layers, every step
     changed = diff_runs(runs["step"], runs["changed"])
-    assert changed["origin"] is None and (changed["first_seen"]["rank"], changed["first_seen"]["step"]) == (1, 2), \
+    assert changed["origin"] is None and (changed["first_seen"]["rank"], changed["first_seen"]["step"]) == (1, 2), (
         changed["summary"]
+    )
     d0 = changed["per_rank"]["0"]["divergence"]
-    assert (d0["kind"], d0["scope"], d0["op"], d0["step"], d0["inputs_matched"]) == \
-        ("receiver", "collective", "fsdp.reduce_scatter", 2, True), d0
+    assert (d0["kind"], d0["scope"], d0["op"], d0["step"], d0["inputs_matched"]) == (
+        "receiver",
+        "collective",
+        "fsdp.reduce_scatter",
+        2,
+        True,
+    ), d0

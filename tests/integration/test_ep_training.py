@@ -15,8 +15,13 @@ from tests.support import TINY, cli_here, killed_in_step_4, metrics_bytes, origi
 pytestmark = pytest.mark.slow
 
 # 4 experts, top 2, dropout on (the Llama draws it on each block's output, none inside its experts)
-EP = (*[s for s in TINY if not s.startswith("train.steps")], "model.arch=llama", "model.moe_experts=4",
-      "model.dropout=0.1", "train.steps=4")
+EP = (
+    *[s for s in TINY if not s.startswith("train.steps")],
+    "model.arch=llama",
+    "model.moe_experts=4",
+    "model.dropout=0.1",
+    "train.steps=4",
+)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +45,13 @@ def test_ep_2_and_4_and_2_groups_of_ep_2_give_the_one_process_bits(one_process, 
 def test_a_gpt_moe_in_bf16_at_ep_2_gives_the_one_process_bits(tmp_path):
     """A GPT whose MLPs are 4 routed experts, in bf16 under autocast (dropout off: its experts draw masks in
     expert order from one generator, refused under EP), at EP 2: the one process's bits."""
-    settings = (*[s for s in EP if not s.startswith("model.")], "model.moe_experts=4", "model.dropout=0",
-                "train.precision=bf16", "train.steps=3")
+    settings = (
+        *[s for s in EP if not s.startswith("model.")],
+        "model.moe_experts=4",
+        "model.dropout=0",
+        "train.precision=bf16",
+        "train.steps=3",
+    )
     one = train_here(tmp_path / "one", *settings)["state_digest"]
     two = train_ranks(tmp_path / "two", *settings, "parallel.ep=2", nproc=2)["state_digest"]
     assert one == two and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "two")
@@ -56,12 +66,15 @@ def test_an_ep_2_run_killed_resumes_at_ep_4_on_one_process_and_on_2_x_ep_2_bit_f
     ref_dir, ref_digest = one_process
     d = tmp_path / "run"
     killed_in_step_4(d, *EP, "parallel.ep=2", nproc=2, copies=("copy", "grid", "forgot"))
-    forgot = train_ranks(tmp_path / "forgot", *EP, "parallel.ep=4", nproc=4, resume=True,
-                         patch=resume_without_the_optimizer_unchecked)
+    forgot = train_ranks(
+        tmp_path / "forgot", *EP, "parallel.ep=4", nproc=4, resume=True, patch=resume_without_the_optimizer_unchecked
+    )
     assert forgot["state_digest"] != ref_digest
-    finals = {"run": train_ranks(d, *EP, "parallel.ep=4", nproc=4, resume=True),
-              "copy": train_here(tmp_path / "copy", *EP, resume=True),
-              "grid": train_ranks(tmp_path / "grid", *EP, "parallel.ep=2", nproc=4, resume=True)}
+    finals = {
+        "run": train_ranks(d, *EP, "parallel.ep=4", nproc=4, resume=True),
+        "copy": train_here(tmp_path / "copy", *EP, resume=True),
+        "grid": train_ranks(tmp_path / "grid", *EP, "parallel.ep=2", nproc=4, resume=True),
+    }
     for name, final in finals.items():
         assert final["state_digest"] == ref_digest and metrics_bytes(tmp_path / name) == metrics_bytes(ref_dir), name
     resumes = json.loads((d / "run.json").read_text())["resumes"]
@@ -111,8 +124,12 @@ def test_diff_names_the_op_and_expert_rank_where_two_expert_parallel_runs_differ
     expert rank 1 of group 0); rank 0's records hold no origin."""
     settings = (*EP, "parallel.ep=2", "train.steps=2", "trace.level=op", "trace.steps=2")
     train_ranks(tmp_path / "a", *settings, nproc=2)
-    train_ranks(tmp_path / "b", *settings, "trace.perturb=rank=1,step=2,microbatch=3,phase=forward,"
-                "scope=layers.0.mlp.router,op=aten.mm.default", nproc=2)
+    train_ranks(
+        tmp_path / "b",
+        *settings,
+        "trace.perturb=rank=1,step=2,microbatch=3,phase=forward,scope=layers.0.mlp.router,op=aten.mm.default",
+        nproc=2,
+    )
     doc, origin = origin_of(cli_here("diff", str(tmp_path / "a"), str(tmp_path / "b"), "--json"))
     assert origin == (2, 1, 3, "layers.0.mlp.router", "aten.mm.default"), origin
     other = doc["per_rank"]["0"]  # no origin there: at most what the all-to-all brought it

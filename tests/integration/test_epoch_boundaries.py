@@ -28,8 +28,9 @@ def _lightning(run: Path, ckpt: Path | None = None, samestep_callback: bool = Tr
     class Regression(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Dropout(0.2),
-                                           torch.nn.Linear(32, 1))
+            self.net = torch.nn.Sequential(
+                torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Dropout(0.2), torch.nn.Linear(32, 1)
+            )
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -46,8 +47,15 @@ def _lightning(run: Path, ckpt: Path | None = None, samestep_callback: bool = Tr
     callbacks = [checkpoints] + ([SamestepCallback(run)] if samestep_callback else [])
     pl.seed_everything(seed, verbose=False)
     module = Regression()
-    trainer = pl.Trainer(max_steps=20, callbacks=callbacks, accelerator="cpu", logger=False,
-                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=run)
+    trainer = pl.Trainer(
+        max_steps=20,
+        callbacks=callbacks,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=run,
+    )
     trainer.fit(module, loader, ckpt_path=str(ckpt) if ckpt else None)
     return _params(module)
 
@@ -69,8 +77,11 @@ def test_lightning_resumed_at_an_epochs_end_is_the_run_straight_through(tmp_path
     _lightning(tmp_path / "plain", samestep_callback=False)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        _lightning(tmp_path / "plain_resumed", tmp_path / "plain" / "checkpoints" / "epoch=2-step=12.ckpt",
-                   samestep_callback=False)
+        _lightning(
+            tmp_path / "plain_resumed",
+            tmp_path / "plain" / "checkpoints" / "epoch=2-step=12.ckpt",
+            samestep_callback=False,
+        )
     assert [w for w in seen if "not resumable" in str(w.message)]
 
 
@@ -90,9 +101,19 @@ def _hf(out: Path, resume: Path | None = None) -> str:
     from samestep.integrations.huggingface import SamestepCallback
 
     # 48 samples, 4 a batch, 2 batches a step: 6 steps an epoch; checkpoint-6 ends epoch 0
-    args = TrainingArguments(output_dir=str(out), max_steps=12, save_steps=3, per_device_train_batch_size=4,
-                             gradient_accumulation_steps=2, learning_rate=1e-3, seed=0, use_cpu=True, report_to=[],
-                             logging_steps=100, dataloader_num_workers=0)
+    args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=12,
+        save_steps=3,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        learning_rate=1e-3,
+        seed=0,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=100,
+        dataloader_num_workers=0,
+    )
     torch.manual_seed(0)
     config = GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=2)
     callback = SamestepCallback()

@@ -60,8 +60,10 @@ def test_the_readme_shows_the_quick_start_as_it_is_and_it_runs_as_printed(tmp_pa
     code = (ROOT / "examples" / "quickstart.py").read_text(encoding="utf-8")
     assert f"```python\n{code}```" in (ROOT / "README.md").read_text(encoding="utf-8")
     script = str(ROOT / "examples" / "quickstart.py")
-    runs = [script_here(script, str(tmp_path / "a")),  # as printed, in a fresh process and in this one
-            subprocess.run([sys.executable, script, str(tmp_path / "b")], capture_output=True, text=True, timeout=300)]
+    runs = [
+        script_here(script, str(tmp_path / "a")),  # as printed, in a fresh process and in this one
+        subprocess.run([sys.executable, script, str(tmp_path / "b")], capture_output=True, text=True, timeout=300),
+    ]
     assert runs[0].returncode == 0 and runs[0].stdout == runs[1].stdout, runs[0].stderr[-2000:]
     assert saved(tmp_path / "a") == runs[0].stdout.strip()
     proc = Forked([str(tmp_path / "c")], script=Path(script))
@@ -79,7 +81,7 @@ def test_the_example_resumes_to_the_same_bits_and_diffs_identical(tmp_path):
     """Stopped by a signal after 3 of 6 steps (exit 75, EXIT_PREEMPTED) and resumed, the example ends with
     the parameters' digest of the run straight through, and `samestep diff` says identical (exit 0).
     Negative control: another seed ends elsewhere, and the diff exits 1."""
-    halfway, = _together((tmp_path / "resumed", ("--stop-after", "3"), 75))  # a signal: in a process of its own
+    (halfway,) = _together((tmp_path / "resumed", ("--stop-after", "3"), 75))  # a signal: in a process of its own
     straight = _here(tmp_path / "straight")
     assert halfway != straight
     assert sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").glob("step_*"))[-1] == "step_000003"
@@ -99,10 +101,14 @@ def test_the_parallel_loop_example_prints_one_digest_on_one_process_ddp_and_fsdp
     script = str(ROOT / "examples" / "parallel_loop.py")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script]
-    cmds = [[sys.executable, script, str(tmp_path / "one")], [*torchrun, str(tmp_path / "ddp"), "--layout", "ddp"],
-            [*torchrun, str(tmp_path / "fsdp"), "--layout", "fsdp"]]
-    runs = side_by_side(*(lambda c=c: subprocess.run(c, capture_output=True, text=True, timeout=300, env=env)
-                          for c in cmds))
+    cmds = [
+        [sys.executable, script, str(tmp_path / "one")],
+        [*torchrun, str(tmp_path / "ddp"), "--layout", "ddp"],
+        [*torchrun, str(tmp_path / "fsdp"), "--layout", "fsdp"],
+    ]
+    runs = side_by_side(
+        *(lambda c=c: subprocess.run(c, capture_output=True, text=True, timeout=300, env=env) for c in cmds)
+    )
     for run in runs:
         assert run.returncode == 0, run.stderr[-3000:]
     digests = [run.stdout.strip() for run in runs]

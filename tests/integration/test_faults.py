@@ -28,7 +28,8 @@ def test_checks_raise_no_false_alarm_and_change_no_bit(tmp_path):
     the run without them (the recompute and the comparisons observe, never perturb)."""
     (err, checked), (err_b, plain) = side_by_side(
         lambda: _train(tmp_path / "checked", *TINY, "train.sdc_check_every=1"),
-        lambda: _train(tmp_path / "plain", *TINY, "train.cross_rank_check=false"))
+        lambda: _train(tmp_path / "plain", *TINY, "train.cross_rank_check=false"),
+    )
     assert checked is not None and plain is not None, err + err_b  # both exited 0 (train_ranks checks)
     assert checked == plain
     assert (tmp_path / "checked" / "metrics.jsonl").read_bytes() == (tmp_path / "plain" / "metrics.jsonl").read_bytes()
@@ -42,7 +43,8 @@ def test_recompute_check_names_a_transient_fault(tmp_path, tiny_run):
     fault = f"train.fault=output:rank=1,step=3,microbatch=2,{LN_F},bit=20"
     (err, final), (err_c, silent) = side_by_side(
         lambda: _train(tmp_path / "checked", *TINY, "train.sdc_check_every=1", fault, code=4),
-        lambda: _train(tmp_path / "unchecked", *TINY, fault))
+        lambda: _train(tmp_path / "unchecked", *TINY, fault),
+    )
     assert final is None, err  # and a rank exited 4 (train_ranks checks)
     assert "recompute check at step 3, microbatch 2 on rank 1: its loss differs" in err
     assert "gradients differ, first" in err and "the newest checkpoint before it is step_000002" in err
@@ -51,9 +53,13 @@ def test_recompute_check_names_a_transient_fault(tmp_path, tiny_run):
     assert silent != clean
 
 
-@pytest.mark.parametrize("kind,what", [("param", "the parameter 'transformer.h.0.mlp.c_fc.weight' differs after the "
-                                                  "update"),
-                                       ("grad", "the reduced gradient 'transformer.h.0.mlp.c_fc.weight' differs")])
+@pytest.mark.parametrize(
+    "kind,what",
+    [
+        ("param", "the parameter 'transformer.h.0.mlp.c_fc.weight' differs after the update"),
+        ("grad", "the reduced gradient 'transformer.h.0.mlp.c_fc.weight' differs"),
+    ],
+)
 def test_cross_rank_check_names_a_rank_whose_memory_changed(tmp_path, kind, what):
     """A bit flipped in one rank's parameter after step 3's update, or in its reduced gradient: the cross-rank
     check stops the run at that step (exit 4), naming the tensor."""
@@ -63,8 +69,7 @@ def test_cross_rank_check_names_a_rank_whose_memory_changed(tmp_path, kind, what
 
 
 # 2 data x 2 tensor ranks: ranks 0 and 2 hold tensor rank 0's shards, ranks 1 and 3 tensor rank 1's
-TP = (*[s for s in TINY if not s.startswith("model.n_head")], "model.n_head=4", "parallel.tp_chunks=8",
-      "parallel.tp=2")
+TP = (*[s for s in TINY if not s.startswith("model.n_head")], "model.n_head=4", "parallel.tp_chunks=8", "parallel.tp=2")
 
 
 def test_under_tensor_parallelism_each_tensor_ranks_data_ranks_compare_and_recompute_together(tmp_path):
@@ -76,19 +81,32 @@ def test_under_tensor_parallelism_each_tensor_ranks_data_ranks_compare_and_recom
     run raises no alarm and ends on the bits of one process without the checks."""
     checks = ("train.sdc_check_every=1",)
     (err_p, stopped), (err_o, caught), (err_c, clean) = side_by_side(
-        lambda: _train(tmp_path / "param", *TP, *checks, f"train.fault=param:rank=3,step=3,{PARAM},bit=20", code=4,
-                       nproc=4),
-        lambda: _train(tmp_path / "output", *TP, *checks,
-                       f"train.fault=output:rank=1,step=3,microbatch=0,{LN_F},bit=20", code=4, nproc=4),
-        lambda: _train(tmp_path / "clean", *TP, *checks, nproc=4))
+        lambda: _train(
+            tmp_path / "param", *TP, *checks, f"train.fault=param:rank=3,step=3,{PARAM},bit=20", code=4, nproc=4
+        ),
+        lambda: _train(
+            tmp_path / "output",
+            *TP,
+            *checks,
+            f"train.fault=output:rank=1,step=3,microbatch=0,{LN_F},bit=20",
+            code=4,
+            nproc=4,
+        ),
+        lambda: _train(tmp_path / "clean", *TP, *checks, nproc=4),
+    )
     assert stopped is None and caught is None, err_p + err_o
-    assert ("cross-rank check at step 3: rank 3 and rank 1 disagree (no majority of 2 ranks tells which is wrong): "
-            "the parameter 'transformer.h.0.mlp.c_fc.weight' differs after the update") in err_p, err_p
+    assert (
+        "cross-rank check at step 3: rank 3 and rank 1 disagree (no majority of 2 ranks tells which is wrong): "
+        "the parameter 'transformer.h.0.mlp.c_fc.weight' differs after the update"
+    ) in err_p, err_p
     assert err_p.count("fault detected: cross-rank check at step 3") == 4, err_p  # every rank stops there
     # the flip shows in the loss bits or only in the gradients, as the data's values fall (the stdlib corpus is
     # this interpreter's own source): either way the rank that made it is named at its microbatch
-    assert re.search(r"recompute check at step 3, microbatch 0 on rank 1: (its loss differs|\d+ of \d+ gradients "
-                     r"differ)", err_o), err_o
+    assert re.search(
+        r"recompute check at step 3, microbatch 0 on rank 1: (its loss differs|\d+ of \d+ gradients "
+        r"differ)",
+        err_o,
+    ), err_o
     assert "microbatch 2 on rank" not in err_o, err_o  # the other data rank's recompute agrees: shards compared alone
     one = train_here(tmp_path / "one", *[s for s in TP if s != "parallel.tp=2"], "train.cross_rank_check=false")
     assert clean == one["state_digest"], err_c

@@ -47,13 +47,15 @@ def test_hf_trainer_killed_and_resumed_is_the_run_straight_through(tmp_path):
     identical (exit 0); its receipts are the straight run's byte for byte, and verify. Negative control: the same
     killed run, its rng_state.pth removed (the Trainer
     only warns, and goes on elsewhere), is refused before its first step, naming the RNG."""
-    straight, killed = _together(("hf_trainer.py", tmp_path / "straight"),
-                                 ("hf_trainer.py", tmp_path / "cut", "--kill-after", "3"))
+    straight, killed = _together(
+        ("hf_trainer.py", tmp_path / "straight"), ("hf_trainer.py", tmp_path / "cut", "--kill-after", "3")
+    )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     shutil.copytree(tmp_path / "cut", tmp_path / "norng")
     (tmp_path / "norng" / "checkpoint-3" / "rng_state.pth").unlink()
-    resumed, refused = _together(("hf_trainer.py", tmp_path / "cut", "--resume"),
-                                 ("hf_trainer.py", tmp_path / "norng", "--resume"))
+    resumed, refused = _together(
+        ("hf_trainer.py", tmp_path / "cut", "--resume"), ("hf_trainer.py", tmp_path / "norng", "--resume")
+    )
     assert _digest(resumed) == _digest(straight)
     assert _diff(tmp_path / "straight", tmp_path / "cut") == 0
     _same_receipts(tmp_path / "straight", tmp_path / "cut")
@@ -73,8 +75,10 @@ def test_lightning_killed_and_resumed_mid_epoch_is_the_run_straight_through(tmp_
         ("lightning_fit.py", tmp_path / "plain", "--kill-after", "3", "--plain-sampler"),
     )
     assert killed.returncode == plain.returncode == -signal.SIGKILL, killed.stderr[-2000:] + plain.stderr[-2000:]
-    resumed, refused = _together(("lightning_fit.py", tmp_path / "cut", "--resume"),
-                                 ("lightning_fit.py", tmp_path / "plain", "--resume", "--plain-sampler"))
+    resumed, refused = _together(
+        ("lightning_fit.py", tmp_path / "cut", "--resume"),
+        ("lightning_fit.py", tmp_path / "plain", "--resume", "--plain-sampler"),
+    )
     assert _digest(resumed) == _digest(straight)
     assert _diff(tmp_path / "straight", tmp_path / "cut") == 0
     _same_receipts(tmp_path / "straight", tmp_path / "cut")
@@ -87,19 +91,21 @@ def test_a_callback_that_changes_the_model_after_samesteps_receipt_is_named_at_t
     from it could pass its check, and verify would call the checkpoint not the run's); the save says so at once,
     naming the checkpoint, what happened and the fix. Control: listed before it, as the example lists it, the
     receipt holds the change and the save passes."""
-    code = ("import sys, torch\n"
-            "from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments\n"
-            f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
-            "from hf_trainer import PlantAt, Tokens\n"
-            "from samestep.integrations.huggingface import SamestepCallback\n"
-            "out = sys.argv[1]\n"
-            "plant, samestep_cb = PlantAt(3), SamestepCallback()\n"
-            "callbacks = [samestep_cb, plant] if sys.argv[2] == 'after' else [plant, samestep_cb]\n"
-            "args = TrainingArguments(output_dir=out, max_steps=3, save_steps=3, per_device_train_batch_size=4,\n"
-            "                         use_cpu=True, report_to=[], logging_steps=100, dataloader_num_workers=0)\n"
-            "torch.manual_seed(0)\n"
-            "config = GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=2)\n"
-            "Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(), callbacks=callbacks).train()\n")
+    code = (
+        "import sys, torch\n"
+        "from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments\n"
+        f"sys.path.insert(0, {str(ROOT / 'examples')!r})\n"
+        "from hf_trainer import PlantAt, Tokens\n"
+        "from samestep.integrations.huggingface import SamestepCallback\n"
+        "out = sys.argv[1]\n"
+        "plant, samestep_cb = PlantAt(3), SamestepCallback()\n"
+        "callbacks = [samestep_cb, plant] if sys.argv[2] == 'after' else [plant, samestep_cb]\n"
+        "args = TrainingArguments(output_dir=out, max_steps=3, save_steps=3, per_device_train_batch_size=4,\n"
+        "                         use_cpu=True, report_to=[], logging_steps=100, dataloader_num_workers=0)\n"
+        "torch.manual_seed(0)\n"
+        "config = GPT2Config(vocab_size=96, n_positions=16, n_embd=32, n_layer=2, n_head=2)\n"
+        "Trainer(model=GPT2LMHeadModel(config), args=args, train_dataset=Tokens(), callbacks=callbacks).train()\n"
+    )
     after, before = (Forked([str(tmp_path / order), order], code=code) for order in ("after", "before"))
     after.wait(), before.wait()
     assert after.returncode != 0, after.stderr[-3000:]

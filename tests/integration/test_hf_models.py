@@ -34,9 +34,17 @@ def _model(kind: str, race: bool = False) -> torch.nn.Module:
     if kind == "gpt2":
         model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=128, n_embd=64, n_layer=2, n_head=2))
     else:
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                             max_position_embeddings=128))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=256,
+                hidden_size=64,
+                intermediate_size=128,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=128,
+            )
+        )
     if race:
         lookup = IndexEmbedding(256, 64)
         lookup.weight = model.get_input_embeddings().weight
@@ -50,8 +58,15 @@ def _batch(step: int, microbatch: int) -> torch.Tensor:
     return torch.randint(0, 256, (6, 128), generator=samestep.rng.generator(0, step, microbatch, "data"))
 
 
-def _train(run: Path, kind: str, *, stop_after: int | None = None, level: str | None = None,
-           restore_optimizer: bool = True, race: bool = False) -> str:
+def _train(
+    run: Path,
+    kind: str,
+    *,
+    stop_after: int | None = None,
+    level: str | None = None,
+    restore_optimizer: bool = True,
+    race: bool = False,
+) -> str:
     """The user's loop: AdamW, 2 microbatches a step, a checkpoint every 2 steps; resumes from ``run`` if it
     holds one. Returns the digest of the parameters at the end."""
     model = _model(kind, race)

@@ -12,8 +12,11 @@ from tests.support import TINY, cli_here, metrics_bytes, train_here, train_ranks
 pytestmark = pytest.mark.slow
 
 # 8 global microbatches of 2 sequences: layouts (1 x 8), (2 x 4), (4 x 2), (8 x 1).
-LAYOUT = (*[s for s in TINY if not s.startswith(("train.global_batch", "train.steps"))],
-          "train.global_batch=16", "train.steps=6")
+LAYOUT = (
+    *[s for s in TINY if not s.startswith(("train.global_batch", "train.steps"))],
+    "train.global_batch=16",
+    "train.steps=6",
+)
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +98,7 @@ def _dies_writing_its_optimizer_shard_of_step_4() -> None:
     save._write_tensors = dying
 
 
-def test_a_rank_killed_in_a_sharded_save_leaves_the_previous_checkpoint_and_the_resume_is_exact(
-        one_process, tmp_path):
+def test_a_rank_killed_in_a_sharded_save_leaves_the_previous_checkpoint_and_the_resume_is_exact(one_process, tmp_path):
     """Rank 1 of a 2-process sharded run is SIGKILLed while writing its optimizer shard of step 4: the job
     dies, step 2 stays the newest checkpoint, intact, and a sharded resume gives the 1-process bits. Then a
     flipped byte in one shard is named by `samestep checkpoint verify` (exit 1): file and tensor."""
@@ -104,8 +106,7 @@ def test_a_rank_killed_in_a_sharded_save_leaves_the_previous_checkpoint_and_the_
 
     ref_dir, ref_digest = one_process
     d, fsdp = tmp_path / "run", "parallel.fsdp=true"
-    train_ranks(d, *LAYOUT, fsdp, nproc=2, patch=_dies_writing_its_optimizer_shard_of_step_4,
-                exit_code=-signal.SIGKILL)
+    train_ranks(d, *LAYOUT, fsdp, nproc=2, patch=_dies_writing_its_optimizer_shard_of_step_4, exit_code=-signal.SIGKILL)
     assert (d / "checkpoints" / "latest").read_text().strip() == "step_000002"
     final = train_ranks(d, *LAYOUT, fsdp, nproc=2, resume=True)
     assert final["state_digest"] == ref_digest and metrics_bytes(d) == metrics_bytes(ref_dir)

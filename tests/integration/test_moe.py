@@ -12,8 +12,18 @@ pytestmark = pytest.mark.slow
 
 # top-3: with two contributions per token into zeros, any order gives the same bits (a + b == b + a);
 # three contributions make the order visible.
-MOE = ("train.device=cpu", "train.steps=3", "train.global_batch=16", "train.micro_batch=8", "model.n_layer=1",
-       "model.n_head=2", "model.n_embd=64", "model.block_size=64", "model.moe_experts=4", "model.moe_top_k=3")
+MOE = (
+    "train.device=cpu",
+    "train.steps=3",
+    "train.global_batch=16",
+    "train.micro_batch=8",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=64",
+    "model.block_size=64",
+    "model.moe_experts=4",
+    "model.moe_top_k=3",
+)
 
 
 def test_moe_plain_races_and_deterministic_mode_repeats(tmp_path):
@@ -28,9 +38,23 @@ def test_moe_plain_races_and_deterministic_mode_repeats(tmp_path):
 # A Llama whose SwiGLU experts get uneven row counts (top-2 of 4 over 64 tokens), 40 wide (8 chunks of 5): at
 # TP 2 a rank's part of an expert's activation is 20 wide, so its element count leaves a vectorized kernel's
 # scalar tail on other elements than the whole's, with 8- and 16-float vectors alike (AVX2, AVX-512)
-LLAMA = ("train.device=cpu", "train.steps=3", "train.global_batch=8", "train.micro_batch=2", "train.warmup_steps=2",
-         "model.arch=llama", "model.n_layer=2", "model.n_head=4", "model.n_kv_head=2", "model.n_embd=32",
-         "model.block_size=32", "model.dropout=0.1", "model.moe_experts=4", "model.moe_top_k=2", "model.mlp_hidden=40")
+LLAMA = (
+    "train.device=cpu",
+    "train.steps=3",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "train.warmup_steps=2",
+    "model.arch=llama",
+    "model.n_layer=2",
+    "model.n_head=4",
+    "model.n_kv_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+    "model.dropout=0.1",
+    "model.moe_experts=4",
+    "model.moe_top_k=2",
+    "model.mlp_hidden=40",
+)
 
 
 def test_a_llama_moe_gives_the_one_process_bits_on_2_data_ranks_and_at_tp_2(tmp_path):

@@ -136,8 +136,12 @@ def test_a_loop_of_ones_own_killed_before_its_first_checkpoint_goes_on_from_step
 
     straight, run = tmp_path / "straight", tmp_path / "run"
     _own_loop_here(monkeypatch, straight, 30)
-    proc = subprocess.Popen([sys.executable, "-c", _OWN_LOOP, str(run), "30", "0.5"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _OWN_LOOP, str(run), "30", "0.5"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     while int(proc.stdout.readline() or 0) < 3:
         assert proc.poll() is None, proc.stderr.read()[-2000:]
     proc.kill()
@@ -146,8 +150,9 @@ def test_a_loop_of_ones_own_killed_before_its_first_checkpoint_goes_on_from_step
     _own_loop_here(monkeypatch, run, 30)
     for name, t in torch.load(straight / "weights.pt").items():
         assert torch.equal(t.view(torch.int32), torch.load(run / "weights.pt")[name].view(torch.int32))
-    assert (run / "receipts" / "rank_00000.jsonl").read_bytes() == \
-        (straight / "receipts" / "rank_00000.jsonl").read_bytes()
+    assert (run / "receipts" / "rank_00000.jsonl").read_bytes() == (
+        straight / "receipts" / "rank_00000.jsonl"
+    ).read_bytes()
     assert certify_trace(run)["complete"], certify_trace(run)["problems"]
 
 
@@ -184,8 +189,10 @@ def test_a_signal_to_the_whole_process_group_stops_the_run_with_a_checkpoint(tmp
         os.killpg(proc.pid, signal.SIGINT)
         outcomes[name] = proc.wait(300), proc.stderr
     assert outcomes["run"][0] == EXIT_PREEMPTED, outcomes["run"][1][-2000:]
-    assert outcomes["control"][0] != EXIT_PREEMPTED and not (tmp_path / "control" / "checkpoints").exists(), \
-        (outcomes["control"][0], outcomes["control"][1][-2000:])
+    assert outcomes["control"][0] != EXIT_PREEMPTED and not (tmp_path / "control" / "checkpoints").exists(), (
+        outcomes["control"][0],
+        outcomes["control"][1][-2000:],
+    )
     assert train_here(tmp_path / "run", *traced, resume=True)["state_digest"] == straight["state_digest"]
 
 
@@ -236,8 +243,10 @@ def test_a_rank_killed_by_a_signal_is_named_by_the_launcher(tmp_path, rank):
     os.kill(_rank_pid(launcher.pid, rank), signal.SIGKILL)
     assert launcher.wait() == 137, launcher.stderr
     lines = [line for line in launcher.stderr.splitlines() if line.startswith("samestep train: ")]
-    assert f"samestep train: rank {rank} was killed by SIGKILL (exit 137); the job's other processes were " \
-           "stopped" in launcher.stderr, launcher.stderr
+    assert (
+        f"samestep train: rank {rank} was killed by SIGKILL (exit 137); the job's other processes were "
+        "stopped" in launcher.stderr
+    ), launcher.stderr
     assert f"samestep train: rank {1 - rank} stopped: another process of the job ended" in launcher.stderr
     assert len(lines) == 2 and "Traceback" not in launcher.stderr and "gloo" not in launcher.stderr, launcher.stderr
 
@@ -309,8 +318,18 @@ def test_a_forged_checkpoint_is_refused(tmp_path, forgery):
     assert train_here(control, *TINY, resume=True)["state_digest"] == straight["state_digest"]
 
 
-@pytest.mark.parametrize("damage", ["a row deleted", "a torn last row", "emptied", "deleted", "two rows swapped",
-                                    "a row repeated", "final.json's loss"])
+@pytest.mark.parametrize(
+    "damage",
+    [
+        "a row deleted",
+        "a torn last row",
+        "emptied",
+        "deleted",
+        "two rows swapped",
+        "a row repeated",
+        "final.json's loss",
+    ],
+)
 def test_receipts_verify_names_damage_to_metrics_and_final(tmp_path, damage):
     """Every edit of metrics.jsonl or final.json of a finished run is named by `receipts verify` (control: the
     untouched run holds); a --resume of a finished run whose metrics.jsonl was deleted is refused rather than
@@ -331,8 +350,9 @@ def test_receipts_verify_names_damage_to_metrics_and_final(tmp_path, damage):
         "deleted": lambda: metrics.unlink(),
         "two rows swapped": lambda: metrics.write_text("".join(lines[:2] + [lines[3], lines[2]] + lines[4:])),
         "a row repeated": lambda: metrics.write_text("".join(lines[:3] + lines[2:])),
-        "final.json's loss": lambda: (run / "final.json").write_text(json.dumps(
-            {**json.loads((run / "final.json").read_text()), "loss_hex": 1.5.hex()})),
+        "final.json's loss": lambda: (run / "final.json").write_text(
+            json.dumps({**json.loads((run / "final.json").read_text()), "loss_hex": (1.5).hex()})
+        ),
     }
     edits[damage]()
     report = check_receipts(run)
@@ -376,16 +396,20 @@ def test_swapped_shards_of_a_sharded_checkpoint_are_refused(tmp_path):
     mine = run / "receipts" / "rank_00001.jsonl"
     kept = mine.read_bytes()
     mine.write_bytes(b"".join(kept.splitlines(keepends=True)[:3]))
-    proc = subprocess.run(train_cmd(run, *TINY, "parallel.fsdp=true", resume=True, nproc=2), capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        train_cmd(run, *TINY, "parallel.fsdp=true", resume=True, nproc=2), capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 2 and "rank_00001.jsonl" in proc.stderr, proc.stderr[-2000:]
     mine.write_bytes(kept)
     step_dir = run / "checkpoints" / "step_000008"
     from samestep.analysis.receipt_check import checkpoint_mismatches
     from samestep.records.receipts import read_run_receipts
+
     assert checkpoint_mismatches(run, step_dir, read_run_receipts(run), None) == []
-    zero, one = (step_dir / "model.rank_00000.safetensors").read_bytes(), \
-        (step_dir / "model.rank_00001.safetensors").read_bytes()
+    zero, one = (
+        (step_dir / "model.rank_00000.safetensors").read_bytes(),
+        (step_dir / "model.rank_00001.safetensors").read_bytes(),
+    )
     reseal(step_dir, "model.rank_00000.safetensors", one)
     reseal(step_dir, "model.rank_00001.safetensors", zero)
     assert verify_checkpoint(step_dir) == step_dir
@@ -464,9 +488,17 @@ def _copy(run: Path, to: Path) -> Path:
     return to
 
 
-@pytest.mark.parametrize("target", ["run.json", "final.json", "receipts/rank_00000.jsonl", "metrics.jsonl",
-                                    "checkpoints/step_000008/manifest.json",
-                                    "checkpoints/step_000008/model.safetensors"])
+@pytest.mark.parametrize(
+    "target",
+    [
+        "run.json",
+        "final.json",
+        "receipts/rank_00000.jsonl",
+        "metrics.jsonl",
+        "checkpoints/step_000008/manifest.json",
+        "checkpoints/step_000008/model.safetensors",
+    ],
+)
 def test_a_fifo_in_place_of_a_file_is_an_error_not_a_wait(finished, tmp_path, target):
     """A FIFO where samestep reads a file: every command that reads it ends at once, with one line naming it
     and exit 2 (a resume falls back to the older checkpoint where the newest is the damaged one, as for any
@@ -484,8 +516,9 @@ def test_a_fifo_in_place_of_a_file_is_an_error_not_a_wait(finished, tmp_path, ta
         code, _, err = _cli(*argv, timeout=120)
         assert code in (0, 1, 2) and (code != 2 or len(err.strip().splitlines()) == 1), (argv, code, err)
     assert _cli("receipts", "verify", str(run), timeout=120)[0] in (1, 2)
-    code, _, err = _cli("train", "--run-dir", str(run), *[x for s in TINY for x in ("--set", s)], "--resume",
-                        timeout=300)
+    code, _, err = _cli(
+        "train", "--run-dir", str(run), *[x for s in TINY for x in ("--set", s)], "--resume", timeout=300
+    )
     if target.startswith("checkpoints/"):
         assert code == 0, err  # the newest checkpoint is skipped as damaged, step 6 resumes
     elif target == "final.json":
@@ -524,11 +557,25 @@ def test_bad_paths_and_oversized_configs_are_input_errors(tmp_path):
         "checkpoint verify of a FIFO": ("checkpoint", "verify", str(fifo)),
         "checkpoint verify of an empty directory": ("checkpoint", "verify", str(empty)),
         "trace.steps=5-1": ("train", "--run-dir", str(tmp_path / "r3"), *tiny, "--set", "trace.steps=5-1"),
-        "a step past the corpus": ("train", "--run-dir", str(tmp_path / "r4"), *tiny, "--set",
-                                   "train.global_batch=1000000000"),
+        "a step past the corpus": (
+            "train",
+            "--run-dir",
+            str(tmp_path / "r4"),
+            *tiny,
+            "--set",
+            "train.global_batch=1000000000",
+        ),
         "a model past memory": ("train", "--run-dir", str(tmp_path / "r5"), *tiny, "--set", "model.n_layer=1000000"),
-        "a vocabulary past memory": ("train", "--run-dir", str(tmp_path / "r6"), *tiny, "--set",
-                                     "model.vocab_size=16777216", "--set", "model.n_embd=128"),
+        "a vocabulary past memory": (
+            "train",
+            "--run-dir",
+            str(tmp_path / "r6"),
+            *tiny,
+            "--set",
+            "model.vocab_size=16777216",
+            "--set",
+            "model.n_embd=128",
+        ),
         "attention past memory": ("train", "--run-dir", str(tmp_path / "r7"), *tiny, "--set", "model.block_size=65536"),
     }
     for name, argv in cases.items():
@@ -539,8 +586,10 @@ def test_bad_paths_and_oversized_configs_are_input_errors(tmp_path):
     assert "(vocabulary 16,777,216)" in _cli(*cases["a vocabulary past memory"])[2]
     assert "model.block_size=65536 with train.micro_batch=2" in _cli(*cases["attention past memory"])[2]
     code, out, err = _cli("checkpoint", "verify", str(empty), "--json")
-    assert code == 2 and json_line(out) == {"error": err.strip().removeprefix("samestep checkpoint verify: "),
-                                            "exit_code": 2}
+    assert code == 2 and json_line(out) == {
+        "error": err.strip().removeprefix("samestep checkpoint verify: "),
+        "exit_code": 2,
+    }
     assert _cli("train", "--run-dir", str(tmp_path / "ok"), *tiny)[0] == 0
 
 
@@ -565,6 +614,7 @@ def test_a_non_finite_loss_stops_the_run_before_its_update(tmp_path):
     assert code == 5 and "the run stopped before that step's update" in err, err
     step = int(err.split("train: step ", 1)[1].split(":", 1)[0])
     assert [s for s, _ in committed_steps(run / "checkpoints")][0] == step - 1
-    code, _, _ = _cli("train", "--run-dir", str(tmp_path / "on"), *tiny, "--set", "train.lr=1e30", "--set",
-                      "train.nonfinite=continue")
+    code, _, _ = _cli(
+        "train", "--run-dir", str(tmp_path / "on"), *tiny, "--set", "train.lr=1e30", "--set", "train.nonfinite=continue"
+    )
     assert code == 0

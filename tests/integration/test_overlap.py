@@ -57,8 +57,14 @@ def _step(world: int, rank: int, kind: str) -> tuple[list[torch.Tensor], torch.T
     if kind == "plain":
         grads = AllReduceGradients(net.parameters(), microbatches_per_process=k, world_size=world, rank=rank)
     else:
-        grads = CanonicalGradients(net.parameters(), microbatches_per_process=k, world_size=world, rank=rank,
-                                   overlap=kind == "overlap", **BUCKETS)
+        grads = CanonicalGradients(
+            net.parameters(),
+            microbatches_per_process=k,
+            world_size=world,
+            rank=rank,
+            overlap=kind == "overlap",
+            **BUCKETS,
+        )
     started = []
     for i in grads.microbatches:
         loss = net.loss(i)
@@ -86,8 +92,10 @@ def _run(world: int, tmp_path) -> tuple[dict[str, list[np.ndarray]], list[dict]]
     out = tmp_path / f"w{world}"
     out.mkdir()
     spawn(_worker, (world, str(tmp_path / f"init{world}"), str(out)), world)
-    bits = {kind: [np.load(out / f"{kind}_{r}.npy").view(np.int32) for r in range(world)]
-            for kind in ("overlap", "after", "plain")}
+    bits = {
+        kind: [np.load(out / f"{kind}_{r}.npy").view(np.int32) for r in range(world)]
+        for kind in ("overlap", "after", "plain")
+    }
     return bits, [json.loads((out / f"started_{r}.json").read_text()) for r in range(world)]
 
 
@@ -120,8 +128,9 @@ def _twice_worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     for overlap in (False, True):
         net = _Net()
-        grads = CanonicalGradients(net.parameters(), microbatches_per_process=1, world_size=world, rank=rank,
-                                   overlap=overlap, **BUCKETS)
+        grads = CanonicalGradients(
+            net.parameters(), microbatches_per_process=1, world_size=world, rank=rank, overlap=overlap, **BUCKETS
+        )
         try:  # the last (only) microbatch runs backward twice through every parameter
             net.loss(N_MICRO - 1).backward()
             net.loss(N_MICRO - 1).backward()

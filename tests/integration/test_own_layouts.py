@@ -56,19 +56,29 @@ def test_tensor_parallel_llama_resumes_across_degrees_and_diffs_by_layout(tmp_pa
     other bits than samestep's there; diff of the 1-process run and that TP 2 run says diverged (other layouts:
     by the loss bits)."""
     one, killed, stock1, stock2, grid, stock_grid = _together(
-        (1, tmp_path / "one"), (2, tmp_path / "k", "--kill-after", "2"), (1, tmp_path / "s1", "--styles", "pytorch"),
-        (2, tmp_path / "s2", "--styles", "pytorch"), (4, tmp_path / "grid", "--dp", "2"),
-        (4, tmp_path / "sgrid", "--dp", "2", "--styles", "pytorch"))
+        (1, tmp_path / "one"),
+        (2, tmp_path / "k", "--kill-after", "2"),
+        (1, tmp_path / "s1", "--styles", "pytorch"),
+        (2, tmp_path / "s2", "--styles", "pytorch"),
+        (4, tmp_path / "grid", "--dp", "2"),
+        (4, tmp_path / "sgrid", "--dp", "2", "--styles", "pytorch"),
+    )
     assert killed == "" and sorted(p.name for p in (tmp_path / "k" / "checkpoints").glob("step_*")) == [
-        "step_000001", "step_000002"]
+        "step_000001",
+        "step_000002",
+    ]
     assert _digest(stock1) != _digest(stock2)
     assert _digest(grid) == _digest(one) != _digest(stock_grid)
     for name in ("tp4", "planted", "to1", "refused", "togrid"):
         shutil.copytree(tmp_path / "k", tmp_path / name)
     before = sorted(p.relative_to(tmp_path / "refused") for p in (tmp_path / "refused").rglob("*"))
     tp4, planted, to1, refused, togrid = _together(
-        (4, tmp_path / "tp4", "--trace-op", "3"), (4, tmp_path / "planted", "--trace-op", "3", "--perturb", PLANT),
-        (1, tmp_path / "to1"), (1, tmp_path / "refused", "--rng", "restore"), (4, tmp_path / "togrid", "--dp", "2"))
+        (4, tmp_path / "tp4", "--trace-op", "3"),
+        (4, tmp_path / "planted", "--trace-op", "3", "--perturb", PLANT),
+        (1, tmp_path / "to1"),
+        (1, tmp_path / "refused", "--rng", "restore"),
+        (4, tmp_path / "togrid", "--dp", "2"),
+    )
     assert _digest(tp4) == _digest(to1) == _digest(togrid) == _digest(one)
     _digest(planted)
     assert isinstance(refused, Exception)
@@ -79,8 +89,11 @@ def test_tensor_parallel_llama_resumes_across_degrees_and_diffs_by_layout(tmp_pa
     assert doc["layout"]["meshes"][0]["shape"] == [2] and doc["layout"]["placed"]["S(0)"] == 10
     assert [(r["step"], r["meshes"][0]["shape"]) for r in doc["resumes"]] == [(2, [4])]
     layout = json.loads((tmp_path / "grid" / "run.json").read_text())["layout"]
-    assert layout["sharded"] == "fsdp2" and layout["meshes"][0] == {"names": ["dp", "tp"], "shape": [2, 2],
-                                                                     "ranks": [[0, 1], [2, 3]]}
+    assert layout["sharded"] == "fsdp2" and layout["meshes"][0] == {
+        "names": ["dp", "tp"],
+        "shape": [2, 2],
+        "ranks": [[0, 1], [2, 3]],
+    }
 
     same = cli_here("diff", str(tmp_path / "one"), str(tmp_path / "tp4"))
     assert same.returncode == 0 and same.stdout.startswith("identical"), same.stdout
@@ -90,8 +103,10 @@ def test_tensor_parallel_llama_resumes_across_degrees_and_diffs_by_layout(tmp_pa
         assert moved.returncode == 0 and moved.stdout.startswith("identical"), (other, moved.stdout)
     assert "device mesh dp=2 x tp=2; dp=2, FSDP2 sharding them" in moved.stdout
     # final.json: the whole state (shards gathered) digested alike on every layout, so diff compares it too
-    finals = {name: json.loads((tmp_path / name / "final.json").read_text())
-              for name in ("one", "tp4", "to1", "grid", "togrid", "s2")}
+    finals = {
+        name: json.loads((tmp_path / name / "final.json").read_text())
+        for name in ("one", "tp4", "to1", "grid", "togrid", "s2")
+    }
     assert {f["state_digest_of"] for f in finals.values()} == {"whole"}
     assert len({finals[n]["state_digest"] for n in ("one", "tp4", "to1", "grid", "togrid")}) == 1, finals
     assert finals["s2"]["state_digest"] != finals["one"]["state_digest"]
@@ -116,8 +131,11 @@ def test_a_pipelined_llama_gives_the_one_process_bits_at_pp_2_and_pp_2_by_dp_2()
     accumulation, the data ranks' all-reduce, the stages' norms combined) gives another digest at PP 2 x DP 2
     than on 1 process."""
     one, pp2, grid, plain1, plain_grid = side_by_side(
-        *(lambda a=a: script_ranks(PIPELINE, *a[1:], nproc=a[0]).strip()
-          for a in ((1,), (2,), (4, "--dp", "2"), (1, "--plain"), (4, "--dp", "2", "--plain"))))
+        *(
+            lambda a=a: script_ranks(PIPELINE, *a[1:], nproc=a[0]).strip()
+            for a in ((1,), (2,), (4, "--dp", "2"), (1, "--plain"), (4, "--dp", "2", "--plain"))
+        )
+    )
     digest, loss = one.split()
     assert len(digest) == 32 and loss.startswith("0x")
     assert pp2 == grid == one
@@ -133,17 +151,29 @@ def test_a_mixtral_gives_the_one_process_bits_at_ep_2_and_4_and_resumes_across_d
     gradients all-reduced after each rank's microbatches in turn) give another digest, which diff calls
     diverged."""
     killed = KILLED
-    one, ep2, dead, plain, eager1, eager4 = side_by_side(*(
-        lambda a=a: script_ranks(EXPERTS, str(tmp_path / a[1]), *a[2:], nproc=a[0],
-                                 exit_code=killed if "--kill-after" in a else None).strip()
-        for a in ((1, "one"), (2, "ep2"), (2, "k", "--kill-after", "2"), (2, "plain", "--plain"),
-                  (1, "e1", "--experts", "eager"), (4, "e4", "--experts", "eager"))))
+    one, ep2, dead, plain, eager1, eager4 = side_by_side(
+        *(
+            lambda a=a: script_ranks(
+                EXPERTS, str(tmp_path / a[1]), *a[2:], nproc=a[0], exit_code=killed if "--kill-after" in a else None
+            ).strip()
+            for a in (
+                (1, "one"),
+                (2, "ep2"),
+                (2, "k", "--kill-after", "2"),
+                (2, "plain", "--plain"),
+                (1, "e1", "--experts", "eager"),
+                (4, "e4", "--experts", "eager"),
+            )
+        )
+    )
     assert dead == "" and _digest(ep2) == _digest(one) != _digest(plain)
     assert _digest(eager4) == _digest(eager1)
     for name in ("to1", "to4"):
         shutil.copytree(tmp_path / "k", tmp_path / name)
-    to1, to4 = side_by_side(lambda: script_ranks(EXPERTS, str(tmp_path / "to1"), nproc=1).strip(),
-                            lambda: script_ranks(EXPERTS, str(tmp_path / "to4"), nproc=4).strip())
+    to1, to4 = side_by_side(
+        lambda: script_ranks(EXPERTS, str(tmp_path / "to1"), nproc=1).strip(),
+        lambda: script_ranks(EXPERTS, str(tmp_path / "to4"), nproc=4).strip(),
+    )
     assert _digest(to1) == _digest(to4) == _digest(one)
     layout = json.loads((tmp_path / "ep2" / "run.json").read_text())["layout"]
     assert layout["meshes"][0]["names"] == ["ep"] and layout["placed"]["S(0)"] == 4  # 2 layers' 2 stacked weights

@@ -17,8 +17,12 @@ from tests.support import TINY, cli_here, killed_in_step_4, metrics_bytes, origi
 pytestmark = pytest.mark.slow
 
 # 4 blocks (PP 4: one a stage), dropout on: each stage draws its masks from the generator its activations bring
-PP = (*[s for s in TINY if not s.startswith(("model.n_layer", "train.steps"))], "model.n_layer=4",
-      "model.dropout=0.1", "train.steps=4")
+PP = (
+    *[s for s in TINY if not s.startswith(("model.n_layer", "train.steps"))],
+    "model.n_layer=4",
+    "model.dropout=0.1",
+    "train.steps=4",
+)
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +31,14 @@ def one_process(tmp_path_factory):
     return d, train_here(d, *PP)["state_digest"]
 
 
-@pytest.mark.parametrize("nproc,pp,schedule", [(2, 2, "1f1b"), (4, 4, "1f1b"), (4, 2, "1f1b"), (2, 2, "gpipe")],
-                         ids=["pp2", "pp4", "dp2xpp2", "pp2-gpipe"])
-def test_pp_2_and_4_and_2_data_by_2_pipeline_ranks_give_the_one_process_bits(one_process, tmp_path, nproc, pp,
-                                                                            schedule):
+@pytest.mark.parametrize(
+    "nproc,pp,schedule",
+    [(2, 2, "1f1b"), (4, 4, "1f1b"), (4, 2, "1f1b"), (2, 2, "gpipe")],
+    ids=["pp2", "pp4", "dp2xpp2", "pp2-gpipe"],
+)
+def test_pp_2_and_4_and_2_data_by_2_pipeline_ranks_give_the_one_process_bits(
+    one_process, tmp_path, nproc, pp, schedule
+):
     """The final state digest and metrics.jsonl's bytes at PP 2 and 4 under 1F1B, PP 2 under GPipe and 2 data x 2
     pipeline ranks are the one process's; run.json records the layout."""
     ref_dir, ref_digest = one_process
@@ -59,8 +67,9 @@ def test_a_pp_2_run_killed_resumes_at_pp_4_on_one_process_and_on_2_x_2_bit_for_b
     ref_dir, ref_digest = one_process
     d = tmp_path / "run"
     killed_in_step_4(d, *PP, "parallel.pp=2", nproc=2, copies=("copy", "grid", "forgot"))
-    forgot = train_ranks(tmp_path / "forgot", *PP, "parallel.pp=4", nproc=4, resume=True,
-                         patch=resume_without_the_optimizer_unchecked)
+    forgot = train_ranks(
+        tmp_path / "forgot", *PP, "parallel.pp=4", nproc=4, resume=True, patch=resume_without_the_optimizer_unchecked
+    )
     assert forgot["state_digest"] != ref_digest
     four = train_ranks(d, *PP, "parallel.pp=4", nproc=4, resume=True)
     one = train_here(tmp_path / "copy", *PP, resume=True)
@@ -121,8 +130,12 @@ def test_pipelinings_own_accumulation_and_a_tied_heads_uses_summed_apart_give_ot
     """Negative controls, deterministic mode on: with pipelining's plain accumulation (((m0+m1)+m2)+m3 in each
     stage's ``p.grad``), or the tied head's two uses each summed over the step apart and then added (Megatron's
     embedding all-reduce), PP 2 gives other bits than one process doing the same."""
-    one, two = (train_ranks(tmp_path / f"pp{pp}", *PP, f"parallel.pp={pp}", "train.steps=2", nproc=pp,
-                            patch=patch)["state_digest"] for pp in (1, 2))
+    one, two = (
+        train_ranks(tmp_path / f"pp{pp}", *PP, f"parallel.pp={pp}", "train.steps=2", nproc=pp, patch=patch)[
+            "state_digest"
+        ]
+        for pp in (1, 2)
+    )
     assert one != two
 
 
@@ -141,8 +154,9 @@ def test_2_data_by_2_pipeline_by_2_tensor_ranks_give_the_one_process_bits(tmp_pa
     assert layout == {"world_size": 8, "microbatches_per_process": 2, "tensor_parallel": 2, "pipeline_parallel": 2}
 
 
-@pytest.mark.parametrize("what", [(), ("model.arch=llama", "model.n_kv_head=2", "train.precision=bf16")],
-                         ids=["gpt", "llama-bf16"])
+@pytest.mark.parametrize(
+    "what", [(), ("model.arch=llama", "model.n_kv_head=2", "train.precision=bf16")], ids=["gpt", "llama-bf16"]
+)
 def test_sequence_parallelism_inside_pipeline_stages_gives_the_one_process_bits(tmp_path, what):
     """`parallel.sp=true` on 2 pipeline x 2 tensor ranks: the stages pass each tensor rank's block of positions
     (the Llama's rotary tables told the whole length), and the run gives the bits of one process with sequence
@@ -153,9 +167,14 @@ def test_sequence_parallelism_inside_pipeline_stages_gives_the_one_process_bits(
     assert one == grid and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "grid")
 
 
-@pytest.mark.parametrize("what,patch,nproc", [
-    ((), plain_tensor_parallel_sums, 8), (("parallel.sp=true",), plain_norm_gradients, 4),
-], ids=["2x2x2-plain-sums", "sp-in-stages-norm-sums"])
+@pytest.mark.parametrize(
+    "what,patch,nproc",
+    [
+        ((), plain_tensor_parallel_sums, 8),
+        (("parallel.sp=true",), plain_norm_gradients, 4),
+    ],
+    ids=["2x2x2-plain-sums", "sp-in-stages-norm-sums"],
+)
 def test_plain_sums_or_norm_gradients_inside_pipeline_stages_give_other_bits(tmp_path, what, patch, nproc):
     """Negative controls of the two claims above: with the tensor-parallel layers summing their chunks in turn
     and all-reducing the ranks' sums, 2 data x 2 pipeline x 2 tensor ranks, and with the sequence-parallel norms'
@@ -191,8 +210,10 @@ def test_bisect_names_the_op_and_pipeline_stage_where_two_pipelined_runs_differ(
     sent back. Control: the pair traced alike without the plant is identical to diff and to bisect. (A diff of
     two traced EP runs names the op and its rank's place: test_ep_training.py.)"""
     traced = (*PP, "parallel.pp=2", "train.steps=3", "train.checkpoint_every=1", "trace.level=op", "trace.steps=2")
-    plant = ("trace.perturb=rank=1,step=2,microbatch=1,phase=backward,scope=transformer.ln_f,"
-             "op=aten.native_layer_norm_backward.default",)
+    plant = (
+        "trace.perturb=rank=1,step=2,microbatch=1,phase=backward,scope=transformer.ln_f,"
+        "op=aten.native_layer_norm_backward.default",
+    )
     for name, extra in (("a", ()), ("same", ()), ("b", plant)):
         train_ranks(tmp_path / name, *traced, *extra, nproc=2)
     same = cli_here("bisect", str(tmp_path / "a"), str(tmp_path / "same"), "--json")

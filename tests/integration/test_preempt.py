@@ -68,19 +68,21 @@ def test_a_second_signal_stops_at_once(tmp_path):
     `--nproc` launcher passes on its processes' codes); the same signal twice at once
     (a job's every process signalled, and a launcher forwarding it) is one request. Negative control: one
     signal alone leaves it running to its own end."""
-    script = ("import os, signal, sys, time\n"
-              "from samestep.determinism.preempt import StopRequest\n"
-              "with StopRequest(('SIGTERM',)) as stop:\n"
-              "    os.kill(os.getpid(), signal.SIGTERM)\n"
-              "    if sys.argv[1] == 'duplicated':\n"
-              "        os.kill(os.getpid(), signal.SIGTERM)\n"
-              "    time.sleep(0.2)\n"
-              "    print(stop.requested, flush=True)\n"
-              "    if sys.argv[1] == 'twice':\n"
-              "        time.sleep(1)\n"
-              "        os.kill(os.getpid(), signal.SIGTERM)\n"
-              "        time.sleep(5)\n"
-              "print('ended by itself', flush=True)\n")
+    script = (
+        "import os, signal, sys, time\n"
+        "from samestep.determinism.preempt import StopRequest\n"
+        "with StopRequest(('SIGTERM',)) as stop:\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    if sys.argv[1] == 'duplicated':\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    time.sleep(0.2)\n"
+        "    print(stop.requested, flush=True)\n"
+        "    if sys.argv[1] == 'twice':\n"
+        "        time.sleep(1)\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(5)\n"
+        "print('ended by itself', flush=True)\n"
+    )
     for how in ("once", "duplicated"):
         once = Forked([how], code=script)
         assert once.wait(60) == 0 and once.stdout.split() == ["SIGTERM", "ended", "by", "itself"], once.stderr
@@ -116,22 +118,25 @@ def test_a_signal_while_the_stopped_process_exits_leaves_its_exit_code_its_own(t
     even when a second signal arrives while the interpreter tears down (torch's teardown takes a second or so;
     here an object that takes 3 s to go): the interpreter has put its handlers back to the default by then.
     Negative control: the same teardown without a stop request is ended by the signal (-15)."""
-    script = ("import os, signal, sys, time\n"
-              "from samestep.determinism.preempt import StopRequest\n"
-              "class Slow:\n"
-              "    def __del__(self, sleep=time.sleep):\n"
-              "        print('tearing down', flush=True)\n"
-              "        sleep(3)\n"
-              "keep = Slow()\n"
-              "if sys.argv[1] == 'stopped':\n"
-              "    with StopRequest(('SIGTERM',)):\n"
-              "        os.kill(os.getpid(), signal.SIGTERM)\n"
-              "        time.sleep(0.2)\n"
-              "sys.exit(75)\n")
+    script = (
+        "import os, signal, sys, time\n"
+        "from samestep.determinism.preempt import StopRequest\n"
+        "class Slow:\n"
+        "    def __del__(self, sleep=time.sleep):\n"
+        "        print('tearing down', flush=True)\n"
+        "        sleep(3)\n"
+        "keep = Slow()\n"
+        "if sys.argv[1] == 'stopped':\n"
+        "    with StopRequest(('SIGTERM',)):\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        time.sleep(0.2)\n"
+        "sys.exit(75)\n"
+    )
     codes = {}
     for how in ("stopped", "plain"):
-        proc = subprocess.Popen([sys.executable, "-c", script, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", script, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
         for line in proc.stdout:
             if "tearing down" in line:
                 proc.send_signal(signal.SIGTERM)

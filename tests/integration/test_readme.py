@@ -85,8 +85,9 @@ def test_the_readmes_commands_run_in_order_as_printed(tmp_path, monkeypatch):
     for command, out in printed.items():
         if command.startswith(("samestep diff", "samestep bisect")):
             assert re.search(r"^identical", out, re.M), (command, out)
-    code, out, err = run_printed("samestep train --run-dir runs/control --set train.steps=50 --set train.seed=7",
-                                 tmp_path)
+    code, out, err = run_printed(
+        "samestep train --run-dir runs/control --set train.steps=50 --set train.seed=7", tmp_path
+    )
     assert code == 0, err[-3000:]
     assert _digest(out) not in trained
     assert run_printed("samestep diff runs/a runs/control --force", tmp_path)[0] == 1

@@ -16,8 +16,13 @@ from tests.support import TINY, cli_here, train_ranks
 
 pytestmark = pytest.mark.slow
 
-TP2 = (*[s for s in TINY if not s.startswith(("model.n_head", "train.steps"))], "model.n_head=4", "train.steps=4",
-       "parallel.tp_chunks=8", "parallel.tp=2")
+TP2 = (
+    *[s for s in TINY if not s.startswith(("model.n_head", "train.steps"))],
+    "model.n_head=4",
+    "train.steps=4",
+    "parallel.tp_chunks=8",
+    "parallel.tp=2",
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,11 +47,17 @@ def test_a_ranks_loss_bits_edited_and_rehashed_break_the_receipts(tp2_run, tmp_p
     assert ok.returncode == 0 and "the loss and grad-norm bits of 2 ranks against each other" in ok.stdout, ok
     for field in ("loss_hex", "grad_norm_hex"):
         run = _copy(tp2_run, tmp_path / field)
-        rewrite_receipts(run / "receipts" / "rank_00001.jsonl",
-                 lambda rs: rs[2].update({field: float.fromhex(rs[2][field]).__add__(1e-3).hex()}))
+        rewrite_receipts(
+            run / "receipts" / "rank_00001.jsonl",
+            lambda rs: rs[2].update({field: float.fromhex(rs[2][field]).__add__(1e-3).hex()}),
+        )
         out = cli_here("receipts", "verify", str(run))
-        assert out.returncode == 1 and "BROKEN: " in out.stdout and \
-            f"rank_00001.jsonl: step 3: {field} " in out.stdout and "differ from rank 0's" in out.stdout, out
+        assert (
+            out.returncode == 1
+            and "BROKEN: " in out.stdout
+            and f"rank_00001.jsonl: step 3: {field} " in out.stdout
+            and "differ from rank 0's" in out.stdout
+        ), out
 
 
 @pytest.mark.parametrize("cut", ["lost", "cut"])

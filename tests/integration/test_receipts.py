@@ -59,8 +59,9 @@ def test_receipts_are_the_runs_state_and_survive_a_resume(runs, tmp_path):
 
     cut = tmp_path / "cut"
     assert train_here(cut, *TINY, stop_after=3) is None
-    train_ranks(cut, *TINY, nproc=1, resume=True, patch=resume_without_the_optimizer, exit_code=2,
-                stderr=tmp_path / "refused")
+    train_ranks(
+        cut, *TINY, nproc=1, resume=True, patch=resume_without_the_optimizer, exit_code=2, stderr=tmp_path / "refused"
+    )
     assert "the checkpoint of step 3 restores state" in (tmp_path / "refused").read_text()
     train_ranks(cut, *TINY, nproc=1, resume=True, patch=resume_without_the_optimizer_unchecked)
     forgot = _receipts(cut)
@@ -126,9 +127,21 @@ def test_verify_replays_and_names_the_first_step_that_does_not_reproduce(runs, t
 
 
 # Determinism off + the token lookup by indexing: index_put_ accumulate races in backward (real, on CPU).
-RACY = ("train.device=cpu", "train.steps=5", "train.global_batch=16", "train.micro_batch=8", "model.n_layer=1",
-        "model.n_head=2", "model.n_embd=64", "model.block_size=64", "model.embedding=index",
-        "determinism.enabled=false", "train.checkpoint_every=2", "trace.level=op", "trace.steps=1")
+RACY = (
+    "train.device=cpu",
+    "train.steps=5",
+    "train.global_batch=16",
+    "train.micro_batch=8",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=64",
+    "model.block_size=64",
+    "model.embedding=index",
+    "determinism.enabled=false",
+    "train.checkpoint_every=2",
+    "trace.level=op",
+    "trace.steps=1",
+)
 
 
 def test_bisect_locates_a_real_race_at_a_step_nobody_traced(tmp_path):
@@ -159,8 +172,7 @@ def test_bisect_finds_a_planted_ulp_exactly_across_layouts(tmp_path, tiny_run):
     same run on 2 processes: bisect names exactly that op, occurrence, microbatch, step and rank, and rank 0 as
     a receiver through the collective. Control: the
     unplanted 2-process run against a 1-process run of the same config is identical."""
-    target = ("rank=1,step=5,microbatch=2,phase=forward,scope=transformer.ln_f,"
-              "op=aten.native_layer_norm.default")
+    target = "rank=1,step=5,microbatch=2,phase=forward,scope=transformer.ln_f,op=aten.native_layer_norm.default"
     train_ranks(tmp_path / "two", *TINY, nproc=2)
     train_ranks(tmp_path / "planted", *TINY, "trace.level=op", "trace.steps=5", f"trace.perturb={target}", nproc=2)
     shutil.copytree(tiny_run, tmp_path / "one")
@@ -169,8 +181,15 @@ def test_bisect_finds_a_planted_ulp_exactly_across_layouts(tmp_path, tiny_run):
     report = json.loads(out)
     o = report["origin"]
     assert report["first_divergent_step"] == 5 and report["replayed_from"] == 4
-    assert (o["rank"], o["step"], o["microbatch"], o["phase"], o["scope"], o["op"], o["occurrence"]) == \
-        (1, 5, 2, "forward", "transformer.ln_f", "aten.native_layer_norm.default", 0)
+    assert (o["rank"], o["step"], o["microbatch"], o["phase"], o["scope"], o["op"], o["occurrence"]) == (
+        1,
+        5,
+        2,
+        "forward",
+        "transformer.ln_f",
+        "aten.native_layer_norm.default",
+        0,
+    )
     assert o["inputs_matched"]
     # rank 0 computed nothing wrong: the damage reached it through the canonical combine
     other = report["per_rank"]["0"]["divergence"]

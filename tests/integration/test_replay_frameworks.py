@@ -26,8 +26,15 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 def _start(where: Path, example: str, *args: str) -> subprocess.Popen:
     """``python EXAMPLE ARGS`` in ``where``, as a user starts it there."""
     env = {k: v for k, v in os.environ.items() if k != "SAMESTEP_REPLAY"}
-    return subprocess.Popen([sys.executable, example, *args], cwd=where, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, example, *args],
+        cwd=where,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def _finish(*procs: subprocess.Popen) -> None:
@@ -53,8 +60,7 @@ def test_an_hf_trainer_run_is_verified_from_its_checkpoint_and_bisected_to_a_pla
     before it agreeing (two independent runs agree to the bit: test_frameworks.py). Negative control: a weight
     flipped in checkpoint-3 is refused by the replayed callback's resume check (NOT THE RUN'S, exit 1)."""
     shutil.copy(EXAMPLES / "hf_trainer.py", tmp_path)
-    _finish(*(_start(tmp_path, "hf_trainer.py", name, *extra)
-              for name, *extra in (("a",), ("p", "--plant-step", "5"))))
+    _finish(*(_start(tmp_path, "hf_trainer.py", name, *extra) for name, *extra in (("a",), ("p", "--plant-step", "5"))))
     program = json.loads((tmp_path / "a" / "run.json").read_text())["programs"][0]
     assert program["resumes"] == {"by": "transformers.Trainer", "checkpoints": "."}, program
     before = _files(tmp_path / "a")

@@ -27,8 +27,15 @@ def _start(where: Path, name: str, *args: str, nproc: int = 1) -> subprocess.Pop
     --nproc_per_node nproc`` for several processes)."""
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)] if nproc > 1 else []
     env = {k: v for k, v in os.environ.items() if k != "SAMESTEP_REPLAY"}
-    return subprocess.Popen([sys.executable, *launcher, "replayed_loop.py", name, *args], cwd=where, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [sys.executable, *launcher, "replayed_loop.py", name, *args],
+        cwd=where,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def _finish(*procs: subprocess.Popen) -> list[str]:
@@ -108,8 +115,9 @@ def test_bisect_names_step_s_of_a_parameter_planted_there_and_diff_points_to_bis
     shutil.copy(PROGRAM, tmp_path)
     _finish(_start(tmp_path, "planted", "--plant-step", "3"))
     diff = cli_here("diff", str(runs / "a"), str(tmp_path / "planted"))
-    assert diff.returncode == 1 and diff.stdout.startswith("diverged at step 3") and "samestep bisect" in diff.stdout, \
+    assert diff.returncode == 1 and diff.stdout.startswith("diverged at step 3") and "samestep bisect" in diff.stdout, (
         diff.stdout
+    )
     report = _json(cli_here("bisect", "--yes", str(runs / "a"), str(tmp_path / "planted"), "--json"), 1)
     assert report["first_divergent_step"] == 3 and report["replayed_from"] == 2, report["summary"]
     same = _json(cli_here("bisect", "--yes", str(runs / "a"), str(runs / "b"), "--json"), 0)
@@ -144,12 +152,20 @@ def test_bisect_names_the_rank_of_a_difference_in_a_ddp_loop_under_torchrun(runs
     Control: the unplanted 2-process run ends on run a's parameters (one process), the planted one elsewhere."""
     shutil.copy(PROGRAM, tmp_path)
     plant = "rank=1,step=2,microbatch=1,phase=backward,scope=module.head,op=aten.mm.default,occurrence=0"
-    two, planted = _finish(_start(tmp_path, "two", "--trace-steps", "2", nproc=2),
-                           _start(tmp_path, "planted", "--trace-steps", "2", "--perturb", plant, nproc=2))
+    two, planted = _finish(
+        _start(tmp_path, "two", "--trace-steps", "2", nproc=2),
+        _start(tmp_path, "planted", "--trace-steps", "2", "--perturb", plant, nproc=2),
+    )
     assert two == (runs / "a.digest").read_text() != planted
     launcher = json.loads((tmp_path / "two" / "run.json").read_text())["programs"][0]["launcher"]
     assert launcher == {"name": "torchrun", "nproc_per_node": 2, "nnodes": 1}
     report = _json(cli_here("bisect", "--yes", str(tmp_path / "two"), str(tmp_path / "planted"), "--json"), 1)
     o = report["origin"]
     assert (o["step"], o["rank"], o["microbatch"], o["phase"], o["scope"], o["op"]) == (
-        2, 1, 1, "backward", "module.head", "aten.mm.default"), report["summary"]
+        2,
+        1,
+        1,
+        "backward",
+        "module.head",
+        "aten.mm.default",
+    ), report["summary"]

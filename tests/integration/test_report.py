@@ -31,7 +31,7 @@ def _has_colour(png: Path, hex_colour: str) -> bool:
     import matplotlib.image
 
     pixels = matplotlib.image.imread(png)[..., :3]
-    want = np.array([int(hex_colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    want = np.array([int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5)])
     return bool((np.abs(pixels - want).max(axis=-1) < 0.05).any())
 
 
@@ -61,8 +61,10 @@ def test_one_run_is_drawn_and_bad_input_is_one_line(runs, tmp_path):
     assert one["verdict"] is None and [Path(p).name for p in one["pngs"]] == ["one_curves.png"]
     proc = cli_here("report", str(runs["a"]), str(tmp_path / "nope"), "--out", str(tmp_path / "bad.html"))
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.strip().splitlines() == [f"samestep report: error: {tmp_path / 'nope' / 'run.json'}: missing; "
-                                                f"{tmp_path / 'nope'} is not a samestep run directory"]
+    assert proc.stderr.strip().splitlines() == [
+        f"samestep report: error: {tmp_path / 'nope' / 'run.json'}: missing; "
+        f"{tmp_path / 'nope'} is not a samestep run directory"
+    ]
     assert not (tmp_path / "bad.html").exists()
 
 

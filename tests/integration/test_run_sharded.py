@@ -46,8 +46,9 @@ def _split(module: Fused, state: dict, prefix: str, local_metadata: dict) -> Non
     weight = state.pop(prefix + "wqkv.weight")
     if isinstance(weight, DTensor):
         whole = weight.full_tensor()  # every rank: a collective
-        parts = [DTensor.from_local(p.clone(), weight.device_mesh, [Replicate()], run_check=False)
-                 for p in whole.chunk(3)]
+        parts = [
+            DTensor.from_local(p.clone(), weight.device_mesh, [Replicate()], run_check=False) for p in whole.chunk(3)
+        ]
     else:
         parts = [p.clone() for p in weight.detach().chunk(3)]
     for name, part in zip("qkv", parts):
@@ -60,8 +61,11 @@ def _fuse(module: Fused, state: dict, prefix: str, *args) -> None:
     parts = [state.pop(f"{prefix}w{name}.weight") for name in "qkv"]
     whole = torch.cat([p.full_tensor() if isinstance(p, DTensor) else p for p in parts])
     like = module.wqkv.weight
-    state[prefix + "wqkv.weight"] = (distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None)
-                                     if isinstance(like, DTensor) else whole)
+    state[prefix + "wqkv.weight"] = (
+        distribute_tensor(whole, like.device_mesh, like.placements, src_data_rank=None)
+        if isinstance(like, DTensor)
+        else whole
+    )
 
 
 def _params(model: torch.nn.Module) -> np.ndarray:
@@ -83,8 +87,9 @@ def _own_ddp_reduce(model: torch.nn.Module, losses: list[torch.Tensor], world: i
     return total
 
 
-def _worker(rank: int, world: int, init: str, run_dir: str, out: str, layout: str, kill_at: int | None,
-            forget: bool) -> None:
+def _worker(
+    rank: int, world: int, init: str, run_dir: str, out: str, layout: str, kill_at: int | None, forget: bool
+) -> None:
     """A Run of TOTAL steps of MICROBATCHES global microbatches with the canonical reduction, the model
     ``layout``: "fsdp" (FSDP2 over ``world``), "ddp" or "plain" (one process); "fsdp-own" and "ddp-own": the
     wrapper's own reduction (FSDP2's reduce-scatter after each microbatch; DDP's all-reduce after the last,
@@ -140,8 +145,16 @@ def _worker(rank: int, world: int, init: str, run_dir: str, out: str, layout: st
         Path(out, "run.json").write_text(json.dumps({"start": run.start, "sharded": run.sharded}))
 
 
-def _run(tmp_path: Path, name: str, layout: str, world: int, *, kill_at: int | None = None,
-         forget: bool = False, run_dir: Path | None = None) -> tuple[np.ndarray | None, dict | None]:
+def _run(
+    tmp_path: Path,
+    name: str,
+    layout: str,
+    world: int,
+    *,
+    kill_at: int | None = None,
+    forget: bool = False,
+    run_dir: Path | None = None,
+) -> tuple[np.ndarray | None, dict | None]:
     """One launch of ``_worker`` into ``run_dir`` (default ``tmp_path / name``); what rank 0 wrote (None after a
     kill)."""
     run_dir = run_dir or tmp_path / name

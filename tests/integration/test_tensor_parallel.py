@@ -125,13 +125,17 @@ def _worker(rank: int, world: int, init: str, out: str, how: str, ckpt: str, pha
             plan["up"] = CanonicalColwiseParallel(CHUNKS, output_layouts=Replicate())
         stacked = CanonicalColwiseParallel(CHUNKS, parts=3, fused="stacked")
         grouped = CanonicalColwiseParallel(CHUNKS, fused="grouped", groups=HEADS)
-        plan |= ({"qkv": grouped if how == "grouped" else stacked} if fused else {"q": col, "k": col, "v": col})
+        plan |= {"qkv": grouped if how == "grouped" else stacked} if fused else {"q": col, "k": col, "v": col}
         if how != "stock" or world > 1:
             parallelize_module(block, mesh, plan)
         opt = torch.optim.AdamW(block.parameters(), lr=0.01, foreach=False)
         if phase == "resume":
-            load_checkpoint(ckpt, model=ShardedModel(block), restore_rng=False,
-                            optimizer=None if how == "fresh_moments" else ShardedOptimizer(opt))
+            load_checkpoint(
+                ckpt,
+                model=ShardedModel(block),
+                restore_rng=False,
+                optimizer=None if how == "fresh_moments" else ShardedOptimizer(opt),
+            )
             losses = _train(block, clip, opt, range(SAVE_AT, STEPS))
         else:
             losses = _train(block, clip, opt, range(SAVE_AT))
@@ -145,8 +149,11 @@ def _worker(rank: int, world: int, init: str, out: str, how: str, ckpt: str, pha
 
 def _run(tmp_path: Path, world: int, how: str, phase: str = "straight") -> dict:
     out = tmp_path / f"{how}_{world}_{phase}.json"
-    spawn(_worker, (world, str(tmp_path / f"init_{how}_{world}_{phase}"), str(out), how, str(tmp_path / "ckpt"),
-                    phase), world)
+    spawn(
+        _worker,
+        (world, str(tmp_path / f"init_{how}_{world}_{phase}"), str(out), how, str(tmp_path / "ckpt"), phase),
+        world,
+    )
     return json.loads(out.read_text())
 
 
@@ -179,7 +186,7 @@ def test_fused_qkv_and_a_checkpoint_written_at_tp_2_resume_at_tp_4_and_1_bit_for
     assert manifest["version"] == 3 and manifest["world_size"] == 2
     for world in (4, 1):
         resumed = _run(tmp_path, world, "fused", "resume")
-        assert resumed["losses"] == straight["losses"][2 * SAVE_AT:] and resumed["digest"] == straight["digest"], world
+        assert resumed["losses"] == straight["losses"][2 * SAVE_AT :] and resumed["digest"] == straight["digest"], world
     assert _run(tmp_path, 1, "fresh_moments", "resume")["digest"] != straight["digest"]
 
 
@@ -204,12 +211,14 @@ def test_a_style_refuses_an_undeclared_fused_layout_and_layouts_it_cannot_keep()
 
     from samestep.distributed import CanonicalColwiseParallel, CanonicalRowwiseParallel
 
-    for kwargs, words in (({"parts": 3}, "a fused layer says how its rows lie"),
-                          ({"fused": "grouped"}, "fused='grouped' with groups=g"),
-                          ({"fused": "stacked", "parts": 1}, "fused='stacked' with parts=k"),
-                          ({"use_local_output": False}, "use_local_output=True"),
-                          ({"input_layouts": Shard(2)}, "takes Replicate() (the input whole) or Shard(1)"),
-                          ({"parts": 3, "fused": "stacked", "output_layouts": Replicate()}, "of an unfused layer")):
+    for kwargs, words in (
+        ({"parts": 3}, "a fused layer says how its rows lie"),
+        ({"fused": "grouped"}, "fused='grouped' with groups=g"),
+        ({"fused": "stacked", "parts": 1}, "fused='stacked' with parts=k"),
+        ({"use_local_output": False}, "use_local_output=True"),
+        ({"input_layouts": Shard(2)}, "takes Replicate() (the input whole) or Shard(1)"),
+        ({"parts": 3, "fused": "stacked", "output_layouts": Replicate()}, "of an unfused layer"),
+    ):
         with pytest.raises(ValueError, match="Fix:|takes|gives") as e:
             CanonicalColwiseParallel(8, **kwargs)
         assert words in str(e.value) and "\n" not in str(e.value), (kwargs, str(e.value))
@@ -225,10 +234,12 @@ def test_a_degree_that_does_not_cut_whole_chunks_is_refused():
     """TP 3, a chunk count not a power of two, and a width the chunks do not divide: one line each, naming the
     value and the fix. Negative control: TP 4 of 8 chunks over a width of 64 and 4 heads passes."""
     validate_tp(4, 8, {"n_embd": 64, "n_head": 4})
-    for degree, chunks, dims, words in ((3, 8, {"n_embd": 48}, "parallel.tp=3"),
-                                        (2, 6, {"n_embd": 48}, "parallel.tp_chunks=6"),
-                                        (2, 8, {"n_embd": 36}, "n_embd=36"),
-                                        (4, 8, {"n_embd": 64, "n_head": 2}, "n_head=2")):
+    for degree, chunks, dims, words in (
+        (3, 8, {"n_embd": 48}, "parallel.tp=3"),
+        (2, 6, {"n_embd": 48}, "parallel.tp_chunks=6"),
+        (2, 8, {"n_embd": 36}, "n_embd=36"),
+        (4, 8, {"n_embd": 64, "n_head": 2}, "n_head=2"),
+    ):
         with pytest.raises(ValueError, match="Fix:") as e:
             validate_tp(degree, chunks, dims)
         assert words in str(e.value) and "\n" not in str(e.value)
@@ -291,17 +302,21 @@ def _loss_worker(rank: int, world: int, init: str, out: str, how: str) -> None:
         elif world > 1:
             parallelize_module(head, mesh, ColwiseParallel(use_local_output=False))
             with loss_parallel():
-                per_token = nn.functional.cross_entropy(head(x).flatten(0, 1), targets.flatten(),
-                                                        reduction="none").full_tensor()
+                per_token = nn.functional.cross_entropy(
+                    head(x).flatten(0, 1), targets.flatten(), reduction="none"
+                ).full_tensor()
                 per_token.sum().backward()
         else:
             per_token = nn.functional.cross_entropy(head(x).flatten(0, 1), targets.flatten(), reduction="none")
         if how == "canonical" or world == 1:
             per_token.sum().backward()
-        bits = {"loss": per_token.detach().contiguous().view(torch.uint8).numpy().tobytes().hex(),
-                "x_grad": hashlib.sha256(x.grad.view(torch.uint8).numpy().tobytes()).hexdigest(),
-                "w_grad": hashlib.sha256(_full(head.weight.grad).contiguous().view(torch.uint8).numpy()
-                                         .tobytes()).hexdigest()}
+        bits = {
+            "loss": per_token.detach().contiguous().view(torch.uint8).numpy().tobytes().hex(),
+            "x_grad": hashlib.sha256(x.grad.view(torch.uint8).numpy().tobytes()).hexdigest(),
+            "w_grad": hashlib.sha256(
+                _full(head.weight.grad).contiguous().view(torch.uint8).numpy().tobytes()
+            ).hexdigest(),
+        }
     if rank == 0:
         Path(out).write_text(json.dumps(bits))
 

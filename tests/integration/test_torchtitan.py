@@ -28,13 +28,15 @@ class CausalSDPA(torch.nn.Module):
     """torchtitan's inner-attention interface (B, L, N, H in and out) on PyTorch's causal SDPA."""
 
     def forward(self, q, k, v, *, attention_masks=None, scale=None, enable_gqa=False, **kwargs):  # noqa: ANN001
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-                                             scale=scale, enable_gqa=enable_gqa)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True, scale=scale, enable_gqa=enable_gqa
+        )
         return out.transpose(1, 2)
 
 
-def _worker(rank: int, world: int, init: str, run_dir: str, out: str, kill_at: int | None, forget: bool,
-            sharded: bool) -> None:
+def _worker(
+    rank: int, world: int, init: str, run_dir: str, out: str, kill_at: int | None, forget: bool, sharded: bool
+) -> None:
     """``forget``: a resume leaves the optimizer's state out (the negative control)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.fsdp import apply_fsdp_to_decoder  # imported where used: a second at collection
@@ -51,8 +53,13 @@ def _worker(rank: int, world: int, init: str, run_dir: str, out: str, kill_at: i
         layer.attention.inner_attention = CausalSDPA()
     k = MICROBATCHES // world
     if sharded:  # torchtitan's helper: each block an FSDP2 group, the root the rest
-        apply_fsdp_to_decoder(model, init_device_mesh("cpu", (world,)), param_dtype=torch.float32,
-                              reduce_dtype=torch.float32, pp_enabled=False)
+        apply_fsdp_to_decoder(
+            model,
+            init_device_mesh("cpu", (world,)),
+            param_dtype=torch.float32,
+            reduce_dtype=torch.float32,
+            pp_enabled=False,
+        )
         grads = FsdpGradients(model, microbatches_per_process=k, world_size=world, rank=rank)
     else:
         grads = CanonicalGradients(model.parameters(), microbatches_per_process=k, world_size=world, rank=rank)
@@ -76,15 +83,30 @@ def _worker(rank: int, world: int, init: str, run_dir: str, out: str, kill_at: i
     state = full_state(model)[0]  # every rank: a collective
     if rank == 0:
         digest = samestep.digest(torch.cat([t.reshape(-1) for t in state.values()]))
-        Path(out).write_text(json.dumps({"digest": digest, "start": run.start, "sharded": run.sharded,
-                                         "keys": sorted(state)}))
+        Path(out).write_text(
+            json.dumps({"digest": digest, "start": run.start, "sharded": run.sharded, "keys": sorted(state)})
+        )
 
 
-def _run(tmp_path: Path, name: str, world: int, *, run_dir: Path | None = None, kill_at: int | None = None,
-         forget: bool = False) -> dict | None:
+def _run(
+    tmp_path: Path,
+    name: str,
+    world: int,
+    *,
+    run_dir: Path | None = None,
+    kill_at: int | None = None,
+    forget: bool = False,
+) -> dict | None:
     out = tmp_path / f"{name}.json"
-    args = (world, str(tmp_path / f"init_{name}"), str(run_dir or tmp_path / name), str(out), kill_at, forget,
-            world > 1)
+    args = (
+        world,
+        str(tmp_path / f"init_{name}"),
+        str(run_dir or tmp_path / name),
+        str(out),
+        kill_at,
+        forget,
+        world > 1,
+    )
     if kill_at is not None:
         spawn(_worker, args, world, exit_code=9)
         return None

@@ -49,8 +49,14 @@ def test_tensor_parallelism_through_torchtitans_parallelize_gives_the_one_proces
     assert checkpointed(runs["own2"]) != checkpointed(own1)
 
 
-PP = ("--parallelism.pipeline_parallel_degree", "2", "--training.local_batch_size", "4",
-      "--parallelism.pipeline_parallel_microbatch_size", "2")  # 2 schedule calls of 2 microbatches a step
+PP = (
+    "--parallelism.pipeline_parallel_degree",
+    "2",
+    "--training.local_batch_size",
+    "4",
+    "--parallelism.pipeline_parallel_microbatch_size",
+    "2",
+)  # 2 schedule calls of 2 microbatches a step
 
 
 def test_pipeline_parallelism_through_torchtitans_pipelining_gives_the_one_process_bits(seed, own1, tmp_path):
@@ -72,8 +78,15 @@ def test_pipeline_parallelism_through_torchtitans_pipelining_gives_the_one_proce
     reference = checkpointed(runs["one"])
     for name in ("pp", "gpipe"):
         assert checkpointed(runs[name]) == reference, name
-    titan(runs["own"], "--samestep.no-canonical", *PP, "--parallelism.pipeline_parallel_schedule", "1F1B", nproc=2,
-          seed=seed)
+    titan(
+        runs["own"],
+        "--samestep.no-canonical",
+        *PP,
+        "--parallelism.pipeline_parallel_schedule",
+        "1F1B",
+        nproc=2,
+        seed=seed,
+    )
     assert checkpointed(runs["own"]) != checkpointed(own1)
 
 
@@ -87,8 +100,15 @@ def test_a_layout_it_cannot_keep_is_refused_from_the_config_before_anything_is_b
     from samestep.integrations.torchtitan import SamestepTrainer
     from samestep.integrations.torchtitan.config_registry import llama3_debugmodel
 
-    def build(tp: int = 1, chunks: int = 0, backend: str = "partial_dtensor", pp: int = 1,
-              schedule: str = "Interleaved1F1B", shard: int = -1, cp: int = 1) -> None:
+    def build(
+        tp: int = 1,
+        chunks: int = 0,
+        backend: str = "partial_dtensor",
+        pp: int = 1,
+        schedule: str = "Interleaved1F1B",
+        shard: int = -1,
+        cp: int = 1,
+    ) -> None:
         config = llama3_debugmodel()
         config.dump_folder = str(tmp_path)
         par = config.parallelism
@@ -97,15 +117,21 @@ def test_a_layout_it_cannot_keep_is_refused_from_the_config_before_anything_is_b
         par.spmd_backend, config.samestep.tp_chunks = backend, chunks
         SamestepTrainer(config)
 
-    for kwargs, words in (({"tp": 2}, "tensor_parallel_degree = 2 needs samestep's canonical"),
-                          ({"tp": 2, "chunks": 6}, "samestep.tp_chunks = 6 is not a power of two"),
-                          ({"tp": 2, "chunks": 8, "backend": "spmd_types"}, "not spmd_types. Fix:"),
-                          ({"pp": 2}, "pipeline_parallel_schedule = Interleaved1F1B is not supported"),
-                          ({"pp": 2, "schedule": "1F1B", "tp": 2, "chunks": 8},
-                           "pipeline_parallel_degree = 2 with parallelism.tensor_parallel_degree = 2 is not supported"),
-                          ({"pp": 2, "schedule": "GPipe", "shard": 2},
-                           "with parallelism.data_parallel_shard_degree = 2 is not supported yet"),
-                          ({"cp": 2}, "parallelism.context_parallel_degree = 2 (context parallelism) is not")):
+    for kwargs, words in (
+        ({"tp": 2}, "tensor_parallel_degree = 2 needs samestep's canonical"),
+        ({"tp": 2, "chunks": 6}, "samestep.tp_chunks = 6 is not a power of two"),
+        ({"tp": 2, "chunks": 8, "backend": "spmd_types"}, "not spmd_types. Fix:"),
+        ({"pp": 2}, "pipeline_parallel_schedule = Interleaved1F1B is not supported"),
+        (
+            {"pp": 2, "schedule": "1F1B", "tp": 2, "chunks": 8},
+            "pipeline_parallel_degree = 2 with parallelism.tensor_parallel_degree = 2 is not supported",
+        ),
+        (
+            {"pp": 2, "schedule": "GPipe", "shard": 2},
+            "with parallelism.data_parallel_shard_degree = 2 is not supported yet",
+        ),
+        ({"cp": 2}, "parallelism.context_parallel_degree = 2 (context parallelism) is not"),
+    ):
         with pytest.raises(ValueError, match="SamestepTrainer") as e:
             build(**kwargs)
         assert words in str(e.value) and "\n" not in str(e.value), (kwargs, str(e.value))

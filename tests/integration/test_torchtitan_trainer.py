@@ -32,16 +32,40 @@ PROGRAM = Path(__file__).resolve().parents[1] / "programs" / "titan_on_cpu.py"
 
 pytestmark = pytest.mark.slow
 
-ARGS = ("--module", "samestep.integrations.torchtitan", "--config", "llama3_debugmodel", "--training.seq_len", "16",
-        "--training.local_batch_size", "2", "--training.global_batch_size", "8", "--training.steps", "4",
-        "--checkpoint.enable", "--checkpoint.interval", "2", "--training.disable_cuda_graphs",
-        "--parallelism.spmd_backend", "partial_dtensor", "--metrics.log_freq", "1")
+ARGS = (
+    "--module",
+    "samestep.integrations.torchtitan",
+    "--config",
+    "llama3_debugmodel",
+    "--training.seq_len",
+    "16",
+    "--training.local_batch_size",
+    "2",
+    "--training.global_batch_size",
+    "8",
+    "--training.steps",
+    "4",
+    "--checkpoint.enable",
+    "--checkpoint.interval",
+    "2",
+    "--training.disable_cuda_graphs",
+    "--parallelism.spmd_backend",
+    "partial_dtensor",
+    "--metrics.log_freq",
+    "1",
+)
 
 
 def _trainer(rank: int, world: int, port: int, argv: list[str], kill_at: int | None) -> None:
     """One process of torchtitan's entry point (``python -m torchtitan.train ARGV``), as torchrun starts it."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     sys.stdout = open(os.devnull, "w")
     on_cpu()
     if kill_at is not None:
@@ -68,8 +92,12 @@ def titan(dump: Path, *extra: str, nproc: int = 1, kill_at: int | None = None, s
 
     if seed is not None and not (dump / "checkpoint").exists():
         shutil.copytree(seed, dump / "checkpoint" / "step-0")
-    spawn(_trainer, (nproc, free_port(), [*ARGS, "--dump_folder", str(dump), *extra], kill_at), nproc,
-          None if kill_at is None else 9)
+    spawn(
+        _trainer,
+        (nproc, free_port(), [*ARGS, "--dump_folder", str(dump), *extra], kill_at),
+        nproc,
+        None if kill_at is None else 9,
+    )
 
 
 def receipt_bits(dump: Path) -> list[tuple[int, str, str]]:
@@ -129,9 +157,26 @@ def _torchrun(where: Path, dump: str, nproc: int, seed: Path) -> None:
     shutil.copy(PROGRAM, where)
     shutil.copytree(seed, where / dump / "checkpoint" / "step-0")
     env = {k: v for k, v in os.environ.items() if k != "SAMESTEP_REPLAY"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-                           str(nproc), "titan_on_cpu.py", *ARGS, "--dump_folder", dump], cwd=where, env=env,
-                          capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            "titan_on_cpu.py",
+            *ARGS,
+            "--dump_folder",
+            dump,
+        ],
+        cwd=where,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
@@ -157,12 +202,14 @@ def test_one_and_two_processes_and_a_kill_and_resume_give_the_same_bits(seed, on
     program = json.loads((two / "run.json").read_text())["programs"][0]
     assert program["launcher"] == {"name": "torchrun", "nproc_per_node": 2, "nnodes": 1}
     assert program["resumes"] == {"by": "torchtitan", "checkpoints": "checkpoint", "folder": "checkpoint"}
-    report = json.loads(cli_here("verify", "--yes", str(two), "--steps", "3-4", "--json", "--keep",
-                                 str(tmp_path / "replay")).stdout)
+    report = json.loads(
+        cli_here("verify", "--yes", str(two), "--steps", "3-4", "--json", "--keep", str(tmp_path / "replay")).stdout
+    )
     assert report["reproduced"] and report["replayed_from"] == 2 and report["compared"] == 4, report
     rewrite_receipts(two / "receipts" / "rank_00000.jsonl", lambda rs: rs[3].update(loss_hex=(0.5).hex()))
-    mismatch, _, _ = first_receipt_difference(by_rank(read_run_receipts(two)),
-                                              by_rank(read_run_receipts(tmp_path / "replay")), range(3, 5))
+    mismatch, _, _ = first_receipt_difference(
+        by_rank(read_run_receipts(two)), by_rank(read_run_receipts(tmp_path / "replay")), range(3, 5)
+    )
     assert mismatch is not None and (mismatch["step"], mismatch["fields"]) == (4, ["loss_hex"]), mismatch
 
 
@@ -211,8 +258,11 @@ def test_a_refusal_on_one_rank_stops_every_rank_before_anything_is_written(kille
 
     def files() -> dict[Path, bytes]:
         """The run's records and checkpoints (not the lock's holder, nor torchtitan's own logs)."""
-        return {p: p.read_bytes() for p in sorted(dump.rglob("*")) if p.is_file() and p.name != ".samestep.lock"
-                and "structured_logs" not in p.parts}
+        return {
+            p: p.read_bytes()
+            for p in sorted(dump.rglob("*"))
+            if p.is_file() and p.name != ".samestep.lock" and "structured_logs" not in p.parts
+        }
 
     before = files()
     with pytest.raises(Exception, match="refused|restores state"):  # whichever rank's error is found first

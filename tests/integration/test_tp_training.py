@@ -27,8 +27,13 @@ from tests.support import (
 pytestmark = pytest.mark.slow
 
 # 4 heads of 8 (TP 4: one head a rank), dropout on: the attention's mask is keyed by head position
-TP = (*[s for s in TINY if not s.startswith(("model.n_head", "train.steps"))], "model.n_head=4", "model.dropout=0.1",
-      "train.steps=4", "parallel.tp_chunks=8")
+TP = (
+    *[s for s in TINY if not s.startswith(("model.n_head", "train.steps"))],
+    "model.n_head=4",
+    "model.dropout=0.1",
+    "train.steps=4",
+    "parallel.tp_chunks=8",
+)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +42,11 @@ def one_process(tmp_path_factory):
     return d, train_here(d, *TP)["state_digest"]
 
 
-@pytest.mark.parametrize("nproc,tp,fsdp", [(2, 2, False), (4, 4, False), (4, 2, False), (4, 2, True)],
-                         ids=["tp2", "tp4", "dp2xtp2", "fsdp-dp2xtp2"])
+@pytest.mark.parametrize(
+    "nproc,tp,fsdp",
+    [(2, 2, False), (4, 4, False), (4, 2, False), (4, 2, True)],
+    ids=["tp2", "tp4", "dp2xtp2", "fsdp-dp2xtp2"],
+)
 def test_tp_2_and_4_and_2_data_by_2_tensor_ranks_give_the_one_process_bits(one_process, tmp_path, nproc, tp, fsdp):
     """The final state digest and metrics.jsonl's bytes at TP 2, TP 4 and 2 data x 2 tensor ranks, FSDP2 off and
     on (each tensor rank's part sharded over the data ranks), are the one process's; run.json records the
@@ -47,14 +55,23 @@ def test_tp_2_and_4_and_2_data_by_2_tensor_ranks_give_the_one_process_bits(one_p
     final = train_ranks(tmp_path / "run", *TP, f"parallel.tp={tp}", f"parallel.fsdp={str(fsdp).lower()}", nproc=nproc)
     assert final["state_digest"] == ref_digest and metrics_bytes(tmp_path / "run") == metrics_bytes(ref_dir)
     layout = json.loads((tmp_path / "run" / "run.json").read_text())["layout"]
-    assert layout == {"world_size": nproc, "microbatches_per_process": 4 * tp // nproc, "tensor_parallel": tp,
-                      **({"sharded": "fsdp2"} if fsdp else {})}
+    assert layout == {
+        "world_size": nproc,
+        "microbatches_per_process": 4 * tp // nproc,
+        "tensor_parallel": tp,
+        **({"sharded": "fsdp2"} if fsdp else {}),
+    }
 
 
-@pytest.mark.parametrize("what,nproc", [
-    (("model.arch=llama", "model.n_kv_head=2"), 2), (("train.precision=bf16",), 4),
-    (("model.arch=llama", "model.n_kv_head=2", "train.precision=bf16", "parallel.fsdp=true"), 4),
-], ids=["llama-tp2", "bf16-dp2xtp2", "llama-bf16-fsdp-dp2xtp2"])
+@pytest.mark.parametrize(
+    "what,nproc",
+    [
+        (("model.arch=llama", "model.n_kv_head=2"), 2),
+        (("train.precision=bf16",), 4),
+        (("model.arch=llama", "model.n_kv_head=2", "train.precision=bf16", "parallel.fsdp=true"), 4),
+    ],
+    ids=["llama-tp2", "bf16-dp2xtp2", "llama-bf16-fsdp-dp2xtp2"],
+)
 def test_llama_and_bf16_give_the_one_process_bits(tmp_path, what, nproc):
     """A Llama (grouped-query attention, its k and v one projection) at TP 2, a GPT computing in bf16 on 2
     data x 2 tensor ranks, and a Llama in bf16 under FSDP2 on 2 x 2 give the bits of one process."""
@@ -74,15 +91,19 @@ def test_a_tp_2_run_killed_resumes_at_tp_4_and_on_one_process_bit_for_bit(one_pr
     ref_dir, ref_digest = one_process
     d = tmp_path / "run"
     killed_in_step_4(d, *TP, "parallel.tp=2", nproc=2, copies=("copy", "grid", "lost", "forgot"))
-    forgot = train_ranks(tmp_path / "forgot", *TP, "parallel.tp=4", nproc=4, resume=True,
-                         patch=resume_without_the_optimizer_unchecked)
+    forgot = train_ranks(
+        tmp_path / "forgot", *TP, "parallel.tp=4", nproc=4, resume=True, patch=resume_without_the_optimizer_unchecked
+    )
     assert forgot["state_digest"] != ref_digest
     (tmp_path / "lost" / "receipts" / "rank_00001.jsonl").unlink()
     before = run_files(tmp_path / "lost")
-    train_ranks(tmp_path / "lost", *TP, "parallel.tp=2", nproc=2, resume=True, exit_code=2,
-                stderr=tmp_path / "lost.err")
-    assert "lost/receipts/rank_00001.jsonl: missing, though the run kept receipts at step 2" in \
-        (tmp_path / "lost.err").read_text()
+    train_ranks(
+        tmp_path / "lost", *TP, "parallel.tp=2", nproc=2, resume=True, exit_code=2, stderr=tmp_path / "lost.err"
+    )
+    assert (
+        "lost/receipts/rank_00001.jsonl: missing, though the run kept receipts at step 2"
+        in (tmp_path / "lost.err").read_text()
+    )
     assert run_files(tmp_path / "lost") == before
     four = train_ranks(d, *TP, "parallel.tp=4", nproc=4, resume=True)
     one = train_here(tmp_path / "copy", *TP, resume=True)
@@ -104,9 +125,11 @@ def test_an_fsdp2_over_tp_run_killed_resumes_on_2_x_2_at_tp_4_and_on_one_process
     d, grid = tmp_path / "run", ("parallel.tp=2", "parallel.fsdp=true")
     killed_in_step_4(d, *TP, *grid, nproc=4, copies=("tp4", "one"))
     assert json.loads((d / "checkpoints" / "step_000002" / "manifest.json").read_text())["version"] == 4
-    finals = {"grid": train_ranks(d, *TP, *grid, nproc=4, resume=True),
-              "tp4": train_ranks(tmp_path / "tp4", *TP, "parallel.tp=4", nproc=4, resume=True),
-              "one": train_here(tmp_path / "one", *TP, resume=True)}
+    finals = {
+        "grid": train_ranks(d, *TP, *grid, nproc=4, resume=True),
+        "tp4": train_ranks(tmp_path / "tp4", *TP, "parallel.tp=4", nproc=4, resume=True),
+        "one": train_here(tmp_path / "one", *TP, resume=True),
+    }
     for name, final in finals.items():
         run_dir = d if name == "grid" else tmp_path / name
         assert final["state_digest"] == ref_digest and metrics_bytes(run_dir) == metrics_bytes(ref_dir), name
@@ -126,8 +149,9 @@ def test_dtensors_own_full_tensor_under_fsdp2_over_tp_gives_another_state(one_pr
     fused q, k, v's rows strided twice) misplaces rows, so the final state digest is not the one process's,
     though the run (its metrics) is."""
     ref_dir, ref_digest = one_process
-    final = train_ranks(tmp_path / "run", *TP, "parallel.tp=2", "parallel.fsdp=true", nproc=4,
-                        patch=_dtensor_full_tensor)
+    final = train_ranks(
+        tmp_path / "run", *TP, "parallel.tp=2", "parallel.fsdp=true", nproc=4, patch=_dtensor_full_tensor
+    )
     assert final["state_digest"] != ref_digest and metrics_bytes(tmp_path / "run") == metrics_bytes(ref_dir)
 
 
@@ -155,23 +179,40 @@ def _unkeyed_dropout() -> None:
 def test_dropout_drawn_per_rank_from_the_generator_gives_other_bits(tmp_path):
     """Negative control of the head-keyed mask: the attention dropout drawn from the microbatch's generator over
     each rank's own heads gives other bits at TP 2 than on one process drawing it the same way."""
-    one, two = (train_ranks(tmp_path / f"tp{tp}", *TP, f"parallel.tp={tp}", "train.steps=2", nproc=tp,
-                            patch=_unkeyed_dropout)["state_digest"] for tp in (1, 2))
+    one, two = (
+        train_ranks(tmp_path / f"tp{tp}", *TP, f"parallel.tp={tp}", "train.steps=2", nproc=tp, patch=_unkeyed_dropout)[
+            "state_digest"
+        ]
+        for tp in (1, 2)
+    )
     assert one != two
 
 
-@pytest.mark.parametrize("settings,nproc,says", [
-    (("parallel.tp=2",), 1, "parallel.tp=2 needs parallel.tp_chunks"),
-    (("parallel.tp_chunks=8", "parallel.tp=3"), 1, "parallel.tp=3 does not divide parallel.tp_chunks=8"),
-    (("parallel.tp_chunks=8", "parallel.tp=2"), 1, "parallel.tp=2 does not divide the 1 process(es)"),
-    (("parallel.tp_chunks=8", "train.compile=true"), 1, "with train.compile=true is not supported yet"),
-    (("parallel.tp_chunks=8", "model.n_head=3", "model.n_embd=48", "parallel.tp=2"), 2, "n_head=3 is not divisible"),
-    (("parallel.tp_chunks=8", "parallel.sp=true", "model.block_size=36"), 1,
-     "model.block_size (parallel.sp)=36 is not divisible by parallel.tp_chunks=8"),
-    (("parallel.tp_chunks=8", "model.vocab_size=260"), 1,
-     "model.vocab_size=260 (0: the data's) is not divisible by parallel.tp_chunks=8: the embedding and the head split "
-     "by vocabulary into whole chunks. Fix: --set model.vocab_size=264"),
-])
+@pytest.mark.parametrize(
+    "settings,nproc,says",
+    [
+        (("parallel.tp=2",), 1, "parallel.tp=2 needs parallel.tp_chunks"),
+        (("parallel.tp_chunks=8", "parallel.tp=3"), 1, "parallel.tp=3 does not divide parallel.tp_chunks=8"),
+        (("parallel.tp_chunks=8", "parallel.tp=2"), 1, "parallel.tp=2 does not divide the 1 process(es)"),
+        (("parallel.tp_chunks=8", "train.compile=true"), 1, "with train.compile=true is not supported yet"),
+        (
+            ("parallel.tp_chunks=8", "model.n_head=3", "model.n_embd=48", "parallel.tp=2"),
+            2,
+            "n_head=3 is not divisible",
+        ),
+        (
+            ("parallel.tp_chunks=8", "parallel.sp=true", "model.block_size=36"),
+            1,
+            "model.block_size (parallel.sp)=36 is not divisible by parallel.tp_chunks=8",
+        ),
+        (
+            ("parallel.tp_chunks=8", "model.vocab_size=260"),
+            1,
+            "model.vocab_size=260 (0: the data's) is not divisible by parallel.tp_chunks=8: the embedding and the "
+            "head split by vocabulary into whole chunks. Fix: --set model.vocab_size=264",
+        ),
+    ],
+)
 def test_a_tensor_parallel_config_it_cannot_keep_on_one_path_is_refused(tmp_path, settings, nproc, says):
     """One line naming the field, the value and the fix; exit code 2 (a bad config); no run written."""
     proc = cli_here(*train_cmd(tmp_path / "run", *TINY, *settings, nproc=nproc)[3:])
@@ -197,7 +238,12 @@ def test_diff_names_the_op_rank_and_module_of_a_planted_difference_at_tp_2(tmp_p
     o = planted["origin"]
     assert o is not None, planted["summary"]
     assert (o["step"], o["rank"], o["microbatch"], o["scope"], o["op"]) == (
-        3, 1, 2, "transformer.ln_f", "aten.native_layer_norm.default"), o
+        3,
+        1,
+        2,
+        "transformer.ln_f",
+        "aten.native_layer_norm.default",
+    ), o
     caught = bisect_runs(tmp_path / "a", tmp_path / "planted")
     o = caught["origin"]
     assert o is not None and caught["replayed_from"] == 2, caught["summary"]
@@ -222,7 +268,8 @@ def sp_one_process(tmp_path_factory):
 
 
 def test_sequence_parallelism_at_tp_2_and_across_a_kill_resumed_at_tp_4_gives_the_one_process_bits(
-        sp_one_process, tmp_path):
+    sp_one_process, tmp_path
+):
     """parallel.sp=true: the norms, residual adds and dropout on each rank's block of the sequence. A TP-2 run,
     and a TP-2 run SIGKILLed in step 4 and resumed at TP 4, end on the one-process bits (final state digest,
     metrics.jsonl); a resume that turns sequence parallelism off is refused by name."""
@@ -249,24 +296,42 @@ def test_moe_with_sequence_parallelism_at_tp_4_gives_the_one_process_bits(tmp_pa
     """A GPT whose MLPs are 16 experts, each split like the dense MLP, top-1 routing of 16 tokens a microbatch
     (so some experts get none: their layers sum empty blocks across the 4 ranks), with sequence parallelism,
     at TP 4: the bits of one process."""
-    settings = (*SP, "model.moe_experts=16", "model.moe_top_k=1", "model.block_size=8", "model.n_layer=1",
-                "train.steps=2")
+    settings = (
+        *SP,
+        "model.moe_experts=16",
+        "model.moe_top_k=1",
+        "model.block_size=8",
+        "model.n_layer=1",
+        "train.steps=2",
+    )
     one = train_here(tmp_path / "one", *settings)["state_digest"]
     four = train_ranks(tmp_path / "four", *settings, "parallel.tp=4", nproc=4)["state_digest"]
     assert one == four and metrics_bytes(tmp_path / "one") == metrics_bytes(tmp_path / "four")
 
 
-@pytest.mark.parametrize("what,patch,tp", [
-    ((), plain_norm_gradients, 2), ((), _dropout_per_block, 2),
-    (("model.arch=llama", "model.n_kv_head=2", "train.precision=bf16"), plain_norm_gradients, 2),
-    (("model.moe_experts=16", "model.moe_top_k=1", "model.block_size=8", "model.n_layer=1"),
-     plain_tensor_parallel_sums, 4),
-], ids=["norm-sums", "dropout", "llama-bf16-norm-sums", "moe-tp4-plain-sums"])
+@pytest.mark.parametrize(
+    "what,patch,tp",
+    [
+        ((), plain_norm_gradients, 2),
+        ((), _dropout_per_block, 2),
+        (("model.arch=llama", "model.n_kv_head=2", "train.precision=bf16"), plain_norm_gradients, 2),
+        (
+            ("model.moe_experts=16", "model.moe_top_k=1", "model.block_size=8", "model.n_layer=1"),
+            plain_tensor_parallel_sums,
+            4,
+        ),
+    ],
+    ids=["norm-sums", "dropout", "llama-bf16-norm-sums", "moe-tp4-plain-sums"],
+)
 def test_plain_sequence_parallel_norms_dropout_or_sums_give_other_bits(tmp_path, what, patch, tp):
     """Negative controls of the sequence-parallel claims above: with the norms' gradients summed per rank and
     all-reduced (a GPT, and a Llama's RMSNorms in bf16), with dropout drawn per rank's block from the
     generator, or, in the MoE, with every tensor-parallel layer (the experts' too) summing its chunks in turn and
     all-reducing the ranks' sums, TP 2 (the MoE: TP 4) gives other bits than one process doing the same."""
-    one, many = (train_ranks(tmp_path / f"tp{n}", *SP, *what, "train.steps=2", f"parallel.tp={n}", nproc=n,
-                             patch=patch)["state_digest"] for n in (1, tp))
+    one, many = (
+        train_ranks(tmp_path / f"tp{n}", *SP, *what, "train.steps=2", f"parallel.tp={n}", nproc=n, patch=patch)[
+            "state_digest"
+        ]
+        for n in (1, tp)
+    )
     assert one != many

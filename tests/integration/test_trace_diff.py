@@ -15,9 +15,20 @@ from tests.support import TINY, cli_here, train_here, train_ranks
 pytestmark = pytest.mark.slow
 
 # Determinism off + the token lookup by indexing: index_put_ accumulate races in backward (real, on CPU).
-RACY = ("train.device=cpu", "train.steps=2", "train.global_batch=16", "train.micro_batch=8", "model.n_layer=1",
-        "model.n_head=2", "model.n_embd=64", "model.block_size=64", "model.embedding=index",
-        "determinism.enabled=false", "trace.level=op", "trace.steps=1-2")
+RACY = (
+    "train.device=cpu",
+    "train.steps=2",
+    "train.global_batch=16",
+    "train.micro_batch=8",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=64",
+    "model.block_size=64",
+    "model.embedding=index",
+    "determinism.enabled=false",
+    "trace.level=op",
+    "trace.steps=1-2",
+)
 
 
 def _diff(a, b) -> tuple[int, dict]:
@@ -71,8 +82,13 @@ def test_diff_names_the_real_nondeterministic_op(tmp_path):
     # The human report, piped (as into a log): its table names the op and the scope in full, not cut at 80
     # columns ("aten.index_p…" before), and exits 1 too
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    human = subprocess.run([sys.executable, "-m", "samestep", "diff", str(tmp_path / "a"), str(b)],
-                           capture_output=True, text=True, timeout=300, env=env)  # a fresh process: a real pipe
+    human = subprocess.run(
+        [sys.executable, "-m", "samestep", "diff", str(tmp_path / "a"), str(b)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )  # a fresh process: a real pipe
     assert human.returncode == 1, human.stderr
     row = next(line for line in human.stdout.splitlines() if "origin" in line and "│" in line)
     assert "transformer.wte (backward)" in row and f"{o['op']} #{o['occurrence']}" in row, human.stdout
@@ -85,15 +101,24 @@ def test_diff_finds_exactly_the_injected_ulp(tmp_path, rank, microbatch):
     common = (*TINY, "trace.level=op", "trace.steps=2")
     # The final layer norm's output: a ULP there reaches the logits and the gradients. (A ULP elsewhere
     # can vanish: dropped by dropout, or rounded away by the additions and updates after it.)
-    target = f"rank={rank},step=2,microbatch={microbatch},phase=forward,scope=transformer.ln_f,op=" \
-             "aten.native_layer_norm.default"
+    target = (
+        f"rank={rank},step=2,microbatch={microbatch},phase=forward,scope=transformer.ln_f,op="
+        "aten.native_layer_norm.default"
+    )
     for name, extra in (("a", ()), ("b", (f"trace.perturb={target}",))):
         train_here(tmp_path / name, *common, *extra)
     code, report = _diff(tmp_path / "a", tmp_path / "b")
     assert code == 1
     o = report["origin"]
-    assert (o["rank"], o["step"], o["microbatch"], o["phase"], o["scope"], o["op"], o["occurrence"]) == \
-        (rank, 2, microbatch, "forward", "transformer.ln_f", "aten.native_layer_norm.default", 0)
+    assert (o["rank"], o["step"], o["microbatch"], o["phase"], o["scope"], o["op"], o["occurrence"]) == (
+        rank,
+        2,
+        microbatch,
+        "forward",
+        "transformer.ln_f",
+        "aten.native_layer_norm.default",
+        0,
+    )
     assert o["inputs_matched"]
     # Not asserted: that the final states differ. Here they do; on a 16-core host with torch 2.11 the
     # ULP was rounded away by step 8 (same final digest) while the diff still found it as above.
@@ -132,8 +157,15 @@ def test_one_process_against_fsdp2_compares_what_both_layouts_hold(tmp_path):
     target = "rank=1,step=3,microbatch=2,phase=forward,scope=transformer.ln_f,op=aten.native_layer_norm.default"
     train_here(tmp_path / "one", *settings)
     train_ranks(tmp_path / "fsdp", *settings, "parallel.fsdp=true", nproc=2)
-    train_ranks(tmp_path / "planted", *settings, "parallel.fsdp=true", "trace.level=op", "trace.steps=3",
-                f"trace.perturb={target}", nproc=2)
+    train_ranks(
+        tmp_path / "planted",
+        *settings,
+        "parallel.fsdp=true",
+        "trace.level=op",
+        "trace.steps=3",
+        f"trace.perturb={target}",
+        nproc=2,
+    )
     report = diff_runs(tmp_path / "one", tmp_path / "fsdp")
     assert report["identical"], report["summary"]
     assert report["compared"]["trace_records"] == 0 and report["compared"]["final_state"]

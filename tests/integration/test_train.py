@@ -22,8 +22,17 @@ pytestmark = pytest.mark.slow
 
 # With deterministic mode off, the token-embedding lookup by indexing races in its backward
 # (index_put_ accumulate, 2 threads, >= 32768 elements): real nondeterminism on this CPU (CUDA's sorts).
-RACY = ("train.device=cpu", "train.steps=3", "train.global_batch=16", "train.micro_batch=8", "model.n_layer=1",
-        "model.n_head=2", "model.n_embd=64", "model.block_size=64", "model.embedding=index")
+RACY = (
+    "train.device=cpu",
+    "train.steps=3",
+    "train.global_batch=16",
+    "train.micro_batch=8",
+    "model.n_layer=1",
+    "model.n_head=2",
+    "model.n_embd=64",
+    "model.block_size=64",
+    "model.embedding=index",
+)
 
 
 @pytest.fixture(scope="module")
@@ -174,8 +183,10 @@ def test_corrupt_newest_checkpoint_falls_back_on_resume(reference, tmp_path):
     proc = cli_here(*train_cmd(d, *TINY, resume=True)[3:])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "skipped corrupt checkpoint step_000006" in proc.stdout
-    assert json.loads((d / "final.json").read_text())["state_digest"] == \
-        json.loads((reference / "final.json").read_text())["state_digest"]
+    assert (
+        json.loads((d / "final.json").read_text())["state_digest"]
+        == json.loads((reference / "final.json").read_text())["state_digest"]
+    )
 
 
 def test_resume_with_no_step_left_writes_the_same_final_json(reference, tmp_path):
@@ -216,12 +227,33 @@ def two_nodes(
     from samestep.cli.launch import free_port
 
     port = free_port()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", f"samestep-{port}",
-           *train_cmd(run_dir, *settings)[1:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv_id",
+        f"samestep-{port}",
+        *train_cmd(run_dir, *settings)[1:],
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(cmd, env={**env, **((node1_env or {}) if n else {})}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for n in range(2)]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            env={**env, **((node1_env or {}) if n else {})},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for n in range(2)
+    ]
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=600)
@@ -233,8 +265,9 @@ def test_two_processes_on_one_node_and_on_two_nodes_match_one_process(reference,
     """A 2-process run launched on one machine, and the same run as two "nodes" (torchrun --nnodes 2, c10d
     rendezvous), give the 1-process run's final digest and metrics bytes: the reduction's order is the
     canonical one whatever carries the bytes."""
-    one_node, nodes = side_by_side(lambda: run_train(tmp_path / "one", *TINY, nproc=2),
-                                   lambda: two_nodes(tmp_path / "two", *TINY))
+    one_node, nodes = side_by_side(
+        lambda: run_train(tmp_path / "one", *TINY, nproc=2), lambda: two_nodes(tmp_path / "two", *TINY)
+    )
     assert all(p.returncode == 0 for p in nodes), nodes[0].stderr[-3000:] + nodes[1].stderr[-3000:]
     want = json.loads((reference / "final.json").read_text())["state_digest"]
     assert one_node["state_digest"] == want
@@ -256,8 +289,15 @@ def test_a_node_in_another_environment_is_refused_by_name_or_recorded_when_allow
     refused, allowed = side_by_side(
         lambda: two_nodes(tmp_path / "refused", *TINY, node1_env=skew),
         # the cross-rank check off: replicas on other CPU kernels may drift apart in the update, which it stops
-        lambda: two_nodes(tmp_path / "allowed", *TINY, "train.steps=2", "determinism.env_mismatch=warn",
-                          "train.cross_rank_check=false", node1_env=skew))
+        lambda: two_nodes(
+            tmp_path / "allowed",
+            *TINY,
+            "train.steps=2",
+            "determinism.env_mismatch=warn",
+            "train.cross_rank_check=false",
+            node1_env=skew,
+        ),
+    )
     # The agent whose worker ended first reports its exit code 2. The other may instead lose the store its
     # rendezvous kept in that agent (torchrun's agents both listen on 127.0.0.1; the first to bind holds it)
     # before it sees its own worker's exit: its rank's line (which the input error's exit 2 prints) shows it.
@@ -297,8 +337,11 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_one_blocks_no
     import socket
 
     run, held = tmp_path / "run", tmp_path / "held"
-    holder = Forked([], code=f"import time; from samestep.records.rundir import hold; hold({str(run)!r}); "
-                             f"open({str(held)!r}, 'w').close(); time.sleep(600)")
+    holder = Forked(
+        [],
+        code=f"import time; from samestep.records.rundir import hold; hold({str(run)!r}); "
+        f"open({str(held)!r}, 'w').close(); time.sleep(600)",
+    )
     try:
         deadline = time.monotonic() + 300
         while not held.exists() and holder.poll() is None and time.monotonic() < deadline:
@@ -308,7 +351,8 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_one_blocks_no
         assert proc.returncode == 2
         assert proc.stderr.strip().splitlines() == [
             f"samestep train: error: {run} is in use by pid {holder.pid} on host {socket.gethostname()}, which is "
-            "writing this run; wait for it to end (or stop it), or choose another run directory"]
+            "writing this run; wait for it to end (or stop it), or choose another run directory"
+        ]
         assert sorted(p.name for p in run.iterdir()) == [".samestep.lock"]
     finally:
         holder.kill()

@@ -55,8 +55,10 @@ def _matches(expected: list[str], printed: list[str], seen: dict[str, str]) -> s
             return f"(?P<{name}>[0-9a-f]{{16,}})"
 
         text = want[:-3].rstrip() if want.endswith("...") else want
-        pattern = "".join(re.sub(r"<([A-Z])>", placeholder, part) if i % 2 else re.escape(part)
-                          for i, part in enumerate(re.split(r"(<[A-Z]>)", text)))
+        pattern = "".join(
+            re.sub(r"<([A-Z])>", placeholder, part) if i % 2 else re.escape(part)
+            for i, part in enumerate(re.split(r"(<[A-Z]>)", text))
+        )
         pattern += "" if want.endswith("...") else "$"
         for line in lines:
             m = re.match(pattern, line)

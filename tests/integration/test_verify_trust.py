@@ -42,9 +42,18 @@ def tree(tmp_path_factory):
     shutil.copy(PROGRAM, root)
     (root / "evil.py").write_text(EVIL)
     env = {k: v for k, v in os.environ.items() if k != "SAMESTEP_REPLAY"}
-    procs = [subprocess.Popen([sys.executable, "replayed_loop.py", *args], cwd=root, env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, stdin=subprocess.DEVNULL)
-             for args in (["a"], ["p", "--plant-step", "3"])]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "replayed_loop.py", *args],
+            cwd=root,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            stdin=subprocess.DEVNULL,
+        )
+        for args in (["a"], ["p", "--plant-step", "3"])
+    ]
     for proc in procs:
         _, stderr = proc.communicate(timeout=600)
         assert proc.returncode == 0, stderr[-3000:]
@@ -75,6 +84,7 @@ def test_a_program_runs_only_on_the_verifiers_word_and_the_verdict_names_what_ra
     directory and the code. With --yes it runs (control: the mark appears), and the verdict names evil.py by
     its hash, not "reproduced": the replay also ran replayed_loop.py, which the record does not hash. The
     honest run, with --yes: "reproduced by replayed_loop.py sha256:..."."""
+
     def to_evil(p):
         p.update(argv=[p["argv"][0], "evil.py", "a"], target="evil.py", sources={"evil.py": _sha(tree / "evil.py")})
 
@@ -87,22 +97,28 @@ def test_a_program_runs_only_on_the_verifiers_word_and_the_verdict_names_what_ra
         assert f"evil.py sha256:{_sha(tree / 'evil.py')[:12]}" in line and "nothing ran" in line, line
     report = json.loads(cli_here("verify", "--yes", str(forged), "--steps", "4", "--json").stdout)
     assert _ran(tree) and not report["reproduced"], report
-    assert report["by"]["entry"] == "evil.py" and report["program_differs"] == \
-        ["replayed_loop.py: not hashed by the run"], report
+    assert report["by"]["entry"] == "evil.py" and report["program_differs"] == [
+        "replayed_loop.py: not hashed by the run"
+    ], report
     honest = cli_here("verify", "--yes", str(tree / "a"), "--steps", "4")
-    assert honest.returncode == 0 and "reproduced by replayed_loop.py sha256:" + _sha(tree / "replayed_loop.py")[:12] \
-        in honest.stdout, honest.stdout + honest.stderr
+    assert (
+        honest.returncode == 0
+        and "reproduced by replayed_loop.py sha256:" + _sha(tree / "replayed_loop.py")[:12] in honest.stdout
+    ), honest.stdout + honest.stderr
 
 
-@pytest.mark.parametrize("attack,says", [
-    ("argv", "its argv runs the script 'evil.py'"),
-    ("argv_and_target", "does not hash evil.py"),
-    ("dash_c", "runs a `python -c` command"),
-    ("dash_m", "its argv runs the module 'evil'"),
-    ("cwd", "replayed_loop.py: edited since the run"),
-    ("nproc", "nproc_per_node=1000000"),
-    ("launcher_in_argv", "runs the launcher torch.distributed.run"),
-])
+@pytest.mark.parametrize(
+    "attack,says",
+    [
+        ("argv", "its argv runs the script 'evil.py'"),
+        ("argv_and_target", "does not hash evil.py"),
+        ("dash_c", "runs a `python -c` command"),
+        ("dash_m", "its argv runs the module 'evil'"),
+        ("cwd", "replayed_loop.py: edited since the run"),
+        ("nproc", "nproc_per_node=1000000"),
+        ("launcher_in_argv", "runs the launcher torch.distributed.run"),
+    ],
+)
 def test_a_record_that_does_not_say_what_runs_is_refused_even_with_yes(tree, attack, says):
     """argv pointing at evil.py with the record's target and hashes left as they were; argv and target, the
     hashes not; `python -c CODE` or `-m evil` while the entry still says the script; the directory moved to
@@ -120,7 +136,9 @@ def test_a_record_that_does_not_say_what_runs_is_refused_even_with_yes(tree, att
         "nproc": lambda p: p["launcher"].update(nproc_per_node=1000000),
         "launcher_in_argv": lambda p: p.update(
             argv=[p["argv"][0], "-m", "torch.distributed.run", "--nproc_per_node", "64", "evil.py", "a"],
-            entry="module", target="torch.distributed.run"),
+            entry="module",
+            target="torch.distributed.run",
+        ),
     }
     forged = _forged(tree, f"attack_{attack}", edits[attack])
     proc = cli_here("verify", "--yes", str(forged), "--steps", "4")
@@ -134,7 +152,7 @@ def test_an_interpreter_and_variables_from_the_record_are_not_used(tree, tmp_pat
     interpreter with only the variables that change bits, reproduces, and names what it did not apply. Control:
     the wrapper and the sitecustomize leave their marks when run."""
     wrapper = tmp_path / "python"
-    wrapper.write_text(f"#!/bin/sh\necho wrapped > {tmp_path / 'WRAPPED'}\nexec {sys.executable} \"$@\"\n")
+    wrapper.write_text(f'#!/bin/sh\necho wrapped > {tmp_path / "WRAPPED"}\nexec {sys.executable} "$@"\n')
     wrapper.chmod(0o755)
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(f"open({str(tmp_path / 'SITE')!r}, 'w').write('ran')\n")
@@ -186,15 +204,26 @@ def test_a_replay_dies_with_its_verifier_and_its_scratch_does_not_outlive_it(tre
     SIGKILL (a scratch whose verifier lives is kept: the control)."""
     env = {k: v for k, v in os.environ.items() if k != "SAMESTEP_REPLAY"}
     slow = f"slow_{how}"
-    proc = subprocess.run([sys.executable, "replayed_loop.py", slow, "--steps", "2", "--sleep", "3"], cwd=tree,
-                          env=env, capture_output=True, text=True, stdin=subprocess.DEVNULL, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "replayed_loop.py", slow, "--steps", "2", "--sleep", "3"],
+        cwd=tree,
+        env=env,
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     temp = tmp_path / "temp"
     temp.mkdir()
-    verifier = subprocess.Popen([sys.executable, "-m", "samestep", "verify", "--yes", str(tree / slow),
-                                 "--steps", "1-2"],
-                                env={**env, "TMPDIR": str(temp)}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+    verifier = subprocess.Popen(
+        [sys.executable, "-m", "samestep", "verify", "--yes", str(tree / slow), "--steps", "1-2"],
+        env={**env, "TMPDIR": str(temp)},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     assert _wait(lambda: _replay_pids(str(temp)), 120), verifier.stderr.read() if verifier.poll() is not None else ""
     scratch = list(temp.glob("samestep-verify-*"))
     assert len(scratch) == 1
@@ -218,8 +247,14 @@ def _at_a_terminal(argv: list[str], answer: str, env: dict[str, str]) -> tuple[i
     import select
 
     leader, follower = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "samestep", *argv], stdin=follower, stdout=subprocess.PIPE,
-                            stderr=follower, env=env, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "samestep", *argv],
+        stdin=follower,
+        stdout=subprocess.PIPE,
+        stderr=follower,
+        env=env,
+        text=True,
+    )
     os.close(follower)
     shown, answered, deadline = b"", False, time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -252,8 +287,9 @@ def test_at_a_terminal_the_program_is_shown_and_runs_on_yes_only(tree):
     assert code == 0 and "reproduced by replayed_loop.py" in shown, shown
 
 
-def test_a_program_the_verifier_gives_runs_without_asking_and_is_checked_against_the_runs_hashes(tree, tmp_path,
-                                                                                              monkeypatch):
+def test_a_program_the_verifier_gives_runs_without_asking_and_is_checked_against_the_runs_hashes(
+    tree, tmp_path, monkeypatch
+):
     """`samestep verify RUN -- python replayed_loop.py a`, in the verifier's own checkout of the program: it runs
     with no --yes (the verifier's own word), under the run's launcher, and reproduces, naming that code. A
     checkout whose script differs from the run's hashes is refused (exit 2) as a changed program is; a command

@@ -111,9 +111,13 @@ def test_a_compiled_model_repeats_resumes_and_matches_across_process_counts(tmp_
 def test_a_compiled_run_with_autotuning_by_timing_is_refused(tmp_path):
     """max-autotune under train.compile: refused before anything runs, exit 2, one line naming the setting
     and the fix; nothing is written. Negative control: without it the same run starts (test above)."""
-    proc = subprocess.run(train_cmd(tmp_path / "run", *BASE, "model.arch=llama", "train.compile=true"),
-                          capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "TORCHINDUCTOR_MAX_AUTOTUNE": "1"})
+    proc = subprocess.run(
+        train_cmd(tmp_path / "run", *BASE, "model.arch=llama", "train.compile=true"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TORCHINDUCTOR_MAX_AUTOTUNE": "1"},
+    )
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "torch._inductor.config.max_autotune is on" in lines[0] and "Fix:" in lines[0]

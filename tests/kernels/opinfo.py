@@ -29,21 +29,57 @@ import samestep.ops as ops
 from samestep.ops.routing import KernelMode
 
 # Every OpInfo whose forward or backward reaches an accumulating op samestep routes or lists (routing.py).
-SWEPT = ("index_add", "scatter_add", "scatter_reduce.sum", "scatter_reduce.mean", "scatter_reduce.prod",
-         "scatter_reduce.amax", "scatter_reduce.amin", "scatter", "index_put", "index_reduce.prod",
-         "index_reduce.mean", "index_reduce.amax", "index_reduce.amin", "nn.functional.embedding",
-         "nn.functional.embedding_bag", "gather", "index_select", "take", "take_along_dim", "put", "bincount",
-         "_segment_reduce.lengths", "_segment_reduce.offsets", "_unsafe_masked_index",
-         "_unsafe_masked_index_put_accumulate", "__getitem__")
+SWEPT = (
+    "index_add",
+    "scatter_add",
+    "scatter_reduce.sum",
+    "scatter_reduce.mean",
+    "scatter_reduce.prod",
+    "scatter_reduce.amax",
+    "scatter_reduce.amin",
+    "scatter",
+    "index_put",
+    "index_reduce.prod",
+    "index_reduce.mean",
+    "index_reduce.amax",
+    "index_reduce.amin",
+    "nn.functional.embedding",
+    "nn.functional.embedding_bag",
+    "gather",
+    "index_select",
+    "take",
+    "take_along_dim",
+    "put",
+    "bincount",
+    "_segment_reduce.lengths",
+    "_segment_reduce.offsets",
+    "_unsafe_masked_index",
+    "_unsafe_masked_index_put_accumulate",
+    "__getitem__",
+)
 DB = {(o.name + "." + o.variant_test_name).rstrip("."): o for o in op_db}
-DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int8, torch.int16, torch.int32,
-          torch.int64, torch.uint8, torch.bool)
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.bool,
+)
 HALF = (torch.float16, torch.bfloat16)
 
 # samestep.ops called on the same sample as the OpInfo (its signature is torch's).
 DIRECT: dict[str, Callable[..., Any]] = {
-    "index_add": ops.index_add, "scatter_add": ops.scatter_add, "scatter_reduce.sum": ops.scatter_reduce,
-    "scatter_reduce.mean": ops.scatter_reduce, "index_put": ops.index_put, "bincount": ops.bincount,
+    "index_add": ops.index_add,
+    "scatter_add": ops.scatter_add,
+    "scatter_reduce.sum": ops.scatter_reduce,
+    "scatter_reduce.mean": ops.scatter_reduce,
+    "index_put": ops.index_put,
+    "bincount": ops.bincount,
 }
 
 
@@ -57,9 +93,11 @@ def samples(name: str, dtype: torch.dtype) -> Iterator[tuple[str, Any, bool]]:
     them, and once more without (in-place variants and the no-grad path)."""
     op = DB[name]
     grad = bool(op.supports_autograd and dtype.is_floating_point)
-    for requires_grad in ((True, False) if grad else (False,)):
-        sources = [("sample", op.sample_inputs("cpu", dtype, requires_grad=requires_grad)),
-                   ("reference", op.reference_inputs("cpu", dtype, requires_grad=requires_grad))]
+    for requires_grad in (True, False) if grad else (False,):
+        sources = [
+            ("sample", op.sample_inputs("cpu", dtype, requires_grad=requires_grad)),
+            ("reference", op.reference_inputs("cpu", dtype, requires_grad=requires_grad)),
+        ]
         for kind, it in sources:
             for i, s in enumerate(it):
                 yield f"{name} {str(dtype)[6:]} {kind}#{i}{' grad' if requires_grad else ''}", s, requires_grad
@@ -126,8 +164,7 @@ def _differ(ref: list[torch.Tensor], got: list[torch.Tensor]) -> str | None:
 
 
 def _upcast(s: Any) -> Any:
-    return s.transform(lambda t: t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point()
-                       else t)
+    return s.transform(lambda t: t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t)
 
 
 def _call(op: Any, fn: Callable[..., Any] | None = None) -> Callable[[Any], Any]:
@@ -167,9 +204,11 @@ def check_sample(name: str, s: Any, grad: bool, dtype: torch.dtype) -> list[str]
     found = []
     ways = [("routed", _call(op), True)] + ([("direct", _call(op, DIRECT[name]), False)] if name in DIRECT else [])
     for way, fn, routed in ways:
+
         def attempt(threads: int = 2):
-            with (KernelMode() if routed else nullcontext()):
+            with KernelMode() if routed else nullcontext():
                 return _in_threads(threads, lambda: _run(fn, s, grad))
+
         try:
             got = attempt()
         except Exception as e:  # noqa: BLE001 - compared with PyTorch's own error below
@@ -205,17 +244,19 @@ def check_sample(name: str, s: Any, grad: bool, dtype: torch.dtype) -> list[str]
 
 def _check_inplace(op: Any, s: Any) -> list[str]:
     """The in-place variant, routed, writes what PyTorch's writes (or raises what it raises)."""
+
     def inplace(routed: bool):
         x = _copy(s.input.detach())
         torch.use_deterministic_algorithms(not routed)
         try:
-            with (KernelMode() if routed else nullcontext()):
+            with KernelMode() if routed else nullcontext():
                 op.inplace_variant(x, *s.args, **s.kwargs)
             return x
         except Exception as e:  # noqa: BLE001
             return e
         finally:
             torch.use_deterministic_algorithms(False)
+
     ref, got = inplace(False), inplace(True)
     if isinstance(ref, RuntimeError) and "does not have a deterministic implementation" in str(ref):
         return []  # compared out of place already
@@ -240,11 +281,13 @@ def check_error_inputs(name: str) -> list[str]:
             ways.append(("direct", _call(op, DIRECT[name]), False))
         for way, fn, routed in ways:
             try:
-                with (KernelMode() if routed else nullcontext()):
+                with KernelMode() if routed else nullcontext():
                     fn(s)
                 found.append(f"error input {i}, {way}: no error; expected {ei.error_type.__name__} {ei.error_regex!r}")
             except Exception as e:  # noqa: BLE001
                 if not (isinstance(e, ei.error_type) and re.search(ei.error_regex, str(e))):
-                    found.append(f"error input {i}, {way}: {type(e).__name__}: {e}; expected "
-                                 f"{ei.error_type.__name__} {ei.error_regex!r}")
+                    found.append(
+                        f"error input {i}, {way}: {type(e).__name__}: {e}; expected "
+                        f"{ei.error_type.__name__} {ei.error_regex!r}"
+                    )
     return found

@@ -72,8 +72,11 @@ def test_multi_dimensional_mask_accumulates_into_the_masked_elements():
 def test_scatter_add_checks_bounds_as_pytorch_does(case):
     """An index out of bounds raises PyTorch's error (routed, direct) and leaves the input as it was."""
     x = torch.zeros(3, 4)
-    index = {"past the end": torch.tensor([[3]]), "negative": torch.tensor([[-1]]),
-             "index wider than input": torch.zeros(2, 5, dtype=torch.long)}[case]
+    index = {
+        "past the end": torch.tensor([[3]]),
+        "negative": torch.tensor([[-1]]),
+        "index wider than input": torch.zeros(2, 5, dtype=torch.long),
+    }[case]
     src = torch.ones(2, 5)
     _raises_as_torch(lambda: ops.scatter_add(x, 0, index, src), lambda: torch.scatter_add(x, 0, index, src))
     y = x.clone()
@@ -87,12 +90,18 @@ def test_index_put_checks_bounds_and_dtypes_as_pytorch_does():
     values of another dtype raise PyTorch's RuntimeError, not a silent cast."""
     x = torch.zeros(3, 4)
     for idx in (torch.tensor([3]), torch.tensor([-4]), torch.tensor([7])):
-        _raises_as_torch(lambda: ops.index_put(x, (idx,), torch.ones(4), accumulate=True),
-                         lambda: torch.index_put(x, (idx,), torch.ones(4), accumulate=True))
-    _raises_as_torch(lambda: ops.index_put(x, (torch.tensor([0]), torch.tensor([7])), torch.ones(1), True),
-                     lambda: torch.index_put(x, (torch.tensor([0]), torch.tensor([7])), torch.ones(1), True))
-    _raises_as_torch(lambda: ops.index_put(x, (torch.tensor([0]),), torch.ones(4, dtype=torch.float64), True),
-                     lambda: torch.index_put(x, (torch.tensor([0]),), torch.ones(4, dtype=torch.float64), True))
+        _raises_as_torch(
+            lambda: ops.index_put(x, (idx,), torch.ones(4), accumulate=True),
+            lambda: torch.index_put(x, (idx,), torch.ones(4), accumulate=True),
+        )
+    _raises_as_torch(
+        lambda: ops.index_put(x, (torch.tensor([0]), torch.tensor([7])), torch.ones(1), True),
+        lambda: torch.index_put(x, (torch.tensor([0]), torch.tensor([7])), torch.ones(1), True),
+    )
+    _raises_as_torch(
+        lambda: ops.index_put(x, (torch.tensor([0]),), torch.ones(4, dtype=torch.float64), True),
+        lambda: torch.index_put(x, (torch.tensor([0]),), torch.ones(4, dtype=torch.float64), True),
+    )
     got = ops.index_put(x, (torch.tensor([-1, 2]),), torch.ones(4), accumulate=True)
     assert torch.equal(got[2], torch.full((4,), 2.0)) and not got[:2].any()
 
@@ -184,8 +193,11 @@ def test_more_than_a_tile_of_duplicates_into_one_slot():
     results = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        results += [ops.index_add(base, 0, idx, src), ops.scatter_add(base, 0, idx.view(n, 1), src),
-                    ops.index_put(base, (idx,), src, accumulate=True)]
+        results += [
+            ops.index_add(base, 0, idx, src),
+            ops.scatter_add(base, 0, idx.view(n, 1), src),
+            ops.index_put(base, (idx,), src, accumulate=True),
+        ]
     for r in results:
         assert first_difference(r, want) is None
 
@@ -222,8 +234,11 @@ def test_nan_inf_and_signed_zero():
     src = torch.tensor([[-0.0], [float("inf")], [float("-inf")], [float("nan")]])
     idx = torch.tensor([0, 2, 2, 3])
     want = base.clone().index_add_(0, idx, src)
-    for got in (ops.index_add(base, 0, idx, src), ops.index_put(base, (idx,), src, accumulate=True),
-                ops.scatter_add(base, 0, idx.view(4, 1), src)):
+    for got in (
+        ops.index_add(base, 0, idx, src),
+        ops.index_put(base, (idx,), src, accumulate=True),
+        ops.scatter_add(base, 0, idx.view(4, 1), src),
+    ):
         assert first_difference(got, want) is None
     assert got[0].signbit() and got[1].signbit() and got[2].isnan() and got[3].isnan()
 
@@ -249,8 +264,7 @@ def test_half_precision_accumulates_in_float32():
     base2, src2 = _wide(3, 4, dtype=torch.bfloat16), _wide(n, 4, dtype=torch.bfloat16)
     exact = base2.double().index_add(0, idx, src2.double(), alpha=-1.7)
     ours = ops.index_add(base2, 0, idx, src2, alpha=-1.7)
-    assert first_difference(ours, base2.float().index_add_(0, idx, src2.float(), alpha=-1.7).to(torch.bfloat16)) \
-        is None
+    assert first_difference(ours, base2.float().index_add_(0, idx, src2.float(), alpha=-1.7).to(torch.bfloat16)) is None
     theirs = base2.clone().index_add_(0, idx, src2, alpha=-1.7)
     assert first_difference(ours, theirs) is not None
     assert (ours.double() - exact).abs().sum() < (theirs.double() - exact).abs().sum()
@@ -343,7 +357,7 @@ def test_docs_list_every_op_the_routing_decides():
     from samestep.ops.routing import ROUTED, UNROUTED
 
     text = (Path(__file__).parents[2] / "docs" / "kernels.md").read_text()
-    table = text[text.index("## Routing"):]
+    table = text[text.index("## Routing") :]
     missing = [name for name in {*ROUTED, *UNROUTED} if f"`{name.removeprefix('aten.')}`" not in table]
     assert not missing, f"docs/kernels.md's routing table lacks {missing}"
 
@@ -432,15 +446,27 @@ def _out_cases():
     return [
         ("index_put", lambda: aten.index_put(x, [i], s, True), lambda o: aten.index_put.out(x, [i], s, True, out=o)),
         ("put", lambda: aten.put(xb, i * 8, sb[:, 0], True), lambda o: aten.put.out(xb, i * 8, sb[:, 0], True, out=o)),
-        ("index_add", lambda: aten.index_add(x, 0, i, s, alpha=-0.3),
-         lambda o: aten.index_add.out(x, 0, i, s, alpha=-0.3, out=o)),
+        (
+            "index_add",
+            lambda: aten.index_add(x, 0, i, s, alpha=-0.3),
+            lambda o: aten.index_add.out(x, 0, i, s, alpha=-0.3, out=o),
+        ),
         ("scatter_add", lambda: aten.scatter_add(x, 0, i2, s), lambda o: aten.scatter_add.out(x, 0, i2, s, out=o)),
-        ("scatter_reduce", lambda: aten.scatter_reduce.two(x, 0, i2, s, "mean"),
-         lambda o: aten.scatter_reduce.two_out(x, 0, i2, s, "mean", out=o)),
-        ("scatter", lambda: aten.scatter.reduce(x, 0, i2, s, reduce="add"),
-         lambda o: aten.scatter.reduce_out(x, 0, i2, s, reduce="add", out=o)),
-        ("embedding_dense_backward", lambda: aten.embedding_dense_backward(s, i, 50, -1, False),
-         lambda o: aten.embedding_dense_backward.out(s, i, 50, -1, False, out=o)),
+        (
+            "scatter_reduce",
+            lambda: aten.scatter_reduce.two(x, 0, i2, s, "mean"),
+            lambda o: aten.scatter_reduce.two_out(x, 0, i2, s, "mean", out=o),
+        ),
+        (
+            "scatter",
+            lambda: aten.scatter.reduce(x, 0, i2, s, reduce="add"),
+            lambda o: aten.scatter.reduce_out(x, 0, i2, s, reduce="add", out=o),
+        ),
+        (
+            "embedding_dense_backward",
+            lambda: aten.embedding_dense_backward(s, i, 50, -1, False),
+            lambda o: aten.embedding_dense_backward.out(s, i, 50, -1, False, out=o),
+        ),
         ("bincount", lambda: aten.bincount(b, w, 0), lambda o: aten.bincount.out(b, w, 0, out=o)),
     ]
 
@@ -468,6 +494,7 @@ def test_an_expanded_destination_is_left_to_pytorchs_kernel_by_name():
     """index_put_ with accumulate into an expanded tensor (every row the same memory) adds every contribution
     into it, as PyTorch does ([[3, 3, 3]]), with a warning naming the fallback; a fold could not write it.
     Control: into a tensor of its own the kernel takes it, with no warning."""
+
     def call(base):
         return base.index_put_((torch.tensor([0, 1, 1]),), torch.ones(3, 3), accumulate=True)
 

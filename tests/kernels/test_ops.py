@@ -86,6 +86,7 @@ def test_matches_left_fold_reference(name):
 
 def test_index_put_is_the_backward_of_indexing():
     """With kernels routed, the gradient of x[idx] is bit-identical to ops.index_put and repeats exactly."""
+
     def grad_of_indexing(src):
         w = torch.zeros(V, D, requires_grad=True)
         (w[IDX] * src).sum().backward()
@@ -100,6 +101,7 @@ def test_index_put_is_the_backward_of_indexing():
 def test_routing_makes_a_racy_model_repeat():
     """Deterministic algorithms off but kernels routed: the racing index_put_ now repeats (and without
     routing it races: the negative control)."""
+
     def step(src):
         w = torch.zeros(V, D, requires_grad=True)
         (w[IDX] * src).sum().backward()
@@ -217,4 +219,3 @@ def test_routed_bincount_and_put_run_pytorchs_own_loop_where_it_is_the_definitio
     finally:
         torch.use_deterministic_algorithms(before)
     assert first_difference(got, want) is None
-

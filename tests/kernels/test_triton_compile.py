@@ -84,8 +84,7 @@ def test_kernels_compile_for_hopper_and_ampere(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "0"  # explicit (and silences Triton's warning); these kernels only add
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(script), *DTYPES], capture_output=True, text=True, timeout=600,
-                          env=env)
+    proc = subprocess.run([sys.executable, str(script), *DTYPES], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     bad = {k: v for k, v in result.items() if "_retyped_loop_value" not in k and not v.startswith("cubin")}

@@ -67,8 +67,15 @@ def main() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     wrapped = DistributedDataParallel(model) if world > 1 else model  # its own all-reduce left out: no_sync
     traced = {"level": "op", "trace_steps": args.trace_steps} if args.trace_steps else {}
-    with samestep.Run(args.run_dir, model=wrapped, optimizer=opt, deterministic=not args.nondeterministic,
-                      threads=1, perturb=args.perturb, **traced) as run:
+    with samestep.Run(
+        args.run_dir,
+        model=wrapped,
+        optimizer=opt,
+        deterministic=not args.nondeterministic,
+        threads=1,
+        perturb=args.perturb,
+        **traced,
+    ) as run:
         for step in run.steps(args.steps):
             time.sleep(args.sleep)
             for i in grads.microbatches:

@@ -29,16 +29,21 @@ def on_cpu() -> None:
         module.device_type = "cpu"
         if hasattr(module, "device_module"):
             module.device_module = torch.cpu
-    for name, fn in {"get_device_name": lambda *a: "cpu", "memory_stats": lambda *a: {},
-                     "get_device_properties": lambda *a: types.SimpleNamespace(total_memory=1 << 34),
-                     "reset_peak_memory_stats": lambda *a: None, "empty_cache": lambda *a: None}.items():
+    for name, fn in {
+        "get_device_name": lambda *a: "cpu",
+        "memory_stats": lambda *a: {},
+        "get_device_properties": lambda *a: types.SimpleNamespace(total_memory=1 << 34),
+        "reset_peak_memory_stats": lambda *a: None,
+        "empty_cache": lambda *a: None,
+    }.items():
         if not hasattr(torch.cpu, name):
             setattr(torch.cpu, name, fn)
     dist_utils.set_pg_timeouts = lambda timeout, parallel_dims: torch.distributed.barrier()
     llama3.get_attention_config = lambda backend: ScaledDotProductAttention.Config()
     divide = collectives._get_gradient_divide_factors  # NCCL's PREMUL_SUM, which gloo refuses: a sum, then a scale
     collectives._get_gradient_divide_factors = lambda group, all_reduce, dtype, kind="", factor=None, _=False: divide(
-        group, all_reduce, dtype, kind, factor, True)
+        group, all_reduce, dtype, kind, factor, True
+    )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,23 @@ from tests.support.runs import (
     train_ranks,
 )
 
-__all__ = ["PRELOAD", "TINY", "Forked", "cli_here", "killed_in_step_4", "metrics_bytes", "origin_of", "run_files",
-           "run_printed", "run_train", "script_here", "script_ranks", "side_by_side", "spawn", "traced_step",
-           "train_cmd", "train_here", "train_ranks"]
+__all__ = [
+    "PRELOAD",
+    "TINY",
+    "Forked",
+    "cli_here",
+    "killed_in_step_4",
+    "metrics_bytes",
+    "origin_of",
+    "run_files",
+    "run_printed",
+    "run_train",
+    "script_here",
+    "script_ranks",
+    "side_by_side",
+    "spawn",
+    "traced_step",
+    "train_cmd",
+    "train_here",
+    "train_ranks",
+]

@@ -30,8 +30,16 @@ __all__ = ["PRELOAD", "Forked"]
 PRELOAD = ["torch", "torch.distributed", "torch._inductor.config", "samestep", "samestep.cli"]
 
 
-def _command(argv: list[str], script: str | None, code: str | None, env: dict[str, str], cwd: str, stdout: str,
-             stderr: str, new_session: bool) -> None:
+def _command(
+    argv: list[str],
+    script: str | None,
+    code: str | None,
+    env: dict[str, str],
+    cwd: str,
+    stdout: str,
+    stderr: str,
+    new_session: bool,
+) -> None:
     """``samestep *argv``, ``python script *argv`` or ``python -c code *argv``, as a fresh process runs it: the
     caller's environment and directory, stdout and stderr to those files; the command's code is the process's
     exit code."""
@@ -74,8 +82,15 @@ class Forked:
 
     preload = PRELOAD
 
-    def __init__(self, argv: list[str], script: Path | None = None, cwd: Path | None = None, *,
-                 code: str | None = None, new_session: bool = False) -> None:
+    def __init__(
+        self,
+        argv: list[str],
+        script: Path | None = None,
+        cwd: Path | None = None,
+        *,
+        code: str | None = None,
+        new_session: bool = False,
+    ) -> None:
         multiprocessing.set_forkserver_preload([*self.preload, __name__])
         self._paths = []
         for _ in range(2):
@@ -86,8 +101,17 @@ class Forked:
         self.stdout: str | None = None
         self.stderr: str | None = None
         self._process = multiprocessing.get_context("forkserver").Process(
-            target=_command, args=(argv, None if script is None else str(script), code, dict(os.environ),
-                                   str(cwd or os.getcwd()), *self._paths, new_session))
+            target=_command,
+            args=(
+                argv,
+                None if script is None else str(script),
+                code,
+                dict(os.environ),
+                str(cwd or os.getcwd()),
+                *self._paths,
+                new_session,
+            ),
+        )
         self._process.start()
         self.pid = self._process.pid
 

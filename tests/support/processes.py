@@ -19,8 +19,16 @@ __all__ = ["Forked", "PRELOAD", "run_printed", "spawn"]
 # transformers' Llama, which the examples' ranks build (about 3.5 s of CPU a process, paid once a server), and
 # torchtitan's trainer and Llama 3, which its trainer processes import (about 2 s each; none changes torch's
 # settings on import, and the CPU stand-ins patch its modules after the fork as before).
-PRELOAD = [*forked.PRELOAD, forked.__name__, __name__, "tests.support.runs", "transformers.models.llama.modeling_llama",
-           "transformers.models.mixtral.modeling_mixtral", "torchtitan.train", "torchtitan.models.llama3"]
+PRELOAD = [
+    *forked.PRELOAD,
+    forked.__name__,
+    __name__,
+    "tests.support.runs",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.mixtral.modeling_mixtral",
+    "torchtitan.train",
+    "torchtitan.models.llama3",
+]
 
 
 # A spawned process still running after this long is stuck (the longest take a minute on a busy 2-core
@@ -80,14 +88,18 @@ def spawn(fn, args: tuple, nprocs: int, exit_code: int | None = None) -> None:
 
     multiprocessing.set_forkserver_preload([*PRELOAD, fn.__module__])
     with tempfile.TemporaryDirectory() as stacks:
-        ctx = mp.start_processes(_spawned, args=(fn, stacks, args), nprocs=nprocs, join=False,
-                                 start_method="forkserver")
+        ctx = mp.start_processes(
+            _spawned, args=(fn, stacks, args), nprocs=nprocs, join=False, start_method="forkserver"
+        )
         deadline = time.monotonic() + SPAWN_DEADLINE_S
         try:
             while not ctx.join(timeout=1, grace_period=GRACE_S):
                 if time.monotonic() > deadline:
-                    pytest.fail(f"{fn.__name__}'s processes still running after {SPAWN_DEADLINE_S} s; their "
-                                f"stacks:\n{_stuck(ctx, Path(stacks))}", pytrace=False)
+                    pytest.fail(
+                        f"{fn.__name__}'s processes still running after {SPAWN_DEADLINE_S} s; their "
+                        f"stacks:\n{_stuck(ctx, Path(stacks))}",
+                        pytrace=False,
+                    )
         except (mp.ProcessExitedException, mp.ProcessRaisedException):
             # any process, not the first one found: the peers of a rank that killed itself fail too
             if exit_code is None or exit_code not in [p.exitcode for p in ctx.processes]:

@@ -14,18 +14,43 @@ import torch
 
 from tests.support.processes import Forked, spawn
 
-__all__ = ["TINY", "cli_here", "killed_in_step_4", "metrics_bytes", "origin_of", "run_files", "run_train",
-           "script_here", "script_ranks", "side_by_side", "traced_step", "train_cmd", "train_here", "train_ranks"]
+__all__ = [
+    "TINY",
+    "cli_here",
+    "killed_in_step_4",
+    "metrics_bytes",
+    "origin_of",
+    "run_files",
+    "run_train",
+    "script_here",
+    "script_ranks",
+    "side_by_side",
+    "traced_step",
+    "train_cmd",
+    "train_here",
+    "train_ranks",
+]
 
 # A CPU-sized run that still exercises every part of the loop: 4 microbatches, dropout, checkpoints.
 # On CPU on every machine: the suite checks the CPU reference that CI runs (its world-size and race
 # claims are CPU ones); bench/gpu_check.py checks runs on CUDA.
-TINY = ("train.device=cpu", "train.steps=8", "train.global_batch=8", "train.micro_batch=2", "train.checkpoint_every=2",
-        "train.warmup_steps=2", "model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32")
+TINY = (
+    "train.device=cpu",
+    "train.steps=8",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "train.checkpoint_every=2",
+    "train.warmup_steps=2",
+    "model.n_layer=2",
+    "model.n_head=2",
+    "model.n_embd=32",
+    "model.block_size=32",
+)
 
 
-def train_cmd(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 1,
-              stop_after: int | None = None) -> list[str]:
+def train_cmd(
+    run_dir: Path, *settings: str, resume: bool = False, nproc: int = 1, stop_after: int | None = None
+) -> list[str]:
     cmd = [sys.executable, "-m", "samestep", "train", "--run-dir", str(run_dir)]
     for s in settings:
         cmd += ["--set", s]
@@ -38,8 +63,9 @@ def train_cmd(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 
     return cmd
 
 
-def run_train(run_dir: Path, *settings: str, resume: bool = False, nproc: int = 1,
-              stop_after: int | None = None) -> dict | None:
+def run_train(
+    run_dir: Path, *settings: str, resume: bool = False, nproc: int = 1, stop_after: int | None = None
+) -> dict | None:
     """Runs ``samestep train`` in a process of its own (``Forked``); returns final.json (None if it stopped
     early)."""
     proc = Forked(train_cmd(run_dir, *settings, resume=resume, nproc=nproc, stop_after=stop_after)[3:])
@@ -60,8 +86,9 @@ def train_here(run_dir: Path, *settings: str, resume: bool = False, stop_after: 
     contents (None if it stopped early). For claims that need no fresh process, kill or several ranks."""
     from samestep.train import load_config, train
 
-    return train(load_config(None, list(settings)), run_dir, resume=resume, stop_after=stop_after,
-                 out=lambda _line: None)
+    return train(
+        load_config(None, list(settings)), run_dir, resume=resume, stop_after=stop_after, out=lambda _line: None
+    )
 
 
 def _here(args: list[str], run) -> subprocess.CompletedProcess:
@@ -106,8 +133,15 @@ def script_here(path: Path, *argv: str) -> subprocess.CompletedProcess:
 def _as_launched(rank: int, nproc: int, port: int, threads: int) -> None:
     """What torchrun sets in each of its processes (its variables, and the thread count its OMP_NUM_THREADS
     gives a fresh interpreter)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS=str(threads))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS=str(threads),
+    )
     torch.set_num_threads(threads)
 
 
@@ -129,8 +163,16 @@ def _train_rank(rank: int, nproc: int, port: int, threads: int, argv: list[str],
         raise SystemExit(code)
 
 
-def train_ranks(run_dir: Path, *settings: str, nproc: int, resume: bool = False, stop_after: int | None = None,
-                patch=None, exit_code: int | None = None, stderr: Path | None = None) -> dict | None:
+def train_ranks(
+    run_dir: Path,
+    *settings: str,
+    nproc: int,
+    resume: bool = False,
+    stop_after: int | None = None,
+    patch=None,
+    exit_code: int | None = None,
+    stderr: Path | None = None,
+) -> dict | None:
     """The ``nproc`` processes of ``samestep train --nproc nproc``, forked from the spawn server (no interpreter
     start or imports to pay); returns final.json (None if none was written). For claims about several ranks,
     not about the launcher (its signals and exit codes: ``run_train``). ``patch``: a module-level function
@@ -141,8 +183,12 @@ def train_ranks(run_dir: Path, *settings: str, nproc: int, resume: bool = False,
 
     argv = train_cmd(run_dir, *settings, resume=resume, stop_after=stop_after)[3:]
     threads = load_config(None, list(settings)).determinism.threads
-    spawn(_train_rank, (nproc, free_port(), threads, argv, patch, None if stderr is None else str(stderr)), nproc,
-          exit_code)
+    spawn(
+        _train_rank,
+        (nproc, free_port(), threads, argv, patch, None if stderr is None else str(stderr)),
+        nproc,
+        exit_code,
+    )
     final = run_dir / "final.json"
     return json.loads(final.read_text()) if final.exists() else None
 

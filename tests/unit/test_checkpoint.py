@@ -72,6 +72,7 @@ def test_round_trip_then_continue_is_bit_identical(tmp_path):
 
 def test_user_loop_with_global_rng_needs_rng_restore(tmp_path):
     """A loop drawing dropout from the global RNG resumes exactly with RNG restore; without it, it differs."""
+
     def make() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5))
         return model, torch.optim.SGD(model.parameters(), lr=0.1)
@@ -212,8 +213,9 @@ def test_a_launchers_thread_variable_under_one_pinned_thread_count_is_recorded_n
         loaded = load_checkpoint(root, strict_env=True)
     assert loaded.env_diff == {"env.OMP_NUM_THREADS": (saved.get("env.OMP_NUM_THREADS"), "7")}
     other = saved["threads.intra_op"] + 1
-    monkeypatch.setattr(load_mod, "environment", lambda: {**real, "env.OMP_NUM_THREADS": "7",
-                                                          "threads.intra_op": other})
+    monkeypatch.setattr(
+        load_mod, "environment", lambda: {**real, "env.OMP_NUM_THREADS": "7", "threads.intra_op": other}
+    )
     with pytest.raises(CheckpointError, match=r"env\.OMP_NUM_THREADS .*threads\.intra_op|threads\.intra_op.*env\.OMP"):
         load_checkpoint(root, strict_env=True)
 
@@ -276,14 +278,22 @@ def _resign(manifest_path: Path, change) -> None:
     manifest_path.write_text(json.dumps(manifest))
 
 
-@pytest.mark.parametrize("change,needle", [
-    (lambda m: m.pop("files"), "'files' is NoneType"),
-    (lambda m: m.update(files=["model.safetensors"]), "'files' is list"),
-    (lambda m: m["files"]["model.safetensors"].pop("size"), "the entry of 'model.safetensors' needs an integer 'size'"),
-    (lambda m: m["files"].update({"../../etc/passwd": {"size": 1, "sha256": "x"}}),
-     "file name '../../etc/passwd' is not a plain name"),
-    (lambda m: m.update(world_size="two"), "'world_size' is 'two'"),
-])
+@pytest.mark.parametrize(
+    "change,needle",
+    [
+        (lambda m: m.pop("files"), "'files' is NoneType"),
+        (lambda m: m.update(files=["model.safetensors"]), "'files' is list"),
+        (
+            lambda m: m["files"]["model.safetensors"].pop("size"),
+            "the entry of 'model.safetensors' needs an integer 'size'",
+        ),
+        (
+            lambda m: m["files"].update({"../../etc/passwd": {"size": 1, "sha256": "x"}}),
+            "file name '../../etc/passwd' is not a plain name",
+        ),
+        (lambda m: m.update(world_size="two"), "'world_size' is 'two'"),
+    ],
+)
 def test_a_malformed_manifest_is_named_and_resume_falls_back(tmp_path, change, needle):
     """A manifest with a valid self-digest but the wrong shape is a CheckpointError naming the field (no
     KeyError or AttributeError), and a resume with fallback loads the older good checkpoint. Negative
@@ -312,8 +322,10 @@ def test_state_json_without_its_fields_is_not_intact(tmp_path):
     del state["environment"]
     data = json.dumps(state).encode()
     state_path.write_bytes(data)
-    _resign(root / "step_000002" / "manifest.json",
-            lambda m: m["files"]["state.json"].update(size=len(data), sha256=sha256_bytes(data)))
+    _resign(
+        root / "step_000002" / "manifest.json",
+        lambda m: m["files"]["state.json"].update(size=len(data), sha256=sha256_bytes(data)),
+    )
     with pytest.raises(CheckpointError, match=r"state.json: 'environment' is None, expected a dict"):
         verify_checkpoint(root)
 
@@ -370,8 +382,11 @@ def test_a_failed_save_leaves_no_temporary_directory_and_the_previous_checkpoint
         real(path, data)
 
     monkeypatch.setattr(files_mod, "write_durable", full)
-    with pytest.raises(CheckpointError, match=r"step_000002: not saved: writing .*optimizer.safetensors failed "
-                                              r"\(No space left on device\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"step_000002: not saved: writing .*optimizer.safetensors failed "
+        r"\(No space left on device\)",
+    ):
         save_checkpoint(root, 2, model=model, optimizer=opt, data_cursor=cursor)
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000001"]
     model2, opt2, cursor2 = _setup()
@@ -407,19 +422,31 @@ def test_a_full_disk_anywhere_in_a_save_leaves_nothing_partial(tmp_path, monkeyp
 
     real_write, real_replace, real_mkdir = durable.write_durable, os.replace, Path.mkdir
     if point == "temporary directory":
-        monkeypatch.setattr(Path, "mkdir", lambda self, *a, **k: full(self) if self.name.endswith(".tmp")
-                            else real_mkdir(self, *a, **k))
+        monkeypatch.setattr(
+            Path, "mkdir", lambda self, *a, **k: full(self) if self.name.endswith(".tmp") else real_mkdir(self, *a, **k)
+        )
     elif point == "manifest":
-        monkeypatch.setattr(_format, "write_durable", lambda path, data: full(path) if path.name == "manifest.json"
-                            else real_write(path, data))
+        monkeypatch.setattr(
+            _format,
+            "write_durable",
+            lambda path, data: full(path) if path.name == "manifest.json" else real_write(path, data),
+        )
     elif point == "commit rename":
-        monkeypatch.setattr(save_mod.os, "replace", lambda a, b: full(b) if Path(b).name == "step_000002"
-                            else real_replace(a, b))
+        monkeypatch.setattr(
+            save_mod.os, "replace", lambda a, b: full(b) if Path(b).name == "step_000002" else real_replace(a, b)
+        )
     else:
-        monkeypatch.setattr(durable, "write_durable", lambda path, data: full(path) if path.name == ".latest.tmp"
-                            else real_write(path, data))
-    with pytest.raises(CheckpointError, match=r"step_000002: (not saved|saved, but): .*No space left on device"
-                                              if point != "latest" else r"step_000002: saved, but writing"):
+        monkeypatch.setattr(
+            durable,
+            "write_durable",
+            lambda path, data: full(path) if path.name == ".latest.tmp" else real_write(path, data),
+        )
+    with pytest.raises(
+        CheckpointError,
+        match=r"step_000002: (not saved|saved, but): .*No space left on device"
+        if point != "latest"
+        else r"step_000002: saved, but writing",
+    ):
         save_checkpoint(root, 2, model=model, optimizer=opt, data_cursor=cursor)
     monkeypatch.undo()
     left = sorted(p.name for p in root.iterdir())

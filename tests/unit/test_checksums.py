@@ -29,8 +29,11 @@ from samestep.records.receipts import (
 def _tree(seed: int = 0) -> dict:
     g = torch.Generator().manual_seed(seed)
     w = torch.randn(64, 32, generator=g)
-    return {"model": {"w": w, "b": torch.zeros(32)}, "optimizer": {"state": {0: {"step": torch.tensor(3.0)}},
-            "param_groups": [{"lr": 0.1, "params": [0]}]}, "step": 3}
+    return {
+        "model": {"w": w, "b": torch.zeros(32)},
+        "optimizer": {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "step": 3,
+    }
 
 
 @pytest.mark.parametrize("hash_", checksums.STATE_HASHES)
@@ -84,8 +87,13 @@ def test_one_pass_a_step_hashes_each_tensor_once(tmp_path, monkeypatch):
         if step == 3:
             with torch.no_grad():
                 model.weight[0, 0] += 1.0
-        writer.add(step, lambda: {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step}, 0.5,
-                   1.0, {"grads": grads, "params": named})
+        writer.add(
+            step,
+            lambda: {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step},
+            0.5,
+            1.0,
+            {"grads": grads, "params": named},
+        )
         writer.wait()
         sums.append(writer.last.sums["params"])
     writer.close()
@@ -140,8 +148,13 @@ def _v1_file(run_dir, tree: dict) -> None:
     path = receipts_path(run_dir, 0)
     path.parent.mkdir(parents=True)
     header = {"format": "samestep.receipts", "version": 1, "rank": 0, "state_of": "run", "genesis": "g"}
-    receipt = {"step": 1, "state": state_digest(tree), "loss_hex": (0.5).hex(), "grad_norm_hex": (1.0).hex(),
-               "prev": "g"}
+    receipt = {
+        "step": 1,
+        "state": state_digest(tree),
+        "loss_hex": (0.5).hex(),
+        "grad_norm_hex": (1.0).hex(),
+        "prev": "g",
+    }
     receipt["hash"] = receipt_hash(receipt)
     path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in (header, receipt)))
 

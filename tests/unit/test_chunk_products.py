@@ -10,8 +10,16 @@ from samestep.distributed import chunk_products as cp
 
 # (rows, in, out, chunks, parts): the reference GPT's layers (fused q/k/v, the MLP, the head), the small Llama's,
 # a wide one, and one just above the batched form's size threshold
-SHAPES = [(256, 128, 384, 8, 3), (256, 128, 512, 8, 1), (256, 512, 128, 8, 1), (256, 128, 96, 8, 1),
-          (128, 384, 1152, 4, 3), (128, 384, 256, 2, 2), (128, 1024, 1024, 8, 1), (16, 16, 16, 8, 1)]
+SHAPES = [
+    (256, 128, 384, 8, 3),
+    (256, 128, 512, 8, 1),
+    (256, 512, 128, 8, 1),
+    (256, 128, 96, 8, 1),
+    (128, 384, 1152, 4, 3),
+    (128, 384, 256, 2, 2),
+    (128, 1024, 1024, 8, 1),
+    (16, 16, 16, 8, 1),
+]
 
 
 def _bits(t: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
@@ -27,14 +35,16 @@ def _all_forms(m: int, k: int, n: int, chunks: int, parts: int, bf16: bool) -> d
 
     x, w, b, gy = rand(m, k), rand(n, k), rand(n), rand(m, n)
     xr, wr, gr = rand(m, n), rand(k, n), rand(m, k)  # a row layer: input n wide, output k wide
-    return {"column_forward": cp.column_forward(x, w, b, chunks),
-            "column_forward_unbiased": cp.column_forward(x, w, None, chunks),
-            "column_grad_input_parts": cp.column_grad_input_parts(gy, w, chunks, parts),
-            "column_grad_weight": cp.column_grad_weight(gy, x, chunks),
-            "column_grad_bias": cp.column_grad_bias(gy, parts * chunks),
-            "row_forward": cp.row_forward(xr, wr, chunks),
-            "row_grad_input": cp.row_grad_input(gr, wr, chunks),
-            "row_grad_weight": cp.row_grad_weight(gr, xr, chunks)}
+    return {
+        "column_forward": cp.column_forward(x, w, b, chunks),
+        "column_forward_unbiased": cp.column_forward(x, w, None, chunks),
+        "column_grad_input_parts": cp.column_grad_input_parts(gy, w, chunks, parts),
+        "column_grad_weight": cp.column_grad_weight(gy, x, chunks),
+        "column_grad_bias": cp.column_grad_bias(gy, parts * chunks),
+        "row_forward": cp.row_forward(xr, wr, chunks),
+        "row_grad_input": cp.row_grad_input(gr, wr, chunks),
+        "row_grad_weight": cp.row_grad_weight(gr, xr, chunks),
+    }
 
 
 @pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16-rounded"])
@@ -101,8 +111,10 @@ def test_an_activation_keeps_its_chunks_where_a_scalar_tail_would_move():
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(0)
     x, grad = 3 * torch.randn(33, 96, generator=g), torch.randn(33, 96, generator=g)
-    whole, chunked = _activation(torch.nn.functional.silu, x, None, grad), _activation(torch.nn.functional.silu,
-                                                                                     x, 12, grad)
+    whole, chunked = (
+        _activation(torch.nn.functional.silu, x, None, grad),
+        _activation(torch.nn.functional.silu, x, 12, grad),
+    )
     assert not all(torch.equal(a, b) for a, b in zip(whole, chunked))
     assert not cp.elementwise_whole(x, 12)
     assert not cp.elementwise_whole(torch.randn(128, 64).t(), 64)

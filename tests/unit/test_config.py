@@ -19,29 +19,32 @@ def test_defaults_toml_and_overrides(tmp_path):
     assert load_config().to_dict()["data"]["source"] == "stdlib"
 
 
-@pytest.mark.parametrize("override,needle", [
-    ("train.stepz=3", "unknown key(s) train.stepz (did you mean train.steps?); known: "),
-    ("trian.steps=3", "unknown section(s) ['trian'] (did you mean train?); known: "),
-    ("train.steps=many", "train.steps='many' is not a int"),
-    ("train.steps", "expected section.key=value"),
-    ("train.global_batch=9", "train.global_batch=9 is not a multiple of train.micro_batch=2"),
-    ("model.n_head=3", "model.n_embd=128 is not divisible by model.n_head=3"),
-    ("model.embedding=gather", "model.embedding='gather'"),
-    ("data.source=bin", "data.source='bin' needs data.path"),
-    ("train.lr=inf", "train.lr=inf must be a finite number"),
-    ("train.grad_clip=nan", "train.grad_clip=nan must be a finite number"),
-    ("train.beta2=1.5", "train.beta2=1.5 must be in [0, 1)"),
-    ("train.seed=18446744073709551616", "train.seed=18446744073709551616 is larger than samestep accepts"),
-    ("determinism.threads=100000", "determinism.threads=100000 is larger than samestep accepts (4,096)"),
-    ("model.n_embd=100000000", "model.n_embd=100000000 is larger than samestep accepts"),
-    ("trace.steps=1-3000000000", "trace.steps='1-3000000000' selects more than 1,000,000 values"),
-    ("train.exit_signals=SIGKILL", "train.exit_signals='SIGKILL': 'SIGKILL' is not a signal that can be caught"),
-    ("train.exit_signals=SIGTERM,NOPE", "'NOPE' is not a signal that can be caught"),
-    ("determinism.env_mismatch=ignore", "determinism.env_mismatch='ignore' is unknown; use 'refuse' or 'warn'"),
-    ("train.sdc_action=halt", "train.sdc_action='halt' must be 'stop' or 'warn'"),
-    ("train.sdc_check_every=-1", "train.sdc_check_every=-1 must not be negative"),
-    ("train.fault=param:rank=1,step=3", "train.fault='param:rank=1,step=3': expected 'output:rank=R"),
-])
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("train.stepz=3", "unknown key(s) train.stepz (did you mean train.steps?); known: "),
+        ("trian.steps=3", "unknown section(s) ['trian'] (did you mean train?); known: "),
+        ("train.steps=many", "train.steps='many' is not a int"),
+        ("train.steps", "expected section.key=value"),
+        ("train.global_batch=9", "train.global_batch=9 is not a multiple of train.micro_batch=2"),
+        ("model.n_head=3", "model.n_embd=128 is not divisible by model.n_head=3"),
+        ("model.embedding=gather", "model.embedding='gather'"),
+        ("data.source=bin", "data.source='bin' needs data.path"),
+        ("train.lr=inf", "train.lr=inf must be a finite number"),
+        ("train.grad_clip=nan", "train.grad_clip=nan must be a finite number"),
+        ("train.beta2=1.5", "train.beta2=1.5 must be in [0, 1)"),
+        ("train.seed=18446744073709551616", "train.seed=18446744073709551616 is larger than samestep accepts"),
+        ("determinism.threads=100000", "determinism.threads=100000 is larger than samestep accepts (4,096)"),
+        ("model.n_embd=100000000", "model.n_embd=100000000 is larger than samestep accepts"),
+        ("trace.steps=1-3000000000", "trace.steps='1-3000000000' selects more than 1,000,000 values"),
+        ("train.exit_signals=SIGKILL", "train.exit_signals='SIGKILL': 'SIGKILL' is not a signal that can be caught"),
+        ("train.exit_signals=SIGTERM,NOPE", "'NOPE' is not a signal that can be caught"),
+        ("determinism.env_mismatch=ignore", "determinism.env_mismatch='ignore' is unknown; use 'refuse' or 'warn'"),
+        ("train.sdc_action=halt", "train.sdc_action='halt' must be 'stop' or 'warn'"),
+        ("train.sdc_check_every=-1", "train.sdc_check_every=-1 must not be negative"),
+        ("train.fault=param:rank=1,step=3", "train.fault='param:rank=1,step=3': expected 'output:rank=R"),
+    ],
+)
 def test_bad_values_name_the_field(override, needle):
     """Each bad override is refused with the field and value."""
     with pytest.raises(ValueError) as err:
@@ -73,8 +76,11 @@ def test_more_local_ranks_than_gpus_is_refused_with_the_fix(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    with pytest.raises(ValueError, match=r"local rank 1 needs GPU 1, but this machine has 1 GPU.*"
-                                         r"--nproc at most 1.*train.device=cpu"):
+    with pytest.raises(
+        ValueError,
+        match=r"local rank 1 needs GPU 1, but this machine has 1 GPU.*"
+        r"--nproc at most 1.*train.device=cpu",
+    ):
         Processes("cuda")
     monkeypatch.setenv("LOCAL_RANK", "0")  # negative control: rank 0 gets past the check
     try:
@@ -112,12 +118,15 @@ def test_presets_start_a_config_that_a_file_and_set_override(tmp_path):
         load_config(None, preset="huge")
 
 
-@pytest.mark.parametrize("setting,needle", [
-    ("model.arch=mamba", "model.arch='mamba' must be one of gpt, llama"),
-    ("train.precision=fp16", "train.precision='fp16' must be one of fp32, bf16"),
-    ("model.n_kv_head=3", "model.n_head=4 is not a multiple of model.n_kv_head=3"),
-    ("model.rope_theta=inf", "model.rope_theta=inf must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "setting,needle",
+    [
+        ("model.arch=mamba", "model.arch='mamba' must be one of gpt, llama"),
+        ("train.precision=fp16", "train.precision='fp16' must be one of fp32, bf16"),
+        ("model.n_kv_head=3", "model.n_head=4 is not a multiple of model.n_kv_head=3"),
+        ("model.rope_theta=inf", "model.rope_theta=inf must be a finite number"),
+    ],
+)
 def test_workload_settings_are_checked(setting, needle):
     with pytest.raises(ValueError, match=re.escape(needle)):
         load_config(None, [setting])

@@ -17,8 +17,13 @@ from samestep.replay.consent import Consent, ConsentError, Launch
 from samestep.replay.request import alive, process_mark
 from samestep.replay.scratch import OWNER, remove_stale, run_child
 
-IDENTITY = {"entry": "train.py", "entry_sha256": "ab" * 32, "files": {"train.py": "ab" * 32}, "commit": None,
-            "program": "cd" * 32}
+IDENTITY = {
+    "entry": "train.py",
+    "entry_sha256": "ab" * 32,
+    "files": {"train.py": "ab" * 32},
+    "commit": None,
+    "program": "cd" * 32,
+}
 
 
 def _launch(run: str, **kw) -> Launch:
@@ -58,8 +63,10 @@ def test_the_prompt_shows_every_launch_once_and_a_no_runs_nothing():
         asked.append(text)
         return reply
 
-    launches = [_launch("runs/a", identity=IDENTITY, env={"OMP_NUM_THREADS": "1"}, ignored=("PYTHONPATH",)),
-                _launch("runs/b", identity=IDENTITY)]
+    launches = [
+        _launch("runs/a", identity=IDENTITY, env={"OMP_NUM_THREADS": "1"}, ignored=("PYTHONPATH",)),
+        _launch("runs/b", identity=IDENTITY),
+    ]
     consent = Consent(ask=lambda text: answer(text, True))
     consent.grant(launches, "samestep bisect")
     consent.grant(launches, "samestep bisect")
@@ -85,8 +92,13 @@ def test_the_process_count_is_capped_by_this_machine():
 def test_only_the_variables_that_change_bits_are_applied():
     """relaunch applies the record's bit-changing variables and no other (control: OMP_NUM_THREADS is), runs
     this interpreter whatever the record's executable, and ignored_env names the rest."""
-    ran = {"argv": ["/evil/python", "train.py"], "cwd": "/work", "executable": "/evil/python", "launcher": {},
-           "env": {"OMP_NUM_THREADS": "3", "PYTHONPATH": "/evil", "LD_PRELOAD": "/evil.so"}}
+    ran = {
+        "argv": ["/evil/python", "train.py"],
+        "cwd": "/work",
+        "executable": "/evil/python",
+        "launcher": {},
+        "env": {"OMP_NUM_THREADS": "3", "PYTHONPATH": "/evil", "LD_PRELOAD": "/evil.so"},
+    }
     cmd, _, env = program.relaunch(ran)
     assert cmd == [sys.executable, "train.py"] and env["OMP_NUM_THREADS"] == "3"
     for name in ("PYTHONPATH", "LD_PRELOAD"):  # the verifier's own, whatever the record says
@@ -132,28 +144,52 @@ def test_a_replay_process_is_killed_with_its_group_when_the_wait_ends_early(tmp_
     Control: a child that finishes returns its output."""
     assert run_child([sys.executable, "-c", "print('done')"], timeout=60).stdout == "done\n"
     pidfile = tmp_path / "grandchild"
-    script = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
-              f"time.sleep(60)']); open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    script = (
+        f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+        f"time.sleep(60)']); open({str(pidfile)!r}, 'w').write(str(p.pid)); time.sleep(60)"
+    )
     with pytest.raises(subprocess.TimeoutExpired):
         run_child([sys.executable, "-c", script], timeout=8)
     grandchild = int(pidfile.read_text())
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and Path(f"/proc/{grandchild}").exists() and \
-            Path(f"/proc/{grandchild}/stat").read_text().split()[2] != "Z":
+    while (
+        time.monotonic() < deadline
+        and Path(f"/proc/{grandchild}").exists()
+        and Path(f"/proc/{grandchild}/stat").read_text().split()[2] != "Z"
+    ):
         time.sleep(0.1)
     assert not Path(f"/proc/{grandchild}").exists() or Path(f"/proc/{grandchild}/stat").read_text().split()[2] == "Z"
 
 
-@pytest.mark.parametrize("field,value", [("cwd", 3), ("launcher", {"nnodes": "2"}), ("launcher", []),
-                                         ("sources", {"train.py": 1}), ("env", []), ("run_dir", None)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("cwd", 3),
+        ("launcher", {"nnodes": "2"}),
+        ("launcher", []),
+        ("sources", {"train.py": 1}),
+        ("env", []),
+        ("run_dir", None),
+    ],
+)
 def test_a_record_of_other_types_than_a_run_writes_is_refused_by_field(tmp_path, field, value):
     """A program record whose field is not of the type samestep.Run writes (a record made by hand) is refused
     naming the field, not a crash. Control: the record as written passes."""
     (tmp_path / "train.py").write_text("pass\n")
-    ran = {"argv": ["python", "train.py"], "cwd": str(tmp_path), "entry": "script", "target": "train.py",
-           "sources": {"train.py": program.identity({"argv": ["python", "train.py"], "cwd": str(tmp_path),
-                                                     "sources": {"train.py": ""}})["files"]["train.py"]},
-           "launcher": {"name": "python", "nproc_per_node": 1, "nnodes": 1}, "env": {}, "run_dir": "a"}
+    ran = {
+        "argv": ["python", "train.py"],
+        "cwd": str(tmp_path),
+        "entry": "script",
+        "target": "train.py",
+        "sources": {
+            "train.py": program.identity(
+                {"argv": ["python", "train.py"], "cwd": str(tmp_path), "sources": {"train.py": ""}}
+            )["files"]["train.py"]
+        },
+        "launcher": {"name": "python", "nproc_per_node": 1, "nnodes": 1},
+        "env": {},
+        "run_dir": "a",
+    }
     assert program.check(ran, tmp_path) == []
     with pytest.raises(program.ProgramError, match=rf"programs\[\]\.{field}="):
         program.check({**ran, field: value}, tmp_path)

@@ -32,11 +32,14 @@ def test_text_and_bin_sources(tmp_path):
     assert corpus.tokens.tolist() == tokens.tolist() and corpus.vocab_size == 50001
 
 
-@pytest.mark.parametrize("source,path,needle", [
-    ("web", None, "data.source='web' is unknown"),
-    ("text", "/nonexistent", "data.path='/nonexistent' is not a directory"),
-    ("bin", "/nonexistent.bin", "is not a file"),
-])
+@pytest.mark.parametrize(
+    "source,path,needle",
+    [
+        ("web", None, "data.source='web' is unknown"),
+        ("text", "/nonexistent", "data.path='/nonexistent' is not a directory"),
+        ("bin", "/nonexistent.bin", "is not a file"),
+    ],
+)
 def test_bad_sources_are_named(source, path, needle):
     """An unknown source or a missing path is refused with the field and value."""
     with pytest.raises(ValueError, match=needle.replace(".", r"\.").replace("(", r"\(")):

@@ -48,8 +48,10 @@ def _reference(t: torch.Tensor) -> str:
     while True:
         rows = max(1, -(-len(words) // 256))
         words += [0] * (rows * 256 - len(words))
-        h = [[sum(words[r * 256 + j] * table[j][lane] for j in range(256)) % p for lane, p in enumerate(PRIMES)]
-             for r in range(rows)]
+        h = [
+            [sum(words[r * 256 + j] * table[j][lane] for j in range(256)) % p for lane, p in enumerate(PRIMES)]
+            for r in range(rows)
+        ]
         if rows == 1:
             break
         words = [v for row in h for lane in row for v in (lane & 0x3FFF, lane >> 14)]
@@ -59,8 +61,16 @@ def _reference(t: torch.Tensor) -> str:
     return d.hexdigest()
 
 
-@pytest.mark.parametrize("shape,dtype", [((3,), torch.float32), ((300, 300), torch.float32),
-                                         ((17, 5), torch.float16), ((7,), torch.uint8), ((0, 4), torch.int32)])
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [
+        ((3,), torch.float32),
+        ((300, 300), torch.float32),
+        ((17, 5), torch.float16),
+        ((7,), torch.uint8),
+        ((0, 4), torch.int32),
+    ],
+)
 def test_matches_the_integer_reference(shape, dtype):
     """The float64-matmul implementation equals the spec computed with Python integers (multi-level too)."""
     g = torch.Generator().manual_seed(1)
@@ -159,14 +169,20 @@ def test_batched_levels_equal_the_per_tensor_recursion():
     g = torch.Generator().manual_seed(5)
     sizes = [0, 1, 255, 256, 257, 511, 512, 513, 256 * 32, 256 * 32 + 1, 256 * 33, 256 * 1024 + 7]
     ts = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
-    ts += [torch.randn(300, 301, generator=g).t(), torch.randn(1_100_000, generator=g),  # a view; one hashed in place
-           torch.randn(3, generator=g).to(torch.complex64), torch.tensor(7, dtype=torch.int16)]
+    ts += [
+        torch.randn(300, 301, generator=g).t(),
+        torch.randn(1_100_000, generator=g),  # a view; one hashed in place
+        torch.randn(3, generator=g).to(torch.complex64),
+        torch.tensor(7, dtype=torch.int16),
+    ]
     ts += [torch.randn(25_000 + k, generator=g) for k in range(30)]  # several packing groups
     expected = [rows_module.lanes(t).tolist() for t in ts]
     assert digests.lanes_many(ts) == expected
     assert digests.lanes_many(ts[::-1]) == expected[::-1]
-    packed = digests.Packed(torch.full((sum(digests.rows_of(t.numel()) for t in ts[:12]) * 512,), 0xAB,
-                                             dtype=torch.uint8), [t.numel() for t in ts[:12]])
+    packed = digests.Packed(
+        torch.full((sum(digests.rows_of(t.numel()) for t in ts[:12]) * 512,), 0xAB, dtype=torch.uint8),
+        [t.numel() for t in ts[:12]],
+    )
     offset = 0
     for t in ts[:12]:  # pads start dirty (0xAB): lanes_packed zeroes them
         if t.numel():

@@ -38,6 +38,9 @@ def test_every_link_reaches_its_heading_or_file():
 def test_a_link_to_a_heading_that_is_not_there_is_caught(tmp_path):
     """Negative control: the same check on a page with a misspelt anchor and a missing file."""
     page = tmp_path / "p.md"
-    page.write_text("## A loop of your own: `samestep.Run`\n[ok](#a-loop-of-your-own-samesteprun) "
-                    "[bad](#a-loop-of-your-own) [gone](missing.md)\n", encoding="utf-8")
+    page.write_text(
+        "## A loop of your own: `samestep.Run`\n[ok](#a-loop-of-your-own-samesteprun) "
+        "[bad](#a-loop-of-your-own) [gone](missing.md)\n",
+        encoding="utf-8",
+    )
     assert broken(page) == ["#a-loop-of-your-own", "missing.md"]

@@ -43,8 +43,7 @@ def _watch_saves(monkeypatch, run: Path) -> list[dict]:
     def save(root, step, **kw):
         try:
             table = read_stream(stream_path(run, 0)).table
-            ended = {s for s, op in zip(table.column("step").to_pylist(), table.column("op").to_pylist())
-                     if op == END}
+            ended = {s for s, op in zip(table.column("step").to_pylist(), table.column("op").to_pylist()) if op == END}
         except (ValueError, FileNotFoundError):  # nothing written yet, not even the stream's header
             ended = set()
         seen.append({"step": step, "ended": ended, "metrics": read_metrics(run)[-1]["step"], "synced": set(synced)})

@@ -13,8 +13,18 @@ import samestep
 def test_fingerprint_holds_the_contract_fields_and_is_json():
     """The fingerprint names Python, torch, BLAS, CPU, threads, determinism settings and env vars."""
     env = samestep.environment()
-    for key in ("python.version", "torch.version", "torch.blas", "torch.cpu_capability", "cpu.model",
-                "threads.intra_op", "determinism.algorithms", "env.NCCL_ALGO", "cuda.version", "platform.system"):
+    for key in (
+        "python.version",
+        "torch.version",
+        "torch.blas",
+        "torch.cpu_capability",
+        "cpu.model",
+        "threads.intra_op",
+        "determinism.algorithms",
+        "env.NCCL_ALGO",
+        "cuda.version",
+        "platform.system",
+    ):
         assert key in env, key
     assert env["torch.version"] == torch.__version__
     assert json.loads(json.dumps(env)) == env

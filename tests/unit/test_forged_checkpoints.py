@@ -26,8 +26,9 @@ CFG = ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.0)
 def _parts():
     """A GPT (its head tied to the embedding: a model alias), AdamW and a data cursor."""
     model = GPT(CFG, 256, 0)
-    corpus = Corpus(tokens=(np.arange(4000) * 7919 % 251).astype(np.uint8), vocab_size=256, fingerprint="forged",
-                    description="test")
+    corpus = Corpus(
+        tokens=(np.arange(4000) * 7919 % 251).astype(np.uint8), vocab_size=256, fingerprint="forged", description="test"
+    )
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2), DataCursor(corpus, CFG.block_size, 0)
 
 
@@ -58,26 +59,45 @@ def _drop(step_dir: Path, name: str) -> None:
 
 
 FORGED = {
-    "optimizer a list": (lambda d: _edit_state(d, lambda s: s.update(optimizer=[1, 2])),
-                         "state.json: 'optimizer' is \\[1, 2\\], expected an optimizer's state dict"),
-    "optimizer state a list": (lambda d: _edit_state(d, lambda s: s["optimizer"].update(state=[3])),
-                               "state.json: 'optimizer' is .*expected an optimizer's state dict"),
-    "alias to nothing": (lambda d: _edit_state(d, lambda s: s["model_aliases"].update({"lm_head.weight": "nope"})),
-                         "model alias 'lm_head.weight' -> 'nope' names no tensor"),
-    "alias not a name": (lambda d: _edit_state(d, lambda s: s.update(model_aliases={"x": 5})),
-                         "model alias 'x' -> 5 names no tensor"),
-    "rank JSON garbage": (lambda d: reseal(d, "rank_00000.json", b"garbage"),
-                          "rank_00000.json: not valid JSON"),
-    "rank JSON a list": (lambda d: reseal(d, "rank_00000.json", b"[1]"),
-                         "rank_00000.json: is \\[1\\], expected a rank's RNG state"),
-    "RNG file dropped": (lambda d: _drop(d, "rank_00000.safetensors"),
-                         "lists no 'rank_00000.safetensors', which rank 0 of the 1-rank layout"),
-    "shards of a world of 3": (lambda d: _edit_state(d, lambda s: s.update(
-        shards={"world_size": 3, "model": {}, "optimizer": {}})), "its world_size is 3"),
-    "shard file not listed": (lambda d: _edit_state(d, lambda s: s.update(
-        shards={"world_size": 1, "model": {}, "optimizer": {}})), "lists no 'model.rank_00000.safetensors'"),
-    "shard layout without a shape": (lambda d: _edit_state(d, lambda s: s.update(
-        shards={"world_size": 1, "model": {"w": {"rows": 2}}, "optimizer": {}})), "the shard layout of 'w'"),
+    "optimizer a list": (
+        lambda d: _edit_state(d, lambda s: s.update(optimizer=[1, 2])),
+        "state.json: 'optimizer' is \\[1, 2\\], expected an optimizer's state dict",
+    ),
+    "optimizer state a list": (
+        lambda d: _edit_state(d, lambda s: s["optimizer"].update(state=[3])),
+        "state.json: 'optimizer' is .*expected an optimizer's state dict",
+    ),
+    "alias to nothing": (
+        lambda d: _edit_state(d, lambda s: s["model_aliases"].update({"lm_head.weight": "nope"})),
+        "model alias 'lm_head.weight' -> 'nope' names no tensor",
+    ),
+    "alias not a name": (
+        lambda d: _edit_state(d, lambda s: s.update(model_aliases={"x": 5})),
+        "model alias 'x' -> 5 names no tensor",
+    ),
+    "rank JSON garbage": (lambda d: reseal(d, "rank_00000.json", b"garbage"), "rank_00000.json: not valid JSON"),
+    "rank JSON a list": (
+        lambda d: reseal(d, "rank_00000.json", b"[1]"),
+        "rank_00000.json: is \\[1\\], expected a rank's RNG state",
+    ),
+    "RNG file dropped": (
+        lambda d: _drop(d, "rank_00000.safetensors"),
+        "lists no 'rank_00000.safetensors', which rank 0 of the 1-rank layout",
+    ),
+    "shards of a world of 3": (
+        lambda d: _edit_state(d, lambda s: s.update(shards={"world_size": 3, "model": {}, "optimizer": {}})),
+        "its world_size is 3",
+    ),
+    "shard file not listed": (
+        lambda d: _edit_state(d, lambda s: s.update(shards={"world_size": 1, "model": {}, "optimizer": {}})),
+        "lists no 'model.rank_00000.safetensors'",
+    ),
+    "shard layout without a shape": (
+        lambda d: _edit_state(
+            d, lambda s: s.update(shards={"world_size": 1, "model": {"w": {"rows": 2}}, "optimizer": {}})
+        ),
+        "the shard layout of 'w'",
+    ),
 }
 
 
@@ -102,8 +122,14 @@ def test_a_checkpoint_that_cannot_load_is_not_intact_and_a_resume_falls_back(tmp
         assert load_checkpoint(root, model=model, optimizer=opt, data_cursor=cursor, fallback=True).step == 1
 
 
-@pytest.mark.parametrize("part,value", [("data_cursor", "abc"), ("data_cursor", {"position": "x"}),
-                                        ("optimizer", {"state": {}, "param_groups": [{"params": [0]}] * 3})])
+@pytest.mark.parametrize(
+    "part,value",
+    [
+        ("data_cursor", "abc"),
+        ("data_cursor", {"position": "x"}),
+        ("optimizer", {"state": {}, "param_groups": [{"params": [0]}] * 3}),
+    ],
+)
 def test_a_part_that_does_not_load_into_the_run_is_named(tmp_path, part, value):
     """A part of state.json of the right kind whose contents do not fit the object it restores (a cursor that is
     a string, an optimizer of three parameter groups): the checkpoint's files are intact, and loading raises a

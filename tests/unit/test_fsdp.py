@@ -29,7 +29,10 @@ def _groups(rank: int, init: str) -> None:
     try:
         model = shard_model(_model(), 1, blocks=Layer)
         assert [type(m).__name__ for m in model.modules() if isinstance(m, FSDPModule)] == [
-            "FSDPSequential", "FSDPLayer", "FSDPLayer"]
+            "FSDPSequential",
+            "FSDPLayer",
+            "FSDPLayer",
+        ]
         # control: by default only a class named Block is a group, so the root holds every parameter
         plain = shard_model(_model(), 1)
         assert [m for m in plain.modules() if isinstance(m, FSDPModule)] == [plain]
@@ -75,8 +78,11 @@ def _view_warnings(rank: int, init: str, out: str) -> None:
     try:
         grid = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
         said = {}
-        for name, style in (("column", CanonicalColwiseParallel(2)), ("row", CanonicalRowwiseParallel(2)),
-                            ("viewing", None)):
+        for name, style in (
+            ("column", CanonicalColwiseParallel(2)),
+            ("row", CanonicalRowwiseParallel(2)),
+            ("viewing", None),
+        ):
             head = Viewing() if style is None else torch.nn.Linear(4, 8)
             if style is not None:
                 parallelize_module(head, grid["tp"], style)

@@ -32,8 +32,9 @@ def test_a_fingerprint_matches_the_same_state_and_names_what_differs():
         check_resume(saved, state_fingerprint(1, model, opt), "here")
     fresh = torch.optim.AdamW(model.parameters(), lr=0.1)
     with pytest.raises(ResumeMismatch, match="optimizer differs"):
-        check_resume({**saved, "model": state_fingerprint(1, model, opt)["model"]}, state_fingerprint(1, model, fresh),
-                     "here")
+        check_resume(
+            {**saved, "model": state_fingerprint(1, model, opt)["model"]}, state_fingerprint(1, model, fresh), "here"
+        )
     torch.rand(1)
     with pytest.raises(ResumeMismatch, match="rng differs"):
         check_resume(saved, {"rng": rng_digest()}, "here", parts=("rng",))
@@ -63,8 +64,19 @@ def _hooked_run(run_dir, model, opt, steps: range, start: int = 0):
     from samestep.integrations.steps import HookedSteps
     from samestep.loop.protocol import RunProtocol
 
-    hooked = HookedSteps.start(RunProtocol(), run_dir, level="step", steps=None, resume=start > 0, model=model,
-                               how_to_resume="-", receipts=True, start=start, optimizer=opt, source="a framework")
+    hooked = HookedSteps.start(
+        RunProtocol(),
+        run_dir,
+        level="step",
+        steps=None,
+        resume=start > 0,
+        model=model,
+        how_to_resume="-",
+        receipts=True,
+        start=start,
+        optimizer=opt,
+        source="a framework",
+    )
     try:
         for step in steps:
             hooked.begin_step(step)
@@ -139,14 +151,17 @@ def test_a_callback_on_several_processes_is_refused_at_its_start_unless_told(tmp
         from samestep.integrations.huggingface import SamestepCallback
 
         callback = SamestepCallback(tmp_path)
+
         def start():
             return callback.on_init_end(SimpleNamespace(world_size=2, output_dir=str(tmp_path)), None, None)
     else:
         from samestep.integrations.lightning import SamestepCallback
 
         callback = SamestepCallback(tmp_path)
+
         def start():
             return callback.setup(SimpleNamespace(world_size=2), None, "fit")
+
     with pytest.raises(ValueError, match="on 2 processes") as e:
         start()
     assert "multiprocess=True" in str(e.value) and "canonical_ddp_hook" in str(e.value) and "\n" not in str(e.value)
@@ -168,8 +183,20 @@ def test_hooked_steps_of_a_rank_keeping_no_receipts_agree_with_the_others_before
     told: list[bool] = []
 
     def start(run_dir, agree):
-        return HookedSteps.start(RunProtocol(), run_dir, level="step", steps=None, resume=False, model=model,
-                                 how_to_resume="-", receipts=False, start=0, optimizer=opt, rank=1, agree=agree)
+        return HookedSteps.start(
+            RunProtocol(),
+            run_dir,
+            level="step",
+            steps=None,
+            resume=False,
+            model=model,
+            how_to_resume="-",
+            receipts=False,
+            start=0,
+            optimizer=opt,
+            rank=1,
+            agree=agree,
+        )
 
     def refused(flag: bool) -> bool:
         told.append(flag)
@@ -194,8 +221,9 @@ def test_a_replay_leaves_its_refusal_to_the_rank_that_refused(tmp_path):
     request = ReplayRequest(run_dir=str(tmp_path / "run"), into=str(tmp_path / "into"), stop_after=3)
     with pytest.raises(ReceiptError), request.refusing(ReceiptError):
         raise ReceiptError("rank_00001.jsonl: the checkpoint of step 2 restores state 0x1")
-    assert (tmp_path / "into" / REFUSAL).read_text() == ("ReceiptError: rank_00001.jsonl: the checkpoint of step 2 "
-                                                         "restores state 0x1\n")
+    assert (tmp_path / "into" / REFUSAL).read_text() == (
+        "ReceiptError: rank_00001.jsonl: the checkpoint of step 2 restores state 0x1\n"
+    )
     with pytest.raises(RefusedElsewhere), request.refusing(ReceiptError):
         raise RefusedElsewhere("another rank refused this resume")
     assert "rank_00001.jsonl" in (tmp_path / "into" / REFUSAL).read_text()

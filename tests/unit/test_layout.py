@@ -11,10 +11,26 @@ import samestep
 MAX_LINES = 450
 # docs/design.md, "Layers": bottom first. A module imports modules of its own layer or lower ones only.
 LAYERS = (
-    ("samestep.digests", "samestep.ops", "samestep.distributed", "samestep.hashing", "samestep.records.durable",
-     "samestep.version", "samestep.determinism.numerics", "samestep.exit_codes"),
-    ("samestep.determinism", "samestep.records", "samestep.loop.data", "samestep.loop.step_checks",
-     "samestep.replay.program", "samestep.replay.request", "samestep.replay.resume_points", "samestep.testing"),
+    (
+        "samestep.digests",
+        "samestep.ops",
+        "samestep.distributed",
+        "samestep.hashing",
+        "samestep.records.durable",
+        "samestep.version",
+        "samestep.determinism.numerics",
+        "samestep.exit_codes",
+    ),
+    (
+        "samestep.determinism",
+        "samestep.records",
+        "samestep.loop.data",
+        "samestep.loop.step_checks",
+        "samestep.replay.program",
+        "samestep.replay.request",
+        "samestep.replay.resume_points",
+        "samestep.testing",
+    ),
     ("samestep.checkpoint", "samestep.tracing"),
     ("samestep.analysis", "samestep.train", "samestep.loop", "samestep.integrations", "samestep.replay"),
     ("samestep.cli", "samestep.__main__"),
@@ -68,7 +84,7 @@ def _circles(edges: dict[str, set[str]]) -> list[list[str]]:
         path.append(m)
         for n in sorted(edges.get(m, ())):
             if n in path:
-                found.append(path[path.index(n):] + [n])
+                found.append(path[path.index(n) :] + [n])
             elif n not in done:
                 visit(n)
         path.pop()
@@ -92,8 +108,7 @@ def test_no_import_circle_and_no_private_import_in_the_package():
 
 def _layer(module: str) -> int:
     """The layer of a module: that of the longest listed name it is, or lies under."""
-    best = max((name for layer in LAYERS for name in layer if module == name or module.startswith(name + ".")),
-               key=len)
+    best = max((name for layer in LAYERS for name in layer if module == name or module.startswith(name + ".")), key=len)
     return next(i for i, layer in enumerate(LAYERS) if best in layer)
 
 
@@ -128,8 +143,11 @@ def test_the_layout_check_catches_a_circle_and_a_private_import(tmp_path):
 def test_every_source_file_holds_one_concept_in_at_most_450_lines():
     """One concept per file: none grows past MAX_LINES (split it into a package instead)."""
     root = Path(samestep.__file__).parent
-    long = {str(p.relative_to(root)): n for p in root.rglob("*.py")
-            if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES}
+    long = {
+        str(p.relative_to(root)): n
+        for p in root.rglob("*.py")
+        if (n := len(p.read_text(encoding="utf-8").splitlines())) > MAX_LINES
+    }
     assert long == {}
 
 
@@ -139,8 +157,10 @@ def test_import_samestep_stays_light():
     import subprocess
     import sys
 
-    code = ("import sys, samestep; print('pyarrow' in sys.modules, 'samestep.tracing.recorder' in sys.modules); "
-            "samestep.trace; print('pyarrow' in sys.modules, 'samestep.tracing.recorder' in sys.modules)")
+    code = (
+        "import sys, samestep; print('pyarrow' in sys.modules, 'samestep.tracing.recorder' in sys.modules); "
+        "samestep.trace; print('pyarrow' in sys.modules, 'samestep.tracing.recorder' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False", "True", "True"]
 
@@ -149,9 +169,9 @@ def _diagram_layers() -> list[set[str]]:
     """docs/design.md's layer diagram, top first: the module names of each layer (its lines that begin at the
     left edge start a layer; indented lines continue it), each name's first column only."""
     text = (Path(samestep.__file__).parents[2] / "docs" / "design.md").read_text()
-    block = text[text.index("## Layers"):]
-    block = block[block.index("```\n") + 4:]
-    block = block[:block.index("```")]
+    block = text[text.index("## Layers") :]
+    block = block[block.index("```\n") + 4 :]
+    block = block[: block.index("```")]
     layers: list[set[str]] = []
     for line in block.splitlines():
         names = line[:30].replace("/", " ").split()
@@ -177,8 +197,13 @@ def test_only_rundir_names_the_run_directorys_paths():
     other module asks it (rundir.run_json, metrics_path, ...)."""
     names = ('"run.json"', '"metrics.jsonl"', '"final.json"', '"checkpoints"', '"receipts"', '"trace"')
     root = Path(samestep.__file__).parent
-    found = [f"{path.relative_to(root)}: {name}" for path in root.rglob("*.py") if path.name != "rundir.py"
-             for name in names if f"/ {name}" in path.read_text()]
+    found = [
+        f"{path.relative_to(root)}: {name}"
+        for path in root.rglob("*.py")
+        if path.name != "rundir.py"
+        for name in names
+        if f"/ {name}" in path.read_text()
+    ]
     assert not found, found
 
 
@@ -190,10 +215,15 @@ def test_the_top_level_holds_at_most_five_modules_and_the_documented_old_paths_i
 
     root = Path(samestep.__file__).parent
     assert len(list(root.glob("*.py"))) <= 5, sorted(p.name for p in root.glob("*.py"))
-    old = {"samestep.preempt": "samestep.determinism.preempt", "samestep.rng": "samestep.determinism.rng",
-           "samestep.protocol": "samestep.loop.protocol", "samestep.loop_checks": "samestep.loop.step_checks",
-           "samestep.checksums": "samestep.hashing.checksums", "samestep.receipts": "samestep.records.receipts",
-           "samestep.run": "samestep.loop.run"}
+    old = {
+        "samestep.preempt": "samestep.determinism.preempt",
+        "samestep.rng": "samestep.determinism.rng",
+        "samestep.protocol": "samestep.loop.protocol",
+        "samestep.loop_checks": "samestep.loop.step_checks",
+        "samestep.checksums": "samestep.hashing.checksums",
+        "samestep.receipts": "samestep.records.receipts",
+        "samestep.run": "samestep.loop.run",
+    }
     for path, new in old.items():
         assert importlib.import_module(path) is importlib.import_module(new), path
     from samestep.preempt import EXIT_PREEMPTED, StopRequest  # noqa: F401 (the form docs/api.md shows)
@@ -215,7 +245,7 @@ def test_the_exit_code_table_in_code_is_the_one_the_docs_show():
     from samestep import exit_codes
 
     text = (Path(samestep.__file__).parents[2] / "docs" / "debugging.md").read_text()
-    table = text[text.index("## Exit codes"):].split("\n\n")[1]
+    table = text[text.index("## Exit codes") :].split("\n\n")[1]
     documented = {int(m) for m in re.findall(r"^\| (\d+) \|", table, re.M)}
     assert documented == set(exit_codes.MEANINGS), (documented, set(exit_codes.MEANINGS))
     assert "| 128 + N |" in table and exit_codes.SIGNALLED == 128
@@ -235,11 +265,18 @@ def test_no_test_imports_bench_or_conftest():
     def bad(text: str) -> list[str]:
         found = []
         for node in ast.walk(ast.parse(text)):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             found += [n for n in names if n.split(".")[0] == "bench" or n.endswith("conftest")]
         return found
 
     assert {str(p.relative_to(tests)): b for p in tests.rglob("*.py") if (b := bad(p.read_text()))} == {}
-    assert sorted(bad("def f():\n    from bench.bench_mask import keep_by_int64\nimport tests.conftest\n")) == \
-        ["bench.bench_mask", "tests.conftest"]
+    assert sorted(bad("def f():\n    from bench.bench_mask import keep_by_int64\nimport tests.conftest\n")) == [
+        "bench.bench_mask",
+        "tests.conftest",
+    ]

@@ -29,7 +29,7 @@ def _params_on(buf: torch.Tensor) -> list[torch.nn.Parameter]:
     """Parameters whose gradients are views of one buffer, as the gradient reduction leaves them."""
     params, offset = [torch.nn.Parameter(torch.zeros(s)) for s in SHAPES], 0
     for p in params:
-        p.grad = buf[offset: offset + p.numel()].view_as(p)
+        p.grad = buf[offset : offset + p.numel()].view_as(p)
         offset += p.numel()
     return params
 

@@ -29,8 +29,14 @@ def _model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
 
 
-def _loop(run_dir, model: torch.nn.Module | None = None, steps: int = 3, zero: str | None = "after",
-          twice: bool = False, copy: bool = False) -> torch.nn.Module:
+def _loop(
+    run_dir,
+    model: torch.nn.Module | None = None,
+    steps: int = 3,
+    zero: str | None = "after",
+    twice: bool = False,
+    copy: bool = False,
+) -> torch.nn.Module:
     """A small loop under Run over ``model`` (a fresh one where None), which it returns; ``zero``: where it zeroes
     the gradients ("after" the update, "before" the backward, "in_place": after, keeping the tensors, or None:
     nowhere)."""
@@ -101,9 +107,20 @@ def test_the_program_ends_with_one_line_and_no_traceback(tmp_path):
     (the negative control: the same failure, reported the other way)."""
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
-    quiet = subprocess.run([sys.executable, str(script), str(tmp_path / "a")], capture_output=True, text=True,
-                           stdin=subprocess.DEVNULL, timeout=300)
+    quiet = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "a")],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+    )
     assert quiet.returncode == 2 and quiet.stderr.count("\n") == 1 and "Traceback" not in quiet.stderr, quiet.stderr
-    loud = subprocess.run([sys.executable, str(script), str(tmp_path / "b")], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL, timeout=300, env={**os.environ, "SAMESTEP_DEBUG": "1"})
+    loud = subprocess.run(
+        [sys.executable, str(script), str(tmp_path / "b")],
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        timeout=300,
+        env={**os.environ, "SAMESTEP_DEBUG": "1"},
+    )
     assert loud.returncode == 1 and "Traceback" in loud.stderr and "LoopError" in loud.stderr, loud.stderr

@@ -23,8 +23,11 @@ def test_enable_refuses_a_cublas_workspace_it_can_no_longer_set(monkeypatch):
     says to export it first; with it exported, enable() accepts."""
     monkeypatch.setattr(mode, "_cuda_initialized", lambda: True)
     os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
-    with pytest.raises(ValueError, match=r"CUBLAS_WORKSPACE_CONFIG is not set and CUDA is already initialised.*"
-                                         r"export CUBLAS_WORKSPACE_CONFIG=:4096:8"):
+    with pytest.raises(
+        ValueError,
+        match=r"CUBLAS_WORKSPACE_CONFIG is not set and CUDA is already initialised.*"
+        r"export CUBLAS_WORKSPACE_CONFIG=:4096:8",
+    ):
         samestep.enable()
     assert not torch.are_deterministic_algorithms_enabled()  # failed closed: nothing half-set
     os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
@@ -44,8 +47,13 @@ def test_enable_sets_every_knob_and_disable_restores():
     assert torch.get_num_threads() == 1
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and os.environ["NCCL_ALGO"] == "Ring"
     names = {k.name for k in report.knobs}
-    assert {"torch.use_deterministic_algorithms", "torch.num_threads", "env.NCCL_ALGO",
-            "env.CUBLAS_WORKSPACE_CONFIG", "torch.utils.deterministic.fill_uninitialized_memory"} <= names
+    assert {
+        "torch.use_deterministic_algorithms",
+        "torch.num_threads",
+        "env.NCCL_ALGO",
+        "env.CUBLAS_WORKSPACE_CONFIG",
+        "torch.utils.deterministic.fill_uninitialized_memory",
+    } <= names
     assert report.to_dict()["threads"] == 1 and "NCCL_ALGO" in str(report)
     samestep.disable()
     assert not torch.are_deterministic_algorithms_enabled()
@@ -61,11 +69,14 @@ def test_context_manager_disables_on_exit():
     assert not samestep.is_enabled() and not torch.are_deterministic_algorithms_enabled()
 
 
-@pytest.mark.parametrize("name,value,needle", [
-    ("NCCL_ALGO", "Tree", "NCCL_ALGO='Tree'"),
-    ("NCCL_ALGO", "NVLS", "NCCL_ALGO='NVLS'"),
-    ("CUBLAS_WORKSPACE_CONFIG", ":0:0", "CUBLAS_WORKSPACE_CONFIG=':0:0'"),
-])
+@pytest.mark.parametrize(
+    "name,value,needle",
+    [
+        ("NCCL_ALGO", "Tree", "NCCL_ALGO='Tree'"),
+        ("NCCL_ALGO", "NVLS", "NCCL_ALGO='NVLS'"),
+        ("CUBLAS_WORKSPACE_CONFIG", ":0:0", "CUBLAS_WORKSPACE_CONFIG=':0:0'"),
+    ],
+)
 def test_enable_fails_closed_on_bad_knob(name, value, needle):
     """A setting that breaks determinism raises ValueError naming the variable, its value and the fix."""
     os.environ[name] = value
@@ -135,8 +146,10 @@ def test_matmul_precision_reductions_attention_and_compiler_are_pinned_recorded_
             assert knobs[knob.name].before == before[knob.name] and knobs[knob.name].after == knob.value
             assert knob.get() == knob.value and samestep.environment()[f"numerics.{knob.name}"] == knob.value
         torch.backends.cuda.matmul.allow_tf32 = True  # a loop changing a knob behind enable()'s back
-        assert mode.drifted(report) == {"torch.backends.cuda.matmul.allow_tf32": (False, True),
-                                        "torch.float32_matmul_precision": ("highest", "high")}
+        assert mode.drifted(report) == {
+            "torch.backends.cuda.matmul.allow_tf32": (False, True),
+            "torch.float32_matmul_precision": ("highest", "high"),
+        }
         samestep.disable()
         assert numerics.values() == before
     finally:
@@ -176,8 +189,11 @@ def test_compiler_settings_that_time_kernels_are_refused():
     # Inductor's own patch: monkeypatch would delete the setting on undo (it finds no module __dict__ entry),
     # which hides it from every later test in the process
     with config.patch(max_autotune=True):
-        with pytest.raises(ValueError, match=r"torch._inductor.config.max_autotune is on \(TORCHINDUCTOR_MAX_AUTOTUNE\)"
-                                             r".*Fix: turn it off"):
+        with pytest.raises(
+            ValueError,
+            match=r"torch._inductor.config.max_autotune is on \(TORCHINDUCTOR_MAX_AUTOTUNE\)"
+            r".*Fix: turn it off",
+        ):
             samestep.enable(threads=1)
         assert not torch.are_deterministic_algorithms_enabled()
         with pytest.warns(RuntimeWarning, match="max_autotune"):
@@ -199,8 +215,9 @@ def test_the_knob_probe_moves_with_every_knob_enable_sets():
         "torch.use_deterministic_algorithms": lambda v: torch.use_deterministic_algorithms(v, warn_only=True),
         "torch.backends.cudnn.deterministic": lambda v: setattr(torch.backends.cudnn, "deterministic", v),
         "torch.backends.cudnn.benchmark": lambda v: setattr(torch.backends.cudnn, "benchmark", v),
-        "torch.utils.deterministic.fill_uninitialized_memory":
-            lambda v: setattr(torch.utils.deterministic, "fill_uninitialized_memory", v),
+        "torch.utils.deterministic.fill_uninitialized_memory": lambda v: setattr(
+            torch.utils.deterministic, "fill_uninitialized_memory", v
+        ),
         "torch.num_threads": torch.set_num_threads,
     }
     setters = {**others, **{k.name: k.set for k in numerics.KNOBS}}
@@ -212,8 +229,13 @@ def test_the_knob_probe_moves_with_every_knob_enable_sets():
         for knob in report.knobs:
             if knob.name not in setters:
                 continue
-            other = {"highest": "high"}[knob.after] if isinstance(knob.after, str) else \
-                not knob.after if isinstance(knob.after, bool) else knob.after + 1
+            other = (
+                {"highest": "high"}[knob.after]
+                if isinstance(knob.after, str)
+                else not knob.after
+                if isinstance(knob.after, bool)
+                else knob.after + 1
+            )
             setters[knob.name](other)
             try:
                 assert mode.knob_probe() != probe, knob.name

@@ -14,14 +14,17 @@ from samestep.replay import program
 from samestep.replay.request import REPLAY_VAR, ReplayRequest
 
 
-@pytest.mark.parametrize("argv,why", [
-    (["python", "-c", "print(1)"], "a `python -c` command"),
-    (["python"], "the interactive interpreter or stdin"),
-    (["python", "-"], "the interactive interpreter or stdin"),
-    (["python", "-m", "ipykernel_launcher", "-f", "k.json"], "a notebook"),
-    (["python", "/x/ipykernel_launcher.py", "-f", "k.json"], "a notebook"),
-    (["python", "-m", "pkg.train", "--steps", "4"], None),
-])
+@pytest.mark.parametrize(
+    "argv,why",
+    [
+        (["python", "-c", "print(1)"], "a `python -c` command"),
+        (["python"], "the interactive interpreter or stdin"),
+        (["python", "-"], "the interactive interpreter or stdin"),
+        (["python", "-m", "ipykernel_launcher", "-f", "k.json"], "a notebook"),
+        (["python", "/x/ipykernel_launcher.py", "-f", "k.json"], "a notebook"),
+        (["python", "-m", "pkg.train", "--steps", "4"], None),
+    ],
+)
 def test_a_program_that_is_not_on_disk_is_refused_naming_why(monkeypatch, tmp_path, argv, why):
     """A `python -c` command, stdin, the interactive interpreter and a notebook kernel record why they cannot run
     again, and a replay is refused with that line; a `python -m` module is a program (control)."""
@@ -60,13 +63,30 @@ def test_a_script_records_its_hash_and_an_edit_or_deletion_is_named(monkeypatch,
 
 
 def test_torchrun_is_relaunched_on_one_node_with_the_recorded_process_count_and_several_nodes_are_refused(tmp_path):
-    ran = {"argv": ["/usr/bin/python3", "-u", "train.py", "runs/a"], "cwd": str(tmp_path), "run_dir": "runs/a",
-           "executable": sys.executable, "entry": "script", "target": "train.py",
-           "env": {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": None},
-           "launcher": {"name": "torchrun", "nproc_per_node": 2, "nnodes": 1}, "sources": {}}
+    ran = {
+        "argv": ["/usr/bin/python3", "-u", "train.py", "runs/a"],
+        "cwd": str(tmp_path),
+        "run_dir": "runs/a",
+        "executable": sys.executable,
+        "entry": "script",
+        "target": "train.py",
+        "env": {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": None},
+        "launcher": {"name": "torchrun", "nproc_per_node": 2, "nnodes": 1},
+        "sources": {},
+    }
     cmd, cwd, env = program.relaunch(ran)
-    assert cmd == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-                   "--nproc_per_node", "2", "train.py", "runs/a"]
+    assert cmd == [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "train.py",
+        "runs/a",
+    ]
     assert cwd == tmp_path and env["OMP_NUM_THREADS"] == "1" and "PYTHONHASHSEED" not in env
     assert program.run_dir_of(ran) == tmp_path / "runs" / "a"
     module = {**ran, "argv": ["/usr/bin/python3", "-u", "-m", "pkg.train", "x"]}

@@ -24,8 +24,7 @@ def test_a_checkpoint_is_saved_after_the_trace_the_receipts_and_the_metrics_are_
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (calls.append("metrics"), real_fsync(fd)))
     with open(tmp_path / "metrics.jsonl", "w", encoding="utf-8") as metrics:
-        save_after_records(lambda: calls.append("save"), _Synced("trace", calls), _Synced("receipts", calls),
-                           metrics)
+        save_after_records(lambda: calls.append("save"), _Synced("trace", calls), _Synced("receipts", calls), metrics)
     assert calls == ["trace", "receipts", "metrics", "save"]
     calls.clear()
     save_after_records(lambda: calls.append("save"))
@@ -107,8 +106,19 @@ def test_the_protocol_is_driven_from_run_protocol_alone():
 
     import samestep
 
-    owned = {"enable", "disable", "hold", "continue_receipts", "check_restored", "truncate_receipts",
-             "save_after_records", "make_durable", "StopRequest", "agreed_stop", "trace"}
+    owned = {
+        "enable",
+        "disable",
+        "hold",
+        "continue_receipts",
+        "check_restored",
+        "truncate_receipts",
+        "save_after_records",
+        "make_durable",
+        "StopRequest",
+        "agreed_stop",
+        "trace",
+    }
     modules = {"samestep", "mode", "rundir", "receipts", "preempt", "protocol", "start"}
 
     def calls(source: str) -> set[str]:
@@ -123,8 +133,12 @@ def test_the_protocol_is_driven_from_run_protocol_alone():
         return found & owned
 
     root = Path(samestep.__file__).parent
-    drivers = [root / "train" / "loop.py", root / "train" / "resume.py", root / "loop" / "run.py",
-               *(root / "integrations" / f"{name}.py" for name in ("steps", "huggingface", "lightning"))]
+    drivers = [
+        root / "train" / "loop.py",
+        root / "train" / "resume.py",
+        root / "loop" / "run.py",
+        *(root / "integrations" / f"{name}.py" for name in ("steps", "huggingface", "lightning")),
+    ]
     assert {d.name: calls(d.read_text(encoding="utf-8")) for d in drivers} == {d.name: set() for d in drivers}
     assert calls("from samestep import mode\nmode.enable(threads=1)\nproto.enable()\n") == {"enable"}
 
@@ -137,10 +151,13 @@ def _receipts(run_dir, rank: int, steps: range) -> None:
 
     path = receipts_path(run_dir, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rows = [{"format": RECEIPTS_FORMAT, "version": RECEIPTS_VERSION, "rank": rank, "state_hash": "xxh3-128",
-             "genesis": "g"}]
-    rows += [{"step": s, "state": "s", "state_of": "rank", "loss_hex": "l", "grad_norm_hex": "n", "prev": "p",
-              "hash": "h"} for s in steps]
+    rows = [
+        {"format": RECEIPTS_FORMAT, "version": RECEIPTS_VERSION, "rank": rank, "state_hash": "xxh3-128", "genesis": "g"}
+    ]
+    rows += [
+        {"step": s, "state": "s", "state_of": "rank", "loss_hex": "l", "grad_norm_hex": "n", "prev": "p", "hash": "h"}
+        for s in steps
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -156,8 +173,11 @@ def test_a_resume_refuses_a_ranks_receipts_file_lost_while_another_ranks_holds_t
 
     _receipts(tmp_path / "kept", 0, range(1, 3))
     proto = RunProtocol(tmp_path / "kept")
-    with pytest.raises(ReceiptError, match=r"rank_00001.jsonl: missing, though the run kept receipts at step 2 "
-                                           r"\(rank_00000.jsonl holds that step's\)"):
+    with pytest.raises(
+        ReceiptError,
+        match=r"rank_00001.jsonl: missing, though the run kept receipts at step 2 "
+        r"\(rank_00000.jsonl holds that step's\)",
+    ):
         proto.check_receipts(1, 2, lambda: {}, same_layout=True)
     proto.check_receipts(1, 2, lambda: {}, same_layout=False)
     _receipts(tmp_path / "later", 0, range(3, 5))

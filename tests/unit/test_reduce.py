@@ -23,7 +23,7 @@ def _leaves(n: int, seed: int, size: int = 257) -> list[torch.Tensor]:
 def _layout_sum(leaves: list[torch.Tensor], world: int) -> torch.Tensor:
     """What `world` processes compute: per-rank counters over aligned ranges, then a counter over ranks."""
     k = len(leaves) // world
-    blocks = [canonical_sum(leaves[r * k:(r + 1) * k]) for r in range(world)]
+    blocks = [canonical_sum(leaves[r * k : (r + 1) * k]) for r in range(world)]
     counter = BinaryCounter()
     for b in blocks:
         counter.push(b, size=k)
@@ -54,7 +54,7 @@ def test_non_power_of_two_count_combines_leftover_blocks():
 @given(seed=st.integers(0, 2**31 - 1), log_n=st.integers(0, 4))
 def test_every_aligned_layout_gives_the_same_bits(seed, log_n):
     """(1 x N), (2 x N/2), ... (N x 1) all give the single-process bits."""
-    n = 2 ** log_n
+    n = 2**log_n
     leaves = _leaves(n, seed, size=33)
     reference = canonical_sum(leaves)
     for world in (w for w in (1, 2, 4, 8, 16) if n % w == 0):
@@ -135,8 +135,9 @@ def test_fold_into_is_push_then_result_for_one_element_of_the_leaves(seed, n):
         for leaf in [*leaves[:-1], [torch.zeros(65), torch.zeros(65)]]:
             zeros.push(leaf[index].clone())
         assert torch.equal(_bits(counter.fold_into(out, None, index=index)), _bits(zeros.result()))
-    assert torch.equal(_bits(canonical_sum([leaf[0] for leaf in leaves])),
-                       _bits(counter.fold_into(out, leaves[-1][0], index=0)))  # the counter is unchanged
+    assert torch.equal(
+        _bits(canonical_sum([leaf[0] for leaf in leaves])), _bits(counter.fold_into(out, leaves[-1][0], index=0))
+    )  # the counter is unchanged
     if n >= 3:  # from four leaves on, the tree is not the left fold
         bottom_up = leaves[0][0].clone()
         for leaf in leaves[1:]:

@@ -13,8 +13,15 @@ from samestep.replay.resume_points import HF, HF_FINGERPRINT, LIGHTNING, RUN, in
 
 
 def _run(run_dir: Path, resumed: dict) -> dict:
-    write_run(run_dir, {"format": RUN_FORMAT, "version": RUN_VERSION, "written_by": "samestep.trace", "programs": [
-        {"from_step": 0, "resumes": resumed}]})
+    write_run(
+        run_dir,
+        {
+            "format": RUN_FORMAT,
+            "version": RUN_VERSION,
+            "written_by": "samestep.trace",
+            "programs": [{"from_step": 0, "resumes": resumed}],
+        },
+    )
     return read_run(run_dir)
 
 
@@ -48,22 +55,30 @@ def test_lightnings_checkpoints_are_the_indexed_files_still_there(tmp_path):
     index(run, 6, files[1])
     files[2].unlink()
     assert points(run, read_run(run)) == {3: files[0].resolve(), 6: files[1].resolve()}
-    assert [e["path"] for e in read_run(run)["checkpoints"]] == ["checkpoints/step=3.ckpt", "checkpoints/step=9.ckpt",
-                                                                 "checkpoints/step=6.ckpt"]
+    assert [e["path"] for e in read_run(run)["checkpoints"]] == [
+        "checkpoints/step=3.ckpt",
+        "checkpoints/step=9.ckpt",
+        "checkpoints/step=6.ckpt",
+    ]
     copy = tmp_path / "copy"
     shutil.copytree(run, copy)
-    assert points(copy, read_run(copy)) == {3: (copy / "checkpoints" / "step=3.ckpt").resolve(),
-                                            6: (copy / "checkpoints" / "step=6.ckpt").resolve()}
+    assert points(copy, read_run(copy)) == {
+        3: (copy / "checkpoints" / "step=3.ckpt").resolve(),
+        6: (copy / "checkpoints" / "step=6.ckpt").resolve(),
+    }
     assert points(run, _run(tmp_path / "own", {"by": RUN})) == {} and resumed_by({}) == RUN
 
 
-@pytest.mark.parametrize("by,field,value", [
-    (LIGHTNING, "checkpoints[0].path", "ABSOLUTE"),
-    (LIGHTNING, "checkpoints[0].path", "../outside/step=3.ckpt"),
-    (LIGHTNING, "checkpoints[0].path", "link/step=3.ckpt"),
-    (HF, "programs[0].resumes.checkpoints", "ABSOLUTE"),
-    (HF, "programs[0].resumes.checkpoints", "../outside"),
-])
+@pytest.mark.parametrize(
+    "by,field,value",
+    [
+        (LIGHTNING, "checkpoints[0].path", "ABSOLUTE"),
+        (LIGHTNING, "checkpoints[0].path", "../outside/step=3.ckpt"),
+        (LIGHTNING, "checkpoints[0].path", "link/step=3.ckpt"),
+        (HF, "programs[0].resumes.checkpoints", "ABSOLUTE"),
+        (HF, "programs[0].resumes.checkpoints", "../outside"),
+    ],
+)
 def test_a_recorded_path_outside_the_run_directory_is_refused_naming_the_field(tmp_path, by, field, value):
     """A checkpoint path in run.json that is absolute, climbs out with .., or passes through a link to elsewhere
     is refused by name (it would have a replay read another directory's files: a copy of a run checked against
@@ -101,5 +116,7 @@ def test_a_staging_folder_that_is_not_a_name_is_refused(tmp_path):
     for folder in ("..", "../x", "a/b"):
         with pytest.raises(RunDirError, match="resumes.folder"):
             stage(tmp_path / "step-2", tmp_path / "scratch", {"programs": [{"resumes": {"folder": folder}}]})
-    assert stage(tmp_path / "step-2", tmp_path / "scratch", {"programs": [{"resumes": {"folder": "ckpt"}}]}) \
+    assert (
+        stage(tmp_path / "step-2", tmp_path / "scratch", {"programs": [{"resumes": {"folder": "ckpt"}}]})
         == tmp_path / "scratch" / "ckpt" / "step-2"
+    )

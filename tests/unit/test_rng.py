@@ -18,8 +18,13 @@ def test_key_is_a_pure_function_of_its_coordinates():
     """The same coordinates give the same key; changing any one coordinate changes it."""
     base = rng.key(7, 3, 2, "dropout")
     assert base == rng.key(7, 3, 2, "dropout")
-    others = {rng.key(8, 3, 2, "dropout"), rng.key(7, 4, 2, "dropout"), rng.key(7, 3, 1, "dropout"),
-              rng.key(7, 3, 2, "init"), rng.key(7, 2, 3, "dropout")}
+    others = {
+        rng.key(8, 3, 2, "dropout"),
+        rng.key(7, 4, 2, "dropout"),
+        rng.key(7, 3, 1, "dropout"),
+        rng.key(7, 3, 2, "init"),
+        rng.key(7, 2, 3, "dropout"),
+    }
     assert base not in others and len(others) == 5
     assert 0 <= base < 2**63
 
@@ -40,8 +45,14 @@ def test_key_rejects_negative_coordinates():
 
 
 def _draw(loader_gen: torch.Generator) -> tuple:
-    return (random.random(), random.gauss(0, 1), float(np.random.rand()), np.random.randn(3).tolist(),
-            torch.rand(4).tolist(), torch.randperm(10, generator=loader_gen).tolist())
+    return (
+        random.random(),
+        random.gauss(0, 1),
+        float(np.random.rand()),
+        np.random.randn(3).tolist(),
+        torch.rand(4).tolist(),
+        torch.randperm(10, generator=loader_gen).tolist(),
+    )
 
 
 def test_capture_restore_round_trip_and_negative_control():
@@ -114,8 +125,10 @@ def test_the_positional_mask_in_int32_lanes_is_its_int64_definition_bit_for_bit(
     flat = (torch.arange(4096, dtype=torch.int64) + 2 * (1 << 31) + starts[2]).view(local)
     for key in (0, 7, 0xFFFFFFFFFFFFFFFF, 0x8000000080000000, rng.key(0, 3, 5, "dropout")):
         for p in (0.0, 0.1, 0.5, 0.9, 0.999):
-            assert torch.equal(rng.positional_keep(key, shape, starts, local, p), keep_by_int64(key, flat, p)), \
-                (hex(key), p)
+            assert torch.equal(rng.positional_keep(key, shape, starts, local, p), keep_by_int64(key, flat, p)), (
+                hex(key),
+                p,
+            )
 
     def arithmetic(x: torch.Tensor) -> torch.Tensor:
         for _ in range(2):
@@ -125,13 +138,15 @@ def test_the_positional_mask_in_int32_lanes_is_its_int64_definition_bit_for_bit(
     small, block = (2, 8, 16, 16), (2, 4, 16, 16)  # every position below 2**31: hashed as int32 positions
     positions = torch.arange(2 * 8 * 16 * 16, dtype=torch.int64).view(small)[:, 4:]
     for key in (0, 0xFFFFFFFFFFFFFFFF, rng.key(0, 3, 5, "dropout")):
-        assert torch.equal(rng.positional_keep(key, small, (0, 4, 0, 0), block, 0.25),
-                           keep_by_int64(key, positions, 0.25)), hex(key)
+        assert torch.equal(
+            rng.positional_keep(key, small, (0, 4, 0, 0), block, 0.25), keep_by_int64(key, positions, 0.25)
+        ), hex(key)
 
     key = 0x8000000080000000
     h = arithmetic(arithmetic(flat.to(torch.int32) ^ -(1 << 31)) ^ (flat >> 32).to(torch.int32) ^ -(1 << 31))
-    assert not torch.equal((h ^ torch.iinfo(torch.int32).min) >= int(0.5 * 2**32) - (1 << 31),
-                           keep_by_int64(key, flat, 0.5))
+    assert not torch.equal(
+        (h ^ torch.iinfo(torch.int32).min) >= int(0.5 * 2**32) - (1 << 31), keep_by_int64(key, flat, 0.5)
+    )
 
 
 def test_the_positional_mask_of_any_block_is_its_definition_at_the_blocks_positions():
@@ -144,8 +159,10 @@ def test_the_positional_mask_of_any_block_is_its_definition_at_the_blocks_positi
         shape = tuple(r.choice((1, 2, 3, 5, 8)) for _ in range(r.randint(1, 4)))
         whole = case % 3 == 0
         starts = tuple(0 if whole or (case % 3 == 1 and d > 0) else r.randrange(n) for d, n in enumerate(shape))
-        local = tuple(n - s if whole or (case % 3 == 1 and d > 0) else r.randint(1, n - s)
-                      for d, (n, s) in enumerate(zip(shape, starts)))
+        local = tuple(
+            n - s if whole or (case % 3 == 1 and d > 0) else r.randint(1, n - s)
+            for d, (n, s) in enumerate(zip(shape, starts))
+        )
         index = torch.arange(math.prod(shape), dtype=torch.int64).view(shape)
         flat = index[tuple(slice(s, s + n) for s, n in zip(starts, local))]
         key = r.getrandbits(64)

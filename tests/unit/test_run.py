@@ -21,8 +21,9 @@ from samestep.checkpoint import committed_steps
 from samestep.records.receipts import ReceiptError, read_receipts, read_run_receipts
 
 
-def _train(run_dir: Path, *, total: int = 4, stop_at: int | None = None, fail_at: int | None = None,
-           lr: float = 0.05, **kw) -> tuple[torch.Tensor, samestep.Run]:
+def _train(
+    run_dir: Path, *, total: int = 4, stop_at: int | None = None, fail_at: int | None = None, lr: float = 0.05, **kw
+) -> tuple[torch.Tensor, samestep.Run]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Dropout(0.25), torch.nn.Linear(16, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -127,8 +128,11 @@ def test_the_trace_takes_its_state_records_from_the_receipts_pass(tmp_path, monk
     laned: list[int] = []
     real_hash, real_lanes = checksums._xxh3, thread_worker.batch_lanes
     monkeypatch.setattr(checksums, "_xxh3", lambda t, key: hashed.append(key) or real_hash(t, key))
-    monkeypatch.setattr(thread_worker, "batch_lanes", lambda packs, tensors: laned.extend(
-        t.data_ptr() for t in tensors) or real_lanes(packs, tensors))
+    monkeypatch.setattr(
+        thread_worker,
+        "batch_lanes",
+        lambda packs, tensors: laned.extend(t.data_ptr() for t in tensors) or real_lanes(packs, tensors),
+    )
 
     def counted(name: str, **kw) -> tuple[int, set[int], samestep.Run]:
         hashed.clear()
@@ -138,12 +142,16 @@ def test_the_trace_takes_its_state_records_from_the_receipts_pass(tmp_path, monk
 
     alone, _, _ = counted("untraced", level="off")
     traced, laned_at, run = counted("traced")
-    state = [p for p in run.model.parameters()] + [v for s in run.optimizer.state.values() for v in s.values()
-                                                   if isinstance(v, torch.Tensor)]
+    state = [p for p in run.model.parameters()] + [
+        v for s in run.optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    ]
     assert traced == alone >= 3 * len(state)
     assert not laned_at & {t.data_ptr() for t in state} and laned_at  # the gradients and the metric went there
-    rows = [r for r in read_stream(stream_path(tmp_path / "traced", 0)).table.to_pylist()
-            if r["step"] == 3 and (r["op"] == "param" or r["op"].startswith("optim."))]
+    rows = [
+        r
+        for r in read_stream(stream_path(tmp_path / "traced", 0)).table.to_pylist()
+        if r["step"] == 3 and (r["op"] == "param" or r["op"].startswith("optim."))
+    ]
     assert len(rows) == len(state) == 16
     assert sorted(r["outputs"] for r in rows) == sorted(bytes.fromhex(s) for s in checksums.Checksums().of(state))
     # control: the recorder's own pass, as a loop that shares none would have
@@ -303,16 +311,20 @@ def test_ranks_holding_other_parts_of_a_model_are_refused_on_every_rank(tmp_path
 
     for split, name in ((True, "split"), (False, "same")):
         (tmp_path / name).mkdir()
-        spawn(_parts_worker, (str(tmp_path / f"init_{name}"), str(tmp_path / f"run_{name}"),
-                              str(tmp_path / name), split), 2)
+        spawn(
+            _parts_worker,
+            (str(tmp_path / f"init_{name}"), str(tmp_path / f"run_{name}"), str(tmp_path / name), split),
+            2,
+        )
     said = [(tmp_path / "split" / f"rank{r}.txt").read_text() for r in range(2)]
     assert said[0] == said[1] and said[0].startswith("samestep.Run: rank(s) 1 hold another model than rank 0"), said
     assert not committed_steps(tmp_path / "run_split" / "checkpoints")
     assert [(tmp_path / "same" / f"rank{r}.txt").read_text() for r in range(2)] == ["ran", "ran"]
 
 
-def _declared_loop(run_dir: Path, total: int = 4, width: int = 16, weight_decay: float = 0.01,
-                   config: dict | None = None) -> torch.Tensor:
+def _declared_loop(
+    run_dir: Path, total: int = 4, width: int = 16, weight_decay: float = 0.01, config: dict | None = None
+) -> torch.Tensor:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 1))
     opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=weight_decay)
@@ -325,11 +337,14 @@ def _declared_loop(run_dir: Path, total: int = 4, width: int = 16, weight_decay:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-@pytest.mark.parametrize("change,named", [
-    ({"config": {"seed": 1}}, "config.seed: 0 -> 1"),
-    ({"width": 8}, "model:"),
-    ({"weight_decay": 0.1}, "optimizer.groups.0.weight_decay: 0.01 -> 0.1"),
-])
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        ({"config": {"seed": 1}}, "config.seed: 0 -> 1"),
+        ({"width": 8}, "model:"),
+        ({"weight_decay": 0.1}, "optimizer.groups.0.weight_decay: 0.01 -> 0.1"),
+    ],
+)
 def test_a_run_continued_under_other_settings_is_refused(tmp_path, change, named):
     """samestep.Run(resume="auto") on a directory started under other settings (another seed passed as config,
     another model shape, another optimizer hyperparameter) is refused in one line naming the field, before
@@ -419,8 +434,9 @@ def _loader_run(run_dir: Path, generator: bool, stop_at: int | None = None) -> t
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    loader = StatefulDataLoader(data, batch_size=4, shuffle=True,
-                                **({"generator": torch.Generator().manual_seed(5)} if generator else {}))
+    loader = StatefulDataLoader(
+        data, batch_size=4, shuffle=True, **({"generator": torch.Generator().manual_seed(5)} if generator else {})
+    )
     batches = None
     with samestep.Run(run_dir, model=model, optimizer=opt, data_cursor=loader, level="off") as run:
         for step in run.steps(12):
@@ -448,8 +464,11 @@ def test_a_dataloader_cursor_that_draws_the_global_rng_is_refused_before_step_1(
     the global RNG where the straight run drew nothing)."""
     import samestep.loop.run as run_module
 
-    with pytest.raises(ValueError, match=r"data_cursor=StatefulDataLoader\(...\)\): it draws from torch's global "
-                                         r"RNG .* generator=torch.Generator\(\).manual_seed\(SEED\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"data_cursor=StatefulDataLoader\(...\)\): it draws from torch's global "
+        r"RNG .* generator=torch.Generator\(\).manual_seed\(SEED\)",
+    ):
         _loader_run(tmp_path / "refused", generator=False)
     assert not (tmp_path / "refused").exists() or not any((tmp_path / "refused").iterdir())
     straight = _loader_run(tmp_path / "straight", generator=True)
@@ -473,15 +492,19 @@ def test_an_optimizer_of_other_tensors_than_the_models_parameters_is_refused_by_
     model = torch.nn.Linear(4, 2)
     early = torch.optim.SGD(model.parameters(), lr=0.1)
     model.weight = torch.nn.Parameter(model.weight.detach().clone())  # what sharding does to each parameter
-    with pytest.raises(ValueError, match=r"the optimizer updates 1 tensor\(s\) that are not the model's parameters "
-                                         r"\(the first of shape \[2, 4\]\): it was built before fully_shard"):
+    with pytest.raises(
+        ValueError,
+        match=r"the optimizer updates 1 tensor\(s\) that are not the model's parameters "
+        r"\(the first of shape \[2, 4\]\): it was built before fully_shard",
+    ):
         samestep.Run(tmp_path / "early", model=model, optimizer=early)
     outside = torch.optim.SGD([*model.parameters(), torch.nn.Parameter(torch.ones(3))], lr=0.1)
     with pytest.raises(ValueError, match="holds a tensor kept outside the model"):
         samestep.Run(tmp_path / "outside", model=model, optimizer=outside)
     assert not (tmp_path / "early").exists() and not (tmp_path / "outside").exists()
-    with samestep.Run(tmp_path / "late", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                      level="off") as run:
+    with samestep.Run(
+        tmp_path / "late", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), level="off"
+    ) as run:
         assert run.start == 0
 
 
@@ -490,6 +513,7 @@ def test_a_loop_left_with_break_says_what_was_not_saved(tmp_path, capsys):
     2 steps): the program goes on (no error of its own), but stderr says the loop left step 3 of 5 unsaved, no
     final.json, and that a resume goes on from step 2's checkpoint. Control: the loop run to its end says
     nothing of it and writes final.json."""
+
     def loop(run_dir: Path, leave_at: int | None) -> None:
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 2)
@@ -534,8 +558,11 @@ def test_at_op_level_a_step_that_names_no_microbatch_is_microbatch_0(tmp_path):
         return read_stream(stream_path(run_dir, 0)).table.to_pylist()
 
     def ops(rows: list[dict]) -> list[tuple]:
-        return [(r["microbatch"], r["phase"], r["scope"], r["op"], r["occurrence"], r["outputs"]) for r in rows
-                if r["microbatch"] == 0 and r["op"] != "aten.randn.generator" and not r["op"].startswith("profiler.")]
+        return [
+            (r["microbatch"], r["phase"], r["scope"], r["op"], r["occurrence"], r["outputs"])
+            for r in rows
+            if r["microbatch"] == 0 and r["op"] != "aten.randn.generator" and not r["op"].startswith("profiler.")
+        ]
 
     implicit, named = loop(tmp_path / "implicit", False), loop(tmp_path / "named", True)
     assert len(ops(implicit)) > 20 and ops(implicit) == ops(named)

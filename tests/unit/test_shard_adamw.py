@@ -25,21 +25,37 @@ def _train(kind, mesh) -> list[torch.Tensor]:
     """Three steps of ``kind`` (decay on matrices only, as the trainer groups them) on seeded gradients: every
     parameter's and state tensor's bits, whole."""
     params = _params(mesh)
-    opt = kind([{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}],
-               lr=1e-2, betas=(0.9, 0.95), **({"foreach": False} if kind is torch.optim.AdamW else {}))
+    opt = kind(
+        [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        **({"foreach": False} if kind is torch.optim.AdamW else {}),
+    )
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         for p in params:
             grad = torch.randn(p.shape, generator=g)
-            p.grad = (type(p).from_local(grad.chunk(mesh.size(), p.placements[0].dim)[mesh.get_local_rank()]
-                                         if p.placements[0].is_shard() else grad, mesh, p.placements,
-                                         shape=p.shape, stride=p.stride())
-                      if hasattr(p, "placements") else grad)
+            p.grad = (
+                type(p).from_local(
+                    grad.chunk(mesh.size(), p.placements[0].dim)[mesh.get_local_rank()]
+                    if p.placements[0].is_shard()
+                    else grad,
+                    mesh,
+                    p.placements,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
+                if hasattr(p, "placements")
+                else grad
+            )
         opt.step()
         opt.zero_grad(set_to_none=True)
     state = [t for p in params for t in (opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"], opt.state[p]["step"])]
-    return [(t.full_tensor() if hasattr(t, "full_tensor") else t).view(-1).view(torch.int32) for t in
-            [*params, *state] if t.dtype == torch.float32]
+    return [
+        (t.full_tensor() if hasattr(t, "full_tensor") else t).view(-1).view(torch.int32)
+        for t in [*params, *state]
+        if t.dtype == torch.float32
+    ]
 
 
 def _compare(rank: int, init: str, out: str) -> None:
@@ -54,9 +70,11 @@ def _compare(rank: int, init: str, out: str) -> None:
         mesh = init_device_mesh("cpu", (2,))
         adamw, shard, coupled = (_train(k, mesh) for k in (torch.optim.AdamW, ShardAdamW, torch.optim.Adam))
         keys = sorted(ShardAdamW(_params(mesh)).state_dict()["param_groups"][0])
-        said = {"same": all(torch.equal(a, b) for a, b in zip(adamw, shard)) and len(adamw) == len(shard) == 16,
-                "coupled_differs": not all(torch.equal(a, b) for a, b in zip(adamw, coupled)),
-                "group_keys": keys == sorted(torch.optim.AdamW(_params(mesh)).state_dict()["param_groups"][0])}
+        said = {
+            "same": all(torch.equal(a, b) for a, b in zip(adamw, shard)) and len(adamw) == len(shard) == 16,
+            "coupled_differs": not all(torch.equal(a, b) for a, b in zip(adamw, coupled)),
+            "group_keys": keys == sorted(torch.optim.AdamW(_params(mesh)).state_dict()["param_groups"][0]),
+        }
         if rank == 0:
             Path(out).write_text(json.dumps(said))
     finally:

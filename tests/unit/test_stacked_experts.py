@@ -19,8 +19,15 @@ def _block(implementation: str, top_k: int) -> torch.nn.Module:
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
     torch.manual_seed(0)
-    block = MixtralSparseMoeBlock(MixtralConfig(hidden_size=16, intermediate_size=32, num_local_experts=4,
-                                                num_experts_per_tok=top_k, experts_implementation=implementation))
+    block = MixtralSparseMoeBlock(
+        MixtralConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_local_experts=4,
+            num_experts_per_tok=top_k,
+            experts_implementation=implementation,
+        )
+    )
     for p in block.parameters():  # transformers leaves the stacked experts uninitialised until its model's init
         torch.nn.init.normal_(p, std=0.2)
     return block
@@ -87,8 +94,7 @@ def test_parallelize_experts_refuses_by_name():
 
     block = _block("grouped_mm", 2)
     with pytest.raises(ValueError, match="no module of class Linear. Fix: pass the class"):
-        parallelize_experts(torch.nn.Sequential(torch.nn.ReLU()), torch.nn.Linear, _mesh(2),
-                            microbatches_per_process=1)
+        parallelize_experts(torch.nn.Sequential(torch.nn.ReLU()), torch.nn.Linear, _mesh(2), microbatches_per_process=1)
     with pytest.raises(ValueError, match=r"a mesh of 2 dimensions \('dp', 'ep'\).*Fix: pass a 1-D mesh"):
         parallelize_experts(block, MixtralExperts, _mesh(2, 2), microbatches_per_process=1)
     with pytest.raises(ValueError, match="4 experts over 3 ranks. Fix: a number of ranks that divides 4"):

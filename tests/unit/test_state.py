@@ -11,9 +11,19 @@ from samestep.hashing.state import flatten, state_digest, unflatten
 
 def test_round_trip_keeps_types_and_bits():
     """Int keys, tuples, None, bools and every float (nan, inf, -0.0, subnormal) survive exactly."""
-    tree = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(3)}},
-            "param_groups": [{"betas": (0.9, 0.95), "lr": 0.1, "amsgrad": False, "foreach": None,
-                              "params": [0], "x": [float("inf"), -0.0, 5e-324, float("nan")]}]}
+    tree = {
+        "state": {0: {"step": torch.tensor(3.0), "exp_avg": torch.randn(3)}},
+        "param_groups": [
+            {
+                "betas": (0.9, 0.95),
+                "lr": 0.1,
+                "amsgrad": False,
+                "foreach": None,
+                "params": [0],
+                "x": [float("inf"), -0.0, 5e-324, float("nan")],
+            }
+        ],
+    }
     tensors: dict = {}
     back = unflatten(flatten(tree, "opt", tensors), tensors)
     assert list(back["state"]) == [0] and back["param_groups"][0]["betas"] == (0.9, 0.95)
@@ -49,11 +59,23 @@ def test_tensor_bytes_are_the_row_major_bytes_of_every_kind_of_tensor():
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(3, 4, generator=g)
-    kinds = [x, x.t(), x[1:, 1:3], x[:, ::2], torch.randn(2, 3, generator=g).expand(4, 2, 3), torch.tensor(2.5),
-             torch.zeros(0, 3), torch.randn(5, generator=g, requires_grad=True), torch.randn(3, generator=g).neg(),
-             torch.randn(4, generator=g).bfloat16(), torch.randn(3, generator=g).half(),
-             torch.randn(3, dtype=torch.complex64, generator=g), torch.tensor([True, False]),
-             torch.arange(6).reshape(2, 3), torch.tensor(7, dtype=torch.uint8)]
+    kinds = [
+        x,
+        x.t(),
+        x[1:, 1:3],
+        x[:, ::2],
+        torch.randn(2, 3, generator=g).expand(4, 2, 3),
+        torch.tensor(2.5),
+        torch.zeros(0, 3),
+        torch.randn(5, generator=g, requires_grad=True),
+        torch.randn(3, generator=g).neg(),
+        torch.randn(4, generator=g).bfloat16(),
+        torch.randn(3, generator=g).half(),
+        torch.randn(3, dtype=torch.complex64, generator=g),
+        torch.tensor([True, False]),
+        torch.arange(6).reshape(2, 3),
+        torch.tensor(7, dtype=torch.uint8),
+    ]
     for t in kinds:
         view = tensor_bytes(t)
         assert isinstance(view, memoryview) and view.format == "B" and bytes(view) == row_major(t), (t.dtype, t.shape)

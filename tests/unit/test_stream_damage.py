@@ -32,8 +32,14 @@ def _loop(run: Path, steps: int = 3) -> None:
         rec = samestep.trace(run, level="op")
         rec.attach(model)
         for step in range(1, steps + 1):
-            traced_step(rec, model, opt, step, [(mb, torch.full((2, 4), 0.5 * (mb + 1))) for mb in (0, 1)],
-                        lambda x: model(x).sum())
+            traced_step(
+                rec,
+                model,
+                opt,
+                step,
+                [(mb, torch.full((2, 4), 0.5 * (mb + 1))) for mb in (0, 1)],
+                lambda x: model(x).sum(),
+            )
         rec.close()
 
 
@@ -81,8 +87,11 @@ def _flip_a_digest_of_step_2(path: Path) -> None:
     (a digest recurs as later records' inputs, and a batch's buffers may hold unused bytes)."""
     table = read_stream(path).table
     data = path.read_bytes()
-    wanted = [table.column("outputs")[i].as_py()[:16] for i in range(table.num_rows)
-              if table.column("step")[i].as_py() == 2 and table.column("op")[i].as_py().startswith("aten.")]
+    wanted = [
+        table.column("outputs")[i].as_py()[:16]
+        for i in range(table.num_rows)
+        if table.column("step")[i].as_py() == 2 and table.column("op")[i].as_py().startswith("aten.")
+    ]
     for digest in filter(None, wanted):
         for at in (m.start() for m in re.finditer(re.escape(digest), data)):
             flipped = bytearray(data)
@@ -111,8 +120,11 @@ def test_diff_and_certify_refuse_a_damaged_batch_by_file_and_offset(tmp_path, mo
         wrong = diff_runs(tmp_path / "a", tmp_path / "b")
         assert not wrong["identical"] and wrong["first_divergent_step"] == 2
 
-    with pytest.raises(DiffError, match=re.escape(str(path)) + r": damaged: the record batch at byte \d+ does not "
-                       "match its checksum"):
+    with pytest.raises(
+        DiffError,
+        match=re.escape(str(path)) + r": damaged: the record batch at byte \d+ does not "
+        "match its checksum",
+    ):
         diff_runs(tmp_path / "a", tmp_path / "b")
     with pytest.raises(DiffError, match=r"damaged: the record batch at byte \d+"):
         certify_trace(tmp_path / "b")
@@ -170,14 +182,21 @@ def test_steps_one_trace_lacks_are_missing_not_a_divergence(tmp_path):
         _loop(tmp_path / name)
     table = read_stream(stream_path(tmp_path / "b", 0)).table
     assert END in table.column("op").to_pylist()
-    _rewrite(stream_path(tmp_path / "a", 0), stream_path(tmp_path / "b", 0),
-             table.filter(pc.not_equal(table.column("step"), 2)))
+    _rewrite(
+        stream_path(tmp_path / "a", 0),
+        stream_path(tmp_path / "b", 0),
+        table.filter(pc.not_equal(table.column("step"), 2)),
+    )
     outputs = table.column("outputs").to_pylist()
-    i = next(i for i, (s, op) in enumerate(zip(table.column("step").to_pylist(), table.column("op").to_pylist()))
-             if s == 3 and op.startswith("aten.") and outputs[i])
+    i = next(
+        i
+        for i, (s, op) in enumerate(zip(table.column("step").to_pylist(), table.column("op").to_pylist()))
+        if s == 3 and op.startswith("aten.") and outputs[i]
+    )
     outputs[i] = bytes(a ^ 1 for a in outputs[i])
-    changed = table.set_column(table.schema.get_field_index("outputs"), "outputs",
-                               pa.array(outputs, SCHEMA.field("outputs").type))
+    changed = table.set_column(
+        table.schema.get_field_index("outputs"), "outputs", pa.array(outputs, SCHEMA.field("outputs").type)
+    )
     _rewrite(stream_path(tmp_path / "a", 0), stream_path(tmp_path / "c", 0), changed)
 
     report = diff_runs(tmp_path / "a", tmp_path / "b")

@@ -88,6 +88,7 @@ def test_in_place_ops_record_the_bytes_they_wrote(tmp_path):
     C++ code, like DDP's reducer, may not bump it at all): its output is still digested after it ran, not
     taken for its input; a destination that is only written (copy_, out=) is no input (UNINIT); a later
     read sees the new bytes; and a ULP planted in an in-place op is found there, as the origin."""
+
     def run(path: Path, perturb: Perturb | None = None) -> list[dict]:
         rec = Recorder(path, level="op", perturb=perturb)
         with rec.step(1), rec.microbatch(0):
@@ -104,7 +105,7 @@ def test_in_place_ops_record_the_bytes_they_wrote(tmp_path):
         return bytes.fromhex(digest(t))
 
     rows = {r["op"]: r for r in run(tmp_path / "a")}
-    halves = lambda b: [b[i:i + 16] for i in range(0, len(b), 16)]  # noqa: E731
+    halves = lambda b: [b[i : i + 16] for i in range(0, len(b), 16)]  # noqa: E731
     assert halves(rows["aten.add_.Tensor"]["inputs"]) == [dig(torch.zeros(4))]
     assert rows["aten.add_.Tensor"]["outputs"] == dig(torch.full((4,), 1.5))
     assert halves(rows["aten.copy_.default"]["inputs"]) == [bytes(16), dig(torch.full((4,), 4.5))]
@@ -135,8 +136,9 @@ def test_inference_mode_inside_a_traced_microbatch_records_what_no_grad_does(tmp
                 model.head(z)
         rec.close()
         rows = read_stream(stream_path(tmp_path / ctx.__name__, 0)).table.to_pylist()
-        tables[ctx.__name__] = [(r["scope"], r["op"], r["outputs"]) for r in rows
-                                if r["op"] in ("output", "aten.add_.Tensor")]
+        tables[ctx.__name__] = [
+            (r["scope"], r["op"], r["outputs"]) for r in rows if r["op"] in ("output", "aten.add_.Tensor")
+        ]
     assert len(tables["inference_mode"]) == (5 if level == "op" else 4)
     assert tables["inference_mode"] == tables["no_grad"]
 
@@ -155,8 +157,14 @@ def test_sparse_quantized_nested_and_meta_tensors_are_recorded_by_their_value(tm
         nested = torch.nested.nested_tensor([torch.ones(2), torch.arange(3.0)])
     sparse = torch.eye(4).to_sparse()
     emb = torch.nn.Embedding(10, 3, sparse=True)
-    work = [lambda: sparse * 2, lambda: torch.ones(3, device="meta") * 2, lambda: nested + nested,
-            lambda: q.detach(), lambda: emb(torch.tensor([1, 1, 4])).sum().backward(), lambda: q2.detach()]
+    work = [
+        lambda: sparse * 2,
+        lambda: torch.ones(3, device="meta") * 2,
+        lambda: nested + nested,
+        lambda: q.detach(),
+        lambda: emb(torch.tensor([1, 1, 4])).sum().backward(),
+        lambda: q2.detach(),
+    ]
     rec = Recorder(tmp_path, level="op", worker=worker)
     with rec.step(1):
         for mb, fn in enumerate(work):  # one microbatch each: the last forward record is the result
@@ -192,12 +200,16 @@ class Unusual(torch.nn.Module):
     def __init__(self, change: bool = False) -> None:
         super().__init__()
         self.change = change
-        self.parts = torch.nn.ModuleList(self.Apply(fn) for fn in (
-            lambda x: (x * 2).to_sparse(),
-            lambda x: torch.quantize_per_tensor(x, 0.1, 3, torch.quint8),
-            lambda x: torch.nested.nested_tensor([x[0], x[1, :2]]),
-            lambda x: (x * 1j).conj(),
-            lambda x: (x.repeat(256, 256) * 1j).conj()))  # 4 MiB complex64: past digest.BIG_BYTES
+        self.parts = torch.nn.ModuleList(
+            self.Apply(fn)
+            for fn in (
+                lambda x: (x * 2).to_sparse(),
+                lambda x: torch.quantize_per_tensor(x, 0.1, 3, torch.quint8),
+                lambda x: torch.nested.nested_tensor([x[0], x[1, :2]]),
+                lambda x: (x * 1j).conj(),
+                lambda x: (x.repeat(256, 256) * 1j).conj(),
+            )
+        )  # 4 MiB complex64: past digest.BIG_BYTES
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
         outs = [part(x) for part in self.parts]
@@ -241,9 +253,18 @@ def test_module_outputs_that_are_no_plain_tensor_are_digested_where_they_lie_as_
 def _described(run: Path, trace: dict | None = None, config: dict | None = None, world: int = 1) -> Path:
     """``run`` with a minimal run.json: ``config``, or just a ``trace`` section."""
     config = config if config is not None else {"trace": trace} if trace else {}
-    (run / "run.json").write_text(json.dumps({"format": "samestep.run", "version": 1, "config": config,
-                                              "determinism": {}, "environment": {"torch.version": "x"},
-                                              "layout": {"world_size": world}}))
+    (run / "run.json").write_text(
+        json.dumps(
+            {
+                "format": "samestep.run",
+                "version": 1,
+                "config": config,
+                "determinism": {},
+                "environment": {"torch.version": "x"},
+                "layout": {"world_size": world},
+            }
+        )
+    )
     return run
 
 
@@ -251,17 +272,20 @@ def test_runs_traced_at_other_levels_or_steps_are_compared_on_what_both_recorded
     """An op-level and a module-level trace of the same work are identical at module level (not a
     "structural divergence: code paths differ"); a real difference still shows through that cut; runs
     that traced other steps are compared on the steps both traced, with a note each time."""
+
     def run(name: str, level: str, scale: float = 1.0, steps: set[int] | None = None) -> Path:
         _record(tmp_path / name, level, scale=scale, steps=steps)
-        return _described(tmp_path / name, {"level": level, "steps": "all" if steps is None else
-                                            ",".join(map(str, sorted(steps)))})
+        return _described(
+            tmp_path / name, {"level": level, "steps": "all" if steps is None else ",".join(map(str, sorted(steps)))}
+        )
 
     op, module = run("op", "op"), run("module", "module")
     report = diff_runs(op, module)
     modules = read_stream(stream_path(module, 0)).table.num_rows
     assert report["identical"] and report["per_rank"]["0"]["records_compared"] == modules
-    assert report["notes"] == ["A was traced at op level, B at module: compared at module level (run A's finer "
-                               "records are left out)"]
+    assert report["notes"] == [
+        "A was traced at op level, B at module: compared at module level (run A's finer records are left out)"
+    ]
     other = diff_runs(run("other", "op", scale=2.0), module)  # the negative control: the cut hides no difference
     first = other["first_difference"]
     assert not other["identical"] and (first["kind"], first["op"], first["step"]) == ("first_seen", "output", 1)
@@ -348,7 +372,7 @@ def test_gradients_in_one_buffer_digest_like_separate_ones(tmp_path):
     for layout in ("separate", "one buffer", "changed"):
         offset = 3
         for p, g in zip(model.parameters(), grads):
-            p.grad = g.clone() if layout == "separate" else flat[offset: offset + g.numel()].view_as(g)
+            p.grad = g.clone() if layout == "separate" else flat[offset : offset + g.numel()].view_as(g)
             offset += g.numel()
         if layout == "changed":
             flat[-1] += 1.0  # negative control: the last gradient's last element
@@ -376,7 +400,7 @@ def test_gradients_digested_where_they_lie_match_copies_and_a_later_change_is_re
     def give(layout: str) -> None:
         flat, offset = torch.cat([torch.randn(3)] + [g.reshape(-1) for g in grads]), 3
         for p, g in zip(model.parameters(), grads):
-            p.grad = g.clone() if layout == "separate" else flat[offset: offset + g.numel()].view_as(g)
+            p.grad = g.clone() if layout == "separate" else flat[offset : offset + g.numel()].view_as(g)
             offset += g.numel()
 
     tables = {}
@@ -396,8 +420,11 @@ def test_gradients_digested_where_they_lie_match_copies_and_a_later_change_is_re
         with rec.step(1):
             rec.grads(model.named_parameters(), copy="checked")
         model.inner[0].bias.grad.mul_(2.0)
-        with pytest.raises(RuntimeError, match=rf"scope='{named}' op='grad' occurrence=0 was changed in place.*"
-                                               r"gradients are final.*copy=True"):
+        with pytest.raises(
+            RuntimeError,
+            match=rf"scope='{named}' op='grad' occurrence=0 was changed in place.*"
+            r"gradients are final.*copy=True",
+        ):
             rec.close()
         assert read_stream(stream_path(tmp_path / f"{layout}-changed", 0)).table.num_rows == 0
     rec = Recorder(tmp_path / "bad", level="step", worker=worker)
@@ -484,8 +511,11 @@ def _state_through_changes(run: Path, worker: str) -> tuple[list[tuple], list[tu
             rec.state(model, opt)
         names = {id(p): name for name, p in model.named_parameters()}
         truth += [(step, name, "param", Checksums().of([p])[0]) for name, p in model.named_parameters()]
-        truth += [(step, names[id(p)], f"optim.{k}", Checksums().of([st[k]])[0]) for p, st in opt.state.items()
-                  for k in sorted(st)]
+        truth += [
+            (step, names[id(p)], f"optim.{k}", Checksums().of([st[k]])[0])
+            for p, st in opt.state.items()
+            for k in sorted(st)
+        ]
     rec.close()
     rows = [r for r in read_stream(stream_path(run, 0)).table.to_pylist() if r["op"] not in ("grad", END)]
     return [(r["step"], r["scope"], r["op"], r["outputs"].hex()) for r in rows], truth, made[0]
@@ -503,8 +533,7 @@ def test_state_records_follow_parameters_and_optimizer_state_that_change_between
     rows, truth, made = _state_through_changes(tmp_path / "a", worker)
     assert rows == truth
     assert made == 5  # steps 1, 3, 4, 5 and 6; steps 2 and 7 used the plan of the step before
-    monkeypatch.setattr(step_level.StatePlan, "matches", lambda self, names, objs, *rest: len(objs) == len(
-        self.refs))
+    monkeypatch.setattr(step_level.StatePlan, "matches", lambda self, names, objs, *rest: len(objs) == len(self.refs))
     monkeypatch.setattr(step_level, "layout", lambda tensors: ())
     rows, truth, made = _state_through_changes(tmp_path / "b", worker)
     assert made == 3  # steps 1, 5 and 6: other numbers of tensors (head.weight has no state in the new optimizer)
@@ -544,9 +573,12 @@ def test_module_outputs_in_dataclasses_dicts_and_tuples_are_recorded(tmp_path):
     rows = read_stream(stream_path(tmp_path, 0)).table.to_pylist()
     root = [r for r in rows if r["scope"] == "" and r["op"] == "output"]
     assert len(root) == 1 and root[0]["outputs"] == bytes.fromhex(digest(out.logits)) + bytes.fromhex(
-        digest(out.extra["pair"][0]))
+        digest(out.extra["pair"][0])
+    )
     assert [r["outputs"] for r in rows if r["scope"] == "" and r["op"] == "grad_output"] == [
-        bytes.fromhex(digest(torch.ones(2, 4))), bytes.fromhex(digest(torch.full((2, 4), 2.0)))]  # logits, y
+        bytes.fromhex(digest(torch.ones(2, 4))),
+        bytes.fromhex(digest(torch.full((2, 4), 2.0))),
+    ]  # logits, y
 
 
 def test_step_records_made_twice_in_a_step_count_their_occurrences(tmp_path):
@@ -572,7 +604,7 @@ def test_step_records_made_twice_in_a_step_count_their_occurrences(tmp_path):
     keys = [(r["scope"], r["op"], r["occurrence"]) for r in rows]
     assert len(set(keys)) == len(keys)  # no identity twice (it fails if the bulk path ignores earlier counts)
     assert keys[0] == ("inner.0.weight", "param", 0) and keys[-1] == ("inner.0.weight", "param", 3)
-    once, twice = rows[1: 1 + n], rows[1 + n: 1 + 2 * n]
+    once, twice = rows[1 : 1 + n], rows[1 + n : 1 + 2 * n]
     assert [r["occurrence"] for r in once] == [1] + [0] * (n - 1)
     assert [r["occurrence"] for r in twice] == [2] + [1] * (n - 1)
     assert [(r["scope"], r["op"], r["outputs"]) for r in once] == [(r["scope"], r["op"], r["outputs"]) for r in twice]
@@ -612,6 +644,7 @@ def test_module_records_noted_by_hooks_keep_their_place_among_other_records(tmp_
     """Module hooks only note outputs and gradients (their records are made later, by _drain), yet the
     stream is the one made at once (copy=True records inside the hooks): a record made between forward
     and backward, and one made from a gradient hook at the end of backward, stay where they happened."""
+
     def run(name: str, copy: bool):
         torch.manual_seed(0)
         model = Tiny()
@@ -674,8 +707,11 @@ def test_in_place_change_of_a_recorded_output_is_refused_or_copied(tmp_path):
         if copy:
             rec.close()
         else:  # checked when the digests are done: at the next grads(), flush() or close()
-            with pytest.raises(RuntimeError, match=r"scope='inner' op='output' occurrence=0 was changed in place.*"
-                                                   r"trace.copy=true"):
+            with pytest.raises(
+                RuntimeError,
+                match=r"scope='inner' op='output' occurrence=0 was changed in place.*"
+                r"trace.copy=true",
+            ):
                 rec.close()
             assert read_stream(stream_path(tmp_path / f"False{worker}", 0)).table.num_rows == 0  # none written
         model.zero_grad(set_to_none=True)
@@ -705,8 +741,15 @@ def test_torn_tail_is_reported_not_fatal(tmp_path):
     assert s.torn is not None and 0 < s.table.num_rows < full
 
 
-def _run_dir(root: Path, name: str, rows: list[dict], config: dict | None = None, version: int = VERSION,
-             ranks: dict[int, list[dict]] | None = None, ends: bool = False) -> Path:
+def _run_dir(
+    root: Path,
+    name: str,
+    rows: list[dict],
+    config: dict | None = None,
+    version: int = VERSION,
+    ranks: dict[int, list[dict]] | None = None,
+    ends: bool = False,
+) -> Path:
     """A run directory with ``rows`` as rank 0's stream, or one stream per rank of ``ranks``; ``ends``: each
     step's records close with its step.end record."""
     run = root / name
@@ -723,9 +766,20 @@ def _run_dir(root: Path, name: str, rows: list[dict], config: dict | None = None
         return run
     for rank, rank_rows in (ranks or {0: rows}).items():
         if ends:
-            rank_rows = rank_rows + [{"seq": len(rank_rows) + i, "step": step, "microbatch": -1, "phase": "step",
-                                      "scope": "", "op": END, "occurrence": 0, "inputs": b"", "outputs": b""}
-                                     for i, step in enumerate(sorted({r["step"] for r in rank_rows}))]
+            rank_rows = rank_rows + [
+                {
+                    "seq": len(rank_rows) + i,
+                    "step": step,
+                    "microbatch": -1,
+                    "phase": "step",
+                    "scope": "",
+                    "op": END,
+                    "occurrence": 0,
+                    "inputs": b"",
+                    "outputs": b"",
+                }
+                for i, step in enumerate(sorted({r["step"] for r in rank_rows}))
+            ]
         if rank:
             writer = StreamWriter(stream_path(run, rank), {"rank": rank})
         writer.write({c: [r[c] for r in rank_rows] for c in SCHEMA.names})
@@ -734,8 +788,20 @@ def _run_dir(root: Path, name: str, rows: list[dict], config: dict | None = None
 
 
 def _rows(n: int = 5, **changes) -> list[dict]:
-    rows = [{"seq": i, "step": 1, "microbatch": 0, "phase": "forward", "scope": "m", "op": f"aten.op{i}.default",
-             "occurrence": 0, "inputs": bytes([i]) * 16, "outputs": bytes([i + 1]) * 16} for i in range(n)]
+    rows = [
+        {
+            "seq": i,
+            "step": 1,
+            "microbatch": 0,
+            "phase": "forward",
+            "scope": "m",
+            "op": f"aten.op{i}.default",
+            "occurrence": 0,
+            "inputs": bytes([i]) * 16,
+            "outputs": bytes([i + 1]) * 16,
+        }
+        for i in range(n)
+    ]
     for idx, fields in changes.items():
         rows[int(idx[1:])].update(fields)
     return rows
@@ -774,12 +840,19 @@ def test_human_report_names_ops_in_full_and_folds_ranks_that_match(tmp_path, cap
     assert "origin on rank(s) 5-6,39 only, of 40 (0-39)" in out
     rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│")]
     assert [(cells[0].strip(), cells[1].strip(), cells[2].strip()) for cells in rows] == [
-        ("0-4", "25 (5 ranks)", "none"), ("5", "2", "origin"), ("6", "2", "origin"),
-        ("7-38", "160 (32 ranks)", "none"), ("39", "2", "origin")]
+        ("0-4", "25 (5 ranks)", "none"),
+        ("5", "2", "origin"),
+        ("6", "2", "origin"),
+        ("7-38", "160 (32 ranks)", "none"),
+        ("39", "2", "origin"),
+    ]
     assert all("aten.op2.default #0" in cells[6] for cells in rows if cells[2].strip() == "origin")
     assert main(["diff", str(a), str(a)]) == 0
-    assert [[c.strip() for c in line.split("│")[1:4]] for line in capsys.readouterr().out.splitlines()
-            if line.startswith("│")] == [["0-39", "200 (40 ranks)", "none"]]
+    assert [
+        [c.strip() for c in line.split("│")[1:4]]
+        for line in capsys.readouterr().out.splitlines()
+        if line.startswith("│")
+    ] == [["0-39", "200 (40 ranks)", "none"]]
 
 
 def test_copy_like_op_diverging_points_outside_the_dispatcher(tmp_path):
@@ -813,8 +886,17 @@ def test_diff_leaves_out_state_records_that_streams_of_other_versions_digest_oth
     changed one is the first difference."""
     from samestep.tracing import stream
 
-    state = {"seq": 5, "step": 1, "microbatch": -1, "phase": "step", "scope": "w", "op": "param", "occurrence": 0,
-             "inputs": b"", "outputs": b"s" * 16}
+    state = {
+        "seq": 5,
+        "step": 1,
+        "microbatch": -1,
+        "phase": "step",
+        "scope": "w",
+        "op": "param",
+        "occurrence": 0,
+        "inputs": b"",
+        "outputs": b"s" * 16,
+    }
     moved = [*_rows(), {**state, "outputs": b"t" * 16}]
     with monkeypatch.context() as m:
         m.setattr(stream, "VERSION", 3)
@@ -822,8 +904,11 @@ def test_diff_leaves_out_state_records_that_streams_of_other_versions_digest_oth
     assert read_stream(stream_path(old, 0)).meta["stream_version"] == 3
     report = diff_runs(old, _run_dir(tmp_path, "new", moved))
     assert report["identical"] and report["per_rank"]["0"]["records_compared"] == 5
-    assert any("state records (param, optim.*) are left out: A's trace digests them by tensor digest, B's by "
-               "state checksum" in n for n in report["notes"]), report["notes"]
+    assert any(
+        "state records (param, optim.*) are left out: A's trace digests them by tensor digest, B's by "
+        "state checksum" in n
+        for n in report["notes"]
+    ), report["notes"]
     report = diff_runs(old, _run_dir(tmp_path, "other", [*_rows(r2={"outputs": b"x" * 16}), state]))
     assert not report["identical"] and report["origin"]["op"] == "aten.op2.default"
     report = diff_runs(_run_dir(tmp_path, "v4", [*_rows(), state]), tmp_path / "new")  # control
@@ -869,8 +954,10 @@ def test_a_traced_run_of_your_own_loop_diffs_and_certifies(tmp_path):
     with samestep.enable(threads=1):
         for name in ("a", "b"):
             _own_loop(tmp_path / name)
-        _own_loop(tmp_path / "ulp", Perturb(rank=0, step=2, microbatch=1, phase="forward", scope="head",
-                                              op="aten.addmm.default"))
+        _own_loop(
+            tmp_path / "ulp",
+            Perturb(rank=0, step=2, microbatch=1, phase="forward", scope="head", op="aten.addmm.default"),
+        )
     doc = json.loads((tmp_path / "a" / "run.json").read_text())
     assert doc["config"] == {"trace": {"level": "op", "steps": "1-2", "ranks": "all"}}
     assert doc["written_by"] == "samestep.trace" and doc["determinism"]["threads"] == 1
@@ -879,8 +966,13 @@ def test_a_traced_run_of_your_own_loop_diffs_and_certifies(tmp_path):
     assert same["per_rank"]["0"]["records_compared"] > 100
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     o = diff_runs(tmp_path / "a", tmp_path / "ulp")["origin"]  # the negative control: the same check sees one ULP
-    assert (o["step"], o["microbatch"], o["scope"], o["op"], o["inputs_matched"]) == \
-        (2, 1, "head", "aten.addmm.default", True)
+    assert (o["step"], o["microbatch"], o["scope"], o["op"], o["inputs_matched"]) == (
+        2,
+        1,
+        "head",
+        "aten.addmm.default",
+        True,
+    )
     cert = certify_trace(tmp_path / "a")
     assert cert["complete"], cert["problems"]
     assert cert["selected_steps"] == "1-2" and cert["ranks"]["0"]["steps"] == "1-2"
@@ -888,7 +980,8 @@ def test_a_traced_run_of_your_own_loop_diffs_and_certifies(tmp_path):
     _own_loop(tmp_path / "off")  # deterministic mode not in force
     assert certify_trace(tmp_path / "off")["problems"] == [
         "deterministic mode is not recorded in run.json (samestep.enable() was not in force when "
-        "samestep.trace() started)"]
+        "samestep.trace() started)"
+    ]
     (tmp_path / "kept").mkdir()
     kept = '{"format": "samestep.run", "version": 1, "config": {"train": {}}}'
     (tmp_path / "kept" / "run.json").write_text(kept)
@@ -915,8 +1008,7 @@ def test_a_perturbation_lands_in_an_output_of_any_layout():
     by one ULP. Control: another occurrence changes nothing."""
     perturb = Perturb(rank=0, step=1, microbatch=0, phase="backward", scope="attn", op="aten.op", occurrence=0)
     identity = (0, 1, 0, "backward", "attn", "aten.op", 0)
-    for out in (torch.arange(12, dtype=torch.float32).view(3, 4).t(), torch.ones(4, 6)[:, ::2],
-                torch.tensor(2.5)):
+    for out in (torch.arange(12, dtype=torch.float32).view(3, 4).t(), torch.ones(4, 6)[:, ::2], torch.tensor(2.5)):
         before = out.clone()
         perturb.apply((*identity[:-1], 1), [out])
         assert torch.equal(out.view(torch.int32), before.view(torch.int32))
@@ -969,6 +1061,7 @@ def test_a_perturbation_that_plants_nothing_is_an_error_at_the_end_of_its_step(t
     """A perturb spec that matches no op of its step (a scope misspelt), or whose step is not traced at op
     level, raises at that step's end naming the spec, instead of leaving the run unperturbed and a diff of it
     "identical". Control: the spec of a record the step makes plants its ULP and the step ends."""
+
     def run(path: Path, perturb: Perturb, level: str = "op") -> None:
         rec = Recorder(path, level=level, perturb=perturb)
         try:
@@ -981,9 +1074,15 @@ def test_a_perturbation_that_plants_nothing_is_an_error_at_the_end_of_its_step(t
     run(tmp_path / "hit", hit)
     assert hit.fired
     missed = Perturb(rank=0, step=1, microbatch=0, phase="forward", scope="lm_haed", op="aten.mul.Tensor")
-    with pytest.raises(ValueError, match=r"trace.perturb: rank=0,step=1,microbatch=0,phase=forward,scope=lm_haed,"
-                                         r"op=aten.mul.Tensor,occurrence=0 matched no floating-point op output"):
+    with pytest.raises(
+        ValueError,
+        match=r"trace.perturb: rank=0,step=1,microbatch=0,phase=forward,scope=lm_haed,"
+        r"op=aten.mul.Tensor,occurrence=0 matched no floating-point op output",
+    ):
         run(tmp_path / "missed", missed)
     with pytest.raises(ValueError, match="nothing was planted"):
-        run(tmp_path / "untraced", Perturb(rank=0, step=1, microbatch=0, phase="forward", scope="",
-                                           op="aten.mul.Tensor"), level="step")
+        run(
+            tmp_path / "untraced",
+            Perturb(rank=0, step=1, microbatch=0, phase="forward", scope="", op="aten.mul.Tensor"),
+            level="step",
+        )

@@ -33,9 +33,17 @@ class Mixed(torch.nn.Module):
 def _odd_tensors(scale: float) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(3)
     big = torch.randn(5 << 18, generator=g) * scale  # 5 MiB: hashed where it lies, not packed
-    return [torch.randn(3, 5, generator=g).t() * scale, (torch.randn(7, generator=g) * scale).to(torch.bfloat16),
-            torch.randn(4, dtype=torch.complex64, generator=g) * scale, torch.tensor([True, False, True]),
-            torch.arange(-3, 4, dtype=torch.int8), torch.tensor(scale), torch.empty(0, 3), big, big[1::3]]
+    return [
+        torch.randn(3, 5, generator=g).t() * scale,
+        (torch.randn(7, generator=g) * scale).to(torch.bfloat16),
+        torch.randn(4, dtype=torch.complex64, generator=g) * scale,
+        torch.tensor([True, False, True]),
+        torch.arange(-3, 4, dtype=torch.int8),
+        torch.tensor(scale),
+        torch.empty(0, 3),
+        big,
+        big[1::3],
+    ]
 
 
 def _run(run: Path, level: str, worker: str, scale: float = 1.0) -> Recorder:
@@ -79,12 +87,14 @@ def test_auto_is_a_thread_and_a_process_that_cannot_read_this_one_refuses(tmp_pa
     may not read the training process (process_vm_readv denied); an explicit 'process' there stops with the
     reason and the fix. Control: the thread's stream is the one a plain 'thread' writes."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(worker_module, "_PROBE", "import socket, sys\n"
-                                                 "socket.socket(fileno=int(sys.argv[1])).sendall(b'errno 1')\n")
+    monkeypatch.setattr(
+        worker_module, "_PROBE", "import socket, sys\nsocket.socket(fileno=int(sys.argv[1])).sendall(b'errno 1')\n"
+    )
     rec = _run(tmp_path / "auto", "step", "auto")
     assert rec.worker == "thread"
     assert read_stream(stream_path(tmp_path / "auto", 0)).table.equals(
-        read_stream(stream_path(_run(tmp_path / "thread", "step", "thread").run_dir, 0)).table)
+        read_stream(stream_path(_run(tmp_path / "thread", "step", "thread").run_dir, 0)).table
+    )
     with pytest.raises(RuntimeError, match=r"trace.worker=process: .*errno 1.*use trace.worker=thread"):
         _run(tmp_path / "process", "step", "process")
 

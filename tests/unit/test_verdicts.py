@@ -15,8 +15,18 @@ from samestep.analysis import DiffError, certify_trace, diff_runs
 from samestep.cli import main
 
 
-def _loop(run: Path, *, level: str = "step", steps: str | None = None, scale: float = 1.0, last: int = 3,
-          resume: bool = False, first: int = 1, fail_at: int | None = None, between=None) -> None:
+def _loop(
+    run: Path,
+    *,
+    level: str = "step",
+    steps: str | None = None,
+    scale: float = 1.0,
+    last: int = 3,
+    resume: bool = False,
+    first: int = 1,
+    fail_at: int | None = None,
+    between=None,
+) -> None:
     """A small loop of the user's own, traced with samestep.trace: steps ``first`` to ``last``; ``scale``
     changes its inputs (a real difference); ``fail_at`` raises inside that step; ``between(step)`` runs
     before each step."""
@@ -57,8 +67,16 @@ def test_a_diff_that_compared_nothing_is_not_identical(tmp_path, deterministic, 
     _loop(tmp_path / "b", steps="3", scale=2.0)
     report = diff_runs(tmp_path / "a", tmp_path / "b")
     assert report["verdict"] == "nothing compared" and not report["identical"]
-    assert report["compared"] == {"metric_steps": 0, "trace_records": 0, "ranks": 1, "final_state": False,
-                                  "receipt_steps": 0, "receipt_states": False, "steps": "", "steps_held": ""}
+    assert report["compared"] == {
+        "metric_steps": 0,
+        "trace_records": 0,
+        "ranks": 1,
+        "final_state": False,
+        "receipt_steps": 0,
+        "receipt_states": False,
+        "steps": "",
+        "steps_held": "",
+    }
     assert report["summary"].startswith("nothing compared:") and "no evidence" in report["summary"]
     assert main(["diff", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
     _loop(tmp_path / "c", steps="1-2", scale=2.0)
@@ -82,7 +100,8 @@ def test_levels_without_inputs_name_where_a_difference_was_seen_not_an_origin(tm
     first = report["first_difference"]
     assert report["origin"] is None and first["kind"] == "first_seen" and first["inputs_matched"] is None
     assert report["first_seen"] == first and report["summary"].startswith(
-        "diverged at step 1: first difference seen: step 1, rank 0")
+        "diverged at step 1: first difference seen: step 1, rank 0"
+    )
     assert first["step"] == 1 and first["op"] == ("grad" if level == "step" else "output")
     assert "have no inputs" in first["note"] and "not a proven origin" in first["note"]
     assert "--set trace.level=op --set trace.steps=1" in first["note"]
@@ -112,9 +131,14 @@ def test_tracing_into_a_traced_run_needs_resume_and_records_it(tmp_path):
         _loop(run, first=5, last=5, resume=True)
     resumes = json.loads((run / "run.json").read_text())["resumes"]
     assert [(r["segment"], r["env_diff"], r["determinism_diff"]) for r in resumes] == [
-        (1, [], []), (2, ["threads.intra_op"], ["torch.num_threads"])]
+        (1, [], []),
+        (2, ["threads.intra_op"], ["torch.num_threads"]),
+    ]
     assert sorted(p.name for p in (run / "trace").iterdir()) == [
-        "rank_00000.1.arrows", "rank_00000.2.arrows", "rank_00000.arrows"]
+        "rank_00000.1.arrows",
+        "rank_00000.2.arrows",
+        "rank_00000.arrows",
+    ]
 
 
 @pytest.mark.parametrize("level", ["step", "module"])
@@ -126,8 +150,11 @@ def test_a_step_that_did_not_finish_is_not_complete(tmp_path, deterministic, lev
     with pytest.raises(RuntimeError, match="failed inside the step"):
         _loop(tmp_path / "failed", level=level, fail_at=2)
     cert = certify_trace(tmp_path / "failed")
-    unfinished = ["rank 0: step(s) 2 did not finish (no step.end record: the step raised, or the run was killed "
-                  "in it)"] if level == "module" else []
+    unfinished = (
+        ["rank 0: step(s) 2 did not finish (no step.end record: the step raised, or the run was killed in it)"]
+        if level == "module"
+        else []
+    )
     assert not cert["complete"]
     assert cert["problems"] == [*unfinished, "step 2 raised (segment 0): the run did not finish it"]
     _loop(tmp_path / "failed", level=level, first=2, resume=True)  # resumed: step 2 re-run and finished
@@ -139,7 +166,8 @@ def test_a_step_that_did_not_finish_is_not_complete(tmp_path, deterministic, lev
     (tmp_path / "whole" / "run.json").write_text(json.dumps(doc))
     assert certify_trace(tmp_path / "whole")["problems"] == [
         "rank 0's trace segment 0 was not closed: the run was killed, or is still running, so steps after its "
-        "last recorded one may be missing"]
+        "last recorded one may be missing"
+    ]
 
 
 def test_what_changes_numerics_is_recorded_and_compared(tmp_path):
@@ -165,8 +193,13 @@ def test_what_changes_numerics_is_recorded_and_compared(tmp_path):
             _loop(tmp_path / "turned", between=turn_off)
     doc = json.loads((tmp_path / "turned" / "run.json").read_text())
     # torch.use_deterministic_algorithms(False) turns Inductor's deterministic mode off too
-    assert doc["determinism_changed"] == {"step": 2, "knobs": {"torch.use_deterministic_algorithms": [True, False],
-                                                               "torch._inductor.config.deterministic": [True, False]}}
+    assert doc["determinism_changed"] == {
+        "step": 2,
+        "knobs": {
+            "torch.use_deterministic_algorithms": [True, False],
+            "torch._inductor.config.deterministic": [True, False],
+        },
+    }
     assert any(
         "deterministic mode stopped holding at step 2" in p for p in certify_trace(tmp_path / "turned")["problems"]
     )
@@ -174,21 +207,29 @@ def test_what_changes_numerics_is_recorded_and_compared(tmp_path):
         diff_runs(tmp_path / "plain", tmp_path / "turned")
 
     _loop(tmp_path / "late")  # traced before any enable()
-    with pytest.raises(DiffError, match=r"Run B recorded no deterministic mode: its samestep\.trace\(\) started "
-                                        r"before samestep\.enable\(\)"):
+    with pytest.raises(
+        DiffError,
+        match=r"Run B recorded no deterministic mode: its samestep\.trace\(\) started "
+        r"before samestep\.enable\(\)",
+    ):
         diff_runs(tmp_path / "plain", tmp_path / "late")
 
 
-@pytest.mark.parametrize("content,needle", [
-    ("[]", "run.json: is list, expected a table"),
-    ("null", "run.json: is NoneType, expected a table"),
-    (b"\xff\xfe", "run.json: not valid JSON"),
-    ('{"format": "samestep.run", "version": 1, "layout": {"world_size": "two"}}', "a world_size is 'two'"),
-    ('{"format": "samestep.run", "version": 1, "config": 5}', "'config' is 5, expected a dict"),
-    ('{"format": "samestep.run", "version": 99}', "version 99 of format 'samestep.run'; this samestep reads "
-                                                 "versions 1 to 1"),
-    ('{"format": "samestep.run"}', "version None of format 'samestep.run'"),
-])
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ("[]", "run.json: is list, expected a table"),
+        ("null", "run.json: is NoneType, expected a table"),
+        (b"\xff\xfe", "run.json: not valid JSON"),
+        ('{"format": "samestep.run", "version": 1, "layout": {"world_size": "two"}}', "a world_size is 'two'"),
+        ('{"format": "samestep.run", "version": 1, "config": 5}', "'config' is 5, expected a dict"),
+        (
+            '{"format": "samestep.run", "version": 99}',
+            "version 99 of format 'samestep.run'; this samestep reads versions 1 to 1",
+        ),
+        ('{"format": "samestep.run"}', "version None of format 'samestep.run'"),
+    ],
+)
 def test_a_malformed_run_json_is_one_line_naming_it(tmp_path, content, needle):
     """run.json that is no table, not UTF-8, has a non-numeric world size, or a format version this samestep does
     not know (or none): diff and certify refuse with one line naming the file (exit 2), no traceback. Negative
@@ -203,11 +244,14 @@ def test_a_malformed_run_json_is_one_line_naming_it(tmp_path, content, needle):
     assert certify_trace(run)["ranks"] == {}
 
 
-@pytest.mark.parametrize("line,needle", [
-    ("[1, 2]", "metrics.jsonl:2: '[1, 2]' is not a metrics row"),
-    ('{"step": "2"}', "metrics.jsonl:2: '{\"step\": \"2\"}' is not a metrics row"),
-    ("garbage", "metrics.jsonl:2: not valid JSON; only the last line may be torn"),
-])
+@pytest.mark.parametrize(
+    "line,needle",
+    [
+        ("[1, 2]", "metrics.jsonl:2: '[1, 2]' is not a metrics row"),
+        ('{"step": "2"}', 'metrics.jsonl:2: \'{"step": "2"}\' is not a metrics row'),
+        ("garbage", "metrics.jsonl:2: not valid JSON; only the last line may be torn"),
+    ],
+)
 def test_a_damaged_metrics_line_is_named_and_a_resume_refuses_to_cut_there(tmp_path, line, needle):
     """A metrics.jsonl line that is a list, has a string step, or is garbage before the last line: diff
     names the file and line; a resume refuses to cut the file there (every later step would be lost).
@@ -248,9 +292,12 @@ def test_a_gap_in_the_metrics_refuses_the_resume(tmp_path):
 
 
 def _metrics(run: Path, losses: dict[int, float]) -> None:
-    (run / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": s, "loss_hex": float(v).hex(), "grad_norm_hex": "0x1p+0"}) + "\n"
-        for s, v in losses.items()))
+    (run / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({"step": s, "loss_hex": float(v).hex(), "grad_norm_hex": "0x1p+0"}) + "\n"
+            for s, v in losses.items()
+        )
+    )
 
 
 def test_metrics_are_compared_by_step_number_not_by_line(tmp_path, deterministic):
@@ -276,8 +323,12 @@ def test_diff_takes_the_first_divergent_step_from_the_receipts(tmp_path):
     from tests.support import TINY, train_here
 
     fault = "train.fault=param:rank=0,step=2,name=transformer.h.0.mlp.c_fc.weight,bit=20"
-    for name, extra in (("a", ()), ("b", (fault,)), ("a_plain", ("train.receipts=false",)),
-                        ("b_plain", ("train.receipts=false", fault))):
+    for name, extra in (
+        ("a", ()),
+        ("b", (fault,)),
+        ("a_plain", ("train.receipts=false",)),
+        ("b_plain", ("train.receipts=false", fault)),
+    ):
         train_here(tmp_path / name, *TINY, *extra)
     report = diff_runs(tmp_path / "a", tmp_path / "b", force=True)
     assert report["receipts"]["step"] == 2 and report["receipts"]["fields"] == ["state"], report["receipts"]
@@ -338,8 +389,11 @@ def test_a_knob_flipped_inside_a_forward_is_seen_at_op_level(tmp_path):
     not seen (docs/design.md says so). Negative control: the same module without the flip records nothing
     at op level."""
     with samestep.enable(threads=1):
-        with pytest.warns(RuntimeWarning, match=r"at step 1 deterministic mode no longer holds .*cudnn_sdp: "
-                                                 r"False -> True, while aten\.\S+ in inner \(forward\) ran"):
+        with pytest.warns(
+            RuntimeWarning,
+            match=r"at step 1 deterministic mode no longer holds .*cudnn_sdp: "
+            r"False -> True, while aten\.\S+ in inner \(forward\) ran",
+        ):
             doc = _flip_loop(tmp_path / "op", "op", flip=True)
         assert doc["determinism_changed"]["knobs"] == {"torch.backends.cuda.cudnn_sdp": [False, True]}
         assert doc["determinism_changed"]["step"] == 1
@@ -374,6 +428,7 @@ def test_the_text_names_the_first_step_the_receipts_differ_at(tmp_path):
     update (the receipts), their traces first at step 2. The summary begins with step 1 and
     what differs there, then where the traces first differ, as the JSON's first_divergent_step says. Negative
     control: with receipts off the first step anything differs at is the traces' step 2."""
+
     def loop(run: Path, lr: float, receipts: bool = True) -> None:
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
@@ -388,10 +443,13 @@ def test_the_text_names_the_first_step_the_receipts_differ_at(tmp_path):
     loop(tmp_path / "b", 0.2)
     report = diff_runs(tmp_path / "a", tmp_path / "b")
     assert report["first_divergent_step"] == 1 and report["receipts"]["step"] == 1, report
-    assert report["summary"].startswith("diverged at step 1: the receipts' state differ (rank 0); the traces first "
-                                        "differ at step 2: first difference seen: step 2"), report["summary"]
+    assert report["summary"].startswith(
+        "diverged at step 1: the receipts' state differ (rank 0); the traces first "
+        "differ at step 2: first difference seen: step 2"
+    ), report["summary"]
     loop(tmp_path / "c", 0.1, receipts=False)
     loop(tmp_path / "d", 0.2, receipts=False)
     report = diff_runs(tmp_path / "c", tmp_path / "d")
     assert report["first_divergent_step"] == 2 and report["summary"].startswith(
-        "diverged at step 2: first difference seen: step 2"), report["summary"]
+        "diverged at step 2: first difference seen: step 2"
+    ), report["summary"]

@@ -32,7 +32,7 @@ def case():
 
 def _rank(weight: torch.Tensor, idx: torch.Tensor, grad_out: torch.Tensor, degree: int, r: int):
     rows = V // degree
-    w = weight[r * rows:(r + 1) * rows].clone().requires_grad_()
+    w = weight[r * rows : (r + 1) * rows].clone().requires_grad_()
     out = vocab_parallel_embedding(idx - r * rows, w)
     out.backward(grad_out)
     return out.detach(), w.grad
@@ -64,4 +64,4 @@ def test_zeros_for_other_ranks_or_a_fold_over_a_ranks_own_tokens_give_other_bits
     other = weight[(idx - V // 2).clamp(min=0)].masked_fill(mine.unsqueeze(-1), 0.0)
     assert not torch.equal(_bits(zero_filled + other), _bits(whole))
     own = ops.index_add(torch.zeros(V // 2, C), 0, idx[mine], grad_out[mine])
-    assert not torch.equal(_bits(own), _bits(whole_grad[:V // 2]))
+    assert not torch.equal(_bits(own), _bits(whole_grad[: V // 2]))

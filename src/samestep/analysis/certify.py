@@ -31,13 +31,21 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
     cfg = doc.get("config", {})
     tcfg = cfg.get("trace", {})
     if doc.get("determinism") is None:
-        problems.append("deterministic mode is not recorded in run.json " + (
-            "(samestep.enable() was not in force when samestep.trace() started)"
-            if doc.get("written_by") == "samestep.trace" else "(the run had determinism.enabled=false)"))
+        problems.append(
+            "deterministic mode is not recorded in run.json "
+            + (
+                "(samestep.enable() was not in force when samestep.trace() started)"
+                if doc.get("written_by") == "samestep.trace"
+                else "(the run had determinism.enabled=false)"
+            )
+        )
     changed = doc.get("determinism_changed")
     if changed is not None:
-        problems.append(f"deterministic mode stopped holding at step {changed.get('step')} (" + ", ".join(
-            f"{name}: {a!r} -> {b!r}" for name, (a, b) in changed.get("knobs", {}).items()) + ")")
+        problems.append(
+            f"deterministic mode stopped holding at step {changed.get('step')} ("
+            + ", ".join(f"{name}: {a!r} -> {b!r}" for name, (a, b) in changed.get("knobs", {}).items())
+            + ")"
+        )
     if tcfg.get("level", "off") == "off":
         problems.append("the run was not traced (trace.level=off)")
     world = max([doc.get("layout", {}).get("world_size", 1)] + [r.get("world_size", 1) for r in doc.get("resumes", [])])
@@ -61,8 +69,10 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
         seen_by_rank[rank] = seen
         unfinished = sorted(s for s, k in last_seen.items() if (k, s) not in ended)
         if unfinished:
-            problems.append(f"rank {rank}: step(s) {format_selection(unfinished)} did not finish (no {END} record: "
-                            "the step raised, or the run was killed in it)")
+            problems.append(
+                f"rank {rank}: step(s) {format_selection(unfinished)} did not finish (no {END} record: "
+                "the step raised, or the run was killed in it)"
+            )
         per_rank[str(rank)] = {"records": records, "steps": format_selection(seen), "segments": len(segments)}
         if rank == 0 and doc.get("written_by") == "samestep.trace":
             problems.extend(_closes(doc, counts, ended))
@@ -73,8 +83,14 @@ def certify_trace(run: str | Path) -> dict[str, Any]:
         missing = steps - seen
         if missing:
             problems.append(f"rank {rank}: no records for step(s) {format_selection(missing)}")
-    return {"complete": not problems, "problems": problems, "ranks": per_rank, "run": str(run),
-            "selected_steps": format_selection(steps), "selected_ranks": ranks}
+    return {
+        "complete": not problems,
+        "problems": problems,
+        "ranks": per_rank,
+        "run": str(run),
+        "selected_steps": format_selection(steps),
+        "selected_ranks": ranks,
+    }
 
 
 def _read_segments(segments: list, problems: list[str]) -> tuple[dict[int, int], set[tuple[int, int]], list[int]]:
@@ -116,13 +132,20 @@ def _closes(doc: dict[str, Any], counts: list[int], ended: set[tuple[int, int]])
     close (the later segments' steps are checked like any); the last one does."""
     closes = {c.get("segment"): c for c in doc.get("closes", [])}
     last = len(counts) - 1
-    problems = [] if last in closes else [
-        f"rank 0's trace segment {last} was not closed: the run was killed, or is still running, so steps after "
-        "its last recorded one may be missing"]
+    problems = (
+        []
+        if last in closes
+        else [
+            f"rank 0's trace segment {last} was not closed: the run was killed, or is still running, so steps after "
+            "its last recorded one may be missing"
+        ]
+    )
     for k, close in sorted(closes.items()):
         if k is not None and 0 <= k <= last and "records" in close and close["records"] != counts[k]:
-            problems.append(f"rank 0's trace segment {k} holds {counts[k]} records; its recorder closed it with "
-                            f"{close['records']}: the stream was cut or added to")
+            problems.append(
+                f"rank 0's trace segment {k} holds {counts[k]} records; its recorder closed it with "
+                f"{close['records']}: the stream was cut or added to"
+            )
         failed = close.get("failed_step")
         if failed is not None and not any((later, failed) in ended for later in range(k + 1, last + 1)):
             problems.append(f"step {failed} raised (segment {k}): the run did not finish it")

@@ -30,22 +30,28 @@ def check_comparable(doc_a: dict[str, Any], doc_b: dict[str, Any], force: bool, 
     writers = run_writer(doc_a), run_writer(doc_b)
     if writers[0] != writers[1]:
         if not force:
-            raise DiffError(f"run A is {writers[0]} and run B {writers[1]}: their configs have nothing in common, "
-                            "so their bits are not expected to match. Fix: compare runs of one program (pass "
-                            "--force to compare their records anyway)")
+            raise DiffError(
+                f"run A is {writers[0]} and run B {writers[1]}: their configs have nothing in common, "
+                "so their bits are not expected to match. Fix: compare runs of one program (pass "
+                "--force to compare their records anyway)"
+            )
         notes.append(f"run A is {writers[0]}, run B {writers[1]} (compared with --force)")
         return
-    cfg_diff = {k: v for k, v in compare_environments(dotted(doc_a.get("config", {})),
-                                                      dotted(doc_b.get("config", {}))).items()
-                if k not in IGNORED_CONFIG}
+    cfg_diff = {
+        k: v
+        for k, v in compare_environments(dotted(doc_a.get("config", {})), dotted(doc_b.get("config", {}))).items()
+        if k not in IGNORED_CONFIG
+    }
     env_diff = numerics_differences(doc_a.get("environment", {}), doc_b.get("environment", {}))
     # deterministic mode first: the environment fingerprint records its knobs too, and its refusal says why
     for what, d in (("deterministic mode", _numerics(doc_a, doc_b)), ("config", cfg_diff), ("environment", env_diff)):
         if d:
             fields = ", ".join(f"{k} ({a!r} vs {b!r})" for k, (a, b) in d.items())
             if not force:
-                raise DiffError(f"the runs' {what}s differ: {fields}; bitwise comparison only holds for the same "
-                                f"{what} (pass --force to compare anyway)" + _why_off(doc_a, doc_b, d))
+                raise DiffError(
+                    f"the runs' {what}s differ: {fields}; bitwise comparison only holds for the same "
+                    f"{what} (pass --force to compare anyway)" + _why_off(doc_a, doc_b, d)
+                )
             notes.append(f"{what} differs (compared with --force): {fields}")
 
 
@@ -67,8 +73,10 @@ def _why_off(doc_a: dict[str, Any], doc_b: dict[str, Any], diff: dict[str, tuple
         return ""
     run, doc = ("A", doc_a) if doc_a.get("determinism") is None else ("B", doc_b)
     if doc.get("written_by") == "samestep.trace":
-        return (f". Run {run} recorded no deterministic mode: its samestep.trace() started before "
-                "samestep.enable() (or enable() was never called); call samestep.enable() first")
+        return (
+            f". Run {run} recorded no deterministic mode: its samestep.trace() started before "
+            "samestep.enable() (or enable() was never called); call samestep.enable() first"
+        )
     return f". Run {run} ran with determinism.enabled=false"
 
 
@@ -76,19 +84,22 @@ def ranks_to_compare(run_a, run_b, ranks: set[int] | None, notes: list[str]) -> 
     """The ranks both runs traced (within ``ranks``); a note if they traced different ones."""
     ranks_a, ranks_b = set(traced_ranks(run_a)), set(traced_ranks(run_b))
     if ranks_a != ranks_b:
-        notes.append(f"traced ranks differ: A has {format_selection(ranks_a) or 'none'}, B has "
-                     f"{format_selection(ranks_b) or 'none'}; only the ranks both traced are compared")
+        notes.append(
+            f"traced ranks differ: A has {format_selection(ranks_a) or 'none'}, B has "
+            f"{format_selection(ranks_b) or 'none'}; only the ranks both traced are compared"
+        )
     if ranks is not None and ranks - ranks_a - ranks_b:
-        raise DiffError(f"--ranks {format_selection(ranks)}: rank(s) {format_selection(ranks - ranks_a - ranks_b)} "
-                        f"have no trace in either run (A traced {format_selection(ranks_a) or 'no rank'}, B "
-                        f"{format_selection(ranks_b) or 'no rank'}); choose traced ranks or leave --ranks out")
+        raise DiffError(
+            f"--ranks {format_selection(ranks)}: rank(s) {format_selection(ranks - ranks_a - ranks_b)} "
+            f"have no trace in either run (A traced {format_selection(ranks_a) or 'no rank'}, B "
+            f"{format_selection(ranks_b) or 'no rank'}); choose traced ranks or leave --ranks out"
+        )
     return sorted((ranks_a & ranks_b) if ranks is None else (ranks_a & ranks_b & ranks))
 
 
-
-
-def traced_alike(doc_a: dict, doc_b: dict, steps: set[int] | None,
-                  notes: list[str]) -> tuple[set[int] | None, tuple[str | None, str | None]]:
+def traced_alike(
+    doc_a: dict, doc_b: dict, steps: set[int] | None, notes: list[str]
+) -> tuple[set[int] | None, tuple[str | None, str | None]]:
     """Two runs traced at other levels or on other steps are compared on what both recorded (not
     reported as code paths that differ): the steps both traced (within ``steps``), at the lower level.
 
@@ -101,16 +112,20 @@ def traced_alike(doc_a: dict, doc_b: dict, steps: set[int] | None,
     if la != lb and {la, lb} <= set(LEVELS) - {"off"}:
         low = min(la, lb, key=LEVELS.index)
         levels = (low if la != low else None, low if lb != low else None)
-        notes.append(f"A was traced at {la} level, B at {lb}: compared at {low} level (run "
-                     f"{'A' if la != low else 'B'}'s finer records are left out)")
+        notes.append(
+            f"A was traced at {la} level, B at {lb}: compared at {low} level (run "
+            f"{'A' if la != low else 'B'}'s finer records are left out)"
+        )
     try:
         sa, sb = (parse_selection(t.get("steps", "all"), "trace.steps") for t in (ta, tb))
     except ValueError as e:
         raise DiffError(f"run.json: {e}") from None
     if sa != sb:
         both = sb if sa is None else sa if sb is None else sa & sb
-        notes.append(f"traced steps differ (A: {'all' if sa is None else format_selection(sa)}, B: "
-                     f"{'all' if sb is None else format_selection(sb)}): traces compared on the steps both "
-                     f"traced ({format_selection(both) or 'none'})")
+        notes.append(
+            f"traced steps differ (A: {'all' if sa is None else format_selection(sa)}, B: "
+            f"{'all' if sb is None else format_selection(sb)}): traces compared on the steps both "
+            f"traced ({format_selection(both) or 'none'})"
+        )
         steps = both if steps is None else steps & both
     return steps, levels

@@ -23,10 +23,28 @@ __all__ = ["COPY_LIKE", "RankResult", "compare_rank"]
 
 # Ops that only move or reinterpret bytes: if one "diverges" with matching inputs, its input was
 # changed by something the dispatcher never saw.
-COPY_LIKE = ("aten.view", "aten._unsafe_view", "aten.reshape", "aten.clone", "aten.copy_", "aten._to_copy",
-             "aten.contiguous", "aten.detach", "aten.alias", "aten.t.", "aten.transpose", "aten.permute",
-             "aten.expand", "aten.slice", "aten.select", "aten.split", "aten.unsqueeze", "aten.squeeze",
-             "aten.as_strided", "aten.lift_fresh")
+COPY_LIKE = (
+    "aten.view",
+    "aten._unsafe_view",
+    "aten.reshape",
+    "aten.clone",
+    "aten.copy_",
+    "aten._to_copy",
+    "aten.contiguous",
+    "aten.detach",
+    "aten.alias",
+    "aten.t.",
+    "aten.transpose",
+    "aten.permute",
+    "aten.expand",
+    "aten.slice",
+    "aten.select",
+    "aten.split",
+    "aten.unsqueeze",
+    "aten.squeeze",
+    "aten.as_strided",
+    "aten.lift_fresh",
+)
 
 
 @dataclass(slots=True)
@@ -58,44 +76,68 @@ def _classify(rank: int, a: pa.Table, b: pa.Table, i: int, differing: int) -> Di
     note = ""
     if not inputs and (row["phase"] == "step" or op in ("output", "grad_output")):
         level = "step" if row["phase"] == "step" else "module"
-        what = (f"the first {'module output' if op == 'output' else 'gradient at a module'} that differs, in the "
-                "order the modules ran" if level == "module" else "the first differing record in parameter order")
-        return Divergence(rank=rank, kind="first_seen", inputs_matched=None, **row, note=(
-            f"{level}-level records have no inputs, so this is {what}, not a proven origin; {differing} record(s) "
-            f"differ at step {row['step']} on this rank. To find the op: samestep bisect replays that step at op "
-            f"level (the runs of samestep train, samestep.Run and the HF and Lightning callbacks), or trace it so "
-            f"(--set trace.level=op --set trace.steps={row['step']}, or samestep.Run(..., level='op', "
-            f"trace_steps='{row['step']}'))"))
+        what = (
+            f"the first {'module output' if op == 'output' else 'gradient at a module'} that differs, in the "
+            "order the modules ran"
+            if level == "module"
+            else "the first differing record in parameter order"
+        )
+        return Divergence(
+            rank=rank,
+            kind="first_seen",
+            inputs_matched=None,
+            **row,
+            note=(
+                f"{level}-level records have no inputs, so this is {what}, not a proven origin; {differing} record(s) "
+                f"differ at step {row['step']} on this rank. To find the op: samestep bisect replays that step at op "
+                f"level (the runs of samestep train, samestep.Run and the HF and Lightning callbacks), or trace it so "
+                f"(--set trace.level=op --set trace.steps={row['step']}, or samestep.Run(..., level='op', "
+                f"trace_steps='{row['step']}'))"
+            ),
+        )
     if matched and row["scope"] == "collective":
         # Its output also depends on the other ranks' inputs, which this stream does not hold.
-        return Divergence(rank=rank, kind="receiver", inputs_matched=True, **row,
-                          note="a collective whose local input matched: the difference came from another rank")
+        return Divergence(
+            rank=rank,
+            kind="receiver",
+            inputs_matched=True,
+            **row,
+            note="a collective whose local input matched: the difference came from another rank",
+        )
     if matched and op.startswith(COPY_LIKE):
-        note = (f"{op} only moves bytes, yet its output differs while its inputs matched: the input was "
-                "probably written outside the dispatcher (a custom extension or raw-pointer kernel) in "
-                f"scope {row['scope']!r}, after the digest of its last recorded version")
+        note = (
+            f"{op} only moves bytes, yet its output differs while its inputs matched: the input was "
+            "probably written outside the dispatcher (a custom extension or raw-pointer kernel) in "
+            f"scope {row['scope']!r}, after the digest of its last recorded version"
+        )
     elif not matched:
-        note = ("an input differs that no earlier traced record produced differently: it came from outside "
-                "the traced window (an earlier step, untraced data) or from a kernel outside the dispatcher; "
-                "widen trace.steps to earlier steps or use trace.level=op")
+        note = (
+            "an input differs that no earlier traced record produced differently: it came from outside "
+            "the traced window (an earlier step, untraced data) or from a kernel outside the dispatcher; "
+            "widen trace.steps to earlier steps or use trace.level=op"
+        )
     return Divergence(rank=rank, kind="origin" if matched else "receiver", inputs_matched=matched, note=note, **row)
 
 
-def compare_rank(run_a: Path, run_b: Path, rank: int, steps: set[int] | None,
-                  levels: tuple[str | None, str | None] = (None, None)) -> RankResult:
+def compare_rank(
+    run_a: Path, run_b: Path, rank: int, steps: set[int] | None, levels: tuple[str | None, str | None] = (None, None)
+) -> RankResult:
     """``levels``: the level to cut run A's and run B's records down to (None: all of them). Steps that
     one run's stream holds and the other's does not are reported as missing (``res.missing``), and the
     streams compared on the steps both hold: a lost step is not a difference of code paths."""
     res = RankResult(rank)
-    have_a, have_b = (steps_recorded(run, rank, steps, level)
-                      for run, level in ((run_a, levels[0]), (run_b, levels[1])))
+    have_a, have_b = (
+        steps_recorded(run, rank, steps, level) for run, level in ((run_a, levels[0]), (run_b, levels[1]))
+    )
     res.held = (have_a, have_b)
     if have_a != have_b:
         res.missing = {"A": sorted(have_b - have_a), "B": sorted(have_a - have_b)}
         steps = have_a & have_b
     res.notes += [left_out] if (left_out := state_left_out(run_a, run_b, rank)) else []
-    chunks_a, chunks_b = (chunks(records(run, rank, steps, res.notes, level, state=left_out is None))
-                          for run, level in ((run_a, levels[0]), (run_b, levels[1])))
+    chunks_a, chunks_b = (
+        chunks(records(run, rank, steps, res.notes, level, state=left_out is None))
+        for run, level in ((run_a, levels[0]), (run_b, levels[1]))
+    )
     while True:
         a, b = next(chunks_a, None), next(chunks_b, None)
         if a is None or b is None:
@@ -103,8 +145,12 @@ def compare_rank(run_a: Path, run_b: Path, rank: int, steps: set[int] | None,
                 longer, name = (a, "A") if a is not None else (b, "B")
                 row = _row(longer, 0)
                 res.divergence = Divergence(
-                    rank=rank, kind="structural", inputs_matched=False,
-                    note=f"run {name} has records the other run does not (its stream is longer)", **row)
+                    rank=rank,
+                    kind="structural",
+                    inputs_matched=False,
+                    note=f"run {name} has records the other run does not (its stream is longer)",
+                    **row,
+                )
             return res
         n = min(a.num_rows, b.num_rows)
         a_n, b_n = a.slice(0, n), b.slice(0, n)
@@ -117,10 +163,14 @@ def compare_rank(run_a: Path, run_b: Path, rank: int, steps: set[int] | None,
         first_out = _first_false(same_out)
         if first_key is not None and (first_out is None or first_key <= first_out):
             res.records += first_key
-            res.divergence = Divergence(rank=rank, kind="structural", inputs_matched=False,
-                                        other=_row(b_n, first_key),
-                                        note="the two runs recorded different ops here: their code paths differ",
-                                        **_row(a_n, first_key))
+            res.divergence = Divergence(
+                rank=rank,
+                kind="structural",
+                inputs_matched=False,
+                other=_row(b_n, first_key),
+                note="the two runs recorded different ops here: their code paths differ",
+                **_row(a_n, first_key),
+            )
             return res
         if first_out is not None:
             res.records += first_out
@@ -131,6 +181,7 @@ def compare_rank(run_a: Path, run_b: Path, rank: int, steps: set[int] | None,
         res.records += n
         if a.num_rows != b.num_rows:  # different chunk lengths only happen at the end of a stream
             rest = a.slice(n) if a.num_rows > n else b.slice(n)
-            res.divergence = Divergence(rank=rank, kind="structural", inputs_matched=False,
-                                        note="one run's stream is longer", **_row(rest, 0))
+            res.divergence = Divergence(
+                rank=rank, kind="structural", inputs_matched=False, note="one run's stream is longer", **_row(rest, 0)
+            )
             return res

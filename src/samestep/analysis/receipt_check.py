@@ -58,16 +58,20 @@ def checkpoint_mismatches(run_dir: Path, step_dir: Path, chains: Chains, written
         of = receipt.get("state_of")  # version 2 says; version 1's header may predate a change of layout
         if of is not None and of != ("rank" if shards else "run"):
             what = "the whole state" if of == "run" else "one rank's shards"
-            problems.append(f"{step_dir}: {receipts_path(run_dir, rank).name}'s receipt of step {step} is of "
-                            f"{what}, but the checkpoint is "
-                            f"{'sharded' if shards else 'whole'}: a checkpoint of another layout, or changed since")
+            problems.append(
+                f"{step_dir}: {receipts_path(run_dir, rank).name}'s receipt of step {step} is of "
+                f"{what}, but the checkpoint is "
+                f"{'sharded' if shards else 'whole'}: a checkpoint of another layout, or changed since"
+            )
             continue
         tree = receipted_state(checkpoint_state(step_dir, rank if shards else None), written_by)
         digest = state_checksum(tree, state_hash_of(header))
         if digest != receipt["state"]:
             whose = f"rank {rank}'s shards" if shards else "its state"
-            problems.append(f"{step_dir}: {whose} checksum {digest[:16]}... is not the receipt's of step {step} "
-                            f"({receipt['state'][:16]}...): a checkpoint of another run, or changed since")
+            problems.append(
+                f"{step_dir}: {whose} checksum {digest[:16]}... is not the receipt's of step {step} "
+                f"({receipt['state'][:16]}...): a checkpoint of another run, or changed since"
+            )
     return problems
 
 
@@ -82,8 +86,10 @@ def _check_metrics(run_dir: Path, by_step: dict[int, dict], last: int, finished:
     steps = [row["step"] for row in rows]
     if steps[:last] != list(range(1, last + 1)):
         bad = next((i for i, s in enumerate(steps[:last], 1) if s != i), min(len(steps), last) + 1)
-        return [f"{path}: line {bad} should be step {bad} (the receipts cover steps 1-{last}); it holds "
-                f"{steps[bad - 1] if bad <= len(steps) else 'nothing'}: rows deleted, moved or repeated"]
+        return [
+            f"{path}: line {bad} should be step {bad} (the receipts cover steps 1-{last}); it holds "
+            f"{steps[bad - 1] if bad <= len(steps) else 'nothing'}: rows deleted, moved or repeated"
+        ]
     if finished and (len(steps) > last or len(lines) > len(rows)):
         return [f"{path}: holds {len(lines) - last} line(s) past step {last}, the run's last (a torn or added row)"]
     for row in rows[:last]:
@@ -95,8 +101,9 @@ def _check_metrics(run_dir: Path, by_step: dict[int, dict], last: int, finished:
     return []
 
 
-def _check_final(run_dir: Path, final: dict[str, Any], header: dict[str, Any], by_step: dict[int, dict],
-                 last: int, sharded: bool) -> tuple[list[str], str]:
+def _check_final(
+    run_dir: Path, final: dict[str, Any], header: dict[str, Any], by_step: dict[int, dict], last: int, sharded: bool
+) -> tuple[list[str], str]:
     """final.json against the last receipt; and what was compared. ``sharded``: the layout of the last step
     (run.json's), what a version-1 receipt, which does not say what its state is of, is taken by."""
     path = final_path(run_dir)
@@ -132,8 +139,10 @@ def check_receipts(run_dir: str | Path) -> dict[str, Any]:
     if not chains:
         read_receipts(receipts_path(run_dir, 0))  # raises: missing
     if not any(receipts for _, receipts in chains.values()):
-        raise ReceiptError(f"{run_dir / 'receipts'}: holds no receipt (the run stopped before its first step, or "
-                           "wrote none): there is nothing to check")
+        raise ReceiptError(
+            f"{run_dir / 'receipts'}: holds no receipt (the run stopped before its first step, or "
+            "wrote none): there is nothing to check"
+        )
     data = doc.get("data") if isinstance(doc.get("data"), dict) else {}
     first = genesis(doc["config"], data["fingerprint"]) if "fingerprint" in data else None
     problems, checked, ranks = [], [], {}
@@ -154,8 +163,10 @@ def check_receipts(run_dir: str | Path) -> dict[str, Any]:
 
     for rank, (header, receipts) in chains.items():
         path = receipts_path(run_dir, rank)
-        ranks[rank] = {"steps": f"{receipts[0]['step']}-{receipts[-1]['step']}" if receipts else "none",
-                       "state_of": header.get("state_of")}
+        ranks[rank] = {
+            "steps": f"{receipts[0]['step']}-{receipts[-1]['step']}" if receipts else "none",
+            "state_of": header.get("state_of"),
+        }
         if first is not None and header.get("genesis") != first:
             problems.append(f"{path}: its genesis is not of run.json's config and data (receipts of another run?)")
         why = chain_break(header, receipts)
@@ -180,8 +191,12 @@ def check_receipts(run_dir: str | Path) -> dict[str, Any]:
         if what:
             checked.append(what)
     problems += _check_checkpoint(run_dir, doc, chains, checked)
-    return {"ok": not problems, "problems": problems, "ranks": {str(k): v for k, v in sorted(ranks.items())},
-            "checked": checked}
+    return {
+        "ok": not problems,
+        "problems": problems,
+        "ranks": {str(k): v for k, v in sorted(ranks.items())},
+        "checked": checked,
+    }
 
 
 def _check_ranks_agree(run_dir: Path, chains: Chains) -> list[str]:
@@ -197,10 +212,12 @@ def _check_ranks_agree(run_dir: Path, chains: Chains) -> list[str]:
             low, other = first[r["step"]]
             differ = [f for f in ("loss_hex", "grad_norm_hex") if r[f] != other[f]]
             if differ:
-                return [f"{receipts_path(run_dir, rank)}: step {r['step']}: {' and '.join(differ)} "
-                        f"{', '.join(r[f] for f in differ)} differ from rank {low}'s "
-                        f"{', '.join(other[f] for f in differ)}; every rank receipts the same reduced bits, so one "
-                        "of the files was edited"]
+                return [
+                    f"{receipts_path(run_dir, rank)}: step {r['step']}: {' and '.join(differ)} "
+                    f"{', '.join(r[f] for f in differ)} differ from rank {low}'s "
+                    f"{', '.join(other[f] for f in differ)}; every rank receipts the same reduced bits, so one "
+                    "of the files was edited"
+                ]
     return []
 
 

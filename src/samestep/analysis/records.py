@@ -35,12 +35,15 @@ def state_left_out(run_a: Path, run_b: Path, rank: int) -> str | None:
     if len(kinds[0] | kinds[1]) <= 1:
         return None
     said = ["both" if len(k) > 1 else next(iter(k), "none") for k in kinds]
-    return (f"rank {rank}: the state records (param, optim.*) are left out: A's trace digests them by {said[0]}, "
-            f"B's by {said[1]} (traces of other samestep versions); the receipts and final states compare the state")
+    return (
+        f"rank {rank}: the state records (param, optim.*) are left out: A's trace digests them by {said[0]}, "
+        f"B's by {said[1]} (traces of other samestep versions); the receipts and final states compare the state"
+    )
 
 
-def records(run: Path, rank: int, steps: set[int] | None, torn: list[str],
-            level: str | None = None, state: bool = True) -> Iterator[pa.RecordBatch]:
+def records(
+    run: Path, rank: int, steps: set[int] | None, torn: list[str], level: str | None = None, state: bool = True
+) -> Iterator[pa.RecordBatch]:
     """A rank's records over all its segments; steps re-run after a resume come from the later segment.
     ``level``: only the records a run traced at that (lower) level has. ``state`` False: without the state
     records (see ``state_left_out``)."""
@@ -51,7 +54,7 @@ def records(run: Path, rank: int, steps: set[int] | None, torn: list[str],
         first = next(batches, None)
         firsts.append(int(first.column(1)[0].as_py()) if first is not None and first.num_rows else None)
     for i, seg in enumerate(segments):
-        later = [f for f in firsts[i + 1:] if f is not None]
+        later = [f for f in firsts[i + 1 :] if f is not None]
         cutoff = min(later) if later else None
         _, batches, seg_torn = iter_stream(seg)
         for batch in batches:

@@ -36,8 +36,10 @@ def _figure_class() -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise DiffError("samestep report draws with matplotlib, which is not installed: "
-                        "pip install 'samestep[report]' (or pip install matplotlib)") from None
+        raise DiffError(
+            "samestep report draws with matplotlib, which is not installed: "
+            "pip install 'samestep[report]' (or pip install matplotlib)"
+        ) from None
     return Figure
 
 
@@ -62,8 +64,9 @@ def _rows(run: Path) -> tuple[list[dict[str, Any]], _States]:
     except ValueError as e:  # a damaged receipts file
         raise DiffError(str(e)) from None
     receipts = by_rank(files).get("0", [])
-    rows = load_metrics(run) or [{"step": r["step"], "loss_hex": r["loss_hex"], "grad_norm_hex": r["grad_norm_hex"]}
-                                 for r in receipts]
+    rows = load_metrics(run) or [
+        {"step": r["step"], "loss_hex": r["loss_hex"], "grad_norm_hex": r["grad_norm_hex"]} for r in receipts
+    ]
     return rows, _States(set(files), {r["step"]: r for r in receipts})
 
 
@@ -86,12 +89,20 @@ def _title(divergent: int | None, diff: dict[str, Any] | None) -> str:
     if not found:
         return f"first divergent step: {divergent}"
     what = "origin" if diff.get("origin") else "first seen"
-    return (f"first divergent step: {divergent}; {what}: {found['op']} in {found['scope'] or '<root>'} "
-            f"({found['phase']}), rank {found['rank']}, step {found['step']}")
+    return (
+        f"first divergent step: {divergent}; {what}: {found['op']} in {found['scope'] or '<root>'} "
+        f"({found['phase']}), rank {found['rank']}, step {found['step']}"
+    )
 
 
-def _curves(figure: Any, names: list[str], metrics: list[list[dict[str, Any]]], states: list[_States],
-            divergent: int | None, title: str) -> bytes | None:
+def _curves(
+    figure: Any,
+    names: list[str],
+    metrics: list[list[dict[str, Any]]],
+    states: list[_States],
+    divergent: int | None,
+    title: str,
+) -> bytes | None:
     """Loss and grad norm per step of each run, their relative difference from the first run, and where each
     run's state checksum is the first run's; the first divergent step marked. None if no run has metrics."""
     if not any(metrics):
@@ -108,9 +119,14 @@ def _curves(figure: Any, names: list[str], metrics: list[list[dict[str, Any]]], 
                 mine = {r["step"]: float.fromhex(r[field]) for r in rows}
                 ref = first[field]
                 both = [s for s in steps if s in ref]
-                axes[2].plot(both, [abs(mine[s] - ref[s]) / max(abs(ref[s]), 1e-30) for s in both], linestyle=style,
-                             label=f"{name} vs {names[0]}: {field[:-4].replace('_', ' ')}", linewidth=1.2,
-                             color=f"C{k}")
+                axes[2].plot(
+                    both,
+                    [abs(mine[s] - ref[s]) / max(abs(ref[s]), 1e-30) for s in both],
+                    linestyle=style,
+                    label=f"{name} vs {names[0]}: {field[:-4].replace('_', ' ')}",
+                    linewidth=1.2,
+                    color=f"C{k}",
+                )
     axes[2].set_yscale("symlog", linthresh=1e-16)
     axes[2].set_yticks([0, 1e-16, 1e-12, 1e-8, 1e-4, 1])
     if len(metrics) > 1:
@@ -132,12 +148,21 @@ def _states(ax: Any, names: list[str], states: list[_States]) -> None:
     """One row per run after the first: a mark at each step both receipted, grey where its state checksum is the
     first run's, red where it is not."""
     ax.set_yticks(range(1, len(names)))
-    ax.set_yticklabels([f"{n} vs {names[0]}" if len(n) < 24 else f"run {k} vs run 0" for k, n in
-                        enumerate(names[1:], 1)], fontsize=7)
+    ax.set_yticklabels(
+        [f"{n} vs {names[0]}" if len(n) < 24 else f"run {k} vs run 0" for k, n in enumerate(names[1:], 1)], fontsize=7
+    )
     ax.set_ylim(0.5, max(len(names) - 0.5, 1.5))
     if not states or not states[0].by_step:
-        ax.text(0.5, 0.5, "no receipts: the state after each step is not known", transform=ax.transAxes,
-                ha="center", va="center", fontsize=8, color="#7f7f7f")
+        ax.text(
+            0.5,
+            0.5,
+            "no receipts: the state after each step is not known",
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            fontsize=8,
+            color="#7f7f7f",
+        )
         return
     for k, mine in enumerate(states[1:], 1):
         same, differ = _same_and_other(mine, states[0])
@@ -165,8 +190,14 @@ def _ranks(figure: Any, per_rank: dict[str, Any]) -> bytes | None:
             seen.add("none")
             continue
         kind = d["kind"]
-        ax.scatter([r], [d["step"]], color=KIND_COLOURS.get(kind, "black"), s=60, zorder=3,
-                   label=None if kind in seen else kind.replace("_", " "))
+        ax.scatter(
+            [r],
+            [d["step"]],
+            color=KIND_COLOURS.get(kind, "black"),
+            s=60,
+            zorder=3,
+            label=None if kind in seen else kind.replace("_", " "),
+        )
         seen.add(kind)
     ax.set_xlabel("rank")
     ax.set_ylabel("step of first difference")
@@ -180,11 +211,13 @@ def _ranks(figure: Any, per_rank: dict[str, Any]) -> bytes | None:
 
 def _page(names: list[str], diff: dict[str, Any] | None, diff_error: str | None, images: dict[str, bytes]) -> str:
     esc = html.escape
-    parts = ["<!doctype html><html><head><meta charset='utf-8'><title>samestep report</title>",
-             "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse}"
-             "td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}code{background:#f4f4f4}</style>",
-             "</head><body><h1>samestep report</h1>",
-             "<p>runs: " + ", ".join(f"<code>{esc(n)}</code>" for n in names) + "</p>"]
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'><title>samestep report</title>",
+        "<style>body{font-family:sans-serif;max-width:60em;margin:2em auto}table{border-collapse:collapse}"
+        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}code{background:#f4f4f4}</style>",
+        "</head><body><h1>samestep report</h1>",
+        "<p>runs: " + ", ".join(f"<code>{esc(n)}</code>" for n in names) + "</p>",
+    ]
     if diff_error is not None:
         parts.append(f"<p><b>not compared:</b> {esc(diff_error)}</p>")
     if diff is not None:
@@ -192,23 +225,36 @@ def _page(names: list[str], diff: dict[str, Any] | None, diff_error: str | None,
         found = diff["origin"] or diff["first_seen"]
         if found is not None:
             what = "origin" if diff["origin"] else "first seen"
-            parts.append(f"<p>{what}: <code>{esc(found['op'])}</code> in <code>{esc(found['scope'] or '<root>')}"
-                         f"</code> ({esc(found['phase'])}), rank {found['rank']}, step {found['step']}, "
-                         f"microbatch {found['microbatch']}</p>")
+            parts.append(
+                f"<p>{what}: <code>{esc(found['op'])}</code> in <code>{esc(found['scope'] or '<root>')}"
+                f"</code> ({esc(found['phase'])}), rank {found['rank']}, step {found['step']}, "
+                f"microbatch {found['microbatch']}</p>"
+            )
         parts += [f"<p>note: {esc(n)}</p>" for n in diff["notes"]]
     for name, title in (("curves", "loss and grad norm"), ("ranks", "where each rank first differs")):
         if name in images:
-            parts.append(f"<h2>{title}</h2><img alt='{name}' src='data:image/png;base64,"
-                         f"{base64.b64encode(images[name]).decode()}'>")
+            parts.append(
+                f"<h2>{title}</h2><img alt='{name}' src='data:image/png;base64,"
+                f"{base64.b64encode(images[name]).decode()}'>"
+            )
     if diff is not None and diff["per_rank"]:
-        parts.append("<h2>per rank</h2><table><tr><th>rank</th><th>records compared</th><th>first difference</th>"
-                     "<th>step</th><th>microbatch</th><th>where</th><th>op</th></tr>")
+        parts.append(
+            "<h2>per rank</h2><table><tr><th>rank</th><th>records compared</th><th>first difference</th>"
+            "<th>step</th><th>microbatch</th><th>where</th><th>op</th></tr>"
+        )
         for rank, r in sorted(diff["per_rank"].items(), key=lambda kv: int(kv[0])):
             d = r["divergence"]
             cells = [rank, str(r["records_compared"])] + (
-                ["none", "", "", "", ""] if d is None else
-                [d["kind"].replace("_", " "), str(d["step"]), str(d["microbatch"]),
-                 f"{d['scope'] or '<root>'} ({d['phase']})", f"{d['op']} #{d['occurrence']}"])
+                ["none", "", "", "", ""]
+                if d is None
+                else [
+                    d["kind"].replace("_", " "),
+                    str(d["step"]),
+                    str(d["microbatch"]),
+                    f"{d['scope'] or '<root>'} ({d['phase']})",
+                    f"{d['op']} #{d['occurrence']}",
+                ]
+            )
             parts.append("<tr>" + "".join(f"<td>{esc(c)}</td>" for c in cells) + "</tr>")
         parts.append("</table>")
     parts.append("</body></html>")
@@ -256,6 +302,12 @@ def make_report(runs: list[str | Path], out: str | Path, *, force: bool = False)
         pngs.append(str(png))
     out.write_text(_page([str(p) for p in paths], diff, diff_error, images), encoding="utf-8")
     other_state = _same_and_other(rows[1][1], rows[0][1])[1] if len(rows) > 1 else []
-    return {"html": str(out), "pngs": pngs, "first_divergent_step": divergent,
-            "verdict": diff["verdict"] if diff is not None else None, "diff_error": diff_error, "title": title,
-            "state_differs_at": other_state[0] if other_state else None}
+    return {
+        "html": str(out),
+        "pngs": pngs,
+        "first_divergent_step": divergent,
+        "verdict": diff["verdict"] if diff is not None else None,
+        "diff_error": diff_error,
+        "title": title,
+        "state_differs_at": other_state[0] if other_state else None,
+    }

@@ -5,5 +5,16 @@ from samestep.checkpoint.load import LoadedCheckpoint, checkpoint_state, load_ch
 from samestep.checkpoint.save import save_checkpoint
 from samestep.checkpoint.verify import verify_checkpoint
 
-__all__ = ["FORMAT", "VERSION", "CheckpointError", "LoadedCheckpoint", "checkpoint_state", "committed_steps",
-           "load_checkpoint", "save_checkpoint", "shard_count", "step_dir_name", "verify_checkpoint"]
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "CheckpointError",
+    "LoadedCheckpoint",
+    "checkpoint_state",
+    "committed_steps",
+    "load_checkpoint",
+    "save_checkpoint",
+    "shard_count",
+    "step_dir_name",
+    "verify_checkpoint",
+]

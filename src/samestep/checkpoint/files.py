@@ -40,16 +40,23 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor]) -> dict[str, Any
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
     data = safetensors_bytes(tensors, metadata={"format": FORMAT, "version": str(VERSION)})
     write_durable(path, data)
-    return {"size": len(data), "sha256": sha256_bytes(data),
-            "tensors": {k: sha256_tensor(v) for k, v in sorted(tensors.items())}}
+    return {
+        "size": len(data),
+        "sha256": sha256_bytes(data),
+        "tensors": {k: sha256_tensor(v) for k, v in sorted(tensors.items())},
+    }
 
 
 def file_entry(data: bytes) -> dict[str, Any]:
     return {"size": len(data), "sha256": sha256_bytes(data)}
 
 
-def skeletons(optimizer: torch.optim.Optimizer | None, stateful: dict[str, Any], extra: dict[str, Any] | None,
-               tensors: dict[str, Any]) -> dict[str, Any]:
+def skeletons(
+    optimizer: torch.optim.Optimizer | None,
+    stateful: dict[str, Any],
+    extra: dict[str, Any] | None,
+    tensors: dict[str, Any],
+) -> dict[str, Any]:
     """The JSON skeletons of the optimizer, ``stateful``'s objects and ``extra``, their tensors put in
     ``tensors`` by name."""
     out: dict[str, Any] = {}

@@ -96,18 +96,27 @@ def load_checkpoint(
         try:
             obj.load_state_dict(unflatten(state[key], opt_tensors))
         except (TypeError, KeyError, IndexError, AttributeError, ValueError) as e:
-            raise CheckpointError(f"{verified.path / 'state.json'}: its {key} state does not load into this run's "
-                                  f"{key} ({type(e).__name__}: {e}); it was written by another program or "
-                                  "edited") from None
+            raise CheckpointError(
+                f"{verified.path / 'state.json'}: its {key} state does not load into this run's "
+                f"{key} ({type(e).__name__}: {e}); it was written by another program or "
+                "edited"
+            ) from None
     if restore_rng == "same_world_size":
         restore_rng = manifest["world_size"] == (dist.get_world_size() if distributed else 1)
     if restore_rng:
         _load_rng(verified, dist.get_rank() if distributed else 0, generators)
     extra = unflatten(state["extra"], opt_tensors) if "extra" in state else None
-    return LoadedCheckpoint(path=verified.path, step=manifest["step"], world_size=manifest["world_size"],
-                            config=state.get("config"), environment=state["environment"], env_diff=diff,
-                            extra=extra, skipped=skipped,
-                            shards=state["shards"]["world_size"] if state.get("shards") else None)
+    return LoadedCheckpoint(
+        path=verified.path,
+        step=manifest["step"],
+        world_size=manifest["world_size"],
+        config=state.get("config"),
+        environment=state["environment"],
+        env_diff=diff,
+        extra=extra,
+        skipped=skipped,
+        shards=state["shards"]["world_size"] if state.get("shards") else None,
+    )
 
 
 def checkpoint_state(path: str | os.PathLike[str], rank: int | None = None) -> dict[str, Any]:
@@ -124,16 +133,21 @@ def checkpoint_state(path: str | os.PathLike[str], rank: int | None = None) -> d
     state = json.loads(verified.data["state.json"])
     if state.get("shards") and rank is not None:
         if rank >= state["shards"]["world_size"]:
-            raise CheckpointError(f"{verified.path}: holds shards of {state['shards']['world_size']} rank(s), not of "
-                                  f"rank {rank}")
+            raise CheckpointError(
+                f"{verified.path}: holds shards of {state['shards']['world_size']} rank(s), not of rank {rank}"
+            )
         m_name, o_name = shard_names(rank)
         model = {**safetensors_load(verified.data["model.safetensors"]), **safetensors_load(verified.data[m_name])}
-        tensors = {**safetensors_load(verified.data["optimizer.safetensors"]),
-                   **safetensors_load(verified.data[o_name])}
+        tensors = {
+            **safetensors_load(verified.data["optimizer.safetensors"]),
+            **safetensors_load(verified.data[o_name]),
+        }
     else:
         model = {**safetensors_load(verified.data["model.safetensors"]), **_unsharded(verified, state, "model")}
-        tensors = {**safetensors_load(verified.data["optimizer.safetensors"]),
-                   **_unsharded(verified, state, "optimizer")}
+        tensors = {
+            **safetensors_load(verified.data["optimizer.safetensors"]),
+            **_unsharded(verified, state, "optimizer"),
+        }
     for alias, target in state["model_aliases"].items():
         model[alias] = model[target]
     tree: dict[str, Any] = {"model": model, "step": verified.manifest["step"]}
@@ -187,8 +201,10 @@ def _unsharded(verified: Verified, state: dict[str, Any], part: str) -> dict[str
             if "data" in info:
                 data = len(info["data"])
                 tensor = world // data
-                held = [torch.cat([files[d * tensor + t][name] for d, (a, b) in enumerate(info["data"]) if b > a])
-                        for t in range(tensor)]
+                held = [
+                    torch.cat([files[d * tensor + t][name] for d, (a, b) in enumerate(info["data"]) if b > a])
+                    for t in range(tensor)
+                ]
             else:
                 held = [f[name] for f in files]
             if "rows" not in info:  # whole on every tensor rank (version 4)
@@ -196,13 +212,18 @@ def _unsharded(verified: Verified, state: dict[str, Any], part: str) -> dict[str
             else:
                 dim, parts = info.get("dim", 0), info.get("parts", 1)
                 pieces = [h.chunk(parts, dim) for h, (a, b) in zip(held, info["rows"]) if b > a]
-                whole = (torch.cat([torch.cat([p[i] for p in pieces], dim) for i in range(parts)], dim) if pieces
-                         else torch.empty(0))
+                whole = (
+                    torch.cat([torch.cat([p[i] for p in pieces], dim) for i in range(parts)], dim)
+                    if pieces
+                    else torch.empty(0)
+                )
         except (KeyError, RuntimeError, ZeroDivisionError, TypeError, ValueError, IndexError) as e:
             raise CheckpointError(f"{verified.path}: the shards of {name!r} do not fit together ({e})") from None
         if list(whole.shape) != info["shape"]:
-            raise CheckpointError(f"{verified.path}: the shards of {name!r} make shape {list(whole.shape)}, "
-                                  f"state.json says {info['shape']}")
+            raise CheckpointError(
+                f"{verified.path}: the shards of {name!r} make shape {list(whole.shape)}, "
+                f"state.json says {info['shape']}"
+            )
         out[name] = whole
     return out
 
@@ -223,9 +244,11 @@ def _load_rng(verified: Verified, rank: int, generators: dict[str, torch.Generat
         raise CheckpointError(
             f"{verified.path}: has no RNG state for rank {rank} (written by {verified.manifest['world_size']} "
             "rank(s)); resume with the same world size, or pass restore_rng=False when all "
-            "randomness is counter-keyed (samestep train does this)")
+            "randomness is counter-keyed (samestep train does this)"
+        )
     try:
         _rng.restore_rng(json.loads(verified.data[j_name]), safetensors_load(verified.data[t_name]), generators)
     except (TypeError, KeyError, IndexError, AttributeError, ValueError, RuntimeError) as e:
-        raise CheckpointError(f"{verified.path / j_name}: rank {rank}'s RNG state does not restore "
-                              f"({type(e).__name__}: {e})") from None
+        raise CheckpointError(
+            f"{verified.path / j_name}: rank {rank}'s RNG state does not restore ({type(e).__name__}: {e})"
+        ) from None

@@ -116,14 +116,24 @@ def save_checkpoint(
                     files.update(json.loads(entries.read_bytes()))
                     entries.unlink()
             _supersede(root, step)
-            old = _commit(root, tmp, final, {"format": FORMAT, "version": sharded_version(tmp) if sharded else VERSION,
-                                             "step": step, "world_size": world, "files": dict(sorted(files.items()))})
+            old = _commit(
+                root,
+                tmp,
+                final,
+                {
+                    "format": FORMAT,
+                    "version": sharded_version(tmp) if sharded else VERSION,
+                    "step": step,
+                    "world_size": world,
+                    "files": dict(sorted(files.items())),
+                },
+            )
         with _guarded(final, tmp, root, committed=True):
             replace_atomic(root / LATEST, (final.name + "\n").encode())
             if old is not None:
                 shutil.rmtree(old)
             if keep is not None:
-                for _, path in committed_steps(root)[max(keep, 1):]:
+                for _, path in committed_steps(root)[max(keep, 1) :]:
                     _prune(root, path)
     barrier()
     return final
@@ -139,10 +149,13 @@ def _guarded(final: Path, tmp: Path, root: Path, committed: bool) -> Iterator[No
         shutil.rmtree(tmp, ignore_errors=True)
         what = f"writing {e.filename or root} failed ({e.strerror or e})"
         if committed:
-            raise CheckpointError(f"{final}: saved, but {what} after its commit; {root / LATEST} may still name the "
-                                  "previous checkpoint (loaders take the newest committed one)") from None
-        raise CheckpointError(f"{final}: not saved: {what}; its temporary files were removed, and the previous "
-                              "checkpoints stay") from None
+            raise CheckpointError(
+                f"{final}: saved, but {what} after its commit; {root / LATEST} may still name the "
+                "previous checkpoint (loaders take the newest committed one)"
+            ) from None
+        raise CheckpointError(
+            f"{final}: not saved: {what}; its temporary files were removed, and the previous checkpoints stay"
+        ) from None
 
 
 def _check_layout(root: Path, final: Path) -> None:
@@ -151,8 +164,9 @@ def _check_layout(root: Path, final: Path) -> None:
         raise CheckpointError(f"{root}: is a file, where checkpoints go; move it away")
     latest = root / LATEST
     if latest.is_symlink() or (latest.exists() and not latest.is_file()):
-        raise CheckpointError(f"{latest}: is not a file (samestep writes the newest checkpoint's name there); move it "
-                              "away")
+        raise CheckpointError(
+            f"{latest}: is not a file (samestep writes the newest checkpoint's name there); move it away"
+        )
     if (final.exists() or final.is_symlink()) and not (final.is_dir() and not final.is_symlink()):
         raise CheckpointError(f"{final}: is not a checkpoint directory, and this save would replace it; move it away")
 
@@ -196,14 +210,24 @@ def _supersede(root: Path, step: int) -> None:
         while target.exists() or target.is_symlink():
             target, n = aside / f"{path.name}.{n}", n + 1
         os.replace(path, target)
-        warnings.warn(f"{path}: a later step than the checkpoint being saved ({step}), from a line of training "
-                      f"the run left; moved to {target}", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"{path}: a later step than the checkpoint being saved ({step}), from a line of training "
+            f"the run left; moved to {target}",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     fsync_dir(root)
 
 
-def _write_state(tmp: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                 stateful: dict[str, Any], extra: dict[str, Any] | None,
-                 config: dict[str, Any] | None) -> dict[str, Any]:
+def _write_state(
+    tmp: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    stateful: dict[str, Any],
+    extra: dict[str, Any] | None,
+    config: dict[str, Any] | None,
+) -> dict[str, Any]:
     """Writes the model, the optimizer and every other state (``stateful``'s objects with a
     ``state_dict()``, ``extra``) into ``tmp``; returns the files' manifest entries."""
     files: dict[str, Any] = {}

@@ -39,31 +39,44 @@ def _grid_layout(name: str, t: Any) -> dict[str, Any]:
     mesh = t.device_mesh
     outer, inner = (t.placements[0], Replicate()) if mesh.ndim == 1 else t.placements
     data, tensor = mesh.size(0), 1 if mesh.ndim == 1 else mesh.size(1)
-    if type(outer) not in (Shard, _StridedShard) or outer.dim % t.dim() or type(inner) not in (
-            Shard, _StridedShard, Replicate):
-        raise CheckpointError(f"sharded checkpoint: {name!r} is placed {t.placements} on the mesh "
-                              f"{mesh.mesh_dim_names}; FSDP2 over tensor parallelism is stored as FSDP2's rows of dim "
-                              "0 of a Shard or Replicate tensor-parallel part. Save its full_tensor() instead")
+    if (
+        type(outer) not in (Shard, _StridedShard)
+        or outer.dim % t.dim()
+        or type(inner) not in (Shard, _StridedShard, Replicate)
+    ):
+        raise CheckpointError(
+            f"sharded checkpoint: {name!r} is placed {t.placements} on the mesh "
+            f"{mesh.mesh_dim_names}; FSDP2 over tensor parallelism is stored as FSDP2's rows of dim "
+            "0 of a Shard or Replicate tensor-parallel part. Save its full_tensor() instead"
+        )
     entry: dict[str, Any] = {"shape": list(t.shape)}
     part = list(t.shape)
     if not isinstance(inner, Replicate):
         dim, parts = inner.dim % t.dim(), getattr(inner, "split_factor", 1)
         if t.shape[dim] % (parts * tensor):
-            raise CheckpointError(f"sharded checkpoint: {name!r} (shape {list(t.shape)}) is not split evenly by "
-                                  f"{inner} over {tensor} tensor ranks; save its full_tensor() instead")
-        entry |= {"rows": shard_rows(t.shape[dim] // parts, tensor), **({"dim": dim} if dim else {}),
-                  **({"parts": parts} if parts > 1 else {})}
+            raise CheckpointError(
+                f"sharded checkpoint: {name!r} (shape {list(t.shape)}) is not split evenly by "
+                f"{inner} over {tensor} tensor ranks; save its full_tensor() instead"
+            )
+        entry |= {
+            "rows": shard_rows(t.shape[dim] // parts, tensor),
+            **({"dim": dim} if dim else {}),
+            **({"parts": parts} if parts > 1 else {}),
+        }
         part[dim] //= tensor
     entry["data"] = shard_rows(part[0], data)
     a, b = entry["data"][mesh.get_local_rank(0)]
     if t.to_local().shape[0] != b - a:
-        raise CheckpointError(f"sharded checkpoint: {name!r} holds {t.to_local().shape[0]} rows on data rank "
-                              f"{mesh.get_local_rank(0)}, not the {b - a} of FSDP2's split")
+        raise CheckpointError(
+            f"sharded checkpoint: {name!r} holds {t.to_local().shape[0]} rows on data rank "
+            f"{mesh.get_local_rank(0)}, not the {b - a} of FSDP2's split"
+        )
     return entry
 
 
-def _split(tensors: dict[str, Any], world: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
-                                                         dict[str, Any], dict[str, str]]:
+def _split(
+    tensors: dict[str, Any], world: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, Any], dict[str, str]]:
     """Plain tensors, this rank's local shards of the DTensors, the DTensors' layout (global shape and each
     rank's rows), and the names that are another name's DTensor (a tied weight): one shard each."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -92,22 +105,34 @@ def _split(tensors: dict[str, Any], world: int) -> tuple[dict[str, torch.Tensor]
             continue
         placed = t.placements[0]
         parts = getattr(placed, "split_factor", 1)  # _StridedShard: fused parts, each split alike
-        if (len(t.placements) != 1 or type(placed) not in (Shard, _StridedShard) or t.device_mesh.size() != world
-                or t.shape[placed.dim % t.dim()] % parts):
-            raise CheckpointError(f"sharded checkpoint: {name!r} is placed {t.placements} on a mesh of "
-                                  f"{t.device_mesh.size()} ranks, but only one Shard (FSDP2's Shard(0), tensor "
-                                  f"parallelism's) or Replicate over the {world} ranks that shard the others is "
-                                  "stored; save its full_tensor() instead")
+        if (
+            len(t.placements) != 1
+            or type(placed) not in (Shard, _StridedShard)
+            or t.device_mesh.size() != world
+            or t.shape[placed.dim % t.dim()] % parts
+        ):
+            raise CheckpointError(
+                f"sharded checkpoint: {name!r} is placed {t.placements} on a mesh of "
+                f"{t.device_mesh.size()} ranks, but only one Shard (FSDP2's Shard(0), tensor "
+                f"parallelism's) or Replicate over the {world} ranks that shard the others is "
+                "stored; save its full_tensor() instead"
+            )
         dim = placed.dim % t.dim()
         rows = shard_rows(t.shape[dim] // parts, world)
         shard = t.to_local().detach()
         r = t.device_mesh.get_local_rank()
         if shard.shape[dim] != parts * (rows[r][1] - rows[r][0]):
-            raise CheckpointError(f"sharded checkpoint: {name!r} holds {shard.shape[dim]} rows on rank {r}, not "
-                                  f"the {parts * (rows[r][1] - rows[r][0])} of an even {placed} split")
+            raise CheckpointError(
+                f"sharded checkpoint: {name!r} holds {shard.shape[dim]} rows on rank {r}, not "
+                f"the {parts * (rows[r][1] - rows[r][0])} of an even {placed} split"
+            )
         local[name] = shard
-        layout[name] = {"shape": list(t.shape), "rows": rows, **({"dim": dim} if dim else {}),
-                        **({"parts": parts} if parts > 1 else {})}
+        layout[name] = {
+            "shape": list(t.shape),
+            "rows": rows,
+            **({"dim": dim} if dim else {}),
+            **({"parts": parts} if parts > 1 else {}),
+        }
     return plain, local, layout, aliases
 
 
@@ -116,8 +141,10 @@ def _grid(tensors: dict[str, Any]) -> tuple[str, ...] | None:
     places some of ``tensors`` on, or None."""
     from torch.distributed.tensor import DTensor
 
-    return next((t.device_mesh.mesh_dim_names for t in tensors.values()
-                 if isinstance(t, DTensor) and t.device_mesh.ndim == 2), None)
+    return next(
+        (t.device_mesh.mesh_dim_names for t in tensors.values() if isinstance(t, DTensor) and t.device_mesh.ndim == 2),
+        None,
+    )
 
 
 def sharded_version(tmp: Path) -> int:
@@ -148,9 +175,17 @@ def _shard_mesh(tensors: dict[str, Any], rank: int, world: int) -> tuple[int, in
     return world, rank, True
 
 
-def write_sharded(tmp: Path, step: int, rank: int, world: int, model: torch.nn.Module,
-                   optimizer: torch.optim.Optimizer | None, stateful: dict[str, Any], extra: dict[str, Any] | None,
-                   config: dict[str, Any] | None) -> tuple[dict[str, Any], int]:
+def write_sharded(
+    tmp: Path,
+    step: int,
+    rank: int,
+    world: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    stateful: dict[str, Any],
+    extra: dict[str, Any] | None,
+    config: dict[str, Any] | None,
+) -> tuple[dict[str, Any], int]:
     """Every rank that writes shards (``_shard_mesh``) writes its shards of the model and optimizer state and
     their manifest entries; rank 0 also the plain tensors and state.json (with the shards' layout). Returns
     rank 0's entries and the number of shard files of each kind."""
@@ -158,8 +193,12 @@ def write_sharded(tmp: Path, step: int, rank: int, world: int, model: torch.nn.M
     shards, index, writes = _shard_mesh(own, rank, world)
     model_plain, model_local, model_layout, tied = _split(own, shards)
     opt_tensors: dict[str, Any] = {}
-    state: dict[str, Any] = {"step": step, "config": config, "environment": environment(),
-                             **skeletons(optimizer, stateful, extra, opt_tensors)}
+    state: dict[str, Any] = {
+        "step": step,
+        "config": config,
+        "environment": environment(),
+        **skeletons(optimizer, stateful, extra, opt_tensors),
+    }
     opt_plain, opt_local, opt_layout, _ = _split(opt_tensors, shards)
     if writes:
         m_name, o_name = shard_names(index)

@@ -70,19 +70,24 @@ def verify(path: Path, only: set[str] | None = None) -> Verified:
             str(e) if isinstance(e, NotAFile) else f"{mpath}: cannot be read ({e.strerror})"
         ) from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"{mpath}: format is {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
-                              f"expected {FORMAT!r}")
+        raise CheckpointError(
+            f"{mpath}: format is {manifest.get('format') if isinstance(manifest, dict) else None!r}, "
+            f"expected {FORMAT!r}"
+        )
     if manifest.get("version") not in (VERSION, SHARDED_VERSION, SPLIT_VERSION, GRID_VERSION):
-        raise CheckpointError(f"{mpath}: version {manifest.get('version')!r} is not supported (this samestep "
-                              f"reads versions {VERSION} to {GRID_VERSION}); use the samestep release that wrote it")
+        raise CheckpointError(
+            f"{mpath}: version {manifest.get('version')!r} is not supported (this samestep "
+            f"reads versions {VERSION} to {GRID_VERSION}); use the samestep release that wrote it"
+        )
     if manifest.get("manifest_sha256") != manifest_digest(manifest):
-        raise CheckpointError(f"{mpath}: its contents do not match manifest_sha256; the manifest was edited "
-                              "or damaged")
+        raise CheckpointError(f"{mpath}: its contents do not match manifest_sha256; the manifest was edited or damaged")
     _check_structure(mpath, manifest)
     named = STEP_DIR.match(path.name)
     if named and int(named.group(1)) != manifest["step"]:
-        raise CheckpointError(f"{mpath}: says step {manifest['step']}, but it is {path.name}: the manifest was "
-                              "edited, or the directory renamed")
+        raise CheckpointError(
+            f"{mpath}: says step {manifest['step']}, but it is {path.name}: the manifest was "
+            "edited, or the directory renamed"
+        )
     data: dict[str, bytes] = {}
     for name, entry in manifest["files"].items():
         if only is not None and name not in only:
@@ -93,11 +98,13 @@ def verify(path: Path, only: set[str] | None = None) -> Verified:
         except FileNotFoundError:
             raise CheckpointError(f"{fpath}: missing (listed in the manifest)") from None
         except (NotAFile, PermissionError) as e:  # a corrupt checkpoint like any other: a fallback skips it
-            raise CheckpointError(str(e) if isinstance(e, NotAFile) else f"{fpath}: cannot be read ({e.strerror})") \
-                from None
+            raise CheckpointError(
+                str(e) if isinstance(e, NotAFile) else f"{fpath}: cannot be read ({e.strerror})"
+            ) from None
         if len(blob) != entry["size"]:
-            raise CheckpointError(f"{fpath}: {len(blob)} bytes, manifest says {entry['size']} (truncated or "
-                                  "overwritten)")
+            raise CheckpointError(
+                f"{fpath}: {len(blob)} bytes, manifest says {entry['size']} (truncated or overwritten)"
+            )
         if sha256_bytes(blob) != entry["sha256"]:
             why = _tensor_problem(name, blob, entry["tensors"]) if "tensors" in entry else "its SHA-256 differs"
             raise CheckpointError(f"{fpath}: corrupt: {why}")
@@ -125,8 +132,12 @@ def _check_structure(mpath: Path, manifest: dict[str, Any]) -> None:
     for name, entry in files.items():
         if "/" in name or "\\" in name or name in ("", ".", ".."):
             raise CheckpointError(f"{mpath}: file name {name!r} is not a plain name inside the checkpoint")
-        if not (isinstance(entry, dict) and isinstance(entry.get("size"), int) and isinstance(entry.get("sha256"), str)
-                and isinstance(entry.get("tensors", {}), dict)):
+        if not (
+            isinstance(entry, dict)
+            and isinstance(entry.get("size"), int)
+            and isinstance(entry.get("sha256"), str)
+            and isinstance(entry.get("tensors", {}), dict)
+        ):
             raise CheckpointError(f"{mpath}: the entry of {name!r} needs an integer 'size' and a 'sha256' string")
 
 
@@ -143,13 +154,19 @@ def _check_state(path: Path, data: bytes, manifest: dict[str, Any]) -> None:
         if not isinstance(state.get(key), kind):
             raise CheckpointError(f"{path}: {key!r} is {state.get(key)!r}, expected a {kind.__name__}")
     if state["step"] != manifest["step"]:
-        raise CheckpointError(f"{path}: says step {state['step']}, the manifest {manifest['step']}: one of them was "
-                              "edited")
+        raise CheckpointError(
+            f"{path}: says step {state['step']}, the manifest {manifest['step']}: one of them was edited"
+        )
     optimizer = state.get("optimizer", {})
-    if not (isinstance(optimizer, dict) and isinstance(optimizer.get("state", {}), dict)
-            and isinstance(optimizer.get("param_groups", []), list)):
-        raise CheckpointError(f"{path}: 'optimizer' is {json.dumps(optimizer)[:60]}, expected an optimizer's state "
-                              "dict (a table with a 'state' table and a 'param_groups' list)")
+    if not (
+        isinstance(optimizer, dict)
+        and isinstance(optimizer.get("state", {}), dict)
+        and isinstance(optimizer.get("param_groups", []), list)
+    ):
+        raise CheckpointError(
+            f"{path}: 'optimizer' is {json.dumps(optimizer)[:60]}, expected an optimizer's state "
+            "dict (a table with a 'state' table and a 'param_groups' list)"
+        )
     _check_layout(path, state, manifest)
 
 
@@ -162,30 +179,41 @@ def _check_layout(path: Path, state: dict[str, Any], manifest: dict[str, Any]) -
     model_names = set(files["model.safetensors"].get("tensors", {}))
     if shards is not None:
         count = shards.get("world_size") if isinstance(shards, dict) else None
-        if not (isinstance(count, int) and not isinstance(count, bool) and 1 <= count <= max(world, 1)
-                and all(isinstance(shards.get(part), dict) for part in ("model", "optimizer"))):
+        if not (
+            isinstance(count, int)
+            and not isinstance(count, bool)
+            and 1 <= count <= max(world, 1)
+            and all(isinstance(shards.get(part), dict) for part in ("model", "optimizer"))
+        ):
             what = f"its world_size is {count!r}" if isinstance(shards, dict) else f"it is {json.dumps(shards)[:40]}"
-            raise CheckpointError(f"{path}: 'shards' is not the layout of a sharded checkpoint ({what}): expected a "
-                                  f"table with a 'world_size' from 1 to the manifest's {world} and 'model' and "
-                                  "'optimizer' tables")
+            raise CheckpointError(
+                f"{path}: 'shards' is not the layout of a sharded checkpoint ({what}): expected a "
+                f"table with a 'world_size' from 1 to the manifest's {world} and 'model' and "
+                "'optimizer' tables"
+            )
         for part in ("model", "optimizer"):
             for name, info in shards[part].items():
                 shape = info.get("shape") if isinstance(info, dict) else None
                 if not (isinstance(shape, list) and all(isinstance(n, int) and n >= 0 for n in shape)):
-                    raise CheckpointError(f"{path}: the shard layout of {name!r} is {json.dumps(info)[:80]}, "
-                                          "expected a table with a 'shape' list of sizes")
+                    raise CheckpointError(
+                        f"{path}: the shard layout of {name!r} is {json.dumps(info)[:80]}, "
+                        "expected a table with a 'shape' list of sizes"
+                    )
         model_names |= set(shards["model"])
     needed = [(r, name) for r in range(world) for name in rank_names(r)]
     needed += [(r, name) for r in range(shards["world_size"] if shards else 0) for name in shard_names(r)]
     for r, name in needed:
         if name not in files:
-            raise CheckpointError(f"{path.parent / MANIFEST}: lists no {name!r}, which rank {r} of the "
-                                  f"{world}-rank layout that wrote this checkpoint needs: a file was dropped; the "
-                                  "checkpoint cannot be loaded")
+            raise CheckpointError(
+                f"{path.parent / MANIFEST}: lists no {name!r}, which rank {r} of the "
+                f"{world}-rank layout that wrote this checkpoint needs: a file was dropped; the "
+                "checkpoint cannot be loaded"
+            )
     for alias, target in state["model_aliases"].items():
         if not isinstance(target, str) or target not in model_names:
-            raise CheckpointError(f"{path}: model alias {alias!r} -> {target!r} names no tensor of the checkpoint's "
-                                  "model")
+            raise CheckpointError(
+                f"{path}: model alias {alias!r} -> {target!r} names no tensor of the checkpoint's model"
+            )
 
 
 def _check_rank_json(path: Path, data: bytes) -> None:
@@ -197,8 +225,10 @@ def _check_rank_json(path: Path, data: bytes) -> None:
     kinds = (("python", dict), ("numpy", dict), ("cuda_devices", int), ("generators", list))
     bad = next((k for k, kind in kinds if not isinstance(meta, dict) or not isinstance(meta.get(k), kind)), None)
     if bad is not None:
-        raise CheckpointError(f"{path}: is {json.dumps(meta)[:60]}, expected a rank's RNG state (a table with "
-                              f"{', '.join(repr(k) for k, _ in kinds)}; {bad!r} is not there as it should be)")
+        raise CheckpointError(
+            f"{path}: is {json.dumps(meta)[:60]}, expected a rank's RNG state (a table with "
+            f"{', '.join(repr(k) for k, _ in kinds)}; {bad!r} is not there as it should be)"
+        )
 
 
 def candidate_paths(path: Path) -> list[Path]:

@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     traceback), 130 interrupted."""
     parser = build_parser()
     argv = sys.argv[1:] if argv is None else list(argv)
-    program = argv[argv.index("--") + 1:] if "--" in argv else None  # verify's program, given by the verifier
-    args = parser.parse_args(argv[:argv.index("--")] if program is not None else argv)
+    program = argv[argv.index("--") + 1 :] if "--" in argv else None  # verify's program, given by the verifier
+    args = parser.parse_args(argv[: argv.index("--")] if program is not None else argv)
     if program is not None and args.command != "verify":
         parser.error(f"-- {' '.join(program)}: only samestep verify takes a program after -- (python SCRIPT ARGS)")
     if program == []:
@@ -69,12 +69,19 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug or os.environ.get("SAMESTEP_DEBUG"):
             traceback.print_exc()
         if peer_lost(e):  # another process of the job ended: it, or the launcher, says why
-            return report_error(args, f"rank {os.environ.get('RANK', '?')} stopped: another process of the job "
-                                      "ended, and a collective lost it", EXIT_PEER_LOST)
+            return report_error(
+                args,
+                f"rank {os.environ.get('RANK', '?')} stopped: another process of the job "
+                "ended, and a collective lost it",
+                EXIT_PEER_LOST,
+            )
         line = input_error_of(e)
         if line is not None:
             return report_error(args, f"error: {line}", INPUT_ERROR)
         where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
         at = f" (at {os.path.basename(where.filename)}:{where.lineno})" if where else ""
-        return report_error(args, f"unexpected error: {type(e).__name__}: {e}{at}; --debug (or SAMESTEP_DEBUG=1) "
-                                  "prints the traceback", INTERNAL_ERROR)
+        return report_error(
+            args,
+            f"unexpected error: {type(e).__name__}: {e}{at}; --debug (or SAMESTEP_DEBUG=1) prints the traceback",
+            INTERNAL_ERROR,
+        )

@@ -23,30 +23,48 @@ DEMO_SETTINGS = ("train.steps=200", "train.checkpoint_every=25", "train.warmup_s
 # index_put_ with accumulate, races between threads on CPU), both steps traced op by op (the race may
 # first fire in either). Microbatches of 8 x 64 tokens: the race needs at least 32768 gradient elements
 # per index_put_.
-NONDET_SETTINGS = ("train.steps=2", "train.global_batch=16", "train.micro_batch=8", "determinism.enabled=false",
-                   "model.embedding=index", "trace.level=op", "trace.steps=1-2")
+NONDET_SETTINGS = (
+    "train.steps=2",
+    "train.global_batch=16",
+    "train.micro_batch=8",
+    "determinism.enabled=false",
+    "model.embedding=index",
+    "trace.level=op",
+    "trace.steps=1-2",
+)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "demo", help="prove exact resume in minutes on a laptop CPU",
+        "demo",
+        help="prove exact resume in minutes on a laptop CPU",
         description="Trains run A; trains run B, kills it with SIGKILL partway, resumes it; compares the final "
-                    "state digests and every step's loss bits. Then trains runs C and D with deterministic mode off "
-                    "and shows where `samestep diff` says they diverged. Exit 0 if A and B are bit-identical, 1 if "
-                    "not.",
+        "state digests and every step's loss bits. Then trains runs C and D with deterministic mode off "
+        "and shows where `samestep diff` says they diverged. Exit 0 if A and B are bit-identical, 1 if "
+        "not.",
         epilog="examples:\n  samestep demo\n  samestep demo --workdir runs/demo --json",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--workdir", help="where the runs go (default: a new temporary directory)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override the demo config (repeatable)")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override the demo config (repeatable)"
+    )
     p.add_argument("--kill-at", type=int, default=0, help="step at which run B is killed (default: about 60%%)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=run, subparser=p)
 
 
 def _train_cmd(run_dir: Path, settings: list[str], *extra: str) -> list[str]:
-    return [sys.executable, "-m", "samestep", "train", "--run-dir", str(run_dir),
-            *[x for s in settings for x in ("--set", s)], *extra]
+    return [
+        sys.executable,
+        "-m",
+        "samestep",
+        "train",
+        "--run-dir",
+        str(run_dir),
+        *[x for s in settings for x in ("--set", s)],
+        *extra,
+    ]
 
 
 def _run_killed(run_dir: Path, settings: list[str], kill_at: int) -> int:
@@ -55,8 +73,10 @@ def _run_killed(run_dir: Path, settings: list[str], kill_at: int) -> int:
     while proc.poll() is None and last_logged_step(run_dir) < kill_at:
         time.sleep(0.02)
     if proc.poll() is not None:
-        raise RuntimeError(f"run B ended (exit {proc.returncode}) before step {kill_at}: "
-                           f"{proc.stderr.read().decode(errors='replace')[-2000:]}")
+        raise RuntimeError(
+            f"run B ended (exit {proc.returncode}) before step {kill_at}: "
+            f"{proc.stderr.read().decode(errors='replace')[-2000:]}"
+        )
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     return last_logged_step(run_dir)
@@ -75,8 +95,10 @@ def _nondeterministic_pair(work: Path, settings: list[str], on_cuda: bool, say) 
     say(f"samestep diff {c} {d}:")
     say(f"  {report['summary']}")
     if report["identical"] and on_cuda:
-        say("  (on CUDA, PyTorch's index_put_ accumulate sorts its indices: it agreed run to run on an H200."
-            " The race shows on a CPU with 2 or more threads: --set train.device=cpu)")
+        say(
+            "  (on CUDA, PyTorch's index_put_ accumulate sorts its indices: it agreed run to run on an H200."
+            " The race shows on a CPU with 2 or more threads: --set train.device=cpu)"
+        )
     elif report["identical"]:
         say("  (the race did not show this time: two nondeterministic runs can agree by chance)")
     return {"diverged": not report["identical"], "summary": report["summary"], "origin": report["origin"]}
@@ -114,15 +136,28 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     identical = fa["state_digest"] == fb["state_digest"] and same_metrics
     code = verdict(args, 0 if identical else 1)
     say(f"run A final state digest: {fa['state_digest']}")
-    say(f"run B final state digest: {fb['state_digest']}  (killed at step {killed}, resumed from checkpoint step "
-        f"{resumed_from})")
+    say(
+        f"run B final state digest: {fb['state_digest']}  (killed at step {killed}, resumed from checkpoint step "
+        f"{resumed_from})"
+    )
     say(f"per-step loss and grad-norm bits: {'identical' if same_metrics else 'DIFFERENT'}")
-    say("BIT-IDENTICAL: the killed and resumed run followed the same numerical path."
-        if identical else "NOT IDENTICAL: the resumed run diverged.")
+    say(
+        "BIT-IDENTICAL: the killed and resumed run followed the same numerical path."
+        if identical
+        else "NOT IDENTICAL: the resumed run diverged."
+    )
     pair = _nondeterministic_pair(work, settings, device_kind(cfg) == "cuda", say)
-    result = {"identical": identical, "state_digest_a": fa["state_digest"], "state_digest_b": fb["state_digest"],
-              "metrics_identical": same_metrics, "killed_at_step": killed, "resumed_from_step": resumed_from,
-              "nondeterministic_pair": pair, "seconds": round(time.perf_counter() - t0, 1), "workdir": str(work)}
+    result = {
+        "identical": identical,
+        "state_digest_a": fa["state_digest"],
+        "state_digest_b": fb["state_digest"],
+        "metrics_identical": same_metrics,
+        "killed_at_step": killed,
+        "resumed_from_step": resumed_from,
+        "nondeterministic_pair": pair,
+        "seconds": round(time.perf_counter() - t0, 1),
+        "workdir": str(work),
+    }
     if args.json:
         print(json.dumps(result))
     else:

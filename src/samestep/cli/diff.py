@@ -12,20 +12,25 @@ from samestep.cli.errors import InputError, console, verdict
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "diff", help="compare two runs: first differing step, then the op that diverged, per rank",
+        "diff",
+        help="compare two runs: first differing step, then the op that diverged, per rank",
         description="Compares metrics bits and receipts (the state after each step), then per-rank trace streams. "
-                    "Exit 0 identical (or identical over the steps both runs hold, which the verdict names), 1 "
-                    "diverged (or, with --strict, a run holds steps the other does not), 2 usage or input error, "
-                    "or nothing in common to compare.",
+        "Exit 0 identical (or identical over the steps both runs hold, which the verdict names), 1 "
+        "diverged (or, with --strict, a run holds steps the other does not), 2 usage or input error, "
+        "or nothing in common to compare.",
         epilog="examples:\n  samestep diff runs/a runs/b\n  samestep diff runs/a runs/b --json --ranks 0,1 --steps 1-5",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run_a")
     p.add_argument("run_b")
     p.add_argument("--ranks", help="ranks to compare, e.g. 0,2-3 (default: all traced)")
     p.add_argument("--steps", help="steps to compare, e.g. 1-5 (default: all)")
     p.add_argument("--force", action="store_true", help="compare even if configs or environments differ")
-    p.add_argument("--strict", action="store_true",
-                   help="exit 1 unless every step of both runs was compared (a run that stopped earlier fails)")
+    p.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit 1 unless every step of both runs was compared (a run that stopped earlier fails)",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run, subparser=p)
 
@@ -68,20 +73,36 @@ def _print(report: dict) -> None:
     out.print(report["summary"], soft_wrap=True)
     if report["metrics"]:
         m = report["metrics"]
-        out.print(f"metrics first differ at step {m['step']}: {', '.join(m['fields'])} (A {m['a']} vs B {m['b']})",
-                      soft_wrap=True)
+        out.print(
+            f"metrics first differ at step {m['step']}: {', '.join(m['fields'])} (A {m['a']} vs B {m['b']})",
+            soft_wrap=True,
+        )
     if report["per_rank"]:
         # Scopes and op names are what the reader looks for: wrapped in a narrow terminal, never cut short
-        table = Table("rank", "matched", "first difference", "step", "mb", Column("where", overflow="fold"),
-                      Column("op #occurrence", overflow="fold"))
+        table = Table(
+            "rank",
+            "matched",
+            "first difference",
+            "step",
+            "mb",
+            Column("where", overflow="fold"),
+            Column("op #occurrence", overflow="fold"),
+        )
         # A run of consecutive ranks with no difference is one row (a 1,024-rank diff is a few rows, not 1,024)
         same: list[tuple[int, int]] = []
 
         def flush_same() -> None:
             if same:
                 ranks = format_selection(rank for rank, _ in same)
-                table.add_row(ranks, f"{sum(n for _, n in same)}" + (f" ({len(same)} ranks)" if len(same) > 1 else ""),
-                              "none", "", "", "", "")
+                table.add_row(
+                    ranks,
+                    f"{sum(n for _, n in same)}" + (f" ({len(same)} ranks)" if len(same) > 1 else ""),
+                    "none",
+                    "",
+                    "",
+                    "",
+                    "",
+                )
                 same.clear()
 
         for rank, r in sorted(report["per_rank"].items(), key=lambda kv: int(kv[0])):
@@ -92,8 +113,15 @@ def _print(report: dict) -> None:
                 same.append((int(rank), r["records_compared"]))
                 continue
             flush_same()
-            table.add_row(rank, str(r["records_compared"]), d["kind"], str(d["step"]), str(d["microbatch"]),
-                          f"{d['scope'] or '<root>'} ({d['phase']})", f"{d['op']} #{d['occurrence']}")
+            table.add_row(
+                rank,
+                str(r["records_compared"]),
+                d["kind"],
+                str(d["step"]),
+                str(d["microbatch"]),
+                f"{d['scope'] or '<root>'} ({d['phase']})",
+                f"{d['op']} #{d['occurrence']}",
+            )
         flush_same()
         out.print(table)
     for note in report["notes"]:

@@ -9,10 +9,13 @@ from samestep.determinism.env import environment
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("env", help="print the environment fingerprint",
-                       description="Prints everything the determinism contract depends on.",
-                       epilog="examples:\n  samestep env\n  samestep env --json > env.json",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "env",
+        help="print the environment fingerprint",
+        description="Prints everything the determinism contract depends on.",
+        epilog="examples:\n  samestep env\n  samestep env --json > env.json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
     p.set_defaults(run=run, subparser=p)
 

@@ -12,18 +12,45 @@ from typing import Any
 
 from samestep.exit_codes import DIFFERENCE, INPUT_ERROR, INTERNAL_ERROR, INTERRUPTED, OK, PEER_LOST
 
-__all__ = ["DIFFERENCE", "EXIT_PEER_LOST", "INPUT_ERROR", "INTERNAL_ERROR", "INTERRUPTED", "OK", "InputError",
-           "console", "input_error_of", "peer_lost", "quiet_stdout", "report", "verdict"]
+__all__ = [
+    "DIFFERENCE",
+    "EXIT_PEER_LOST",
+    "INPUT_ERROR",
+    "INTERNAL_ERROR",
+    "INTERRUPTED",
+    "OK",
+    "InputError",
+    "console",
+    "input_error_of",
+    "peer_lost",
+    "quiet_stdout",
+    "report",
+    "verdict",
+]
 
 # the exit codes: samestep.exit_codes is their one table (docs/debugging.md's)
 EXIT_PEER_LOST = PEER_LOST
 # What torch.distributed's backends say when the process at the other end of a collective has gone.
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
-              "NCCL communicator was aborted", "Socket closed")
+_PEER_GONE = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "remote process exited",
+    "NCCL communicator was aborted",
+    "Socket closed",
+)
 
 # A path that cannot be read or written as given: bad input, named by the path.
-_PATH_ERRNOS = {errno.ENOENT, errno.ENOTDIR, errno.EISDIR, errno.EACCES, errno.EPERM, errno.ELOOP, errno.ENAMETOOLONG,
-                errno.EROFS}
+_PATH_ERRNOS = {
+    errno.ENOENT,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.EACCES,
+    errno.EPERM,
+    errno.ELOOP,
+    errno.ENAMETOOLONG,
+    errno.EROFS,
+}
 
 
 class InputError(Exception):
@@ -42,8 +69,11 @@ def input_error_of(e: BaseException) -> str | None:
 def peer_lost(e: BaseException) -> bool:
     """Whether ``e`` is a collective of a multi-process job that lost the process at its other end (that
     process's own exit, or the launcher, names why)."""
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and isinstance(e, RuntimeError) and \
-        any(words in str(e) for words in _PEER_GONE)
+    return (
+        int(os.environ.get("WORLD_SIZE", "1")) > 1
+        and isinstance(e, RuntimeError)
+        and any(words in str(e) for words in _PEER_GONE)
+    )
 
 
 def verdict(args: argparse.Namespace, code: int) -> int:

@@ -52,6 +52,7 @@ def follow_launcher() -> None:
     if os.getppid() != int(launcher):
         raise SystemExit(EXIT_PREEMPTED)  # nothing trained here yet, nothing lost
 
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that no one listens on now (the job's MASTER_PORT)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -67,8 +68,15 @@ def _code(returncode: int) -> int:
 def launch(argv: list[str], nproc: int, threads: int, signals: tuple[str, ...]) -> int:
     """Runs ``python -m samestep *argv`` as ``nproc`` processes of one job; returns the job's exit code: the
     first failing process's, else 75 if they stopped on a signal with a checkpoint, else 0."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
-               WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), **{LAUNCHER_PID: str(os.getpid())})
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=str(threads),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(free_port()),
+        WORLD_SIZE=str(nproc),
+        LOCAL_WORLD_SIZE=str(nproc),
+        **{LAUNCHER_PID: str(os.getpid())},
+    )
     procs: list[subprocess.Popen] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -83,8 +91,13 @@ def launch(argv: list[str], nproc: int, threads: int, signals: tuple[str, ...]) 
             previous[signum] = signal.signal(signum, forward)
     try:
         for rank in range(nproc):
-            procs.append(subprocess.Popen([sys.executable, "-m", "samestep", *argv], start_new_session=True,
-                                          env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "samestep", *argv],
+                    start_new_session=True,
+                    env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                )
+            )
         return _wait(procs)
     finally:
         for signum, handler in previous.items():
@@ -100,8 +113,14 @@ def _first_failure(procs: list[subprocess.Popen]) -> int | None:
     last look, one a signal killed, then one that names a cause (``_CAUSES``), before the others (a rank whose
     collectives lost that one: ``EXIT_PEER_LOST``)."""
     bad = [r for r, p in enumerate(procs) if p.returncode not in (None, 0, EXIT_PREEMPTED)]
-    ranked = sorted(bad, key=lambda r: (procs[r].returncode >= 0, _code(procs[r].returncode) not in _CAUSES,
-                                        procs[r].returncode == EXIT_PEER_LOST))
+    ranked = sorted(
+        bad,
+        key=lambda r: (
+            procs[r].returncode >= 0,
+            _code(procs[r].returncode) not in _CAUSES,
+            procs[r].returncode == EXIT_PEER_LOST,
+        ),
+    )
     return ranked[0] if ranked else None
 
 
@@ -121,8 +140,11 @@ def _wait(procs: list[subprocess.Popen]) -> int:
     if failed is not None:
         code = procs[failed].returncode
         if code < 0:  # no line of its own: a signal ended it; the others only say they lost it
-            print(f"samestep train: rank {failed} was killed by {signal.Signals(-code).name} (exit {_code(code)}); "
-                  "the job's other processes were stopped. --resume continues from the newest checkpoint",
-                  file=sys.stderr, flush=True)
+            print(
+                f"samestep train: rank {failed} was killed by {signal.Signals(-code).name} (exit {_code(code)}); "
+                "the job's other processes were stopped. --resume continues from the newest checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
         return _code(code)
     return EXIT_PREEMPTED if any(p.returncode == EXIT_PREEMPTED for p in procs) else 0

@@ -9,14 +9,20 @@ from samestep.cli.errors import InputError, verdict
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("receipts", help="check a run's per-step receipts",
-                       description="Receipt tools. Every step of samestep train appends a receipt (the state checksum "
-                                   "after the update, loss and grad-norm bits) chained by hash.",
-                       epilog="examples:\n  samestep receipts verify runs/a\n  samestep receipts verify runs/a --json",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "receipts",
+        help="check a run's per-step receipts",
+        description="Receipt tools. Every step of samestep train appends a receipt (the state checksum "
+        "after the update, loss and grad-norm bits) chained by hash.",
+        epilog="examples:\n  samestep receipts verify runs/a\n  samestep receipts verify runs/a --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
-    v = verbs.add_parser("verify", help="check the chain, metrics, final.json and the newest checkpoint against it "
-                                        "(exit 0 all hold, 1 a break or mismatch, 2 missing or malformed input)")
+    v = verbs.add_parser(
+        "verify",
+        help="check the chain, metrics, final.json and the newest checkpoint against it "
+        "(exit 0 all hold, 1 a break or mismatch, 2 missing or malformed input)",
+    )
     v.add_argument("run_dir")
     v.add_argument("--json", action="store_true", help="print JSON")
     v.set_defaults(run=run, subparser=v)
@@ -36,6 +42,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         for line in report["problems"]:
             print(f"BROKEN: {line}")
         ranks = ", ".join(f"rank {r}: steps {v['steps']}" for r, v in report["ranks"].items())
-        print(("receipts hold: " if report["ok"] else "receipts do not hold: ") + ranks + "; checked "
-              + "; ".join(report["checked"]))
+        print(
+            ("receipts hold: " if report["ok"] else "receipts do not hold: ")
+            + ranks
+            + "; checked "
+            + "; ".join(report["checked"])
+        )
     return code

@@ -9,9 +9,13 @@ from samestep.cli.errors import InputError, verdict
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("trace", help="inspect trace streams", description="Trace tools.",
-                       epilog="examples:\n  samestep trace certify runs/a\n  samestep trace certify runs/a --json",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(
+        "trace",
+        help="inspect trace streams",
+        description="Trace tools.",
+        epilog="examples:\n  samestep trace certify runs/a\n  samestep trace certify runs/a --json",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     verbs = p.add_subparsers(dest="verb", required=True, metavar="VERB")
     c = verbs.add_parser("certify", help="check every selected rank and step is traced, contiguously")
     c.add_argument("run_dir", metavar="RUN", help="a run directory")

@@ -16,39 +16,59 @@ _SECTIONS = [f.name for f in dataclasses.fields(Config)]
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "train", help="run (or resume) the reference pretraining run (GPT or Llama-style)",
+        "train",
+        help="run (or resume) the reference pretraining run (GPT or Llama-style)",
         description="Trains the reference decoder (model.arch gpt or llama) into a run directory (run.json, "
-                    "metrics.jsonl, checkpoints/, final.json).",
+        "metrics.jsonl, checkpoints/, final.json).",
         epilog="examples:\n"
-               "  samestep train --run-dir runs/a\n"
-               "  samestep train --run-dir runs/a --set train.steps=50 --set model.dropout=0.0\n"
-               "  samestep train --run-dir runs/a --resume\n"
-               "  samestep train --run-dir runs/l --preset small --set train.steps=100\n"
-               "  samestep train --run-dir runs/b --nproc 2\n"
-               "  samestep train --show-config --preset small   # every key, its value and what it does\n"
-               "  torchrun --standalone --nproc_per_node 2 -m samestep train --run-dir runs/b\n\n"
-               "exit codes: 0 done, 2 bad input (one line naming it), 3 an unexpected error, 4 a fault check "
-               "stopped it,\n  5 a non-finite loss or gradient norm, 6 a process of the job lost another, 75 "
-               "preempted (SIGTERM,\n  SIGUSR1, Ctrl-C: --resume continues), 128 + N stopped at once by a second "
-               "signal N, 130 interrupted",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "  samestep train --run-dir runs/a\n"
+        "  samestep train --run-dir runs/a --set train.steps=50 --set model.dropout=0.0\n"
+        "  samestep train --run-dir runs/a --resume\n"
+        "  samestep train --run-dir runs/l --preset small --set train.steps=100\n"
+        "  samestep train --run-dir runs/b --nproc 2\n"
+        "  samestep train --show-config --preset small   # every key, its value and what it does\n"
+        "  torchrun --standalone --nproc_per_node 2 -m samestep train --run-dir runs/b\n\n"
+        "exit codes: 0 done, 2 bad input (one line naming it), 3 an unexpected error, 4 a fault check "
+        "stopped it,\n  5 a non-finite loss or gradient norm, 6 a process of the job lost another, 75 "
+        "preempted (SIGTERM,\n  SIGUSR1, Ctrl-C: --resume continues), 128 + N stopped at once by a second "
+        "signal N, 130 interrupted",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--run-dir", help="the run directory (required to train)")
-    p.add_argument("--config", help=f"a TOML file with {', '.join(f'[{name}]' for name in _SECTIONS)} sections "
-                   "(--show-config prints them all)")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="start from a named config: 'small' (a 12.8M Llama "
-                   "for a CPU), 'gpu' (a 133M Llama for one GPU); --config and --set apply on top")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config value (repeatable)")
-    p.add_argument("--nproc", type=int, default=1,
-                   help="data-parallel processes on this machine, run as one job (signals forwarded, exit 75 "
-                        "when preempted)")
+    p.add_argument(
+        "--config",
+        help=f"a TOML file with {', '.join(f'[{name}]' for name in _SECTIONS)} sections "
+        "(--show-config prints them all)",
+    )
+    p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        help="start from a named config: 'small' (a 12.8M Llama "
+        "for a CPU), 'gpu' (a 133M Llama for one GPU); --config and --set apply on top",
+    )
+    p.add_argument(
+        "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override one config value (repeatable)"
+    )
+    p.add_argument(
+        "--nproc",
+        type=int,
+        default=1,
+        help="data-parallel processes on this machine, run as one job (signals forwarded, exit 75 when preempted)",
+    )
     p.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
-    p.add_argument("--stop-after", type=int, metavar="STEPS",
-                   help="leave after this many steps (with a checkpoint); continue later with --resume")
+    p.add_argument(
+        "--stop-after",
+        type=int,
+        metavar="STEPS",
+        help="leave after this many steps (with a checkpoint); continue later with --resume",
+    )
     p.add_argument("--json", action="store_true", help="print final.json as JSON at the end")
-    p.add_argument("--show-config", action="store_true",
-                   help="print every config key with its value (after --preset, --config and --set) and what it does, "
-                        "as TOML a --config file takes; train nothing")
+    p.add_argument(
+        "--show-config",
+        action="store_true",
+        help="print every config key with its value (after --preset, --config and --set) and what it does, "
+        "as TOML a --config file takes; train nothing",
+    )
     p.set_defaults(run=run, subparser=p)
 
 
@@ -56,11 +76,17 @@ def _launch(args: argparse.Namespace, threads: int, signals: tuple[str, ...]) ->
     """Re-runs this command as ``--nproc`` processes on this machine (see launch.py)."""
     from samestep.cli.launch import launch
 
-    rest = ["train", "--run-dir", args.run_dir, *(["--config", args.config] if args.config else []),
-            *(["--preset", args.preset] if args.preset else []),
-            *[x for s in args.set for x in ("--set", s)], *(["--resume"] if args.resume else []),
-            *(["--stop-after", str(args.stop_after)] if args.stop_after else []),
-            *(["--json"] if args.json else [])]
+    rest = [
+        "train",
+        "--run-dir",
+        args.run_dir,
+        *(["--config", args.config] if args.config else []),
+        *(["--preset", args.preset] if args.preset else []),
+        *[x for s in args.set for x in ("--set", s)],
+        *(["--resume"] if args.resume else []),
+        *(["--stop-after", str(args.stop_after)] if args.stop_after else []),
+        *(["--json"] if args.json else []),
+    ]
     return launch(rest, args.nproc, threads, signals)
 
 

@@ -27,5 +27,6 @@ def consent_of(args: argparse.Namespace) -> Consent:
         interactive = sys.stdin is not None and sys.stdin.isatty() and sys.stderr.isatty()
     except (OSError, ValueError, AttributeError):  # a closed or stand-in stream (a test runner's)
         interactive = False
-    return Consent(yes=args.yes, ask=_ask if interactive else None,
-                   show=lambda text: print(text, file=sys.stderr, flush=True))
+    return Consent(
+        yes=args.yes, ask=_ask if interactive else None, show=lambda text: print(text, file=sys.stderr, flush=True)
+    )

@@ -13,23 +13,32 @@ from samestep.cli.trust import consent_of
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "verify", help="replay a run (samestep train's, or the program of a samestep.Run or HF or Lightning "
-                       "callback run again) and compare every receipt, bit for bit",
+        "verify",
+        help="replay a run (samestep train's, or the program of a samestep.Run or HF or Lightning "
+        "callback run again) and compare every receipt, bit for bit",
         description="Replays steps A-B of a run from its newest checkpoint before A (from scratch if none) in a "
-                    "scratch directory and compares each replayed receipt with the recorded one. Exit 0 all "
-                    "reproduce, 1 names the first step that does not (or a broken receipt chain), 2 cannot replay. A "
-                    "loop of one's own is replayed by the program its run.json records: it is shown, and runs only "
-                    "on your word (a yes at the prompt, --yes, or the program given after --).",
+        "scratch directory and compares each replayed receipt with the recorded one. Exit 0 all "
+        "reproduce, 1 names the first step that does not (or a broken receipt chain), 2 cannot replay. A "
+        "loop of one's own is replayed by the program its run.json records: it is shown, and runs only "
+        "on your word (a yes at the prompt, --yes, or the program given after --).",
         epilog="examples:\n  samestep verify runs/a\n  samestep verify runs/a --steps 40-50 --json --yes\n"
-               "  samestep verify runs/a --steps 40-50 -- python train.py runs/a",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+        "  samestep verify runs/a --steps 40-50 -- python train.py runs/a",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("run_dir")
     p.add_argument("--steps", metavar="A-B", help="the steps to check (default: every receipted step)")
-    p.add_argument("--force", action="store_true", help="verify even if this machine's environment differs, or a "
-                                                       "program of one's own changed since its run")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="verify even if this machine's environment differs, or a program of one's own changed since its run",
+    )
     p.add_argument("--keep", metavar="DIR", help="leave the replay in DIR (a new directory) instead of removing it")
-    p.add_argument("--yes", action="store_true", help="run the program the run directory records without asking "
-                                                     "(it is shown first); without a terminal, needed to run it")
+    p.add_argument(
+        "--yes",
+        action="store_true",
+        help="run the program the run directory records without asking "
+        "(it is shown first); without a terminal, needed to run it",
+    )
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(run=run, subparser=p)
 
@@ -55,8 +64,14 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     steps = steps_arg(args.steps, parser, "verify")
     try:
         with stopping():
-            report = verify_run(args.run_dir, steps, force=args.force, keep=Path(args.keep) if args.keep else None,
-                                consent=consent_of(args), given=args.program)
+            report = verify_run(
+                args.run_dir,
+                steps,
+                force=args.force,
+                keep=Path(args.keep) if args.keep else None,
+                consent=consent_of(args),
+                given=args.program,
+            )
     except (ValueError, ReplayError, FileExistsError) as e:  # cannot replay: not a verdict
         raise InputError(str(e)) from None
     code = verdict(args, 0 if report["reproduced"] else 1)
@@ -68,21 +83,29 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"note: {note}")
     broken = {k: v for k, v in report["chain"].items() if v != "holds"}
     if m is not None and m["fields"] == ["checkpoint"]:
-        print(f"NOT THE RUN'S: the checkpoint of step {m['step']} is not the state its receipt records "
-              f"({m['b']['checkpoint']}); nothing was replayed from it")
+        print(
+            f"NOT THE RUN'S: the checkpoint of step {m['step']} is not the state its receipt records "
+            f"({m['b']['checkpoint']}); nothing was replayed from it"
+        )
     elif m is not None:
-        print(f"NOT REPRODUCED: step {m['step']} (rank {m['rank']}): {', '.join(m['fields'])} differ "
-              f"(recorded {m['a']}, replayed {m['b']})")
+        print(
+            f"NOT REPRODUCED: step {m['step']} (rank {m['rank']}): {', '.join(m['fields'])} differ "
+            f"(recorded {m['a']}, replayed {m['b']})"
+        )
     for name, why in broken.items():
         print(f"BROKEN: receipts/{name}: {why}")
     if report["program_differs"] and m is None:
-        print(f"NOT THE RUN'S PROGRAM: the replay ran other code than the run records "
-              f"({'; '.join(report['program_differs'][:3])}): its receipts prove nothing of the run")
+        print(
+            f"NOT THE RUN'S PROGRAM: the replay ran other code than the run records "
+            f"({'; '.join(report['program_differs'][:3])}): its receipts prove nothing of the run"
+        )
     if report["reproduced"]:
         by = f" by {code_line(report['by'])}" if report["by"] else ""
-        print(f"reproduced{by}: steps {report['steps']}, replayed from "
-              f"{'step ' + str(report['replayed_from']) if report['replayed_from'] else 'scratch'}, "
-              f"{report['compared']} receipt(s) equal bit for bit")
+        print(
+            f"reproduced{by}: steps {report['steps']}, replayed from "
+            f"{'step ' + str(report['replayed_from']) if report['replayed_from'] else 'scratch'}, "
+            f"{report['compared']} receipt(s) equal bit for bit"
+        )
     elif m is None and not broken and not report["program_differs"]:
         print(f"not reproduced: no receipt compared (steps {report['steps']})")
     return code

@@ -21,16 +21,33 @@ import torch
 from samestep.determinism import numerics
 from samestep.distributed.gather import gather_if_different
 
-__all__ = ["ENV_VARS", "RANK_LOCAL", "compare_environments", "describe_rank_differences", "environment",
-           "numerics_differences",
-           "rank_differences"]
+__all__ = [
+    "ENV_VARS",
+    "RANK_LOCAL",
+    "compare_environments",
+    "describe_rank_differences",
+    "environment",
+    "numerics_differences",
+    "rank_differences",
+]
 
 # Environment variables that change numerics or the collective algorithm.
 ENV_VARS = (
-    "CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO", "NCCL_PROTO", "NCCL_NVLS_ENABLE", "NCCL_COLLNET_ENABLE",
-    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE",
-    "MKL_CBWR", "ATEN_CPU_CAPABILITY", "CUDA_VISIBLE_DEVICES", "PYTHONHASHSEED",
-    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE", "NVIDIA_TF32_OVERRIDE",
+    "CUBLAS_WORKSPACE_CONFIG",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_NVLS_ENABLE",
+    "NCCL_COLLNET_ENABLE",
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "OPENBLAS_CORETYPE",
+    "MKL_CBWR",
+    "ATEN_CPU_CAPABILITY",
+    "CUDA_VISIBLE_DEVICES",
+    "PYTHONHASHSEED",
+    "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE",
+    "NVIDIA_TF32_OVERRIDE",
 )
 
 
@@ -134,15 +151,17 @@ def environment() -> dict[str, Any]:
     env.update(_build())
     env.update(_cuda())
     env.update(_versions())
-    env.update({
-        "threads.intra_op": torch.get_num_threads(),
-        "threads.inter_op": torch.get_num_interop_threads(),
-        "determinism.algorithms": torch.are_deterministic_algorithms_enabled(),
-        "determinism.cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "determinism.cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "determinism.fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
-        "python.byteorder": sys.byteorder,
-    })
+    env.update(
+        {
+            "threads.intra_op": torch.get_num_threads(),
+            "threads.inter_op": torch.get_num_interop_threads(),
+            "determinism.algorithms": torch.are_deterministic_algorithms_enabled(),
+            "determinism.cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "determinism.cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "determinism.fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
+            "python.byteorder": sys.byteorder,
+        }
+    )
     env.update({f"numerics.{name}": value for name, value in numerics.values().items()})
     for name in ENV_VARS:
         env[f"env.{name}"] = os.environ.get(name)
@@ -182,8 +201,11 @@ def numerics_differences(a: dict[str, Any], b: dict[str, Any]) -> dict[str, tupl
     fields, and less ``THREAD_VARS`` where both record the same intra-op thread count (a 1-process run
     against a torchrun one, whose launcher sets OMP_NUM_THREADS, under one pinned count)."""
     same_threads = a.get("threads.intra_op") is not None and a.get("threads.intra_op") == b.get("threads.intra_op")
-    return {k: v for k, v in compare_environments(a, b).items()
-            if k not in RANK_LOCAL and not (same_threads and k in THREAD_VARS)}
+    return {
+        k: v
+        for k, v in compare_environments(a, b).items()
+        if k not in RANK_LOCAL and not (same_threads and k in THREAD_VARS)
+    }
 
 
 def rank_differences(env: dict[str, Any], device: torch.device | None = None) -> dict[int, dict[str, Any]]:
@@ -193,8 +215,9 @@ def rank_differences(env: dict[str, Any], device: torch.device | None = None) ->
     are not compared. A collective: every rank of the default group calls it."""
     compared = {k: v for k, v in env.items() if k not in RANK_LOCAL}
     key = json.dumps(compared, sort_keys=True, default=str).encode()
-    docs = gather_if_different(key, json.dumps({"host": platform.node(), "env": compared}, sort_keys=True,
-                                               default=str).encode(), device)
+    docs = gather_if_different(
+        key, json.dumps({"host": platform.node(), "env": compared}, sort_keys=True, default=str).encode(), device
+    )
     if docs is None:
         return {}
     first, *others = (json.loads(d) for d in docs)

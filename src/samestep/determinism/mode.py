@@ -25,8 +25,18 @@ import torch
 from samestep.determinism import numerics
 from samestep.distributed.group import group_up
 
-__all__ = ["DeterminismReport", "Knob", "active_report", "available_threads", "current_knobs", "disable", "drifted",
-           "enable", "is_enabled", "knob_probe"]
+__all__ = [
+    "DeterminismReport",
+    "Knob",
+    "active_report",
+    "available_threads",
+    "current_knobs",
+    "disable",
+    "drifted",
+    "enable",
+    "is_enabled",
+    "knob_probe",
+]
 
 # cuBLAS picks a reduction split per call unless its workspace is fixed to one of these sizes;
 # both are documented by NVIDIA as making cuBLAS deterministic.
@@ -110,11 +120,11 @@ _READERS: dict[str, Callable[[], Any]] = {
     "torch.use_deterministic_algorithms": torch.are_deterministic_algorithms_enabled,
     "torch.backends.cudnn.deterministic": lambda: torch.backends.cudnn.deterministic,
     "torch.backends.cudnn.benchmark": lambda: torch.backends.cudnn.benchmark,
-    "torch.utils.deterministic.fill_uninitialized_memory":
-        lambda: torch.utils.deterministic.fill_uninitialized_memory,
+    "torch.utils.deterministic.fill_uninitialized_memory": lambda: torch.utils.deterministic.fill_uninitialized_memory,
     "torch.num_threads": torch.get_num_threads,
     "samestep.kernels": _kernels_on,
-    **{k.name: k.get for k in numerics.KNOBS}}
+    **{k.name: k.get for k in numerics.KNOBS},
+}
 
 
 def _c_reader(name: str) -> Callable[[], Any]:
@@ -124,14 +134,21 @@ def _c_reader(name: str) -> Callable[[], Any]:
 # A cheap change detector over every knob that enable() sets: PyTorch's own C getters where there are
 # (a Python property per knob costs tens of microseconds once a training step has evicted the caches).
 _PROBE: tuple[Callable[[], Any], ...] = (
-    torch.are_deterministic_algorithms_enabled, _c_reader("_get_cudnn_deterministic"),
-    _c_reader("_get_cudnn_benchmark"), _c_reader("_get_deterministic_fill_uninitialized_memory"),
-    torch.get_num_threads, _kernels_on, _c_reader("_get_float32_matmul_precision"),
-    _c_reader("_get_cublas_allow_tf32"), _c_reader("_get_cudnn_allow_tf32"),
+    torch.are_deterministic_algorithms_enabled,
+    _c_reader("_get_cudnn_deterministic"),
+    _c_reader("_get_cudnn_benchmark"),
+    _c_reader("_get_deterministic_fill_uninitialized_memory"),
+    torch.get_num_threads,
+    _kernels_on,
+    _c_reader("_get_float32_matmul_precision"),
+    _c_reader("_get_cublas_allow_tf32"),
+    _c_reader("_get_cudnn_allow_tf32"),
     _c_reader("_get_cublas_allow_fp16_reduced_precision_reduction"),
-    _c_reader("_get_cublas_allow_bf16_reduced_precision_reduction"), _c_reader("_get_cudnn_sdp_enabled"),
+    _c_reader("_get_cublas_allow_bf16_reduced_precision_reduction"),
+    _c_reader("_get_cudnn_sdp_enabled"),
     _c_reader("_get_math_sdp_allow_fp16_bf16_reduction"),
-    *[k.get for k in numerics.KNOBS if k.name == "torch._inductor.config.deterministic"])
+    *[k.get for k in numerics.KNOBS if k.name == "torch._inductor.config.deterministic"],
+)
 
 
 def knob_probe() -> tuple:
@@ -186,8 +203,12 @@ def _check_env(problems: list[str], report: DeterminismReport, fixed: dict[str, 
             "samestep.enable() set it."
         )
     report.knobs.append(
-        Knob("env.CUBLAS_WORKSPACE_CONFIG", cublas, fixed.get("CUBLAS_WORKSPACE_CONFIG", cublas),
-             "fixed cuBLAS workspace: no run-to-run split-K choice")
+        Knob(
+            "env.CUBLAS_WORKSPACE_CONFIG",
+            cublas,
+            fixed.get("CUBLAS_WORKSPACE_CONFIG", cublas),
+            "fixed cuBLAS workspace: no run-to-run split-K choice",
+        )
     )
 
     algo = os.environ.get("NCCL_ALGO")
@@ -254,16 +275,20 @@ def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool
             warnings.warn(p, RuntimeWarning, stacklevel=2)
         report.warnings.extend(problems)
 
-    saved = _saved if _saved is not None else {
-        "env": {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO")},
-        "deterministic": torch.are_deterministic_algorithms_enabled(),
-        "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
-        "cudnn_deterministic": torch.backends.cudnn.deterministic,
-        "cudnn_benchmark": torch.backends.cudnn.benchmark,
-        "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
-        "threads": torch.get_num_threads(),
-        "numerics": numerics.values(),
-    }
+    saved = (
+        _saved
+        if _saved is not None
+        else {
+            "env": {k: os.environ.get(k) for k in ("CUBLAS_WORKSPACE_CONFIG", "NCCL_ALGO")},
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "cudnn_deterministic": torch.backends.cudnn.deterministic,
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "fill_uninitialized_memory": torch.utils.deterministic.fill_uninitialized_memory,
+            "threads": torch.get_num_threads(),
+            "numerics": numerics.values(),
+        }
+    )
 
     os.environ.update(fixed_env)
     with _settable():
@@ -273,8 +298,9 @@ def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool
 
         saved["kernel_mode"] = KernelMode()
         saved["kernel_mode"].__enter__()
-    report.knobs.append(Knob("samestep.kernels", False, bool(saved.get("kernel_mode")),
-                             "scatter-type ops routed to samestep.ops"))
+    report.knobs.append(
+        Knob("samestep.kernels", False, bool(saved.get("kernel_mode")), "scatter-type ops routed to samestep.ops")
+    )
     saved["report"] = report  # the last enable()'s (samestep.trace records it in run.json)
     _saved = saved
     return report
@@ -283,28 +309,42 @@ def enable(*, threads: int | None = None, warn_only: bool = False, kernels: bool
 def _set_knobs(saved: dict[str, Any], report: DeterminismReport, threads: int) -> None:
     # Ops without a deterministic implementation raise instead of silently racing.
     torch.use_deterministic_algorithms(True)
-    report.knobs.append(Knob("torch.use_deterministic_algorithms", saved["deterministic"], True,
-                             "nondeterministic kernels raise"))
+    report.knobs.append(
+        Knob("torch.use_deterministic_algorithms", saved["deterministic"], True, "nondeterministic kernels raise")
+    )
     torch.backends.cudnn.deterministic = True
-    report.knobs.append(Knob("torch.backends.cudnn.deterministic", saved["cudnn_deterministic"], True,
-                             "deterministic cuDNN algorithms only"))
+    report.knobs.append(
+        Knob(
+            "torch.backends.cudnn.deterministic",
+            saved["cudnn_deterministic"],
+            True,
+            "deterministic cuDNN algorithms only",
+        )
+    )
     # Autotuning picks algorithms by timing, which differs between runs.
     torch.backends.cudnn.benchmark = False
-    report.knobs.append(Knob("torch.backends.cudnn.benchmark", saved["cudnn_benchmark"], False,
-                             "no timing-based algorithm choice"))
+    report.knobs.append(
+        Knob("torch.backends.cudnn.benchmark", saved["cudnn_benchmark"], False, "no timing-based algorithm choice")
+    )
     # With deterministic algorithms on, PyTorch fills every torch.empty() with NaN so that reads of
     # uninitialised memory are reproducible; that costs a memory pass per allocation (Megatron's
     # largest determinism overhead). Correct kernels never read that memory, so skipping the fill
     # changes no result; a kernel that does read it shows up as a trace divergence whose inputs all
     # matched (an origin), which is how samestep finds it instead of paying for the fill everywhere.
     torch.utils.deterministic.fill_uninitialized_memory = False
-    report.knobs.append(Knob("torch.utils.deterministic.fill_uninitialized_memory",
-                             saved["fill_uninitialized_memory"], False,
-                             "skip NaN-filling empty tensors; correct kernels never read them"))
+    report.knobs.append(
+        Knob(
+            "torch.utils.deterministic.fill_uninitialized_memory",
+            saved["fill_uninitialized_memory"],
+            False,
+            "skip NaN-filling empty tensors; correct kernels never read them",
+        )
+    )
     # CPU reductions split work by thread, so their bits depend on the thread count.
     torch.set_num_threads(threads)
-    report.knobs.append(Knob("torch.num_threads", saved["threads"], threads,
-                             "sums and layer-norm grads depend on the thread count"))
+    report.knobs.append(
+        Knob("torch.num_threads", saved["threads"], threads, "sums and layer-norm grads depend on the thread count")
+    )
     _pin_numerics(saved["numerics"], report)
 
 

@@ -18,9 +18,12 @@ import torch
 __all__ = ["KNOBS", "PinnedKnob", "compiler_problems", "values"]
 
 # Inductor settings that choose kernels by timing them on the device: refused in deterministic mode.
-TIMED = {"max_autotune": "TORCHINDUCTOR_MAX_AUTOTUNE", "max_autotune_gemm": "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM",
-         "max_autotune_pointwise": "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE",
-         "coordinate_descent_tuning": "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"}
+TIMED = {
+    "max_autotune": "TORCHINDUCTOR_MAX_AUTOTUNE",
+    "max_autotune_gemm": "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM",
+    "max_autotune_pointwise": "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE",
+    "coordinate_descent_tuning": "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,28 +49,59 @@ def _attr(owner: Any, name: str) -> tuple[Callable[[], Any], Callable[[Any], Non
 
 _cuda = torch.backends.cuda
 KNOBS: tuple[PinnedKnob, ...] = (
-    PinnedKnob("torch.float32_matmul_precision", torch.get_float32_matmul_precision,
-               torch.set_float32_matmul_precision, "highest",
-               "fp32 matmuls take fp32 inputs: no TF32 (CUDA), no bf16 (CPU)"),
-    PinnedKnob("torch.backends.cuda.matmul.allow_tf32", *_attr(_cuda.matmul, "allow_tf32"), False,
-               "no TF32 rounding of fp32 matmul inputs"),
-    PinnedKnob("torch.backends.cudnn.allow_tf32", *_attr(torch.backends.cudnn, "allow_tf32"), False,
-               "no TF32 in cuDNN convolutions"),
-    PinnedKnob("torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
-               *_attr(_cuda.matmul, "allow_fp16_reduced_precision_reduction"), False,
-               "fp16 matmuls accumulate in fp32 whatever cuBLAS's split-K heuristics pick"),
-    PinnedKnob("torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
-               *_attr(_cuda.matmul, "allow_bf16_reduced_precision_reduction"), False,
-               "bf16 matmuls accumulate in fp32 whatever cuBLAS's split-K heuristics pick"),
-    PinnedKnob("torch.backends.cuda.cudnn_sdp", _cuda.cudnn_sdp_enabled, _cuda.enable_cudnn_sdp, False,
-               "cuDNN attention has no deterministic backward: SDPA picks flash, memory-efficient or "
-               "math, whose backwards are deterministic under torch.use_deterministic_algorithms"),
-    PinnedKnob("torch.backends.cuda.fp16_bf16_reduction_math_sdp", _cuda.fp16_bf16_reduction_math_sdp_allowed,
-               _cuda.allow_fp16_bf16_reduction_math_sdp, False,
-               "math attention in fp16/bf16 reduces in fp32"),
-    PinnedKnob("torch._inductor.config.deterministic", lambda: _inductor_config().deterministic,
-               lambda v: setattr(_inductor_config(), "deterministic", v), True,
-               "torch.compile picks kernels without timing them (no autotuning by benchmark)"),
+    PinnedKnob(
+        "torch.float32_matmul_precision",
+        torch.get_float32_matmul_precision,
+        torch.set_float32_matmul_precision,
+        "highest",
+        "fp32 matmuls take fp32 inputs: no TF32 (CUDA), no bf16 (CPU)",
+    ),
+    PinnedKnob(
+        "torch.backends.cuda.matmul.allow_tf32",
+        *_attr(_cuda.matmul, "allow_tf32"),
+        False,
+        "no TF32 rounding of fp32 matmul inputs",
+    ),
+    PinnedKnob(
+        "torch.backends.cudnn.allow_tf32",
+        *_attr(torch.backends.cudnn, "allow_tf32"),
+        False,
+        "no TF32 in cuDNN convolutions",
+    ),
+    PinnedKnob(
+        "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction",
+        *_attr(_cuda.matmul, "allow_fp16_reduced_precision_reduction"),
+        False,
+        "fp16 matmuls accumulate in fp32 whatever cuBLAS's split-K heuristics pick",
+    ),
+    PinnedKnob(
+        "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
+        *_attr(_cuda.matmul, "allow_bf16_reduced_precision_reduction"),
+        False,
+        "bf16 matmuls accumulate in fp32 whatever cuBLAS's split-K heuristics pick",
+    ),
+    PinnedKnob(
+        "torch.backends.cuda.cudnn_sdp",
+        _cuda.cudnn_sdp_enabled,
+        _cuda.enable_cudnn_sdp,
+        False,
+        "cuDNN attention has no deterministic backward: SDPA picks flash, memory-efficient or "
+        "math, whose backwards are deterministic under torch.use_deterministic_algorithms",
+    ),
+    PinnedKnob(
+        "torch.backends.cuda.fp16_bf16_reduction_math_sdp",
+        _cuda.fp16_bf16_reduction_math_sdp_allowed,
+        _cuda.allow_fp16_bf16_reduction_math_sdp,
+        False,
+        "math attention in fp16/bf16 reduces in fp32",
+    ),
+    PinnedKnob(
+        "torch._inductor.config.deterministic",
+        lambda: _inductor_config().deterministic,
+        lambda v: setattr(_inductor_config(), "deterministic", v),
+        True,
+        "torch.compile picks kernels without timing them (no autotuning by benchmark)",
+    ),
 )
 
 
@@ -83,7 +117,9 @@ def compiler_problems() -> list[str]:
     out = []
     for name, env in TIMED.items():
         if getattr(config, name, False):
-            out.append(f"torch._inductor.config.{name} is on ({env}): it picks compiled kernels by timing them, "
-                       f"which differs run to run. Fix: turn it off (unset {env}; torch.compile without "
-                       "mode='max-autotune')")
+            out.append(
+                f"torch._inductor.config.{name} is on ({env}): it picks compiled kernels by timing them, "
+                f"which differs run to run. Fix: turn it off (unset {env}; torch.compile without "
+                "mode='max-autotune')"
+            )
     return out

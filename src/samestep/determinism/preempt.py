@@ -41,10 +41,15 @@ def parse_signals(text: str, what: str = "train.exit_signals") -> tuple[str, ...
     """
     names = tuple(part.strip().upper() for part in text.split(",") if part.strip())
     for name in names:
-        if not name.startswith("SIG") or not isinstance(getattr(signal, name, None), signal.Signals) \
-                or name in ("SIGKILL", "SIGSTOP"):
-            raise ValueError(f"{what}={text!r}: {name!r} is not a signal that can be caught; use names like "
-                             "SIGTERM,SIGUSR1,SIGINT (or '' for none)")
+        if (
+            not name.startswith("SIG")
+            or not isinstance(getattr(signal, name, None), signal.Signals)
+            or name in ("SIGKILL", "SIGSTOP")
+        ):
+            raise ValueError(
+                f"{what}={text!r}: {name!r} is not a signal that can be caught; use names like "
+                "SIGTERM,SIGUSR1,SIGINT (or '' for none)"
+            )
     return names
 
 
@@ -68,14 +73,20 @@ class StopRequest:
         name = signal.Signals(signum).name
         if self.requested is None:
             self.requested, self._at = name, time.monotonic()
-            print(f"samestep: {name}: finishing this step, saving, then stopping (send it again to stop now)",
-                  file=sys.stderr, flush=True)
+            print(
+                f"samestep: {name}: finishing this step, saving, then stopping (send it again to stop now)",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         if name == self.requested and time.monotonic() - self._at < DUPLICATE_S:
             return  # the same request delivered twice (to every process of a job, and by a launcher)
         # the second: stop now, with the code a shell gives a process ended by that signal, on one process or many
-        print(f"samestep: {name} again: stopping now, without saving (exit {exit_by_signal(signum)})",
-              file=sys.stderr, flush=True)
+        print(
+            f"samestep: {name} again: stopping now, without saving (exit {exit_by_signal(signum)})",
+            file=sys.stderr,
+            flush=True,
+        )
         sys.stdout.flush()
         os._exit(exit_by_signal(signum))
 

@@ -24,8 +24,15 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["capture_rng", "generator", "key", "positional_keep", "register_generator", "restore_rng",
-           "unregister_generator"]
+__all__ = [
+    "capture_rng",
+    "generator",
+    "key",
+    "positional_keep",
+    "register_generator",
+    "restore_rng",
+    "unregister_generator",
+]
 
 _MASK63 = (1 << 63) - 1
 _registered: dict[str, torch.Generator] = {}
@@ -52,8 +59,9 @@ def key(seed: int, step: int, microbatch: int, purpose: str) -> int:
     return int.from_bytes(h.digest(), "little") & _MASK63
 
 
-def generator(seed: int, step: int, microbatch: int, purpose: str,
-              device: str | torch.device = "cpu") -> torch.Generator:
+def generator(
+    seed: int, step: int, microbatch: int, purpose: str, device: str | torch.device = "cpu"
+) -> torch.Generator:
     """A fresh ``torch.Generator`` on ``device`` seeded with ``key(seed, step, microbatch, purpose)``."""
     g = torch.Generator(device=device)
     g.manual_seed(key(seed, step, microbatch, purpose))
@@ -78,8 +86,14 @@ def _int32(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def positional_keep(stream_key: int, global_shape: tuple[int, ...], starts: tuple[int, ...],
-                    local_shape: tuple[int, ...], p: float, device: str | torch.device = "cpu") -> torch.Tensor:
+def positional_keep(
+    stream_key: int,
+    global_shape: tuple[int, ...],
+    starts: tuple[int, ...],
+    local_shape: tuple[int, ...],
+    p: float,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
     """The keep-mask of dropout with probability ``p`` over the block ``local_shape`` at ``starts`` of a
     tensor of ``global_shape``: an element is kept by a hash of ``stream_key`` (``key(...)``) and its flat
     position in the whole tensor alone, so however the tensor is split (heads over tensor-parallel ranks,
@@ -91,23 +105,35 @@ def positional_keep(stream_key: int, global_shape: tuple[int, ...], starts: tupl
     if not 0.0 <= p < 1.0:
         raise ValueError(f"rng.positional_keep: p={p!r} must be in [0, 1)")
     if not (len(global_shape) == len(starts) == len(local_shape)) or any(
-            s < 0 or s + n > g for g, s, n in zip(global_shape, starts, local_shape)):
-        raise ValueError(f"rng.positional_keep: block {tuple(local_shape)} at {tuple(starts)} does not lie inside "
-                         f"a tensor of shape {tuple(global_shape)}")
+        s < 0 or s + n > g for g, s, n in zip(global_shape, starts, local_shape)
+    ):
+        raise ValueError(
+            f"rng.positional_keep: block {tuple(local_shape)} at {tuple(starts)} does not lie inside "
+            f"a tensor of shape {tuple(global_shape)}"
+        )
     lo, hi = _int32(stream_key & _M32), _int32((stream_key >> 32) & _M32)
     if math.prod(global_shape) <= 1 << 31:  # every position below 2**31: its high half 0, its low half int32's
-        h = _mix32_(_mix32_(_positions(global_shape, starts, local_shape, torch.int32, device).bitwise_xor_(lo))
-                    .bitwise_xor_(hi))
+        h = _mix32_(
+            _mix32_(_positions(global_shape, starts, local_shape, torch.int32, device).bitwise_xor_(lo)).bitwise_xor_(
+                hi
+            )
+        )
     else:
         flat = _positions(global_shape, starts, local_shape, torch.int64, device)
-        h = _mix32_(_mix32_(flat.to(torch.int32).bitwise_xor_(lo)).bitwise_xor_((flat >> 32).to(torch.int32))
-                    .bitwise_xor_(hi))  # to(int32): the low bits
+        h = _mix32_(
+            _mix32_(flat.to(torch.int32).bitwise_xor_(lo)).bitwise_xor_((flat >> 32).to(torch.int32)).bitwise_xor_(hi)
+        )  # to(int32): the low bits
     # unsigned h >= t, compared as signed: both moved by 2**31
     return h.bitwise_xor_(torch.iinfo(torch.int32).min) >= int(p * 2**32) - (1 << 31)
 
 
-def _positions(global_shape: tuple[int, ...], starts: tuple[int, ...], local_shape: tuple[int, ...],
-               dtype: torch.dtype, device: str | torch.device) -> torch.Tensor:
+def _positions(
+    global_shape: tuple[int, ...],
+    starts: tuple[int, ...],
+    local_shape: tuple[int, ...],
+    dtype: torch.dtype,
+    device: str | torch.device,
+) -> torch.Tensor:
     """Each element's flat position in the whole tensor, over the block ``local_shape`` at ``starts``, in
     ``dtype`` (one that holds the last position)."""
     flat = torch.zeros((), dtype=dtype, device=device)
@@ -158,8 +184,9 @@ def capture_rng(generators: dict[str, torch.Generator] | None = None) -> tuple[d
     return meta, tensors
 
 
-def restore_rng(meta: dict[str, Any], tensors: dict[str, torch.Tensor],
-                generators: dict[str, torch.Generator] | None = None) -> None:
+def restore_rng(
+    meta: dict[str, Any], tensors: dict[str, torch.Tensor], generators: dict[str, torch.Generator] | None = None
+) -> None:
     """Restores what ``capture_rng()`` captured.
 
     Raises:
@@ -169,19 +196,30 @@ def restore_rng(meta: dict[str, Any], tensors: dict[str, torch.Tensor],
     py = meta["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
     npm = meta["numpy"]
-    np.random.set_state((npm["kind"], tensors["numpy.keys"].numpy().astype(np.uint32), npm["pos"],
-                         npm["has_gauss"], float.fromhex(npm["cached_gaussian"])))
+    np.random.set_state(
+        (
+            npm["kind"],
+            tensors["numpy.keys"].numpy().astype(np.uint32),
+            npm["pos"],
+            npm["has_gauss"],
+            float.fromhex(npm["cached_gaussian"]),
+        )
+    )
     torch.set_rng_state(tensors["torch.cpu"])
     n_cuda = meta["cuda_devices"]
     if n_cuda:
         if not torch.cuda.is_available() or torch.cuda.device_count() < n_cuda:
             have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-            raise ValueError(f"RNG state holds {n_cuda} CUDA device(s) but this process sees {have}; "
-                             "resume with the same CUDA_VISIBLE_DEVICES")
+            raise ValueError(
+                f"RNG state holds {n_cuda} CUDA device(s) but this process sees {have}; "
+                "resume with the same CUDA_VISIBLE_DEVICES"
+            )
         for i in range(n_cuda):
             torch.cuda.set_rng_state(tensors[f"torch.cuda.{i}"], i)
     for name in meta["generators"]:
         if name not in gens:
-            raise ValueError(f"RNG state holds generator {name!r}, which is not registered here; "
-                             f"call samestep.rng.register_generator({name!r}, gen) before loading")
+            raise ValueError(
+                f"RNG state holds generator {name!r}, which is not registered here; "
+                f"call samestep.rng.register_generator({name!r}, gen) before loading"
+            )
         gens[name].set_state(tensors[f"generator.{name}"])

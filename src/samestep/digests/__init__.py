@@ -11,5 +11,16 @@ else of samestep.
 from samestep.digests.lanes import Packed, digest, digest_many, lanes_many, lanes_packed, pack_into
 from samestep.digests.spec import ROW_BYTES, VERSION, finish, header, rows_of
 
-__all__ = ["ROW_BYTES", "VERSION", "Packed", "digest", "digest_many", "finish", "header", "lanes_many", "lanes_packed",
-           "pack_into", "rows_of"]
+__all__ = [
+    "ROW_BYTES",
+    "VERSION",
+    "Packed",
+    "digest",
+    "digest_many",
+    "finish",
+    "header",
+    "lanes_many",
+    "lanes_packed",
+    "pack_into",
+    "rows_of",
+]

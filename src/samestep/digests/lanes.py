@@ -164,8 +164,9 @@ def lanes_packed(packs: Iterable[Packed], tensors: Sequence[torch.Tensor] = ()) 
             size += tensors[i].numel() * tensors[i].element_size()
             if size >= PACK_BYTES or k == len(idx) - 1:  # packed and hashed while the bytes are in cache
                 buf, rows = _pack([tensors[j] for j in group])
-                by_device.setdefault(device, []).append(([index + j for j in group],
-                                                         level(buf.view(torch.int16), w, p), rows))
+                by_device.setdefault(device, []).append(
+                    ([index + j for j in group], level(buf.view(torch.int16), w, p), rows)
+                )
                 group, size = [], 0
     host: list[list[int]] = [[] for _ in range(index + len(tensors))]
     for device, blocks in by_device.items():

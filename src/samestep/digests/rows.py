@@ -47,14 +47,21 @@ def _int_weights(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torc
     if device not in _int_cache:
         table = weight_table()
         lanes = len(PRIMES)
-        digits = torch.tensor([[(value >> (7 * q)) & 0x7F for value in values for q in range(_DIGITS)]
-                               for j in range(COLS)
-                               for values in ([table[j][lane] for lane in range(lanes)],  # low byte of word j
-                                              [(table[j][lane] << 8) % p for lane, p in enumerate(PRIMES)])],
-                              dtype=torch.int8)  # (512, 16): row 2j low byte, row 2j+1 high byte
+        digits = torch.tensor(
+            [
+                [(value >> (7 * q)) & 0x7F for value in values for q in range(_DIGITS)]
+                for j in range(COLS)
+                for values in (
+                    [table[j][lane] for lane in range(lanes)],  # low byte of word j
+                    [(table[j][lane] << 8) % p for lane, p in enumerate(PRIMES)],
+                )
+            ],
+            dtype=torch.int8,
+        )  # (512, 16): row 2j low byte, row 2j+1 high byte
         scale = torch.tensor([float(1 << (7 * q)) for q in range(_DIGITS)], dtype=torch.float64)
-        const = torch.tensor([128 * sum(table[j][lane] for j in range(COLS)) % p for lane, p in enumerate(PRIMES)],
-                             dtype=torch.int64)
+        const = torch.tensor(
+            [128 * sum(table[j][lane] for j in range(COLS)) % p for lane, p in enumerate(PRIMES)], dtype=torch.int64
+        )
         entry = (digits.to(device), scale.to(device), const.to(device))
         try:  # the int8 matrix product is missing on some builds and devices: then float64 does it
             probe = torch._int_mm(torch.zeros(32, 2 * COLS, dtype=torch.int8, device=device), entry[0])
@@ -92,9 +99,12 @@ def _triton_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> bool:
         if TRITON != "auto":
             raise
         _triton_failed.add(x.device)
-        warnings.warn(f"samestep.digest: the Triton kernel failed on {x.device} ({type(e).__name__}: "
-                      f"{str(e).strip()[:300]}); using the PyTorch path there (same digests)",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"samestep.digest: the Triton kernel failed on {x.device} ({type(e).__name__}: "
+            f"{str(e).strip()[:300]}); using the PyTorch path there (same digests)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
         return False
 
 
@@ -107,9 +117,11 @@ def _scratch(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     cache = _local.__dict__.setdefault("scratch", {})
     rows = _block_rows(device)
     if (device, rows) not in cache:
-        cache[(device, rows)] = (torch.empty(rows, COLS, dtype=torch.int16, device=device),
-                                 torch.empty(rows, len(PRIMES) * _DIGITS, dtype=torch.int32, device=device),
-                                 torch.empty(rows, len(PRIMES) * _DIGITS, dtype=torch.float64, device=device))
+        cache[(device, rows)] = (
+            torch.empty(rows, COLS, dtype=torch.int16, device=device),
+            torch.empty(rows, len(PRIMES) * _DIGITS, dtype=torch.int32, device=device),
+            torch.empty(rows, len(PRIMES) * _DIGITS, dtype=torch.float64, device=device),
+        )
     return cache[(device, rows)]
 
 
@@ -140,7 +152,7 @@ def level(words: torch.Tensor, w: torch.Tensor, p: torch.Tensor) -> torch.Tensor
             _torch_rows(x, w, out[:full])
     if rows > full:
         tail = torch.zeros(1, COLS, dtype=torch.float64, device=words.device)
-        tail[0, :rem].copy_(words[full * COLS:])
+        tail[0, :rem].copy_(words[full * COLS :])
         out[full:] = torch.mm(tail, w).to(torch.int64)
     return torch.remainder(out, p)
 
@@ -159,11 +171,11 @@ def _torch_rows(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor) -> None:
             b = min(a + step, full)
             m = max(32, b - a)  # torch._int_mm wants at least 32 rows: zero words pad the rest
             if b - a < 32:
-                signed[b - a: 32].zero_()
+                signed[b - a : 32].zero_()
             torch.bitwise_xor(x[a:b], 0x80, out=signed[: b - a])  # lo', hi per word: 512 int8 per row
             torch._int_mm(signed[:m].view(torch.int8), digits, out=acc[:m])  # (rows, 16) int32, exact
             accf[: b - a].copy_(acc[: b - a])
-            torch.mv(accf[: b - a].view(-1, _DIGITS), scale, out=lanes[a * len(PRIMES): b * len(PRIMES)])
+            torch.mv(accf[: b - a].view(-1, _DIGITS), scale, out=lanes[a * len(PRIMES) : b * len(PRIMES)])
         torch.add(lanes.view(full, len(PRIMES)).to(torch.int64), const, out=out)
     else:
         block = min(full, _block_rows(x.device))

@@ -38,8 +38,9 @@ def weight_table() -> list[list[int]]:
 
 def header(t: torch.Tensor) -> bytes:
     """The part of the digest that is not the bytes: dtype, shape and byte count."""
-    return f"{str(t.dtype).removeprefix('torch.')}|{','.join(map(str, t.shape))}|{t.numel() * t.element_size()}|" \
-        .encode()
+    return (
+        f"{str(t.dtype).removeprefix('torch.')}|{','.join(map(str, t.shape))}|{t.numel() * t.element_size()}|".encode()
+    )
 
 
 def finish(head: bytes, lanes: Sequence[int]) -> bytes:

@@ -25,8 +25,9 @@ LANES = len(PRIMES)
 
 
 @triton.jit
-def _level_rows(words_ptr, w_ptr, p_ptr, c_ptr, out_ptr, rows, BLOCK: tl.constexpr, COLS_: tl.constexpr,
-                LANES_: tl.constexpr):
+def _level_rows(
+    words_ptr, w_ptr, p_ptr, c_ptr, out_ptr, rows, BLOCK: tl.constexpr, COLS_: tl.constexpr, LANES_: tl.constexpr
+):
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     j = tl.arange(0, COLS_)
     mask = r < rows
@@ -57,5 +58,6 @@ def level_rows(x: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> Non
     w, p, c = _consts[device]
     rows = x.shape[0]
     if rows:
-        _level_rows[(triton.cdiv(rows, PROGRAM_ROWS),)](x, w, p, c, out, rows, BLOCK=PROGRAM_ROWS, COLS_=COLS,
-                                                        LANES_=LANES)
+        _level_rows[(triton.cdiv(rows, PROGRAM_ROWS),)](
+            x, w, p, c, out, rows, BLOCK=PROGRAM_ROWS, COLS_=COLS, LANES_=LANES
+        )

@@ -34,21 +34,62 @@ from samestep.distributed.stacked_experts import StackedExperts, parallelize_exp
 from samestep.distributed.tree import BinaryCounter, canonical_sum, validate_layout
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
-__all__ = ["AllReduceGradients", "BinaryCounter", "CanonicalColwiseParallel", "CanonicalDdpState",
-           "CanonicalGradients", "CanonicalRowwiseParallel", "CanonicalStage", "CanonicalVocabEmbedding",
-           "FsdpGradients", "GradientBuckets", "SequenceShard", "ShardedModel", "ShardedOptimizer", "StackedExperts",
-           "TiedWeight", "all_gather_blocks", "any_rank", "broadcast_from", "canonical_ddp_hook",
-           "canonical_grad_norm", "canonical_stage", "canonical_stage_of", "canonical_sum", "clip_grad_norm_",
-           "column_linear", "combine_across_ranks", "full_state", "gather_sequence", "parallelize_experts",
-           "parallelize_norm", "ring_allreduce_bytes", "row_linear", "scatter_sequence", "sequence_affine",
-           "sequence_shard", "shard_model", "transformers_expert", "tree_to_block", "validate_layout", "validate_tp",
-           "vocab_parallel_cross_entropy", "vocab_parallel_embedding"]
+__all__ = [
+    "AllReduceGradients",
+    "BinaryCounter",
+    "CanonicalColwiseParallel",
+    "CanonicalDdpState",
+    "CanonicalGradients",
+    "CanonicalRowwiseParallel",
+    "CanonicalStage",
+    "CanonicalVocabEmbedding",
+    "FsdpGradients",
+    "GradientBuckets",
+    "SequenceShard",
+    "ShardedModel",
+    "ShardedOptimizer",
+    "StackedExperts",
+    "TiedWeight",
+    "all_gather_blocks",
+    "any_rank",
+    "broadcast_from",
+    "canonical_ddp_hook",
+    "canonical_grad_norm",
+    "canonical_stage",
+    "canonical_stage_of",
+    "canonical_sum",
+    "clip_grad_norm_",
+    "column_linear",
+    "combine_across_ranks",
+    "full_state",
+    "gather_sequence",
+    "parallelize_experts",
+    "parallelize_norm",
+    "ring_allreduce_bytes",
+    "row_linear",
+    "scatter_sequence",
+    "sequence_affine",
+    "sequence_shard",
+    "shard_model",
+    "transformers_expert",
+    "tree_to_block",
+    "validate_layout",
+    "validate_tp",
+    "vocab_parallel_cross_entropy",
+    "vocab_parallel_embedding",
+]
 
 # tensor_parallel and tp_styles are loaded when one of their names is first used: the styles import DTensor's
 # parallel styles (most of a second of start-up), which a run without tensor parallelism never needs.
-_LAZY = {"CanonicalColwiseParallel": "tp_styles", "CanonicalRowwiseParallel": "tp_styles",
-         "CanonicalVocabEmbedding": "tp_styles", "column_linear": "tensor_parallel", "row_linear": "tensor_parallel",
-         "sequence_shard": "tensor_parallel", "validate_tp": "tensor_parallel"}
+_LAZY = {
+    "CanonicalColwiseParallel": "tp_styles",
+    "CanonicalRowwiseParallel": "tp_styles",
+    "CanonicalVocabEmbedding": "tp_styles",
+    "column_linear": "tensor_parallel",
+    "row_linear": "tensor_parallel",
+    "sequence_shard": "tensor_parallel",
+    "validate_tp": "tensor_parallel",
+}
 
 
 def __getattr__(name: str) -> object:

@@ -57,8 +57,15 @@ class GradientBuckets:
     complete and next in order), then ``finish`` for the reduced gradients.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], *, world_size: int, group: object = None,
-                 first_bucket_elements: int = FIRST_BUCKET_ELEMENTS, bucket_elements: int = BUCKET_ELEMENTS) -> None:
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        *,
+        world_size: int,
+        group: object = None,
+        first_bucket_elements: int = FIRST_BUCKET_ELEMENTS,
+        bucket_elements: int = BUCKET_ELEMENTS,
+    ) -> None:
         self.params, self.world_size, self.group = params, world_size, group
         self.buckets: list[_Bucket] = []
         self.where: list[tuple[_Bucket, int]] = [None] * len(params)  # type: ignore[list-item]
@@ -110,11 +117,13 @@ class GradientBuckets:
         bucket, offset = self.where[j]
         if self._packed[j] and bucket.work is not None:
             shape = tuple(self.params[j].shape)
-            raise RuntimeError(f"the gradient of parameter {j} (shape {shape}) was accumulated again after its "
-                               f"bucket was sent to the other processes: the last microbatch ran backward through "
-                               f"it twice. Use CanonicalGradients(overlap=False), which combines after the backward")
+            raise RuntimeError(
+                f"the gradient of parameter {j} (shape {shape}) was accumulated again after its "
+                f"bucket was sent to the other processes: the last microbatch ran backward through "
+                f"it twice. Use CanonicalGradients(overlap=False), which combines after the backward"
+            )
         n = self.params[j].numel()
-        counter.fold_into(bucket.send[offset: offset + n], None if leaf is None else leaf.reshape(-1), index=j)
+        counter.fold_into(bucket.send[offset : offset + n], None if leaf is None else leaf.reshape(-1), index=j)
         if not self._packed[j]:
             self._packed[j] = True
             bucket.waiting -= 1
@@ -124,7 +133,7 @@ class GradientBuckets:
         bucket = self.buckets[-1]
         if leaf.numel() != bucket.extra:
             self._allocate(bucket, extra=leaf.numel())
-        counter.fold_into(bucket.send[bucket.numel: bucket.numel + bucket.extra], leaf, index=len(self.params))
+        counter.fold_into(bucket.send[bucket.numel : bucket.numel + bucket.extra], leaf, index=len(self.params))
         bucket.waiting -= 1
 
     @property
@@ -167,24 +176,26 @@ class GradientBuckets:
         """Parameter ``j``'s local sum as packed (flat); ``j`` = the number of parameters: the extra's."""
         if j == len(self.params):
             last = self.buckets[-1]
-            return last.send[last.numel: last.numel + last.extra]
+            return last.send[last.numel : last.numel + last.extra]
         bucket, offset = self.where[j]
-        return bucket.send[offset: offset + self.params[j].numel()]
+        return bucket.send[offset : offset + self.params[j].numel()]
 
     def finish(self) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Completes every bucket (all must have started). Returns each parameter's reduced gradient
         (flat, in parameter order) and the reduced extra."""
         if self._started != len(self.buckets):
-            raise RuntimeError(f"finish() with {len(self.buckets) - self._started} of {len(self.buckets)} gradient "
-                               f"buckets not started: parameters {self.unpacked()[:5]} were never packed")
+            raise RuntimeError(
+                f"finish() with {len(self.buckets) - self._started} of {len(self.buckets)} gradient "
+                f"buckets not started: parameters {self.unpacked()[:5]} were never packed"
+            )
         while self._summed < len(self.buckets):
             self._sum_and_gather()
         reduced: list[torch.Tensor] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:
             bucket.gather.wait()
             for j, offset in zip(bucket.params, bucket.offsets):
-                reduced[j] = bucket.out[offset: offset + self.params[j].numel()]
+                reduced[j] = bucket.out[offset : offset + self.params[j].numel()]
         last = self.buckets[-1]
-        extra = last.out[last.numel: last.numel + last.extra]
+        extra = last.out[last.numel : last.numel + last.extra]
         self._reset()
         return reduced, extra

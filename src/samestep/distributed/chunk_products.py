@@ -22,9 +22,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["batched", "column_grad_bias", "column_grad_input_parts", "column_grad_weight", "column_forward",
-           "elementwise_whole", "one_thread_cpu",
-           "row_forward", "row_grad_input", "row_grad_weight"]
+__all__ = [
+    "batched",
+    "column_grad_bias",
+    "column_grad_input_parts",
+    "column_grad_weight",
+    "column_forward",
+    "elementwise_whole",
+    "one_thread_cpu",
+    "row_forward",
+    "row_grad_input",
+    "row_grad_weight",
+]
 
 _BATCHED_MIN = 400  # ATen's CPU bmm runs its own loop kernel below this many multiply-adds an item
 _LANES = 64  # elements a vectorized CPU loop takes a turn at most: two 512-bit vectors of a 2-byte type
@@ -110,8 +119,9 @@ def row_forward(x2: torch.Tensor, weight: torch.Tensor, chunks: int) -> list[tor
     if not batched(x2, m, kc, n):
         ws = [w.contiguous() for w in weight.chunk(chunks, 1)]
         return [xc.contiguous() @ wc.t() for xc, wc in zip(x2.chunk(chunks, 1), ws)]
-    return list(torch.bmm(x2.reshape(m, chunks, kc).transpose(0, 1), weight.reshape(n, chunks, kc).permute(1, 2, 0))
-                .unbind(0))
+    return list(
+        torch.bmm(x2.reshape(m, chunks, kc).transpose(0, 1), weight.reshape(n, chunks, kc).permute(1, 2, 0)).unbind(0)
+    )
 
 
 def row_grad_input(g2: torch.Tensor, weight: torch.Tensor, chunks: int) -> torch.Tensor:

@@ -49,8 +49,14 @@ class CanonicalDdpState:
         ValueError: a layout the canonical tree cannot make invariant (``validate_layout``), naming one it can.
     """
 
-    def __init__(self, microbatches_per_process: int, *, world_size: int | None = None, rank: int | None = None,
-                 group: Any = None) -> None:
+    def __init__(
+        self,
+        microbatches_per_process: int,
+        *,
+        world_size: int | None = None,
+        rank: int | None = None,
+        group: Any = None,
+    ) -> None:
         import torch.distributed as dist
 
         self.group = group
@@ -77,8 +83,10 @@ class CanonicalDdpState:
         as without this context, at DDP's own cost). Optional: without it every backward reaches the hook."""
         j = microbatch - self.microbatches.start
         if not 0 <= j < self.k:
-            raise ValueError(f"CanonicalDdpState.microbatch({microbatch}): rank {self.rank} owns "
-                             f"{self.microbatches.start}..{self.microbatches.stop - 1}")
+            raise ValueError(
+                f"CanonicalDdpState.microbatch({microbatch}): rank {self.rank} owns "
+                f"{self.microbatches.start}..{self.microbatches.stop - 1}"
+            )
         if j % 2 == 0 and j + 1 < self.k:
             with ddp.no_sync():
                 yield
@@ -97,12 +105,15 @@ class CanonicalDdpState:
     def _check_complete(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         if self._seen or self._carried:
             done = max(self._seen.values(), default=0) + self._carried
-            raise RuntimeError(f"canonical_ddp_hook: the optimizer stepped after {done} of the {self.k} microbatches "
-                               "this process owns in a step; run backward on all of them first (the gradients are "
-                               "reduced at the last)")
+            raise RuntimeError(
+                f"canonical_ddp_hook: the optimizer stepped after {done} of the {self.k} microbatches "
+                "this process owns in a step; run backward on all of them first (the gradients are "
+                "reduced at the last)"
+            )
 
-    def reduce_bucket(self, params: list[torch.Tensor], grads: list[torch.Tensor], buffer: torch.Tensor,
-                      last: bool = True) -> torch.futures.Future:
+    def reduce_bucket(
+        self, params: list[torch.Tensor], grads: list[torch.Tensor], buffer: torch.Tensor, last: bool = True
+    ) -> torch.futures.Future:
         """What DDP writes back into the bucket after a backward (``grads``: views of ``buffer``). The tree's
         first level adds microbatches in pairs, as ``CanonicalGradients`` does: after the first of a pair the
         bucket goes back as it is, and the next backward adds into ``p.grad`` (autograd's in-place add, the
@@ -116,9 +127,11 @@ class CanonicalDdpState:
             self._seen[id(p)] = self._seen.get(id(p), 0) + ran
             counts.add(self._seen[id(p)])
         if len(counts) != 1:
-            raise RuntimeError("canonical_ddp_hook: a bucket's parameters got gradients in different numbers of "
-                               "microbatches (a parameter unused in some); give every parameter a gradient in "
-                               "every microbatch")
+            raise RuntimeError(
+                "canonical_ddp_hook: a bucket's parameters got gradients in different numbers of "
+                "microbatches (a parameter unused in some); give every parameter a gradient in "
+                "every microbatch"
+            )
         done = counts.pop()
         fut: torch.futures.Future = torch.futures.Future()
         if done % 2 == 1 and done < self.k:

@@ -65,8 +65,9 @@ class ExpertGradients:
     ``canonical=False`` is the usual way instead (deterministic mode off): the experts' own parameters take every
     source's rows, autograd adds them into ``p.grad`` as they come, and the replicas all-reduce it."""
 
-    def __init__(self, experts: dict[Any, torch.nn.Module], sources: int, replicas: Any = None,
-                 canonical: bool = True) -> None:
+    def __init__(
+        self, experts: dict[Any, torch.nn.Module], sources: int, replicas: Any = None, canonical: bool = True
+    ) -> None:
         self.experts, self.sources, self.replicas = experts, sources, replicas  # experts by a key: (layer, index)
         self.canonical = canonical
         self.params = [p for e in sorted(experts) for p in experts[e].parameters()]
@@ -140,15 +141,15 @@ class ExpertExchange:
         dist.all_gather(every, mine, group=self.group)
         table = [t.tolist() for t in every]  # table[s][e]: rows source s sends expert e
         self.table = table  # the last call's, for a caller that needs what each source routed
-        send = [sum(counts[r * m:(r + 1) * m]) for r in range(self.size)]
-        recv = [sum(table[s][self.rank * m:(self.rank + 1) * m]) for s in range(self.size)]
+        send = [sum(counts[r * m : (r + 1) * m]) for r in range(self.size)]
+        recv = [sum(table[s][self.rank * m : (self.rank + 1) * m]) for s in range(self.size)]
         received = all_to_all(rows, send, recv, self.group)
         outs, start = [], 0
         for s in range(self.size):
             for j in range(m):
                 e = self.rank * m + j
                 n = table[s][e]
-                outs.append(call(e, self.grads.leaves((self.layer, e), s), received[start:start + n]))
+                outs.append(call(e, self.grads.leaves((self.layer, e), s), received[start : start + n]))
                 start += n
         out = torch.cat(outs) if outs else received
         return all_to_all(out, recv, send, self.group)

@@ -28,9 +28,19 @@ import torch
 from samestep.distributed.reduce import combine_across_ranks
 from samestep.distributed.tree import BinaryCounter, validate_layout
 
-__all__ = ["CanonicalReduceScatter", "FsdpDefaultGradients", "FsdpGradients", "Held", "ShardedModel",
-           "ShardedOptimizer", "full_state", "shard_model", "shard_rows", "tensor_ranks_part",
-           "whole_tensor"]
+__all__ = [
+    "CanonicalReduceScatter",
+    "FsdpDefaultGradients",
+    "FsdpGradients",
+    "Held",
+    "ShardedModel",
+    "ShardedOptimizer",
+    "full_state",
+    "shard_model",
+    "shard_rows",
+    "tensor_ranks_part",
+    "whole_tensor",
+]
 
 
 def shard_model(model: torch.nn.Module, world_size: int, mesh: Any = None, blocks: Any = None) -> torch.nn.Module:
@@ -46,11 +56,15 @@ def shard_model(model: torch.nn.Module, world_size: int, mesh: Any = None, block
     elif isinstance(blocks, type) or (isinstance(blocks, tuple) and all(isinstance(b, type) for b in blocks)):
         found = [m for m in model.modules() if m is not model and isinstance(m, blocks)]
         if not found:
-            raise ValueError(f"shard_model(blocks={blocks!r}): the model holds no such module; pass the class of "
-                             f"its blocks (its module classes: {sorted({type(m).__name__ for m in model.modules()})})")
+            raise ValueError(
+                f"shard_model(blocks={blocks!r}): the model holds no such module; pass the class of "
+                f"its blocks (its module classes: {sorted({type(m).__name__ for m in model.modules()})})"
+            )
     else:
-        raise TypeError(f"shard_model(blocks={blocks!r}): a module class or a tuple of them (the class of the "
-                        "model's decoder blocks, e.g. LlamaDecoderLayer)")
+        raise TypeError(
+            f"shard_model(blocks={blocks!r}): a module class or a tuple of them (the class of the "
+            "model's decoder blocks, e.g. LlamaDecoderLayer)"
+        )
     device = next(model.parameters()).device
     mesh = mesh if mesh is not None else init_device_mesh(device.type, (world_size,))
     for module in found:
@@ -84,8 +98,9 @@ class CanonicalReduceScatter:
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                 async_op: bool = False) -> None:
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ) -> None:
         import torch.distributed as dist
 
         place, self._place = self._place, self._place + 1
@@ -114,8 +129,9 @@ class FsdpGradients:
 
     canonical = True  # each group's reduce-scatter is a CanonicalReduceScatter
 
-    def __init__(self, model: torch.nn.Module, *, microbatches_per_process: int, world_size: int, rank: int,
-                 group: Any = None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, *, microbatches_per_process: int, world_size: int, rank: int, group: Any = None
+    ) -> None:
         from torch.distributed.fsdp import FSDPModule
 
         validate_layout(world_size, microbatches_per_process)
@@ -151,14 +167,17 @@ class FsdpGradients:
         """Microbatch ``microbatch`` (global index, the next of this process's range) is done: its extra
         joins the tree, and before the last one the zeros FSDP2 was handed are dropped."""
         if microbatch != self._next or microbatch not in self.microbatches:
-            raise ValueError(f"accumulate(microbatch={microbatch}): rank {self.rank} expects global index "
-                             f"{self._next} next (it owns {self.microbatches.start}..{self.microbatches.stop - 1})")
+            raise ValueError(
+                f"accumulate(microbatch={microbatch}): rank {self.rank} expects global index "
+                f"{self._next} next (it owns {self.microbatches.start}..{self.microbatches.stop - 1})"
+            )
         self._next += 1
         for comm in self.comms:
             comm.next_microbatch()
         dtype = self.params[0].dtype
-        self._extra.push(extra.detach().reshape(-1).to(dtype).clone() if extra is not None
-                         else torch.zeros(0, dtype=dtype))
+        self._extra.push(
+            extra.detach().reshape(-1).to(dtype).clone() if extra is not None else torch.zeros(0, dtype=dtype)
+        )
         if self._next < self.microbatches.stop:
             for p in self.params:
                 p.grad = None
@@ -168,8 +187,10 @@ class FsdpGradients:
         if self._next != self.microbatches.stop:
             raise RuntimeError(f"reduce() after {self._next - self.microbatches.start} of {self.k} microbatches")
         if any(c.pending for c in self.comms):
-            raise RuntimeError("an FSDP group's reduce-scatter ran fewer times than the microbatches: a group "
-                               "whose parameters got no gradient in some microbatch")
+            raise RuntimeError(
+                "an FSDP group's reduce-scatter ran fewer times than the microbatches: a group "
+                "whose parameters got no gradient in some microbatch"
+            )
         self._next = self.microbatches.start
         total, sent = combine_across_ranks(self._extra.result(), self.world_size, self.group)
         self.bytes_sent += sent
@@ -187,8 +208,9 @@ class FsdpDefaultGradients(FsdpGradients):
     def accumulate(self, microbatch: int, extra: torch.Tensor | None = None) -> None:
         self._next += 1
         dtype = self.params[0].dtype
-        self._extra.push(extra.detach().reshape(-1).to(dtype).clone() if extra is not None
-                         else torch.zeros(0, dtype=dtype))
+        self._extra.push(
+            extra.detach().reshape(-1).to(dtype).clone() if extra is not None else torch.zeros(0, dtype=dtype)
+        )
 
     def reduce(self) -> torch.Tensor:
         for p in self.params:
@@ -203,12 +225,18 @@ def whole_tensor(t: Any) -> Any:
     from torch.distributed.tensor import DTensor
 
     # a 2-D one through its tensor ranks' part: DTensor's full_tensor misplaces doubly strided rows
-    return (tensor_ranks_part(t).full_tensor() if isinstance(t, DTensor) else t.detach() if isinstance(t, torch.Tensor)
-            else t)
+    return (
+        tensor_ranks_part(t).full_tensor()
+        if isinstance(t, DTensor)
+        else t.detach()
+        if isinstance(t, torch.Tensor)
+        else t
+    )
 
 
-def full_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-               ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+def full_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """The unsharded ``state_dict()`` of a sharded model (tied entries stay one tensor) and of its
     optimizer: what the unsharded run would hold, bit for bit. A collective: every rank calls it."""
     seen: dict[int, torch.Tensor] = {}
@@ -263,9 +291,11 @@ def tensor_ranks_part(t: Any) -> Any:
 
     mesh = t.device_mesh
     if mesh.ndim != 2 or mesh.mesh_dim_names is None:
-        raise ValueError(f"a DTensor placed {t.placements} on a {mesh.ndim}-D mesh with dimension names "
-                         f"{mesh.mesh_dim_names}: FSDP2 over tensor parallelism is a 2-D mesh of named dimensions "
-                         "(data ranks, tensor ranks). Fix: pass full_tensor() of it, or name the mesh's dimensions")
+        raise ValueError(
+            f"a DTensor placed {t.placements} on a {mesh.ndim}-D mesh with dimension names "
+            f"{mesh.mesh_dim_names}: FSDP2 over tensor parallelism is a 2-D mesh of named dimensions "
+            "(data ranks, tensor ranks). Fix: pass full_tensor() of it, or name the mesh's dimensions"
+        )
     outer, inner = t.placements
     tensor_ranks = mesh[mesh.mesh_dim_names[1]]
     local = t.to_local()
@@ -296,8 +326,9 @@ def _shard_like(full: torch.Tensor, like: Any) -> Any:
         return distribute_tensor(full.to(like.device), mesh, like.placements, src_data_rank=None)
     # FSDP2 over tensor parallelism: the tensor rank's part, then the data rank's chunk of it (tensor_ranks_part)
     outer, inner = like.placements
-    local = distribute_tensor(full.to(like.device), mesh[mesh.mesh_dim_names[1]], [inner],
-                              src_data_rank=None).to_local()
+    local = distribute_tensor(
+        full.to(like.device), mesh[mesh.mesh_dim_names[1]], [inner], src_data_rank=None
+    ).to_local()
     if not isinstance(outer, Replicate):
         dim, world = outer.dim % like.dim(), mesh.size(0)
         sizes = _sizes(local.shape[dim], world)
@@ -320,8 +351,9 @@ class ShardedModel:
         missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
         if strict and (missing or unexpected):
             raise RuntimeError(f"sharded model state: missing keys {missing}, unexpected keys {unexpected}")
-        self.model.load_state_dict({key: _shard_like(value, own[key]) if key in own else value
-                                    for key, value in state.items()}, strict=strict)
+        self.model.load_state_dict(
+            {key: _shard_like(value, own[key]) if key in own else value for key, value in state.items()}, strict=strict
+        )
 
 
 class ShardedOptimizer:

@@ -45,8 +45,9 @@ def gather_if_different(key: bytes, payload: bytes, device: torch.device | None 
         return None
     world = dist.get_world_size()
     if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-            else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        )
     if len(set(all_gather_bytes(hashlib.sha256(key).digest(), world, device))) == 1:
         return None
     return all_gather_bytes(payload, world, device)
@@ -67,8 +68,11 @@ def gather_named(local: dict[str, torch.Tensor], group: Any, device: torch.devic
     for src, blob in zip(ranks, metas):
         entries = json.loads(blob)
         if src == me:
-            flat = torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()]) if tensors \
+            flat = (
+                torch.cat([t.reshape(-1).view(torch.uint8) for t in tensors.values()])
+                if tensors
                 else torch.zeros(0, dtype=torch.uint8, device=device)
+            )
         else:
             total = sum(_nbytes(dtype, shape) for _, dtype, shape in entries)
             flat = torch.empty(total, dtype=torch.uint8, device=device)
@@ -77,7 +81,7 @@ def gather_named(local: dict[str, torch.Tensor], group: Any, device: torch.devic
         offset = 0
         for name, dtype, shape in entries:
             n = _nbytes(dtype, shape)
-            out[name] = flat[offset:offset + n].view(_dtype(dtype)).reshape(shape).clone()
+            out[name] = flat[offset : offset + n].view(_dtype(dtype)).reshape(shape).clone()
             offset += n
     return out
 

@@ -58,8 +58,10 @@ def _sharded_along(g: object) -> tuple[int | None, int, object]:
 
     placements = tuple(g.placements)  # type: ignore[attr-defined]
     if len(placements) != 1 or type(placements[0]) not in (Shard, _StridedShard, Replicate):
-        raise ValueError(f"canonical_grad_norm: a gradient placed {placements} on a {len(placements)}-D mesh; "
-                         "it brackets one Shard or Replicate placement. Fix: pass full_tensor() of that gradient")
+        raise ValueError(
+            f"canonical_grad_norm: a gradient placed {placements} on a {len(placements)}-D mesh; "
+            "it brackets one Shard or Replicate placement. Fix: pass full_tensor() of that gradient"
+        )
     p = placements[0]
     if isinstance(p, Replicate):
         return None, 1, g.device_mesh  # type: ignore[attr-defined]
@@ -84,12 +86,17 @@ def _rows_over_data(g: object) -> tuple[torch.Tensor, object, int, object] | Non
     outer, inner = g.placements  # type: ignore[attr-defined]
     if not all(type(p) in (Shard, _StridedShard) and p.dim % g.dim() == 0 for p in (outer, inner)):  # type: ignore
         return None
-    return (row_squares(g.to_local()), mesh.get_group(0), getattr(inner, "split_factor", 1),  # type: ignore
-            mesh[mesh.mesh_dim_names[1]])
+    return (
+        row_squares(g.to_local()),
+        mesh.get_group(0),
+        getattr(inner, "split_factor", 1),  # type: ignore
+        mesh[mesh.mesh_dim_names[1]],
+    )
 
 
-def canonical_grad_norm(grads: Iterable[torch.Tensor], over: object = None,
-                        lead: Iterable[torch.Tensor] = ()) -> torch.Tensor:
+def canonical_grad_norm(
+    grads: Iterable[torch.Tensor], over: object = None, lead: Iterable[torch.Tensor] = ()
+) -> torch.Tensor:
     """The 2-norm of all ``grads`` together, bracketed by rows (see the module docstring). DTensor
     gradients (sharded) are gathered as row sums only, a few bytes per row: a collective over each of their
     meshes then, which every rank of it calls with its shards of the same parameters. A gradient of FSDP2
@@ -135,8 +142,10 @@ def canonical_grad_norm(grads: Iterable[torch.Tensor], over: object = None,
     for mesh in dict.fromkeys(m for _, m, _ in parts if m is not None):
         gathered = iter(gather_rows([r for _, m, r in parts if m == mesh], mesh.get_group()))  # type: ignore
         # rank order holds each rank's rows of every fused part; the whole tensor's order is part by part
-        parts = [(fused, m, r if m != mesh else _part_by_part(next(gathered), mesh.size(), fused))  # type: ignore
-                 for fused, m, r in parts]
+        parts = [
+            (fused, m, r if m != mesh else _part_by_part(next(gathered), mesh.size(), fused))  # type: ignore
+            for fused, m, r in parts
+        ]
     rows = [r for _, _, r in parts]
     if over is not None:
         rows = _over(rows, len(lead), over)
@@ -146,15 +155,22 @@ def canonical_grad_norm(grads: Iterable[torch.Tensor], over: object = None,
 def _over(rows: list[torch.Tensor], lead: int, group: object) -> list[torch.Tensor]:
     """Every rank's row sums of ``group`` in the whole model's order: the ``lead`` first rows of each rank first,
     then the rest, each in rank order (one gather)."""
+
     def cat(part: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(part) if part else torch.zeros(0, dtype=rows[0].dtype if rows else torch.float32)
 
     return gather_rows([cat(rows[:lead]), cat(rows[lead:])], group)
 
 
-def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm: float, *,
-                    out_of_place: bool = False, over: object = None, norm: torch.Tensor | None = None,
-                    lead: Iterable[torch.Tensor] = ()) -> torch.Tensor:
+def clip_grad_norm_(
+    parameters: torch.Tensor | Iterable[torch.Tensor],
+    max_norm: float,
+    *,
+    out_of_place: bool = False,
+    over: object = None,
+    norm: torch.Tensor | None = None,
+    lead: Iterable[torch.Tensor] = (),
+) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` by the canonical norm: the same scale (``max_norm / (norm + 1e-6)``,
     at most 1) on the same bits of the norm on any number of processes, sharded (DTensor gradients: every
     rank calls it with its shards of the same parameters) or not. Returns the norm before clipping.
@@ -166,8 +182,11 @@ def clip_grad_norm_(parameters: torch.Tensor | Iterable[torch.Tensor], max_norm:
     """
     params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     lead = [p for p in lead if p.grad is not None]
-    total_norm = norm if norm is not None else canonical_grad_norm([p.grad for p in params if p.grad is not None],
-                                                                   over, [p.grad for p in lead])
+    total_norm = (
+        norm
+        if norm is not None
+        else canonical_grad_norm([p.grad for p in params if p.grad is not None], over, [p.grad for p in lead])
+    )
     params = lead + params
     coef = float(torch.clamp(max_norm / (total_norm + 1e-6), max=1.0))  # an fp32 value: the same products
     for p in params:

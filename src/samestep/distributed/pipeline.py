@@ -40,18 +40,28 @@ class CanonicalStage:
     ``scope(chunk)`` (a trace recorder's microbatch)."""
 
     @staticmethod
-    def make(module: torch.nn.Module, stage_index: int, num_stages: int, device: torch.device, group: Any,
-             after_backward: Callable[[int, torch.Tensor | None], None], inputs: tuple[torch.Tensor, ...],
-             outputs: tuple[torch.Tensor, ...], scope: Callable[[int], Any]) -> Any:
+    def make(
+        module: torch.nn.Module,
+        stage_index: int,
+        num_stages: int,
+        device: torch.device,
+        group: Any,
+        after_backward: Callable[[int, torch.Tensor | None], None],
+        inputs: tuple[torch.Tensor, ...],
+        outputs: tuple[torch.Tensor, ...],
+        scope: Callable[[int], Any],
+    ) -> Any:
         """``inputs`` and ``outputs``: a microbatch's (meta tensors will do), so that pipelining takes the
         shapes as given instead of running a forward on placeholders to infer them."""
-        stage = _stage_class()(module, stage_index, num_stages, device, input_args=inputs, output_args=outputs,
-                               group=group)
+        stage = _stage_class()(
+            module, stage_index, num_stages, device, input_args=inputs, output_args=outputs, group=group
+        )
         return CanonicalStage.adopt(stage, after_backward, scope)
 
     @staticmethod
-    def adopt(stage: Any, after_backward: Callable[[int, torch.Tensor | None], None],
-              scope: Callable[[int], Any]) -> Any:
+    def adopt(
+        stage: Any, after_backward: Callable[[int, torch.Tensor | None], None], scope: Callable[[int], Any]
+    ) -> Any:
         """``stage`` (a ``PipelineStage``), its chunk methods wrapped in place (the schedule calls them through
         the instance), returned. A stage module that FSDP2 wraps whole gets FSDP2's post-backward after each
         microbatch, where pipelining defers it to the step's end (``perform_reduce_grad``)."""
@@ -66,11 +76,14 @@ class CanonicalStage:
             with scope(fwd_chunk_id):
                 return forward(fwd_chunk_id, *args, **kwargs)
 
-        def backward_one_chunk(bwd_chunk_id: int, loss: Any = None, full_backward: bool = True,
-                               last_backward: bool = False) -> None:
+        def backward_one_chunk(
+            bwd_chunk_id: int, loss: Any = None, full_backward: bool = True, last_backward: bool = False
+        ) -> None:
             if not full_backward:
-                raise RuntimeError("CanonicalStage: a schedule that splits the backward (input, then weight "
-                                   "gradients) is not supported; use a GPipe or 1F1B schedule")
+                raise RuntimeError(
+                    "CanonicalStage: a schedule that splits the backward (input, then weight "
+                    "gradients) is not supported; use a GPipe or 1F1B schedule"
+                )
             with scope(bwd_chunk_id):
                 backward(bwd_chunk_id, loss=loss, full_backward=True, last_backward=last_backward)
                 if fsdp:  # see above
@@ -81,9 +94,18 @@ class CanonicalStage:
         return stage
 
 
-def canonical_stage(module: torch.nn.Module, stage_index: int, num_stages: int, device: torch.device, *,
-                    grads: Any, group: Any = None, input_args: Any = None, output_args: Any = None,
-                    scope: Callable[[int], Any] | None = None) -> Any:
+def canonical_stage(
+    module: torch.nn.Module,
+    stage_index: int,
+    num_stages: int,
+    device: torch.device,
+    *,
+    grads: Any,
+    group: Any = None,
+    input_args: Any = None,
+    output_args: Any = None,
+    scope: Callable[[int], Any] | None = None,
+) -> Any:
     """A ``torch.distributed.pipelining.PipelineStage`` of a loop of one's own whose microbatch gradients are
     summed in the order one process sums them: after each microbatch's backward, ``grads`` (a
     ``CanonicalGradients`` over this stage's parameters, over its data ranks where there are several; or
@@ -96,12 +118,14 @@ def canonical_stage(module: torch.nn.Module, stage_index: int, num_stages: int, 
     ``PipelineStage`` takes them). ``scope(i)``: a context around microbatch i's forward and backward (a
     ``samestep.trace`` recorder's ``microbatch``), or None. docs/layouts.md, "Pipeline parallelism"."""
     after_backward, in_scope = _handing(grads, lambda chunk: grads.microbatches[chunk], scope)
-    return CanonicalStage.make(module, stage_index, num_stages, device, group, after_backward,
-                               input_args, output_args, in_scope)
+    return CanonicalStage.make(
+        module, stage_index, num_stages, device, group, after_backward, input_args, output_args, in_scope
+    )
 
 
-def canonical_stage_of(stage: Any, *, grads: Any, microbatch: Callable[[int], int] | None = None,
-                       scope: Callable[[int], Any] | None = None) -> Any:
+def canonical_stage_of(
+    stage: Any, *, grads: Any, microbatch: Callable[[int], int] | None = None, scope: Callable[[int], Any] | None = None
+) -> Any:
     """``canonical_stage`` for a ``PipelineStage`` already built (a framework's, such as torchtitan's
     pipelining function makes): its microbatch gradients handed to ``grads`` as their backwards end.
     ``microbatch(chunk)``: the global microbatch index of the schedule's chunk (default
@@ -140,8 +164,16 @@ class TiedWeight:
     and ``add_step`` adds the last stage's sum to the first's once a step: other bits. After each optimizer
     step ``sync`` sends the owner's weight to the other."""
 
-    def __init__(self, weight: torch.nn.Parameter, *, is_first: bool, peer: int, group: Any,
-                 per_microbatch: bool = True, data_group: Any = None) -> None:
+    def __init__(
+        self,
+        weight: torch.nn.Parameter,
+        *,
+        is_first: bool,
+        peer: int,
+        group: Any,
+        per_microbatch: bool = True,
+        data_group: Any = None,
+    ) -> None:
         self.weight, self.is_first, self.peer, self.group = weight, is_first, peer, group
         self.per_microbatch, self.data_group = per_microbatch, data_group
         self.owns = is_first != per_microbatch
@@ -226,8 +258,14 @@ def _like(local: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
         return local
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False,  # type: ignore[attr-defined]
-                              shape=p.shape, stride=p.stride())
+    return DTensor.from_local(
+        local,
+        p.device_mesh,
+        p.placements,
+        run_check=False,  # type: ignore[attr-defined]
+        shape=p.shape,
+        stride=p.stride(),
+    )
 
 
 def broadcast_from(value: torch.Tensor, src: int, group: Any) -> torch.Tensor:

@@ -47,8 +47,13 @@ def model_layout(model: torch.nn.Module) -> dict[str, Any]:
     if not rows:
         return {"sharded": sharded, "ddp": ddp, "meshes": [], "placements": None, "placed": {}}
     meshes = sorted({repr(m): m for _, m, _ in rows}.values(), key=lambda m: -math.prod(m["shape"]))
-    return {"sharded": sharded, "ddp": ddp, "meshes": meshes, "placements": state_digest(rows)[:32],
-            "placed": dict(sorted(placed.items()))}
+    return {
+        "sharded": sharded,
+        "ddp": ddp,
+        "meshes": meshes,
+        "placements": state_digest(rows)[:32],
+        "placed": dict(sorted(placed.items())),
+    }
 
 
 def mesh_coordinates(mesh: dict[str, Any], rank: int) -> str | None:

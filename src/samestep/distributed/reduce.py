@@ -28,8 +28,14 @@ from samestep.distributed.group import group_up
 from samestep.distributed.shards import local_shard, placed, spec_of
 from samestep.distributed.tree import BinaryCounter, validate_layout
 
-__all__ = ["AllReduceGradients", "CanonicalGradients", "PendingCombine", "combine_across_ranks",
-           "ring_allreduce_bytes", "tree_across_ranks"]
+__all__ = [
+    "AllReduceGradients",
+    "CanonicalGradients",
+    "PendingCombine",
+    "combine_across_ranks",
+    "ring_allreduce_bytes",
+    "tree_across_ranks",
+]
 
 _NOTHING = contextlib.nullcontext()  # reusable: it holds no state
 
@@ -81,8 +87,9 @@ class PendingCombine:
         return self._gathered[: self.n].view(self.shape)
 
 
-def combine_across_ranks(local: torch.Tensor, world_size: int, group: object = None,
-                         bucket_elements: int = BUCKET_ELEMENTS) -> tuple[torch.Tensor, int]:
+def combine_across_ranks(
+    local: torch.Tensor, world_size: int, group: object = None, bucket_elements: int = BUCKET_ELEMENTS
+) -> tuple[torch.Tensor, int]:
     """Sums one equal-sized block per rank in rank order along the canonical tree; same bits on all ranks.
 
     Per bucket: an all-to-all hands rank j the j-th chunk of every rank's bucket (a reduce-scatter whose
@@ -104,11 +111,11 @@ def combine_across_ranks(local: torch.Tensor, world_size: int, group: object = N
     step = max(bucket_elements, world_size)
     spans = [(a, min(a + step, n)) for a in range(0, n, step)]
     started = []
-    pending = PendingCombine(flat[spans[0][0]:spans[0][1]], world_size, group)
+    pending = PendingCombine(flat[spans[0][0] : spans[0][1]], world_size, group)
     for idx, (a, b) in enumerate(spans):
         current = pending
         if idx + 1 < len(spans):
-            pending = PendingCombine(flat[spans[idx + 1][0]:spans[idx + 1][1]], world_size, group)
+            pending = PendingCombine(flat[spans[idx + 1][0] : spans[idx + 1][1]], world_size, group)
         current.gather()
         started.append((current, a, b))
         sent += current.sent
@@ -146,8 +153,12 @@ def tree_across_ranks(leaves: list[torch.Tensor], group: object = None) -> torch
 def _flat_grads(params: list[torch.nn.Parameter]) -> list[torch.Tensor]:
     """Each parameter's gradient (of a DTensor parameter, this rank's shard of it) as a 1-D tensor (zeros for a
     parameter that received none)."""
-    return [local_shard(p.grad).reshape(-1) if p.grad is not None
-            else torch.zeros(local_shard(p).numel(), dtype=p.dtype, device=p.device) for p in params]
+    return [
+        local_shard(p.grad).reshape(-1)
+        if p.grad is not None
+        else torch.zeros(local_shard(p).numel(), dtype=p.dtype, device=p.device)
+        for p in params
+    ]
 
 
 def _grad_like(g: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
@@ -182,9 +193,17 @@ class CanonicalGradients:
     than once through a parameter per microbatch).
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], *, microbatches_per_process: int,
-                 world_size: int = 1, rank: int = 0, group: object = None, overlap: bool = True,
-                 **bucket_options: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        *,
+        microbatches_per_process: int,
+        world_size: int = 1,
+        rank: int = 0,
+        group: object = None,
+        overlap: bool = True,
+        **bucket_options: Any,
+    ) -> None:
         import torch.distributed as dist
 
         validate_layout(world_size, microbatches_per_process)
@@ -203,11 +222,14 @@ class CanonicalGradients:
             group = dist.new_group()
         self.group = group
         # a tensor-parallel (DTensor) parameter: its shard is what this rank combines with the other data ranks
-        self.buckets = (GradientBuckets([local_shard(p) for p in self.params], world_size=world_size, group=group,
-                                        **bucket_options)
-                        if world_size > 1 else None)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._hook(j)) for j, p in enumerate(self.params)
-                       ] if overlap else []
+        self.buckets = (
+            GradientBuckets([local_shard(p) for p in self.params], world_size=world_size, group=group, **bucket_options)
+            if world_size > 1
+            else None
+        )
+        self._hooks = (
+            [p.register_post_accumulate_grad_hook(self._hook(j)) for j, p in enumerate(self.params)] if overlap else []
+        )
 
     @property
     def bytes_sent(self) -> int:
@@ -249,8 +271,10 @@ class CanonicalGradients:
             extra: a small tensor (e.g. the loss) summed along the same tree, returned by ``reduce()``.
         """
         if microbatch != self._next or microbatch not in self.microbatches:
-            raise ValueError(f"accumulate(microbatch={microbatch}): rank {self.rank} expects global index "
-                             f"{self._next} next (it owns {self.microbatches.start}..{self.microbatches.stop - 1})")
+            raise ValueError(
+                f"accumulate(microbatch={microbatch}): rank {self.rank} expects global index "
+                f"{self._next} next (it owns {self.microbatches.start}..{self.microbatches.stop - 1})"
+            )
         dtype = self.params[0].dtype
         extra_flat = extra.detach().reshape(-1).to(dtype).clone() if extra is not None else torch.zeros(0, dtype=dtype)
         self._next += 1
@@ -311,8 +335,15 @@ class AllReduceGradients:
     ``determinism.enabled = false``. Same interface as ``CanonicalGradients``.
     """
 
-    def __init__(self, params: Iterable[torch.nn.Parameter], *, microbatches_per_process: int,
-                 world_size: int = 1, rank: int = 0, group: object = None) -> None:
+    def __init__(
+        self,
+        params: Iterable[torch.nn.Parameter],
+        *,
+        microbatches_per_process: int,
+        world_size: int = 1,
+        rank: int = 0,
+        group: object = None,
+    ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.k, self.world_size, self.rank, self.group = microbatches_per_process, world_size, rank, group
         self._extra: torch.Tensor | None = None
@@ -343,7 +374,7 @@ class AllReduceGradients:
         offset = 0
         for p in self.params:
             n = local_shard(p).numel()
-            p.grad = _grad_like(total[offset: offset + n], p)
+            p.grad = _grad_like(total[offset : offset + n], p)
             offset += n
         self._extra = None
         return total[offset:].clone()

@@ -25,8 +25,15 @@ import torch
 from samestep.distributed.reduce import tree_across_ranks
 from samestep.distributed.tree import BinaryCounter
 
-__all__ = ["SequenceShard", "all_gather_blocks", "gather_sequence", "parallelize_norm", "scatter_sequence",
-           "sequence_affine", "tree_to_block"]
+__all__ = [
+    "SequenceShard",
+    "all_gather_blocks",
+    "gather_sequence",
+    "parallelize_norm",
+    "scatter_sequence",
+    "sequence_affine",
+    "tree_to_block",
+]
 
 
 @dataclass(frozen=True)
@@ -137,8 +144,9 @@ class _Affine(torch.autograd.Function):
         return grad_y, grad_w, grad_b, None, None
 
 
-def sequence_affine(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int,
-                    shard: SequenceShard) -> torch.Tensor:
+def sequence_affine(
+    y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int, shard: SequenceShard
+) -> torch.Tensor:
     """``y * weight + bias`` on this rank's block of the sequence (``y``: (batch, positions, features), the
     norm before it applied), with the gradients of ``weight`` and ``bias`` summed over the whole sequence in
     ``chunks`` fixed chunks along the canonical tree: the same bits on every rank and at every degree.
@@ -147,16 +155,20 @@ def sequence_affine(y: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
         ValueError: the rank's block does not cut into ``chunks / degree`` whole chunks.
     """
     if chunks % shard.degree or y.shape[1] % (chunks // shard.degree):
-        raise ValueError(f"sequence_affine: {y.shape[1]} positions a rank at degree {shard.degree} do not cut into "
-                         f"{chunks} chunks of the sequence. Fix: a sequence length divisible by {chunks}")
+        raise ValueError(
+            f"sequence_affine: {y.shape[1]} positions a rank at degree {shard.degree} do not cut into "
+            f"{chunks} chunks of the sequence. Fix: a sequence length divisible by {chunks}"
+        )
     return _Affine.apply(y, weight, bias, chunks // shard.degree, shard.group)
 
 
-def parallelize_norm(norm: torch.nn.Module, normalize: Callable[[torch.Tensor], torch.Tensor], chunks: int,
-                     shard: SequenceShard) -> torch.nn.Module:
+def parallelize_norm(
+    norm: torch.nn.Module, normalize: Callable[[torch.Tensor], torch.Tensor], chunks: int, shard: SequenceShard
+) -> torch.nn.Module:
     """Routes a norm's forward (its parameters ``weight`` and, if it has one, ``bias``, left as they are) through
     ``normalize`` on this rank's block of the sequence and ``sequence_affine``: its input and output blocks
     (the column-parallel layers after it gather their input)."""
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         return sequence_affine(normalize(x), norm.weight, getattr(norm, "bias", None), chunks, shard)
 

@@ -18,8 +18,14 @@ from samestep.distributed.shards import local_shard
 __all__ = ["ShardAdamW"]
 
 # The options under which AdamW's update is its single-tensor loop of elementwise ops on each parameter.
-_PLAIN = {"foreach": (False, None), "fused": (None, False), "capturable": (False,), "differentiable": (False,),
-          "amsgrad": (False,), "maximize": (False,)}
+_PLAIN = {
+    "foreach": (False, None),
+    "fused": (None, False),
+    "capturable": (False,),
+    "differentiable": (False,),
+    "amsgrad": (False,),
+    "maximize": (False,),
+}
 
 
 def _refuse_other_updates(options: dict[str, Any], where: str) -> None:
@@ -28,8 +34,10 @@ def _refuse_other_updates(options: dict[str, Any], where: str) -> None:
     other = {k: options[k] for k, allowed in _PLAIN.items() if k in options and options[k] not in allowed}
     if other:
         name, value = next(iter(other.items()))
-        raise ValueError(f"{where}: {name}={value!r} takes another update than AdamW's single-tensor one, which "
-                         f"ShardAdamW runs. Fix: torch.optim.AdamW for that option")
+        raise ValueError(
+            f"{where}: {name}={value!r} takes another update than AdamW's single-tensor one, which "
+            f"ShardAdamW runs. Fix: torch.optim.AdamW for that option"
+        )
 
 
 class ShardAdamW(torch.optim.AdamW):
@@ -56,10 +64,27 @@ class ShardAdamW(torch.optim.AdamW):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             states = [self.state[p] for p in params]
             beta1, beta2 = group["betas"]
-            adam([local_shard(p) for p in params], [local_shard(p.grad) for p in params],
-                 [local_shard(s["exp_avg"]) for s in states], [local_shard(s["exp_avg_sq"]) for s in states], [],
-                 [s["step"] for s in states], foreach=False, capturable=False, differentiable=False, fused=None,
-                 grad_scale=None, found_inf=None, has_complex=any(torch.is_complex(p) for p in params),
-                 decoupled_weight_decay=True, amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
-                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+            adam(
+                [local_shard(p) for p in params],
+                [local_shard(p.grad) for p in params],
+                [local_shard(s["exp_avg"]) for s in states],
+                [local_shard(s["exp_avg_sq"]) for s in states],
+                [],
+                [s["step"] for s in states],
+                foreach=False,
+                capturable=False,
+                differentiable=False,
+                fused=None,
+                grad_scale=None,
+                found_inf=None,
+                has_complex=any(torch.is_complex(p) for p in params),
+                decoupled_weight_decay=True,
+                amsgrad=False,
+                beta1=beta1,
+                beta2=beta2,
+                lr=group["lr"],
+                weight_decay=group["weight_decay"],
+                eps=group["eps"],
+                maximize=False,
+            )
         return None

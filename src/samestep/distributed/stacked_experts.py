@@ -44,16 +44,27 @@ class StackedExperts:
     ``canonical=False`` is the usual way instead, a control: the experts' parameters take every source's rows
     through autograd, which adds them into ``p.grad`` as they come."""
 
-    def __init__(self, modules: list[torch.nn.Module], mesh: Any, expert: Expert, microbatches_per_process: int,
-                 canonical: bool, loop: str) -> None:
+    def __init__(
+        self,
+        modules: list[torch.nn.Module],
+        mesh: Any,
+        expert: Expert,
+        microbatches_per_process: int,
+        canonical: bool,
+        loop: str,
+    ) -> None:
         self.modules, self.mesh, self.expert, self.canonical, self.loop = modules, mesh, expert, canonical, loop
         self.size, self.rank = mesh.size(), mesh.get_local_rank()
         self.k = microbatches_per_process
         self.params = {layer: dict(m.named_parameters(recurse=False)) for layer, m in enumerate(modules)}
         self.experts = next(iter(self.params[0].values())).shape[0]
         self.per_rank = self.experts // self.size
-        self._trees = {(layer, name, s): BinaryCounter() for layer, named in self.params.items() for name in named
-                       for s in range(self.size)}
+        self._trees = {
+            (layer, name, s): BinaryCounter()
+            for layer, named in self.params.items()
+            for name in named
+            for s in range(self.size)
+        }
         self._open: list[tuple[int, int, int, dict[str, torch.Tensor]]] = []  # (source, layer, expert, leaves)
         self._pushed = 0
         self._hit: dict[tuple[int, int], int] = {}  # (source, layer): experts the source's rows went to
@@ -74,8 +85,10 @@ class StackedExperts:
         j = e - self.rank * self.per_rank
         if not self.canonical:
             return {name: p.to_local()[j] for name, p in self.params[layer].items()}  # type: ignore[attr-defined]
-        leaves = {name: p.to_local()[j].detach().requires_grad_()  # type: ignore[attr-defined]
-                  for name, p in self.params[layer].items()}
+        leaves = {
+            name: p.to_local()[j].detach().requires_grad_()  # type: ignore[attr-defined]
+            for name, p in self.params[layer].items()
+        }
         self._open.append((source, layer, e, leaves))
         return leaves
 
@@ -84,8 +97,10 @@ class StackedExperts:
         if not self.canonical:
             return
         if self._pushed == self.k:
-            raise RuntimeError(f"StackedExperts.accumulate(): {self.k} microbatches a step were declared, and "
-                               "reduce() was not called after the last. Fix: call reduce() at the step's end")
+            raise RuntimeError(
+                f"StackedExperts.accumulate(): {self.k} microbatches a step were declared, and "
+                "reduce() was not called after the last. Fix: call reduce() at the step's end"
+            )
         for (layer, name, source), tree in self._trees.items():
             local = self.params[layer][name].to_local()  # type: ignore[attr-defined]
             grad = torch.zeros_like(local)
@@ -114,8 +129,10 @@ class StackedExperts:
                     p.grad = torch.zeros_like(p)
             return
         if self._pushed != self.k:
-            raise RuntimeError(f"StackedExperts.reduce() after {self._pushed} of {self.k} microbatches. Fix: call "
-                               "accumulate() after each microbatch's backward")
+            raise RuntimeError(
+                f"StackedExperts.reduce() after {self._pushed} of {self.k} microbatches. Fix: call "
+                "accumulate() after each microbatch's backward"
+            )
         from torch.distributed.tensor import DTensor
 
         for layer, named in self.params.items():
@@ -123,12 +140,24 @@ class StackedExperts:
                 sources = BinaryCounter()
                 for s in range(self.size):
                     sources.push(self._trees[(layer, name, s)].result())
-                p.grad = DTensor.from_local(sources.result(), p.device_mesh, p.placements,  # type: ignore
-                                            run_check=False, shape=p.shape, stride=p.stride())
+                p.grad = DTensor.from_local(
+                    sources.result(),
+                    p.device_mesh,
+                    p.placements,  # type: ignore
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
         self._pushed = 0
 
-    def forward(self, module: torch.nn.Module, exchange: ExpertExchange, hidden_states: torch.Tensor,
-                top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        module: torch.nn.Module,
+        exchange: ExpertExchange,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
         """The module's experts loop (transformers' eager or grouped_mm one) with each expert's rows run on its
         rank (see the module docstring)."""
         run = self._eager if self.loop == "eager" else self._grouped
@@ -140,8 +169,14 @@ class StackedExperts:
     def _call(self, module: torch.nn.Module) -> Callable[[int, dict[str, torch.Tensor], torch.Tensor], torch.Tensor]:
         return lambda e, weights, rows: self.expert(module, weights, rows)
 
-    def _eager(self, module: torch.nn.Module, exchange: ExpertExchange, hidden_states: torch.Tensor,
-               top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def _eager(
+        self,
+        module: torch.nn.Module,
+        exchange: ExpertExchange,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
         """transformers' eager loop: an expert's rows gathered by its own index op, each expert's weighted
         output index-added into zeros in expert order."""
         final = torch.zeros_like(hidden_states)
@@ -158,13 +193,19 @@ class StackedExperts:
         start = 0
         for e, (slot, token) in enumerate(where):
             if counts[e]:
-                part = out[start:start + counts[e]] * top_k_weights[token, slot, None]
+                part = out[start : start + counts[e]] * top_k_weights[token, slot, None]
                 final.index_add_(0, token, part.to(final.dtype))
                 start += counts[e]
         return final
 
-    def _grouped(self, module: torch.nn.Module, exchange: ExpertExchange, hidden_states: torch.Tensor,
-                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+    def _grouped(
+        self,
+        module: torch.nn.Module,
+        exchange: ExpertExchange,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
         """transformers' grouped_mm loop: the (token, slot) pairs sorted by expert and gathered by one index op,
         each expert's rows its own product (the grouped product's per group), the weighted outputs put back in
         pair order and summed over the slots."""
@@ -179,8 +220,7 @@ class StackedExperts:
         return out[inverse].view(tokens, k, -1).sum(dim=1).to(hidden_states.dtype)
 
 
-def transformers_expert(module: torch.nn.Module, weights: dict[str, torch.Tensor], rows: torch.Tensor
-                        ) -> torch.Tensor:
+def transformers_expert(module: torch.nn.Module, weights: dict[str, torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
     """One expert as transformers' eager loop computes it for a gated module without biases (Mixtral's): the
     fused gate and up projection, the gate (``_apply_gate``: the activation of the first half times the
     second), the down projection."""
@@ -193,52 +233,71 @@ def _default_expert(module: torch.nn.Module) -> Expert:
     names = {n for n, _ in module.named_parameters(recurse=False)}
     unlike = [flag for flag in ("has_bias", "is_transposed") if getattr(module, flag, False)]
     if names != {"gate_up_proj", "down_proj"} or unlike or not hasattr(module, "_apply_gate"):
-        raise ValueError(f"parallelize_experts: {type(module).__name__} (parameters {sorted(names)}"
-                         f"{', ' + ', '.join(unlike) if unlike else ''}) is not a gated transformers experts module "
-                         "without biases, which the default expert computes. Fix: pass expert=, one expert's "
-                         "computation as the module's forward makes it")
+        raise ValueError(
+            f"parallelize_experts: {type(module).__name__} (parameters {sorted(names)}"
+            f"{', ' + ', '.join(unlike) if unlike else ''}) is not a gated transformers experts module "
+            "without biases, which the default expert computes. Fix: pass expert=, one expert's "
+            "computation as the module's forward makes it"
+        )
     return transformers_expert
 
 
-def parallelize_experts(model: torch.nn.Module, experts: type, mesh: Any, expert: Expert | None = None, *,
-                        microbatches_per_process: int, canonical: bool = True) -> StackedExperts:
+def parallelize_experts(
+    model: torch.nn.Module,
+    experts: type,
+    mesh: Any,
+    expert: Expert | None = None,
+    *,
+    microbatches_per_process: int,
+    canonical: bool = True,
+) -> StackedExperts:
     """Spreads the experts of every ``experts`` module of ``model`` (transformers' ``MixtralExperts``: stacked
-    parameters, ``forward(hidden_states, top_k_index, top_k_weights)``) over ``mesh``, a 1-D DeviceMesh of the
-    data ranks, each rank still training its own microbatches. ``expert(module, weights, rows)`` is one expert's
-    computation as the model's own forward makes it (weights by parameter name, each expert's slice; by default
-``transformers_expert``). Call it
-    before building the optimizer (the parameters become DTensors); pass ``parameters()`` of the result to
-    nothing else that sums gradients. Refused by name: a model without such a module, a mesh of more than one
-    dimension, an expert count the mesh size does not divide, parameters of unlike expert counts."""
+        parameters, ``forward(hidden_states, top_k_index, top_k_weights)``) over ``mesh``, a 1-D DeviceMesh of the
+        data ranks, each rank still training its own microbatches. ``expert(module, weights, rows)`` is one expert's
+        computation as the model's own forward makes it (weights by parameter name, each expert's slice; by default
+    ``transformers_expert``). Call it
+        before building the optimizer (the parameters become DTensors); pass ``parameters()`` of the result to
+        nothing else that sums gradients. Refused by name: a model without such a module, a mesh of more than one
+        dimension, an expert count the mesh size does not divide, parameters of unlike expert counts."""
     from torch.distributed.tensor import Shard, distribute_tensor
 
     modules = [m for m in model.modules() if isinstance(m, experts)]
     if not modules:
-        raise ValueError(f"parallelize_experts: the model has no module of class {experts.__name__}. Fix: pass the "
-                         "class of the model's stacked-experts modules (transformers' MixtralExperts, say)")
+        raise ValueError(
+            f"parallelize_experts: the model has no module of class {experts.__name__}. Fix: pass the "
+            "class of the model's stacked-experts modules (transformers' MixtralExperts, say)"
+        )
     if mesh.ndim != 1:
-        raise ValueError(f"parallelize_experts: a mesh of {mesh.ndim} dimensions {tuple(mesh.mesh_dim_names or ())};"
-                         " the experts are spread over all data ranks. Fix: pass a 1-D mesh of the data ranks")
+        raise ValueError(
+            f"parallelize_experts: a mesh of {mesh.ndim} dimensions {tuple(mesh.mesh_dim_names or ())};"
+            " the experts are spread over all data ranks. Fix: pass a 1-D mesh of the data ranks"
+        )
     counts = {tuple(p.shape[:1]) for m in modules for p in m.parameters(recurse=False)}
     if len(counts) != 1 or not next(iter(counts)):
-        raise ValueError(f"parallelize_experts: {experts.__name__}'s parameters stack unlike expert counts "
-                         f"(first dimensions {sorted(counts)}). Fix: every parameter of the module one row per "
-                         "expert")
+        raise ValueError(
+            f"parallelize_experts: {experts.__name__}'s parameters stack unlike expert counts "
+            f"(first dimensions {sorted(counts)}). Fix: every parameter of the module one row per "
+            "expert"
+        )
     (count,), size = next(iter(counts)), mesh.size()
     if count % size:
-        raise ValueError(f"parallelize_experts: {count} experts over {size} ranks. Fix: a number of ranks that "
-                         f"divides {count}")
+        raise ValueError(
+            f"parallelize_experts: {count} experts over {size} ranks. Fix: a number of ranks that divides {count}"
+        )
     # transformers' experts forward by config._experts_implementation; a module of one's own is the eager loop
     loop = getattr(getattr(modules[0], "config", None), "_experts_implementation", None) or "eager"
     if loop not in ("eager", "grouped_mm"):
-        raise ValueError(f"parallelize_experts: {experts.__name__} runs the {loop!r} experts implementation, whose "
-                         "order the spread experts do not follow. Fix: experts_implementation='eager' or "
-                         "'grouped_mm' in the model's config")
+        raise ValueError(
+            f"parallelize_experts: {experts.__name__} runs the {loop!r} experts implementation, whose "
+            "order the spread experts do not follow. Fix: experts_implementation='eager' or "
+            "'grouped_mm' in the model's config"
+        )
     expert = expert or _default_expert(modules[0])
     for m in modules:
         for name, p in list(m.named_parameters(recurse=False)):
-            m.register_parameter(name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]),
-                                                          requires_grad=p.requires_grad))
+            m.register_parameter(
+                name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]), requires_grad=p.requires_grad)
+            )
     spread = StackedExperts(modules, mesh, expert, microbatches_per_process, canonical, loop)
     for layer, m in enumerate(modules):
         exchange = ExpertExchange(mesh.get_group(), size, spread.rank, spread.per_rank, spread, layer)  # type: ignore
@@ -247,8 +306,9 @@ def parallelize_experts(model: torch.nn.Module, experts: type, mesh: Any, expert
 
 
 def _forward_of(spread: StackedExperts, exchange: ExpertExchange) -> Callable[..., torch.Tensor]:
-    def forward(module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        module: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         return spread.forward(module, exchange, hidden_states, top_k_index, top_k_weights)
 
     return forward

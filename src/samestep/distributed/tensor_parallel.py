@@ -62,13 +62,17 @@ def validate_tp(degree: int, chunks: int, dims: dict[str, int]) -> None:
         raise ValueError(f"parallel.tp_chunks={chunks} is not a power of two. Fix: 1, 2, 4, 8 or 16")
     if not _is_pow2(degree) or chunks % degree:
         ok = ", ".join(str(1 << i) for i in range(chunks.bit_length()))
-        raise ValueError(f"parallel.tp={degree} does not divide parallel.tp_chunks={chunks} into a power of two "
-                         f"chunks per rank. Fix: parallel.tp in {ok}, or a larger parallel.tp_chunks")
+        raise ValueError(
+            f"parallel.tp={degree} does not divide parallel.tp_chunks={chunks} into a power of two "
+            f"chunks per rank. Fix: parallel.tp in {ok}, or a larger parallel.tp_chunks"
+        )
     for name, size in dims.items():
         need, key = (degree, "parallel.tp") if "head" in name else (chunks, "parallel.tp_chunks")
         if size % need:
-            raise ValueError(f"{name}={size} is not divisible by {key}={need}: tensor parallelism cuts it into "
-                             f"whole pieces. Fix: a multiple of {need}")
+            raise ValueError(
+                f"{name}={size} is not divisible by {key}={need}: tensor parallelism cuts it into "
+                f"whole pieces. Fix: a multiple of {need}"
+            )
 
 
 def _degree(group: Any) -> int:
@@ -130,8 +134,9 @@ class _Column(torch.autograd.Function):
             x = all_gather_blocks(x, sequence)
         cd, acc = _dtypes(x)
         with _without_autocast(x):
-            y = column_forward(_as(_rows(x), cd, acc), _as(weight, cd, acc), _as(bias, cd, acc),
-                               parts * local_chunks).to(cd)  # part p's chunk c at p * local_chunks + c
+            y = column_forward(
+                _as(_rows(x), cd, acc), _as(weight, cd, acc), _as(bias, cd, acc), parts * local_chunks
+            ).to(cd)  # part p's chunk c at p * local_chunks + c
         ctx.save_for_backward(x, weight)
         ctx.local_chunks, ctx.parts, ctx.group, ctx.has_bias = local_chunks, parts, group, bias is not None
         ctx.dtypes, ctx.sequence = (cd, acc), sequence
@@ -190,8 +195,15 @@ class _Row(torch.autograd.Function):
         return grad_x, placed(grad_w, ctx.placed[0]), placed(grad_b, ctx.placed[1]), None, None, None
 
 
-def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int,
-                  group: Any = None, parts: int = 1, sequence: SequenceShard | None = None) -> torch.Tensor:
+def column_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunks: int,
+    group: Any = None,
+    parts: int = 1,
+    sequence: SequenceShard | None = None,
+) -> torch.Tensor:
     """Column-parallel ``x W^T + b``: ``x`` whole on every rank (with ``sequence``: this rank's block of the
     sequence, gathered whole first), ``weight``/``bias`` this rank's rows (or DTensors sharded ``Shard(0)``;
     of ``parts`` fused projections, this rank's rows of each, part after part), the output this rank's slice
@@ -201,8 +213,14 @@ def column_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return _Column.apply(x, weight, bias, local_chunks, parts, group, sequence)
 
 
-def row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, chunks: int,
-               group: Any = None, sequence: SequenceShard | None = None) -> torch.Tensor:
+def row_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    chunks: int,
+    group: Any = None,
+    sequence: SequenceShard | None = None,
+) -> torch.Tensor:
     """Row-parallel ``x W^T + b``: ``x`` this rank's slice of the last dimension, ``weight`` the matching
     columns (or a DTensor sharded ``Shard(1)``), ``bias`` whole; the output whole on every rank (with
     ``sequence``: this rank's block of the sequence), the ``chunks`` partial products summed along the

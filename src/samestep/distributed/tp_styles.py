@@ -46,17 +46,29 @@ def _placed(module: nn.Module, device_mesh: Any, rows: bool) -> bool:
     placed = [name for name, p in params if isinstance(p, DTensor)]
     if not placed:
         return False
-    wrong = [name for name, p in params if not (isinstance(p, DTensor) and rows and p.device_mesh == device_mesh
-                                                 and tuple(p.placements) == (Shard(0),))]
+    wrong = [
+        name
+        for name, p in params
+        if not (isinstance(p, DTensor) and rows and p.device_mesh == device_mesh and tuple(p.placements) == (Shard(0),))
+    ]
     if wrong:
-        raise ValueError(f"{type(module).__name__}.{wrong[0]} is not placed as this style shards it (Shard(0) on "
-                         "its mesh) while another parameter of the layer already is a DTensor. Fix: tie only a "
-                         "column-parallel layer without bias to a vocabulary-parallel embedding")
+        raise ValueError(
+            f"{type(module).__name__}.{wrong[0]} is not placed as this style shards it (Shard(0) on "
+            "its mesh) while another parameter of the layer already is a DTensor. Fix: tie only a "
+            "column-parallel layer without bias to a vocabulary-parallel embedding"
+        )
     return True
 
 
-def _style_apply(stock: Any, module: nn.Module, device_mesh: Any, fn: Any, chunks: int, parts: int = 1,
-                 sequence_dim: int | None = None) -> nn.Module:
+def _style_apply(
+    stock: Any,
+    module: nn.Module,
+    device_mesh: Any,
+    fn: Any,
+    chunks: int,
+    parts: int = 1,
+    sequence_dim: int | None = None,
+) -> nn.Module:
     """Shards ``module``'s parameters with the stock style's own partition (of ``parts`` fused projections:
     each part split alike), then routes its forward through ``fn`` (local tensors in and out; with
     ``sequence_dim``, the layer's side that is not split by features is this rank's block of the sequence)."""
@@ -65,19 +77,25 @@ def _style_apply(stock: Any, module: nn.Module, device_mesh: Any, fn: Any, chunk
     if not isinstance(module, nn.Linear):
         raise NotImplementedError(f"{type(stock).__name__} shards nn.Linear only, got {type(module).__name__}")
     if module.out_features % parts:
-        raise ValueError(f"{type(stock).__name__}(parts={parts}): out_features={module.out_features} is not "
-                         f"{parts} equal projections. Fix: parts must divide it")
-    split = ({"in_features": module.in_features} if fn is row_linear
-             else {"out_features / parts": module.out_features // parts})
+        raise ValueError(
+            f"{type(stock).__name__}(parts={parts}): out_features={module.out_features} is not "
+            f"{parts} equal projections. Fix: parts must divide it"
+        )
+    split = (
+        {"in_features": module.in_features}
+        if fn is row_linear
+        else {"out_features / parts": module.out_features // parts}
+    )
     validate_tp(device_mesh.size(), chunks, split)
     if not _placed(module, device_mesh, fn is column_linear and parts == 1):
-        distribute_module(module, device_mesh,
-                          stock._partition_linear_fn if parts == 1 else _strided_partition(parts))
+        distribute_module(module, device_mesh, stock._partition_linear_fn if parts == 1 else _strided_partition(parts))
     group = device_mesh.get_group() if device_mesh.size() > 1 else None
     sequence = sequence_shard(device_mesh) if sequence_dim is not None else None
     if sequence_dim not in (None, 1):
-        raise ValueError(f"{type(stock).__name__}: sequence_dim={sequence_dim}; the sequence is dimension 1 "
-                         "(batch, positions, features)")
+        raise ValueError(
+            f"{type(stock).__name__}: sequence_dim={sequence_dim}; the sequence is dimension 1 "
+            "(batch, positions, features)"
+        )
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if fn is row_linear:
@@ -114,19 +132,31 @@ class CanonicalColwiseParallel(ColwiseParallel):  # type: ignore[misc,valid-type
     order: an all-gather changes no bit; of an unfused layer); ``use_local_output=True``. Others are refused by
     name."""
 
-    def __init__(self, chunks: int = 8, parts: int = 1, sequence_dim: int | None = None, *,
-                 fused: str | None = None, groups: int | None = None, input_layouts: Any = None,
-                 output_layouts: Any = None, use_local_output: bool = True) -> None:
+    def __init__(
+        self,
+        chunks: int = 8,
+        parts: int = 1,
+        sequence_dim: int | None = None,
+        *,
+        fused: str | None = None,
+        groups: int | None = None,
+        input_layouts: Any = None,
+        output_layouts: Any = None,
+        use_local_output: bool = True,
+    ) -> None:
         super().__init__()
         self.chunks, self.parts, self.groups = chunks, *_fused_rows(parts, fused, groups)
-        self.sequence_dim, self.gather_output = _column_layouts(input_layouts, output_layouts, use_local_output,
-                                                                sequence_dim, self.parts)
+        self.sequence_dim, self.gather_output = _column_layouts(
+            input_layouts, output_layouts, use_local_output, sequence_dim, self.parts
+        )
 
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         if self.groups is not None and (self.groups % device_mesh.size() or module.out_features % self.groups):
-            raise ValueError(f"CanonicalColwiseParallel(fused='grouped', groups={self.groups}): at TP "
-                             f"{device_mesh.size()} over out_features={module.out_features} a rank would not hold "
-                             "whole groups. Fix: a degree that divides the groups, and groups that divide the rows")
+            raise ValueError(
+                f"CanonicalColwiseParallel(fused='grouped', groups={self.groups}): at TP "
+                f"{device_mesh.size()} over out_features={module.out_features} a rank would not hold "
+                "whole groups. Fix: a degree that divides the groups, and groups that divide the rows"
+            )
         _style_apply(self, module, device_mesh, column_linear, self.chunks, self.parts, self.sequence_dim)
         if self.gather_output and device_mesh.size() > 1:
             sliced, group = module.forward, device_mesh.get_group()
@@ -146,10 +176,12 @@ def _fused_rows(parts: int, fused: str | None, groups: int | None) -> tuple[int,
         return parts, None
     if fused == "grouped" and parts == 1 and isinstance(groups, int) and groups >= 1:
         return 1, groups
-    raise ValueError(f"CanonicalColwiseParallel(parts={parts}, fused={fused!r}, groups={groups!r}): a fused layer "
-                     "says how its rows lie. Fix: fused='stacked' with parts=k for k projections one after another "
-                     "(q, then k, then v, each whole: GPT-2's c_attn), or fused='grouped' with groups=g for g groups "
-                     "one after another (a q, k, v fused by kv head: torchtitan's wqkv, groups=n_kv_heads)")
+    raise ValueError(
+        f"CanonicalColwiseParallel(parts={parts}, fused={fused!r}, groups={groups!r}): a fused layer "
+        "says how its rows lie. Fix: fused='stacked' with parts=k for k projections one after another "
+        "(q, then k, then v, each whole: GPT-2's c_attn), or fused='grouped' with groups=g for g groups "
+        "one after another (a q, k, v fused by kv head: torchtitan's wqkv, groups=n_kv_heads)"
+    )
 
 
 def _placement_words(p: Any) -> str:
@@ -160,8 +192,9 @@ def _is(p: Any, kind: str, dim: int | None = None) -> bool:
     return type(p).__name__ == kind and (dim is None or getattr(p, "dim", None) == dim)
 
 
-def _column_layouts(input_layouts: Any, output_layouts: Any, use_local_output: bool, sequence_dim: int | None,
-                    parts: int) -> tuple[int | None, bool]:
+def _column_layouts(
+    input_layouts: Any, output_layouts: Any, use_local_output: bool, sequence_dim: int | None, parts: int
+) -> tuple[int | None, bool]:
     """(sequence_dim, gather the output) from PyTorch's ``ColwiseParallel`` keyword arguments.
 
     Raises:
@@ -169,38 +202,51 @@ def _column_layouts(input_layouts: Any, output_layouts: Any, use_local_output: b
     """
     if input_layouts is not None and not _is(input_layouts, "Replicate"):
         if not _is(input_layouts, "Shard", 1) or sequence_dim not in (None, 1):
-            raise ValueError(f"CanonicalColwiseParallel(input_layouts={_placement_words(input_layouts)}): takes "
-                             "Replicate() (the input whole) or Shard(1) (this rank's block of the sequence)")
+            raise ValueError(
+                f"CanonicalColwiseParallel(input_layouts={_placement_words(input_layouts)}): takes "
+                "Replicate() (the input whole) or Shard(1) (this rank's block of the sequence)"
+            )
         sequence_dim = 1
     gather = output_layouts is not None and _is(output_layouts, "Replicate")
     if (output_layouts is not None and not gather and not _is(output_layouts, "Shard", -1)) or (gather and parts > 1):
-        raise ValueError(f"CanonicalColwiseParallel(output_layouts={_placement_words(output_layouts)}"
-                         f"{', parts=' + str(parts) if parts > 1 else ''}): gives Shard(-1) (this rank's slice) or, "
-                         "of an unfused layer, Replicate() (the slices gathered)")
+        raise ValueError(
+            f"CanonicalColwiseParallel(output_layouts={_placement_words(output_layouts)}"
+            f"{', parts=' + str(parts) if parts > 1 else ''}): gives Shard(-1) (this rank's slice) or, "
+            "of an unfused layer, Replicate() (the slices gathered)"
+        )
     if not use_local_output:
-        raise ValueError("CanonicalColwiseParallel(use_local_output=False): its output is a local tensor; a DTensor "
-                         "output would hand the next op's sums to DTensor's own order. Fix: use_local_output=True")
+        raise ValueError(
+            "CanonicalColwiseParallel(use_local_output=False): its output is a local tensor; a DTensor "
+            "output would hand the next op's sums to DTensor's own order. Fix: use_local_output=True"
+        )
     return sequence_dim, gather
 
 
-def _row_layouts(input_layouts: Any, output_layouts: Any, use_local_output: bool,
-                 sequence_dim: int | None) -> int | None:
+def _row_layouts(
+    input_layouts: Any, output_layouts: Any, use_local_output: bool, sequence_dim: int | None
+) -> int | None:
     """``sequence_dim`` from PyTorch's ``RowwiseParallel`` keyword arguments.
 
     Raises:
         ValueError: one that would change the bits or that the style does not run, naming it and the fix.
     """
     if input_layouts is not None and not _is(input_layouts, "Shard", -1):
-        raise ValueError(f"CanonicalRowwiseParallel(input_layouts={_placement_words(input_layouts)}): takes "
-                         "Shard(-1) (this rank's slice of the features, a column-parallel layer's output)")
+        raise ValueError(
+            f"CanonicalRowwiseParallel(input_layouts={_placement_words(input_layouts)}): takes "
+            "Shard(-1) (this rank's slice of the features, a column-parallel layer's output)"
+        )
     if output_layouts is not None and not _is(output_layouts, "Replicate"):
         if not _is(output_layouts, "Shard", 1) or sequence_dim not in (None, 1):
-            raise ValueError(f"CanonicalRowwiseParallel(output_layouts={_placement_words(output_layouts)}): gives "
-                             "Replicate() (the output whole) or Shard(1) (this rank's block of the sequence)")
+            raise ValueError(
+                f"CanonicalRowwiseParallel(output_layouts={_placement_words(output_layouts)}): gives "
+                "Replicate() (the output whole) or Shard(1) (this rank's block of the sequence)"
+            )
         sequence_dim = 1
     if not use_local_output:
-        raise ValueError("CanonicalRowwiseParallel(use_local_output=False): its output is a local tensor; a DTensor "
-                         "output would hand the next op's sums to DTensor's own order. Fix: use_local_output=True")
+        raise ValueError(
+            "CanonicalRowwiseParallel(use_local_output=False): its output is a local tensor; a DTensor "
+            "output would hand the next op's sums to DTensor's own order. Fix: use_local_output=True"
+        )
     return sequence_dim
 
 
@@ -232,8 +278,15 @@ class CanonicalRowwiseParallel(RowwiseParallel):  # type: ignore[misc,valid-type
     ``Shard(-1)`` (the default), ``output_layouts`` ``Replicate()`` (the default) or ``Shard(1)`` (as
     ``sequence_dim=1``), ``use_local_output=True``; others are refused by name."""
 
-    def __init__(self, chunks: int = 8, sequence_dim: int | None = None, *, input_layouts: Any = None,
-                 output_layouts: Any = None, use_local_output: bool = True) -> None:
+    def __init__(
+        self,
+        chunks: int = 8,
+        sequence_dim: int | None = None,
+        *,
+        input_layouts: Any = None,
+        output_layouts: Any = None,
+        use_local_output: bool = True,
+    ) -> None:
         super().__init__()
         self.chunks = chunks
         self.sequence_dim = _row_layouts(input_layouts, output_layouts, use_local_output, sequence_dim)
@@ -259,8 +312,10 @@ class CanonicalVocabEmbedding(RowwiseParallel):  # type: ignore[misc,valid-type]
         if not isinstance(module, nn.Embedding):
             raise NotImplementedError(f"CanonicalVocabEmbedding shards nn.Embedding only, got {type(module).__name__}")
         if module.padding_idx is not None or module.max_norm is not None or module.sparse:
-            raise NotImplementedError("CanonicalVocabEmbedding does not support padding_idx, max_norm or sparse "
-                                      "gradients. Fix: an nn.Embedding without them")
+            raise NotImplementedError(
+                "CanonicalVocabEmbedding does not support padding_idx, max_norm or sparse "
+                "gradients. Fix: an nn.Embedding without them"
+            )
         validate_tp(device_mesh.size(), self.chunks, {"num_embeddings": module.num_embeddings})
         distribute_module(module, device_mesh, self._partition_embedding_fn)
         group = device_mesh.get_group() if device_mesh.size() > 1 else None

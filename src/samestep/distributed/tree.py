@@ -33,13 +33,16 @@ def validate_layout(world_size: int, microbatches_per_process: int) -> None:
     if w == 1 or _is_pow2(k):
         return
     n = w * k
-    near = sorted({(w2, n // w2) for w2 in range(1, n + 1) if n % w2 == 0 and (w2 == 1 or _is_pow2(n // w2))},
-                  key=lambda wk: abs(wk[0] - w))[:3]
+    near = sorted(
+        {(w2, n // w2) for w2 in range(1, n + 1) if n % w2 == 0 and (w2 == 1 or _is_pow2(n // w2))},
+        key=lambda wk: abs(wk[0] - w),
+    )[:3]
     options = ", ".join(f"--nproc {w2} ({k2} microbatches per process)" for w2, k2 in near)
     raise ValueError(
         f"layout of {w} processes x {k} microbatches per process is not supported: each process must own "
         f"an aligned, power-of-two range of the {n} global microbatches so that the canonical reduction "
-        f"tree does not depend on the layout. Same global batch, supported: {options}")
+        f"tree does not depend on the layout. Same global batch, supported: {options}"
+    )
 
 
 Leaf = torch.Tensor | list[torch.Tensor]

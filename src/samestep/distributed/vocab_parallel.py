@@ -69,8 +69,9 @@ class _CrossEntropy(torch.autograd.Function):
         return grad.view(ctx.shape), None, None, None
 
 
-def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, chunks: int,
-                                 group: Any = None) -> torch.Tensor:
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, chunks: int, group: Any = None
+) -> torch.Tensor:
     """Each token's cross-entropy (no reduction over tokens) from ``logits`` (``(..., V / T)``: this rank's
     even slice of the vocabulary, rank r holding ids ``[r V/T, (r+1) V/T)``; a DTensor sharded on its last
     dimension is taken locally) and ``targets`` (``(...)``, global ids, the same on every rank); the same
@@ -83,9 +84,11 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ch
         logits = logits.to_local()
     world, _ = _world(group)
     if chunks % world or logits.shape[-1] % (chunks // world):
-        raise ValueError(f"vocab_parallel_cross_entropy: chunks={chunks} does not cut {world} rank(s)' slices of "
-                         f"{logits.shape[-1]} logits into whole chunks. Fix: a vocabulary divisible by chunks, and "
-                         "a degree that divides chunks")
+        raise ValueError(
+            f"vocab_parallel_cross_entropy: chunks={chunks} does not cut {world} rank(s)' slices of "
+            f"{logits.shape[-1]} logits into whole chunks. Fix: a vocabulary divisible by chunks, and "
+            "a degree that divides chunks"
+        )
     return _CrossEntropy.apply(logits, targets, chunks, group)
 
 

@@ -27,8 +27,16 @@ import torch
 
 from samestep.hashing.state import sha256_tensor, tensor_bytes, tensor_header, tree_digest
 
-__all__ = ["DEVICE_STATE_HASH", "STATE_HASH", "STATE_HASHES", "Checksums", "StepChecksums", "state_checksum",
-           "state_hash_for", "xxh3_tensor"]
+__all__ = [
+    "DEVICE_STATE_HASH",
+    "STATE_HASH",
+    "STATE_HASHES",
+    "Checksums",
+    "StepChecksums",
+    "state_checksum",
+    "state_hash_for",
+    "xxh3_tensor",
+]
 
 STATE_HASH = "xxh3-128"
 DEVICE_STATE_HASH = "samestep-digest-1"

@@ -70,9 +70,17 @@ class SamestepCallback(TrainerCallback):
             (``steps.refuse_processes``).
     """
 
-    def __init__(self, run_dir: str | Path | None = None, *, level: str = "step", steps: set[int] | str | None = None,
-                 threads: int | None = 1, kernels: bool = False, receipts: bool = True,
-                 multiprocess: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path | None = None,
+        *,
+        level: str = "step",
+        steps: set[int] | str | None = None,
+        threads: int | None = 1,
+        kernels: bool = False,
+        receipts: bool = True,
+        multiprocess: bool = False,
+    ) -> None:
         self.run_dir = None if run_dir is None else Path(run_dir)
         self.level, self.steps, self.threads, self.kernels = level, steps, threads, kernels
         self.receipts, self.multiprocess = receipts, multiprocess
@@ -93,8 +101,16 @@ class SamestepCallback(TrainerCallback):
             _replaying_train()
         self._proto.enable(threads=self.threads, kernels=self.kernels, who="SamestepCallback")
 
-    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                       lr_scheduler: Any = None, **kwargs: Any) -> None:
+    def on_train_begin(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        **kwargs: Any,
+    ) -> None:
         self._end()
         refusing = self._replay.refusing(ResumeMismatch, ReceiptError) if self._replay else contextlib.nullcontext()
         with refusing:  # a replay's resume refused: its checkpoint is not the run's (the verdict says so)
@@ -106,8 +122,11 @@ class SamestepCallback(TrainerCallback):
         if resumed:  # the Trainer has restored the model, the optimizer and the scheduler by now
             checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             saved = _read_fingerprint(checkpoint / FINGERPRINT)
-            check_resume(saved, state_fingerprint(state.global_step, model, optimizer, lr_scheduler),
-                         str(checkpoint / FINGERPRINT))
+            check_resume(
+                saved,
+                state_fingerprint(state.global_step, model, optimizer, lr_scheduler),
+                str(checkpoint / FINGERPRINT),
+            )
             if float(state.epoch or 0).is_integer():
                 # at an epoch's end: the Trainer restores the RNG before the next epoch's sampler draws its
                 # order, so at the first step it has moved on (in the straight run too); the RNG file it
@@ -119,13 +138,25 @@ class SamestepCallback(TrainerCallback):
             self.level = "off"  # a process that saves nothing writes no trace (the Trainer's rank rule)
 
         self._hooked = HookedSteps.start(
-            self._proto, run_dir, level=self.level, steps=self.steps, resume=resumed, model=model,
-            how_to_resume="trainer.train(resume_from_checkpoint=...)", receipts=self.receipts and args.should_save,
+            self._proto,
+            run_dir,
+            level=self.level,
+            steps=self.steps,
+            resume=resumed,
+            model=model,
+            how_to_resume="trainer.train(resume_from_checkpoint=...)",
+            receipts=self.receipts and args.should_save,
             start=state.global_step if resumed else 0,
             optimizer=getattr(optimizer, "optimizer", optimizer),  # accelerate wraps it; the update is the inner one's
-            scheduler=lr_scheduler, source="transformers.Trainer", agree=any_rank if self.receipts else None,
-            program=None if not args.should_save else program.describe(  # a replay's: what it ran
-                run_dir, resumes(HF, run_dir, Path(args.output_dir))))
+            scheduler=lr_scheduler,
+            source="transformers.Trainer",
+            agree=any_rank if self.receipts else None,
+            program=None
+            if not args.should_save
+            else program.describe(  # a replay's: what it ran
+                run_dir, resumes(HF, run_dir, Path(args.output_dir))
+            ),
+        )
         self._rec = self._hooked.rec
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -161,8 +192,9 @@ class SamestepCallback(TrainerCallback):
             self._hooked.end_microbatch()
             self._rec.grads(model.named_parameters())
 
-    def on_optimizer_step(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                          **kwargs: Any) -> None:
+    def on_optimizer_step(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None, **kwargs: Any
+    ) -> None:
         if self._hooked is not None and self._hooked.step is not None:
             self._rec.state(model, optimizer)
 
@@ -175,18 +207,28 @@ class SamestepCallback(TrainerCallback):
             if control.should_save:
                 self._hooked.sync()  # the steps the checkpoint holds are on disk first
 
-    def on_save(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
-                lr_scheduler: Any = None, **kwargs: Any) -> None:
+    def on_save(
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        **kwargs: Any,
+    ) -> None:
         checkpoint = Path(args.output_dir) / f"checkpoint-{state.global_step}"
         if not args.should_save or not checkpoint.is_dir():
             return
         if self._hooked is not None and self._hooked.proto.receipt_holds(state.global_step) is False:
-            raise ValueError(f"{checkpoint}: the Trainer saved another state than samestep's receipt of step "
-                             f"{state.global_step} records: something changed the model, optimizer or scheduler "
-                             "between SamestepCallback's on_step_end and the save (a callback listed after it, in "
-                             "its on_step_end), so no resume from this checkpoint would pass its check. Fix: make "
-                             "that change before the step's update ends (on_pre_optimizer_step, or in the "
-                             "optimizer), or list SamestepCallback after that callback")
+            raise ValueError(
+                f"{checkpoint}: the Trainer saved another state than samestep's receipt of step "
+                f"{state.global_step} records: something changed the model, optimizer or scheduler "
+                "between SamestepCallback's on_step_end and the save (a callback listed after it, in "
+                "its on_step_end), so no resume from this checkpoint would pass its check. Fix: make "
+                "that change before the step's update ends (on_pre_optimizer_step, or in the "
+                "optimizer), or list SamestepCallback after that callback"
+            )
         doc = {**state_fingerprint(state.global_step, model, optimizer, lr_scheduler), "rng": rng_digest()}
         write_durable(checkpoint / FINGERPRINT, json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n")
 
@@ -203,8 +245,14 @@ def _replaying_train() -> None:
 
     @functools.wraps(original)
     def train(self: Any, resume_from_checkpoint: Any = None, *args: Any, **kwargs: Any) -> Any:
-        mine = next((cb for cb in self.callback_handler.callbacks
-                     if isinstance(cb, SamestepCallback) and cb._replay is not None), None)
+        mine = next(
+            (
+                cb
+                for cb in self.callback_handler.callbacks
+                if isinstance(cb, SamestepCallback) and cb._replay is not None
+            ),
+            None,
+        )
         if mine is None:
             return original(self, resume_from_checkpoint, *args, **kwargs)
         try:
@@ -222,18 +270,22 @@ def _check_rng_file(checkpoint: Path, args: Any) -> None:
     rank = getattr(args, "process_index", 0)
     names = ("rng_state.pth",) if getattr(args, "world_size", 1) <= 1 else (f"rng_state_{rank}.pth",)
     if not any((checkpoint / name).is_file() for name in names):
-        raise ResumeMismatch(f"{checkpoint}: holds no {names[0]}, so the Trainer cannot restore the RNG states it "
-                             "saved: the rng differs from the checkpoint's, and the resume would not continue on "
-                             "the checkpointed run's numerical path; restore the file, or resume from another "
-                             "checkpoint")
+        raise ResumeMismatch(
+            f"{checkpoint}: holds no {names[0]}, so the Trainer cannot restore the RNG states it "
+            "saved: the rng differs from the checkpoint's, and the resume would not continue on "
+            "the checkpointed run's numerical path; restore the file, or resume from another "
+            "checkpoint"
+        )
 
 
 def _read_fingerprint(path: Path) -> dict[str, Any]:
     try:
         doc = json.loads(read_file(path))
     except FileNotFoundError:
-        raise ResumeMismatch(f"{path}: missing, so the resume cannot be checked; resume from a checkpoint that a "
-                             "run with SamestepCallback saved, or start a new run") from None
+        raise ResumeMismatch(
+            f"{path}: missing, so the resume cannot be checked; resume from a checkpoint that a "
+            "run with SamestepCallback saved, or start a new run"
+        ) from None
     except (OSError, ValueError) as e:
         raise ResumeMismatch(f"{path}: unreadable ({e}); resume from another checkpoint") from None
     if not isinstance(doc, dict):

@@ -70,9 +70,17 @@ class SamestepCallback(pl.Callback):
             not one process's; without it such a fit is refused at its setup (``steps.refuse_processes``).
     """
 
-    def __init__(self, run_dir: str | Path, *, level: str = "step", steps: set[int] | str | None = None,
-                 threads: int | None = 1, kernels: bool = False, receipts: bool = True,
-                 multiprocess: bool = False) -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        level: str = "step",
+        steps: set[int] | str | None = None,
+        threads: int | None = 1,
+        kernels: bool = False,
+        receipts: bool = True,
+        multiprocess: bool = False,
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.level, self.steps, self.threads, self.kernels = level, steps, threads, kernels
         self.receipts, self.multiprocess = receipts, multiprocess
@@ -117,14 +125,23 @@ class SamestepCallback(pl.Callback):
             self._position_data(trainer)
         configs = trainer.lr_scheduler_configs
         self._hooked = HookedSteps.start(
-            self._proto, self.run_dir, level=self.level, steps=self.steps, resume=resumed, model=pl_module,
-            how_to_resume="trainer.fit(..., ckpt_path=...)", receipts=self.receipts and trainer.is_global_zero,
+            self._proto,
+            self.run_dir,
+            level=self.level,
+            steps=self.steps,
+            resume=resumed,
+            model=pl_module,
+            how_to_resume="trainer.fit(..., ckpt_path=...)",
+            receipts=self.receipts and trainer.is_global_zero,
             start=trainer.global_step if resumed else 0,
             optimizer=trainer.optimizers[0] if trainer.optimizers else None,
-            scheduler=configs[0].scheduler if configs else None, source="lightning.Trainer",
+            scheduler=configs[0].scheduler if configs else None,
+            source="lightning.Trainer",
             agree=any_rank if self.receipts else None,
-            program=program.describe(self.run_dir, resumes(LIGHTNING, self.run_dir)) if trainer.is_global_zero
-            else None)  # a replay's: what it ran
+            program=program.describe(self.run_dir, resumes(LIGHTNING, self.run_dir))
+            if trainer.is_global_zero
+            else None,
+        )  # a replay's: what it ran
         self._rec = self._hooked.rec
         if self._indexes(trainer):
             self._indexed = _saved_files(trainer)  # a resumed ModelCheckpoint knows the files before this process
@@ -167,8 +184,9 @@ class SamestepCallback(pl.Callback):
         self._quiet.clear()
 
     # -- each step -----------------------------------------------------------------------------------------
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         self._note_saved(trainer)
         if self._saved is not None:  # the first resumed step: the RNG as it stood after the checkpoint's step
             if not self._saved.get("epoch_end"):
@@ -184,14 +202,16 @@ class SamestepCallback(pl.Callback):
             self._mb += 1
         self._hooked.begin_microbatch(self._mb)
 
-    def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: pl.LightningModule,
-                                 optimizer: torch.optim.Optimizer) -> None:
+    def on_before_optimizer_step(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
         if self._hooked is not None and self._hooked.step is not None:
             self._hooked.end_microbatch()
             self._rec.grads(pl_module.named_parameters())
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         hooked = self._hooked
         if hooked is None or hooked.step is None:
             return
@@ -219,13 +239,18 @@ class SamestepCallback(pl.Callback):
             raise RuntimeError("SamestepCallback.state_dict() outside Trainer.fit: nothing to fingerprint")
         done = trainer.fit_loop.epoch_loop.batch_progress.current.processed
         self._saving = trainer.global_step
-        return {"rng": capture_rng(), "fingerprint": self._fingerprint(trainer, trainer.lightning_module),
-                "epoch_end": done >= trainer.num_training_batches}
+        return {
+            "rng": capture_rng(),
+            "fingerprint": self._fingerprint(trainer, trainer.lightning_module),
+            "epoch_end": done >= trainer.num_training_batches,
+        }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not {"rng", "fingerprint"} <= state_dict.keys():
-            raise ResumeMismatch("the checkpoint's samestep state lacks 'rng' or 'fingerprint': it was not saved by "
-                                 "this SamestepCallback; resume from a checkpoint it saved")
+            raise ResumeMismatch(
+                "the checkpoint's samestep state lacks 'rng' or 'fingerprint': it was not saved by "
+                "this SamestepCallback; resume from a checkpoint it saved"
+            )
         self._saved = state_dict
         if state_dict.get("epoch_end"):
             # After an epoch's last step the run went on to a new epoch, whose data loader draws its base
@@ -260,18 +285,27 @@ class SamestepCallback(pl.Callback):
             return
         if done == 0 or (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")):
             return  # at an epoch's start, or a loader that Lightning itself resumes
-        raise ResumeMismatch(f"the checkpoint stands {done} batch(es) into an epoch, and the training DataLoader "
-                             f"({type(loader).__name__} with {type(sampler).__name__}) cannot start there: Lightning "
-                             "would restart the epoch's data. Give it sampler=samestep.integrations.lightning."
-                             "KeyedSampler(len(dataset), seed), or a stateful loader (state_dict/load_state_dict)")
+        raise ResumeMismatch(
+            f"the checkpoint stands {done} batch(es) into an epoch, and the training DataLoader "
+            f"({type(loader).__name__} with {type(sampler).__name__}) cannot start there: Lightning "
+            "would restart the epoch's data. Give it sampler=samestep.integrations.lightning."
+            "KeyedSampler(len(dataset), seed), or a stateful loader (state_dict/load_state_dict)"
+        )
 
 
 def _saved_files(trainer: pl.Trainer) -> set[str]:
     """The checkpoint files Lightning's ModelCheckpoint callbacks know of (best, last, the top k kept)."""
     out: set[str] = set()
     for cb in trainer.checkpoint_callbacks:
-        out.update(p for p in (getattr(cb, "best_model_path", ""), getattr(cb, "last_model_path", ""),
-                               *getattr(cb, "best_k_models", {})) if p)
+        out.update(
+            p
+            for p in (
+                getattr(cb, "best_model_path", ""),
+                getattr(cb, "last_model_path", ""),
+                *getattr(cb, "best_k_models", {}),
+            )
+            if p
+        )
     return {str(Path(p).resolve()) for p in out}
 
 

@@ -24,11 +24,13 @@ def refuse_processes(world: int, who: str, multiprocess: bool) -> None:
         ValueError: names the process count and the fixes.
     """
     if world > 1 and not multiprocess:
-        raise ValueError(f"{who} on {world} processes: the Trainer's DDP all-reduce sums the gradients in an order "
-                         "its collective picks, so the bits are not one process's. Fix: run on one process; for "
-                         "several, a loop of one's own under samestep.Run with samestep.distributed."
-                         f"canonical_ddp_hook (examples/parallel_loop.py); or pass {who}(..., multiprocess=True) to "
-                         "record this process count's bits, which other counts do not repeat")
+        raise ValueError(
+            f"{who} on {world} processes: the Trainer's DDP all-reduce sums the gradients in an order "
+            "its collective picks, so the bits are not one process's. Fix: run on one process; for "
+            "several, a loop of one's own under samestep.Run with samestep.distributed."
+            f"canonical_ddp_hook (examples/parallel_loop.py); or pass {who}(..., multiprocess=True) to "
+            "record this process count's bits, which other counts do not repeat"
+        )
 
 
 class HookedSteps:
@@ -36,10 +38,26 @@ class HookedSteps:
     has the RunProtocol write a receipt of every step that ends (``samestep.records.receipts``, the rank's file)."""
 
     @classmethod
-    def start(cls, proto: RunProtocol, run_dir: Path, *, level: str, steps: Any, resume: bool, model: Any,
-              how_to_resume: str, receipts: bool = False, start: int = 0, optimizer: Any = None,
-              scheduler: Any = None, source: str = "", rank: int = 0, sharded: bool = False,
-              program: dict[str, Any] | None = None, agree: Callable[[bool], bool] | None = None) -> HookedSteps:
+    def start(
+        cls,
+        proto: RunProtocol,
+        run_dir: Path,
+        *,
+        level: str,
+        steps: Any,
+        resume: bool,
+        model: Any,
+        how_to_resume: str,
+        receipts: bool = False,
+        start: int = 0,
+        optimizer: Any = None,
+        scheduler: Any = None,
+        source: str = "",
+        rank: int = 0,
+        sharded: bool = False,
+        program: dict[str, Any] | None = None,
+        agree: Callable[[bool], bool] | None = None,
+    ) -> HookedSteps:
         """Starts the RunProtocol's trace of ``run_dir`` (a resume continues its stream) with the model's hooks
         attached, and, with ``receipts``, the receipts of the state of ``model``, ``optimizer`` and
         ``scheduler`` (``receipt_state.state_tree``): those past ``start`` (the step the framework resumed after,
@@ -79,17 +97,25 @@ class HookedSteps:
         except ValueError as e:
             if "already holds a trace" not in str(e):
                 raise
-            raise ValueError(f"{run_dir} already holds a traced run; continue it with {how_to_resume}, or trace "
-                             "into another run directory") from None
+            raise ValueError(
+                f"{run_dir} already holds a traced run; continue it with {how_to_resume}, or trace "
+                "into another run directory"
+            ) from None
         try:
             if program is not None:  # what samestep verify and bisect run again
                 from samestep.replay.program import record
 
                 record(proto.run_dir, start, program)
             if receipts:
-                proto.open_receipts(rank, start, genesis({}, source), optimizer=optimizer, sharded=sharded,
-                                    state=lambda step: (lambda tree=state(step): tree),
-                                    hash=state_hash_for(next((p.device for p in model.parameters()), "cpu")))
+                proto.open_receipts(
+                    rank,
+                    start,
+                    genesis({}, source),
+                    optimizer=optimizer,
+                    sharded=sharded,
+                    state=lambda step: lambda tree=state(step): tree,
+                    hash=state_hash_for(next((p.device for p in model.parameters()), "cpu")),
+                )
         except BaseException:
             proto.end()
             raise

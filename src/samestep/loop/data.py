@@ -74,8 +74,9 @@ def load_corpus(source: str = "stdlib", path: str | os.PathLike[str] | None = No
         desc, vocab = f"stdlib:{root}", 256
     elif source == "text":
         if not path or not Path(path).is_dir():
-            raise ValueError(f"data.path={path!r} is not a directory; data.source='text' reads every file under "
-                             "a directory")
+            raise ValueError(
+                f"data.path={path!r} is not a directory; data.source='text' reads every file under a directory"
+            )
         root = Path(path)
         files = sorted((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.relative_to(root).as_posix())
         tokens = np.frombuffer(_concat(files, root), dtype=np.uint8)
@@ -92,8 +93,9 @@ def load_corpus(source: str = "stdlib", path: str | os.PathLike[str] | None = No
         raise ValueError(f"data.source={source!r} is unknown; use one of {', '.join(SOURCES)}")
     if tokens.size < 2:
         raise ValueError(f"data source {desc} holds {tokens.size} token(s); it needs at least one block")
-    return Corpus(tokens=tokens, vocab_size=vocab, fingerprint=hashlib.sha256(tokens.tobytes()).hexdigest(),
-                  description=desc)
+    return Corpus(
+        tokens=tokens, vocab_size=vocab, fingerprint=hashlib.sha256(tokens.tobytes()).hexdigest(), description=desc
+    )
 
 
 class DataCursor:
@@ -105,8 +107,10 @@ class DataCursor:
         self.seed = seed
         self.n_windows = (corpus.tokens.size - 1) // block_size
         if self.n_windows < 1:
-            raise ValueError(f"data source {corpus.description} has {corpus.tokens.size} tokens, fewer than "
-                             f"model.block_size + 1 = {block_size + 1}; use a larger corpus or block")
+            raise ValueError(
+                f"data source {corpus.description} has {corpus.tokens.size} tokens, fewer than "
+                f"model.block_size + 1 = {block_size + 1}; use a larger corpus or block"
+            )
         self.position = 0  # samples consumed by completed steps
         self._tokens = torch.from_numpy(corpus.tokens.astype(np.int64))
         self._orders: dict[int, torch.Tensor] = {}
@@ -124,7 +128,7 @@ class DataCursor:
         rows = []
         for g in range(start, start + count):
             window = int(self._order(g // self.n_windows)[g % self.n_windows])
-            rows.append(self._tokens[window * self.block_size: window * self.block_size + self.block_size + 1])
+            rows.append(self._tokens[window * self.block_size : window * self.block_size + self.block_size + 1])
         chunk = torch.stack(rows)  # (count, T+1)
         return chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
 
@@ -132,13 +136,20 @@ class DataCursor:
         self.position += count
 
     def state_dict(self) -> dict[str, Any]:
-        return {"position": self.position, "epoch": self.position // self.n_windows,
-                "fingerprint": self.corpus.fingerprint, "block_size": self.block_size, "seed": self.seed}
+        return {
+            "position": self.position,
+            "epoch": self.position // self.n_windows,
+            "fingerprint": self.corpus.fingerprint,
+            "block_size": self.block_size,
+            "seed": self.seed,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         mine = {"fingerprint": self.corpus.fingerprint, "block_size": self.block_size, "seed": self.seed}
         for name, value in mine.items():
             if state.get(name) != value:
-                raise ValueError(f"data cursor: saved {name}={state.get(name)!r} but this run has {value!r}; "
-                                 "resume with the same data source and config")
+                raise ValueError(
+                    f"data cursor: saved {name}={state.get(name)!r} but this run has {value!r}; "
+                    "resume with the same data source and config"
+                )
         self.position = int(state["position"])

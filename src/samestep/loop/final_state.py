@@ -18,8 +18,17 @@ from samestep.records.receipt_state import state_tree
 __all__ = ["write_whole_final"]
 
 
-def write_whole_final(run_dir: Path, step: int, loss: float, model: torch.nn.Module, optimizer: Any, scheduler: Any,
-                      data_cursor: Any, receipts: Any, sharded: bool) -> None:
+def write_whole_final(
+    run_dir: Path,
+    step: int,
+    loss: float,
+    model: torch.nn.Module,
+    optimizer: Any,
+    scheduler: Any,
+    data_cursor: Any,
+    receipts: Any,
+    sharded: bool,
+) -> None:
     """final.json of the finished run: the digest of its whole state as one process holds and names it (each
     sharded tensor gathered whole in turn, a collective every rank joins; a DDP wrapper's names unwrapped),
     so that runs on any two layouts compare by it (``samestep diff``); with receipts of the whole state, its
@@ -27,8 +36,9 @@ def write_whole_final(run_dir: Path, step: int, loss: float, model: torch.nn.Mod
     from torch.nn.parallel import DistributedDataParallel
 
     model = model.module if isinstance(model, DistributedDataParallel) else model
-    tree = state_tree(step, model, optimizer, buffers=persistent_buffers(model), scheduler=scheduler,
-                      data_cursor=data_cursor)
+    tree = state_tree(
+        step, model, optimizer, buffers=persistent_buffers(model), scheduler=scheduler, data_cursor=data_cursor
+    )
     digest = tree_digest(tree, lambda tensors: [sha256_tensor(whole_tensor(t)) for t in tensors], hashlib.sha256)
     rank, world = rank_and_world()
     if rank == 0:

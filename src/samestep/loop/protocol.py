@@ -56,8 +56,9 @@ def make_durable(recorder: Any = None, receipts: Any = None, metrics: IO[str] | 
         os.fsync(metrics.fileno())
 
 
-def save_after_records(save: Callable[[], Any], recorder: Any = None, receipts: Any = None,
-                       metrics: IO[str] | None = None) -> None:
+def save_after_records(
+    save: Callable[[], Any], recorder: Any = None, receipts: Any = None, metrics: IO[str] | None = None
+) -> None:
     """Saves a checkpoint (``save()``) after the records of every step it holds are durable
     (``make_durable``). A crash right after the commit then loses no record of a step the checkpoint
     holds, and a resume finds every file agreeing with it."""
@@ -95,8 +96,9 @@ class RunProtocol:
         self.lock = hold(self.run_dir) if hold_dir and self.run_dir is not None else None
 
     # -- 1. before anything --------------------------------------------------------------------------------
-    def enable(self, *, threads: int | None = 1, kernels: bool = False, warn_only: bool = False,
-               who: str = "this run") -> DeterminismReport:
+    def enable(
+        self, *, threads: int | None = 1, kernels: bool = False, warn_only: bool = False, who: str = "this run"
+    ) -> DeterminismReport:
         """Deterministic mode on (``samestep.enable``), turned off again at ``close``. Where this process has
         it on already with the same thread count and kernels, that one is used and left on.
 
@@ -112,16 +114,26 @@ class RunProtocol:
         want = mode.available_threads() if threads is None else threads
         routed = any(k.name == "samestep.kernels" and k.after for k in active.knobs)
         if (active.threads, routed) != (want, kernels):
-            raise ValueError(f"{who}: deterministic mode is already on in this process with threads={active.threads}, "
-                             f"kernels={routed}, and {who} asks for threads={want}, kernels={kernels}: the bits "
-                             "depend on both; ask for the same, or call samestep.disable() first")
+            raise ValueError(
+                f"{who}: deterministic mode is already on in this process with threads={active.threads}, "
+                f"kernels={routed}, and {who} asks for threads={want}, kernels={kernels}: the bits "
+                "depend on both; ask for the same, or call samestep.disable() first"
+            )
         self.report = active
         return active
 
     # -- 2. before any file changes ------------------------------------------------------------------------
-    def check_receipts(self, rank: int, start: int, state: Callable[[], Any] | None, *, checkpoint: Any = None,
-                       sharded_over: int | None = None, same_layout: bool | None = None,
-                       agree: Callable[[bool], bool] | None = None) -> None:
+    def check_receipts(
+        self,
+        rank: int,
+        start: int,
+        state: Callable[[], Any] | None,
+        *,
+        checkpoint: Any = None,
+        sharded_over: int | None = None,
+        same_layout: bool | None = None,
+        agree: Callable[[bool], bool] | None = None,
+    ) -> None:
         """What going on after step ``start`` needs of the receipts, checked before any file changes. Where this
         rank keeps receipts (``state`` makes the restored state tree they checksum; None: it keeps none),
         their chain whole up to ``start``. Then the restored state against the run's receipts of ``start``:
@@ -147,11 +159,21 @@ class RunProtocol:
                 agree(True)
             raise
         if agree is not None and agree(False):
-            raise RefusedElsewhere(f"{run_dir}: another rank refused this resume (its error names the file and the "
-                                   "fix); nothing was written")
+            raise RefusedElsewhere(
+                f"{run_dir}: another rank refused this resume (its error names the file and the "
+                "fix); nothing was written"
+            )
 
-    def _check_receipts(self, run_dir: Path, rank: int, start: int, state: Callable[[], Any] | None,
-                        checkpoint: Any, sharded_over: int | None, same_layout: bool | None) -> None:
+    def _check_receipts(
+        self,
+        run_dir: Path,
+        rank: int,
+        start: int,
+        state: Callable[[], Any] | None,
+        checkpoint: Any,
+        sharded_over: int | None,
+        same_layout: bool | None,
+    ) -> None:
         if state is not None:
             truncate_receipts(run_dir, rank, start, check_only=True)
         if not start:
@@ -197,18 +219,29 @@ class RunProtocol:
         its own shards."""
         return rank == 0 or sharded
 
-    def open_receipts(self, rank: int, start: int, first_prev: str, *,
-                      state: Callable[[int], Callable[[], Any]] | None, optimizer: Any = None, sharded: bool = False,
-                      keep_file: bool = True, hash: str | None = None) -> ReceiptWriter:
+    def open_receipts(
+        self,
+        rank: int,
+        start: int,
+        first_prev: str,
+        *,
+        state: Callable[[int], Callable[[], Any]] | None,
+        optimizer: Any = None,
+        sharded: bool = False,
+        keep_file: bool = True,
+        hash: str | None = None,
+    ) -> ReceiptWriter:
         """This rank's receipts of the steps after ``start`` (``receipts.continue_receipts``; ``first_prev``: a new
         file's genesis; ``hash``: a new file's state hash; ``sharded``: of this rank's shards). ``state(step)``
         is called at each step's end and returns what makes the state tree on the receipt thread.
         ``optimizer``: its next ``step()`` waits for the receipt being made. Without ``keep_file`` a writer of
         no file (the cross-rank check's sums alone)."""
         kind: dict[str, Any] = {"state_of": "rank" if sharded else "run", "shared": self.checksums} | (
-            {"hash": hash} if hash else {})
-        self.receipts = continue_receipts(self._dir("open_receipts") if keep_file else None, rank, start,
-                                          first_prev, **kind)
+            {"hash": hash} if hash else {}
+        )
+        self.receipts = continue_receipts(
+            self._dir("open_receipts") if keep_file else None, rank, start, first_prev, **kind
+        )
         self._state = state
         if optimizer is not None:
             self.receipts.watch(optimizer)

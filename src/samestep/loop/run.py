@@ -125,13 +125,30 @@ class Run:
             None. sharded: FSDP2 shards the model (each rank saves and receipts its own shards).
     """
 
-    def __init__(self, run_dir: str | Path, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 scheduler: Any = None, data_cursor: Any = None, level: str = "step",
-                 trace_steps: set[int] | str | None = None, threads: int | None = 1, kernels: bool = False,
-                 checkpoint_every: int = 1, keep: int | None = None, resume: bool | str = "auto",
-                 stop_signals: tuple[str, ...] = preempt.DEFAULT_SIGNALS, strict_env: bool = False,
-                 copy: bool = False, receipts: bool = True, config: dict[str, Any] | None = None,
-                 deterministic: bool = True, perturb: str | None = None, rng: str = "restore") -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any = None,
+        data_cursor: Any = None,
+        level: str = "step",
+        trace_steps: set[int] | str | None = None,
+        threads: int | None = 1,
+        kernels: bool = False,
+        checkpoint_every: int = 1,
+        keep: int | None = None,
+        resume: bool | str = "auto",
+        stop_signals: tuple[str, ...] = preempt.DEFAULT_SIGNALS,
+        strict_env: bool = False,
+        copy: bool = False,
+        receipts: bool = True,
+        config: dict[str, Any] | None = None,
+        deterministic: bool = True,
+        perturb: str | None = None,
+        rng: str = "restore",
+    ) -> None:
         check_arguments(checkpoint_every, resume, rng)
         refuse_foreign_parameters(model, optimizer)  # before anything is made or written
         self._replay = ReplayRequest.for_run(run_dir, "samestep.Run")
@@ -161,8 +178,11 @@ class Run:
         self._proto = RunProtocol(self.run_dir, hold_dir=rank == 0)
         try:
             self._declare(config, resume)
-            self.report = (self._proto.enable(threads=threads, kernels=kernels, who="samestep.Run") if deterministic
-                           else mode.active_report())
+            self.report = (
+                self._proto.enable(threads=threads, kernels=kernels, who="samestep.Run")
+                if deterministic
+                else mode.active_report()
+            )
             loaded = self._restore(strict_env, world, rng) if held else None
             # kept from step to step, as the reference loop keeps them: a model gains or loses no parameter
             self._params = list(model.named_parameters())
@@ -170,10 +190,14 @@ class Run:
             # rank 0's receipts of the whole state; sharded, every rank's of its own shards
             keeps_receipts = receipts and RunProtocol.keeps_receipts(rank, self.sharded)
             if receipts:  # a resume that cannot go on fails before anything is written
-                self._proto.check_receipts(rank, self.start,
-                                             (lambda: self._state_tree(self.start)) if keeps_receipts else None,
-                                             checkpoint=loaded, sharded_over=world if self.sharded else None,
-                                             agree=any_rank)
+                self._proto.check_receipts(
+                    rank,
+                    self.start,
+                    (lambda: self._state_tree(self.start)) if keeps_receipts else None,
+                    checkpoint=loaded,
+                    sharded_over=world if self.sharded else None,
+                    agree=any_rank,
+                )
             self._trace(level, trace_steps, resume, copy, perturb)
             if rank == 0:
                 record_declared(self.run_dir, self._declared)
@@ -191,8 +215,10 @@ class Run:
         """Whether the run directory holds a checkpoint, refused where ``resume`` says it must not (or must)."""
         held = bool(committed_steps(self.checkpoints))
         if held and resume is False:
-            raise ValueError(f"samestep.Run: {self.checkpoints} already holds checkpoints; pass "
-                             "resume='auto' to continue that run, or use a new run directory")
+            raise ValueError(
+                f"samestep.Run: {self.checkpoints} already holds checkpoints; pass "
+                "resume='auto' to continue that run, or use a new run directory"
+            )
         if not held and resume is True:
             raise ValueError(f"samestep.Run: resume=True, but {self.checkpoints} holds no checkpoint")
         return held
@@ -209,43 +235,65 @@ class Run:
     def _restore(self, strict_env: bool, world: int, rng: str) -> LoadedCheckpoint:
         """The newest intact checkpoint restored: whole tensors, whichever layout wrote them (a sharded model
         takes its shards of them), and the generators where ``rng`` and the process count allow."""
-        loaded = load_checkpoint(self.checkpoints,
-                                 model=ShardedModel(self.model) if self.sharded else self.model,
-                                 optimizer=ShardedOptimizer(self.optimizer) if self.sharded else self.optimizer,
-                                 scheduler=self.scheduler, data_cursor=self.data_cursor, fallback=True,
-                                 strict_env=strict_env, generators=self._generators, restore_rng="same_world_size")
+        loaded = load_checkpoint(
+            self.checkpoints,
+            model=ShardedModel(self.model) if self.sharded else self.model,
+            optimizer=ShardedOptimizer(self.optimizer) if self.sharded else self.optimizer,
+            scheduler=self.scheduler,
+            data_cursor=self.data_cursor,
+            fallback=True,
+            strict_env=strict_env,
+            generators=self._generators,
+            restore_rng="same_world_size",
+        )
         refuse_rng_change(loaded, world, rng, self._generators)
         self.start = loaded.step
         if self._generators:
             resume_epoch(self.data_cursor, self._generators)
         return loaded
 
-    def _trace(self, level: str, trace_steps: set[int] | str | None, resume: bool | str, copy: bool,
-               perturb: str | None) -> None:
+    def _trace(
+        self, level: str, trace_steps: set[int] | str | None, resume: bool | str, copy: bool, perturb: str | None
+    ) -> None:
         """The trace started; a run killed before its first checkpoint goes on from step 0, in a new segment."""
         continues = self.start > 0 or (resume is not False and holds_run(self.run_dir))
         from samestep.tracing.perturb import Perturb  # the tracing layer loads when a run traces
 
-        self._proto.trace(self.model, level=level, steps=trace_steps, resume=continues, copy=copy,
-                          perturb=Perturb.parse(perturb) if perturb else None, layout=model_layout(self.model),
-                          resumed_from=self.start)
+        self._proto.trace(
+            self.model,
+            level=level,
+            steps=trace_steps,
+            resume=continues,
+            copy=copy,
+            perturb=Perturb.parse(perturb) if perturb else None,
+            layout=model_layout(self.model),
+            resumed_from=self.start,
+        )
         self.recorder.grads_changed = grads_changed_after_update
 
     def _watch_updates(self, copy: bool, level: str) -> None:
         """The optimizer's hooks that close each step's microbatches and catch stale gradients."""
         self._grad_copy: bool | str = True if copy or level != "step" else "checked"
         self._op_level = level == "op"  # a step that names no microbatch is microbatch 0 (``_implicit``)
-        self._hooks = [self.optimizer.register_step_pre_hook(self._before_update),
-                       self.optimizer.register_step_post_hook(self._after_update)]
+        self._hooks = [
+            self.optimizer.register_step_pre_hook(self._before_update),
+            self.optimizer.register_step_post_hook(self._after_update),
+        ]
         self._stale = StaleGradients(self._params)
 
     def _open_receipts(self, rank: int) -> None:
         """The receipts of this rank's state, taken at each step's end (a scheduler may change the optimizer's
         groups before the next update; the next update waits for the receipt of the last)."""
         where = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        self._proto.open_receipts(rank, self.start, genesis({}, "samestep.Run"), optimizer=self.optimizer,
-                                  state=lambda step: (lambda tree=self._state_tree(step): tree),
-                                  hash=state_hash_for(where), sharded=self.sharded)
+        self._proto.open_receipts(
+            rank,
+            self.start,
+            genesis({}, "samestep.Run"),
+            optimizer=self.optimizer,
+            state=lambda step: lambda tree=self._state_tree(step): tree,
+            hash=state_hash_for(where),
+            sharded=self.sharded,
+        )
 
     @property
     def recorder(self) -> Any:
@@ -299,10 +347,19 @@ class Run:
                     continue
                 stop = proto.agreed_stop(any_rank)  # so every rank reaches the checkpoint's barriers
                 if stop is not None or step == total or step % self.checkpoint_every == 0:
-                    proto.save(lambda: save_checkpoint(
-                        self.checkpoints, step, model=self.model, optimizer=self.optimizer,
-                        scheduler=self.scheduler, data_cursor=self.data_cursor, keep=self.keep,
-                        sharded=self.sharded, generators=self._generators))
+                    proto.save(
+                        lambda: save_checkpoint(
+                            self.checkpoints,
+                            step,
+                            model=self.model,
+                            optimizer=self.optimizer,
+                            scheduler=self.scheduler,
+                            data_cursor=self.data_cursor,
+                            keep=self.keep,
+                            sharded=self.sharded,
+                            generators=self._generators,
+                        )
+                    )
                 if stop is not None:
                     self.stopped = stop
                     return
@@ -340,13 +397,28 @@ class Run:
             self._metrics[name] = value.detach() if isinstance(value, torch.Tensor) else value
 
     def _write_final(self, step: int, loss: float) -> None:
-        write_whole_final(self.run_dir, step, loss, self.model, self.optimizer, self.scheduler, self.data_cursor,
-                          self._proto.receipts, self.sharded)
+        write_whole_final(
+            self.run_dir,
+            step,
+            loss,
+            self.model,
+            self.optimizer,
+            self.scheduler,
+            self.data_cursor,
+            self._proto.receipts,
+            self.sharded,
+        )
 
     def _state_tree(self, step: int) -> dict[str, Any]:
         """The state after ``step`` as a receipt digests it: every part a checkpoint of it holds."""
-        return state_tree(step, self.model, self.optimizer, buffers=self._buffers, scheduler=self.scheduler,
-                          data_cursor=self.data_cursor)
+        return state_tree(
+            step,
+            self.model,
+            self.optimizer,
+            buffers=self._buffers,
+            scheduler=self.scheduler,
+            data_cursor=self.data_cursor,
+        )
 
     def close(self) -> None:
         """Closes the trace, removes the hooks, and turns deterministic mode off if this run turned it on."""

@@ -15,20 +15,36 @@ import torch
 from samestep.hashing.state import state_digest
 from samestep.records.rundir import declared_changes
 
-__all__ = ["check_arguments", "declared", "loader_generators", "refuse_changes", "refuse_foreign_parameters",
-           "refuse_parts", "refuse_rng_change", "resume_epoch"]
+__all__ = [
+    "check_arguments",
+    "declared",
+    "loader_generators",
+    "refuse_changes",
+    "refuse_foreign_parameters",
+    "refuse_parts",
+    "refuse_rng_change",
+    "resume_epoch",
+]
 
 
-def declared(model: torch.nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any, data_cursor: Any,
-             config: dict[str, Any] | None) -> dict[str, Any]:
+def declared(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    data_cursor: Any,
+    config: dict[str, Any] | None,
+) -> dict[str, Any]:
     """What a run holds fixed, as built (before a resume restores anything): JSON, for run.json."""
     shapes = [[name, list(t.shape), str(t.dtype)] for name, t in model.state_dict().items()]
-    groups = {str(i): {k: v for k, v in group.items() if k != "params"} | {"params": len(group["params"])}
-              for i, group in enumerate(optimizer.param_groups)}  # by index: a change is named by its field
+    groups = {
+        str(i): {k: v for k, v in group.items() if k != "params"} | {"params": len(group["params"])}
+        for i, group in enumerate(optimizer.param_groups)
+    }  # by index: a change is named by its field
     out: dict[str, Any] = {
         "model": state_digest({"shapes": shapes}),
         "optimizer": json.loads(json.dumps({"class": type(optimizer).__qualname__, "groups": groups}, default=repr)),
-        "config": json.loads(json.dumps(config or {}, default=repr))}
+        "config": json.loads(json.dumps(config or {}, default=repr)),
+    }
     for name, obj in (("scheduler", scheduler), ("data_cursor", data_cursor)):
         if obj is not None:
             out[name] = state_digest(obj.state_dict())
@@ -46,19 +62,23 @@ def refuse_foreign_parameters(model: torch.nn.Module, optimizer: torch.optim.Opt
     own = {id(p) for p in model.parameters()}
     foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
     if foreign:
-        raise ValueError(f"samestep.Run: the optimizer updates {len(foreign)} tensor(s) that are not the model's "
-                         f"parameters (the first of shape {list(foreign[0].shape)}): it was built before "
-                         "fully_shard or parallelize_module replaced them, or holds a tensor kept outside the model, "
-                         "whose value no checkpoint would hold. Fix: build the optimizer from model.parameters() "
-                         "after sharding or parallelizing the model, and keep every trained tensor in the model")
+        raise ValueError(
+            f"samestep.Run: the optimizer updates {len(foreign)} tensor(s) that are not the model's "
+            f"parameters (the first of shape {list(foreign[0].shape)}): it was built before "
+            "fully_shard or parallelize_module replaced them, or holds a tensor kept outside the model, "
+            "whose value no checkpoint would hold. Fix: build the optimizer from model.parameters() "
+            "after sharding or parallelizing the model, and keep every trained tensor in the model"
+        )
 
 
 def refuse_changes(run_dir: Path, settings: dict[str, Any]) -> None:
     """Refuses to continue ``run_dir`` with other ``settings`` (``declared``'s, or a part of them) than it holds."""
     changed = declared_changes(run_dir, settings)
     if changed:
-        raise ValueError(f"samestep.Run: {run_dir} holds a run started with other settings ({'; '.join(changed)}); "
-                         "continuing it would change its bits: continue it as it started, or use a new run directory")
+        raise ValueError(
+            f"samestep.Run: {run_dir} holds a run started with other settings ({'; '.join(changed)}); "
+            "continuing it would change its bits: continue it as it started, or use a new run directory"
+        )
 
 
 def refuse_parts(model_digest: str) -> None:
@@ -69,11 +89,13 @@ def refuse_parts(model_digest: str) -> None:
 
     unlike = ranks_unlike_rank_0(model_digest)
     if unlike:
-        raise ValueError(f"samestep.Run: rank(s) {', '.join(map(str, unlike))} hold another model than rank 0 (other "
-                         "parameter names, shapes or dtypes): a model in parts across ranks (pipeline stages, "
-                         "experts a loop places) is not one state that rank 0 can save, and a resume from rank 0's "
-                         "part would leave the run. Fix: the same model on every rank (replicated, DDP), or split "
-                         "by DTensors (FSDP2, tensor parallelism), which each rank saves its shards of")
+        raise ValueError(
+            f"samestep.Run: rank(s) {', '.join(map(str, unlike))} hold another model than rank 0 (other "
+            "parameter names, shapes or dtypes): a model in parts across ranks (pipeline stages, "
+            "experts a loop places) is not one state that rank 0 can save, and a resume from rank 0's "
+            "part would leave the run. Fix: the same model on every rank (replicated, DDP), or split "
+            "by DTensors (FSDP2, tensor parallelism), which each rank saves its shards of"
+        )
 
 
 def refuse_rng_change(loaded: Any, world: int, rng: str, generators: dict[str, torch.Generator] | None) -> None:
@@ -85,14 +107,18 @@ def refuse_rng_change(loaded: Any, world: int, rng: str, generators: dict[str, t
         return
     where = f"{loaded.path} was written by {loaded.world_size} process(es), this run has {world}"
     if rng == "restore":
-        raise ValueError(f"samestep.Run: {where}, so each rank's generator states cannot carry over. Fix: resume "
-                         f"on {loaded.world_size} process(es), or, where every random draw of the loop comes from "
-                         "samestep.rng.generator(seed, step, microbatch, ...) (no global RNG: no dropout drawn from "
-                         "torch's generator), pass samestep.Run(..., rng='keyed')")
+        raise ValueError(
+            f"samestep.Run: {where}, so each rank's generator states cannot carry over. Fix: resume "
+            f"on {loaded.world_size} process(es), or, where every random draw of the loop comes from "
+            "samestep.rng.generator(seed, step, microbatch, ...) (no global RNG: no dropout drawn from "
+            "torch's generator), pass samestep.Run(..., rng='keyed')"
+        )
     if generators:
-        raise ValueError(f"samestep.Run: {where}, and its DataLoader data cursor's generators are saved per rank. "
-                         "Fix: resume on as many processes, or make the data a pure function of the step and "
-                         "microbatch (samestep.rng.generator)")
+        raise ValueError(
+            f"samestep.Run: {where}, and its DataLoader data cursor's generators are saved per rank. "
+            "Fix: resume on as many processes, or make the data a pure function of the step and "
+            "microbatch (samestep.rng.generator)"
+        )
 
 
 def loader_generators(data_cursor: Any) -> dict[str, torch.Generator] | None:
@@ -113,11 +139,13 @@ def loader_generators(data_cursor: Any) -> dict[str, torch.Generator] | None:
     sampler = getattr(data_cursor, "sampler", None)
     shuffled = type(sampler).__name__ == "RandomSampler"  # torch's, or torchdata's stateful one
     if data_cursor.generator is None or (shuffled and getattr(sampler, "generator", None) is None):
-        raise ValueError(f"samestep.Run(data_cursor={type(data_cursor).__name__}(...)): it draws from torch's global "
-                         "RNG each time an iterator starts (its workers' seed, and a shuffle order without a "
-                         "generator of its own), which a resume does where the run it continues drew nothing, so "
-                         "the bits would differ from the resume on. Fix: pass the loader (and any RandomSampler) "
-                         "generator=torch.Generator().manual_seed(SEED)")
+        raise ValueError(
+            f"samestep.Run(data_cursor={type(data_cursor).__name__}(...)): it draws from torch's global "
+            "RNG each time an iterator starts (its workers' seed, and a shuffle order without a "
+            "generator of its own), which a resume does where the run it continues drew nothing, so "
+            "the bits would differ from the resume on. Fix: pass the loader (and any RandomSampler) "
+            "generator=torch.Generator().manual_seed(SEED)"
+        )
     own = {"samestep.data_cursor": data_cursor.generator}
     if shuffled and sampler.generator is not data_cursor.generator:
         own["samestep.data_cursor.sampler"] = sampler.generator
@@ -137,10 +165,11 @@ def resume_epoch(loader: Any, generators: dict[str, torch.Generator]) -> None:
 def check_arguments(checkpoint_every: int, resume: bool | str, rng: str) -> None:
     """``samestep.Run``'s arguments that no run can take, refused before anything is made."""
     if checkpoint_every < 1:
-        raise ValueError(f"samestep.Run(checkpoint_every={checkpoint_every!r}): save at least every step "
-                         "count >= 1")
+        raise ValueError(f"samestep.Run(checkpoint_every={checkpoint_every!r}): save at least every step count >= 1")
     if resume not in ("auto", True, False):
         raise ValueError(f"samestep.Run(resume={resume!r}): use 'auto', True or False")
     if rng not in ("restore", "keyed"):
-        raise ValueError(f"samestep.Run(rng={rng!r}): use 'restore' (each rank's generator states carry over) "
-                         "or 'keyed' (the loop's randomness is keyed by step and microbatch)")
+        raise ValueError(
+            f"samestep.Run(rng={rng!r}): use 'restore' (each rank's generator states carry over) "
+            "or 'keyed' (the loop's randomness is keyed by step and microbatch)"
+        )

@@ -29,8 +29,11 @@ class StaleGradients:
         self._after: dict[int, tuple[weakref.ref, int]] = {}  # parameter index -> its gradient after the update
         self._stale: str | None = None
         self._step = 0
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook(i, name))
-                         for i, (name, p) in enumerate(params) if p.requires_grad]
+        self._handles = [
+            p.register_post_accumulate_grad_hook(self._hook(i, name))
+            for i, (name, p) in enumerate(params)
+            if p.requires_grad
+        ]
 
     def _hook(self, index: int, name: str) -> Any:
         def accumulated(p: torch.Tensor) -> None:
@@ -46,16 +49,19 @@ class StaleGradients:
     def updated(self, step: int, params: list[tuple[str, torch.nn.Parameter]]) -> None:
         """The update of ``step`` is done: each gradient as it stands now."""
         self._step = step
-        self._after = {i: (weakref.ref(p.grad), p.grad._version) for i, (_, p) in enumerate(params)
-                       if p.grad is not None}
+        self._after = {
+            i: (weakref.ref(p.grad), p.grad._version) for i, (_, p) in enumerate(params) if p.grad is not None
+        }
 
     def check(self, step: int) -> None:
         """Raises ``LoopError`` where a backward of ``step`` added to the gradients of the update before."""
         if self._stale is not None:
             name, self._stale = self._stale, None
-            raise LoopError(f"samestep.Run: step {step}'s backward added to the gradients of step {self._step} "
-                            f"(the first: {name}.grad), which nothing zeroed after that step's optimizer.step(). "
-                            "Fix: call optimizer.zero_grad() after optimizer.step() (or before the backward)")
+            raise LoopError(
+                f"samestep.Run: step {step}'s backward added to the gradients of step {self._step} "
+                f"(the first: {name}.grad), which nothing zeroed after that step's optimizer.step(). "
+                "Fix: call optimizer.zero_grad() after optimizer.step() (or before the backward)"
+            )
 
     def remove(self) -> None:
         for h in self._handles:
@@ -65,26 +71,35 @@ class StaleGradients:
 
 def grads_changed_after_update(step: int, name: str) -> LoopError:
     """A gradient the loop changed in place after ``optimizer.step()`` recorded it, before its digest was done."""
-    return LoopError(f"samestep.Run: step {step}'s gradients changed in place after optimizer.step() recorded them "
-                     f"({name}.grad; zero_grad(set_to_none=False) does this) before their digest was done. Fix: "
-                     "optimizer.zero_grad() (set_to_none=True, PyTorch's default), or samestep.Run(..., copy=True) "
-                     "to digest copies of them")
+    return LoopError(
+        f"samestep.Run: step {step}'s gradients changed in place after optimizer.step() recorded them "
+        f"({name}.grad; zero_grad(set_to_none=False) does this) before their digest was done. Fix: "
+        "optimizer.zero_grad() (set_to_none=True, PyTorch's default), or samestep.Run(..., copy=True) "
+        "to digest copies of them"
+    )
 
 
 def left_inside_a_step(left: int, total: int | None, newest: int) -> str:
     """What ``samestep.Run`` says of a loop left inside step ``left`` without an error (a ``break``): the step
     unsaved, no final.json, and the checkpoint (``newest``, 0: none) a resume goes on from."""
-    return (f"samestep.Run: the loop left step {left} of {total} before that step ended (a break or return inside "
-            "`for step in run.steps(...)`): the step is recorded as failed and not saved, and no final.json is "
-            "written; "
-            + (f"the newest checkpoint is of step {newest}, which a resume goes on from" if newest else
-               "no checkpoint was saved, so a resume starts from step 0")
-            + ". Fix: pass run.steps() the step count the loop means to run, and leave the loop only by finishing "
-              "it")
+    return (
+        f"samestep.Run: the loop left step {left} of {total} before that step ended (a break or return inside "
+        "`for step in run.steps(...)`): the step is recorded as failed and not saved, and no final.json is "
+        "written; "
+        + (
+            f"the newest checkpoint is of step {newest}, which a resume goes on from"
+            if newest
+            else "no checkpoint was saved, so a resume starts from step 0"
+        )
+        + ". Fix: pass run.steps() the step count the loop means to run, and leave the loop only by finishing "
+        "it"
+    )
 
 
 def second_loop(run_dir: Any) -> LoopError:
     """A second ``run.steps()`` on one Run: a run is one loop over its steps."""
-    return LoopError(f"samestep.Run: steps() was called a second time on {run_dir}; a run is one loop over its steps "
-                     "(a resume continues it where its checkpoint left it). Fix: one `for step in run.steps(N)` a "
-                     "Run, or another samestep.Run (its own run directory) for another loop")
+    return LoopError(
+        f"samestep.Run: steps() was called a second time on {run_dir}; a run is one loop over its steps "
+        "(a resume continues it where its checkpoint left it). Fix: one `for step in run.steps(N)` a "
+        "Run, or another samestep.Run (its own run directory) for another loop"
+    )

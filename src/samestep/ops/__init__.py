@@ -17,8 +17,17 @@ from torch.types import Number
 
 from samestep.ops import _impl, _indexing
 
-__all__ = ["KERNELS", "bincount", "embedding_backward", "index_add", "index_put", "moe_combine", "scatter_add",
-           "scatter_reduce", "segment_sum"]
+__all__ = [
+    "KERNELS",
+    "bincount",
+    "embedding_backward",
+    "index_add",
+    "index_put",
+    "moe_combine",
+    "scatter_add",
+    "scatter_reduce",
+    "segment_sum",
+]
 
 _T = torch.Tensor
 
@@ -128,8 +137,7 @@ def _index_put_bwd(ctx, grad):
 _index_put.register_autograd(_index_put_bwd, setup_context=_index_put_setup)
 
 
-def index_put(input: _T, indices: tuple[_T | None, ...] | list[_T | None], values: _T,
-              accumulate: bool = False) -> _T:
+def index_put(input: _T, indices: tuple[_T | None, ...] | list[_T | None], values: _T, accumulate: bool = False) -> _T:
     """Deterministic ``torch.index_put`` (the ``accumulate=True`` form is the backward of ``x[idx]``);
     ``indices`` as PyTorch takes them: a tensor or None per leading dimension."""
     return _index_put(input, list(indices), values, accumulate)
@@ -165,8 +173,9 @@ def _segment_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[1])
 
 
-_segment_sum.register_autograd(lambda ctx, g: (g.index_select(0, ctx.saved_tensors[0]), None, None),
-                               setup_context=_segment_setup)
+_segment_sum.register_autograd(
+    lambda ctx, g: (g.index_select(0, ctx.saved_tensors[0]), None, None), setup_context=_segment_setup
+)
 
 
 def segment_sum(data: _T, segment_ids: _T, num_segments: int) -> _T:
@@ -216,17 +225,31 @@ def moe_combine(expert_out: _T, token_index: _T, weights: _T, num_tokens: int) -
 # Every op and the byte-for-byte tests that guard it (tests/kernels); a test fails when one has none.
 _CASE = {"scatter_reduce": "scatter_reduce_mean"}
 KERNELS: dict[str, tuple[str, ...]] = {
-    op: (f"tests/kernels/test_ops.py::test_replays_bit_exact[{_CASE.get(op, op)}]",
-         f"tests/kernels/test_ops.py::test_golden_digests[{_CASE.get(op, op)}]",
-         f"tests/kernels/test_triton.py::test_triton_matches_cpu_bit_for_bit[{_CASE.get(op, op)}]")
-    + {"index_add": ("tests/kernels/test_ops.py::test_matches_left_fold_reference[index_add]",
-                     "tests/kernels/test_ops.py::test_more_sources_than_a_tile_follow_the_tile_tree[slots]",
-                     "tests/kernels/test_ops.py::test_more_sources_than_a_tile_follow_the_tile_tree[compact]",
-                     "tests/kernels/test_triton.py::test_both_strategies_past_one_tile[slots]",
-                     "tests/kernels/test_triton.py::test_both_strategies_past_one_tile[sorted]"),
-       "scatter_add": ("tests/kernels/test_ops.py::test_matches_left_fold_reference[scatter_add]",),
-       "index_put": ("tests/kernels/test_ops.py::test_index_put_is_the_backward_of_indexing",),
-       "moe_combine": ("tests/kernels/test_ops.py::test_moe_combine_gradients",)}.get(op, ())
-    for op in ("index_add", "scatter_add", "scatter_reduce", "index_put", "embedding_backward", "bincount",
-               "segment_sum", "moe_combine")
+    op: (
+        f"tests/kernels/test_ops.py::test_replays_bit_exact[{_CASE.get(op, op)}]",
+        f"tests/kernels/test_ops.py::test_golden_digests[{_CASE.get(op, op)}]",
+        f"tests/kernels/test_triton.py::test_triton_matches_cpu_bit_for_bit[{_CASE.get(op, op)}]",
+    )
+    + {
+        "index_add": (
+            "tests/kernels/test_ops.py::test_matches_left_fold_reference[index_add]",
+            "tests/kernels/test_ops.py::test_more_sources_than_a_tile_follow_the_tile_tree[slots]",
+            "tests/kernels/test_ops.py::test_more_sources_than_a_tile_follow_the_tile_tree[compact]",
+            "tests/kernels/test_triton.py::test_both_strategies_past_one_tile[slots]",
+            "tests/kernels/test_triton.py::test_both_strategies_past_one_tile[sorted]",
+        ),
+        "scatter_add": ("tests/kernels/test_ops.py::test_matches_left_fold_reference[scatter_add]",),
+        "index_put": ("tests/kernels/test_ops.py::test_index_put_is_the_backward_of_indexing",),
+        "moe_combine": ("tests/kernels/test_ops.py::test_moe_combine_gradients",),
+    }.get(op, ())
+    for op in (
+        "index_add",
+        "scatter_add",
+        "scatter_reduce",
+        "index_put",
+        "embedding_backward",
+        "bincount",
+        "segment_sum",
+        "moe_combine",
+    )
 }

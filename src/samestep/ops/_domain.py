@@ -32,9 +32,11 @@ def raise_as_torch(call: Callable[[], Any], op: str, why: str) -> NoReturn:
         call()
     finally:
         torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
-    raise NotImplementedError(f"samestep.ops.{op}: {why}; PyTorch accepts these inputs but samestep's deterministic "
-                              f"kernel does not compute them. Fix: call torch's own {op} here, outside "
-                              "samestep.enable(kernels=True)")
+    raise NotImplementedError(
+        f"samestep.ops.{op}: {why}; PyTorch accepts these inputs but samestep's deterministic "
+        f"kernel does not compute them. Fix: call torch's own {op} here, outside "
+        "samestep.enable(kernels=True)"
+    )
 
 
 def check_bounds(index: torch.Tensor, size: int, *, negative: bool) -> bool:

@@ -53,8 +53,9 @@ SLOT_LIMIT = 1 << 22
 HALF = (torch.float16, torch.bfloat16)
 
 
-def fold(out: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
-         alpha: int | float = 1) -> torch.Tensor:
+def fold(
+    out: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor, alpha: int | float = 1
+) -> torch.Tensor:
     """Adds ``alpha`` times ``source``'s slices along ``dim`` into ``out``'s (``index`` picks each one's slice)
     by the tile tree, in place; ``out`` may be any layout. On the CPU each tile is PyTorch's own ``index_add_``
     with ``alpha`` (its slices add ``alpha * source`` in one rounding, a fused multiply-add, as PyTorch's
@@ -85,16 +86,21 @@ def fold(out: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
         # and a slot that takes none adds nothing
         slots = torch.full(shape, -0.0, dtype=out.dtype, device=out.device)
         full = (n - TILE) // TILE  # whole later tiles, as rows of a (full, TILE) view, then the rest
-        keys = index[TILE:TILE + full * TILE].view(full, TILE) + (torch.arange(full, device=index.device)
-                                                                 * rows).unsqueeze(1)
+        keys = index[TILE : TILE + full * TILE].view(full, TILE) + (
+            torch.arange(full, device=index.device) * rows
+        ).unsqueeze(1)
         slots.index_add_(dim, keys.view(-1), source.narrow(dim, TILE, full * TILE), alpha=alpha)
         if TILE + full * TILE < n:
-            slots.index_add_(dim, index[TILE + full * TILE:] + full * rows,
-                             source.narrow(dim, TILE + full * TILE, n - TILE - full * TILE), alpha=alpha)
+            slots.index_add_(
+                dim,
+                index[TILE + full * TILE :] + full * rows,
+                source.narrow(dim, TILE + full * TILE, n - TILE - full * TILE),
+                alpha=alpha,
+            )
         # each row takes its tile sums in tile order (index_add_ adds a row's sources in ascending order)
         return out.index_add_(dim, torch.arange(rows, device=index.device).repeat(tiles), slots)
     for a in range(TILE, n, TILE):  # later tiles: each row's tile sum, then one add per row
-        rows_k, inverse = torch.unique(index[a:a + TILE], return_inverse=True)
+        rows_k, inverse = torch.unique(index[a : a + TILE], return_inverse=True)
         shape = list(out.shape)
         shape[dim] = rows_k.numel()
         # -0.0 is the exact identity of addition, so the first contribution starts the tile sum as is.
@@ -147,8 +153,11 @@ def _index_add_domain(input: torch.Tensor, dim: int, index: torch.Tensor, source
         return "source and input dtypes differ"
     in_shape, src_shape = list(input.shape) or [1], list(source.shape) or [1]
     d = dim % nd
-    if len(in_shape) != len(src_shape) or src_shape[d] != index.numel() or any(
-            a != b for k, (a, b) in enumerate(zip(in_shape, src_shape)) if k != d):
+    if (
+        len(in_shape) != len(src_shape)
+        or src_shape[d] != index.numel()
+        or any(a != b for k, (a, b) in enumerate(zip(in_shape, src_shape)) if k != d)
+    ):
         return "source's shape does not match input's outside dim, or index's length along dim"
     if not on_cpu(input) and not check_bounds(index, in_shape[d], negative=False):
         return "an index is out of bounds"
@@ -160,8 +169,14 @@ def on_cpu(t: torch.Tensor) -> bool:
     return not _use_triton(t) and t.device.type == "cpu"
 
 
-def index_add(input: torch.Tensor, dim: int, index: torch.Tensor, source: torch.Tensor,
-              alpha: int | float | bool = 1, out: torch.Tensor | None = None) -> torch.Tensor:
+def index_add(
+    input: torch.Tensor,
+    dim: int,
+    index: torch.Tensor,
+    source: torch.Tensor,
+    alpha: int | float | bool = 1,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``torch.index_add(input, dim, index, source, alpha=alpha)``, deterministically: into a contiguous
     copy (PyTorch's layout), or into ``out`` (``input`` itself, for ``index_add_``)."""
     why = _index_add_domain(input, dim, index, source)
@@ -193,7 +208,8 @@ def _scatter_domain(input: torch.Tensor, dim: int, index: torch.Tensor, src: tor
     d = dim % nd
     i_shape, in_shape, s_shape = list(index.shape) or [1], list(input.shape) or [1], list(src.shape) or [1]
     if any(i > s for i, s in zip(i_shape, s_shape)) or any(
-            i > n for k, (i, n) in enumerate(zip(i_shape, in_shape)) if k != d):
+        i > n for k, (i, n) in enumerate(zip(i_shape, in_shape)) if k != d
+    ):
         return "index is larger than src, or than input outside dim"
     if not on_cpu(input) and not check_bounds(index, in_shape[d], negative=False):
         return "an index is out of bounds"
@@ -228,8 +244,9 @@ def _scatter_fold(out: torch.Tensor, dim: int, index: torch.Tensor, src: torch.T
         acc = out if a == 0 else torch.full_like(out, -0.0)
         if _use_triton(out):  # one tile: every line's contributions in ascending position
             work = acc if acc.is_contiguous() else acc.contiguous()
-            _fold_triton(work.view(-1, 1), 0, _scatter_targets(out.shape, dim, part), values.reshape(-1, 1),
-                         part.numel())
+            _fold_triton(
+                work.view(-1, 1), 0, _scatter_targets(out.shape, dim, part), values.reshape(-1, 1), part.numel()
+            )
             if work is not acc:
                 acc.copy_(work)
         else:  # PyTorch's CPU kernel walks each line along dim in order
@@ -238,8 +255,9 @@ def _scatter_fold(out: torch.Tensor, dim: int, index: torch.Tensor, src: torch.T
             out.add_(acc)
 
 
-def scatter_add(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor,
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def scatter_add(
+    input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``torch.scatter_add(input, dim, index, src)``, deterministically (source order: position along
     ``dim``): into a contiguous copy (PyTorch's layout), or into ``out`` (``input``, for ``scatter_add_``)."""
     why = _scatter_domain(input, dim, index, src)
@@ -257,8 +275,16 @@ def scatter_add(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.T
     return target
 
 
-def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor, reduce: str,
-                   include_self: bool = True, add=None, out: torch.Tensor | None = None) -> torch.Tensor:
+def scatter_reduce(
+    input: torch.Tensor,
+    dim: int,
+    index: torch.Tensor,
+    src: torch.Tensor,
+    reduce: str,
+    include_self: bool = True,
+    add=None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``torch.scatter_reduce`` for "sum" and "mean", as PyTorch defines them: the count of contributions is
     kept in input's dtype and an integral mean is floor-divided.
 
@@ -266,8 +292,10 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     the sums accumulate in place, into ``out`` (``scatter_reduce_``) or a copy of ``input``.
     """
     if reduce not in ("sum", "mean"):
-        raise ValueError(f"samestep.ops.scatter_reduce(reduce={reduce!r}): only 'sum' and 'mean' reduce in an "
-                         "order-dependent way; use torch.scatter_reduce for 'amax', 'amin' and 'prod'")
+        raise ValueError(
+            f"samestep.ops.scatter_reduce(reduce={reduce!r}): only 'sum' and 'mean' reduce in an "
+            "order-dependent way; use torch.scatter_reduce for 'amax', 'amin' and 'prod'"
+        )
     # PyTorch's mean: a float divides, an integral floor-divides, by the count (1 where nothing scattered)
     rounding = None if input.is_floating_point() or input.is_complex() else "floor"
     if add is not None:
@@ -275,8 +303,12 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
         total = add(base, dim, index, src)
         if reduce == "sum":
             return total
-        count = add(torch.full_like(input, int(include_self), memory_format=torch.contiguous_format), dim, index,
-                    torch.ones_like(src))
+        count = add(
+            torch.full_like(input, int(include_self), memory_format=torch.contiguous_format),
+            dim,
+            index,
+            torch.ones_like(src),
+        )
         return total.div(count.masked_fill(count == 0, 1), rounding_mode=rounding)
     total = _target(input, out)
     if not include_self:
@@ -289,17 +321,20 @@ def scatter_reduce(input: torch.Tensor, dim: int, index: torch.Tensor, src: torc
     return total
 
 
-def embedding_backward(grad_output: torch.Tensor, indices: torch.Tensor, num_weights: int,
-                       padding_idx: int = -1) -> torch.Tensor:
+def embedding_backward(
+    grad_output: torch.Tensor, indices: torch.Tensor, num_weights: int, padding_idx: int = -1
+) -> torch.Tensor:
     """The gradient of ``nn.Embedding`` weights: rows of ``grad_output`` summed by token, in token order.
     A padding token contributes nothing (a NaN in its gradient does not reach the padding row)."""
     idx = indices.reshape(-1)
     d = grad_output.shape[-1] if grad_output.dim() else 1
     grad = grad_output.reshape(idx.numel(), d)
     if idx.dtype not in INDEX_DTYPES or not check_bounds(idx, num_weights, negative=False):
-        raise_as_torch(lambda: torch.ops.aten.embedding_dense_backward(grad_output, indices, num_weights,
-                                                                       padding_idx, False),
-                       "embedding_backward", "indices must be int32 or int64 and within num_weights")
+        raise_as_torch(
+            lambda: torch.ops.aten.embedding_dense_backward(grad_output, indices, num_weights, padding_idx, False),
+            "embedding_backward",
+            "indices must be int32 or int64 and within num_weights",
+        )
     if padding_idx >= 0:
         grad = torch.where((idx != padding_idx).unsqueeze(1), grad, torch.zeros((), dtype=grad.dtype))
     return add_rows_into(grad.new_zeros(num_weights, d), idx, grad)
@@ -308,11 +343,16 @@ def embedding_backward(grad_output: torch.Tensor, indices: torch.Tensor, num_wei
 def segment_sum(data: torch.Tensor, segment_ids: torch.Tensor, num_segments: int) -> torch.Tensor:
     """Sums rows of ``data`` by ``segment_ids`` (any order) into ``num_segments`` rows, in row order."""
     ids = segment_ids.reshape(-1)
-    if ids.dtype not in INDEX_DTYPES or not check_bounds(ids, num_segments, negative=False) \
-            or data.shape[:1] != ids.shape:
-        raise ValueError(f"samestep.ops.segment_sum: segment_ids must be {data.shape[0] if data.dim() else 0} "
-                         f"int32/int64 ids in [0, {num_segments}), one per row of data; got {ids.numel()} of "
-                         f"dtype {ids.dtype}")
+    if (
+        ids.dtype not in INDEX_DTYPES
+        or not check_bounds(ids, num_segments, negative=False)
+        or data.shape[:1] != ids.shape
+    ):
+        raise ValueError(
+            f"samestep.ops.segment_sum: segment_ids must be {data.shape[0] if data.dim() else 0} "
+            f"int32/int64 ids in [0, {num_segments}), one per row of data; got {ids.numel()} of "
+            f"dtype {ids.dtype}"
+        )
     return add_rows_into(data.new_zeros(num_segments, *data.shape[1:]), ids, data)
 
 
@@ -320,18 +360,25 @@ def bincount(input: torch.Tensor, weights: torch.Tensor, minlength: int, sum_row
     """``torch.bincount(input, weights, minlength)``: weights summed in input order, in float32 for float32
     weights and in float64 for every other dtype (PyTorch's result dtypes); through ``sum_rows`` (a
     differentiable segment_sum, for ``samestep.ops``) or straight into the bins."""
-    if input.dim() != 1 or input.dtype.is_floating_point or input.dtype == torch.bool or minlength < 0 \
-            or weights.shape != input.shape or not input.numel():
+    if (
+        input.dim() != 1
+        or input.dtype.is_floating_point
+        or input.dtype == torch.bool
+        or minlength < 0
+        or weights.shape != input.shape
+        or not input.numel()
+    ):
         return torch.bincount(input, weights, minlength)  # PyTorch's error, or its empty result: nothing to order
     if sum_rows is None and on_cpu(input):
         # PyTorch's CPU bincount is the serial left fold (and raises PyTorch's errors), so each tile is its
         # call from +0.0; adding a tile's sum from +0.0 rather than from its first contribution changes no
         # bit, since a bin that starts at +0.0 never holds -0.0
-        tiles = [torch.bincount(input[a:a + TILE], weights[a:a + TILE], minlength)
-                 for a in range(0, input.numel(), TILE)]
+        tiles = [
+            torch.bincount(input[a : a + TILE], weights[a : a + TILE], minlength) for a in range(0, input.numel(), TILE)
+        ]
         total = tiles[0].new_zeros(max(t.numel() for t in tiles))  # +0.0 + tile 0's sum is that sum
         for t in tiles:
-            total[:t.numel()].add_(t)
+            total[: t.numel()].add_(t)
         return total
     low, high = torch.aminmax(input)
     if low < 0:
@@ -342,8 +389,9 @@ def bincount(input: torch.Tensor, weights: torch.Tensor, minlength: int, sum_row
     return sum_rows(w, ids, bins) if sum_rows is not None else fold(w.new_zeros(bins), 0, ids, w)
 
 
-def moe_combine(expert_out: torch.Tensor, token_index: torch.Tensor, weights: torch.Tensor,
-                num_tokens: int) -> torch.Tensor:
+def moe_combine(
+    expert_out: torch.Tensor, token_index: torch.Tensor, weights: torch.Tensor, num_tokens: int
+) -> torch.Tensor:
     """Weights each routed row of ``expert_out`` (R, D) and sums it into its token (``token_index``, R).
 
     Rows are combined in ascending routed-row order, whatever order the experts finished in.

@@ -41,7 +41,7 @@ def _expand(input: torch.Tensor, indices) -> tuple[list[torch.Tensor], list[int]
         if i.dtype in _MASKS:
             if i.dim() == 0:
                 return "a 0-dim boolean index adds a dimension, which the kernel does not index"
-            if tuple(i.shape) != tuple(input.shape[d:d + i.dim()]):
+            if tuple(i.shape) != tuple(input.shape[d : d + i.dim()]):
                 return f"the shape of the mask {list(i.shape)} does not match the indexed tensor at dim {d}"
             for k, t in enumerate(i.nonzero().unbind(1)):
                 tensors.append(t)
@@ -56,8 +56,9 @@ def _expand(input: torch.Tensor, indices) -> tuple[list[torch.Tensor], list[int]
     return tensors, dims
 
 
-def index_put(input: torch.Tensor, indices, values: torch.Tensor, accumulate: bool = False,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+def index_put(
+    input: torch.Tensor, indices, values: torch.Tensor, accumulate: bool = False, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``torch.index_put(input, indices, values, accumulate)``; with ``accumulate=True``, deterministically,
     into a copy with input's strides, or into ``out`` (``input`` itself, for ``index_put_``).
 
@@ -89,8 +90,8 @@ def index_put(input: torch.Tensor, indices, values: torch.Tensor, accumulate: bo
         raise_as_torch(torch_call, "index_put", "an index is out of bounds")
     rest = [d for d in range(input.dim()) if d not in dims]
     adjacent = dims == list(range(dims[0], dims[-1] + 1))
-    lead = list(input.shape[:dims[0]]) if adjacent else []
-    trail = [input.shape[d] for d in rest[len(lead):]]
+    lead = list(input.shape[: dims[0]]) if adjacent else []
+    trail = [input.shape[d] for d in rest[len(lead) :]]
     result_shape = torch.Size([*lead, *b_shape, *trail])
     if torch.broadcast_shapes(values.shape, result_shape) != result_shape:
         raise_as_torch(torch_call, "index_put", "values do not broadcast to the indexing result")
@@ -127,20 +128,36 @@ def put_by_torch(input: torch.Tensor, index: torch.Tensor) -> bool:
     op to it (``put`` below is for every other case): one tile of sources
     (the plain left fold), in input's own precision (not half), on the CPU with deterministic algorithms
     on (otherwise PyTorch splits a float32 put over threads with atomic adds)."""
-    return on_cpu(input) and input.dtype not in HALF and index.numel() <= TILE \
+    return (
+        on_cpu(input)
+        and input.dtype not in HALF
+        and index.numel() <= TILE
         and torch.are_deterministic_algorithms_enabled()
+    )
 
 
-def put(input: torch.Tensor, index: torch.Tensor, source: torch.Tensor, accumulate: bool = False,
-        out: torch.Tensor | None = None) -> torch.Tensor:
+def put(
+    input: torch.Tensor,
+    index: torch.Tensor,
+    source: torch.Tensor,
+    accumulate: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``input.put(index, source, accumulate)`` (positions in input's row-major order); with
     ``accumulate=True``, deterministically, into a copy with input's strides or into ``out`` (for ``put_``)."""
     if not accumulate:
         return input.put(index, source, accumulate=False)
-    if index.dtype != torch.int64 or source.dtype != input.dtype or source.numel() != index.numel() \
-            or not check_bounds(index, input.numel(), negative=True):
-        raise_as_torch(lambda: input.put(index, source, accumulate=True), "put",
-                       "index must be int64 and in bounds, one per element of source of input's dtype")
+    if (
+        index.dtype != torch.int64
+        or source.dtype != input.dtype
+        or source.numel() != index.numel()
+        or not check_bounds(index, input.numel(), negative=True)
+    ):
+        raise_as_torch(
+            lambda: input.put(index, source, accumulate=True),
+            "put",
+            "index must be int64 and in bounds, one per element of source of input's dtype",
+        )
     in_place = out is not None and out.is_contiguous()
     buffer = out if in_place else input.clone(memory_format=torch.contiguous_format)
     if index.numel():

@@ -70,8 +70,10 @@ def _shapes_only(args, kwargs) -> bool:
     tensors do not have."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return any(isinstance(t, torch.Tensor) and (t.device.type == "meta" or isinstance(t, FakeTensor))
-               for t in pytree.tree_leaves((args, kwargs)))
+    return any(
+        isinstance(t, torch.Tensor) and (t.device.type == "meta" or isinstance(t, FakeTensor))
+        for t in pytree.tree_leaves((args, kwargs))
+    )
 
 
 def _in_place(func, args, kwargs, compute):
@@ -91,8 +93,14 @@ def _arg(args, kwargs, position: int, name: str, default=None):
 
 
 # an out= overload -> the overload whose arguments it takes, less ``out``
-_FUNCTIONAL_OF = {"out": "default", "two_out": "two", "reduce_out": "reduce", "src_out": "src", "value_out": "value",
-                  "value_reduce_out": "value_reduce"}
+_FUNCTIONAL_OF = {
+    "out": "default",
+    "two_out": "two",
+    "reduce_out": "reduce",
+    "src_out": "src",
+    "value_out": "value",
+    "value_reduce_out": "value_reduce",
+}
 
 
 def _writes_out(func) -> bool:
@@ -108,10 +116,14 @@ def _into(func, args, kwargs, result):
         func(*args, **kwargs)
     if out.shape != result.shape:
         if out.numel():
-            warnings.warn(f"An output with one or more elements was resized since it had shape "
-                          f"{list(out.shape)}, which does not match the required output shape "
-                          f"{list(result.shape)} (PyTorch's resize_output warning: resize out to zero elements, "
-                          "out.resize_(0), to reuse it)", UserWarning, stacklevel=4)
+            warnings.warn(
+                f"An output with one or more elements was resized since it had shape "
+                f"{list(out.shape)}, which does not match the required output shape "
+                f"{list(result.shape)} (PyTorch's resize_output warning: resize out to zero elements, "
+                "out.resize_(0), to reuse it)",
+                UserWarning,
+                stacklevel=4,
+            )
         out.resize_(result.shape)
     return out.copy_(result)
 
@@ -140,20 +152,31 @@ class KernelMode(TorchDispatchMode):
         if (name, why) in self._warned:
             return
         self._warned.add((name, why))
-        warnings.warn(f"samestep kernels: {name} {why} is left to PyTorch's own kernel: its bits, not samestep's "
-                      "(deterministic algorithms keep it in one order)", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"samestep kernels: {name} {why} is left to PyTorch's own kernel: its bits, not samestep's "
+            "(deterministic algorithms keep it in one order)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _warn_if_racy(self, func, args) -> None:
         name = str(func.overloadpacket)
         device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        if device is None or device.type == "cpu" or torch.are_deterministic_algorithms_enabled() \
-                or name in self._warned:
+        if (
+            device is None
+            or device.type == "cpu"
+            or torch.are_deterministic_algorithms_enabled()
+            or name in self._warned
+        ):
             return
         self._warned.add(name)
-        warnings.warn(f"samestep kernels: {name} is not routed to a deterministic kernel, and with "
-                      f"torch.use_deterministic_algorithms off it may race on {device.type}. Fix: "
-                      "samestep.enable(kernels=True), which turns deterministic algorithms on",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"samestep kernels: {name} is not routed to a deterministic kernel, and with "
+            f"torch.use_deterministic_algorithms off it may race on {device.type}. Fix: "
+            "samestep.enable(kernels=True), which turns deterministic algorithms on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def _route(self, func, args, kwargs):
         if not _writes_out(func):
@@ -161,8 +184,12 @@ class KernelMode(TorchDispatchMode):
         out = kwargs.get("out")
         rest = {k: v for k, v in kwargs.items() if k != "out"}
         result = self._values(func, _FUNCTIONAL_OF.get(func._overloadname, ""), args, rest)
-        if result is NotImplemented or not isinstance(out, torch.Tensor) or out.dtype != result.dtype \
-                or out.device != result.device:
+        if (
+            result is NotImplemented
+            or not isinstance(out, torch.Tensor)
+            or out.dtype != result.dtype
+            or out.device != result.device
+        ):
             return NotImplemented  # another dtype or device for out: PyTorch's own rules (casts, errors)
         return _into(func, args, kwargs, result)
 
@@ -196,8 +223,10 @@ class KernelMode(TorchDispatchMode):
             alpha = _arg(args, kwargs, 4, "alpha", 1)
             return run(lambda a, out: _impl.index_add(*a[:4], alpha, out=out))
         if (packet in (aten.scatter_add, aten.scatter_add_) and overload == "default") or (
-                packet in (aten.scatter, aten.scatter_) and overload == "reduce"
-                and _arg(args, kwargs, 4, "reduce") == "add"):
+            packet in (aten.scatter, aten.scatter_)
+            and overload == "reduce"
+            and _arg(args, kwargs, 4, "reduce") == "add"
+        ):
             return run(lambda a, out: _impl.scatter_add(*a[:4], out=out))
         if packet in (aten.scatter_reduce, aten.scatter_reduce_) and overload == "two":
             reduce = args[4]

@@ -15,8 +15,13 @@ class NotAFile(ValueError):
     """A path that samestep reads is a directory, a FIFO, a socket or a device, not a regular file."""
 
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"))
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
 
 
 def read_file(path: str | os.PathLike[str], first_line: bool = False) -> bytes:
@@ -32,8 +37,10 @@ def read_file(path: str | os.PathLike[str], first_line: bool = False) -> bytes:
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):
             kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
-            raise NotAFile(f"{path}: is {kind}, not a regular file; samestep reads only regular files (put the "
-                           "file samestep wrote back in its place)")
+            raise NotAFile(
+                f"{path}: is {kind}, not a regular file; samestep reads only regular files (put the "
+                "file samestep wrote back in its place)"
+            )
         with os.fdopen(fd, "rb") as f:
             fd = -1
             return f.readline() if first_line else f.read()

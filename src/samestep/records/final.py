@@ -18,14 +18,26 @@ _PathLike = str | os.PathLike[str]
 FINAL_FORMAT, FINAL_VERSION = "samestep.final", 1
 
 
-def final_doc(step: int, state_digest: str, loss: float, world_size: int,
-              state_checksum: dict[str, str] | None = None, whole: bool = False) -> dict[str, Any]:
+def final_doc(
+    step: int,
+    state_digest: str,
+    loss: float,
+    world_size: int,
+    state_checksum: dict[str, str] | None = None,
+    whole: bool = False,
+) -> dict[str, Any]:
     """final.json's contents: the last step, the final state digest (SHA-256), the last loss bits, the world
     size, and the final state's checksum by the receipts' hash (``{hash: value}``; none without receipts).
     ``whole``: the digest is of the whole state as one process holds and names it (``samestep.Run``'s: shards
     gathered, a DDP wrapper's names unwrapped), which its receipts' state need not be."""
-    doc = {"format": FINAL_FORMAT, "version": FINAL_VERSION, "step": step, "state_digest": state_digest,
-           "loss_hex": loss.hex(), "world_size": world_size}
+    doc = {
+        "format": FINAL_FORMAT,
+        "version": FINAL_VERSION,
+        "step": step,
+        "state_digest": state_digest,
+        "loss_hex": loss.hex(),
+        "world_size": world_size,
+    }
     if state_checksum:
         doc["state_checksum"] = state_checksum
     if whole:
@@ -52,8 +64,10 @@ def read_final(run_dir: _PathLike) -> dict[str, Any] | None:
     except (OSError, ValueError) as e:
         raise RunDirError(f"{path}: not readable JSON ({e}); the run's final record is damaged") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("state_digest"), str):
-        raise RunDirError(f"{path}: is {json.dumps(doc)[:60]}, expected a table with a 'state_digest' string; the "
-                          "run's final record is damaged")
+        raise RunDirError(
+            f"{path}: is {json.dumps(doc)[:60]}, expected a table with a 'state_digest' string; the "
+            "run's final record is damaged"
+        )
     if "version" in doc:
         check_version(path, doc, FINAL_VERSION)
     return doc

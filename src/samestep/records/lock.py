@@ -46,8 +46,10 @@ def hold(run_dir: _PathLike) -> RunLock:
     except BlockingIOError:
         holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "an unknown process"
         os.close(fd)
-        raise RunDirError(f"{run_dir} is in use by {holder}, which is writing this run; wait for it to end (or stop "
-                          "it), or choose another run directory") from None
+        raise RunDirError(
+            f"{run_dir} is in use by {holder}, which is writing this run; wait for it to end (or stop "
+            "it), or choose another run directory"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
     return RunLock(fd, path)

@@ -18,8 +18,20 @@ _PathLike = str | os.PathLike[str]
 
 def metrics_line(step: int, loss: float, grad_norm: float, lr: float, tokens: int) -> str:
     """One step's line of metrics.jsonl: loss and grad norm also as their exact bits."""
-    return json.dumps({"step": step, "loss": loss, "loss_hex": loss.hex(), "grad_norm": grad_norm,
-                       "grad_norm_hex": grad_norm.hex(), "lr": lr, "tokens": tokens}) + "\n"
+    return (
+        json.dumps(
+            {
+                "step": step,
+                "loss": loss,
+                "loss_hex": loss.hex(),
+                "grad_norm": grad_norm,
+                "grad_norm_hex": grad_norm.hex(),
+                "lr": lr,
+                "tokens": tokens,
+            }
+        )
+        + "\n"
+    )
 
 
 def read_metrics(run_dir: _PathLike) -> list[dict[str, Any]]:
@@ -64,8 +76,10 @@ def truncate_metrics(run_dir: _PathLike, last_step: int, *, check_only: bool = F
     path = metrics_path(run_dir)
     if not path.exists():
         if last_step:
-            raise RunDirError(f"{path}: missing, though the run trained steps 1..{last_step}; resuming would leave "
-                              "the metrics incomplete: restore the file, or resume into a new run directory")
+            raise RunDirError(
+                f"{path}: missing, though the run trained steps 1..{last_step}; resuming would leave "
+                "the metrics incomplete: restore the file, or resume into a new run directory"
+            )
         return
     lines = read_file(path).decode("utf-8").splitlines(keepends=True)
     if lines and not lines[-1].endswith("\n"):
@@ -75,9 +89,11 @@ def truncate_metrics(run_dir: _PathLike, last_step: int, *, check_only: bool = F
     steps = [row["step"] for row in rows if row["step"] <= last_step]
     if steps != list(range(1, last_step + 1)):
         missing = sorted(set(range(1, last_step + 1)) - set(steps))
-        raise RunDirError(f"{path}: the steps up to {last_step} are not 1..{last_step} in order (missing: "
-                          f"{missing[:10] or 'none'}; found {len(steps)} lines); resuming would leave the metrics "
-                          "incomplete: restore the file, or resume into a new run directory")
+        raise RunDirError(
+            f"{path}: the steps up to {last_step} are not 1..{last_step} in order (missing: "
+            f"{missing[:10] or 'none'}; found {len(steps)} lines); resuming would leave the metrics "
+            "incomplete: restore the file, or resume into a new run directory"
+        )
     if not check_only:
         replace_atomic(path, "".join(kept).encode("utf-8"))
 

@@ -31,12 +31,16 @@ def model_state(model: Any, buffers: dict[str, Any]) -> dict[str, Any]:
     return sd
 
 
-def state_tree(step: int, model: Any, optimizer: Any = None, *, buffers: list[tuple[str, Any]],
-               **parts: Any) -> dict[str, Any]:
+def state_tree(
+    step: int, model: Any, optimizer: Any = None, *, buffers: list[tuple[str, Any]], **parts: Any
+) -> dict[str, Any]:
     """The state after ``step`` as a loop driven by ``samestep.Run`` or a framework callback receipts it, taken
     at the step's end: the step, and the state dict of the model (its persistent ``buffers``, as the loop
     keeps them, copied: ``buffers_now``), of the optimizer and of each further part (a scheduler, a data
     cursor) that is not None."""
     others = {"optimizer": optimizer, **parts}
-    return {"model": model_state(model, buffers_now(buffers)), "step": step,
-            **{name: obj.state_dict() for name, obj in others.items() if obj is not None}}
+    return {
+        "model": model_state(model, buffers_now(buffers)),
+        "step": step,
+        **{name: obj.state_dict() for name, obj in others.items() if obj is not None},
+    }

@@ -57,9 +57,17 @@ class ReceiptWriter:
     ``shared``: where each step's pass over the tensors is shared with the trace's state records.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str] | None, rank: int, first_prev: str, *,
-                 state_of: str = "run", start: int = 0, hash: str = STATE_HASH,
-                 shared: StepChecksums | None = None) -> None:
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str] | None,
+        rank: int,
+        first_prev: str,
+        *,
+        state_of: str = "run",
+        start: int = 0,
+        hash: str = STATE_HASH,
+        shared: StepChecksums | None = None,
+    ) -> None:
         self.path = receipts_path(run_dir, rank) if run_dir is not None else None
         self._file = None
         self.hash, self.sums_hash, self.version, self.state_of = hash, hash, RECEIPTS_VERSION, state_of
@@ -72,10 +80,23 @@ class ReceiptWriter:
             if fresh:  # durable now: a run killed before its first checkpoint must still read as a run
                 # start: the step before its first receipt, where a rank joins a run resumed on more processes.
                 # Whole or absent: another process may be reading the run's receipts files as this one starts.
-                replace_atomic(self.path, (json.dumps({"format": RECEIPTS_FORMAT, "version": RECEIPTS_VERSION,
-                                                       "rank": rank, "state_hash": hash, "genesis": first_prev,
-                                                       **({"start": start} if start else {})}, sort_keys=True)
-                                           + "\n").encode("utf-8"))
+                replace_atomic(
+                    self.path,
+                    (
+                        json.dumps(
+                            {
+                                "format": RECEIPTS_FORMAT,
+                                "version": RECEIPTS_VERSION,
+                                "rank": rank,
+                                "state_hash": hash,
+                                "genesis": first_prev,
+                                **({"start": start} if start else {}),
+                            },
+                            sort_keys=True,
+                        )
+                        + "\n"
+                    ).encode("utf-8"),
+                )
             self._file = open(self.path, "a", encoding="utf-8")
         if hash not in STATE_HASHES:  # a file's own was checked as it was read
             raise ReceiptError(f"{self.path}: state hash {hash!r} is not one of {', '.join(STATE_HASHES)}")
@@ -97,15 +118,23 @@ class ReceiptWriter:
         """Makes ``optimizer.step()`` wait for the receipt being made: it changes the state that receipt reads."""
         self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.wait()))
 
-    def add(self, step: int, state: Callable[[], Any] | None, loss: float, grad_norm: float,
-            sums: dict[str, list[tuple[str, Any]]] | None = None) -> None:
+    def add(
+        self,
+        step: int,
+        state: Callable[[], Any] | None,
+        loss: float,
+        grad_norm: float,
+        sums: dict[str, list[tuple[str, Any]]] | None = None,
+    ) -> None:
         """Starts the receipt of ``step``: ``state()`` is called and checksummed on the receipt thread (a writer
         without a file takes None), and the tensors of ``sums`` (groups of named tensors that stay unchanged
         until the next wait) are checksummed for ``last``."""
         self.wait()
         if step != self.last_step + 1:
-            raise ReceiptError(f"{self.path}: receipt of step {step} follows step {self.last_step}; steps are "
-                               "receipted in order, one each")
+            raise ReceiptError(
+                f"{self.path}: receipt of step {step} follows step {self.last_step}; steps are "
+                "receipted in order, one each"
+            )
         self.last_step = step
         self._idle.clear()
         fields = {"step": step, "loss_hex": float(loss).hex(), "grad_norm_hex": float(grad_norm).hex()}
@@ -119,11 +148,16 @@ class ReceiptWriter:
                 memo = self.shared.of_step(fields["step"], self.hash)  # one pass over the step's tensors
                 if sums is not None:
                     of = memo if self.sums_hash == self.hash else Checksums(self.sums_hash)  # a version-1 file's
-                    self.last = StepSums(fields["step"], {group: of.named([(n, local_tree(t)) for n, t in named])
-                                                          for group, named in sums.items()})
+                    self.last = StepSums(
+                        fields["step"],
+                        {group: of.named([(n, local_tree(t)) for n, t in named]) for group, named in sums.items()},
+                    )
                 if self._file is not None:
-                    receipt = {**fields, "state": state_checksum(local_tree(state()), self.hash, memo),
-                               "prev": self.prev}
+                    receipt = {
+                        **fields,
+                        "state": state_checksum(local_tree(state()), self.hash, memo),
+                        "prev": self.prev,
+                    }
                     if self.version >= 2:
                         receipt["state_of"] = self.state_of
                     receipt["hash"] = receipt_hash(receipt)
@@ -162,8 +196,9 @@ class ReceiptWriter:
                 self._file.close()
 
 
-def continue_receipts(run_dir: str | os.PathLike[str] | None, rank: int, start: int, first_prev: str,
-                      **kwargs: Any) -> ReceiptWriter:
+def continue_receipts(
+    run_dir: str | os.PathLike[str] | None, rank: int, start: int, first_prev: str, **kwargs: Any
+) -> ReceiptWriter:
     """This rank's receipt writer for a run that goes on after step ``start``: the receipts of later steps (a
     killed run wrote them) cut, the chain continued from the last one kept; ``first_prev`` is a new file's
     genesis. Without ``run_dir``, a writer of no file (``ReceiptWriter``). ``kwargs``: ``ReceiptWriter``'s

@@ -38,9 +38,25 @@ from samestep.hashing.state import canonical_json, dotted
 from samestep.records.durable import read_file, replace_atomic
 from samestep.records.rundir import NUMERICS_NEUTRAL, receipts_dir
 
-__all__ = ["RECEIPTS_FORMAT", "RECEIPTS_VERSION", "ReceiptError", "RefusedElsewhere", "chain_break", "check_restored",
-           "genesis", "local_tree", "lost_receipts", "read_header", "read_receipts", "read_run_receipts",
-           "receipt_hash", "receipt_state_of", "receipts_path", "state_hash_of", "truncate_receipts"]
+__all__ = [
+    "RECEIPTS_FORMAT",
+    "RECEIPTS_VERSION",
+    "ReceiptError",
+    "RefusedElsewhere",
+    "chain_break",
+    "check_restored",
+    "genesis",
+    "local_tree",
+    "lost_receipts",
+    "read_header",
+    "read_receipts",
+    "read_run_receipts",
+    "receipt_hash",
+    "receipt_state_of",
+    "receipts_path",
+    "state_hash_of",
+    "truncate_receipts",
+]
 
 RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 2
 
@@ -62,8 +78,9 @@ def genesis(config: dict[str, Any], data_fingerprint: str) -> str:
     """The ``prev`` of a run's first receipt: its config, less the fields that change no bit (rundir's
     ``NUMERICS_NEUTRAL``: a traced replay of a run has the run's chain), and its data."""
     kept = {k: v for k, v in dotted(config).items() if k not in NUMERICS_NEUTRAL}
-    return hashlib.sha256(canonical_json({"format": RECEIPTS_FORMAT, "config": kept,
-                                          "data": data_fingerprint})).hexdigest()
+    return hashlib.sha256(
+        canonical_json({"format": RECEIPTS_FORMAT, "config": kept, "data": data_fingerprint})
+    ).hexdigest()
 
 
 def receipt_hash(receipt: dict[str, Any]) -> str:
@@ -75,8 +92,10 @@ def _text(path: Path, first_line: bool = False) -> str:
     try:
         return read_file(path, first_line).decode("utf-8")
     except FileNotFoundError:
-        raise ReceiptError(f"{path}: missing; the run wrote no receipts (a run of samestep before receipts, or "
-                           "not a samestep run directory)") from None
+        raise ReceiptError(
+            f"{path}: missing; the run wrote no receipts (a run of samestep before receipts, or "
+            "not a samestep run directory)"
+        ) from None
     except UnicodeDecodeError as e:
         raise ReceiptError(f"{path}: not UTF-8 text ({e})") from None
 
@@ -87,8 +106,10 @@ def _checked_header(path: Path, row: Any) -> dict[str, Any]:
         raise ReceiptError(f"{path}:1: not a receipts header (format {RECEIPTS_FORMAT!r})")
     version = row.get("version")
     if version not in (1, RECEIPTS_VERSION) or isinstance(version, bool):
-        raise ReceiptError(f"{path}:1: receipts version {version!r}; this samestep reads versions 1 to "
-                           f"{RECEIPTS_VERSION} (a newer samestep wrote it: read it with that one)")
+        raise ReceiptError(
+            f"{path}:1: receipts version {version!r}; this samestep reads versions 1 to "
+            f"{RECEIPTS_VERSION} (a newer samestep wrote it: read it with that one)"
+        )
     if version >= 2 and row.get("state_hash") not in STATE_HASHES:
         raise ReceiptError(f"{path}:1: state_hash {row.get('state_hash')!r} is not one of {', '.join(STATE_HASHES)}")
     return row
@@ -137,8 +158,10 @@ def read_receipts(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[di
                 raise ReceiptError(f"{path}:{number}: receipt without {key!r}")
         step = row["step"]
         if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-            raise ReceiptError(f"{path}:{number}: step {step!r} is not a step number (an integer from 1): the file "
-                               "was edited; restore it")
+            raise ReceiptError(
+                f"{path}:{number}: step {step!r} is not a step number (an integer from 1): the file "
+                "was edited; restore it"
+            )
         bad = next((k for k in keys if k != "step" and not isinstance(row[k], str)), None)
         if bad is not None:
             raise ReceiptError(f"{path}:{number}: {bad} {row[bad]!r} is not a string: the file was edited; restore it")
@@ -167,8 +190,10 @@ def read_run_receipts(run_dir: str | os.PathLike[str]) -> dict[int, tuple[dict[s
         rank = int(path.stem.removeprefix("rank_")) if path.stem.removeprefix("rank_").isdigit() else None
         header, receipts = read_receipts(path)
         if rank is None or header.get("rank") != rank:
-            raise ReceiptError(f"{path}: its header says rank {header.get('rank')!r}; a receipts file is named "
-                               f"rank_RRRRR.jsonl after the rank that wrote it (move it back, or remove it)")
+            raise ReceiptError(
+                f"{path}: its header says rank {header.get('rank')!r}; a receipts file is named "
+                f"rank_RRRRR.jsonl after the rank that wrote it (move it back, or remove it)"
+            )
         out[rank] = (header, receipts)
     return out
 
@@ -190,8 +215,9 @@ def chain_break(header: dict[str, Any], receipts: list[dict[str, Any]], first_pr
     return None
 
 
-def truncate_receipts(run_dir: str | os.PathLike[str], rank: int, last_step: int, *,
-                      check_only: bool = False) -> str | None:
+def truncate_receipts(
+    run_dir: str | os.PathLike[str], rank: int, last_step: int, *, check_only: bool = False
+) -> str | None:
     """Keeps the receipts of steps <= last_step (a killed run may have written more, or a torn line); returns
     the hash of the last one kept (the header's genesis if none; None if there is no file, or ``last_step``
     is 0: a run resumed from no checkpoint starts its receipts afresh). ``check_only``: raise what it would
@@ -210,8 +236,9 @@ def truncate_receipts(run_dir: str | os.PathLike[str], rank: int, last_step: int
     header, receipts = read_receipts(path)
     first = header.get("start", 0)  # a rank that joined the run at a resume on more processes starts after it
     if not isinstance(first, int) or isinstance(first, bool) or first < 0:
-        raise ReceiptError(f"{path}: its header's start is {first!r}, not a step; restore the file, or resume into "
-                           "a new run directory")
+        raise ReceiptError(
+            f"{path}: its header's start is {first!r}, not a step; restore the file, or resume into a new run directory"
+        )
     if first and last_step <= first:
         if not check_only:  # all of it is of a segment after the step resumed from, on more processes
             path.unlink()
@@ -219,11 +246,14 @@ def truncate_receipts(run_dir: str | os.PathLike[str], rank: int, last_step: int
     kept = [r for r in receipts if r["step"] <= last_step]
     why = chain_break(header, kept)
     if why is None and [r["step"] for r in kept] != list(range(first + 1, last_step + 1)):
-        why = (f"holds steps {kept[0]['step'] if kept else '-'}..{kept[-1]['step'] if kept else '-'}, not "
-               f"{first + 1}..{last_step}")
+        why = (
+            f"holds steps {kept[0]['step'] if kept else '-'}..{kept[-1]['step'] if kept else '-'}, not "
+            f"{first + 1}..{last_step}"
+        )
     if why is not None:
-        raise ReceiptError(f"{path}: {why}; resuming would break the chain: restore the file, or resume into a new "
-                           "run directory")
+        raise ReceiptError(
+            f"{path}: {why}; resuming would break the chain: restore the file, or resume into a new run directory"
+        )
     if check_only:
         return kept[-1]["hash"] if kept else header["genesis"]
     replace_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in [header, *kept]).encode())
@@ -252,8 +282,10 @@ def lost_receipts(run_dir: str | os.PathLike[str], rank: int, step: int) -> None
     except ReceiptError:
         return  # its own check names it
     if any(r["step"] == step for r in receipts):
-        raise ReceiptError(f"{path}: missing, though the run kept receipts at step {step} ({witness.name} holds "
-                           f"that step's): restore the file, or resume into a new run directory")
+        raise ReceiptError(
+            f"{path}: missing, though the run kept receipts at step {step} ({witness.name} holds "
+            f"that step's): restore the file, or resume into a new run directory"
+        )
 
 
 def check_restored(run_dir: str | os.PathLike[str], rank: int, step: int, tree: Any) -> None:
@@ -274,9 +306,11 @@ def check_restored(run_dir: str | os.PathLike[str], rank: int, step: int, tree: 
         return
     digest = state_checksum(local_tree(tree), state_hash_of(header))
     if digest != receipt["state"]:
-        raise ReceiptError(f"the checkpoint of step {step} restores state {digest[:16]}..., but {path} records "
-                           f"{receipt['state'][:16]}... for that step: the checkpoint was changed after it was "
-                           "written, or is another run's; restore it, or resume from an older checkpoint")
+        raise ReceiptError(
+            f"the checkpoint of step {step} restores state {digest[:16]}..., but {path} records "
+            f"{receipt['state'][:16]}... for that step: the checkpoint was changed after it was "
+            "written, or is another run's; restore it, or resume from an older checkpoint"
+        )
 
 
 def local_tree(tree: Any) -> Any:

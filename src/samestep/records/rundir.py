@@ -24,21 +24,62 @@ from samestep.hashing.state import dotted
 from samestep.records.durable import read_file, replace_atomic
 from samestep.version import __version__
 
-__all__ = ["NUMERICS_NEUTRAL", "RUN_FORMAT", "RUN_VERSION", "RunDirError", "check_version", "checked_run_dir",
-           "checkpoints_dir", "declared_changes", "determinism_diff", "final_path", "holds_run", "layout_at",
-           "metrics_path", "new_run", "read_run", "receipts_dir", "record_close", "record_declared", "record_resume",
-           "run_json", "run_writer", "trace_dir", "write_run"]
+__all__ = [
+    "NUMERICS_NEUTRAL",
+    "RUN_FORMAT",
+    "RUN_VERSION",
+    "RunDirError",
+    "check_version",
+    "checked_run_dir",
+    "checkpoints_dir",
+    "declared_changes",
+    "determinism_diff",
+    "final_path",
+    "holds_run",
+    "layout_at",
+    "metrics_path",
+    "new_run",
+    "read_run",
+    "receipts_dir",
+    "record_close",
+    "record_declared",
+    "record_resume",
+    "run_json",
+    "run_writer",
+    "trace_dir",
+    "write_run",
+]
 
 RUN_FORMAT, RUN_VERSION = "samestep.run", 1
 # Config fields that change no bit of a run's steps (bookkeeping, what is traced or checked and how, whether the state
 # is sharded, when the combine starts): a resume may change them, and `samestep diff` does not compare them.
 # (trace.perturb changes bits on purpose.)
-NUMERICS_NEUTRAL = frozenset({"train.checkpoint_every", "train.keep_checkpoints", "train.log_every",
-                              "train.exit_signals", "train.receipts", "train.receipt_hash", "train.cross_rank_check",
-                              "train.sdc_check_every", "train.sdc_action", "train.nonfinite",
-                              "determinism.env_mismatch", "parallel.fsdp", "parallel.overlap", "parallel.tp",
-                              "parallel.pp", "parallel.pp_schedule", "parallel.ep", "trace.level", "trace.steps",
-                              "trace.ranks", "trace.copy", "trace.worker"})
+NUMERICS_NEUTRAL = frozenset(
+    {
+        "train.checkpoint_every",
+        "train.keep_checkpoints",
+        "train.log_every",
+        "train.exit_signals",
+        "train.receipts",
+        "train.receipt_hash",
+        "train.cross_rank_check",
+        "train.sdc_check_every",
+        "train.sdc_action",
+        "train.nonfinite",
+        "determinism.env_mismatch",
+        "parallel.fsdp",
+        "parallel.overlap",
+        "parallel.tp",
+        "parallel.pp",
+        "parallel.pp_schedule",
+        "parallel.ep",
+        "trace.level",
+        "trace.steps",
+        "trace.ranks",
+        "trace.copy",
+        "trace.worker",
+    }
+)
 
 _PathLike = str | os.PathLike[str]
 
@@ -109,12 +150,14 @@ def checked_run_dir(run_dir: _PathLike) -> Path:
         resolved = path.resolve(strict=False)
         exists = path.exists()
     except (OSError, RuntimeError) as e:  # a symlink loop (RuntimeError on some Pythons), a name too long
-        raise RunDirError(f"{path}: cannot be used as a run directory ({getattr(e, 'strerror', None) or e}); choose "
-                          "another path") from None
+        raise RunDirError(
+            f"{path}: cannot be used as a run directory ({getattr(e, 'strerror', None) or e}); choose another path"
+        ) from None
     virtual = next((v for v in _VIRTUAL if resolved == Path(v) or Path(v) in resolved.parents), None)
     if virtual is not None:
-        raise RunDirError(f"{path}: lies under {virtual}, a kernel file system, not storage; choose a directory on "
-                          "a disk")
+        raise RunDirError(
+            f"{path}: lies under {virtual}, a kernel file system, not storage; choose a directory on a disk"
+        )
     if exists and not path.is_dir():
         raise RunDirError(f"{path}: is a file, not a directory; choose a directory for the run (or remove the file)")
     return path
@@ -124,12 +167,22 @@ LOCK = ".samestep.lock"  # the one writer's flock (records/lock.py)
 
 
 # -- run.json -----------------------------------------------------------------------------------------------
-def new_run(config: dict[str, Any], layout: dict[str, Any], determinism: dict[str, Any] | None,
-            **fields: Any) -> dict[str, Any]:
+def new_run(
+    config: dict[str, Any], layout: dict[str, Any], determinism: dict[str, Any] | None, **fields: Any
+) -> dict[str, Any]:
     """A new run.json document: the config, this environment, the layout, the report of the
     ``samestep.enable()`` in force (None if none), no resumes yet, and any further ``fields``."""
-    return {"format": RUN_FORMAT, "version": RUN_VERSION, "samestep_version": __version__, "config": config,
-            "environment": environment(), "layout": layout, "determinism": determinism, "resumes": [], **fields}
+    return {
+        "format": RUN_FORMAT,
+        "version": RUN_VERSION,
+        "samestep_version": __version__,
+        "config": config,
+        "environment": environment(),
+        "layout": layout,
+        "determinism": determinism,
+        "resumes": [],
+        **fields,
+    }
 
 
 def write_run(run_dir: _PathLike, doc: dict[str, Any]) -> None:
@@ -186,12 +239,16 @@ def layout_at(doc: dict[str, Any], step: int) -> dict[str, Any]:
     for resume in doc.get("resumes", []):
         if isinstance(resume, dict) and isinstance(resume.get("step"), int) and resume["step"] < step:
             layout = resume
-    return {"world_size": layout.get("world_size", 1), "sharded": layout.get("sharded"),
-            "tensor_parallel": layout.get("tensor_parallel", 1),
-            "pipeline_parallel": layout.get("pipeline_parallel", 1),
-            "expert_parallel": layout.get("expert_parallel", 1),
-            "ddp": layout.get("ddp", False), "meshes": layout.get("meshes", []),
-            "placements": layout.get("placements")}
+    return {
+        "world_size": layout.get("world_size", 1),
+        "sharded": layout.get("sharded"),
+        "tensor_parallel": layout.get("tensor_parallel", 1),
+        "pipeline_parallel": layout.get("pipeline_parallel", 1),
+        "expert_parallel": layout.get("expert_parallel", 1),
+        "ddp": layout.get("ddp", False),
+        "meshes": layout.get("meshes", []),
+        "placements": layout.get("placements"),
+    }
 
 
 def record_declared(run_dir: _PathLike, declared: dict[str, Any]) -> None:
@@ -247,7 +304,7 @@ def check_version(path: Path, doc: dict[str, Any], known: int) -> None:
     """Refuses a file of a format version this samestep does not know (1 to ``known``)."""
     version = doc.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or not 1 <= version <= known:
-        raise RunDirError(f"{path}: version {version!r} of format {doc.get('format')!r}; this samestep reads "
-                          f"versions 1 to {known} (a newer samestep wrote it: read it with that one)")
-
-
+        raise RunDirError(
+            f"{path}: version {version!r} of format {doc.get('format')!r}; this samestep reads "
+            f"versions 1 to {known} (a newer samestep wrote it: read it with that one)"
+        )

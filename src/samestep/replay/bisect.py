@@ -32,8 +32,15 @@ class BisectError(ValueError):
     """The runs cannot be bisected (nothing in common to compare, or runs that are not samestep train's)."""
 
 
-def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force: bool = False,
-                keep: Path | None = None, consent: Consent | None = None) -> dict[str, Any]:
+def bisect_runs(
+    run_a: str | Path,
+    run_b: str | Path,
+    *,
+    retries: int = 3,
+    force: bool = False,
+    keep: Path | None = None,
+    consent: Consent | None = None,
+) -> dict[str, Any]:
     """Bisects two runs (``samestep train``'s, or ``samestep.Run`` loops', whose programs run again); returns
     ``{"identical", "first_divergent_step", "origin", "reproduced", "attempts", "replayed_from", "steps_compared",
     "difference", "diff", "notes", "summary"}``, where ``origin`` has ``samestep diff --json``'s fields (None if
@@ -53,18 +60,33 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
     if difference is None:
         finals = [final_digest(run_a), final_digest(run_b)]
         same = states or None in finals or finals[0] == finals[1]
-        agree = (f"{compared} step(s) agree in the receipts' loss and grad-norm bits, whose state checksums were not "
-                 "compared (of other shards or hashes, or none)")
+        agree = (
+            f"{compared} step(s) agree in the receipts' loss and grad-norm bits, whose state checksums were not "
+            "compared (of other shards or hashes, or none)"
+        )
         if states:
             summary = f"identical: {compared} step(s) agree in every receipt"
         elif not same:
-            summary = (f"diverged: {agree}, but the final state digests differ ({finals[0][:16]} vs "
-                       f"{finals[1][:16]}): replay both on one layout to find the step")
+            summary = (
+                f"diverged: {agree}, but the final state digests differ ({finals[0][:16]} vs "
+                f"{finals[1][:16]}): replay both on one layout to find the step"
+            )
         else:
             summary = f"identical: {agree}" + ("" if None in finals else ", and the final state digests match")
-        return {"identical": same, "first_divergent_step": None, "origin": None, "reproduced": None, "attempts": 0,
-                "replayed_from": None, "steps_compared": compared, "difference": None, "diff": None,
-                "per_rank": None, "notes": [], "summary": summary}
+        return {
+            "identical": same,
+            "first_divergent_step": None,
+            "origin": None,
+            "reproduced": None,
+            "attempts": 0,
+            "replayed_from": None,
+            "steps_compared": compared,
+            "difference": None,
+            "diff": None,
+            "per_rank": None,
+            "notes": [],
+            "summary": summary,
+        }
     step = difference["step"]
     starts = [{s for s in checkpoint_steps(run) if s < step} for run in (run_a, run_b)]
     start = max(starts[0] & starts[1], default=0)  # the newest common checkpoint before the step
@@ -90,8 +112,10 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
     origin = report.get("origin") if reproduced else None
     where = f"from step {start}" if start else "from scratch"
     if not reproduced:
-        summary = (f"diverged at step {step} ({', '.join(difference['fields'])} differ), but {attempt} replay(s) "
-                   f"{where} agreed: the divergence did not reproduce (a race that did not fire again)")
+        summary = (
+            f"diverged at step {step} ({', '.join(difference['fields'])} differ), but {attempt} replay(s) "
+            f"{where} agreed: the divergence did not reproduce (a race that did not fire again)"
+        )
     elif origin is None:
         summary = f"diverged at step {step}; the replays {where} differ, but no origin was named: {report['summary']}"
     else:
@@ -101,6 +125,17 @@ def bisect_runs(run_a: str | Path, run_b: str | Path, *, retries: int = 3, force
             f"microbatch {origin['microbatch']}, rank {origin['rank']}{f' ({coords})' if coords else ''}, "
             f"inputs matched; replayed {where}, attempt {attempt}"
         )
-    return {"identical": False, "first_divergent_step": step, "origin": origin, "reproduced": reproduced,
-            "attempts": attempt, "replayed_from": start, "steps_compared": compared, "difference": difference,
-            "diff": report["summary"], "per_rank": report.get("per_rank"), "notes": notes, "summary": summary}
+    return {
+        "identical": False,
+        "first_divergent_step": step,
+        "origin": origin,
+        "reproduced": reproduced,
+        "attempts": attempt,
+        "replayed_from": start,
+        "steps_compared": compared,
+        "difference": difference,
+        "diff": report["summary"],
+        "per_rank": report.get("per_rank"),
+        "notes": notes,
+        "summary": summary,
+    }

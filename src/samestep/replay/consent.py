@@ -32,8 +32,10 @@ def code_line(identity: dict[str, Any]) -> str:
     sha = identity.get("entry_sha256") or "-"
     commit = identity.get("commit")
     files = len(identity.get("files", {}))
-    return (f"{identity.get('entry')} sha256:{sha[:12]} ({files} file{'s' if files != 1 else ''} of the working "
-            f"tree, {'git commit ' + commit[:12] if commit else 'no git commit'}; program {identity['program'][:12]})")
+    return (
+        f"{identity.get('entry')} sha256:{sha[:12]} ({files} file{'s' if files != 1 else ''} of the working "
+        f"tree, {'git commit ' + commit[:12] if commit else 'no git commit'}; program {identity['program'][:12]})"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,19 +75,26 @@ class Launch:
         """The launch in one line (for a refusal without a terminal)."""
         code = f"; runs {code_line(self.identity)}" if self.identity else ""
         over = f", more than this machine's {self.cap[0]} {self.cap[1]}" if self.oversubscribed else ""
-        return (f"`{shlex.join(self.cmd)}` in {self.cwd} ({self.nproc} process{'es' if self.nproc != 1 else ''}"
-                f"{over}{code})")
+        return (
+            f"`{shlex.join(self.cmd)}` in {self.cwd} ({self.nproc} process{'es' if self.nproc != 1 else ''}"
+            f"{over}{code})"
+        )
 
     def text(self) -> str:
         """The launch as shown before it runs: the command, directory, processes, variables and every file."""
         over = f" (this machine has {self.cap[0]} {self.cap[1]})" if self.oversubscribed else ""
-        lines = [f"  run:        {self.run_dir}", f"  command:    {shlex.join(self.cmd)}",
-                 f"  directory:  {self.cwd}", f"  processes:  {self.nproc}{over}"]
+        lines = [
+            f"  run:        {self.run_dir}",
+            f"  command:    {shlex.join(self.cmd)}",
+            f"  directory:  {self.cwd}",
+            f"  processes:  {self.nproc}{over}",
+        ]
         if self.env:
             lines.append("  variables:  " + " ".join(f"{k}={v}" for k, v in sorted(self.env.items())))
         if self.ignored:
-            lines.append("  not applied (recorded, but not among the variables that change bits): "
-                         + ", ".join(self.ignored))
+            lines.append(
+                "  not applied (recorded, but not among the variables that change bits): " + ", ".join(self.ignored)
+            )
         if self.identity:
             lines.append(f"  code:       {code_line(self.identity)}")
             lines += [f"    {sha or 'missing':<64}  {name}" for name, sha in self.identity["files"].items()]
@@ -120,10 +129,12 @@ class Consent:
             return
         if self.ask is None:
             what = "; ".join(f"{x.run_dir / 'run.json'} names {x.line()}" for x in asked)
-            raise ConsentError(f"{what}: nothing ran. {command} runs a program a run directory names, or more "
-                               "processes than this machine has processors, only on your word: look at it, then pass "
-                               "--yes (or, for verify, give the program yourself after --, e.g. -- python train.py "
-                               "ARGS)")
+            raise ConsentError(
+                f"{what}: nothing ran. {command} runs a program a run directory names, or more "
+                "processes than this machine has processors, only on your word: look at it, then pass "
+                "--yes (or, for verify, give the program yourself after --, e.g. -- python train.py "
+                "ARGS)"
+            )
         text = "\n".join(x.text() for x in asked)
         if not self.ask(f"{command} will run what each run directory records:\n{text}\nRun it? [y/N] "):
             raise ConsentError(f"{command}: not agreed to: nothing ran")

@@ -37,8 +37,19 @@ from samestep.replay.consent import Launch
 from samestep.replay.request import REFUSAL, ReplayRequest, process_mark
 from samestep.replay.scratch import run_child
 
-__all__ = ["Plan", "ReplayError", "ReplayRefused", "check_replayable", "checkpoint_steps", "environment_differences",
-           "framework_run", "plan", "replay", "replay_start", "unrecorded_sources"]
+__all__ = [
+    "Plan",
+    "ReplayError",
+    "ReplayRefused",
+    "check_replayable",
+    "checkpoint_steps",
+    "environment_differences",
+    "framework_run",
+    "plan",
+    "replay",
+    "replay_start",
+    "unrecorded_sources",
+]
 
 
 class ReplayError(RuntimeError):
@@ -67,10 +78,12 @@ def check_replayable(run_dir: Path, doc: dict[str, Any]) -> None:
         return
     programs = [p for p in doc.get("programs", []) if isinstance(p, dict)]
     if not programs:
-        raise ReplayError(f"{run_dir / 'run.json'} records no program to run again (the loop traced itself with "
-                          "samestep.trace): train through samestep.Run, the HF or Lightning callback or the "
-                          "torchtitan integration to replay it; check its receipts with samestep receipts verify, "
-                          "or compare two runs with samestep diff")
+        raise ReplayError(
+            f"{run_dir / 'run.json'} records no program to run again (the loop traced itself with "
+            "samestep.trace): train through samestep.Run, the HF or Lightning callback or the "
+            "torchtitan integration to replay it; check its receipts with samestep receipts verify, "
+            "or compare two runs with samestep diff"
+        )
     for p in programs:
         if p.get("not_replayable"):
             program.check(p, run_dir)  # raises, naming why
@@ -133,8 +146,10 @@ def plan(run_dir: Path, start: int, end: int, *, force: bool = False, given: lis
         return _train_plan(run_dir, doc, start, end)
     ran = program.program_at(doc, start + 1)
     if ran is None:
-        raise ReplayError(f"{run_dir / 'run.json'} records no program for step {start + 1} (its programs start "
-                          "later): replay steps a recorded program ran")
+        raise ReplayError(
+            f"{run_dir / 'run.json'} records no program for step {start + 1} (its programs start "
+            "later): replay steps a recorded program ran"
+        )
     interpreter, notes = None, []
     if given is not None:
         ran, interpreter = program.given(ran, given, Path.cwd())
@@ -142,23 +157,44 @@ def plan(run_dir: Path, start: int, end: int, *, force: bool = False, given: lis
         notes.append(f"run under this interpreter ({sys.executable}), not the recorded {ran.get('executable')}")
     changed = program.check(ran, run_dir)
     if changed and not force:
-        raise ReplayError(f"{run_dir}: the program changed since the run ({'; '.join(changed[:3])}"
-                          f"{' ...' if len(changed) > 3 else ''}): a replay would run other code; restore it, or "
-                          "pass --force (the verdict then says so)")
+        raise ReplayError(
+            f"{run_dir}: the program changed since the run ({'; '.join(changed[:3])}"
+            f"{' ...' if len(changed) > 3 else ''}): a replay would run other code; restore it, or "
+            "pass --force (the verdict then says so)"
+        )
     if changed:
         notes.append(f"the program changed since the run, replayed as it is now (--force): {'; '.join(changed)}")
     gpus = _gpus_here() if doc.get("environment", {}).get("cuda.device_count") else None  # None: a CPU run
     nproc = program.process_cap(ran, run_dir, gpus)
     ignored = program.ignored_env(ran)
     if ignored:
-        notes.append(f"not applied from the record: {', '.join(ignored)} (a replay applies only the variables that "
-                     "change bits)")
+        notes.append(
+            f"not applied from the record: {', '.join(ignored)} (a replay applies only the variables that change bits)"
+        )
     cmd, cwd, env = program.relaunch(ran, interpreter)
     applied = {k: env[k] for k in ENV_VARS if isinstance(ran.get("env", {}).get(k), str)}
-    launch = Launch(run_dir=run_dir, cmd=cmd, cwd=cwd, env=applied, nproc=nproc, identity=program.identity(ran),
-                    given=given is not None, ignored=tuple(ignored), cap=program.machine_cap(gpus))
-    return Plan(run_dir=run_dir, doc=doc, start=start, end=end, launch=launch, program=ran, env=env,
-                changed=tuple(changed), notes=tuple(notes))
+    launch = Launch(
+        run_dir=run_dir,
+        cmd=cmd,
+        cwd=cwd,
+        env=applied,
+        nproc=nproc,
+        identity=program.identity(ran),
+        given=given is not None,
+        ignored=tuple(ignored),
+        cap=program.machine_cap(gpus),
+    )
+    return Plan(
+        run_dir=run_dir,
+        doc=doc,
+        start=start,
+        end=end,
+        launch=launch,
+        program=ran,
+        env=env,
+        changed=tuple(changed),
+        notes=tuple(notes),
+    )
 
 
 def _train_plan(run_dir: Path, doc: dict[str, Any], start: int, end: int) -> Plan:
@@ -169,12 +205,19 @@ def _train_plan(run_dir: Path, doc: dict[str, Any], start: int, end: int) -> Pla
     """
     nproc = layout_at(doc, start + 1).get("world_size", 1)
     if not isinstance(nproc, int) or isinstance(nproc, bool) or nproc < 1:
-        raise ReplayError(f"{run_dir / 'run.json'}: the layout of step {start + 1} has world_size={nproc!r}, not a "
-                          "process count (an integer >= 1): the run cannot be replayed")
+        raise ReplayError(
+            f"{run_dir / 'run.json'}: the layout of step {start + 1} has world_size={nproc!r}, not a "
+            "process count (an integer >= 1): the run cannot be replayed"
+        )
     device = dotted(doc.get("config", {})).get("train.device", "auto")
     gpus = _gpus_here() if device == "cuda" or (device == "auto" and _gpus_here()) else None
-    launch = Launch(run_dir=run_dir, cmd=[sys.executable, "-m", "samestep", "train"], cwd=Path.cwd(), nproc=nproc,
-                    cap=program.machine_cap(gpus))
+    launch = Launch(
+        run_dir=run_dir,
+        cmd=[sys.executable, "-m", "samestep", "train"],
+        cwd=Path.cwd(),
+        nproc=nproc,
+        cap=program.machine_cap(gpus),
+    )
     return Plan(run_dir=run_dir, doc=doc, start=start, end=end, launch=launch)
 
 
@@ -204,8 +247,9 @@ def replay(plan: Plan, scratch: Path, settings: tuple[str, ...] = (), timeout: f
         for rank, (header, receipts) in read_run_receipts(run_dir).items():
             receipts_dir(scratch).mkdir(exist_ok=True)
             kept = [header, *(r for r in receipts if r["step"] <= start)]
-            receipts_path(scratch, rank).write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in kept),
-                                                    encoding="utf-8")
+            receipts_path(scratch, rank).write_text(
+                "".join(json.dumps(r, sort_keys=True) + "\n" for r in kept), encoding="utf-8"
+            )
     if plan.program is not None:
         _replay_program(plan, scratch, dict(s.split("=", 1) for s in settings), timeout, resume_from)
         return list(plan.notes)
@@ -214,9 +258,17 @@ def replay(plan: Plan, scratch: Path, settings: tuple[str, ...] = (), timeout: f
     config["parallel.fsdp"] = layout.get("sharded") == "fsdp2"
     config["parallel.tp"] = layout["tensor_parallel"]
     args = [f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in config.items()]
-    cmd = [*plan.launch.cmd, "--run-dir", str(scratch), "--nproc", str(plan.launch.nproc),
-           "--stop-after", str(end - start), *(["--resume"] if start else []),
-           *(a for s in [*args, *settings] for a in ("--set", s))]
+    cmd = [
+        *plan.launch.cmd,
+        "--run-dir",
+        str(scratch),
+        "--nproc",
+        str(plan.launch.nproc),
+        "--stop-after",
+        str(end - start),
+        *(["--resume"] if start else []),
+        *(a for s in [*args, *settings] for a in ("--set", s)),
+    ]
     _run(cmd, f"the replay of steps {start + 1}-{end} of {run_dir}", timeout)
     return list(plan.notes)
 
@@ -231,8 +283,11 @@ def unrecorded_sources(plan: Plan, scratch: Path) -> list[str]:
     if replayed is None:
         return []
     shown = plan.launch.identity["files"]
-    return [f"{name}: {'not hashed by the run' if name not in shown else 'changed while the replay ran'}"
-            for name, sha in replayed.get("sources", {}).items() if shown.get(name) != sha]
+    return [
+        f"{name}: {'not hashed by the run' if name not in shown else 'changed while the replay ran'}"
+        for name, sha in replayed.get("sources", {}).items()
+        if shown.get(name) != sha
+    ]
 
 
 def _run(cmd: list[str], what: str, timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
@@ -250,8 +305,9 @@ def _run(cmd: list[str], what: str, timeout: float, cwd: Path | None = None, env
         raise ReplayError(f"{what} failed (exit {proc.returncode}): {tail}")
 
 
-def _replay_program(plan: Plan, scratch: Path, settings: dict[str, str], timeout: float,
-                    resume_from: Path | None) -> None:
+def _replay_program(
+    plan: Plan, scratch: Path, settings: dict[str, str], timeout: float, resume_from: Path | None
+) -> None:
     """``replay`` of a loop of one's own: its program run again under a replay request (resuming a framework's
     run from ``resume_from``).
 
@@ -259,21 +315,33 @@ def _replay_program(plan: Plan, scratch: Path, settings: dict[str, str], timeout
         ReplayRefused: the program refused its resume from the run's checkpoint (names why).
     """
     # the directory the program's Run names: where a copy or a move of the run is replayed from, it is not this one
-    request = ReplayRequest(run_dir=str(program.run_dir_of(plan.program)), into=str(scratch.resolve()),
-                            stop_after=plan.end, level=settings.get("trace.level", "off"),
-                            trace_steps=settings.get("trace.steps"), watch=process_mark(),
-                            resume_from=None if resume_from is None else str(resume_from.resolve()))
+    request = ReplayRequest(
+        run_dir=str(program.run_dir_of(plan.program)),
+        into=str(scratch.resolve()),
+        stop_after=plan.end,
+        level=settings.get("trace.level", "off"),
+        trace_steps=settings.get("trace.steps"),
+        watch=process_mark(),
+        resume_from=None if resume_from is None else str(resume_from.resolve()),
+    )
     cmd, run_dir = plan.launch.cmd, plan.run_dir
     try:
-        _run(cmd, f"the replay of steps {plan.start + 1}-{plan.end} of {run_dir} ({' '.join(cmd)})", timeout,
-             plan.launch.cwd, {**plan.env, **request.to_env()})
+        _run(
+            cmd,
+            f"the replay of steps {plan.start + 1}-{plan.end} of {run_dir} ({' '.join(cmd)})",
+            timeout,
+            plan.launch.cwd,
+            {**plan.env, **request.to_env()},
+        )
     except ReplayError:
         if (scratch / REFUSAL).is_file():
             raise ReplayRefused((scratch / REFUSAL).read_text(encoding="utf-8").strip()) from None
         raise
     if not holds_run(scratch):
-        raise ReplayError(f"the replay of {run_dir} ({' '.join(cmd)}) ended (exit 0) before its samestep.Run of "
-                          f"{run_dir} started: the program no longer reaches it as it ran")
+        raise ReplayError(
+            f"the replay of {run_dir} ({' '.join(cmd)}) ended (exit 0) before its samestep.Run of "
+            f"{run_dir} started: the program no longer reaches it as it ran"
+        )
 
 
 def _gpus_here() -> int:

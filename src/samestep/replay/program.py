@@ -28,8 +28,20 @@ from typing import Any
 from samestep.determinism.env import ENV_VARS
 from samestep.records.rundir import read_run, write_run
 
-__all__ = ["ProgramError", "check", "describe", "given", "identity", "ignored_env", "machine_cap", "process_cap",
-           "program_at", "record", "relaunch", "run_dir_of"]
+__all__ = [
+    "ProgramError",
+    "check",
+    "describe",
+    "given",
+    "identity",
+    "ignored_env",
+    "machine_cap",
+    "process_cap",
+    "program_at",
+    "record",
+    "relaunch",
+    "run_dir_of",
+]
 
 # what torchrun's workers find in their environment (torch.distributed.run sets each)
 _TORCHRUN = ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE", "WORLD_SIZE")
@@ -58,8 +70,11 @@ def _own_sources(cwd: Path) -> dict[str, str]:
         if not file or not file.endswith(".py"):
             continue
         path = Path(file).resolve()
-        if not path.is_relative_to(cwd) or any(path.is_relative_to(p) for p in installed) \
-                or "site-packages" in path.parts:
+        if (
+            not path.is_relative_to(cwd)
+            or any(path.is_relative_to(p) for p in installed)
+            or "site-packages" in path.parts
+        ):
             continue
         digest = _digest(path)
         if digest is not None:
@@ -78,8 +93,7 @@ def _entry(argv: list[str], kernel: bool = False) -> tuple[str, str | None]:
     if args[0] == "-c":
         return "a `python -c` command (its code is not on disk)", None
     module = args[1] if args[0] == "-m" and len(args) > 1 else None
-    if Path(args[0]).name == "ipykernel_launcher.py" or (module or "").startswith("ipykernel") \
-            or kernel:
+    if Path(args[0]).name == "ipykernel_launcher.py" or (module or "").startswith("ipykernel") or kernel:
         return "a notebook (its cells are not a program on disk)", None
     if args[0] == "-m":
         return ("module", module) if module else ("a `python -m` with no module", None)
@@ -95,9 +109,14 @@ def describe(run_dir: Path, resumes: dict[str, Any] | None = None) -> dict[str, 
     cwd = Path.cwd()
     kind, target = _entry(argv, kernel="ipykernel" in sys.modules)
     where = Path(run_dir).resolve()
-    program: dict[str, Any] = {"argv": argv, "cwd": str(cwd), "executable": sys.executable, "entry": kind,
-                               "run_dir": str(where.relative_to(cwd) if where.is_relative_to(cwd) else where),
-                               "env": {name: os.environ.get(name) for name in ENV_VARS}}
+    program: dict[str, Any] = {
+        "argv": argv,
+        "cwd": str(cwd),
+        "executable": sys.executable,
+        "entry": kind,
+        "run_dir": str(where.relative_to(cwd) if where.is_relative_to(cwd) else where),
+        "env": {name: os.environ.get(name) for name in ENV_VARS},
+    }
     if target is None:
         program["entry"], program["not_replayable"] = "none", kind
     else:
@@ -164,42 +183,59 @@ def check(program: dict[str, Any], where: Path) -> list[str]:
             in ``where``.
     """
     if program.get("not_replayable"):
-        raise ProgramError(f"{where} was run from {program['not_replayable']}: it cannot be replayed; run the loop "
-                           "as a script (python train.py, or torchrun train.py) to replay it")
+        raise ProgramError(
+            f"{where} was run from {program['not_replayable']}: it cannot be replayed; run the loop "
+            "as a script (python train.py, or torchrun train.py) to replay it"
+        )
     _check_shape(program, where)
     launcher = program.get("launcher", {})
     if launcher.get("nnodes", 1) > 1:
-        raise ProgramError(f"{where} ran on {launcher['nnodes']} nodes (torchrun --nnodes {launcher['nnodes']}): a "
-                           "replay runs on this machine only; replay a run of one node")
+        raise ProgramError(
+            f"{where} ran on {launcher['nnodes']} nodes (torchrun --nnodes {launcher['nnodes']}): a "
+            "replay runs on this machine only; replay a run of one node"
+        )
     argv = program.get("argv")
     if not isinstance(argv, list) or not all(isinstance(a, str) for a in argv) or len(argv) < 2:
-        raise ProgramError(f"{where / 'run.json'}: programs[].argv={argv!r} is not an interpreter's command line "
-                           "(a list of strings): the record cannot be replayed")
+        raise ProgramError(
+            f"{where / 'run.json'}: programs[].argv={argv!r} is not an interpreter's command line "
+            "(a list of strings): the record cannot be replayed"
+        )
     kind, target = _entry(argv)
     if target is None:
-        raise ProgramError(f"{where / 'run.json'}: programs[].argv runs {kind}, not a program on disk: it cannot be "
-                           "replayed")
+        raise ProgramError(
+            f"{where / 'run.json'}: programs[].argv runs {kind}, not a program on disk: it cannot be replayed"
+        )
     if kind == "module" and not all(part.isidentifier() for part in target.split(".")):
-        raise ProgramError(f"{where / 'run.json'}: programs[].argv runs the module {target!r}, which is no module "
-                           "name: the record cannot be replayed")
+        raise ProgramError(
+            f"{where / 'run.json'}: programs[].argv runs the module {target!r}, which is no module "
+            "name: the record cannot be replayed"
+        )
     if kind == "module" and target in _LAUNCHERS:
-        raise ProgramError(f"{where / 'run.json'}: programs[].argv runs the launcher {target}: a launcher is recorded "
-                           "in programs[].launcher, never in the arguments (a replay caps its processes there)")
+        raise ProgramError(
+            f"{where / 'run.json'}: programs[].argv runs the launcher {target}: a launcher is recorded "
+            "in programs[].launcher, never in the arguments (a replay caps its processes there)"
+        )
     if (program.get("entry"), program.get("target")) != (kind, target):
-        raise ProgramError(f"{where / 'run.json'}: programs[] says it ran the {program.get('entry')} "
-                           f"{program.get('target')!r}, but its argv runs the {kind} {target!r}: the record "
-                           "disagrees with itself and cannot be replayed")
+        raise ProgramError(
+            f"{where / 'run.json'}: programs[] says it ran the {program.get('entry')} "
+            f"{program.get('target')!r}, but its argv runs the {kind} {target!r}: the record "
+            "disagrees with itself and cannot be replayed"
+        )
     cwd = Path(program["cwd"])
     if not cwd.is_dir():
         raise ProgramError(f"{where} ran in {cwd}, which is gone: restore it to replay the run")
     if kind == "script" and not (cwd / target).exists():
-        raise ProgramError(f"{where} ran the script {cwd / target}, which is gone (deleted or moved "
-                           "since): restore it to replay the run")
+        raise ProgramError(
+            f"{where} ran the script {cwd / target}, which is gone (deleted or moved "
+            "since): restore it to replay the run"
+        )
     sources = program.get("sources", {})
     entry = _entry_file(cwd, kind, target)
     if entry is not None and entry not in sources:
-        raise ProgramError(f"{where / 'run.json'}: programs[].sources does not hash {entry}, the file its argv "
-                           "runs: the record does not say what ran, so a replay would verify nothing of it")
+        raise ProgramError(
+            f"{where / 'run.json'}: programs[].sources does not hash {entry}, the file its argv "
+            "runs: the record does not say what ran, so a replay would verify nothing of it"
+        )
     changed = []
     for name, digest in sources.items():
         now = _digest(cwd / name)
@@ -217,16 +253,20 @@ def _check_shape(program: dict[str, Any], where: Path) -> None:
     launcher, nnodes = program.get("launcher", {}), None
     if isinstance(launcher, dict):
         nnodes = launcher.get("nnodes", 1)
-    fields = {"cwd": isinstance(program.get("cwd"), str),
-              "launcher": isinstance(launcher, dict) and isinstance(nnodes, int) and not isinstance(nnodes, bool),
-              "sources": isinstance(program.get("sources", {}), dict)
-              and all(isinstance(k, str) and isinstance(v, str) for k, v in program.get("sources", {}).items()),
-              "env": isinstance(program.get("env", {}), dict),
-              "run_dir": isinstance(program.get("run_dir", ""), str)}
+    fields = {
+        "cwd": isinstance(program.get("cwd"), str),
+        "launcher": isinstance(launcher, dict) and isinstance(nnodes, int) and not isinstance(nnodes, bool),
+        "sources": isinstance(program.get("sources", {}), dict)
+        and all(isinstance(k, str) and isinstance(v, str) for k, v in program.get("sources", {}).items()),
+        "env": isinstance(program.get("env", {}), dict),
+        "run_dir": isinstance(program.get("run_dir", ""), str),
+    }
     for name, ok in fields.items():
         if not ok:
-            raise ProgramError(f"{where / 'run.json'}: programs[].{name}={program.get(name)!r} is not what a "
-                               "samestep.Run records there: the record cannot be replayed")
+            raise ProgramError(
+                f"{where / 'run.json'}: programs[].{name}={program.get(name)!r} is not what a "
+                "samestep.Run records there: the record cannot be replayed"
+            )
 
 
 def identity(program: dict[str, Any]) -> dict[str, Any]:
@@ -239,9 +279,13 @@ def identity(program: dict[str, Any]) -> dict[str, Any]:
     entry = _entry_file(cwd, kind, target) if target is not None else None
     files = {name: _digest(cwd / name) for name in program.get("sources", {})}
     bound = {"argv": program["argv"][1:], "cwd": str(cwd), "entry": [kind, target], "files": files}
-    return {"entry": entry or target, "entry_sha256": files.get(entry) if entry else None, "files": files,
-            "commit": _git_commit(cwd),
-            "program": hashlib.sha256(json.dumps(bound, sort_keys=True).encode()).hexdigest()}
+    return {
+        "entry": entry or target,
+        "entry_sha256": files.get(entry) if entry else None,
+        "files": files,
+        "commit": _git_commit(cwd),
+        "program": hashlib.sha256(json.dumps(bound, sort_keys=True).encode()).hexdigest(),
+    }
 
 
 def _git_commit(cwd: Path) -> str | None:
@@ -289,13 +333,17 @@ def process_cap(program: dict[str, Any], where: Path, gpus: int | None) -> int:
     """
     count = program.get("launcher", {}).get("nproc_per_node", 1)
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise ProgramError(f"{where / 'run.json'}: programs[].launcher.nproc_per_node={count!r} is not a process "
-                           "count (an integer >= 1): the record cannot be replayed")
+        raise ProgramError(
+            f"{where / 'run.json'}: programs[].launcher.nproc_per_node={count!r} is not a process "
+            "count (an integer >= 1): the record cannot be replayed"
+        )
     cap, what = machine_cap(gpus)
     if count > cap:
-        raise ProgramError(f"{where / 'run.json'}: programs[].launcher.nproc_per_node={count}: this machine has "
-                           f"{cap} {what}, and a replay starts at most one process for each; replay it on a "
-                           "machine with as many")
+        raise ProgramError(
+            f"{where / 'run.json'}: programs[].launcher.nproc_per_node={count}: this machine has "
+            f"{cap} {what}, and a replay starts at most one process for each; replay it on a "
+            "machine with as many"
+        )
     return count
 
 
@@ -315,10 +363,11 @@ def given(recorded: dict[str, Any], argv: list[str], cwd: Path) -> tuple[dict[st
     interpreter = shutil.which(argv[0]) if argv else None
     kind, target = _entry(argv) if len(argv) > 1 else ("nothing to run", None)
     if interpreter is None or not Path(argv[0]).name.startswith("python") or target is None:
-        raise ProgramError(f"the program after --: {' '.join(argv)!r}: give it as `python SCRIPT ARGS` or `python -m "
-                           "MODULE ARGS` (its launcher is the run's), with an interpreter on PATH")
-    return {**recorded, "argv": [interpreter, *argv[1:]], "cwd": str(cwd), "entry": kind, "target": target}, \
-        interpreter
+        raise ProgramError(
+            f"the program after --: {' '.join(argv)!r}: give it as `python SCRIPT ARGS` or `python -m "
+            "MODULE ARGS` (its launcher is the run's), with an interpreter on PATH"
+        )
+    return {**recorded, "argv": [interpreter, *argv[1:]], "cwd": str(cwd), "entry": kind, "target": target}, interpreter
 
 
 def ignored_env(program: dict[str, Any]) -> list[str]:
@@ -343,8 +392,17 @@ def relaunch(program: dict[str, Any], interpreter: str | None = None) -> tuple[l
         rest = interpreter_args[1:] if interpreter_args[:1] == ["-u"] else interpreter_args
         if rest[:1] == ["-m"]:
             rest = ["--module", *rest[1:]]
-        cmd = [interpreter, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1",
-               "--nproc_per_node", str(launcher["nproc_per_node"]), *rest]
+        cmd = [
+            interpreter,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nnodes",
+            "1",
+            "--nproc_per_node",
+            str(launcher["nproc_per_node"]),
+            *rest,
+        ]
     else:
         cmd = [interpreter, *interpreter_args]
     return cmd, Path(program["cwd"]), env

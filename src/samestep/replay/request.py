@@ -62,8 +62,11 @@ def _watch(mark: str, parent: int) -> None:
     """Ends this process once the verifier ``mark`` or this process's parent (a launcher) is gone."""
     while alive(mark) and os.getppid() == parent:
         time.sleep(_WATCH_SECONDS)
-    print(f"samestep: the verifier that started this replay ({mark.partition(':')[0]}) is gone: the replay ends",
-          file=sys.stderr, flush=True)
+    print(
+        f"samestep: the verifier that started this replay ({mark.partition(':')[0]}) is gone: the replay ends",
+        file=sys.stderr,
+        flush=True,
+    )
     os._exit(1)
 
 
@@ -102,8 +105,10 @@ class ReplayRequest:
             doc: Any = json.loads(text)
             return cls(**doc)
         except (ValueError, TypeError) as e:
-            raise ValueError(f"{REPLAY_VAR}={text[:200]!r}: not a samestep replay request ({e}); unset it to run "
-                             "the program as it is") from None
+            raise ValueError(
+                f"{REPLAY_VAR}={text[:200]!r}: not a samestep replay request ({e}); unset it to run "
+                "the program as it is"
+            ) from None
 
     def redirects(self, run_dir: Path) -> bool:
         """Whether ``run_dir`` is the run replayed."""
@@ -118,12 +123,15 @@ class ReplayRequest:
         """
         request = cls.from_env()
         if request is not None and not request.redirects(Path(run_dir)):
-            raise ValueError(f"{who}({str(run_dir)!r}): this process replays {request.run_dir}, and a run of another "
-                             "run directory would write it as the run did; replay a program whose run is that one")
+            raise ValueError(
+                f"{who}({str(run_dir)!r}): this process replays {request.run_dir}, and a run of another "
+                "run directory would write it as the run did; replay a program whose run is that one"
+            )
         if request is not None and request.watch and not _watching:
             _watching.append(request.watch)
-            threading.Thread(target=_watch, args=(request.watch, os.getppid()), daemon=True,
-                             name="samestep-replay-watch").start()
+            threading.Thread(
+                target=_watch, args=(request.watch, os.getppid()), daemon=True, name="samestep-replay-watch"
+            ).start()
         return request
 
     @contextlib.contextmanager

@@ -26,8 +26,19 @@ from typing import Any
 
 from samestep.records.rundir import RunDirError, read_run, write_run
 
-__all__ = ["HF", "HF_FINGERPRINT", "LIGHTNING", "RUN", "TORCHTITAN", "index", "inside", "points", "resumed_by",
-           "resumes", "stage"]
+__all__ = [
+    "HF",
+    "HF_FINGERPRINT",
+    "LIGHTNING",
+    "RUN",
+    "TORCHTITAN",
+    "index",
+    "inside",
+    "points",
+    "resumed_by",
+    "resumes",
+    "stage",
+]
 
 RUN, HF, LIGHTNING, TORCHTITAN = "samestep.Run", "transformers.Trainer", "lightning.Trainer", "torchtitan"
 HF_FINGERPRINT = "samestep.json"  # the callback's, in each of the Trainer's checkpoint-N directories
@@ -53,13 +64,17 @@ def inside(run_dir: Path, value: object, field: str) -> Path:
             field, the value and the fix.
     """
     if not isinstance(value, str) or not value or Path(value).is_absolute():
-        raise RunDirError(f"{Path(run_dir) / 'run.json'}: {field}={value!r}: a replay reads only paths relative to the "
-                          "run directory, inside it; keep the framework's checkpoints in the run directory (a run "
-                          "recorded by an older version: move them in and record them relative to it)")
+        raise RunDirError(
+            f"{Path(run_dir) / 'run.json'}: {field}={value!r}: a replay reads only paths relative to the "
+            "run directory, inside it; keep the framework's checkpoints in the run directory (a run "
+            "recorded by an older version: move them in and record them relative to it)"
+        )
     path = (Path(run_dir) / value).resolve()
     if not path.is_relative_to(Path(run_dir).resolve()):
-        raise RunDirError(f"{Path(run_dir) / 'run.json'}: {field}={value!r} leads out of the run directory (to "
-                          f"{path}): a replay reads only files inside it")
+        raise RunDirError(
+            f"{Path(run_dir) / 'run.json'}: {field}={value!r} leads out of the run directory (to "
+            f"{path}): a replay reads only files inside it"
+        )
     return path
 
 
@@ -87,8 +102,9 @@ def points(run_dir: Path, doc: dict[str, Any]) -> dict[int, Path]:
             for path in inside(run_dir, where, f"programs[{i}].resumes.checkpoints").glob(prefix + "*"):
                 step = path.name.removeprefix(prefix)
                 if step.isdigit() and (path / finished).is_file():
-                    found[int(step)] = inside(run_dir, str(path.relative_to(Path(run_dir).resolve())),
-                                              f"programs[{i}].resumes.checkpoints")
+                    found[int(step)] = inside(
+                        run_dir, str(path.relative_to(Path(run_dir).resolve())), f"programs[{i}].resumes.checkpoints"
+                    )
     elif by == LIGHTNING:
         for i, entry in enumerate(doc.get("checkpoints", [])):
             if isinstance(entry, dict) and isinstance(entry.get("step"), int):
@@ -105,8 +121,10 @@ def stage(path: Path, scratch: Path, doc: dict[str, Any]) -> Path:
     programs = [p for p in doc.get("programs", []) if isinstance(p, dict)]
     folder = _resumes(programs[-1]).get("folder", "") if programs else ""
     if not isinstance(folder, str) or Path(folder).name != folder or folder == "..":
-        raise RunDirError(f"run.json: programs[{len(programs) - 1}].resumes.folder={folder!r}: not a folder's name "
-                          "(a replay copies the checkpoint into that folder of its scratch directory)")
+        raise RunDirError(
+            f"run.json: programs[{len(programs) - 1}].resumes.folder={folder!r}: not a folder's name "
+            "(a replay copies the checkpoint into that folder of its scratch directory)"
+        )
     copy = Path(scratch) / folder / path.name
     copy.parent.mkdir(parents=True, exist_ok=True)
     if path.is_dir():

@@ -80,6 +80,7 @@ def kill_children() -> None:
 def stopping() -> Iterator[None]:
     """SIGTERM ends the work inside as Ctrl-C does (``KeyboardInterrupt``), so its replays are killed and its
     scratch removed; the handler before is restored after. Only in the main thread (elsewhere: as it is)."""
+
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
@@ -107,8 +108,9 @@ def _parent_death_signal() -> object | None:
     return die_with_parent
 
 
-def run_child(cmd: list[str], *, timeout: float, cwd: Path | None = None,
-              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_child(
+    cmd: list[str], *, timeout: float, cwd: Path | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """Runs a replay's process to its end (output captured, no stdin), in a process group of its own that dies
     with this process: killed with its group on any exception here (a timeout, Ctrl-C, SIGTERM under
     ``stopping``), and by the kernel's parent-death signal where this process is killed at once (Linux).
@@ -116,8 +118,17 @@ def run_child(cmd: list[str], *, timeout: float, cwd: Path | None = None,
     Raises:
         subprocess.TimeoutExpired: it ran past ``timeout`` (killed).
     """
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_parent_death_signal())
+    proc = subprocess.Popen(
+        cmd,
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=_parent_death_signal(),
+    )
     _children.add(proc.pid)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)

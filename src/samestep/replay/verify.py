@@ -36,8 +36,9 @@ class VerifyError(ValueError):
     """The run cannot be replayed as asked (no receipts, steps it does not hold, another environment)."""
 
 
-def _foreign_checkpoint(run_dir: Path, doc: dict[str, Any], files: dict[int, tuple[dict, list[dict]]],
-                        start: int) -> dict[str, Any] | None:
+def _foreign_checkpoint(
+    run_dir: Path, doc: dict[str, Any], files: dict[int, tuple[dict, list[dict]]], start: int
+) -> dict[str, Any] | None:
     """The checkpoint a replay starts from, against the run's receipts of its step: None if it is the run's,
     else a mismatch naming it. A framework's checkpoint is checked by its callback as the replay resumes
     (``ReplayRefused``)."""
@@ -55,13 +56,23 @@ def _foreign_checkpoint(run_dir: Path, doc: dict[str, Any], files: dict[int, tup
 
 def _not_the_runs(step: int, why: str) -> dict[str, Any]:
     """The first mismatch of a run whose checkpoint of ``step`` is not the state its receipt records."""
-    return {"step": step, "rank": 0, "fields": ["checkpoint"], "a": {"state": "the receipt's"},
-            "b": {"checkpoint": why}}
+    return {
+        "step": step,
+        "rank": 0,
+        "fields": ["checkpoint"],
+        "a": {"state": "the receipt's"},
+        "b": {"checkpoint": why},
+    }
 
 
-def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force: bool = False,
-               keep: Path | None = None, consent: Consent | None = None,
-               given: list[str] | None = None) -> dict[str, Any]:
+def verify_run(
+    run_dir: str | Path,
+    steps: tuple[int, int] | None = None,
+    force: bool = False,
+    keep: Path | None = None,
+    consent: Consent | None = None,
+    given: list[str] | None = None,
+) -> dict[str, Any]:
     """Replays steps A-B of a run (``samestep train``'s, or the loop of a ``samestep.Run`` or framework callback:
     its program run again; default: all it receipted) and compares receipts.
 
@@ -85,8 +96,10 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
     files = read_run_receipts(run_dir)
     recorded = by_rank(files)
     if not recorded:
-        raise VerifyError(f"{run_dir / 'receipts'}: no receipts; the run wrote none (train.receipts=false), so "
-                          "there is nothing to verify against")
+        raise VerifyError(
+            f"{run_dir / 'receipts'}: no receipts; the run wrote none (train.receipts=false), so "
+            "there is nothing to verify against"
+        )
     last = min(rs[-1]["step"] if rs else 0 for rs in recorded.values())
     a, b = steps if steps is not None else (1, last)
     if not 1 <= a <= b <= last:
@@ -104,11 +117,18 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
         scratch = root if keep is not None else root / "replay"
         # receipts on (a resume may have turned them off), by the run's own state hash
         try:
-            notes = replay(planned, scratch, ("train.receipts=true",
-                                              f"train.receipt_hash={state_hash_of(files[min(files)][0])}"))
+            notes = replay(
+                planned, scratch, ("train.receipts=true", f"train.receipt_hash={state_hash_of(files[min(files)][0])}")
+            )
         except ReplayRefused as e:  # the framework's checkpoint is not the run's: a verdict
-            return {**report, "reproduced": False, "compared": 0, "first_mismatch": _not_the_runs(start, str(e)),
-                    "chain": {}, "notes": list(planned.notes)}
+            return {
+                **report,
+                "reproduced": False,
+                "compared": 0,
+                "first_mismatch": _not_the_runs(start, str(e)),
+                "chain": {},
+                "notes": list(planned.notes),
+            }
         env = environment_differences(doc, scratch)
         if env and not force:
             raise VerifyError(
@@ -122,13 +142,23 @@ def verify_run(run_dir: str | Path, steps: tuple[int, int] | None = None, force:
         replayed = by_rank(read_run_receipts(scratch))
     mismatch, compared, states = first_receipt_difference(recorded, replayed, range(start + 1, b + 1))
     if states < compared:
-        notes.append(f"the state was compared in {states} of {compared} receipts (the others are of another layout "
-                     "or hash): not reproduced in full")
+        notes.append(
+            f"the state was compared in {states} of {compared} receipts (the others are of another layout "
+            "or hash): not reproduced in full"
+        )
     if planned.launch.identity is not None:
         notes.append(f"replayed by {code_line(planned.launch.identity)}")
-    chain = {receipts_path(run_dir, rank).name: chain_break(header, receipts) or "holds"
-             for rank, (header, receipts) in files.items()}
+    chain = {
+        receipts_path(run_dir, rank).name: chain_break(header, receipts) or "holds"
+        for rank, (header, receipts) in files.items()
+    }
     holds = all(v == "holds" for v in chain.values())
-    return {**report, "reproduced": mismatch is None and 0 < states == compared and holds and not differs,
-            "compared": compared, "first_mismatch": mismatch, "chain": chain, "notes": notes,
-            "program_differs": differs}
+    return {
+        **report,
+        "reproduced": mismatch is None and 0 < states == compared and holds and not differs,
+        "compared": compared,
+        "first_mismatch": mismatch,
+        "chain": chain,
+        "notes": notes,
+        "program_differs": differs,
+    }

@@ -14,5 +14,18 @@ from samestep.tracing.selection import LEVELS, WORKERS, format_selection, parse_
 from samestep.tracing.start import trace
 from samestep.tracing.stream import FORMAT, KEY, VERSION, TraceStream, read_stream, stream_path
 
-__all__ = ["FORMAT", "KEY", "LEVELS", "VERSION", "WORKERS", "Perturb", "Recorder", "TraceStream", "format_selection",
-           "parse_selection", "read_stream", "stream_path", "trace"]
+__all__ = [
+    "FORMAT",
+    "KEY",
+    "LEVELS",
+    "VERSION",
+    "WORKERS",
+    "Perturb",
+    "Recorder",
+    "TraceStream",
+    "format_selection",
+    "parse_selection",
+    "read_stream",
+    "stream_path",
+    "trace",
+]

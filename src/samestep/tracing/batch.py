@@ -93,8 +93,11 @@ class Batch(Columns):
 
     def devices(self) -> set[torch.device]:
         """The devices its staged tensors lie on."""
-        return {x.buf.device for x in self.packs} | {t.device for t in self.hashed} | {
-            t.device if isinstance(t, torch.Tensor) else t[0].device for t in self.tensors}
+        return (
+            {x.buf.device for x in self.packs}
+            | {t.device for t in self.hashed}
+            | {t.device if isinstance(t, torch.Tensor) else t[0].device for t in self.tensors}
+        )
 
 
 def expand(entries: list) -> list[torch.Tensor]:

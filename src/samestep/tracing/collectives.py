@@ -53,6 +53,7 @@ class Collectives:
         """A communication hook for DDP (see ``Recorder.ddp_comm_hook``)."""
         if inner is None:
             from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook as inner
+
             name = "ddp.allreduce"
         else:
             name = f"ddp.{getattr(inner, '__name__', type(inner).__name__)}"
@@ -87,13 +88,15 @@ class FsdpReduceScatter:
     def allocate(self, size: Any, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
 
-    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any,
-                 async_op: bool = False) -> Any:
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any, op: Any, async_op: bool = False
+    ) -> Any:
         import torch.distributed as dist
 
         if not self._rec.active:
-            return dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
-                                              async_op=async_op)
+            return dist.reduce_scatter_single(
+                output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
+            )
         seen = self._collectives
         index, seen.calls = seen.calls, seen.calls + 1
         with _disable_current_modes():  # at op level: our copies are not the model's ops
@@ -103,8 +106,9 @@ class FsdpReduceScatter:
             with _disable_current_modes():  # a copy: FSDP2 divides the output in place afterwards
                 seen.reduced(index, "fsdp.reduce_scatter", before, output_tensor.detach().clone())
 
-        work = dist.reduce_scatter_single(output=output_tensor, input=input_tensor, group=group, op=op,
-                                          async_op=async_op)
+        work = dist.reduce_scatter_single(
+            output=output_tensor, input=input_tensor, group=group, op=op, async_op=async_op
+        )
         if work is None:
             done()
         else:

@@ -104,18 +104,27 @@ class Handoff:
         if changed:
             k = changed[0]
             live, version, i = batch.check_live[k], batch.check_version[k], batch.check_record[k]
-            step, mb, phase, scope, op, occurrence = (batch.step[i], batch.mb[i], batch.phase[i], batch.scope[i],
-                                                      batch.op[i], batch.occ[i])
+            step, mb, phase, scope, op, occurrence = (
+                batch.step[i],
+                batch.mb[i],
+                batch.phase[i],
+                batch.scope[i],
+                batch.op[i],
+                batch.occ[i],
+            )
             if phase == "step" and op == "grad" and (error := self.grads_changed(step, scope)) is not None:
                 raise error
-            fix = ("call rec.grads() where the gradients are final (after clipping, or clip out of place), or "
-                   "rec.grads(..., copy=True)"
-                   if phase == "step" and op == "grad" else
-                   "record copies instead (trace.copy=true, or samestep.trace(..., copy=True))")
+            fix = (
+                "call rec.grads() where the gradients are final (after clipping, or clip out of place), or "
+                "rec.grads(..., copy=True)"
+                if phase == "step" and op == "grad"
+                else "record copies instead (trace.copy=true, or samestep.trace(..., copy=True))"
+            )
             raise RuntimeError(
                 f"trace: the tensor of record step={step} microbatch={mb} phase={phase} scope={scope!r} "
                 f"op={op!r} occurrence={occurrence} was changed in place after it was recorded (version "
-                f"{version} -> {live._version}), so its digest may not be of the recorded value; {fix}")
+                f"{version} -> {live._version}), so its digest may not be of the recorded value; {fix}"
+            )
 
     def close(self) -> None:
         """Drops what is in flight and closes the worker (the recorder flushed and waited first)."""

@@ -30,7 +30,6 @@ def leaves(value: Any) -> list[torch.Tensor]:
     return out
 
 
-
 def grad_hook(t: torch.Tensor, hook: Callable[[torch.Tensor], None]) -> None:
     """``t.register_hook(hook)`` without the handle that could remove it (the hook lives as long as
     ``t``): the same steps at a third of the cost, for hundreds of module outputs per step. A
@@ -77,8 +76,8 @@ def outside_compile(hook: Callable) -> Callable:
                 _eager.append(torch.compiler.disable(_eager_call))
             return _eager[0](hook, *args)
         return hook(*args)
-    return run
 
+    return run
 
 
 def module_paths(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:

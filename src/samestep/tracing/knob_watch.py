@@ -53,8 +53,11 @@ class KnobWatch:
             inside = where() if where is not None else None
             if inside is not None:
                 self.changed["inside"] = inside
-            warnings.warn(f"samestep.trace: at step {step} deterministic mode no longer holds what enable() set ("
-                          + ", ".join(f"{name}: {a!r} -> {b!r}" for name, (a, b) in changed.items())
-                          + (f", while {inside} ran" if inside else "")
-                          + "); the run's numerics changed, and run.json records it", RuntimeWarning,
-                          stacklevel=_callers_level())
+            warnings.warn(
+                f"samestep.trace: at step {step} deterministic mode no longer holds what enable() set ("
+                + ", ".join(f"{name}: {a!r} -> {b!r}" for name, (a, b) in changed.items())
+                + (f", while {inside} ran" if inside else "")
+                + "); the run's numerics changed, and run.json records it",
+                RuntimeWarning,
+                stacklevel=_callers_level(),
+            )

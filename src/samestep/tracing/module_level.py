@@ -102,4 +102,5 @@ class ModuleRecords:
                 for t in outs:
                     if t.requires_grad:
                         grad_hook(t, grad_output)
+
         return hook

@@ -25,21 +25,51 @@ __all__ = ["OpMode", "Scopes", "same_bytes"]
 
 SCOPE: contextvars.ContextVar[str] = contextvars.ContextVar("samestep_scope", default="")
 # Ops whose output is uninitialised memory: digesting it would report noise as divergence.
-EMPTY_OPS = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default",
-             "aten.new_empty.default", "aten.new_empty_strided.default", "aten.empty.out"}
+EMPTY_OPS = {
+    "aten.empty.memory_format",
+    "aten.empty_like.default",
+    "aten.empty_strided.default",
+    "aten.new_empty.default",
+    "aten.new_empty_strided.default",
+    "aten.empty.out",
+}
 # Ops that point their first argument at a storage object, not a tensor: nothing staged says what that memory
 # holds (a DataLoader's collate gets a new one of uninitialised bytes this way, then fills it with out=).
 STORAGE_SET_OPS = {"aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset"}
 # Ops whose first argument is overwritten whole, whatever it held.
-OVERWRITE_OPS = {"aten.copy_.default", "aten.fill_.Scalar", "aten.fill_.Tensor", "aten.zero_.default",
-                 "aten.normal_.default", "aten.uniform_.default", "aten.bernoulli_.float", "aten.random_.default",
-                 "aten.random_.from", "aten.random_.to", "aten.exponential_.default", "aten.geometric_.default",
-                 "aten.log_normal_.default", "aten.cauchy_.default"}
+OVERWRITE_OPS = {
+    "aten.copy_.default",
+    "aten.fill_.Scalar",
+    "aten.fill_.Tensor",
+    "aten.zero_.default",
+    "aten.normal_.default",
+    "aten.uniform_.default",
+    "aten.bernoulli_.float",
+    "aten.random_.default",
+    "aten.random_.from",
+    "aten.random_.to",
+    "aten.exponential_.default",
+    "aten.geometric_.default",
+    "aten.log_normal_.default",
+    "aten.cauchy_.default",
+}
 # Ops whose output holds its first input's elements in the same logical (row-major) order.
-SAME_ORDER = {"aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.unsqueeze.default",
-              "aten.squeeze.dim", "aten.squeeze.default", "aten.squeeze.dims", "aten.flatten.using_ints",
-              "aten.alias.default", "aten.detach.default", "aten.clone.default", "aten.lift_fresh.default",
-              "aten.view_as.default", "aten.reshape_as.default"}
+SAME_ORDER = {
+    "aten.view.default",
+    "aten._unsafe_view.default",
+    "aten.reshape.default",
+    "aten.unsqueeze.default",
+    "aten.squeeze.dim",
+    "aten.squeeze.default",
+    "aten.squeeze.dims",
+    "aten.flatten.using_ints",
+    "aten.alias.default",
+    "aten.detach.default",
+    "aten.clone.default",
+    "aten.lift_fresh.default",
+    "aten.view_as.default",
+    "aten.reshape_as.default",
+}
 
 
 def _tensors(values: Iterable[Any]) -> list[torch.Tensor]:
@@ -73,27 +103,35 @@ class _OpKind:
         writes = [a.alias_info is not None and a.alias_info.is_write for a in schema.arguments]
         out_kwargs = {a.name for a, w in zip(schema.arguments, writes) if w and a.kwarg_only}
         positional = tuple(w for a, w in zip(schema.arguments, writes) if not a.kwarg_only)
-        return cls(name, any(writes), positional, frozenset(out_kwargs), name in OVERWRITE_OPS,
-                   name.startswith("c10d."))
+        return cls(
+            name, any(writes), positional, frozenset(out_kwargs), name in OVERWRITE_OPS, name.startswith("c10d.")
+        )
 
 
 _kinds: dict[Any, _OpKind] = {}
 
 
-def same_bytes(t: torch.Tensor, inputs: list[torch.Tensor], refs: list[int], batch: Batch,
-               name: str = "") -> int | None:
+def same_bytes(
+    t: torch.Tensor, inputs: list[torch.Tensor], refs: list[int], batch: Batch, name: str = ""
+) -> int | None:
     """The staged copy of an input whose bytes are ``t``'s bytes in the same order (a reshape, detach,
     clone; or any output laid out exactly like a contiguous input): ``t`` needs no copy and no digest
     of its own, only its own header. None if there is none."""
-    if name in SAME_ORDER and inputs and refs[0] >= 0 and inputs[0].dtype == t.dtype \
-            and inputs[0].numel() == t.numel():
+    if name in SAME_ORDER and inputs and refs[0] >= 0 and inputs[0].dtype == t.dtype and inputs[0].numel() == t.numel():
         return batch.ref_slot[refs[0]]
     try:
         if not t.is_contiguous():
             return None
         for x, ref in zip(inputs, refs):
-            if (ref >= 0 and x.dtype == t.dtype and x.numel() == t.numel() and x.data_ptr() == t.data_ptr()
-                    and x.is_contiguous() and not x.is_inference() and x._version == t._version):
+            if (
+                ref >= 0
+                and x.dtype == t.dtype
+                and x.numel() == t.numel()
+                and x.data_ptr() == t.data_ptr()
+                and x.is_contiguous()
+                and not x.is_inference()
+                and x._version == t._version
+            ):
                 return batch.ref_slot[ref]
     except RuntimeError:  # sparse or nested: no strides or no data pointer (staged through plain)
         pass
@@ -124,6 +162,7 @@ class Scopes:
 
         def hook(module, args):
             tokens.append(SCOPE.set(path))
+
         return hook
 
     def post_hook(self, path: str) -> Callable:
@@ -170,14 +209,21 @@ class Scopes:
                 # by plain ops in the parent need the scope handed back to the parent.
                 if t.requires_grad and not hasattr(t, "_samestep_producer"):
                     grad_hook(t, leave_backward)
+
         return hook
 
 
 class OpMode(TorchDispatchMode):
     """Records every ATen op's inputs (before it runs) and outputs (after)."""
 
-    def __init__(self, staging: Staging, scopes: Scopes, perturb: Perturb | None, rank: int,
-                 knobs: Callable[[int, Callable[[], str]], None] | None = None) -> None:
+    def __init__(
+        self,
+        staging: Staging,
+        scopes: Scopes,
+        perturb: Perturb | None,
+        rank: int,
+        knobs: Callable[[int, Callable[[], str]], None] | None = None,
+    ) -> None:
         super().__init__()
         self.staging, self.scopes, self.perturb, self.rank = staging, scopes, perturb, rank
         # called at each op, with how to name where it ran: a knob a forward flips and puts back is seen here
@@ -245,8 +291,12 @@ class OpMode(TorchDispatchMode):
         elif func.is_view and len(outs) == 1:
             # A view's bytes are a function of its input's bytes and the arguments: the same view of the
             # same input version (t(weight) in every microbatch, say) is digested once.
-            key = (func, tuple(inputs), repr([a for a in args if not isinstance(a, torch.Tensor)]),
-                   repr(sorted((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor))))
+            key = (
+                func,
+                tuple(inputs),
+                repr([a for a in args if not isinstance(a, torch.Tensor)]),
+                repr(sorted((k, v) for k, v in kwargs.items() if not isinstance(v, torch.Tensor))),
+            )
             ref = st.memo.get(key)
             if ref is None:
                 ref = st.memo[key] = stage(outs[0], share=same_bytes(outs[0], in_tensors, inputs, st.batch, name))

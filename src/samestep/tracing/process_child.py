@@ -82,13 +82,15 @@ class Reader:
         lengths = np.array([n for _, n in spans], dtype=np.int64)
         keep = lengths > 0
         local = np.stack([self._buf.data_ptr() + offsets[keep], lengths[keep]], axis=1).astype(np.uint64)
-        remote = np.stack([np.array([a for a, _ in spans], dtype=np.int64)[keep], lengths[keep]],
-                          axis=1).astype(np.uint64)
+        remote = np.stack([np.array([a for a, _ in spans], dtype=np.int64)[keep], lengths[keep]], axis=1).astype(
+            np.uint64
+        )
         for a in range(0, len(local), _IOV_MAX):
-            lo, re = np.ascontiguousarray(local[a:a + _IOV_MAX]), np.ascontiguousarray(remote[a:a + _IOV_MAX])
+            lo, re = np.ascontiguousarray(local[a : a + _IOV_MAX]), np.ascontiguousarray(remote[a : a + _IOV_MAX])
             want = int(lo[:, 1].sum())
-            got = self._libc.process_vm_readv(self.pid, ctypes.c_void_p(lo.ctypes.data), len(lo),
-                                              ctypes.c_void_p(re.ctypes.data), len(re), 0)
+            got = self._libc.process_vm_readv(
+                self.pid, ctypes.c_void_p(lo.ctypes.data), len(lo), ctypes.c_void_p(re.ctypes.data), len(re), 0
+            )
             if got != want:
                 raise OSError(f"process_vm_readv read {got} of {want} bytes (errno {ctypes.get_errno()})")
 
@@ -120,13 +122,13 @@ def digest_described(reader: Reader, packs: list[tuple], entries: list[tuple]) -
     # through one buffer that stays in this core's cache (see GROUP_BYTES).
     chunks = (Packed(reader.read([(addr, used)])[0], nbytes) for addr, used, nbytes in packs)
     lanes = lanes_packed(itertools.chain(chunks, reader.packs(spans, GROUP_BYTES)))
-    flat, lanes = lanes[len(lanes) - len(spans):], lanes[: len(lanes) - len(spans)]
+    flat, lanes = lanes[len(lanes) - len(spans) :], lanes[: len(lanes) - len(spans)]
     other: list[list[int]] = []
     if strided:
         buf, starts = reader.read([(d[0], d[1]) for d in strided])
         views = []
         for (_, span, dtype, shape, stride), at in zip(strided, starts):
-            typed = buf[at: at + span].view(getattr(torch, dtype))
+            typed = buf[at : at + span].view(getattr(torch, dtype))
             views.append(typed.as_strided(shape, stride))
         other = lanes_packed((), views)
     return lanes + [flat[i] if i >= 0 else other[~i] for i in order]
@@ -140,7 +142,7 @@ def checksum_described(reader: Reader, hashed: list[tuple]) -> list[bytes]:
     buf, starts = reader.read([(d[0], d[1]) for d, _ in hashed])
     out = []
     for (d, head), at in zip(hashed, starts):
-        data = buf[at: at + d[1]]
+        data = buf[at : at + d[1]]
         if len(d) != 2:  # strided: its elements in row-major order
             data = data.view(getattr(torch, d[2])).as_strided(d[3], d[4])
         out.append(xxh3_tensor(head, tensor_bytes(data)))
@@ -178,8 +180,12 @@ def serve(sock: socket.socket, pid: int) -> None:
                 if error is not None:
                     raise RuntimeError(error)
                 packs, entries, columns, deferred, hashed = marshal.loads(payload)
-                done = (Columns(*columns), [len(nbytes) for _, _, nbytes in packs],
-                        digest_described(reader, packs, entries), checksum_described(reader, hashed))
+                done = (
+                    Columns(*columns),
+                    [len(nbytes) for _, _, nbytes in packs],
+                    digest_described(reader, packs, entries),
+                    checksum_described(reader, hashed),
+                )
                 if deferred:  # live tensors: written once the training process saw them unchanged
                     held = done
                 else:

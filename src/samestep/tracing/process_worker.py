@@ -91,9 +91,20 @@ class ProcessWorker:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", _PROBE, str(child.fileno()), str(os.getpid()), str(ctypes.addressof(probe)),
-                 str(len(token))], pass_fds=[child.fileno()], env=env, stdin=subprocess.DEVNULL,
-                start_new_session=True)
+                [
+                    sys.executable,
+                    "-c",
+                    _PROBE,
+                    str(child.fileno()),
+                    str(os.getpid()),
+                    str(ctypes.addressof(probe)),
+                    str(len(token)),
+                ],
+                pass_fds=[child.fileno()],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         finally:
             child.close()
         self._sock = parent
@@ -110,16 +121,19 @@ class ProcessWorker:
             parent.close()
             self._proc.wait()
             why = answer.decode(errors="replace") or f"it exited with status {self._proc.returncode}"
-            raise OSError(f"the trace worker process cannot read this process's memory ({why}; process_vm_readv "
-                          "needs the right to trace it): use trace.worker=thread")
+            raise OSError(
+                f"the trace worker process cannot read this process's memory ({why}; process_vm_readv "
+                "needs the right to trace it): use trace.worker=thread"
+            )
 
     def _gone(self) -> RuntimeError:
         try:
             status = self._proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             status = None
-        return RuntimeError(f"trace: the digest worker process exited (status {status}); its error, if any, is on "
-                            "stderr")
+        return RuntimeError(
+            f"trace: the digest worker process exited (status {status}); its error, if any, is on stderr"
+        )
 
     def _post(self, kind: bytes, payload: bytes = b"") -> None:
         data, self._verdict = self._verdict + frame(kind, payload), b""

@@ -72,9 +72,19 @@ _OP = LEVELS.index("op")
 class Recorder:
     """Writes this rank's trace stream; see the module docstring for the protocol."""
 
-    def __init__(self, run_dir: str | Path, *, level: str = "op", steps: set[int] | None = None,
-                 ranks: set[int] | None = None, rank: int = 0, perturb: Perturb | None = None,
-                 meta: dict[str, Any] | None = None, copy: bool = False, worker: str = "auto") -> None:
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        level: str = "op",
+        steps: set[int] | None = None,
+        ranks: set[int] | None = None,
+        rank: int = 0,
+        perturb: Perturb | None = None,
+        meta: dict[str, Any] | None = None,
+        copy: bool = False,
+        worker: str = "auto",
+    ) -> None:
         if level not in LEVELS:
             raise ValueError(f"trace level {level!r} is unknown; use one of {', '.join(LEVELS)}")
         if worker not in WORKERS:
@@ -103,8 +113,9 @@ class Recorder:
         # the digest worker, handed each flush's batch; it opens the stream at the first flush (nothing is
         # written before)
         self._handoff = Handoff(self.run_dir, rank, self._meta, self.worker, self._staging)
-        self._handoff.grads_changed = lambda step, name: self.grads_changed(step, name) \
-            if self.grads_changed is not None else None
+        self._handoff.grads_changed = lambda step, name: (
+            self.grads_changed(step, name) if self.grads_changed is not None else None
+        )
         # The enable() in force (None if none): a knob it set that no longer holds at a step is recorded in
         # numerics_changed (the first such step), and on_close (samestep.trace's) puts it in run.json.
         self._knobs = KnobWatch(active_report())
@@ -151,8 +162,15 @@ class Recorder:
         return self._handoff.in_process
 
     # -- records and flushes ---------------------------------------------------------------------------
-    def record(self, op: str, outputs: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor] = (),
-               scope: str = "", phase: str = "step", copy: bool | str = True) -> None:
+    def record(
+        self,
+        op: str,
+        outputs: Iterable[torch.Tensor],
+        inputs: Iterable[torch.Tensor] = (),
+        scope: str = "",
+        phase: str = "step",
+        copy: bool | str = True,
+    ) -> None:
         """Records one named event with its tensors (used by the step level and by user code).
 
         ``copy=False`` digests the live tensors instead of copies: only for tensors that stay unchanged
@@ -164,8 +182,14 @@ class Recorder:
         self._modules.drain()
         st = self._staging
         occurrence = st.occurrence(phase, scope, op)
-        st.append(phase, scope, op, occurrence, [st.stage(t, copy=copy) for t in inputs],
-                  [st.stage(t, copy=copy) for t in outputs])
+        st.append(
+            phase,
+            scope,
+            op,
+            occurrence,
+            [st.stage(t, copy=copy) for t in inputs],
+            [st.stage(t, copy=copy) for t in outputs],
+        )
 
     def flush(self) -> None:
         """Hands everything staged to the digest worker, which digests it (batched) and appends the
@@ -226,8 +250,11 @@ class Recorder:
         st.mb = index
         token = self._scopes.enter_microbatch()
         knobs = self._knobs.look if self._knobs.report is not None else None
-        mode = OpMode(st, self._scopes, self.perturb, self.rank, knobs) if self._rank_level >= _OP and self.active \
+        mode = (
+            OpMode(st, self._scopes, self.perturb, self.rank, knobs)
+            if self._rank_level >= _OP and self.active
             else None
+        )
         try:
             if mode is not None:
                 with mode:
@@ -297,9 +324,14 @@ class Recorder:
         self._modules.drain()  # pending module records first: the grad records follow them
         self._steps.grads(named_params, copy)
 
-    def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-              named_params: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
-              named_buffers: Iterable[tuple[str, torch.Tensor]] | None = None) -> None:
+    def state(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        named_params: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
+        named_buffers: Iterable[tuple[str, torch.Tensor]] | None = None,
+    ) -> None:
         """Parameters, buffers and optimizer state after the update.
 
         Parameters and optimizer state are digested in place, without a copy, so they must not change

@@ -47,8 +47,15 @@ class RecorderView(Protocol):
     @property
     def checksums(self) -> Any: ...  # the step's state checksum pass (``checksums.StepChecksums``)
 
-    def record(self, op: str, outputs: Iterable[torch.Tensor], inputs: Iterable[torch.Tensor] = (),
-               scope: str = "", phase: str = "step", copy: bool | str = True) -> None: ...
+    def record(
+        self,
+        op: str,
+        outputs: Iterable[torch.Tensor],
+        inputs: Iterable[torch.Tensor] = (),
+        scope: str = "",
+        phase: str = "step",
+        copy: bool | str = True,
+    ) -> None: ...
 
 
 class Staging:
@@ -88,6 +95,7 @@ class Staging:
         Except memory known uninitialised that shares no storage with ``written`` (what a collective writes
         from another thread): it still holds nothing, and digesting it would record whatever bytes lie there,
         another value in every run (a buffer made before a collective and filled after it)."""
+
         def storage(t: torch.Tensor) -> int | None:
             try:
                 return t.untyped_storage().data_ptr()
@@ -95,10 +103,18 @@ class Staging:
                 return None
 
         targets = {storage(t) for t in written}
-        kept = {} if None in targets else {
-            key: hit for key, hit in self.cache.items()
-            if hit[2] == NO_REF and (t := hit[0]()) is not None and (ptr := storage(t)) is not None
-            and ptr not in targets}
+        kept = (
+            {}
+            if None in targets
+            else {
+                key: hit
+                for key, hit in self.cache.items()
+                if hit[2] == NO_REF
+                and (t := hit[0]()) is not None
+                and (ptr := storage(t)) is not None
+                and ptr not in targets
+            }
+        )
         self.cache.clear()
         self.cache.update(kept)
         self.memo.clear()
@@ -123,8 +139,14 @@ class Staging:
         dtensor = self.dtensor
         return [t._local_tensor if isinstance(t, dtensor) else t for t in tensors]
 
-    def stage(self, t: torch.Tensor, uninit: bool = False, share: int | None = None,
-              copy: bool | str = True, fresh: bool = False) -> int:
+    def stage(
+        self,
+        t: torch.Tensor,
+        uninit: bool = False,
+        share: int | None = None,
+        copy: bool | str = True,
+        fresh: bool = False,
+    ) -> int:
         """Stages a tensor for digesting (once per tensor version); returns its reference.
 
         A reference is (staged copy, header): ``share`` names a staged copy that already holds ``t``'s
@@ -295,8 +317,9 @@ class Staging:
         self.counts[key] = n + 1
         return n
 
-    def append(self, phase: str, scope: str, op: str, occurrence: int, inputs: Iterable[int],
-               outputs: list[int]) -> None:
+    def append(
+        self, phase: str, scope: str, op: str, occurrence: int, inputs: Iterable[int], outputs: list[int]
+    ) -> None:
         """Makes a record of the references ``inputs`` and ``outputs``, with the current step and microbatch."""
         b = self.batch
         b.step.append(self.step)
@@ -312,4 +335,3 @@ class Staging:
         self.seq += 1
         if self.nbytes > FLUSH_BYTES:
             self.full()
-

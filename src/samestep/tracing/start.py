@@ -26,10 +26,21 @@ from samestep.tracing.stream import stream_segments
 __all__ = ["trace"]
 
 
-def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | None = None,
-          ranks: set[int] | str | None = None, rank: int | None = None, perturb: Perturb | None = None,
-          copy: bool = False, worker: str = "auto", resume: bool = False, held: RunLock | None = None,
-          layout: dict[str, Any] | None = None, resumed_from: int | None = None) -> Recorder:
+def trace(
+    run_dir: str | Path,
+    *,
+    level: str = "op",
+    steps: set[int] | str | None = None,
+    ranks: set[int] | str | None = None,
+    rank: int | None = None,
+    perturb: Perturb | None = None,
+    copy: bool = False,
+    worker: str = "auto",
+    resume: bool = False,
+    held: RunLock | None = None,
+    layout: dict[str, Any] | None = None,
+    resumed_from: int | None = None,
+) -> Recorder:
     """Starts recording this rank's trace stream into ``run_dir/trace``. Rank 0 also writes
     ``run_dir/run.json`` if there is none, so that ``samestep diff`` and ``samestep trace certify`` read a
     run of your own loop as they read ``samestep train``'s: call ``samestep.enable()`` first, to have
@@ -81,11 +92,14 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
     try:
         segments = stream_segments(run_dir, rank)
         if segments and not resume:
-            raise ValueError(f"samestep.trace: {run_dir} already holds a trace ({segments[-1]}); pass resume=True "
-                             "to continue that run (after loading its checkpoint), or trace into a new run "
-                             "directory")
-        rec = Recorder(run_dir, level=level, steps=steps, ranks=ranks, rank=rank, perturb=perturb, copy=copy,
-                       worker=worker)
+            raise ValueError(
+                f"samestep.trace: {run_dir} already holds a trace ({segments[-1]}); pass resume=True "
+                "to continue that run (after loading its checkpoint), or trace into a new run "
+                "directory"
+            )
+        rec = Recorder(
+            run_dir, level=level, steps=steps, ranks=ranks, rank=rank, perturb=perturb, copy=copy, worker=worker
+        )
         if rank == 0:  # at level "off" too: the run directory is a run the CLI reads (receipts, checkpoints)
             world = dist.get_world_size() if distributed else 1
             if not holds_run(run_dir):
@@ -103,16 +117,24 @@ def trace(run_dir: str | Path, *, level: str = "op", steps: set[int] | str | Non
     return rec
 
 
-def _describe_run(run_dir: Path, level: str, steps: set[int] | None, ranks: set[int] | None,
-                  layout: dict[str, Any]) -> None:
+def _describe_run(
+    run_dir: Path, level: str, steps: set[int] | None, ranks: set[int] | None, layout: dict[str, Any]
+) -> None:
     """Gives a run directory that a user's own loop traces the ``run.json`` that ``samestep diff`` and
     ``samestep trace certify`` read (docs/formats.md): the trace selection as its config, the environment
     fingerprint, the layout, and the report of the ``samestep.enable()`` in force (null if none)."""
     report = active_report()
-    selection = {"level": level, "steps": "all" if steps is None else format_selection(steps),
-                 "ranks": "all" if ranks is None else format_selection(ranks)}
-    write_run(run_dir, new_run({"trace": selection}, layout,
-                               report.to_dict() if report is not None else None, written_by="samestep.trace"))
+    selection = {
+        "level": level,
+        "steps": "all" if steps is None else format_selection(steps),
+        "ranks": "all" if ranks is None else format_selection(ranks),
+    }
+    write_run(
+        run_dir,
+        new_run(
+            {"trace": selection}, layout, report.to_dict() if report is not None else None, written_by="samestep.trace"
+        ),
+    )
 
 
 def _record_resume(run_dir: Path, segment: int, layout: dict[str, Any], step: int | None) -> None:
@@ -123,19 +145,30 @@ def _record_resume(run_dir: Path, segment: int, layout: dict[str, Any], step: in
     if doc.get("written_by") != "samestep.trace":
         return  # samestep train's run.json: its loop records its own resumes
     report = active_report()
-    record_resume(run_dir, {"written_by": "samestep.trace", "segment": segment, **layout,
-                            **({"step": step} if step is not None else {}),
-                            "env_diff": sorted(compare_environments(doc.get("environment", {}), environment())),
-                            "determinism_diff": sorted(determinism_diff(
-                                doc.get("determinism"), report.to_dict() if report is not None else None))})
+    record_resume(
+        run_dir,
+        {
+            "written_by": "samestep.trace",
+            "segment": segment,
+            **layout,
+            **({"step": step} if step is not None else {}),
+            "env_diff": sorted(compare_environments(doc.get("environment", {}), environment())),
+            "determinism_diff": sorted(
+                determinism_diff(doc.get("determinism"), report.to_dict() if report is not None else None)
+            ),
+        },
+    )
 
 
 def _closed(rec: Recorder, segment: int, lock: RunLock | None) -> None:
     """Rank 0's recorder closed: run.json records it (and a knob of deterministic mode that stopped
     holding), so that certify can tell a finished trace from a killed or failed one; the run is free."""
     try:
-        record_close(rec.run_dir, {"segment": segment, "failed_step": rec.failed_step, "records": rec.records},
-                     rec.numerics_changed)
+        record_close(
+            rec.run_dir,
+            {"segment": segment, "failed_step": rec.failed_step, "records": rec.records},
+            rec.numerics_changed,
+        )
     finally:
         if lock is not None:
             lock.release()

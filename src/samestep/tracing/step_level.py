@@ -44,12 +44,22 @@ class StatePlan:
     no replaced optimizer's state is kept alive.
     """
 
-    __slots__ = ("names", "refs", "lens", "keys", "mb", "order", "layout", "ops", "scopes", "heads", "counts",
-                 "descs")
+    __slots__ = ("names", "refs", "lens", "keys", "mb", "order", "layout", "ops", "scopes", "heads", "counts", "descs")
 
-    def __init__(self, names: list[str], objs: list[torch.Tensor], lens: list[int], keys: list[str], mb: int,
-                 order: list[int], tensors: list[torch.Tensor], ops: list[str], scopes: list[str], heads: list[bytes],
-                 descs: list[tuple] | None) -> None:
+    def __init__(
+        self,
+        names: list[str],
+        objs: list[torch.Tensor],
+        lens: list[int],
+        keys: list[str],
+        mb: int,
+        order: list[int],
+        tensors: list[torch.Tensor],
+        ops: list[str],
+        scopes: list[str],
+        heads: list[bytes],
+        descs: list[tuple] | None,
+    ) -> None:
         self.names, self.lens, self.keys, self.mb, self.order = names, lens, keys, mb, order
         try:
             self.refs = [weakref.ref(t) for t in objs]
@@ -62,8 +72,14 @@ class StatePlan:
     def matches(self, names: list[str], objs: list[torch.Tensor], lens: list[int], keys: list[str], mb: int) -> bool:
         """Whether the state walked now (as ``StepRecords.state`` lists it) is the one this plan was made for
         (the layouts aside: see ``layout``)."""
-        return (mb == self.mb and lens == self.lens and keys == self.keys and names == self.names
-                and len(objs) == len(self.refs) and all(map(operator.is_, objs, [r() for r in self.refs])))
+        return (
+            mb == self.mb
+            and lens == self.lens
+            and keys == self.keys
+            and names == self.names
+            and len(objs) == len(self.refs)
+            and all(map(operator.is_, objs, [r() for r in self.refs]))
+        )
 
 
 def step_counts(mb: int, ops: list[str], scopes: list[str]) -> dict[tuple, int]:
@@ -91,15 +107,23 @@ class GradPlan:
         self.plain = all(g.is_cpu and not (g.dtype.is_complex or g.is_quantized) for g in grads)
 
     def matches(self, names: list[str], mb: int, grads: list[torch.Tensor]) -> bool:
-        return (mb == self.mb and names == self.names and list(map(_dtypes, grads)) == self.dtypes
-                and list(map(_sizes, grads)) == self.sizes)
+        return (
+            mb == self.mb
+            and names == self.names
+            and list(map(_dtypes, grads)) == self.dtypes
+            and list(map(_sizes, grads)) == self.sizes
+        )
 
 
 def layout(tensors: list[torch.Tensor]) -> tuple[list, ...]:
     """Where and how each tensor lies: address, dtype, shape, strides (what a plan's descriptions and
     headers were made from)."""
-    return (list(map(_data_ptrs, tensors)), list(map(_dtypes, tensors)), list(map(_sizes, tensors)),
-            list(map(_strides, tensors)))
+    return (
+        list(map(_data_ptrs, tensors)),
+        list(map(_dtypes, tensors)),
+        list(map(_sizes, tensors)),
+        list(map(_strides, tensors)),
+    )
 
 
 def _pieces(group: list[tuple[int, int, torch.Tensor]]) -> tuple[list[int], list[int], int, int] | None:
@@ -140,8 +164,11 @@ class StepRecords:
             named = list(zip([name for name, _ in named], st.shards([g for _, g in named])))
         checked = copy == "checked"
         grads = [g for _, g in named]
-        if checked and grads and all(g._base is None and g.layout == torch.strided and not g.requires_grad
-                                     for g in grads):
+        if (
+            checked
+            and grads
+            and all(g._base is None and g.layout == torch.strided and not g.requires_grad for g in grads)
+        ):
             self._checked_own([name for name, _ in named], grads)
             return
         if checked:  # the grad records' indices below follow the records made so far
@@ -152,7 +179,8 @@ class StepRecords:
         for _, g in named:
             if g.layout == torch.strided and g.is_contiguous():
                 groups.setdefault((g.untyped_storage().data_ptr(), g.dtype, g.device), []).append(
-                    (g.storage_offset(), g.numel(), g))
+                    (g.storage_offset(), g.numel(), g)
+                )
         slot: dict[int, int] = {}
         for group in groups.values():
             group.sort(key=_first)
@@ -174,8 +202,9 @@ class StepRecords:
             st.nbytes += flat.numel() * flat.element_size()
             for (_, _, g), k in zip(group, st.add_pieces(flat, sizes, keep)):
                 slot[id(g)] = k
-        self.record_many(["grad"] * len(named), [name for name, _ in named], [g for _, g in named], slot,
-                         checked=checked)
+        self.record_many(
+            ["grad"] * len(named), [name for name, _ in named], [g for _, g in named], slot, checked=checked
+        )
 
     def _checked_own(self, names: list[str], grads: list[torch.Tensor]) -> None:
         """Gradients that are tensors of their own (not views), checked where they lie: ``record_many``'s
@@ -209,9 +238,13 @@ class StepRecords:
         self._grad_bufs[key] = (buf, batch)
         return buf[: flat.numel()].copy_(flat)
 
-    def state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-              named_params: Iterable[tuple[str, torch.nn.Parameter]] | None,
-              named_buffers: Iterable[tuple[str, torch.Tensor]] | None) -> None:
+    def state(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        named_params: Iterable[tuple[str, torch.nn.Parameter]] | None,
+        named_buffers: Iterable[tuple[str, torch.Tensor]] | None,
+    ) -> None:
         """Parameters, optimizer state and persistent buffers, a record each (see ``Recorder.state``)."""
         st = self.staging
         named = list(model.named_parameters() if named_params is None else named_params)
@@ -243,9 +276,15 @@ class StepRecords:
         if buffers:
             self.record_many(["buffer"] * len(buffers), [name for name, _ in buffers], [b for _, b in buffers], {})
 
-    def plan_state(self, named: list[tuple[str, torch.nn.Parameter]], optimizer: torch.optim.Optimizer | None,
-                   names: list[str], objs: list[torch.Tensor], lens: list[int],
-                   keys: list[str]) -> tuple[StatePlan, list[torch.Tensor]]:
+    def plan_state(
+        self,
+        named: list[tuple[str, torch.nn.Parameter]],
+        optimizer: torch.optim.Optimizer | None,
+        names: list[str],
+        objs: list[torch.Tensor],
+        lens: list[int],
+        keys: list[str],
+    ) -> tuple[StatePlan, list[torch.Tensor]]:
         """What ``state`` records (parameters, then each parameter's optimizer state by sorted key), as a
         new plan (kept for the next steps, unless a tensor's layout cannot be read), and the tensors."""
         st = self.staging
@@ -274,8 +313,15 @@ class StepRecords:
         self.plan = plan if plan.layout is not None else None
         return plan, tensors
 
-    def record_many(self, ops: list[str], scopes: list[str], tensors: list[torch.Tensor],
-                    slots: dict[int, int] | None, checked: bool = False, plan: StatePlan | None = None) -> None:
+    def record_many(
+        self,
+        ops: list[str],
+        scopes: list[str],
+        tensors: list[torch.Tensor],
+        slots: dict[int, int] | None,
+        checked: bool = False,
+        plan: StatePlan | None = None,
+    ) -> None:
         """Step records (op, scope, tensor), one output each, without the per-tensor cache: with ``slots``
         None every tensor is state, digested by its state checksum where it lies (no copy); else a tensor
         whose id maps to a slot uses it, any other is copied (``checked``: digested live and checked
@@ -293,8 +339,14 @@ class StepRecords:
         elif not checked:
             refs = [slots[id(t)] if id(t) in slots else st.copy(t) for t in tensors]
         else:  # the others live too, each checked for its own record (a dense one: see copy for the rest)
-            refs = [slots[id(t)] if id(t) in slots else st.checked_slot(t, t._version, len(b.step) + i)
-                    if t.layout == torch.strided else st.copy(t) for i, t in enumerate(tensors)]
+            refs = [
+                slots[id(t)]
+                if id(t) in slots
+                else st.checked_slot(t, t._version, len(b.step) + i)
+                if t.layout == torch.strided
+                else st.copy(t)
+                for i, t in enumerate(tensors)
+            ]
         if plan is None:
             heads = st.heads
             self._rows(refs, [heads.get((t.dtype, t.shape)) or st.head(t) for t in tensors], ops, scopes, occurrences)
@@ -311,8 +363,9 @@ class StepRecords:
             return [0] * len(ops)
         return [st.occurrence("step", scope, op) for op, scope in zip(ops, scopes)]
 
-    def _rows(self, refs: Iterable[int], heads: list[bytes], ops: list[str], scopes: list[str],
-              occurrences: list[int]) -> None:
+    def _rows(
+        self, refs: Iterable[int], heads: list[bytes], ops: list[str], scopes: list[str], occurrences: list[int]
+    ) -> None:
         """Step records of the staged references ``refs`` (one output each), the columns grown by whole lists."""
         st = self.staging
         b, n = st.batch, len(ops)

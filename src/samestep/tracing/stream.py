@@ -49,19 +49,42 @@ import pyarrow as pa
 from samestep.records.durable import fsync_dir
 from samestep.records.rundir import trace_dir
 
-__all__ = ["COLUMNS", "END", "FORMAT", "KEY", "SCHEMA", "VERSION", "DamagedStream", "StreamWriter",
-           "TraceStream", "batch_checksum", "iter_stream", "read_stream", "state_records", "stream_path",
-           "stream_segments", "traced_ranks"]
+__all__ = [
+    "COLUMNS",
+    "END",
+    "FORMAT",
+    "KEY",
+    "SCHEMA",
+    "VERSION",
+    "DamagedStream",
+    "StreamWriter",
+    "TraceStream",
+    "batch_checksum",
+    "iter_stream",
+    "read_stream",
+    "state_records",
+    "stream_path",
+    "stream_segments",
+    "traced_ranks",
+]
 
 FORMAT, VERSION = "samestep.trace", 4
 READS = ("3", "4")  # the versions this samestep reads
 END = "step.end"  # the op of the record that closes a step that ended normally (phase "step", no tensors)
 KEY = ("step", "microbatch", "phase", "scope", "op", "occurrence")
-SCHEMA = pa.schema([
-    ("seq", pa.int64()), ("step", pa.int32()), ("microbatch", pa.int32()), ("phase", pa.string()),
-    ("scope", pa.string()), ("op", pa.string()), ("occurrence", pa.int32()),
-    ("inputs", pa.binary()), ("outputs", pa.binary()),
-])
+SCHEMA = pa.schema(
+    [
+        ("seq", pa.int64()),
+        ("step", pa.int32()),
+        ("microbatch", pa.int32()),
+        ("phase", pa.string()),
+        ("scope", pa.string()),
+        ("op", pa.string()),
+        ("occurrence", pa.int32()),
+        ("inputs", pa.binary()),
+        ("outputs", pa.binary()),
+    ]
+)
 COLUMNS = tuple(SCHEMA.names)
 _FIXED = {pa.int32(): 4, pa.int64(): 8}
 
@@ -84,13 +107,13 @@ def batch_checksum(batch: pa.RecordBatch) -> str:
             continue
         size = _FIXED.get(arr.type)
         if size is not None:
-            h.update(memoryview(bufs[1])[at * size: (at + n) * size])
+            h.update(memoryview(bufs[1])[at * size : (at + n) * size])
         else:  # string or binary: lengths (as offsets from the first), then the bytes
-            offsets = np.frombuffer(bufs[1], dtype="<i4")[at: at + n + 1].astype(np.int64)
+            offsets = np.frombuffer(bufs[1], dtype="<i4")[at : at + n + 1].astype(np.int64)
             first, last = int(offsets[0]), int(offsets[-1])
             h.update((offsets - first).tobytes())
             if bufs[2] is not None:
-                h.update(memoryview(bufs[2])[max(first, 0): max(last, 0)])
+                h.update(memoryview(bufs[2])[max(first, 0) : max(last, 0)])
     return h.hexdigest()
 
 
@@ -128,8 +151,9 @@ class StreamWriter:
         self.path = path
         self._file = open(path, "wb")
         meta_json = json.dumps(meta)
-        schema = SCHEMA.with_metadata({"format": FORMAT, "version": str(VERSION), "meta": meta_json,
-                                       "checksum": _meta_checksum(meta_json)})
+        schema = SCHEMA.with_metadata(
+            {"format": FORMAT, "version": str(VERSION), "meta": meta_json, "checksum": _meta_checksum(meta_json)}
+        )
         self._writer = pa.ipc.new_stream(self._file, schema)
         self.rows = 0
 
@@ -138,8 +162,10 @@ class StreamWriter:
         n = len(columns["seq"])
         if not n:
             return
-        arrays = [columns[c] if isinstance(columns[c], pa.Array) else pa.array(columns[c], type=SCHEMA.field(c).type)
-                  for c in COLUMNS]
+        arrays = [
+            columns[c] if isinstance(columns[c], pa.Array) else pa.array(columns[c], type=SCHEMA.field(c).type)
+            for c in COLUMNS
+        ]
         batch = pa.record_batch(arrays, schema=SCHEMA)
         self._writer.write_batch(batch, custom_metadata={"checksum": batch_checksum(batch)})
         self._file.flush()  # in the OS after this: survives a SIGKILL of this process
@@ -177,16 +203,22 @@ def _open(path: Path, source: pa.NativeFile):
     if md.get("format") != FORMAT:
         raise ValueError(f"{path}: format {md.get('format')!r} is not {FORMAT!r}")
     if md.get("version") not in READS:
-        raise ValueError(f"{path}: trace schema version {md.get('version')!r}, this samestep reads versions "
-                         f"{READS[0]} to {VERSION}; compare traces written by the same samestep version")
+        raise ValueError(
+            f"{path}: trace schema version {md.get('version')!r}, this samestep reads versions "
+            f"{READS[0]} to {VERSION}; compare traces written by the same samestep version"
+        )
     if md.get("checksum") != _meta_checksum(md.get("meta", "")) or not reader.schema.equals(SCHEMA):
-        raise DamagedStream(f"{path}: damaged: its header (schema or run metadata, byte 0) does not match its "
-                            "checksum; the stream cannot be trusted")
+        raise DamagedStream(
+            f"{path}: damaged: its header (schema or run metadata, byte 0) does not match its "
+            "checksum; the stream cannot be trusted"
+        )
     meta = {**json.loads(md["meta"]), "stream_version": int(md["version"])}
     named = _NAMED.match(path.name)
     if named is not None and meta.get("rank") != int(named.group(1)):
-        raise ValueError(f"{path}: its header says rank {meta.get('rank')!r}; a stream is named rank_RRRRR.arrows "
-                         "after the rank that wrote it (a file copied over another's: move it back, or remove it)")
+        raise ValueError(
+            f"{path}: its header says rank {meta.get('rank')!r}; a stream is named rank_RRRRR.arrows "
+            "after the rank that wrote it (a file copied over another's: move it back, or remove it)"
+        )
     return reader, meta
 
 
@@ -267,13 +299,17 @@ def iter_stream(path: Path) -> tuple[dict[str, Any], Iterator[pa.RecordBatch], l
                 return
             except (pa.ArrowException, OSError) as e:
                 if not _cut_short(path, at):
-                    raise DamagedStream(f"{path}: damaged: the record batch at byte {at} does not decode ({e}); "
-                                        "nothing is concluded from it or what follows it") from None
+                    raise DamagedStream(
+                        f"{path}: damaged: the record batch at byte {at} does not decode ({e}); "
+                        "nothing is concluded from it or what follows it"
+                    ) from None
                 torn.append(f"torn tail at byte {at}: {e}")
                 return
             if not _matches(got):
-                raise DamagedStream(f"{path}: damaged: the record batch at byte {at} does not match its checksum; "
-                                    "nothing is concluded from it or what follows it")
+                raise DamagedStream(
+                    f"{path}: damaged: the record batch at byte {at} does not match its checksum; "
+                    "nothing is concluded from it or what follows it"
+                )
             yield got.batch
 
     return meta, batches(), torn

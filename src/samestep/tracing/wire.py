@@ -64,9 +64,11 @@ def describe(t: torch.Tensor) -> tuple:
             return t.data_ptr(), t.nbytes
         if not (t.is_conj() or t.is_neg() or t.is_quantized or t.is_nested):
             return t.data_ptr(), _span(t), str(t.dtype).removeprefix("torch."), tuple(t.shape), t.stride()
-    raise ValueError(f"trace.worker=process digests dense CPU tensors only, got one ({t.layout}, on {t.device}, "
-                     f"conjugate or negative bit {t.is_conj() or t.is_neg()}); use trace.worker=thread "
-                     "(samestep.trace(..., worker='thread'))")
+    raise ValueError(
+        f"trace.worker=process digests dense CPU tensors only, got one ({t.layout}, on {t.device}, "
+        f"conjugate or negative bit {t.is_conj() or t.is_neg()}); use trace.worker=thread "
+        "(samestep.trace(..., worker='thread'))"
+    )
 
 
 def describe_all(tensors: list[torch.Tensor]) -> list[tuple] | None:

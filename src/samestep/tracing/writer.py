@@ -38,8 +38,6 @@ def readable(t: torch.Tensor) -> bool:
     return t.layout == torch.strided and not (t.is_quantized or t.is_nested or t.is_meta)
 
 
-
-
 def batch_lanes(packs: list[Packed], tensors: list[torch.Tensor]) -> list[list[int]]:
     """The lanes of a batch's staged tensors: its packs' entries, then ``tensors`` (see ``write_lanes``)."""
     try:
@@ -73,22 +71,37 @@ def state_digests(b: Batch) -> list[bytes]:
     return out
 
 
-def write_lanes(writer: StreamWriter, b: Columns, pack_sizes: list[int], lanes: list[list[int]],
-                hashed: list[bytes]) -> None:
+def write_lanes(
+    writer: StreamWriter, b: Columns, pack_sizes: list[int], lanes: list[list[int]], hashed: list[bytes]
+) -> None:
     """Appends a batch's records, given the lanes of its packs' entries (``pack_sizes`` of them per
     pack), then of its tensors, and the digests of its state tensors (``hashed``)."""
     first, in_packs = [], 0  # lanes come packs' entries first, then the tensors
     for size in pack_sizes:
         first.append(in_packs)
         in_packs += size
-    at = [first[c] + e if c >= 0 else in_packs + e if c != HASHED else ~e
-          for c, e in zip(b.slot_chunk, b.slot_entry)]
+    at = [first[c] + e if c >= 0 else in_packs + e if c != HASHED else ~e for c, e in zip(b.slot_chunk, b.slot_entry)]
     # One row per reference, then a zero row: NO_REF (-1) picks it (UNINIT).
-    digests = np.frombuffer(b"".join([finish(head, lanes[i]) if (i := at[slot]) >= 0 else hashed[~i] for slot, head
-                                      in zip(b.ref_slot, b.ref_head)]) + UNINIT, dtype=np.uint8).reshape(-1, 16)
+    digests = np.frombuffer(
+        b"".join(
+            [
+                finish(head, lanes[i]) if (i := at[slot]) >= 0 else hashed[~i]
+                for slot, head in zip(b.ref_slot, b.ref_head)
+            ]
+        )
+        + UNINIT,
+        dtype=np.uint8,
+    ).reshape(-1, 16)
     n = len(b.step)
-    cols = {"seq": pa.array(np.arange(b.first_seq, b.first_seq + n, dtype=np.int64)), "step": b.step,
-            "microbatch": b.mb, "phase": b.phase, "scope": b.scope, "op": b.op, "occurrence": b.occ}
+    cols = {
+        "seq": pa.array(np.arange(b.first_seq, b.first_seq + n, dtype=np.int64)),
+        "step": b.step,
+        "microbatch": b.mb,
+        "phase": b.phase,
+        "scope": b.scope,
+        "op": b.op,
+        "occurrence": b.occ,
+    }
     for name, refs, ends in (("inputs", b.ins, b.in_end), ("outputs", b.outs, b.out_end)):
         data = digests[np.asarray(refs, dtype=np.int64)].tobytes() if refs else b""
         offsets = np.zeros(n + 1, dtype=np.int32)

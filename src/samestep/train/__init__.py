@@ -6,5 +6,4 @@ from samestep.train.loop import train
 from samestep.train.model import GPT
 from samestep.train.model_config import ModelConfig
 
-__all__ = ["GPT", "Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TrainConfig",
-           "load_config", "train"]
+__all__ = ["GPT", "Config", "DataConfig", "DeterminismConfig", "ModelConfig", "TrainConfig", "load_config", "train"]

@@ -41,7 +41,7 @@ def activation_floor(cfg: Config, vocab: int) -> int:
     if m.arch != "gpt":
         return logits
     heads = max(m.n_head // tp, 1)
-    return logits + m.n_layer * (b * heads * m.block_size ** 2 * 4 * 2 + m.block_size ** 2)
+    return logits + m.n_layer * (b * heads * m.block_size**2 * 4 * 2 + m.block_size**2)
 
 
 def available_memory(device: torch.device) -> int | None:
@@ -68,9 +68,11 @@ def check_capacity(cfg: Config, vocab: int, corpus_tokens: int, device: torch.de
     t, m = cfg.train, cfg.model
     step_tokens = t.global_batch * m.block_size
     if step_tokens > corpus_tokens:
-        raise ValueError(f"train.global_batch={t.global_batch} x model.block_size={m.block_size} = {step_tokens:,} "
-                         f"tokens a step, but the corpus holds {corpus_tokens:,}: one step would read it "
-                         f"{step_tokens / max(corpus_tokens, 1):,.1f} times over; lower train.global_batch")
+        raise ValueError(
+            f"train.global_batch={t.global_batch} x model.block_size={m.block_size} = {step_tokens:,} "
+            f"tokens a step, but the corpus holds {corpus_tokens:,}: one step would read it "
+            f"{step_tokens / max(corpus_tokens, 1):,.1f} times over; lower train.global_batch"
+        )
     params = parameter_floor(cfg, vocab)
     shards = world if cfg.parallel.fsdp and world > 1 else 1
     # the canonical tree keeps a gradient per level of its binary counter (distributed/tree.py)
@@ -78,14 +80,18 @@ def check_capacity(cfg: Config, vocab: int, corpus_tokens: int, device: torch.de
     need = params * (_BYTES_PER_PARAMETER + 4 * levels) // shards
     have = available_memory(device)
     if have is not None and need > have:
-        raise ValueError(f"model.n_layer={m.n_layer}, model.n_embd={m.n_embd} (vocabulary {vocab:,}) is at least "
-                         f"{params:,} parameters: {need / 2**30:,.1f} GiB for weights, gradients, optimizer state "
-                         f"and a checkpoint's copy on each process, and {have / 2**30:,.1f} GiB is available on "
-                         f"{device}; choose a smaller model")
+        raise ValueError(
+            f"model.n_layer={m.n_layer}, model.n_embd={m.n_embd} (vocabulary {vocab:,}) is at least "
+            f"{params:,} parameters: {need / 2**30:,.1f} GiB for weights, gradients, optimizer state "
+            f"and a checkpoint's copy on each process, and {have / 2**30:,.1f} GiB is available on "
+            f"{device}; choose a smaller model"
+        )
     activations = activation_floor(cfg, vocab)
     if have is not None and need + activations > have:
-        raise ValueError(f"model.block_size={m.block_size} with train.micro_batch={t.micro_batch}, model.n_head="
-                         f"{m.n_head}, model.n_layer={m.n_layer} and a vocabulary of {vocab:,}: one microbatch's "
-                         f"logits and attention hold at least {activations / 2**30:,.1f} GiB, with "
-                         f"{need / 2**30:,.2f} GiB for the model's state, and {have / 2**30:,.1f} GiB is available "
-                         f"on {device}; lower model.block_size, train.micro_batch or model.vocab_size")
+        raise ValueError(
+            f"model.block_size={m.block_size} with train.micro_batch={t.micro_batch}, model.n_head="
+            f"{m.n_head}, model.n_layer={m.n_layer} and a vocabulary of {vocab:,}: one microbatch's "
+            f"logits and attention hold at least {activations / 2**30:,.1f} GiB, with "
+            f"{need / 2**30:,.2f} GiB for the model's state, and {have / 2**30:,.1f} GiB is available "
+            f"on {device}; lower model.block_size, train.micro_batch or model.vocab_size"
+        )

@@ -33,8 +33,16 @@ from samestep.distributed.shards import local_shard
 from samestep.records.receipt_writer import ReceiptWriter
 from samestep.records.rundir import checkpoints_dir
 
-__all__ = ["EXIT_FAULT", "EXIT_NONFINITE", "CrossRankCheck", "FaultDetected", "NonFinite", "RecomputeCheck",
-           "check_finite", "report_fault"]
+__all__ = [
+    "EXIT_FAULT",
+    "EXIT_NONFINITE",
+    "CrossRankCheck",
+    "FaultDetected",
+    "NonFinite",
+    "RecomputeCheck",
+    "check_finite",
+    "report_fault",
+]
 
 EXIT_FAULT = exit_codes.FAULT  # samestep train's exit code when a fault check stops the run
 EXIT_NONFINITE = exit_codes.NONFINITE  # and when a step's loss or gradient norm is not finite
@@ -48,9 +56,11 @@ class NonFinite(RuntimeError):
     """A step's loss or gradient norm is NaN or infinite; the step's update was not applied."""
 
     def __init__(self, step: int, loss: float, grad_norm: float) -> None:
-        super().__init__(f"step {step}: the loss is {loss!r} and the gradient norm {grad_norm!r}; the run stopped "
-                         f"before that step's update, with a checkpoint of step {step - 1} (lower train.lr, or set "
-                         "train.nonfinite=continue to train on)")
+        super().__init__(
+            f"step {step}: the loss is {loss!r} and the gradient norm {grad_norm!r}; the run stopped "
+            f"before that step's update, with a checkpoint of step {step - 1} (lower train.lr, or set "
+            "train.nonfinite=continue to train on)"
+        )
         self.step = step
 
 
@@ -64,8 +74,11 @@ def check_finite(step: int, loss: float, grad_norm: float, action: str) -> None:
 def report_fault(message: str, step: int, run_dir: Path, action: str) -> None:
     """Raises ``FaultDetected`` (``action="stop"``) or warns, naming the newest checkpoint before ``step``."""
     good = next((p.name for s, p in committed_steps(checkpoints_dir(run_dir)) if s < step), None)
-    where = (f"the newest checkpoint before it is {good} (samestep train --resume takes the newest; set later ones "
-             "aside)" if good else "no checkpoint precedes it (start the run again)")
+    where = (
+        f"the newest checkpoint before it is {good} (samestep train --resume takes the newest; set later ones aside)"
+        if good
+        else "no checkpoint precedes it (start the run again)"
+    )
     text = f"fault detected: {message}; {where}"
     if action == "warn":
         warnings.warn(text + " (train.sdc_action=warn: training goes on)", RuntimeWarning, stacklevel=2)
@@ -91,8 +104,14 @@ class CrossRankCheck:
     tensor parallelism each tensor rank's data ranks). Every rank gathers every digest, so a disagreement in
     any set stops every rank at the same step."""
 
-    def __init__(self, writer: ReceiptWriter, device: torch.device, run_dir: Path, action: str,
-                 peers: list[list[int]] | None = None) -> None:
+    def __init__(
+        self,
+        writer: ReceiptWriter,
+        device: torch.device,
+        run_dir: Path,
+        action: str,
+        peers: list[list[int]] | None = None,
+    ) -> None:
         self.writer, self.device, self.run_dir, self.action, self.peers = writer, device, run_dir, action, peers
         self.checked = 0
         self._pending: tuple | None = None  # (step, its sums, the all-gather's work, its output)
@@ -145,11 +164,16 @@ class CrossRankCheck:
         r = odd[0]
         name = (lambda i: ranks[i]) if ranks is not None else (lambda i: i)
         grad = _first_difference(maps[r]["grads"], maps[ref]["grads"])
-        what = (f"the reduced gradient {grad!r} differs" if grad is not None else
-                f"the parameter {_first_difference(maps[r]['params'], maps[ref]['params'])!r} differs after the update")
-        who = (f"rank {', '.join(str(name(i)) for i in odd)} disagree(s) with the other {len(keys) - len(odd)} rank(s)"
-               if majority else
-               f"rank {name(r)} and rank {name(ref)} disagree (no majority of {len(keys)} ranks tells which is wrong)")
+        what = (
+            f"the reduced gradient {grad!r} differs"
+            if grad is not None
+            else f"the parameter {_first_difference(maps[r]['params'], maps[ref]['params'])!r} differs after the update"
+        )
+        who = (
+            f"rank {', '.join(str(name(i)) for i in odd)} disagree(s) with the other {len(keys) - len(odd)} rank(s)"
+            if majority
+            else f"rank {name(r)} and rank {name(ref)} disagree (no majority of {len(keys)} ranks tells which is wrong)"
+        )
         return f"cross-rank check at step {step}: {who}: {what}"
 
     def close(self) -> None:
@@ -164,9 +188,17 @@ class RecomputeCheck:
     gradient alone right after their backward; ``any_rank(flag)``: whether any rank's flag is set (every rank
     gets the same answer)."""
 
-    def __init__(self, every: int, forward: Callable[..., torch.Tensor],
-                 named_params: list[tuple[str, torch.nn.Parameter]], firsts: list[int], rank: int,
-                 run_dir: Path, action: str, any_rank: Callable[[bool], bool]) -> None:
+    def __init__(
+        self,
+        every: int,
+        forward: Callable[..., torch.Tensor],
+        named_params: list[tuple[str, torch.nn.Parameter]],
+        firsts: list[int],
+        rank: int,
+        run_dir: Path,
+        action: str,
+        any_rank: Callable[[bool], bool],
+    ) -> None:
         self.every, self.forward, self.firsts, self.rank, self.any_rank = every, forward, firsts, rank, any_rank
         self.named = [(n, p) for n, p in named_params if p.requires_grad]
         self.run_dir, self.action = run_dir, action
@@ -182,12 +214,18 @@ class RecomputeCheck:
         """Runs the microbatch again (nothing recorded, no ``p.grad`` touched) against its first run."""
         again = self.forward(step, microbatch, x, y)
         grads = torch.autograd.grad(again, [p for _, p in self.named], allow_unused=True)
-        differ = [name for (name, p), g in zip(self.named, grads)
-                  if (p.grad is None) != (g is None) or (g is not None and not _same(g, p.grad))]
+        differ = [
+            name
+            for (name, p), g in zip(self.named, grads)
+            if (p.grad is None) != (g is None) or (g is not None and not _same(g, p.grad))
+        ]
         loss_differs = not _same(again.detach(), loss.detach())
         if differ or loss_differs:
-            grads_text = f"{len(differ)} of {len(self.named)} gradients differ, first {differ[0]!r}" if differ else \
-                "its gradients agree"
+            grads_text = (
+                f"{len(differ)} of {len(self.named)} gradients differ, first {differ[0]!r}"
+                if differ
+                else "its gradients agree"
+            )
             self.found = f"{'its loss differs; ' if loss_differs else ''}{grads_text}"
 
     def settle(self, step: int, microbatch: int | None) -> None:
@@ -197,8 +235,11 @@ class RecomputeCheck:
             return
         found, self.found = self.found, None
         if self.any_rank(found is not None):
-            message = (f"recompute check at step {step + 1}, microbatch {microbatch} on rank {self.rank}: {found}"
-                       if found is not None else f"recompute check at step {step + 1}: another rank found a mismatch")
+            message = (
+                f"recompute check at step {step + 1}, microbatch {microbatch} on rank {self.rank}: {found}"
+                if found is not None
+                else f"recompute check at step {step + 1}: another rank found a mismatch"
+            )
             report_fault(message, step + 1, self.run_dir, self.action)
 
 

@@ -28,14 +28,38 @@ PP_SCHEDULES = ("1f1b", "gpipe")
 # Named starting points (``--preset NAME``); a config file and --set apply on top.
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     # a 12.8M-parameter Llama-style decoder on byte tokens, a few hundred ms per step on one CPU core
-    "small": {"model": {"arch": "llama", "n_layer": 8, "n_embd": 384, "n_head": 6, "n_kv_head": 2,
-                        "block_size": 128, "dropout": 0.0},
-              "train": {"global_batch": 4, "micro_batch": 1, "precision": "bf16"}},
+    "small": {
+        "model": {
+            "arch": "llama",
+            "n_layer": 8,
+            "n_embd": 384,
+            "n_head": 6,
+            "n_kv_head": 2,
+            "block_size": 128,
+            "dropout": 0.0,
+        },
+        "train": {"global_batch": 4, "micro_batch": 1, "precision": "bf16"},
+    },
     # a 133M-parameter Llama-style decoder (GPT-2-small class) for one GPU
-    "gpu": {"model": {"arch": "llama", "n_layer": 12, "n_embd": 1024, "n_head": 16, "n_kv_head": 4,
-                      "block_size": 1024, "dropout": 0.0},
-            "train": {"device": "cuda", "global_batch": 32, "micro_batch": 8, "precision": "bf16", "lr": 6e-4,
-                      "min_lr": 6e-5}},
+    "gpu": {
+        "model": {
+            "arch": "llama",
+            "n_layer": 12,
+            "n_embd": 1024,
+            "n_head": 16,
+            "n_kv_head": 4,
+            "block_size": 1024,
+            "dropout": 0.0,
+        },
+        "train": {
+            "device": "cuda",
+            "global_batch": 32,
+            "micro_batch": 8,
+            "precision": "bf16",
+            "lr": 6e-4,
+            "min_lr": 6e-5,
+        },
+    },
 }
 
 
@@ -114,20 +138,26 @@ class TrainConfig:
         largest = FLOAT32_MAX * (1.0 - self.beta1)
         for name in ("lr", "min_lr"):
             if getattr(self, name) > largest:
-                raise ValueError(f"train.{name}={getattr(self, name)!r} overflows float32 in AdamW's update (at most "
-                                 f"{largest:.3g} with train.beta1={self.beta1}); choose a smaller learning rate")
+                raise ValueError(
+                    f"train.{name}={getattr(self, name)!r} overflows float32 in AdamW's update (at most "
+                    f"{largest:.3g} with train.beta1={self.beta1}); choose a smaller learning rate"
+                )
         if self.global_batch % self.micro_batch:
-            raise ValueError(f"train.global_batch={self.global_batch} is not a multiple of "
-                             f"train.micro_batch={self.micro_batch}; make it one (e.g. "
-                             f"{self.global_batch - self.global_batch % self.micro_batch or self.micro_batch})")
+            raise ValueError(
+                f"train.global_batch={self.global_batch} is not a multiple of "
+                f"train.micro_batch={self.micro_batch}; make it one (e.g. "
+                f"{self.global_batch - self.global_batch % self.micro_batch or self.micro_batch})"
+            )
         parse_signals(self.exit_signals)
         if self.precision not in PRECISIONS:
             raise ValueError(f"train.precision={self.precision!r} must be one of {', '.join(PRECISIONS)}")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"train.device={self.device!r} must be 'auto', 'cpu' or 'cuda'")
         if self.receipt_hash not in ("auto", *STATE_HASHES):
-            raise ValueError(f"train.receipt_hash={self.receipt_hash!r} must be 'auto' or one of "
-                             f"{', '.join(map(repr, STATE_HASHES))}")
+            raise ValueError(
+                f"train.receipt_hash={self.receipt_hash!r} must be 'auto' or one of "
+                f"{', '.join(map(repr, STATE_HASHES))}"
+            )
         if self.sdc_action not in ("stop", "warn"):
             raise ValueError(f"train.sdc_action={self.sdc_action!r} must be 'stop' or 'warn'")
         if self.nonfinite not in ("stop", "continue"):
@@ -136,8 +166,15 @@ class TrainConfig:
             from samestep.train.faults import Fault
 
             Fault.parse(self.fault)
-        for name in ("seed", "warmup_steps", "checkpoint_every", "sdc_check_every", "min_lr", "weight_decay",
-                     "grad_clip"):
+        for name in (
+            "seed",
+            "warmup_steps",
+            "checkpoint_every",
+            "sdc_check_every",
+            "min_lr",
+            "weight_decay",
+            "grad_clip",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name}={getattr(self, name)!r} must not be negative")
 
@@ -257,16 +294,22 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         positive("parallel", self, "tp", "pp", "ep")
         if self.pp_schedule not in PP_SCHEDULES:
-            raise ValueError(f"parallel.pp_schedule={self.pp_schedule!r} is unknown; use "
-                             f"{' or '.join(PP_SCHEDULES)} (none with several stages a rank or a split backward)")
+            raise ValueError(
+                f"parallel.pp_schedule={self.pp_schedule!r} is unknown; use "
+                f"{' or '.join(PP_SCHEDULES)} (none with several stages a rank or a split backward)"
+            )
         if self.tp_chunks < 0:
             raise ValueError(f"parallel.tp_chunks={self.tp_chunks} is negative; use 0 (plain layers) or 1, 2, 4, 8, 16")
         if self.tp > 1 and not self.tp_chunks:
-            raise ValueError(f"parallel.tp={self.tp} needs parallel.tp_chunks, the fixed chunks every degree computes "
-                             "in. Fix: --set parallel.tp_chunks=8")
+            raise ValueError(
+                f"parallel.tp={self.tp} needs parallel.tp_chunks, the fixed chunks every degree computes "
+                "in. Fix: --set parallel.tp_chunks=8"
+            )
         if self.sp and not self.tp_chunks:
-            raise ValueError("parallel.sp=true needs parallel.tp_chunks, the fixed chunks the norms' gradients sum "
-                             "the sequence in. Fix: --set parallel.tp_chunks=8")
+            raise ValueError(
+                "parallel.sp=true needs parallel.tp_chunks, the fixed chunks the norms' gradients sum "
+                "the sequence in. Fix: --set parallel.tp_chunks=8"
+            )
 
 
 @dataclass(kw_only=True, slots=True)
@@ -302,8 +345,12 @@ class Config:
             docs: dict[str, str] = {}
             body = ast.parse(inspect.getsource(cls)).body[0].body
             for node, after in zip(body, body[1:]):
-                if isinstance(node, ast.AnnAssign) and isinstance(after, ast.Expr) and \
-                        isinstance(after.value, ast.Constant) and isinstance(after.value.value, str):
+                if (
+                    isinstance(node, ast.AnnAssign)
+                    and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant)
+                    and isinstance(after.value.value, str)
+                ):
                     docs[node.target.id] = " ".join(after.value.value.split())
             for f in dataclasses.fields(cls):
                 out.append((f"{section.name}.{f.name}", getattr(cls(), f.name), docs.get(f.name, "")))

@@ -25,18 +25,23 @@ def build(raw: dict[str, Any], where: str = "config") -> Config:
     """
     sections = {f.name: f.default_factory for f in dataclasses.fields(Config)}  # type: ignore[misc]
     if unknown := sorted(set(raw) - set(sections)):
-        raise ValueError(f"{where}: unknown section(s) {unknown}{did_you_mean(unknown[0], sections)}; known: "
-                         f"{sorted(sections)}")
+        raise ValueError(
+            f"{where}: unknown section(s) {unknown}{did_you_mean(unknown[0], sections)}; known: {sorted(sections)}"
+        )
     built = {}
     for name, factory in sections.items():
         values = raw.get(name, {})
         if not isinstance(values, dict):
-            raise ValueError(f"{where}: {name} = {values!r} is not a section; write [{name}] and its keys "
-                             f"under it (e.g. [{name}] then key = value)")
+            raise ValueError(
+                f"{where}: {name} = {values!r} is not a section; write [{name}] and its keys "
+                f"under it (e.g. [{name}] then key = value)"
+            )
         known = {f.name for f in dataclasses.fields(factory())}
         if bad := sorted(set(values) - known):
-            raise ValueError(f"{where}: unknown key(s) {', '.join(f'{name}.{k}' for k in bad)}"
-                             f"{did_you_mean(bad[0], known, name + '.')}; known: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"{where}: unknown key(s) {', '.join(f'{name}.{k}' for k in bad)}"
+                f"{did_you_mean(bad[0], known, name + '.')}; known: {', '.join(sorted(known))}"
+            )
         base = factory()
         for key, value in values.items():
             values[key] = _coerce(f"{where}: {name}.{key}", getattr(base, key), value)
@@ -64,8 +69,9 @@ def _coerce(where: str, default: Any, value: Any) -> Any:
     return value
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (),
-                preset: str | None = None) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = (), preset: str | None = None
+) -> Config:
     """Starts from a preset (optional, ``PRESETS``), reads a TOML file over it (optional), applies
     ``section.key=value`` overrides, and validates.
 
@@ -101,7 +107,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ValueError(f"--set {item!r}: expected section.key=value, e.g. train.steps=50")
         table = raw.setdefault(section, {})
         if not isinstance(table, dict):
-            raise ValueError(f"{where}: {section} = {table!r} is not a section; write [{section}] and its keys "
-                             "under it")
+            raise ValueError(
+                f"{where}: {section} = {table!r} is not a section; write [{section}] and its keys under it"
+            )
         table[key] = value
     return build(raw, where if not overrides else f"{where} with --set")

@@ -34,5 +34,6 @@ def at_most(section: str, obj: Any, limit: int, *names: str) -> None:
     for name in names:
         value = getattr(obj, name)
         if value > limit:
-            raise ValueError(f"{section}.{name}={value!r} is larger than samestep accepts ({limit:,}); choose a "
-                             "smaller value")
+            raise ValueError(
+                f"{section}.{name}={value!r} is larger than samestep accepts ({limit:,}); choose a smaller value"
+            )

@@ -33,23 +33,37 @@ def check_ep(cfg: Config, world: int) -> None:
     if par.ep == 1:
         return
     if not m.moe_experts:
-        raise ValueError(f"parallel.ep={par.ep} spreads the experts of MoE layers, and model.moe_experts=0. Fix: "
-                         "--set model.moe_experts=8 (or leave parallel.ep=1)")
-    why = {"parallel.tp_chunks": par.tp_chunks > 0, "parallel.pp": par.pp > 1, "parallel.fsdp": par.fsdp,
-           "train.compile": t.compile, "train.sdc_check_every": t.sdc_check_every > 0, "train.fault": bool(t.fault)}
+        raise ValueError(
+            f"parallel.ep={par.ep} spreads the experts of MoE layers, and model.moe_experts=0. Fix: "
+            "--set model.moe_experts=8 (or leave parallel.ep=1)"
+        )
+    why = {
+        "parallel.tp_chunks": par.tp_chunks > 0,
+        "parallel.pp": par.pp > 1,
+        "parallel.fsdp": par.fsdp,
+        "train.compile": t.compile,
+        "train.sdc_check_every": t.sdc_check_every > 0,
+        "train.fault": bool(t.fault),
+    }
     for field, on in why.items():
         if on:
             raise ValueError(f"parallel.ep={par.ep} with {field} is not supported yet; use one of them")
     if m.moe_experts % par.ep:
-        raise ValueError(f"parallel.ep={par.ep} does not divide model.moe_experts={m.moe_experts} into whole experts "
-                         f"a rank. Fix: --set parallel.ep to a divisor of {m.moe_experts}")
+        raise ValueError(
+            f"parallel.ep={par.ep} does not divide model.moe_experts={m.moe_experts} into whole experts "
+            f"a rank. Fix: --set parallel.ep to a divisor of {m.moe_experts}"
+        )
     if world % par.ep:
-        raise ValueError(f"parallel.ep={par.ep} does not divide the {world} process(es) into groups of {par.ep}. "
-                         f"Fix: --nproc a multiple of {par.ep}")
+        raise ValueError(
+            f"parallel.ep={par.ep} does not divide the {world} process(es) into groups of {par.ep}. "
+            f"Fix: --nproc a multiple of {par.ep}"
+        )
     if m.arch == "gpt" and m.dropout > 0:
-        raise ValueError(f"parallel.ep={par.ep} with model.arch=gpt and model.dropout={m.dropout}: the GPT's experts "
-                         "draw their dropout masks in expert order from one generator, which experts on other ranks "
-                         "cannot share. Fix: --set model.dropout=0, or model.arch=llama (its experts draw none)")
+        raise ValueError(
+            f"parallel.ep={par.ep} with model.arch=gpt and model.dropout={m.dropout}: the GPT's experts "
+            "draw their dropout masks in expert order from one generator, which experts on other ranks "
+            "cannot share. Fix: --set model.dropout=0, or model.arch=llama (its experts draw none)"
+        )
 
 
 class _Absent(nn.Module):
@@ -133,12 +147,16 @@ class ExpertLayout:
         flat = gather_rows([torch.cat(mine) if mine else torch.zeros(0)], self.group)[0]  # rank by rank
         experts = [n for r in range(self.size) for n in self.order if self.owner.get(n) == r]
         theirs = dict(zip(experts, flat.split([self._shapes[n][0] if self._shapes[n] else 1 for n in experts])))
-        rows = [theirs[n] if n in self._experts else row_squares(grads[n]) for n in self.order
-                if n in self._experts or n in grads]
+        rows = [
+            theirs[n] if n in self._experts else row_squares(grads[n])
+            for n in self.order
+            if n in self._experts or n in grads
+        ]
         return torch.cat(rows).sum().sqrt()
 
-    def whole_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def whole_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The model's and optimizer's ``state_dict()`` as one process holds them: the experts gathered over
         the group (a collective over it), the rest this rank's own."""
         return self.parts.whole_state(model, optimizer, self.group, device, gathered=self._experts.__contains__)

@@ -25,8 +25,11 @@ from samestep.distributed.shards import local_shard
 __all__ = ["Fault", "flip_bit"]
 
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-_KEYS = {"output": ("rank", "step", "microbatch", "module", "bit"), "param": ("rank", "step", "name", "bit"),
-         "grad": ("rank", "step", "name", "bit")}
+_KEYS = {
+    "output": ("rank", "step", "microbatch", "module", "bit"),
+    "param": ("rank", "step", "name", "bit"),
+    "grad": ("rank", "step", "name", "bit"),
+}
 
 
 def flip_bit(t: torch.Tensor, bit: int) -> None:
@@ -60,9 +63,14 @@ class Fault:
             fields = dict(item.split("=", 1) for item in rest.split(","))
             if kind not in _KEYS or set(fields) != set(_KEYS[kind]):
                 raise ValueError
-            return cls(kind=kind, rank=int(fields["rank"]), step=int(fields["step"]),
-                       target=fields["module"] if kind == "output" else fields["name"], bit=int(fields["bit"]),
-                       microbatch=int(fields.get("microbatch", -1)))
+            return cls(
+                kind=kind,
+                rank=int(fields["rank"]),
+                step=int(fields["step"]),
+                target=fields["module"] if kind == "output" else fields["name"],
+                bit=int(fields["bit"]),
+                microbatch=int(fields.get("microbatch", -1)),
+            )
         except ValueError:
             raise ValueError(
                 f"train.fault={text!r}: expected 'output:rank=R,step=S,microbatch=M,module=PATH,bit=B', "
@@ -73,8 +81,9 @@ class Fault:
         """Hooks the module of an output fault on its rank (raises naming a module or parameter not there)."""
         names = dict(model.named_modules()) if self.kind == "output" else dict(model.named_parameters())
         if self.target not in names:
-            raise ValueError(f"train.fault: the model has no {'module' if self.kind == 'output' else 'parameter'} "
-                             f"{self.target!r}")
+            raise ValueError(
+                f"train.fault: the model has no {'module' if self.kind == 'output' else 'parameter'} {self.target!r}"
+            )
         size = 64 if self.kind == "output" else 8 * names[self.target].element_size()  # an output's: when it fires
         if not 0 <= self.bit < size:
             raise ValueError(f"train.fault: bit={self.bit} is not a bit of a {size}-bit value")
@@ -99,8 +108,12 @@ class Fault:
     def after(self, stage: str, step: int, named_params: list[tuple[str, torch.nn.Parameter]], rank: int) -> None:
         """At ``stage`` "reduce" (the reduced gradients, before clipping) or "update" (after the optimizer
         step) of step ``step`` (0-based): flips a grad or param fault's bit, on its rank, once."""
-        if self.kind != {"reduce": "grad", "update": "param"}[stage] or self.fired or rank != self.rank \
-                or step + 1 != self.step:
+        if (
+            self.kind != {"reduce": "grad", "update": "param"}[stage]
+            or self.fired
+            or rank != self.rank
+            or step + 1 != self.step
+        ):
             return
         self.fired = True
         p = dict(named_params)[self.target]

@@ -16,11 +16,14 @@ def job_layout(cfg: Config, world: int) -> dict[str, Any]:
     """The processes, the microbatches of each data rank, FSDP2 over more than one data rank, and the
     tensor-, pipeline- and expert-parallel degrees of a job of ``world`` processes under ``cfg``."""
     par, data = cfg.parallel, data_ranks(cfg, world)
-    return {"world_size": world, "microbatches_per_process": cfg.train.microbatches // data,
-            **({"sharded": "fsdp2"} if par.fsdp and data > 1 else {}),
-            **({"tensor_parallel": par.tp} if par.tp_chunks else {}),
-            **({"pipeline_parallel": par.pp} if par.pp > 1 else {}),
-            **({"expert_parallel": par.ep} if par.ep > 1 else {})}
+    return {
+        "world_size": world,
+        "microbatches_per_process": cfg.train.microbatches // data,
+        **({"sharded": "fsdp2"} if par.fsdp and data > 1 else {}),
+        **({"tensor_parallel": par.tp} if par.tp_chunks else {}),
+        **({"pipeline_parallel": par.pp} if par.pp > 1 else {}),
+        **({"expert_parallel": par.ep} if par.ep > 1 else {}),
+    }
 
 
 def written_layout(loaded: Any) -> dict[str, Any]:

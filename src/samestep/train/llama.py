@@ -102,8 +102,9 @@ class Block(nn.Module):
         self.mlp = MoE(cfg, deterministic, SwiGLU) if cfg.moe_experts else SwiGLU(cfg)
         self.sequence: SequenceShard | None = None  # set by parallel.sp: the residual stream's block of the sequence
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p: float,
-                gen: torch.Generator | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, p: float, gen: torch.Generator | None
+    ) -> torch.Tensor:
         x = x + dropout(self.attn(self.attn_norm(x), cos, sin), p, gen, self.training, self.sequence)
         return x + dropout(self.mlp(self.mlp_norm(x), gen), p, gen, self.training, self.sequence)
 
@@ -169,8 +170,15 @@ class Llama(Decoder):
         """The SDPA backend PyTorch's dispatcher picks for this model's attention in training (eager; a
         compiled model's attention is Inductor's lowering of the same op)."""
         dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-        q = torch.zeros(micro_batch, self.cfg.n_head, self.cfg.block_size, self.cfg.n_embd // self.cfg.n_head,
-                        dtype=dtype, device=device, requires_grad=True)
+        q = torch.zeros(
+            micro_batch,
+            self.cfg.n_head,
+            self.cfg.block_size,
+            self.cfg.n_embd // self.cfg.n_head,
+            dtype=dtype,
+            device=device,
+            requires_grad=True,
+        )
         from torch.nn.attention import SDPBackend
 
         return SDPBackend(torch._fused_sdp_choice(q, q, q, is_causal=True)).name

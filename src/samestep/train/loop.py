@@ -61,8 +61,14 @@ class Preempted(Exception):
         self.step, self.signal = step, signal
 
 
-def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False, stop_after: int | None = None,
-          out: Callable[[str], None] = print) -> dict[str, Any] | None:
+def train(
+    cfg: Config,
+    run_dir: str | os.PathLike[str],
+    *,
+    resume: bool = False,
+    stop_after: int | None = None,
+    out: Callable[[str], None] = print,
+) -> dict[str, Any] | None:
     """Runs (or resumes) the reference pretraining run into ``run_dir``.
 
     Args:
@@ -87,8 +93,9 @@ def train(cfg: Config, run_dir: str | os.PathLike[str], *, resume: bool = False,
     try:
         if cfg.determinism.enabled:
             # Before any process group exists: NCCL reads NCCL_ALGO when its communicator starts.
-            proto.enable(threads=cfg.determinism.threads, warn_only=cfg.determinism.warn_only,
-                           who="determinism.threads")
+            proto.enable(
+                threads=cfg.determinism.threads, warn_only=cfg.determinism.warn_only, who="determinism.threads"
+            )
         dist_ = Processes(device_kind(cfg), group_of_one=cfg.parallel.tp_chunks > 0)
         try:
             with proto.watching(parse_signals(cfg.train.exit_signals)):
@@ -109,15 +116,24 @@ def check_layout(cfg: Config, world: int) -> None:
     check_ep(cfg, world)
     world = data_ranks(cfg, world)
     if t.microbatches % world:
-        raise ValueError(f"train.global_batch={t.global_batch} / train.micro_batch={t.micro_batch} = "
-                         f"{t.microbatches} microbatches do not split over {world} processes; use a process count "
-                         f"that divides {t.microbatches}")
+        raise ValueError(
+            f"train.global_batch={t.global_batch} / train.micro_batch={t.micro_batch} = "
+            f"{t.microbatches} microbatches do not split over {world} processes; use a process count "
+            f"that divides {t.microbatches}"
+        )
     if cfg.determinism.enabled:
         validate_layout(world, t.microbatches // world)
 
 
-def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
-           out: Callable[[str], None], dist_: Processes, proto: RunProtocol) -> dict[str, Any] | None:
+def _train(
+    cfg: Config,
+    run_dir: Path,
+    resume: bool,
+    stop_after: int | None,
+    out: Callable[[str], None],
+    dist_: Processes,
+    proto: RunProtocol,
+) -> dict[str, Any] | None:
     t, world, rank, report = cfg.train, dist_.world, dist_.rank, proto.report
     check_layout(cfg, world)
     say = out if rank == 0 else (lambda _msg: None)
@@ -127,33 +143,67 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
     layout = job_layout(cfg, world)
     same = loaded is None or written_layout(loaded) == layout
     # a model in parts (pipeline stages, experts): its ranks gather the state rank 0's receipts checksum together
-    state = (trainer.receipt_state(start)
-             if _writes_receipts(trainer, dist_) or (trainer.whole is not None and t.receipts) else None)
-    check_run_files(proto, start, rank, state if _writes_receipts(trainer, dist_) else None,
-                    checkpoint=loaded, same_layout=same)
+    state = (
+        trainer.receipt_state(start)
+        if _writes_receipts(trainer, dist_) or (trainer.whole is not None and t.receipts)
+        else None
+    )
+    check_run_files(
+        proto, start, rank, state if _writes_receipts(trainer, dist_) else None, checkpoint=loaded, same_layout=same
+    )
     dist_.barrier()  # every rank has checked the run directory before rank 0 changes it
     if rank == 0:
         truncate_metrics(run_dir, start)  # first: a damaged metrics.jsonl refuses the resume before run.json records it
         if holds_run(run_dir):
-            record_resume(run_dir, {"step": start, **layout, "checkpoint": loaded.path.name if loaded else None,
-                                    "skipped": [p.name for p, _ in loaded.skipped] if loaded else [],
-                                    "env_diff": sorted(loaded.env_diff) if loaded else [],
-                                    **({"rank_env_diff": mixed} if mixed else {})})
+            record_resume(
+                run_dir,
+                {
+                    "step": start,
+                    **layout,
+                    "checkpoint": loaded.path.name if loaded else None,
+                    "skipped": [p.name for p, _ in loaded.skipped] if loaded else [],
+                    "env_diff": sorted(loaded.env_diff) if loaded else [],
+                    **({"rank_env_diff": mixed} if mixed else {}),
+                },
+            )
         else:
             corpus = trainer.corpus
-            extra = ({"attention_backend": trainer.model.attention_backend(t.micro_batch, trainer.device, t.precision)}
-                     if isinstance(trainer.model, Llama) else {})
+            extra = (
+                {"attention_backend": trainer.model.attention_backend(t.micro_batch, trainer.device, t.precision)}
+                if isinstance(trainer.model, Llama)
+                else {}
+            )
             if mixed:
                 extra["rank_env_diff"] = mixed
-            write_run(run_dir, new_run(cfg.to_dict(), layout, report.to_dict() if report is not None else None,
-                                       data={"source": corpus.description, "fingerprint": corpus.fingerprint,
-                                             "tokens": int(corpus.tokens.size)}, **extra))
+            write_run(
+                run_dir,
+                new_run(
+                    cfg.to_dict(),
+                    layout,
+                    report.to_dict() if report is not None else None,
+                    data={
+                        "source": corpus.description,
+                        "fingerprint": corpus.fingerprint,
+                        "tokens": int(corpus.tokens.size),
+                    },
+                    **extra,
+                ),
+            )
     dist_.barrier()
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     t0 = time.perf_counter()
     # a resume from the last step trains nothing: the last loss is the one logged for it
-    loss_value, stopped = _run_steps(trainer, run_dir, start, end, rank == 0, out,
-                                     logged_loss(run_dir, start) if start else float("nan"), proto, dist_)
+    loss_value, stopped = _run_steps(
+        trainer,
+        run_dir,
+        start,
+        end,
+        rank == 0,
+        out,
+        logged_loss(run_dir, start) if start else float("nan"),
+        proto,
+        dist_,
+    )
     if stopped is not None:
         dist_.barrier()
         raise Preempted(stopped, proto.stop.requested or "a signal to another rank")
@@ -169,15 +219,26 @@ def _train(cfg: Config, run_dir: Path, resume: bool, stop_after: int | None,
     if rank == 0:
         write_final(run_dir, final)
         elapsed = time.perf_counter() - t0
-        say(f"done: {t.steps} steps ({t.steps - start} here, {elapsed:.1f}s, "
+        say(
+            f"done: {t.steps} steps ({t.steps - start} here, {elapsed:.1f}s, "
             f"{(t.steps - start) * trainer.tokens_per_step / max(elapsed, 1e-9):,.0f} tok/s), final loss "
-            f"{loss_value:.4f}, state digest {final['state_digest'][:16]}")
+            f"{loss_value:.4f}, state digest {final['state_digest'][:16]}"
+        )
     dist_.barrier()
     return final
 
 
-def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bool, out: Callable[[str], None],
-               loss_value: float, proto: RunProtocol, dist_: Processes) -> tuple[float, int | None]:
+def _run_steps(
+    trainer: Trainer,
+    run_dir: Path,
+    start: int,
+    end: int,
+    writer: bool,
+    out: Callable[[str], None],
+    loss_value: float,
+    proto: RunProtocol,
+    dist_: Processes,
+) -> tuple[float, int | None]:
     """Trains steps ``start`` to ``end`` (0-based, end excluded), logging metrics (if ``writer``) and
     saving checkpoints; returns the last step's loss (``loss_value`` if there is no step to train) and
     the step after which a stop request ended it early, with a checkpoint (None if none did). The
@@ -196,10 +257,19 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
 
     def save(done: int) -> None:
         # a sharded run: each rank writes its own shards, nothing gathered; a model in parts, the whole state gathered
-        proto.save(lambda: save_checkpoint(
-            checkpoints_dir(run_dir), done, **_saved_state(trainer),
-            scheduler=trainer.schedule, data_cursor=trainer.cursor, config=trainer.cfg.to_dict(),
-            keep=t.keep_checkpoints, sharded=trainer.sharded), metrics)
+        proto.save(
+            lambda: save_checkpoint(
+                checkpoints_dir(run_dir),
+                done,
+                **_saved_state(trainer),
+                scheduler=trainer.schedule,
+                data_cursor=trainer.cursor,
+                config=trainer.cfg.to_dict(),
+                keep=t.keep_checkpoints,
+                sharded=trainer.sharded,
+            ),
+            metrics,
+        )
 
     saved = start
     try:
@@ -214,8 +284,12 @@ def _run_steps(trainer: Trainer, run_dir: Path, start: int, end: int, writer: bo
             if gathers:
                 trainer.receipt_state(done)
             # the state as final.json digests it, on the receipt thread
-            proto.receipt(done, loss_value, grad_norm,
-                            None if cross is None else {"grads": trainer.reduced, "params": trainer.named_params})
+            proto.receipt(
+                done,
+                loss_value,
+                grad_norm,
+                None if cross is None else {"grads": trainer.reduced, "params": trainer.named_params},
+            )
             if metrics is not None:
                 metrics.write(metrics_line(done, loss_value, grad_norm, lr, done * tokens_per_step))
                 metrics.flush()
@@ -266,8 +340,16 @@ def _receipts(trainer: Trainer, proto: RunProtocol, start: int, dist_: Processes
         return None
     first = genesis(trainer.cfg.to_dict(), trainer.corpus.fingerprint)
     # a rank that keeps no receipts: a writer of no file, for the check's sums alone
-    writer = proto.open_receipts(dist_.rank, start, first, state=trainer.receipt_state, optimizer=trainer.optimizer,
-                                   sharded=trainer.sharded, keep_file=writes, hash=_configured_hash(trainer))
+    writer = proto.open_receipts(
+        dist_.rank,
+        start,
+        first,
+        state=trainer.receipt_state,
+        optimizer=trainer.optimizer,
+        sharded=trainer.sharded,
+        keep_file=writes,
+        hash=_configured_hash(trainer),
+    )
     if not cross:
         return None
     trainer.reduced = []
@@ -279,8 +361,12 @@ def _receipts(trainer: Trainer, proto: RunProtocol, start: int, dist_: Processes
 def run_state(model: Any, optimizer: Any, cursor: DataCursor, step: int) -> dict[str, Any]:
     """The state that ``final.json`` digests: parameters, optimizer state, data cursor and step (of a sharded
     run: its unsharded state, ``Trainer.savable``)."""
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "data_cursor": cursor.state_dict(),
-            "step": step}
+    return {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "data_cursor": cursor.state_dict(),
+        "step": step,
+    }
 
 
 def _configured_hash(trainer: Trainer) -> str:

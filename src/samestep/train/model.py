@@ -34,8 +34,9 @@ from samestep.train.model_config import ModelConfig
 __all__ = ["GPT", "Decoder", "MoE", "chunkwise", "dropout"]
 
 
-def dropout(x: torch.Tensor, p: float, gen: torch.Generator | None, training: bool,
-            sequence: SequenceShard | None = None) -> torch.Tensor:
+def dropout(
+    x: torch.Tensor, p: float, gen: torch.Generator | None, training: bool, sequence: SequenceShard | None = None
+) -> torch.Tensor:
     """Inverted dropout with a mask drawn from ``gen`` (identity when not training or p == 0). ``sequence``:
     ``x`` (batch, positions, features) is this rank's block of a sequence split over ``sequence.degree``
     ranks, and each element is kept by its position in the whole tensor under one key drawn from ``gen`` (the
@@ -47,15 +48,15 @@ def dropout(x: torch.Tensor, p: float, gen: torch.Generator | None, training: bo
     if sequence is not None:
         key = int(torch.randint(0, 2**62, (1,), generator=gen, device=gen.device))
         B, L, C = x.shape
-        keep = _rng.positional_keep(key, (B, L * sequence.degree, C), (0, L * sequence.rank, 0), (B, L, C), p,
-                                    x.device)
+        keep = _rng.positional_keep(key, (B, L * sequence.degree, C), (0, L * sequence.rank, 0), (B, L, C), p, x.device)
         return x * keep / (1.0 - p)
     keep = torch.empty(x.shape, dtype=x.dtype, device=x.device).bernoulli_(1.0 - p, generator=gen)
     return x * keep / (1.0 - p)
 
 
-def head_dropout(att: torch.Tensor, p: float, gen: torch.Generator | None, training: bool, n_head: int,
-                 first_head: int) -> torch.Tensor:
+def head_dropout(
+    att: torch.Tensor, p: float, gen: torch.Generator | None, training: bool, n_head: int, first_head: int
+) -> torch.Tensor:
     """Dropout on attention weights (B, local heads, T, T), heads ``first_head`` on of ``n_head``: each element
     kept by its position in the whole (B, n_head, T, T) tensor under one key drawn from ``gen``, so the heads
     a tensor-parallel rank holds draw their part of the one mask, and ``gen`` advances alike on every rank."""
@@ -131,8 +132,13 @@ class Decoder(nn.Module):
 
     sequence: SequenceShard | None
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                gen: torch.Generator | None = None, part: tuple[bool, bool] | None = None) -> Any:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        gen: torch.Generator | None = None,
+        part: tuple[bool, bool] | None = None,
+    ) -> Any:
         """Logits (B, T, vocab; this rank's slice under vocab_parallel) and, with targets, the *summed* token
         cross-entropy (normalise outside). ``part``: a pipeline stage's part alone (whether it embeds, whether
         it runs the head): tokens or the stream in, the stream or the logits out; under sequence parallelism the
@@ -180,12 +186,13 @@ class MoE(nn.Module):
         # Gather: index_select's backward is an ordered index_add; x[token]'s would be index_put_ accumulate.
         rows = xt.index_select(0, token) if self.deterministic else xt[token]  # (N*k, C)
         if self.exchange is not None:  # each expert's rows to its rank, run there as here, and back
-            expert_out = self.exchange.run(rows, counts, lambda e, params, r: torch.func.functional_call(
-                self.experts[e], params, (r, gen)))
+            expert_out = self.exchange.run(
+                rows, counts, lambda e, params, r: torch.func.functional_call(self.experts[e], params, (r, gen))
+            )
         else:
             outs, start = [], 0
             for e, count in enumerate(counts):
-                outs.append(self.experts[e](rows[start:start + count], gen))
+                outs.append(self.experts[e](rows[start : start + count], gen))
                 start += count
             expert_out = torch.cat(outs)  # (N*k, C)
         w = weight.reshape(-1)[order]
@@ -223,12 +230,14 @@ class GPT(Decoder):
     def __init__(self, cfg: ModelConfig, vocab_size: int, seed: int, deterministic: bool = True) -> None:
         super().__init__()
         self.cfg, self.vocab_size = cfg, vocab_size
-        self.transformer = nn.ModuleDict({
-            "wte": (IndexEmbedding if cfg.embedding == "index" else nn.Embedding)(vocab_size, cfg.n_embd),
-            "wpe": nn.Embedding(cfg.block_size, cfg.n_embd),
-            "h": nn.ModuleList(Block(cfg, deterministic) for _ in range(cfg.n_layer)),
-            "ln_f": nn.LayerNorm(cfg.n_embd),
-        })
+        self.transformer = nn.ModuleDict(
+            {
+                "wte": (IndexEmbedding if cfg.embedding == "index" else nn.Embedding)(vocab_size, cfg.n_embd),
+                "wpe": nn.Embedding(cfg.block_size, cfg.n_embd),
+                "h": nn.ModuleList(Block(cfg, deterministic) for _ in range(cfg.n_layer)),
+                "ln_f": nn.LayerNorm(cfg.n_embd),
+            }
+        )
         self.lm_head = nn.Linear(cfg.n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying
         # set by parallel.tp_chunks: (chunks, tensor group) of the vocabulary-parallel loss

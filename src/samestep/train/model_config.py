@@ -64,11 +64,15 @@ class ModelConfig:
         if self.n_head % self.kv_heads:
             raise ValueError(f"model.n_head={self.n_head} is not a multiple of model.n_kv_head={self.n_kv_head}")
         if self.arch == "llama" and (self.n_embd // max(self.n_head, 1)) % 2:
-            raise ValueError(f"model.arch=llama needs an even head size for rotary embeddings; n_embd/n_head = "
-                             f"{self.n_embd // max(self.n_head, 1)}")
+            raise ValueError(
+                f"model.arch=llama needs an even head size for rotary embeddings; n_embd/n_head = "
+                f"{self.n_embd // max(self.n_head, 1)}"
+            )
         if self.arch == "llama" and self.embedding != "module":
-            raise ValueError(f"model.embedding={self.embedding!r} is for model.arch=gpt; the llama model looks its "
-                             "tokens up with an nn.Embedding. Fix: --set model.embedding=module")
+            raise ValueError(
+                f"model.embedding={self.embedding!r} is for model.arch=gpt; the llama model looks its "
+                "tokens up with an nn.Embedding. Fix: --set model.embedding=module"
+            )
         at_most("model", self, 1 << 16, "n_layer", "n_head", "n_embd", "block_size", "moe_experts")
         at_most("model", self, 1 << 24, "vocab_size")
         if self.n_embd % self.n_head:
@@ -78,7 +82,9 @@ class ModelConfig:
         if self.vocab_size < 0:
             raise ValueError(f"model.vocab_size={self.vocab_size} must be 0 (from data) or positive")
         if self.moe_experts < 0 or (self.moe_experts and not 1 <= self.moe_top_k <= self.moe_experts):
-            raise ValueError(f"model.moe_top_k={self.moe_top_k} must be between 1 and model.moe_experts="
-                             f"{self.moe_experts} (or set model.moe_experts=0 for a dense MLP)")
+            raise ValueError(
+                f"model.moe_top_k={self.moe_top_k} must be between 1 and model.moe_experts="
+                f"{self.moe_experts} (or set model.moe_experts=0 for a dense MLP)"
+            )
         if self.embedding not in ("module", "index"):
             raise ValueError(f"model.embedding={self.embedding!r} must be 'module' or 'index'")

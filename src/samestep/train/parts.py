@@ -37,9 +37,14 @@ class Parts:
         self.names = {id(p): aliases.get(n, n) for n, p in model.named_parameters()}
         self.split = _split(params)
 
-    def whole_state(self, model: nn.Module, optimizer: torch.optim.Optimizer, group: Any, device: torch.device,
-                    gathered: Callable[[str], bool] = lambda name: True,
-                    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def whole_state(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        group: Any,
+        device: torch.device,
+        gathered: Callable[[str], bool] = lambda name: True,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The model's and optimizer's ``state_dict()`` as one process holds them: each rank's entries of the
         names ``gathered`` picks, gathered over ``group`` (the others every rank holds alike: its own). A
         collective over ``group``."""
@@ -64,8 +69,10 @@ class Parts:
             if key.startswith("optimizer\0"):
                 _, name, field = key.split("\0")
                 states.setdefault(index[name], {})[field] = value
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in names]}
-                  for g, names in zip(sd["param_groups"], self.groups)]
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in names]}
+            for g, names in zip(sd["param_groups"], self.groups)
+        ]
         return model_sd, {"state": dict(sorted(states.items())), "param_groups": groups}
 
     def loaders(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[Any, Any]:
@@ -73,9 +80,12 @@ class Parts:
         each tensor rank's shards of it)."""
         from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer
 
-        return (_PartModel(model, ShardedModel(model) if self.split else model),
-                _PartOptimizer(optimizer, self.groups, self.names,
-                               ShardedOptimizer(optimizer) if self.split else optimizer))
+        return (
+            _PartModel(model, ShardedModel(model) if self.split else model),
+            _PartOptimizer(
+                optimizer, self.groups, self.names, ShardedOptimizer(optimizer) if self.split else optimizer
+            ),
+        )
 
 
 class _PartModel:
@@ -95,8 +105,9 @@ class _PartModel:
 class _PartOptimizer:
     """``load_state_dict`` of the whole optimizer's state into a part's: its parameters' entries, by name."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, groups: list[list[str]], names: dict[int, str],
-                 into: Any) -> None:
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, groups: list[list[str]], names: dict[int, str], into: Any
+    ) -> None:
         self.optimizer, self.groups, self.names, self.into = optimizer, groups, names, into
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -104,6 +115,8 @@ class _PartOptimizer:
         local = [[self.names[id(p)] for p in g["params"]] for g in self.optimizer.param_groups]
         index = {n: i for i, n in enumerate(n for g in local for n in g)}
         states = {index[whole[int(i)]]: s for i, s in state["state"].items() if whole[int(i)] in index}
-        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in names]}
-                  for g, names in zip(state["param_groups"], local)]
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in names]}
+            for g, names in zip(state["param_groups"], local)
+        ]
         self.into.load_state_dict({"state": states, "param_groups": groups})

@@ -51,25 +51,35 @@ def check_pp(cfg: Config, world: int) -> None:
     par, t = cfg.parallel, cfg.train
     if par.pp == 1:
         return
-    why = {"parallel.fsdp with parallel.tp_chunks": par.fsdp and par.tp_chunks > 0,
-           "parallel.fsdp with model.arch=gpt (its head tied to the embedding across stages)":
-               par.fsdp and cfg.model.arch == "gpt", "train.compile": t.compile,
-           "train.sdc_check_every": t.sdc_check_every > 0, "train.fault": bool(t.fault)}
+    why = {
+        "parallel.fsdp with parallel.tp_chunks": par.fsdp and par.tp_chunks > 0,
+        "parallel.fsdp with model.arch=gpt (its head tied to the embedding across stages)": par.fsdp
+        and cfg.model.arch == "gpt",
+        "train.compile": t.compile,
+        "train.sdc_check_every": t.sdc_check_every > 0,
+        "train.fault": bool(t.fault),
+    }
     for field, on in why.items():
         if on:
             raise ValueError(f"parallel.pp={par.pp} with {field} is not supported yet; use one of them")
     if cfg.model.n_layer < par.pp:
-        raise ValueError(f"parallel.pp={par.pp} stages need a block each, and model.n_layer={cfg.model.n_layer}. "
-                         f"Fix: --set parallel.pp={cfg.model.n_layer} or fewer")
+        raise ValueError(
+            f"parallel.pp={par.pp} stages need a block each, and model.n_layer={cfg.model.n_layer}. "
+            f"Fix: --set parallel.pp={cfg.model.n_layer} or fewer"
+        )
     tp = par.tp if par.tp_chunks else 1
     if world % (par.pp * tp):
-        raise ValueError(f"parallel.pp={par.pp} does not divide the {world} process(es) into data ranks of {par.pp} "
-                         f"stages{f' of {tp} tensor ranks' if tp > 1 else ''} each. Fix: --nproc a multiple of "
-                         f"{par.pp * tp}")
+        raise ValueError(
+            f"parallel.pp={par.pp} does not divide the {world} process(es) into data ranks of {par.pp} "
+            f"stages{f' of {tp} tensor ranks' if tp > 1 else ''} each. Fix: --nproc a multiple of "
+            f"{par.pp * tp}"
+        )
     k = t.microbatches // max(world // (par.pp * tp), 1)
     if par.pp_schedule == "1f1b" and k < par.pp:
-        raise ValueError(f"parallel.pp_schedule=1f1b needs at least parallel.pp={par.pp} microbatches a data rank; "
-                         f"it has {k}. Fix: --set parallel.pp_schedule=gpipe, or more train.global_batch")
+        raise ValueError(
+            f"parallel.pp_schedule=1f1b needs at least parallel.pp={par.pp} microbatches a data rank; "
+            f"it has {k}. Fix: --set parallel.pp_schedule=gpipe, or more train.global_batch"
+        )
 
 
 class Skipped(nn.Module):
@@ -139,10 +149,12 @@ class Pipeline:
         data = world // (pp * tp)
         self.stage = s = rank // tp % pp
         self.parts = Parts(model)  # before the model is cut to the stage
-        dims = [(n, size) for n, size in (("data", data), ("pipe", pp), ("tensor", tp))
-                if size > 1 or n == "pipe" or (n == "tensor" and cfg.parallel.tp_chunks)]
-        mesh = init_device_mesh(device.type, tuple(size for _, size in dims),
-                                mesh_dim_names=tuple(n for n, _ in dims))
+        dims = [
+            (n, size)
+            for n, size in (("data", data), ("pipe", pp), ("tensor", tp))
+            if size > 1 or n == "pipe" or (n == "tensor" and cfg.parallel.tp_chunks)
+        ]
+        mesh = init_device_mesh(device.type, tuple(size for _, size in dims), mesh_dim_names=tuple(n for n, _ in dims))
         self.mesh = mesh
         self.data_group = mesh["data"].get_group() if data > 1 else None
         self.pipe_group = mesh["pipe"].get_group()
@@ -198,9 +210,14 @@ class Pipeline:
         if self._tied and s in (0, pp - 1):
             weight = model.transformer.wte.weight if s == 0 else model.lm_head.weight  # type: ignore[union-attr]
             pair = (self._first_rank, self.last_rank)
-            self.tied = TiedWeight(weight, is_first=s == 0, peer=self.last_rank if s == 0 else self._first_rank,
-                                   group=self._tied_groups[pair], per_microbatch=cfg.determinism.enabled,
-                                   data_group=self.data_group)
+            self.tied = TiedWeight(
+                weight,
+                is_first=s == 0,
+                peer=self.last_rank if s == 0 else self._first_rank,
+                group=self._tied_groups[pair],
+                per_microbatch=cfg.determinism.enabled,
+                data_group=self.data_group,
+            )
             if not self.tied.owns:
                 copy = weight
             elif s == pp - 1:  # the last stage owns the weight one process names after the embedding
@@ -216,11 +233,26 @@ class Pipeline:
         # the residual stream (fp32 under autocast too): under sequence parallelism the rank's block of positions
         stream = torch.empty(b, n // tp if cfg.parallel.sp else n, c, device=meta, requires_grad=True)
         inputs = (torch.empty(b, n, dtype=torch.int64, device=meta) if s == 0 else stream, state)
-        logits = torch.empty(b, n, model.vocab_size // tp, dtype=torch.bfloat16 if bf16 else torch.float32,
-                             device=meta, requires_grad=True)  # this tensor rank's slice of the vocabulary
+        logits = torch.empty(
+            b,
+            n,
+            model.vocab_size // tp,
+            dtype=torch.bfloat16 if bf16 else torch.float32,
+            device=meta,
+            requires_grad=True,
+        )  # this tensor rank's slice of the vocabulary
         outputs = (logits,) if s == pp - 1 else (stream, state)
-        stage = CanonicalStage.make(_Stage(model, s == 0, s == pp - 1, bf16), s, pp, device, self.pipe_group,
-                                    self._after_backward, inputs, outputs, self._scope)
+        stage = CanonicalStage.make(
+            _Stage(model, s == 0, s == pp - 1, bf16),
+            s,
+            pp,
+            device,
+            self.pipe_group,
+            self._after_backward,
+            inputs,
+            outputs,
+            self._scope,
+        )
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
@@ -254,8 +286,9 @@ class Pipeline:
         and targets); returns the loss summed along the canonical tree, the last stage's on every stage."""
         if self.first:
             xs = torch.cat([samples(i)[0] for i in self.microbatches]).to(device)
-            states = torch.stack([rng.generator(seed, step, i, "dropout", device).get_state()
-                                  for i in self.microbatches]).to(device)
+            states = torch.stack(
+                [rng.generator(seed, step, i, "dropout", device).get_state() for i in self.microbatches]
+            ).to(device)
             self.schedule.step(xs, states)
         elif self.last:
             ys = torch.cat([samples(i)[1] for i in self.microbatches]).to(device)
@@ -267,8 +300,9 @@ class Pipeline:
         if self.tied is not None:
             self.tied.add_step()
         loss = self.grads.reduce()
-        return broadcast_from(loss if self.last else torch.zeros(1, dtype=loss.dtype, device=device),
-                              self.last_rank, self.pipe_group)
+        return broadcast_from(
+            loss if self.last else torch.zeros(1, dtype=loss.dtype, device=device), self.last_rank, self.pipe_group
+        )
 
     def after_update(self) -> None:
         """After the optimizer step: a tied weight's copy takes its owner's."""
@@ -276,8 +310,9 @@ class Pipeline:
             self.tied.sync()
 
     # -- the whole state ----------------------------------------------------------------------------------
-    def whole_state(self, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    device: torch.device) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def whole_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The model's and optimizer's ``state_dict()`` as one process holds them, gathered from the stages
         (a collective over the stages: each rank of them calls it)."""
         return self.parts.whole_state(model, optimizer, self.pipe_group, device)

@@ -28,9 +28,11 @@ class Processes:
         local = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device(f"cuda:{local}" if device_kind == "cuda" else "cpu")
         if self.device.type == "cuda" and local >= torch.cuda.device_count():
-            raise ValueError(f"train.device=cuda: local rank {local} needs GPU {local}, but this machine has "
-                             f"{torch.cuda.device_count()} GPU(s). Fix: --nproc at most {torch.cuda.device_count()} "
-                             f"per machine, or train.device=cpu (gloo) for more processes than GPUs.")
+            raise ValueError(
+                f"train.device=cuda: local rank {local} needs GPU {local}, but this machine has "
+                f"{torch.cuda.device_count()} GPU(s). Fix: --nproc at most {torch.cuda.device_count()} "
+                f"per machine, or train.device=cpu (gloo) for more processes than GPUs."
+            )
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.owned = False
@@ -38,8 +40,9 @@ class Processes:
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
             self.owned = True
         elif group_of_one and self.world == 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo", store=dist.HashStore(),
-                                    rank=0, world_size=1)
+            dist.init_process_group(
+                "nccl" if self.device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1
+            )
             self.owned = True
 
     def barrier(self) -> None:
@@ -61,14 +64,22 @@ class Processes:
             return {}
         what = describe_rank_differences(diffs)
         if mismatch == "refuse":
-            raise ValueError(f"the processes run in different environments, so their bits would depend on the node: "
-                             f"{what}. Fix: run every node on the same software and hardware, or set "
-                             "determinism.env_mismatch=warn to run anyway (run.json records the differences)")
+            raise ValueError(
+                f"the processes run in different environments, so their bits would depend on the node: "
+                f"{what}. Fix: run every node on the same software and hardware, or set "
+                "determinism.env_mismatch=warn to run anyway (run.json records the differences)"
+            )
         if self.rank == 0:
-            warnings.warn(f"the processes run in different environments (determinism.env_mismatch=warn; run.json "
-                          f"records it): {what}", RuntimeWarning, stacklevel=3)
-        return {str(r): {"host": d["host"], "fields": {k: list(v) for k, v in d["fields"].items()}}
-                for r, d in diffs.items()}
+            warnings.warn(
+                f"the processes run in different environments (determinism.env_mismatch=warn; run.json "
+                f"records it): {what}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return {
+            str(r): {"host": d["host"], "fields": {k: list(v) for k, v in d["fields"].items()}}
+            for r, d in diffs.items()
+        }
 
     def close(self) -> None:
         import torch.distributed as dist

@@ -40,8 +40,9 @@ def check_tp(cfg: Config, world: int, vocab: int | None = None) -> None:
     from samestep.distributed.tensor_parallel import validate_tp  # loaded only for a TP run
 
     if t.compile:
-        raise ValueError(f"parallel.tp_chunks={par.tp_chunks} with train.compile=true is not supported yet; use one "
-                         "of them")
+        raise ValueError(
+            f"parallel.tp_chunks={par.tp_chunks} with train.compile=true is not supported yet; use one of them"
+        )
     head = m.n_embd // m.n_head
     dims = {"n_embd": m.n_embd, "n_head": m.n_head}
     if m.arch == "llama":
@@ -52,12 +53,16 @@ def check_tp(cfg: Config, world: int, vocab: int | None = None) -> None:
         dims["model.block_size (parallel.sp)"] = m.block_size
     validate_tp(par.tp, par.tp_chunks, dims)
     if vocab is not None and vocab % par.tp_chunks:
-        raise ValueError(f"model.vocab_size={vocab} (0: the data's) is not divisible by parallel.tp_chunks="
-                         f"{par.tp_chunks}: the embedding and the head split by vocabulary into whole chunks. Fix: "
-                         f"--set model.vocab_size={-(-vocab // par.tp_chunks) * par.tp_chunks}")
+        raise ValueError(
+            f"model.vocab_size={vocab} (0: the data's) is not divisible by parallel.tp_chunks="
+            f"{par.tp_chunks}: the embedding and the head split by vocabulary into whole chunks. Fix: "
+            f"--set model.vocab_size={-(-vocab // par.tp_chunks) * par.tp_chunks}"
+        )
     if world % par.tp:
-        raise ValueError(f"parallel.tp={par.tp} does not divide the {world} process(es) into data ranks of "
-                         f"{par.tp} tensor ranks each. Fix: --nproc a multiple of {par.tp}")
+        raise ValueError(
+            f"parallel.tp={par.tp} does not divide the {world} process(es) into data ranks of "
+            f"{par.tp} tensor ranks each. Fix: --nproc a multiple of {par.tp}"
+        )
 
 
 def _plan(model: nn.Module, chunks: int, sp: bool) -> dict[str, Any]:
@@ -86,8 +91,10 @@ def _plan(model: nn.Module, chunks: int, sp: bool) -> dict[str, Any]:
         prefix, ends = "transformer.h", {"transformer.wte": CanonicalVocabEmbedding(chunks)}
     experts = model.cfg.moe_experts  # type: ignore[attr-defined]
     if experts:  # each expert split like the dense MLP; its rows are routed tokens, not a sequence
-        plain = {name: (CanonicalRowwiseParallel(chunks) if style is row else CanonicalColwiseParallel(chunks))
-                 for name, style in mlp.items()}
+        plain = {
+            name: (CanonicalRowwiseParallel(chunks) if style is row else CanonicalColwiseParallel(chunks))
+            for name, style in mlp.items()
+        }
         styles |= {f"mlp.experts.{e}.{name}": style for e in range(experts) for name, style in plain.items()}
     else:
         styles |= {f"mlp.{name}": style for name, style in mlp.items()}
@@ -108,6 +115,7 @@ def _sequence_parallel(model: nn.Module, chunks: int, mesh: Any) -> None:
     shard = sequence_shard(mesh)
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.LayerNorm):
+
             def normalize(x: Any, norm: nn.LayerNorm = module) -> Any:
                 return F.layer_norm(x, norm.normalized_shape, None, None, norm.eps)
 

@@ -41,16 +41,20 @@ from samestep.train.tp import apply_tp, check_tp, data_ranks
 __all__ = ["Trainer", "build"]
 
 
-def _make_optimizer(model: torch.nn.Module, cfg: Config, params: list[torch.nn.Parameter] | None = None
-                    ) -> torch.optim.AdamW:
+def _make_optimizer(
+    model: torch.nn.Module, cfg: Config, params: list[torch.nn.Parameter] | None = None
+) -> torch.optim.AdamW:
     if params is None:
         params = [p for p in model.parameters() if p.requires_grad]  # tied weights appear once
     decay = [p for p in params if p.dim() >= 2]
     no_decay = [p for p in params if p.dim() < 2]
     t = cfg.train
     # AdamW's single-tensor update, on a DTensor parameter's shard (distributed/shard_adamw.py): AdamW's bits
-    return ShardAdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-                      lr=t.lr, betas=(t.beta1, t.beta2))
+    return ShardAdamW(
+        [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=t.lr,
+        betas=(t.beta1, t.beta2),
+    )
 
 
 @dataclass(slots=True)
@@ -173,8 +177,12 @@ class Trainer:
                 if self.experts is not None:
                     self.experts.reduce()
             else:  # the stages' forwards and backwards, by the schedule
-                loss_sum = pipe.run(step, t.seed, lambda i: self.cursor.samples(
-                    self.cursor.position + i * t.micro_batch, t.micro_batch), self.device)[0]
+                loss_sum = pipe.run(
+                    step,
+                    t.seed,
+                    lambda i: self.cursor.samples(self.cursor.position + i * t.micro_batch, t.micro_batch),
+                    self.device,
+                )[0]
             # The reduced gradients, recorded before clipping (out of place, which leaves them as they are): at
             # step level digested where they lie, which spares copying them; at module level copied, which
             # measures faster there (bench_trace.py --levels module, with and without trace.copy).
@@ -184,10 +192,14 @@ class Trainer:
             if self.reduced is not None:  # clipping out of place leaves these tensors as they are
                 self.reduced = [(n, p.grad) for n, p in self.named_params if p.grad is not None]
             max_norm = t.grad_clip if t.grad_clip > 0 else float("inf")
-            grad_norm = clip_grad_norm_(self.grads.params if self.experts is None else self.experts.params, max_norm,
-                                        out_of_place=True, over=None if pipe is None else pipe.pipe_group,
-                                        lead=() if pipe is None else pipe.lead,
-                                        norm=None if self.experts is None else self.experts.grad_norm(self.model))
+            grad_norm = clip_grad_norm_(
+                self.grads.params if self.experts is None else self.experts.params,
+                max_norm,
+                out_of_place=True,
+                over=None if pipe is None else pipe.pipe_group,
+                lead=() if pipe is None else pipe.lead,
+                norm=None if self.experts is None else self.experts.grad_norm(self.model),
+            )
             rec.metric("loss", loss_sum)
             rec.metric("grad_norm", grad_norm)
             check_finite(step + 1, float(loss_sum), float(grad_norm), t.nonfinite)  # before the update
@@ -202,8 +214,15 @@ class Trainer:
         return float(loss_sum), float(grad_norm), lr
 
 
-def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | str = "cpu",
-          corpus: Any = None, run_dir: Path | None = None) -> Trainer:
+def build(
+    cfg: Config,
+    *,
+    world: int = 1,
+    rank: int = 0,
+    device: torch.device | str = "cpu",
+    corpus: Any = None,
+    run_dir: Path | None = None,
+) -> Trainer:
     """Builds the data cursor, model, optimizer, schedule, gradient reduction and trace recorder of one process.
 
     Without ``run_dir`` nothing is traced (there is nowhere to write).
@@ -212,8 +231,10 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     corpus = corpus if corpus is not None else load_corpus(cfg.data.source, cfg.data.path or None)
     vocab = cfg.model.vocab_size or corpus.vocab_size
     if vocab < corpus.vocab_size:
-        raise ValueError(f"model.vocab_size={vocab} is smaller than the data's largest token + 1 = "
-                         f"{corpus.vocab_size}; raise it or set 0")
+        raise ValueError(
+            f"model.vocab_size={vocab} is smaller than the data's largest token + 1 = "
+            f"{corpus.vocab_size}; raise it or set 0"
+        )
     device = torch.device(device)
     check_capacity(cfg, vocab, int(corpus.tokens.size), device, world)
     arch = Llama if cfg.model.arch == "llama" else GPT
@@ -223,8 +244,11 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     check_ep(cfg, world)
     pipeline = Pipeline.build(model, cfg, world, rank, device) if cfg.parallel.pp > 1 else None
     experts = ExpertLayout.build(model, cfg, world, rank, device) if cfg.parallel.ep > 1 else None
-    data_mesh = (apply_tp(model, cfg, world, rank, device.type, None if pipeline is None else pipeline.tensor_meshes)
-                 if cfg.parallel.tp_chunks else None)
+    data_mesh = (
+        apply_tp(model, cfg, world, rank, device.type, None if pipeline is None else pipeline.tensor_meshes)
+        if cfg.parallel.tp_chunks
+        else None
+    )
     data_group = data_mesh.get_group() if data_mesh is not None else None
     sharded = cfg.parallel.fsdp and world > 1
     if sharded and t.compile:
@@ -250,33 +274,60 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
         kind = FsdpGradients if cfg.determinism.enabled else FsdpDefaultGradients
         grads: Any = kind(model, microbatches_per_process=k, world_size=data_world, rank=data_rank, group=data_group)
     else:
-        params = pipeline.reduced if pipeline is not None else experts.shared if experts is not None else \
-            model.parameters()
-        grads = (CanonicalGradients(params, microbatches_per_process=k, world_size=data_world,
-                                    rank=data_rank, group=data_group, overlap=cfg.parallel.overlap)
-                 if cfg.determinism.enabled else
-                 AllReduceGradients(params, microbatches_per_process=k, world_size=data_world,
-                                    rank=data_rank, group=data_group))
+        params = (
+            pipeline.reduced if pipeline is not None else experts.shared if experts is not None else model.parameters()
+        )
+        grads = (
+            CanonicalGradients(
+                params,
+                microbatches_per_process=k,
+                world_size=data_world,
+                rank=data_rank,
+                group=data_group,
+                overlap=cfg.parallel.overlap,
+            )
+            if cfg.determinism.enabled
+            else AllReduceGradients(
+                params, microbatches_per_process=k, world_size=data_world, rank=data_rank, group=data_group
+            )
+        )
     if pipeline is not None:
         pipeline.grads = grads
     tc = cfg.trace
-    recorder = Recorder(run_dir if run_dir is not None else ".", level=tc.level if run_dir is not None else "off",
-                        steps=parse_selection(tc.steps, "trace.steps"), ranks=parse_selection(tc.ranks, "trace.ranks"),
-                        rank=rank, perturb=Perturb.parse(tc.perturb) if tc.perturb else None, copy=tc.copy,
-                        worker=tc.worker)
+    recorder = Recorder(
+        run_dir if run_dir is not None else ".",
+        level=tc.level if run_dir is not None else "off",
+        steps=parse_selection(tc.steps, "trace.steps"),
+        ranks=parse_selection(tc.ranks, "trace.ranks"),
+        rank=rank,
+        perturb=Perturb.parse(tc.perturb) if tc.perturb else None,
+        copy=tc.copy,
+        worker=tc.worker,
+    )
     recorder.attach(model)
     if pipeline is not None and recorder.enabled:
         pipeline.recorder = recorder
     if recorder.enabled:
         grads.observer = recorder.collective
-    trainer = Trainer(cfg=cfg, corpus=corpus, model=model,
-                      optimizer=_make_optimizer(model, cfg, pipeline.params if pipeline is not None else
-                                                experts.params if experts is not None else None),
-                      schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
-                      cursor=DataCursor(corpus, cfg.model.block_size, t.seed), grads=grads, device=device,
-                      recorder=recorder, named_params=list(model.named_parameters()),
-                      named_buffers=Recorder.persistent_buffers(model), fault=fault, rank=rank, pipeline=pipeline,
-                      experts=experts)
+    trainer = Trainer(
+        cfg=cfg,
+        corpus=corpus,
+        model=model,
+        optimizer=_make_optimizer(
+            model, cfg, pipeline.params if pipeline is not None else experts.params if experts is not None else None
+        ),
+        schedule=WarmupCosine(t.lr, t.min_lr, t.warmup_steps, t.steps),
+        cursor=DataCursor(corpus, cfg.model.block_size, t.seed),
+        grads=grads,
+        device=device,
+        recorder=recorder,
+        named_params=list(model.named_parameters()),
+        named_buffers=Recorder.persistent_buffers(model),
+        fault=fault,
+        rank=rank,
+        pipeline=pipeline,
+        experts=experts,
+    )
     if pipeline is not None and not sharded:  # each stage's (and tensor rank's) data ranks hold the same tensors
         pp, tp = cfg.parallel.pp, world // data_world // cfg.parallel.pp
         trainer.peers = [[(d * pp + s) * tp + r for d in range(data_world)] for s in range(pp) for r in range(tp)]
@@ -291,7 +342,14 @@ def build(cfg: Config, *, world: int = 1, rank: int = 0, device: torch.device | 
     if t.sdc_check_every:  # the first of each pair of the canonical tree; of plain accumulation, the first
         # a data rank's microbatches: its tensor ranks recompute the same one together (their layers' collectives)
         firsts = list(range(data_rank * k, (data_rank + 1) * k, 2 if cfg.determinism.enabled else k))
-        trainer.recompute = RecomputeCheck(t.sdc_check_every, trainer.forward, trainer.named_params, firsts, rank,
-                                           run_dir or Path("."), t.sdc_action,
-                                           lambda flag: flag if world == 1 else any_rank(flag, device))
+        trainer.recompute = RecomputeCheck(
+            t.sdc_check_every,
+            trainer.forward,
+            trainer.named_params,
+            firsts,
+            rank,
+            run_dir or Path("."),
+            t.sdc_action,
+            lambda flag: flag if world == 1 else any_rank(flag, device),
+        )
     return trainer

@@ -42,6 +42,7 @@ def __getattr__(name: str) -> Any:
             continue
         function = getattr(registry, name, None)
         if callable(function):
+
             def config() -> SamestepTrainer.Config:
                 return samestep_config(function())
 

@@ -57,12 +57,23 @@ class CorpusLoader(BaseDataLoader):
         global_batch_size: int = 0
         """Samples a step takes over all data ranks; the trainer sets it from ``training.global_batch_size``."""
 
-    def __init__(self, config: Config, *, dp_world_size: int = 1, dp_rank: int = 0, tokenizer: Any = None,
-                 seq_len: int = 2048, local_batch_size: int = 1, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_world_size: int = 1,
+        dp_rank: int = 0,
+        tokenizer: Any = None,
+        seq_len: int = 2048,
+        local_batch_size: int = 1,
+        **kwargs: Any,
+    ) -> None:
         per_rank = local_batch_size * dp_world_size
         if config.global_batch_size <= 0 or config.global_batch_size % per_rank:
-            raise ValueError(f"dataloader.global_batch_size={config.global_batch_size} must be a positive multiple of "
-                             f"local_batch_size x data ranks = {per_rank}; set training.global_batch_size")
+            raise ValueError(
+                f"dataloader.global_batch_size={config.global_batch_size} must be a positive multiple of "
+                f"local_batch_size x data ranks = {per_rank}; set training.global_batch_size"
+            )
         self.cursor = DataCursor(load_corpus(config.dataset, config.dataset_path), seq_len, config.seed)
         self.global_batch, self.local_batch = config.global_batch_size, local_batch_size
         self.per_step = config.global_batch_size // per_rank  # the rank's microbatches of a step
@@ -80,13 +91,17 @@ class CorpusLoader(BaseDataLoader):
     def state_dict(self) -> dict[str, Any]:
         """The samples that the steps completed so far consumed (a batch taken for a step under way is not)."""
         done = self.cursor.position + self._taken // self.per_step * self.global_batch
-        return {"samples": torch.tensor(done, dtype=torch.int64),
-                "fingerprint": torch.frombuffer(bytearray.fromhex(self.cursor.corpus.fingerprint), dtype=torch.uint8)}
+        return {
+            "samples": torch.tensor(done, dtype=torch.int64),
+            "fingerprint": torch.frombuffer(bytearray.fromhex(self.cursor.corpus.fingerprint), dtype=torch.uint8),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = bytes(state["fingerprint"].tolist()).hex() if "fingerprint" in state else None
         if saved != self.cursor.corpus.fingerprint:
-            raise ValueError(f"dataloader: the checkpoint's corpus fingerprint {str(saved)[:16]} is not this run's "
-                             f"{self.cursor.corpus.fingerprint[:16]} ({self.cursor.corpus.description}); resume with "
-                             "the same dataloader.dataset and dataset_path")
+            raise ValueError(
+                f"dataloader: the checkpoint's corpus fingerprint {str(saved)[:16]} is not this run's "
+                f"{self.cursor.corpus.fingerprint[:16]} ({self.cursor.corpus.description}); resume with "
+                "the same dataloader.dataset and dataset_path"
+            )
         self.cursor.position, self._taken = int(state["samples"]), 0

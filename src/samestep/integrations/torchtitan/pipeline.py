@@ -36,12 +36,15 @@ class Pipelined:
         self._call = 0
         stage = getattr(self.schedule, "_stage", None)  # a single-stage schedule's (GPipe, 1F1B)
         if stage is None:
-            raise ValueError(f"SamestepTrainer: the pipeline schedule {type(self.schedule).__name__} holds "
-                             "more than one stage a rank. Fix: --parallelism.pipeline_parallel_schedule 1F1B")
+            raise ValueError(
+                f"SamestepTrainer: the pipeline schedule {type(self.schedule).__name__} holds "
+                "more than one stage a rank. Fix: --parallelism.pipeline_parallel_schedule 1F1B"
+            )
         self.grads = None  # canonical: the stage's tree; else pipelining's own sums
         if canonical:
-            self.grads = CanonicalGradients(trainer.model_parts[0].parameters(),
-                                            microbatches_per_process=self.calls * self.n)
+            self.grads = CanonicalGradients(
+                trainer.model_parts[0].parameters(), microbatches_per_process=self.calls * self.n
+            )
             canonical_stage_of(stage, grads=self.grads, microbatch=self._microbatch, scope=scope)
 
     def _microbatch(self, chunk: int) -> int:
@@ -52,8 +55,9 @@ class Pipelined:
         """The loader batches a step takes."""
         return self.calls * self.n
 
-    def step(self, trainer: Any, batches: list[tuple[dict[str, Any], torch.Tensor]],
-             tokens: torch.Tensor) -> torch.Tensor:
+    def step(
+        self, trainer: Any, batches: list[tuple[dict[str, Any], torch.Tensor]], tokens: torch.Tensor
+    ) -> torch.Tensor:
         """The step's forwards and backwards over ``batches`` (``microbatches`` of them, in order), through the
         schedule's public ``step`` (the whole batch of a call, which it splits back into the same microbatches);
         the step's loss on every rank of the pipeline (the last stage's, sent to the others)."""
@@ -62,19 +66,28 @@ class Pipelined:
         device, sums = trainer.device, []
         for call in range(self.calls):
             self._call = call
-            part = [trainer.post_dataloading_process(
-                {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in input_dict.items()},
-                labels.to(device)) for input_dict, labels in batches[call * self.n:(call + 1) * self.n]]
+            part = [
+                trainer.post_dataloading_process(
+                    {key: v.to(device) if isinstance(v, torch.Tensor) else v for key, v in input_dict.items()},
+                    labels.to(device),
+                )
+                for input_dict, labels in batches[call * self.n : (call + 1) * self.n]
+            ]
             extras = sorted({key for _, _, extra in part for key in extra})
             if extras:
-                raise ValueError(f"SamestepTrainer: pipeline parallelism with model inputs besides the tokens "
-                                 f"({', '.join(extras)}) is not supported yet. Fix: pipeline_parallel_degree 1")
+                raise ValueError(
+                    f"SamestepTrainer: pipeline parallelism with model inputs besides the tokens "
+                    f"({', '.join(extras)}) is not supported yet. Fix: pipeline_parallel_degree 1"
+                )
             losses: list[torch.Tensor] | None = [] if self.last else None
             with trainer.train_context():
-                self.schedule.step(*((torch.cat([x for x, _, _ in part]),) if self.first else ()),
-                                   target=torch.cat([y for _, y, _ in part]) if self.last else None,
-                                   losses=losses, return_outputs=False,
-                                   loss_kwargs={"global_valid_tokens": tokens})
+                self.schedule.step(
+                    *((torch.cat([x for x, _, _ in part]),) if self.first else ()),
+                    target=torch.cat([y for _, y, _ in part]) if self.last else None,
+                    losses=losses,
+                    return_outputs=False,
+                    loss_kwargs={"global_valid_tokens": tokens},
+                )
             if losses is not None:
                 sums.append(torch.stack(losses).sum())
         if self.grads is not None:  # every stage's tree; the last stage's extra is the loss sum
@@ -93,5 +106,6 @@ class Pipelined:
             return clip_grad_norm_(params, max_norm, over=self.group)
         from torchtitan.distributed import utils as dist_utils
 
-        return dist_utils.clip_grad_norm_(params, max_norm, foreach=True,
-                                          pp_mesh=trainer.parallel_dims.get_optional_mesh("pp"))
+        return dist_utils.clip_grad_norm_(
+            params, max_norm, foreach=True, pp_mesh=trainer.parallel_dims.get_optional_mesh("pp")
+        )

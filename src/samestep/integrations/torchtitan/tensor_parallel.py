@@ -33,8 +33,7 @@ def tensor_parallel_plan(block: nn.Module, chunks: int) -> dict[str, Any]:
 
     col, row = CanonicalColwiseParallel(chunks), CanonicalRowwiseParallel(chunks)
     names = dict(block.named_modules())
-    plan: dict[str, Any] = {"attention.wo": row, "feed_forward.w1": col, "feed_forward.w3": col,
-                            "feed_forward.w2": row}
+    plan: dict[str, Any] = {"attention.wo": row, "feed_forward.w1": col, "feed_forward.w3": col, "feed_forward.w2": row}
     fused = names.get("attention.qkv_linear")
     if fused is not None and "attention.qkv_linear.wqkv" in names:
         # torchtitan's FusedQKVLinear: n_kv_heads groups, each its q heads, then k, then v
@@ -44,9 +43,11 @@ def tensor_parallel_plan(block: nn.Module, chunks: int) -> dict[str, Any]:
         plan |= {f"attention.qkv_linear.{w}": col for w in ("wq", "wk", "wv")}
     missing = [name for name in plan if not isinstance(names.get(name), nn.Linear)]
     if missing:
-        raise ValueError(f"SamestepTrainer: parallelism.tensor_parallel_degree with samestep.tp_chunks splits the "
-                         f"dense decoders of torchtitan (Llama 3's layout); {type(block).__name__} has no linear "
-                         f"{missing[0]!r}. Fix: run this model without tensor parallelism")
+        raise ValueError(
+            f"SamestepTrainer: parallelism.tensor_parallel_degree with samestep.tp_chunks splits the "
+            f"dense decoders of torchtitan (Llama 3's layout); {type(block).__name__} has no linear "
+            f"{missing[0]!r}. Fix: run this model without tensor parallelism"
+        )
     return plan
 
 

@@ -108,8 +108,10 @@ class SamestepTrainer(Trainer):
         try:
             # before torchtitan's process group and model exist
             if config.debug.seed is None:
-                raise ValueError("SamestepTrainer: debug.seed is unset, so torchtitan draws the initial weights from a "
-                                 "seed of its own choosing each run; fix: --debug.seed 0")
+                raise ValueError(
+                    "SamestepTrainer: debug.seed is unset, so torchtitan draws the initial weights from a "
+                    "seed of its own choosing each run; fix: --debug.seed 0"
+                )
             _refuse_layout(config)
             if opts.canonical and opts.tp_chunks:
                 config.model_spec = with_canonical_tp(config.model_spec, opts.tp_chunks)
@@ -122,8 +124,9 @@ class SamestepTrainer(Trainer):
             dims = self.parallel_dims
             # each rank keeps receipts of its own part where the state is split (FSDP2, tensor ranks, stages)
             self.sharded = dims.fsdp_enabled or dims.tp_enabled or dims.pp_enabled
-            self._pipe = (Pipelined(self, canonical=opts.canonical, scope=self._microbatch_scope)
-                          if dims.pp_enabled else None)
+            self._pipe = (
+                Pipelined(self, canonical=opts.canonical, scope=self._microbatch_scope) if dims.pp_enabled else None
+            )
             self._grads = None if self._pipe is not None else self._gradients(opts.canonical)
         except BaseException:
             self._proto.close()
@@ -138,8 +141,13 @@ class SamestepTrainer(Trainer):
         if self.parallel_dims.fsdp_enabled:
             mesh = self.parallel_dims.get_mesh("batch")
             kind = FsdpGradients if canonical else FsdpDefaultGradients
-            return kind(model, microbatches_per_process=k, world_size=mesh.size(), rank=mesh.get_local_rank(),
-                        group=mesh.get_group())
+            return kind(
+                model,
+                microbatches_per_process=k,
+                world_size=mesh.size(),
+                rank=mesh.get_local_rank(),
+                group=mesh.get_group(),
+            )
         kind = CanonicalGradients if canonical else AllReduceGradients
         return kind(model.parameters(), microbatches_per_process=k)
 
@@ -169,13 +177,27 @@ class SamestepTrainer(Trainer):
         refusing = self._replay.refusing(ReceiptError) if self._replay else contextlib.nullcontext()
         with refusing:  # a replay's resume refused: its checkpoint is not the run's (the verdict says so)
             self._hooked = HookedSteps.start(
-                self._proto, self._proto.run_dir, level=opts.level, steps=opts.steps or None, resume=start > 0,
-                model=model, how_to_resume="torchtitan's checkpoint (checkpoint.enable, the same dump_folder)",
-                receipts=opts.receipts and RunProtocol.keeps_receipts(self.rank, self.sharded), start=start,
-                optimizer=self.optimizers, scheduler=self.lr_schedulers, source="torchtitan", rank=self.rank,
-                sharded=self.sharded, agree=any_rank if opts.receipts else None,
-                program=program.describe(self._proto.run_dir, resumes(TORCHTITAN, self._proto.run_dir,
-                                                                      self._checkpoints)) if records else None)
+                self._proto,
+                self._proto.run_dir,
+                level=opts.level,
+                steps=opts.steps or None,
+                resume=start > 0,
+                model=model,
+                how_to_resume="torchtitan's checkpoint (checkpoint.enable, the same dump_folder)",
+                receipts=opts.receipts and RunProtocol.keeps_receipts(self.rank, self.sharded),
+                start=start,
+                optimizer=self.optimizers,
+                scheduler=self.lr_schedulers,
+                source="torchtitan",
+                rank=self.rank,
+                sharded=self.sharded,
+                agree=any_rank if opts.receipts else None,
+                program=program.describe(
+                    self._proto.run_dir, resumes(TORCHTITAN, self._proto.run_dir, self._checkpoints)
+                )
+                if records
+                else None,
+            )
         self._params = list(model.named_parameters())
         return self._hooked
 
@@ -189,17 +211,23 @@ class SamestepTrainer(Trainer):
             return f"{len(ranks)} process(es) keeping receipts of {'their shards' if sharded else 'the whole state'}"
 
         chains = read_run_receipts(self._proto.run_dir)
-        wrote = {rank: r.get("state_of") == "rank" for rank, (_, receipts) in chains.items() for r in receipts
-                 if r["step"] == start}
+        wrote = {
+            rank: r.get("state_of") == "rank"
+            for rank, (_, receipts) in chains.items()
+            for r in receipts
+            if r["step"] == start
+        }
         if not wrote:
             return  # nothing to compare (HookedSteps refuses receipts that lack the step)
         keeping = list(range(torch.distributed.get_world_size())) if self.sharded else [0]
         if sorted(wrote) != keeping or any(sharded != self.sharded for sharded in wrote.values()):
             writer = layout(sorted(wrote), any(wrote.values()))
-            raise ValueError(f"SamestepTrainer: the checkpoint of step {start} was written by {writer}, and this "
-                             f"job has {layout(keeping, self.sharded)}: "
-                             "the receipts of that step cannot check the state torchtitan restored. Resume on the "
-                             "layout that wrote it, or without receipts (--samestep.no-receipts)")
+            raise ValueError(
+                f"SamestepTrainer: the checkpoint of step {start} was written by {writer}, and this "
+                f"job has {layout(keeping, self.sharded)}: "
+                "the receipts of that step cannot check the state torchtitan restored. Resume on the "
+                "layout that wrote it, or without receipts (--samestep.no-receipts)"
+            )
 
     def train_step(self, data_iterator: Any) -> None:
         """torchtitan's step (its data, forward, loss and backward, optimizer, scheduler and metrics) with the
@@ -214,17 +242,20 @@ class SamestepTrainer(Trainer):
         batches = [next(data_iterator) for _ in range(pipe.microbatches if pipe else self.gradient_accumulation_steps)]
         local_tokens = sum(((labels != IGNORE_INDEX).sum() for _, labels in batches), torch.tensor(0))
         # an integer sum across ranks: exact in any order
-        tokens = (dist_utils.dist_sum_tensor(local_tokens.to(self.device), self.parallel_dims.get_mesh("batch"))
-                  if self.parallel_dims.dp_enabled else local_tokens.to(self.device))
+        tokens = (
+            dist_utils.dist_sum_tensor(local_tokens.to(self.device), self.parallel_dims.get_mesh("batch"))
+            if self.parallel_dims.dp_enabled
+            else local_tokens.to(self.device)
+        )
         if pipe is not None:
             loss = pipe.step(self, batches, tokens)
         else:
             for i, (input_dict, labels) in zip(grads.microbatches, batches):
-                inputs = {key: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                          for key, v in input_dict.items()}
+                inputs = {key: v.to(self.device) if isinstance(v, torch.Tensor) else v for key, v in input_dict.items()}
                 with self._microbatch_scope(i):
-                    loss = self.forward_backward_step(input_dict=inputs, labels=labels.to(self.device),
-                                                      global_valid_tokens=tokens)
+                    loss = self.forward_backward_step(
+                        input_dict=inputs, labels=labels.to(self.device), global_valid_tokens=tokens
+                    )
                 grads.accumulate(i, extra=loss.detach())
             loss = grads.reduce().reshape(())
         params = [p for _, p in self._params]
@@ -248,8 +279,13 @@ class SamestepTrainer(Trainer):
         if self._saves(step):
             hooked.sync()  # the steps the checkpoint holds are durable first
         if self.metrics_processor.should_log(step):
-            self.metrics_processor.log(step, loss_value, loss_value, norm_value,
-                                       extra_metrics={"n_tokens_seen": self.ntokens_seen, **lr_metrics})
+            self.metrics_processor.log(
+                step,
+                loss_value,
+                loss_value,
+                norm_value,
+                extra_metrics={"n_tokens_seen": self.ntokens_seen, **lr_metrics},
+            )
 
     def should_continue_training(self) -> bool:
         """torchtitan's rule; a replay also ends after the request's last step (the schedule stays the run's)."""
@@ -283,29 +319,43 @@ class SamestepTrainer(Trainer):
 def _refuse_layout(config: Any) -> None:
     """The layouts it cannot keep on samestep's path, refused from the config, before anything is built."""
     par, opts = config.parallelism, config.samestep
-    other = {"context_parallel_degree": "context",
-             "expert_parallel_degree": "expert", "data_parallel_replicate_degree": "replicated data"}
-    used = [f"parallelism.{field} = {getattr(par, field)} ({kind} parallelism)" for field, kind in other.items()
-            if getattr(par, field) > 1]
+    other = {
+        "context_parallel_degree": "context",
+        "expert_parallel_degree": "expert",
+        "data_parallel_replicate_degree": "replicated data",
+    }
+    used = [
+        f"parallelism.{field} = {getattr(par, field)} ({kind} parallelism)"
+        for field, kind in other.items()
+        if getattr(par, field) > 1
+    ]
     if used:
-        raise ValueError(f"SamestepTrainer: {', '.join(used)} is not supported yet; it runs on one process, FSDP2 "
-                         "over the data ranks (parallelism.data_parallel_shard_degree), tensor parallelism and "
-                         "pipeline parallelism. Fix: set it to 1")
+        raise ValueError(
+            f"SamestepTrainer: {', '.join(used)} is not supported yet; it runs on one process, FSDP2 "
+            "over the data ranks (parallelism.data_parallel_shard_degree), tensor parallelism and "
+            "pipeline parallelism. Fix: set it to 1"
+        )
     _refuse_pipeline(par)
     if opts.tp_chunks and (opts.tp_chunks & (opts.tp_chunks - 1) or opts.tp_chunks < 0):
-        raise ValueError(f"SamestepTrainer: samestep.tp_chunks = {opts.tp_chunks} is not a power of two. Fix: "
-                         "--samestep.tp_chunks 8 (any power of two that every tensor-parallel degree used divides)")
+        raise ValueError(
+            f"SamestepTrainer: samestep.tp_chunks = {opts.tp_chunks} is not a power of two. Fix: "
+            "--samestep.tp_chunks 8 (any power of two that every tensor-parallel degree used divides)"
+        )
     tp = par.tensor_parallel_degree
     if not opts.canonical or (tp <= 1 and not opts.tp_chunks):
         return
     if not opts.tp_chunks:
-        raise ValueError(f"SamestepTrainer: parallelism.tensor_parallel_degree = {tp} needs samestep's canonical "
-                         "tensor-parallel layers, cut alike on every layout. Fix: --samestep.tp_chunks 8 on every "
-                         "layout (one process included), or --samestep.no-canonical for torchtitan's own")
+        raise ValueError(
+            f"SamestepTrainer: parallelism.tensor_parallel_degree = {tp} needs samestep's canonical "
+            "tensor-parallel layers, cut alike on every layout. Fix: --samestep.tp_chunks 8 on every "
+            "layout (one process included), or --samestep.no-canonical for torchtitan's own"
+        )
     if par.spmd_backend != "partial_dtensor":
-        raise ValueError(f"SamestepTrainer: samestep.tp_chunks takes parallelism.spmd_backend = partial_dtensor "
-                         f"(DTensor over the tensor ranks, as PyTorch's parallel styles place it), not "
-                         f"{par.spmd_backend}. Fix: --parallelism.spmd_backend partial_dtensor")
+        raise ValueError(
+            f"SamestepTrainer: samestep.tp_chunks takes parallelism.spmd_backend = partial_dtensor "
+            f"(DTensor over the tensor ranks, as PyTorch's parallel styles place it), not "
+            f"{par.spmd_backend}. Fix: --parallelism.spmd_backend partial_dtensor"
+        )
 
 
 def _refuse_pipeline(par: Any) -> None:
@@ -316,18 +366,28 @@ def _refuse_pipeline(par: Any) -> None:
         return
     if par.pipeline_parallel_schedule not in SCHEDULES or par.pipeline_parallel_schedule_csv:
         schedule = par.pipeline_parallel_schedule_csv or par.pipeline_parallel_schedule
-        raise ValueError(f"SamestepTrainer: parallelism.pipeline_parallel_schedule = {schedule} is not supported: "
-                         "its microbatch gradients are not one full backward each, in order. Fix: "
-                         "--parallelism.pipeline_parallel_schedule 1F1B (or GPipe)")
+        raise ValueError(
+            f"SamestepTrainer: parallelism.pipeline_parallel_schedule = {schedule} is not supported: "
+            "its microbatch gradients are not one full backward each, in order. Fix: "
+            "--parallelism.pipeline_parallel_schedule 1F1B (or GPipe)"
+        )
     world = int(os.environ.get("WORLD_SIZE", "1"))
     others = pp * par.tensor_parallel_degree * par.context_parallel_degree * par.data_parallel_replicate_degree
     shard = par.data_parallel_shard_degree if par.data_parallel_shard_degree > 0 else max(world // others, 1)
-    beside = [f"parallelism.{name} = {value}" for name, value in (("data_parallel_shard_degree", shard),
-              ("tensor_parallel_degree", par.tensor_parallel_degree)) if value > 1]
+    beside = [
+        f"parallelism.{name} = {value}"
+        for name, value in (
+            ("data_parallel_shard_degree", shard),
+            ("tensor_parallel_degree", par.tensor_parallel_degree),
+        )
+        if value > 1
+    ]
     if beside:
-        raise ValueError(f"SamestepTrainer: parallelism.pipeline_parallel_degree = {pp} with {', '.join(beside)} "
-                         "is not supported yet (pipeline stages run alone). Fix: as many processes as stages "
-                         f"(torchrun --nproc_per_node {pp}), or pipeline_parallel_degree 1")
+        raise ValueError(
+            f"SamestepTrainer: parallelism.pipeline_parallel_degree = {pp} with {', '.join(beside)} "
+            "is not supported yet (pipeline stages run alone). Fix: as many processes as stages "
+            f"(torchrun --nproc_per_node {pp}), or pipeline_parallel_degree 1"
+        )
 
 
 def _rng_tensors() -> dict[str, torch.Tensor]:
@@ -337,7 +397,7 @@ def _rng_tensors() -> dict[str, torch.Tensor]:
     if len(text) > _RNG_BYTES:
         raise ValueError(f"the RNG metadata takes {len(text)} bytes, more than the {_RNG_BYTES} kept for it")
     padded = torch.full((_RNG_BYTES,), ord(" "), dtype=torch.uint8)
-    padded[:len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+    padded[: len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
     return {"meta": padded, **{name: t.clone() for name, t in tensors.items()}}
 
 
