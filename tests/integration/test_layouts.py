@@ -86,16 +86,16 @@ def _dies_writing_its_optimizer_shard_of_step_4() -> None:
     """Rank 1 SIGKILLs itself as it writes its optimizer shard into step 4's checkpoint."""
     import signal
 
-    import samestep.checkpoint.save as save
+    import samestep.checkpoint.save_shards as save_shards
 
-    write = save._write_tensors
+    write = save_shards.write_tensors
 
     def dying(path, tensors):
         if path.name == "optimizer.rank_00001.safetensors" and path.parent.name == ".step_000004.tmp":
             os.kill(os.getpid(), signal.SIGKILL)
         return write(path, tensors)
 
-    save._write_tensors = dying
+    save_shards.write_tensors = dying  # where each rank's shard files are written
 
 
 def test_a_rank_killed_in_a_sharded_save_leaves_the_previous_checkpoint_and_the_resume_is_exact(one_process, tmp_path):

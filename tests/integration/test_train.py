@@ -339,7 +339,7 @@ def test_a_second_writer_is_refused_naming_the_holder_and_a_killed_one_blocks_no
     run, held = tmp_path / "run", tmp_path / "held"
     holder = Forked(
         [],
-        code=f"import time; from samestep.records.rundir import hold; hold({str(run)!r}); "
+        code=f"import time; from samestep.records.lock import hold; hold({str(run)!r}); "
         f"open({str(held)!r}, 'w').close(); time.sleep(600)",
     )
     try:
