@@ -22,7 +22,7 @@ from samestep.analysis.receipt_diff import compare_receipts
 from samestep.records.final import final_digest
 from samestep.records.rundir import layout_at, read_run
 from samestep.replay.consent import Consent
-from samestep.replay.plan import checkpoint_steps, plan, replay
+from samestep.replay.plan import check_replayable, checkpoint_steps, plan, replay
 from samestep.replay.scratch import kill_children, scratch_root
 
 __all__ = ["BisectError", "bisect_runs"]
@@ -53,7 +53,7 @@ def bisect_runs(
             ConsentError: a run's program would run without the verifier's word.
     """
     run_a, run_b = Path(run_a), Path(run_b)
-    read_run(run_a), read_run(run_b)
+    docs = read_run(run_a), read_run(run_b)  # read once, passed down
     difference, compared, states = compare_receipts(run_a, run_b)
     if compared == 0:
         raise BisectError(f"{run_a} and {run_b} hold no step in common (no receipts or metrics): nothing to compare")
@@ -88,9 +88,11 @@ def bisect_runs(
             "summary": summary,
         }
     step = difference["step"]
-    starts = [{s for s in checkpoint_steps(run) if s < step} for run in (run_a, run_b)]
+    starts = [{s for s in checkpoint_steps(run, doc) if s < step} for run, doc in zip((run_a, run_b), docs)]
     start = max(starts[0] & starts[1], default=0)  # the newest common checkpoint before the step
-    plans = [plan(run, start, step, force=force) for run in (run_a, run_b)]
+    for run, doc in zip((run_a, run_b), docs):
+        check_replayable(run, doc)
+    plans = [plan(run, start, step, force=force, doc=doc) for run, doc in zip((run_a, run_b), docs)]
     (consent or Consent()).grant([p.launch for p in plans], "samestep bisect")
     settings = ("trace.level=op", f"trace.steps={step}", "trace.ranks=all", "train.checkpoint_every=0")
     report, attempt, notes = None, 0, []
@@ -119,7 +121,7 @@ def bisect_runs(
     elif origin is None:
         summary = f"diverged at step {step}; the replays {where} differ, but no origin was named: {report['summary']}"
     else:
-        coords = rank_coordinates(layout_at(read_run(run_b), step), origin["rank"])
+        coords = rank_coordinates(layout_at(docs[1], step), origin["rank"])
         summary = (
             f"diverged at step {step}: origin {origin['op']} in {origin['scope'] or '(root)'} ({origin['phase']}), "
             f"microbatch {origin['microbatch']}, rank {origin['rank']}{f' ({coords})' if coords else ''}, "

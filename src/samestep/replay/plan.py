@@ -89,18 +89,18 @@ def check_replayable(run_dir: Path, doc: dict[str, Any]) -> None:
             program.check(p, run_dir)  # raises, naming why
 
 
-def checkpoint_steps(run_dir: Path) -> set[int]:
+def checkpoint_steps(run_dir: Path, doc: dict[str, Any] | None = None) -> set[int]:
     """The steps of the run's checkpoints a replay can start from: samestep's committed ones, or a framework's
-    (``resume_points``)."""
-    doc = read_run(run_dir)
+    (``resume_points``). ``doc``: run.json, where the caller read it already."""
+    doc = read_run(run_dir) if doc is None else doc
     if framework_run(doc):
         return set(resume_points.points(run_dir, doc))
     return {s for s, _ in committed_steps(checkpoints_dir(run_dir))}
 
 
-def replay_start(run_dir: Path, before: int) -> int:
+def replay_start(run_dir: Path, before: int, doc: dict[str, Any] | None = None) -> int:
     """The step of the newest checkpoint of the run at or before ``before`` (0: from scratch)."""
-    return max((s for s in checkpoint_steps(run_dir) if s <= before), default=0)
+    return max((s for s in checkpoint_steps(run_dir, doc) if s <= before), default=0)
 
 
 def environment_differences(doc: dict[str, Any], replayed: Path) -> dict[str, tuple[Any, Any]]:
@@ -129,10 +129,19 @@ class Plan:
     """For the verdict: what the replay does otherwise than the record says, and why."""
 
 
-def plan(run_dir: Path, start: int, end: int, *, force: bool = False, given: list[str] | None = None) -> Plan:
+def plan(
+    run_dir: Path,
+    start: int,
+    end: int,
+    *,
+    force: bool = False,
+    given: list[str] | None = None,
+    doc: dict[str, Any] | None = None,
+) -> Plan:
     """What a replay of steps ``start + 1`` to ``end`` of the run in ``run_dir`` runs, from its checkpoint of step
     ``start`` (0: from scratch): ``samestep train`` with the run's config, or the program that ran step
-    ``start + 1`` (with ``given``: the verifier's command line in its place), checked.
+    ``start + 1`` (with ``given``: the verifier's command line in its place), checked. ``doc``: run.json as the
+    caller read it and checked it replayable (``check_replayable``); without it, read and checked here.
 
     Raises:
         ReplayError: a program of one's own that changed since the run (without ``force``) or is not recorded
@@ -140,8 +149,9 @@ def plan(run_dir: Path, start: int, end: int, *, force: bool = False, given: lis
             disagrees with itself, more processes than this machine has).
     """
     run_dir = Path(run_dir)
-    doc = read_run(run_dir)
-    check_replayable(run_dir, doc)
+    if doc is None:
+        doc = read_run(run_dir)
+        check_replayable(run_dir, doc)
     if doc.get("written_by") != "samestep.trace":
         return _train_plan(run_dir, doc, start, end)
     ran = program.program_at(doc, start + 1)

@@ -104,12 +104,12 @@ def verify_run(
     a, b = steps if steps is not None else (1, last)
     if not 1 <= a <= b <= last:
         raise VerifyError(f"--steps {a}-{b}: the run receipted steps 1-{last}; choose steps within them")
-    start = replay_start(run_dir, a - 1)
+    start = replay_start(run_dir, a - 1, doc)
     foreign = _foreign_checkpoint(run_dir, doc, files, start)
     report: dict[str, Any] = {"steps": f"{a}-{b}", "replayed_from": start, "by": None, "program_differs": []}
     if foreign is not None:  # a replay from it would verify nothing of this run
         return {**report, "reproduced": False, "compared": 0, "first_mismatch": foreign, "chain": {}, "notes": []}
-    planned = plan(run_dir, start, b, force=force, given=given)
+    planned = plan(run_dir, start, b, force=force, given=given, doc=doc)
     (consent or Consent()).grant([planned.launch], "samestep verify")
     report["by"] = planned.launch.identity
     differs = list(planned.changed)
