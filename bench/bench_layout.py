@@ -180,12 +180,12 @@ def tp_report(args: argparse.Namespace, sides: list, label: str, about: dict) ->
 
 
 def stock_apply_tp(model: torch.nn.Module, cfg, world: int, rank: int, device_type: str, meshes=None) -> None:
-    """``train.tp.apply_tp``'s place in ``build`` for the other side of --tp: the decoder blocks' linear layers under
-    PyTorch's ColwiseParallel/RowwiseParallel over one mesh of every process, as a user of PyTorch's styles runs
-    them (one matmul a shard, a row layer's sum an all-reduce, dropout drawn per rank, the activation whole); the
-    embedding, the head and the vocabulary-parallel loss samestep's, as on the canonical side. A fused q/k/v is
-    split in contiguous rows: a rank's q, k and v are other rows of the unsplit weight than the canonical split's,
-    of the same shapes and cost."""
+    """``train.tensor_parallel.apply_tp``'s place in ``build`` for the other side of --tp: the decoder blocks' linear
+    layers under PyTorch's ColwiseParallel/RowwiseParallel over one mesh of every process, as a user of PyTorch's
+    styles runs them (one matmul a shard, a row layer's sum an all-reduce, dropout drawn per rank, the activation
+    whole); the embedding, the head and the vocabulary-parallel loss samestep's, as on the canonical side. A fused
+    q/k/v is split in contiguous rows: a rank's q, k and v are other rows of the unsplit weight than the canonical
+    split's, of the same shapes and cost."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 

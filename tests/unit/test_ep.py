@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from samestep.train import load_config
-from samestep.train.ep import check_ep
+from samestep.train.expert_parallel import check_ep
 
 
 @pytest.mark.parametrize(

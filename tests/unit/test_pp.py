@@ -8,7 +8,7 @@ import torch
 
 from samestep.determinism import rng
 from samestep.train import load_config
-from samestep.train.pp import check_pp, stage_blocks
+from samestep.train.pipeline import check_pp, stage_blocks
 
 
 def test_stages_take_consecutive_blocks_the_first_ones_longer():

@@ -7,7 +7,7 @@ from typing import Any
 
 from samestep.train.config import Config
 from samestep.train.config_file import build
-from samestep.train.tp import data_ranks
+from samestep.train.tensor_parallel import data_ranks
 
 __all__ = ["job_layout", "written_layout"]
 

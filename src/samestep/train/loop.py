@@ -39,14 +39,14 @@ from samestep.records.rundir import (
 )
 from samestep.train.checks import CrossRankCheck, NonFinite
 from samestep.train.config import Config
-from samestep.train.ep import check_ep
+from samestep.train.expert_parallel import check_ep
 from samestep.train.layout import job_layout, written_layout
 from samestep.train.llama import Llama
-from samestep.train.pp import check_pp
+from samestep.train.pipeline import check_pp
 from samestep.train.processes import Processes, device_kind
 from samestep.train.progress import Progress
 from samestep.train.resume import check_run_files, restore_run
-from samestep.train.tp import check_tp, data_ranks
+from samestep.train.tensor_parallel import check_tp, data_ranks
 from samestep.train.trainer import Trainer, build
 
 __all__ = ["Preempted", "Trainer", "build", "check_layout", "train"]

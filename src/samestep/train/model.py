@@ -126,7 +126,7 @@ def chunkwise(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, width
 
 
 class Decoder(nn.Module):
-    """A decoder's forward, in the parts a pipeline stage runs (train/pp.py): a subclass (the GPT, the Llama)
+    """A decoder's forward, in the parts a pipeline stage runs (train/pipeline.py): a subclass (the GPT, the Llama)
     defines ``embed_tokens`` (tokens to the residual stream), ``trunk`` (its blocks), ``head`` (the logits) and
     ``loss``, and holds ``sequence`` (its rank's block of positions under sequence parallelism, or None)."""
 
@@ -168,7 +168,7 @@ class MoE(nn.Module):
         self.router = nn.Linear(cfg.n_embd, cfg.moe_experts, bias=False)
         # each expert is called as expert(rows, gen): the GPT's MLP, or the Llama's SwiGLU
         self.experts = nn.ModuleList(expert(cfg) for _ in range(cfg.moe_experts))
-        # set by parallel.ep: the experts spread over ranks, each run where it lies (train/ep.py)
+        # set by parallel.ep: the experts spread over ranks, each run where it lies (train/expert_parallel.py)
         self.exchange: Any = None
 
     def forward(self, x: torch.Tensor, gen: torch.Generator | None) -> torch.Tensor:

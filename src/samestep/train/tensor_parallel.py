@@ -133,7 +133,7 @@ def apply_tp(model: nn.Module, cfg: Config, world: int, rank: int, device_type: 
     that hold the same shards (None where there is one data rank). The processes form a (data, tensor) mesh,
     a data rank's tensor ranks consecutive (``meshes``: the (tensor, data) meshes of a job's larger mesh, a
     pipeline's, instead). A collective: every rank calls it, after the process group exists. Of a pipeline stage
-    (train/pp.py) the modules it holds: the GPT's last stage shards its copy of the tied head alike."""
+    (train/pipeline.py) the modules it holds: the GPT's last stage shards its copy of the tied head alike."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 

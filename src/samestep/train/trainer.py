@@ -30,13 +30,13 @@ from samestep.tracing import Perturb, Recorder, parse_selection
 from samestep.train.capacity import check_capacity
 from samestep.train.checks import RecomputeCheck, check_finite
 from samestep.train.config import Config
-from samestep.train.ep import ExpertLayout, check_ep
+from samestep.train.expert_parallel import ExpertLayout, check_ep
 from samestep.train.faults import Fault
 from samestep.train.llama import Llama
 from samestep.train.model import GPT
-from samestep.train.pp import Pipeline, check_pp
+from samestep.train.pipeline import Pipeline, check_pp
 from samestep.train.schedule import WarmupCosine
-from samestep.train.tp import apply_tp, check_tp, data_ranks
+from samestep.train.tensor_parallel import apply_tp, check_tp, data_ranks
 
 __all__ = ["Trainer", "build"]
 
