@@ -61,6 +61,7 @@ _OLD_PATHS = {
 for _old, _new in _OLD_PATHS.items():
     sys.modules[f"{__name__}.{_old}"] = sys.modules[_new]
     globals().setdefault(_old, sys.modules[_new])
+del _old, _new
 
 
 def __getattr__(name: str) -> Any:
