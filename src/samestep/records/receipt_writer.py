@@ -28,11 +28,11 @@ from samestep.records.receipts import (
     truncate_receipts,
 )
 
-__all__ = ["ReceiptWriter", "StepSums", "continue_receipts"]
+__all__ = ["CrossRankSums", "ReceiptWriter", "continue_receipts"]
 
 
 @dataclass(slots=True)
-class StepSums:
+class CrossRankSums:
     """Checksums of one step's tensors for the cross-rank check, by group ("grads", "params") and name
     (``checksums.Checksums``, the pass the step's receipt shares)."""
 
@@ -102,7 +102,7 @@ class ReceiptWriter:
             raise ReceiptError(f"{self.path}: state hash {hash!r} is not one of {', '.join(STATE_HASHES)}")
         self.shared = shared if shared is not None else StepChecksums()
         self.prev, self.last_step = first_prev, start
-        self.last: StepSums | None = None  # of the newest step given ``sums`` (read after ``wait``)
+        self.last: CrossRankSums | None = None  # of the newest step given ``sums`` (read after ``wait``)
         self.last_state: str | None = None  # the newest receipt's state checksum (read after ``wait``)
         self.cpu_seconds = 0.0  # the receipt thread's CPU time, all steps: what the receipts take from the machine
         self._error: BaseException | None = None
@@ -148,7 +148,7 @@ class ReceiptWriter:
                 memo = self.shared.of_step(fields["step"], self.hash)  # one pass over the step's tensors
                 if sums is not None:
                     of = memo if self.sums_hash == self.hash else Checksums(self.sums_hash)  # a version-1 file's
-                    self.last = StepSums(
+                    self.last = CrossRankSums(
                         fields["step"],
                         {group: of.named([(n, local_tree(t)) for n, t in named]) for group, named in sums.items()},
                     )

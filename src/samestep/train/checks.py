@@ -3,7 +3,7 @@
 - **Cross-rank check** (``train.cross_rank_check``, data parallel on more than one process): after the
   reduction every rank holds the same reduced gradients, and after the update the same parameters (under
   tensor parallelism, the data ranks of one tensor rank hold the same shards, and they compare). Each
-  rank's receipt thread checksums both (``receipt_writer.StepSums``, the pass its receipt shares); at the next
+  rank's receipt thread checksums both (``receipt_writer.CrossRankSums``, the pass its receipt shares); at the next
   optimizer step the ranks compare them (one all-gather of a 32-byte digest of the sums; only a
   disagreement moves the sums, to name the first tensor).
 - **Recompute check** (``train.sdc_check_every=N``): every N steps each rank runs one of its microbatches'
