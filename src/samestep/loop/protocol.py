@@ -231,8 +231,8 @@ class RunProtocol:
         keep_file: bool = True,
         hash: str | None = None,
     ) -> ReceiptWriter:
-        """This rank's receipts of the steps after ``start`` (``receipts.continue_receipts``; ``first_prev``: a new
-        file's genesis; ``hash``: a new file's state hash; ``sharded``: of this rank's shards). ``state(step)``
+        """This rank's receipts of the steps after ``start`` (``receipt_writer.continue_receipts``; ``first_prev``: a
+        new file's genesis; ``hash``: a new file's state hash; ``sharded``: of this rank's shards). ``state(step)``
         is called at each step's end and returns what makes the state tree on the receipt thread.
         ``optimizer``: its next ``step()`` waits for the receipt being made. Without ``keep_file`` a writer of
         no file (the cross-rank check's sums alone)."""

@@ -60,7 +60,7 @@ def trace(
             only). Both write the same stream.
         resume: continue the run that ``run_dir`` holds (after loading its checkpoint): the stream gets a
             new segment, and run.json a resume record with what differs from the run's start.
-        held: the run directory's lock (``samestep.records.rundir.hold``) where the caller holds it already and
+        held: the run directory's lock (``samestep.records.lock.hold``) where the caller holds it already and
             keeps it past the recorder's close (``samestep.Run``).
         layout: what run.json records of the layout besides the world size (``distributed.placement.
             model_layout``): ``samestep diff`` pairs trace records only between steps written on one layout.
