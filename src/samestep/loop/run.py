@@ -51,11 +51,11 @@ from samestep.loop.final_state import write_whole_final
 from samestep.loop.protocol import RunProtocol
 from samestep.loop.start_checks import (
     check_arguments,
-    declared,
+    checkpoints_held,
+    declare,
     loader_generators,
     refuse_changes,
     refuse_foreign_parameters,
-    refuse_parts,
     refuse_rng_change,
     resume_epoch,
 )
@@ -171,13 +171,15 @@ class Run:
         self._total: int | None = None  # the step count given to steps()
         self._implicit: contextlib.ExitStack | None = None  # microbatch 0 of a step, until the loop names one
         self._metrics: dict[str, float] = {}
-        held = self._checkpoints_held(resume)
+        held = checkpoints_held(self.checkpoints, resume)
         # one writer per run directory, as samestep train and samestep.trace take it (refused before anything)
         rank, world = rank_and_world()
         self.sharded = is_sharded(model)
         self._proto = RunProtocol(self.run_dir, hold_dir=rank == 0)
         try:
-            self._declare(config, resume)
+            self._declared = declare(
+                self.run_dir, (model, optimizer, scheduler, data_cursor), config, self.sharded, resume
+            )
             self.report = (
                 self._proto.enable(threads=threads, kernels=kernels, who="samestep.Run")
                 if deterministic
@@ -211,27 +213,6 @@ class Run:
             raise
 
     # -- the steps of __init__, in its order ----------------------------------------------------------------
-    def _checkpoints_held(self, resume: bool | str) -> bool:
-        """Whether the run directory holds a checkpoint, refused where ``resume`` says it must not (or must)."""
-        held = bool(committed_steps(self.checkpoints))
-        if held and resume is False:
-            raise ValueError(
-                f"samestep.Run: {self.checkpoints} already holds checkpoints; pass "
-                "resume='auto' to continue that run, or use a new run directory"
-            )
-        if not held and resume is True:
-            raise ValueError(f"samestep.Run: resume=True, but {self.checkpoints} holds no checkpoint")
-        return held
-
-    def _declare(self, config: dict[str, Any] | None, resume: bool | str) -> None:
-        """What the run holds fixed (run.json's ``declared``), its model's parts and a resume's changes to it
-        refused before anything is restored or written."""
-        self._declared = declared(self.model, self.optimizer, self.scheduler, self.data_cursor, config)
-        if not self.sharded:
-            refuse_parts(self._declared["model"])
-        if resume is not False:
-            refuse_changes(self.run_dir, self._declared)
-
     def _restore(self, strict_env: bool, world: int, rng: str) -> LoadedCheckpoint:
         """The newest intact checkpoint restored: whole tensors, whichever layout wrote them (a sharded model
         takes its shards of them), and the generators where ``rng`` and the process count allow."""

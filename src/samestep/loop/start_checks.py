@@ -12,11 +12,14 @@ from typing import Any
 
 import torch
 
+from samestep.checkpoint import committed_steps
 from samestep.hashing.state import state_digest
 from samestep.records.rundir import declared_changes
 
 __all__ = [
     "check_arguments",
+    "checkpoints_held",
+    "declare",
     "declared",
     "loader_generators",
     "refuse_changes",
@@ -173,3 +176,30 @@ def check_arguments(checkpoint_every: int, resume: bool | str, rng: str) -> None
             f"samestep.Run(rng={rng!r}): use 'restore' (each rank's generator states carry over) "
             "or 'keyed' (the loop's randomness is keyed by step and microbatch)"
         )
+
+
+def checkpoints_held(checkpoints: Path, resume: bool | str) -> bool:
+    """Whether ``checkpoints`` holds a committed checkpoint, refused where ``resume`` says it must not (or must)."""
+    held = bool(committed_steps(checkpoints))
+    if held and resume is False:
+        raise ValueError(
+            f"samestep.Run: {checkpoints} already holds checkpoints; pass "
+            "resume='auto' to continue that run, or use a new run directory"
+        )
+    if not held and resume is True:
+        raise ValueError(f"samestep.Run: resume=True, but {checkpoints} holds no checkpoint")
+    return held
+
+
+def declare(
+    run_dir: Path, parts: tuple[Any, Any, Any, Any], config: dict[str, Any] | None, sharded: bool, resume: bool | str
+) -> dict[str, Any]:
+    """What a run holds fixed (run.json's ``declared``) of its (model, optimizer, scheduler, data cursor) and
+    ``config``; a plain model's parts, and a resume's changes to what it holds fixed, refused before anything is
+    restored or written."""
+    held = declared(*parts, config)
+    if not sharded:
+        refuse_parts(held["model"])
+    if resume is not False:
+        refuse_changes(run_dir, held)
+    return held

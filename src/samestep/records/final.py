@@ -4,15 +4,12 @@ step and the digest of its final state, written atomically and read by diff, ver
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from samestep.records.durable import read_file, replace_atomic
-from samestep.records.rundir import RunDirError, check_version, final_path
+from samestep.records.rundir import PathLike, RunDirError, check_version, final_path
 
 __all__ = ["FINAL_FORMAT", "FINAL_VERSION", "final_digest", "final_doc", "read_final", "write_final"]
-
-_PathLike = str | os.PathLike[str]
 
 
 FINAL_FORMAT, FINAL_VERSION = "samestep.final", 1
@@ -45,12 +42,12 @@ def final_doc(
     return doc
 
 
-def write_final(run_dir: _PathLike, final: dict[str, Any]) -> None:
+def write_final(run_dir: PathLike, final: dict[str, Any]) -> None:
     """Writes final.json (atomically)."""
     replace_atomic(final_path(run_dir), (json.dumps(final, indent=1) + "\n").encode())
 
 
-def read_final(run_dir: _PathLike) -> dict[str, Any] | None:
+def read_final(run_dir: PathLike) -> dict[str, Any] | None:
     """final.json, or None if the run has none (it did not finish).
 
     Raises:
@@ -73,7 +70,7 @@ def read_final(run_dir: _PathLike) -> dict[str, Any] | None:
     return doc
 
 
-def final_digest(run_dir: _PathLike) -> str | None:
+def final_digest(run_dir: PathLike) -> str | None:
     """The final state digest of a finished run (None if it has none)."""
     final = read_final(run_dir)
     return final.get("state_digest") if final is not None else None

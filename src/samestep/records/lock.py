@@ -7,11 +7,9 @@ import os
 import socket
 from pathlib import Path
 
-from samestep.records.rundir import LOCK, RunDirError
+from samestep.records.rundir import LOCK, PathLike, RunDirError
 
 __all__ = ["RunLock", "hold"]
-
-_PathLike = str | os.PathLike[str]
 
 
 class RunLock:
@@ -27,7 +25,7 @@ class RunLock:
             self._fd = -1
 
 
-def hold(run_dir: _PathLike) -> RunLock:
+def hold(run_dir: PathLike) -> RunLock:
     """Takes the run directory for this process (creating it if needed). Every writer of a run directory
     takes it before it writes: ``samestep train``, ``samestep.Run``, and ``samestep.trace`` (unless its
     caller holds it and passes it on).

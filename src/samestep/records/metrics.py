@@ -5,15 +5,12 @@ ever the last."""
 from __future__ import annotations
 
 import json
-import os
 from typing import Any
 
 from samestep.records.durable import read_file, replace_atomic
-from samestep.records.rundir import RunDirError, metrics_path
+from samestep.records.rundir import PathLike, RunDirError, metrics_path
 
 __all__ = ["last_logged_step", "logged_loss", "metrics_line", "read_metrics", "truncate_metrics"]
-
-_PathLike = str | os.PathLike[str]
 
 
 def metrics_line(step: int, loss: float, grad_norm: float, lr: float, tokens: int) -> str:
@@ -34,7 +31,7 @@ def metrics_line(step: int, loss: float, grad_norm: float, lr: float, tokens: in
     )
 
 
-def read_metrics(run_dir: _PathLike) -> list[dict[str, Any]]:
+def read_metrics(run_dir: PathLike) -> list[dict[str, Any]]:
     """metrics.jsonl's rows, up to a torn last line of a killed run (none if there is no file).
 
     Raises:
@@ -63,7 +60,7 @@ def read_metrics(run_dir: _PathLike) -> list[dict[str, Any]]:
     return rows
 
 
-def truncate_metrics(run_dir: _PathLike, last_step: int, *, check_only: bool = False) -> None:
+def truncate_metrics(run_dir: PathLike, last_step: int, *, check_only: bool = False) -> None:
     """Keeps the metric lines of steps <= last_step (a killed run may have written more, or a torn line).
     ``check_only``: raise what it would raise, and change nothing (a resume checks every file before it
     writes any).
@@ -98,7 +95,7 @@ def truncate_metrics(run_dir: _PathLike, last_step: int, *, check_only: bool = F
         replace_atomic(path, "".join(kept).encode("utf-8"))
 
 
-def logged_loss(run_dir: _PathLike, step: int) -> float:
+def logged_loss(run_dir: PathLike, step: int) -> float:
     """The loss bits that metrics.jsonl holds for ``step`` (NaN if it holds none): what final.json reports
     when a resumed run has no step left to train."""
     try:
@@ -115,7 +112,7 @@ def logged_loss(run_dir: _PathLike, step: int) -> float:
     return float("nan")
 
 
-def last_logged_step(run_dir: _PathLike) -> int:
+def last_logged_step(run_dir: PathLike) -> int:
     """The step of metrics.jsonl's last complete line (0 if none)."""
     try:
         lines = read_file(metrics_path(run_dir)).decode("utf-8").splitlines()

@@ -25,6 +25,7 @@ from samestep.records.durable import read_file, replace_atomic
 from samestep.version import __version__
 
 __all__ = [
+    "PathLike",
     "NUMERICS_NEUTRAL",
     "RUN_FORMAT",
     "RUN_VERSION",
@@ -81,35 +82,35 @@ NUMERICS_NEUTRAL = frozenset(
     }
 )
 
-_PathLike = str | os.PathLike[str]
+PathLike = str | os.PathLike[str]
 
 
 # -- the layout: every path of a run directory, named here only ------------------------------------------------
-def run_json(run_dir: _PathLike) -> Path:
+def run_json(run_dir: PathLike) -> Path:
     return Path(run_dir) / "run.json"
 
 
-def metrics_path(run_dir: _PathLike) -> Path:
+def metrics_path(run_dir: PathLike) -> Path:
     return Path(run_dir) / "metrics.jsonl"
 
 
-def final_path(run_dir: _PathLike) -> Path:
+def final_path(run_dir: PathLike) -> Path:
     return Path(run_dir) / "final.json"
 
 
-def checkpoints_dir(run_dir: _PathLike) -> Path:
+def checkpoints_dir(run_dir: PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def receipts_dir(run_dir: _PathLike) -> Path:
+def receipts_dir(run_dir: PathLike) -> Path:
     return Path(run_dir) / "receipts"
 
 
-def trace_dir(run_dir: _PathLike) -> Path:
+def trace_dir(run_dir: PathLike) -> Path:
     return Path(run_dir) / "trace"
 
 
-def holds_run(run_dir: _PathLike) -> bool:
+def holds_run(run_dir: PathLike) -> bool:
     """Whether the directory holds a run (its run.json)."""
     return run_json(run_dir).exists()
 
@@ -134,7 +135,7 @@ def _dump(doc: Any) -> bytes:
 _VIRTUAL = ("/proc", "/sys", "/dev")  # file systems of the kernel's, not storage
 
 
-def checked_run_dir(run_dir: _PathLike) -> Path:
+def checked_run_dir(run_dir: PathLike) -> Path:
     """``run_dir`` if a run can live there: a directory (or nothing yet) on a real file system, named by a path
     that resolves.
 
@@ -185,14 +186,14 @@ def new_run(
     }
 
 
-def write_run(run_dir: _PathLike, doc: dict[str, Any]) -> None:
+def write_run(run_dir: PathLike, doc: dict[str, Any]) -> None:
     """Writes run.json (atomically, fsynced), creating the run directory if needed."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     replace_atomic(run_json(run_dir), _dump(doc))
 
 
-def read_run(run_dir: _PathLike) -> dict[str, Any]:
+def read_run(run_dir: PathLike) -> dict[str, Any]:
     """run.json, checked to be a samestep run.
 
     Raises:
@@ -222,7 +223,7 @@ def read_run(run_dir: _PathLike) -> dict[str, Any]:
     return doc
 
 
-def record_resume(run_dir: _PathLike, resume: dict[str, Any]) -> None:
+def record_resume(run_dir: PathLike, resume: dict[str, Any]) -> None:
     """Appends a resume record (the step resumed from, the layout it resumed on, ...) to run.json."""
     doc = read_run(run_dir)
     doc.setdefault("resumes", []).append(resume)
@@ -251,7 +252,7 @@ def layout_at(doc: dict[str, Any], step: int) -> dict[str, Any]:
     }
 
 
-def record_declared(run_dir: _PathLike, declared: dict[str, Any]) -> None:
+def record_declared(run_dir: PathLike, declared: dict[str, Any]) -> None:
     """Records (or extends) run.json's ``declared``: what a loop of one's own declares fixed for its whole run
     (``samestep.Run``): a resume under other values is refused."""
     doc = read_run(run_dir)
@@ -259,7 +260,7 @@ def record_declared(run_dir: _PathLike, declared: dict[str, Any]) -> None:
     write_run(run_dir, doc)
 
 
-def declared_changes(run_dir: _PathLike, declared: dict[str, Any]) -> list[str]:
+def declared_changes(run_dir: PathLike, declared: dict[str, Any]) -> list[str]:
     """Where ``declared`` differs from what run.json's ``declared`` holds, as ``"name: then -> now"`` (none where
     run.json holds nothing, or no such name)."""
     path = run_json(run_dir)
@@ -286,7 +287,7 @@ def determinism_diff(det_a: dict[str, Any] | None, det_b: dict[str, Any] | None)
     return out
 
 
-def record_close(run_dir: _PathLike, close: dict[str, Any], numerics_changed: dict[str, Any] | None = None) -> None:
+def record_close(run_dir: PathLike, close: dict[str, Any], numerics_changed: dict[str, Any] | None = None) -> None:
     """Appends to run.json's ``closes`` that a trace segment was closed (by samestep.trace's recorder):
     ``{"segment", "failed_step", "records"}``: the last step whose context raised, or null, and the records
     the segment holds. A segment with no close
