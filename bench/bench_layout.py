@@ -43,7 +43,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import samestep
 from samestep.determinism import rng
-from samestep.distributed import CanonicalDdpState, canonical_ddp_hook, clip_grad_norm_, ring_allreduce_bytes
+from samestep.distributed import CanonicalDdpState, canonical_ddp_hook, clip_grad_norm_
+from samestep.distributed.reduce import ring_allreduce_bytes
 from samestep.loop.data import load_corpus
 from samestep.train import load_config
 from samestep.train.loop import build

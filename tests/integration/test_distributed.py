@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 import samestep
-from samestep.distributed import canonical_sum, combine_across_ranks, ring_allreduce_bytes
+from samestep.distributed.reduce import combine_across_ranks, ring_allreduce_bytes
+from samestep.distributed.tree import canonical_sum
 from samestep.hashing.checksums import Checksums
 from samestep.tracing import Perturb
 from tests.support import spawn, traced_step

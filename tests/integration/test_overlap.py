@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from samestep.distributed import AllReduceGradients, CanonicalGradients, GradientBuckets
+from samestep.distributed import CanonicalGradients
+from samestep.distributed.buckets import GradientBuckets
+from samestep.distributed.reduce import AllReduceGradients
 from tests.support import spawn
 
 pytestmark = pytest.mark.slow

@@ -89,7 +89,7 @@ def test_a_pp_2_run_killed_resumes_at_pp_4_on_one_process_and_on_2_x_2_bit_for_b
 
 def _plain_accumulation() -> None:
     """Each stage's gradients as pipelining leaves them: every microbatch's backward added into ``p.grad``."""
-    from samestep.distributed import AllReduceGradients
+    from samestep.distributed.reduce import AllReduceGradients
     from samestep.train import trainer
 
     trainer.CanonicalGradients = lambda params, overlap=True, **kw: AllReduceGradients(params, **kw)

@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from samestep.distributed import BinaryCounter, CanonicalGradients, canonical_sum, validate_layout
+from samestep.distributed import CanonicalGradients, validate_layout
+from samestep.distributed.tree import BinaryCounter, canonical_sum
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:

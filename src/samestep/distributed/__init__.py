@@ -4,69 +4,42 @@ tensor-parallel linears, embedding, loss and sequence-parallel norms whose sums 
 and layout validation."""
 
 from samestep.distributed.agree import any_rank
-from samestep.distributed.buckets import GradientBuckets
 from samestep.distributed.ddp import CanonicalDdpState, canonical_ddp_hook
 from samestep.distributed.fsdp import FsdpGradients, ShardedModel, ShardedOptimizer, full_state, shard_model
 from samestep.distributed.norm import canonical_grad_norm, clip_grad_norm_
-from samestep.distributed.pipeline import (
-    CanonicalStage,
-    TiedWeight,
-    broadcast_from,
-    canonical_stage,
-    canonical_stage_of,
-)
-from samestep.distributed.reduce import (
-    AllReduceGradients,
-    CanonicalGradients,
-    combine_across_ranks,
-    ring_allreduce_bytes,
-)
+from samestep.distributed.pipeline import broadcast_from, canonical_stage, canonical_stage_of
+from samestep.distributed.reduce import CanonicalGradients
 from samestep.distributed.sequence_parallel import (
-    SequenceShard,
-    all_gather_blocks,
     gather_sequence,
     parallelize_norm,
     scatter_sequence,
     sequence_affine,
     tree_to_block,
 )
-from samestep.distributed.stacked_experts import StackedExperts, parallelize_experts, transformers_expert
-from samestep.distributed.tree import BinaryCounter, canonical_sum, validate_layout
+from samestep.distributed.stacked_experts import parallelize_experts, transformers_expert
+from samestep.distributed.tree import validate_layout
 from samestep.distributed.vocab_parallel import vocab_parallel_cross_entropy, vocab_parallel_embedding
 
 __all__ = [
-    "AllReduceGradients",
-    "BinaryCounter",
     "CanonicalColwiseParallel",
     "CanonicalDdpState",
     "CanonicalGradients",
     "CanonicalRowwiseParallel",
-    "CanonicalStage",
     "CanonicalVocabEmbedding",
     "FsdpGradients",
-    "GradientBuckets",
-    "SequenceShard",
     "ShardedModel",
     "ShardedOptimizer",
-    "StackedExperts",
-    "TiedWeight",
-    "all_gather_blocks",
     "any_rank",
     "broadcast_from",
     "canonical_ddp_hook",
     "canonical_grad_norm",
     "canonical_stage",
     "canonical_stage_of",
-    "canonical_sum",
     "clip_grad_norm_",
-    "column_linear",
-    "combine_across_ranks",
     "full_state",
     "gather_sequence",
     "parallelize_experts",
     "parallelize_norm",
-    "ring_allreduce_bytes",
-    "row_linear",
     "scatter_sequence",
     "sequence_affine",
     "sequence_shard",
@@ -85,8 +58,6 @@ _LAZY = {
     "CanonicalColwiseParallel": "tp_styles",
     "CanonicalRowwiseParallel": "tp_styles",
     "CanonicalVocabEmbedding": "tp_styles",
-    "column_linear": "tensor_parallel",
-    "row_linear": "tensor_parallel",
     "sequence_shard": "tensor_parallel",
     "validate_tp": "tensor_parallel",
 }

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from samestep.determinism import rng
-from samestep.distributed import AllReduceGradients, CanonicalGradients, any_rank
+from samestep.distributed import CanonicalGradients, any_rank
 from samestep.distributed.fsdp import (
     FsdpDefaultGradients,
     FsdpGradients,
@@ -23,6 +23,7 @@ from samestep.distributed.fsdp import (
     shard_model,
 )
 from samestep.distributed.norm import clip_grad_norm_
+from samestep.distributed.reduce import AllReduceGradients
 from samestep.distributed.shard_adamw import ShardAdamW
 from samestep.loop.data import DataCursor, load_corpus
 from samestep.records.receipt_state import buffers_now, model_state

@@ -134,8 +134,9 @@ class SamestepTrainer(Trainer):
 
     def _gradients(self, canonical: bool) -> Any:
         """The rank's gradient accumulation and combine: samestep's canonical tree, or torchtitan's own order."""
-        from samestep.distributed import AllReduceGradients, CanonicalGradients, FsdpGradients
+        from samestep.distributed import CanonicalGradients, FsdpGradients
         from samestep.distributed.fsdp import FsdpDefaultGradients
+        from samestep.distributed.reduce import AllReduceGradients
 
         model, k = self.model_parts[0], self.gradient_accumulation_steps
         if self.parallel_dims.fsdp_enabled:
