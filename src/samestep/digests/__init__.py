@@ -1,4 +1,4 @@
-"""The tensor digest: an order-sensitive fingerprint whose bits do not depend on the device, the thread
+"""The tensor digest: an order-sensitive hash whose bits do not depend on the device, the thread
 count or the reduction order (docs/digest.md, with test vectors). The ground floor: it imports nothing
 else of samestep.
 

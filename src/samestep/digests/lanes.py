@@ -190,7 +190,7 @@ def digest_many(tensors: Sequence[torch.Tensor]) -> list[str]:
 
 
 def digest(t: torch.Tensor) -> str:
-    """samestep's fingerprint of a tensor's dtype, shape and every bit of its data (32 hex digits).
+    """samestep's hash of a tensor's dtype, shape and every bit of its data (32 hex digits).
 
     Handles every dense dtype (float8, bf16, fp16, bool, complex, ints), non-contiguous, 0-dim and
     empty tensors. The same bytes give the same digest on CPU and GPU, at any thread count.

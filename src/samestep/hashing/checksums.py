@@ -1,4 +1,4 @@
-"""State checksums: the per-step fingerprint of a state tree that receipts and the cross-rank check share.
+"""State checksums: the per-step hash of a state tree that receipts and the cross-rank check share.
 
 A step's receipt, the cross-rank check and the step-level trace's state records all read the state after the
 update (the check also the reduced gradients); ``Checksums`` hashes each tensor's bytes at most once a step

@@ -110,7 +110,7 @@ def sha256_tensor(t: torch.Tensor) -> str:
 def tree_digest(
     tree: Any, tensor_digests: Callable[[list[torch.Tensor]], list[str]], new_hash: Callable[[bytes], Any]
 ) -> str:
-    """A state tree's fingerprint (docs/formats.md): ``new_hash`` over its canonical JSON skeleton, then each
+    """A state tree's digest (docs/formats.md): ``new_hash`` over its canonical JSON skeleton, then each
     tensor's name, a zero byte and its hex digest by ``tensor_digests`` (all the tree's tensors in one call),
     in name order."""
     tensors: dict[str, torch.Tensor] = {}
