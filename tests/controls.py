@@ -15,8 +15,18 @@ def resume_without_the_optimizer() -> None:
 
 
 def resume_without_the_optimizer_unchecked() -> None:
-    """As ``resume_without_the_optimizer``, with the resume's check of the restored state against the receipts
-    lifted (it refuses such a resume), so the run goes on from what it restored."""
+    """As ``resume_without_the_optimizer``, with the resume's checks lifted (they refuse or stop such a resume):
+    of the restored state against the receipts, and of each step computed again against its old receipt
+    (``records.resume_check``), so the run goes on from what it restored."""
+    from samestep.records import receipt_writer
+
+    resume_without_the_optimizer_restored_unchecked()
+    receipt_writer.receipts_after = lambda *args, **kw: []
+
+
+def resume_without_the_optimizer_restored_unchecked() -> None:
+    """As ``resume_without_the_optimizer``, with only the check of the restored state against the receipts
+    lifted: the steps computed again are still checked against their old receipts."""
     from samestep.train import loop
 
     resume_without_the_optimizer()

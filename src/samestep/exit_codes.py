@@ -15,6 +15,7 @@ __all__ = [
     "OK",
     "PEER_LOST",
     "PREEMPTED",
+    "RESUME_DIVERGED",
     "SIGNALLED",
 ]
 
@@ -25,6 +26,7 @@ INTERNAL_ERROR = 3  # an unexpected error
 FAULT = 4  # samestep train: a fault check stopped the run
 NONFINITE = 5  # samestep train: a step's loss or gradient norm is not finite
 PEER_LOST = 6  # samestep train: a collective lost another process of the job
+RESUME_DIVERGED = 7  # a resumed run computed a step again to other bits than its receipt: it lost state
 PREEMPTED = 75  # EX_TEMPFAIL: stopped on request with everything saved; a requeued job resumes
 INTERRUPTED = 130  # interrupted (Ctrl-C outside a training step)
 SIGNALLED = 128  # + N: stopped at once by signal N
@@ -37,6 +39,7 @@ MEANINGS = {
     FAULT: "a fault check stopped the run",
     NONFINITE: "a non-finite loss or gradient norm",
     PEER_LOST: "a collective lost another process",
+    RESUME_DIVERGED: "a resume lost state: a step computed again differs from its receipt",
     PREEMPTED: "stopped after a step, with a checkpoint",
     INTERRUPTED: "interrupted",
 }

@@ -9,9 +9,13 @@ import pytest
 import torch
 
 from samestep.records.receipts import read_receipts
-from tests.controls import resume_without_the_optimizer, resume_without_the_optimizer_unchecked
+from tests.controls import (
+    resume_without_the_optimizer,
+    resume_without_the_optimizer_restored_unchecked,
+    resume_without_the_optimizer_unchecked,
+)
 from tests.forgery import rewrite_receipts
-from tests.support import TINY, cli_here, train_here, train_ranks
+from tests.support import TINY, cli_here, killed_in_step_4, run_files, train_here, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -67,6 +71,34 @@ def test_receipts_are_the_runs_state_and_survive_a_resume(runs, tmp_path):
     forgot = _receipts(cut)
     assert [r["state"] for r in forgot[:3]] == [r["state"] for r in receipts[:3]]
     assert all(f["state"] != r["state"] for f, r in zip(forgot[3:], receipts[3:]))
+
+
+def test_a_resume_that_lost_state_stops_at_the_first_step_it_computes_again(runs, tmp_path):
+    """Two data-parallel processes, rank 1 SIGKILLed in step 4 (checkpoint 2; rank 0's receipts of steps 1..3
+    on disk). Resumed with the optimizer's state left out and only the restored state's check lifted, step 3
+    computed again is not its receipt: exit 7, one line naming the step, and rank 0's receipts as the kill left
+    them. Control: the same directory resumed as it is ends on the uninterrupted run's receipts, byte for
+    byte (steps 3 and later checked, then written)."""
+    run = tmp_path / "run"
+    killed_in_step_4(run, *TINY, nproc=2, copies=("lost",))
+    assert [r["step"] for r in _receipts(run)] == [1, 2, 3]
+    before = run_files(tmp_path / "lost" / "receipts")
+    err = tmp_path / "lost.err"
+    train_ranks(
+        tmp_path / "lost",
+        *TINY,
+        nproc=2,
+        resume=True,
+        patch=resume_without_the_optimizer_restored_unchecked,
+        exit_code=7,
+        stderr=err,
+    )
+    assert "the resume from step 2 computed step 3 again to other bits than the run's receipt" in err.read_text()
+    assert run_files(tmp_path / "lost" / "receipts") == before
+    train_ranks(run, *TINY, nproc=2, resume=True)
+    assert (run / "receipts" / "rank_00000.jsonl").read_bytes() == (
+        runs / "a" / "receipts" / "rank_00000.jsonl"
+    ).read_bytes()
 
 
 def test_receipts_verify_catches_an_edit_and_a_foreign_checkpoint(runs, tmp_path):

@@ -75,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
                 "ended, and a collective lost it",
                 EXIT_PEER_LOST,
             )
+        if isinstance(getattr(e, "exit_code", None), int):  # an error with a code of its own (a resume that diverged)
+            return report_error(args, f"error: {e}", e.exit_code)
         line = input_error_of(e)
         if line is not None:
             return report_error(args, f"error: {line}", INPUT_ERROR)

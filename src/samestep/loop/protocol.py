@@ -230,17 +230,23 @@ class RunProtocol:
         sharded: bool = False,
         keep_file: bool = True,
         hash: str | None = None,
+        check_resume: bool | None = None,
     ) -> ReceiptWriter:
         """This rank's receipts of the steps after ``start`` (``receipt_writer.continue_receipts``; ``first_prev``: a
         new file's genesis; ``hash``: a new file's state hash; ``sharded``: of this rank's shards). ``state(step)``
         is called at each step's end and returns what makes the state tree on the receipt thread.
         ``optimizer``: its next ``step()`` waits for the receipt being made. Without ``keep_file`` a writer of
-        no file (the cross-rank check's sums alone)."""
+        no file (the cross-rank check's sums alone). ``check_resume``: the receipts a killed segment wrote after
+        ``start`` are checked as the steps are computed again (``records.resume_check``); None: where deterministic
+        mode is on (a run not deterministic may compute a step again to other bits). Receipts of shards (every
+        rank its own) are not checked: a rank whose check passed would write the receipts of steps another
+        rank's check refused, and a later resume would be checked against them."""
         kind: dict[str, Any] = {"state_of": "rank" if sharded else "run", "shared": self.checksums} | (
             {"hash": hash} if hash else {}
         )
+        check = (mode.is_enabled() if check_resume is None else check_resume) and not sharded
         self.receipts = continue_receipts(
-            self._dir("open_receipts") if keep_file else None, rank, start, first_prev, **kind
+            self._dir("open_receipts") if keep_file else None, rank, start, first_prev, check=check, **kind
         )
         self._state = state
         if optimizer is not None:

@@ -45,6 +45,7 @@ from samestep.distributed.agree import any_rank
 from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer
 from samestep.distributed.group import rank_and_world
 from samestep.distributed.placement import is_sharded, model_layout
+from samestep.exit_codes import INPUT_ERROR
 from samestep.hashing.checksums import state_hash_for
 from samestep.hashing.state import persistent_buffers
 from samestep.loop.final_state import write_whole_final
@@ -58,6 +59,7 @@ from samestep.loop.start_checks import (
     refuse_foreign_parameters,
     refuse_rng_change,
     resume_epoch,
+    warn_unheld_scheduler,
 )
 from samestep.loop.step_checks import (
     LoopError,
@@ -68,6 +70,7 @@ from samestep.loop.step_checks import (
 )
 from samestep.records.receipt_state import state_tree
 from samestep.records.receipts import genesis
+from samestep.records.resume_check import ResumeDiverged
 from samestep.records.rundir import checked_run_dir, checkpoints_dir, holds_run, record_declared
 from samestep.replay import program
 from samestep.replay.request import ReplayRequest
@@ -151,6 +154,7 @@ class Run:
     ) -> None:
         check_arguments(checkpoint_every, resume, rng)
         refuse_foreign_parameters(model, optimizer)  # before anything is made or written
+        warn_unheld_scheduler(optimizer, scheduler)
         self._replay = ReplayRequest.for_run(run_dir, "samestep.Run")
         if self._replay is not None:  # the scratch directory, traced as asked, receipted; see replay_request
             run_dir, level, trace_steps = self._replay.into, self._replay.level, self._replay.trace_steps
@@ -207,7 +211,7 @@ class Run:
                 program.record(self.run_dir, self.start, program.describe(self.run_dir))
             self._watch_updates(copy, level)
             if keeps_receipts:
-                self._open_receipts(rank)
+                self._open_receipts(rank, check=deterministic)
         except BaseException:
             self.close()
             raise
@@ -262,9 +266,10 @@ class Run:
         ]
         self._stale = StaleGradients(self._params)
 
-    def _open_receipts(self, rank: int) -> None:
+    def _open_receipts(self, rank: int, check: bool) -> None:
         """The receipts of this rank's state, taken at each step's end (a scheduler may change the optimizer's
-        groups before the next update; the next update waits for the receipt of the last)."""
+        groups before the next update; the next update waits for the receipt of the last). ``check``: the steps
+        a resume computes again are checked against the killed segment's receipts."""
         where = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         self._proto.open_receipts(
             rank,
@@ -274,6 +279,7 @@ class Run:
             state=lambda step: lambda tree=self._state_tree(step): tree,
             hash=state_hash_for(where),
             sharded=self.sharded,
+            check_resume=check,
         )
 
     @property
@@ -418,14 +424,17 @@ class Run:
 
     def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
         """Closes the run; a ``LoopError`` (a mistake in the loop: docs/api.md) ends the program with its one line
-        and exit 2, as samestep's commands report bad input (``SAMESTEP_DEBUG=1``: the traceback instead). A loop
-        left inside a step without an error (a ``break``) is said on stderr: what was not saved, and where a
-        resume goes on from."""
+        and exit 2, a ``ResumeDiverged`` (a resume that lost state) with its line and exit 7, as samestep's
+        commands report errors (``SAMESTEP_DEBUG=1``: the traceback instead). A loop left inside a step without
+        an error (a ``break``) is said on stderr: what was not saved, and where a resume goes on from."""
         left = self._step if self._loop is not None and error is None else None  # a break or return inside a step
-        self.close()
+        try:
+            self.close()
+        except ResumeDiverged as e:  # the last step computed again, its receipt checked as the receipts close
+            error = error or e
         if left is not None and rank_and_world()[0] == 0:
             newest = max((step for step, _ in committed_steps(self.checkpoints)), default=0)
             print(left_inside_a_step(left, self._total, newest), file=sys.stderr)
-        if isinstance(error, LoopError) and os.environ.get("SAMESTEP_DEBUG") != "1":
+        if isinstance(error, (LoopError, ResumeDiverged)) and os.environ.get("SAMESTEP_DEBUG") != "1":
             print(error, file=sys.stderr)
-            raise SystemExit(2) from None
+            raise SystemExit(getattr(error, "exit_code", INPUT_ERROR)) from None

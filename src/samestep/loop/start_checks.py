@@ -7,6 +7,7 @@ raised on every rank alike (docs/api.md, ``samestep.Run``)."""
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ __all__ = [
     "refuse_parts",
     "refuse_rng_change",
     "resume_epoch",
+    "warn_unheld_scheduler",
 ]
 
 
@@ -71,6 +73,20 @@ def refuse_foreign_parameters(model: torch.nn.Module, optimizer: torch.optim.Opt
             "fully_shard or parallelize_module replaced them, or holds a tensor kept outside the model, "
             "whose value no checkpoint would hold. Fix: build the optimizer from model.parameters() "
             "after sharding or parallelizing the model, and keep every trained tensor in the model"
+        )
+
+
+def warn_unheld_scheduler(optimizer: torch.optim.Optimizer, scheduler: Any) -> None:
+    """Warns, one line, where an LR scheduler steps ``optimizer`` (PyTorch's schedulers wrap its ``step``) but
+    Run was given none: no checkpoint holds its state, so a resume starts it over, and the steps computed again
+    are checked against their receipts and stop the run (``records.resume_check``)."""
+    if scheduler is None and hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        warnings.warn(
+            "samestep.Run: an LR scheduler steps this optimizer, but Run was not given it: no checkpoint holds "
+            "its state, so a resume would start it over on other bits (and stop at the first step computed "
+            "again). Fix: samestep.Run(..., scheduler=scheduler)",
+            UserWarning,
+            stacklevel=3,
         )
 
 

@@ -27,6 +27,7 @@ from samestep.records.receipts import (
     state_hash_of,
     truncate_receipts,
 )
+from samestep.records.resume_check import ResumeDiverged, diverged, receipts_after
 
 __all__ = ["CrossRankSums", "ReceiptWriter", "continue_receipts"]
 
@@ -55,6 +56,9 @@ class ReceiptWriter:
     rank that keeps no receipts). ``hash``: the state hash of a new file (``checksums.state_hash_for`` the
     state's device) and of the sums (every rank's alike); a file that exists keeps its own, and its version.
     ``shared``: where each step's pass over the tensors is shared with the trace's state records.
+    ``pending``: the receipts after ``start`` the file holds already (a killed segment's,
+    ``resume_check.receipts_after``): each step's receipt is checked against its old one instead of written,
+    and the first that differs is raised (``ResumeDiverged``) with the file unchanged.
     """
 
     def __init__(
@@ -67,6 +71,7 @@ class ReceiptWriter:
         start: int = 0,
         hash: str = STATE_HASH,
         shared: StepChecksums | None = None,
+        pending: list[dict[str, Any]] | None = None,
     ) -> None:
         self.path = receipts_path(run_dir, rank) if run_dir is not None else None
         self._file = None
@@ -101,7 +106,10 @@ class ReceiptWriter:
         if hash not in STATE_HASHES:  # a file's own was checked as it was read
             raise ReceiptError(f"{self.path}: state hash {hash!r} is not one of {', '.join(STATE_HASHES)}")
         self.shared = shared if shared is not None else StepChecksums()
-        self.prev, self.last_step = first_prev, start
+        self.prev, self.last_step, self.start = first_prev, start, start
+        self._pending = {r["step"]: r for r in pending or ()}
+        self._last_pending = max(self._pending, default=start)
+        self._diverged: ResumeDiverged | None = None  # once set, nothing more is written
         self.last: CrossRankSums | None = None  # of the newest step given ``sums`` (read after ``wait``)
         self.last_state: str | None = None  # the newest receipt's state checksum (read after ``wait``)
         self.cpu_seconds = 0.0  # the receipt thread's CPU time, all steps: what the receipts take from the machine
@@ -161,7 +169,7 @@ class ReceiptWriter:
                     if self.version >= 2:
                         receipt["state_of"] = self.state_of
                     receipt["hash"] = receipt_hash(receipt)
-                    self._file.write(json.dumps(receipt, sort_keys=True) + "\n")  # flushed by sync
+                    self._keep(receipt)
                     self.prev, self.last_state = receipt["hash"], receipt["state"]
             except BaseException as e:  # raised on the training thread at the next wait
                 self._error = e
@@ -169,11 +177,27 @@ class ReceiptWriter:
                 self.cpu_seconds += time.thread_time() - began
                 self._idle.set()
 
+    def _keep(self, receipt: dict[str, Any]) -> None:
+        """Writes ``receipt``, or checks it against the file's old receipt of its step (a resume's recomputed
+        step); flushed to the OS at once, so a killed process leaves the receipts of the steps it finished."""
+        if self._diverged is not None:
+            return
+        old = self._pending.pop(receipt["step"], None)
+        if old is not None:
+            if old != receipt:
+                self._diverged = diverged(self.path, self.start, old, receipt, self._last_pending)
+                raise self._diverged
+            return
+        self._file.write(json.dumps(receipt, sort_keys=True) + "\n")
+        self._file.flush()
+
     def wait(self) -> None:
-        """Waits for the receipt being made; raises its failure, if it failed."""
+        """Waits for the receipt being made; raises its failure, if it failed (a ``ResumeDiverged`` as itself)."""
         self._idle.wait()
         if self._error is not None:
             error, self._error = self._error, None
+            if isinstance(error, ResumeDiverged):
+                raise error
             raise RuntimeError(f"receipt of step {self.last_step} failed: {error}") from error
 
     def sync(self) -> None:
@@ -197,11 +221,27 @@ class ReceiptWriter:
 
 
 def continue_receipts(
-    run_dir: str | os.PathLike[str] | None, rank: int, start: int, first_prev: str, **kwargs: Any
+    run_dir: str | os.PathLike[str] | None,
+    rank: int,
+    start: int,
+    first_prev: str,
+    *,
+    check: bool = True,
+    **kwargs: Any,
 ) -> ReceiptWriter:
-    """This rank's receipt writer for a run that goes on after step ``start``: the receipts of later steps (a
-    killed run wrote them) cut, the chain continued from the last one kept; ``first_prev`` is a new file's
-    genesis. Without ``run_dir``, a writer of no file (``ReceiptWriter``). ``kwargs``: ``ReceiptWriter``'s
-    (``hash``, ``state_of``, ``shared``)."""
-    prev = truncate_receipts(run_dir, rank, start) if run_dir is not None else None
+    """This rank's receipt writer for a run that goes on after step ``start``; ``first_prev`` is a new file's
+    genesis. The receipts of later steps a killed run wrote are kept and checked as the resume computes those
+    steps again (``resume_check``); without ``check`` (a run not deterministic, or whose receipts are of other
+    shards than this job's) they are cut, and the chain goes on from step ``start``. Without ``run_dir``, a
+    writer of no file (``ReceiptWriter``). ``kwargs``: ``ReceiptWriter``'s (``hash``, ``state_of``,
+    ``shared``)."""
+    if run_dir is None:
+        return ReceiptWriter(None, rank, first_prev, start=start, **kwargs)
+    pending = receipts_after(run_dir, rank, start) if check else []
+    if pending and not start and pending[0]["prev"] != first_prev:
+        pending = []  # a run started afresh under another genesis (config, data): nothing of it to check
+    if pending:
+        truncate_receipts(run_dir, rank, pending[-1]["step"])  # a torn line after them, if any, cut
+        return ReceiptWriter(run_dir, rank, pending[0]["prev"], start=start, pending=pending, **kwargs)
+    prev = truncate_receipts(run_dir, rank, start)
     return ReceiptWriter(run_dir, rank, prev or first_prev, start=start, **kwargs)
