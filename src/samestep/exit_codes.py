@@ -4,6 +4,10 @@ from bad input from a crash."""
 
 from __future__ import annotations
 
+import os
+import sys
+import traceback
+
 __all__ = [
     "DIFFERENCE",
     "FAULT",
@@ -15,6 +19,7 @@ __all__ = [
     "OK",
     "PEER_LOST",
     "PREEMPTED",
+    "Refusal",
     "RESUME_DIVERGED",
     "SIGNALLED",
 ]
@@ -43,3 +48,24 @@ MEANINGS = {
     PREEMPTED: "stopped after a step, with a checkpoint",
     INTERRUPTED: "interrupted",
 }
+
+
+class Refusal(SystemExit, ValueError):
+    """What samestep raises to refuse bad input or a loop's mistake: a ``ValueError`` to a caller that catches it,
+    and, left uncaught, the end of the program with one line on stderr (naming the file or field and the fix) and
+    ``exit_code``, as samestep's commands report bad input, from a script as from the CLI. The interpreter reads
+    ``code`` as an uncaught ``SystemExit`` ends the program: the line is printed then (``SAMESTEP_DEBUG=1``: the
+    traceback)."""
+
+    exit_code = INPUT_ERROR
+
+    def __init__(self, *args: object) -> None:
+        ValueError.__init__(self, *args)
+
+    @property
+    def code(self) -> int:  # type: ignore[override]
+        if os.environ.get("SAMESTEP_DEBUG") == "1":
+            traceback.print_exception(self)
+        else:
+            print(self, file=sys.stderr, flush=True)
+        return self.exit_code

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import samestep
+from samestep.loop.step_checks import LoopError
 
 LOOP = """
 import sys, torch, samestep
@@ -67,10 +68,11 @@ def test_a_loop_that_never_zeroes_its_gradients_stops_before_the_second_update(t
     ``optimizer.step()`` with one line naming the fix and exit 2, the model as one step left it. Negative
     controls: zeroing after the update or before the backward trains all 3 steps, to one model."""
     model = _model()
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(LoopError) as e:  # a Refusal: uncaught, the program ends as its code is read
         _loop(tmp_path / "none", model, zero=None)
+    assert e.value.code == 2  # the interpreter reads it as it ends the program, and the line is printed
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and "\n" not in err, err
+    assert "\n" not in err, err
     assert "step 2's backward added to the gradients of step 1" in err and "optimizer.zero_grad()" in err
     assert _bits(model) == _bits(_loop(tmp_path / "one", steps=1))
     trained = {zero: _bits(_loop(tmp_path / zero, zero=zero)) for zero in ("after", "before")}
@@ -82,10 +84,11 @@ def test_gradients_zeroed_in_place_before_their_digest_are_one_line_naming_copy(
     their digest is done: one line naming ``samestep.Run(..., copy=True)`` and exit 2 (not the recorder's
     ``rec.grads`` advice). Negative control: with ``copy=True`` the same loop trains, to the bits of zeroing
     by ``set_to_none``."""
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(LoopError) as e:  # a Refusal: uncaught, the program ends as its code is read
         _loop(tmp_path / "in_place", zero="in_place")
+    assert e.value.code == 2  # the interpreter reads it as it ends the program, and the line is printed
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and "\n" not in err and "samestep.Run(..., copy=True)" in err, err
+    assert "\n" not in err and "samestep.Run(..., copy=True)" in err, err
     assert "rec.grads" not in err
     assert _bits(_loop(tmp_path / "copied", zero="in_place", copy=True)) == _bits(_loop(tmp_path / "after"))
 
@@ -94,10 +97,11 @@ def test_a_second_steps_loop_is_refused_before_it_takes_a_step(tmp_path, capsys)
     """``run.steps()`` called again after the loop: exit 2 with one line, before any update of the second loop
     (the model is the first loop's). Negative control: the model differs from one that took a fourth step."""
     model = _model()
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(LoopError) as e:  # a Refusal: uncaught, the program ends as its code is read
         _loop(tmp_path / "twice", model, twice=True)
+    assert e.value.code == 2  # the interpreter reads it as it ends the program, and the line is printed
     err = capsys.readouterr().err.strip()
-    assert e.value.code == 2 and "\n" not in err and "steps() was called a second time" in err, err
+    assert "\n" not in err and "steps() was called a second time" in err, err
     assert _bits(model) == _bits(_loop(tmp_path / "once"))
     assert _bits(model) != _bits(_loop(tmp_path / "four", steps=4))
 
@@ -123,4 +127,41 @@ def test_the_program_ends_with_one_line_and_no_traceback(tmp_path):
         timeout=300,
         env={**os.environ, "SAMESTEP_DEBUG": "1"},
     )
-    assert loud.returncode == 1 and "Traceback" in loud.stderr and "LoopError" in loud.stderr, loud.stderr
+    assert loud.returncode == 2 and "Traceback" in loud.stderr and "LoopError" in loud.stderr, loud.stderr
+
+
+SETTINGS = """
+import sys, torch, samestep
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=float(sys.argv[2]))
+with samestep.Run(sys.argv[1], model=model, optimizer=optimizer, config={"lr": float(sys.argv[2])}) as run:
+    for step in run.steps(2):
+        model(torch.ones(2, 4)).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+"""
+
+
+def test_runs_refusals_before_the_loop_end_a_script_with_one_line_and_exit_2(tmp_path):
+    """A run directory continued under other settings, and a run directory that is a file: from a script, each
+    is one line naming the field or file and the fix, exit 2, no traceback. Negative control: in this process
+    the same refusal is a ValueError (a RunDirError) the caller catches, and the program goes on."""
+    script = tmp_path / "settings.py"
+    script.write_text(SETTINGS)
+    (tmp_path / "file").write_text("")
+
+    def run(run_dir: str, lr: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(script), run_dir, lr], capture_output=True, text=True, stdin=subprocess.DEVNULL
+        )
+
+    assert run(str(tmp_path / "a"), "0.1").returncode == 0
+    changed, is_file = run(str(tmp_path / "a"), "0.2"), run(str(tmp_path / "file"), "0.1")
+    for proc, words in ((changed, "config.lr: 0.1 -> 0.2"), (is_file, "is a file, not a directory")):
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+        assert words in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    from samestep.records.rundir import RunDirError
+
+    model = torch.nn.Linear(4, 1)
+    with pytest.raises(RunDirError, match="is a file, not a directory"):
+        samestep.Run(tmp_path / "file", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

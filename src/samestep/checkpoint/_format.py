@@ -27,6 +27,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from samestep.exit_codes import Refusal
 from samestep.hashing.state import canonical_json
 from samestep.records.durable import write_durable
 
@@ -47,7 +48,7 @@ SUPERSEDED = "superseded"
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(Refusal):
     """A checkpoint is missing, corrupt, or does not fit what it is loaded into."""
 
 

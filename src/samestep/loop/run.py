@@ -31,7 +31,6 @@ end the program with one line and exit 2.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 from collections.abc import Generator
 from pathlib import Path
@@ -45,7 +44,6 @@ from samestep.distributed.agree import any_rank
 from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer
 from samestep.distributed.group import rank_and_world
 from samestep.distributed.placement import is_sharded, model_layout
-from samestep.exit_codes import INPUT_ERROR
 from samestep.hashing.checksums import state_hash_for
 from samestep.hashing.state import persistent_buffers
 from samestep.loop.final_state import write_whole_final
@@ -62,7 +60,6 @@ from samestep.loop.start_checks import (
     warn_unheld_scheduler,
 )
 from samestep.loop.step_checks import (
-    LoopError,
     StaleGradients,
     grads_changed_after_update,
     left_inside_a_step,
@@ -70,7 +67,6 @@ from samestep.loop.step_checks import (
 )
 from samestep.records.receipt_state import state_tree
 from samestep.records.receipts import genesis
-from samestep.records.resume_check import ResumeDiverged
 from samestep.records.rundir import checked_run_dir, checkpoints_dir, holds_run, record_declared
 from samestep.replay import program
 from samestep.replay.request import ReplayRequest
@@ -423,18 +419,15 @@ class Run:
         return self
 
     def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
-        """Closes the run; a ``LoopError`` (a mistake in the loop: docs/api.md) ends the program with its one line
-        and exit 2, a ``ResumeDiverged`` (a resume that lost state) with its line and exit 7, as samestep's
-        commands report errors (``SAMESTEP_DEBUG=1``: the traceback instead). A loop left inside a step without
-        an error (a ``break``) is said on stderr: what was not saved, and where a resume goes on from."""
+        """Closes the run (the receipts' close checks the last step a resume computed again: a ``ResumeDiverged``).
+        A refusal (``exit_codes.Refusal``: a ``LoopError``, a mistake in the loop, docs/api.md; a resume that lost
+        state; Run's own checks before the loop) left uncaught ends the program with its one line and exit code.
+        A loop left inside a step without an error (a ``break``) is said on stderr: what was not saved, and where
+        a resume goes on from."""
         left = self._step if self._loop is not None and error is None else None  # a break or return inside a step
         try:
             self.close()
-        except ResumeDiverged as e:  # the last step computed again, its receipt checked as the receipts close
-            error = error or e
-        if left is not None and rank_and_world()[0] == 0:
-            newest = max((step for step, _ in committed_steps(self.checkpoints)), default=0)
-            print(left_inside_a_step(left, self._total, newest), file=sys.stderr)
-        if isinstance(error, (LoopError, ResumeDiverged)) and os.environ.get("SAMESTEP_DEBUG") != "1":
-            print(error, file=sys.stderr)
-            raise SystemExit(getattr(error, "exit_code", INPUT_ERROR)) from None
+        finally:
+            if left is not None and rank_and_world()[0] == 0:
+                newest = max((step for step, _ in committed_steps(self.checkpoints)), default=0)
+                print(left_inside_a_step(left, self._total, newest), file=sys.stderr)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from samestep.checkpoint import committed_steps
+from samestep.exit_codes import Refusal
 from samestep.hashing.state import state_digest
 from samestep.records.rundir import declared_changes
 
@@ -67,7 +68,7 @@ def refuse_foreign_parameters(model: torch.nn.Module, optimizer: torch.optim.Opt
     own = {id(p) for p in model.parameters()}
     foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
     if foreign:
-        raise ValueError(
+        raise Refusal(
             f"samestep.Run: the optimizer updates {len(foreign)} tensor(s) that are not the model's "
             f"parameters (the first of shape {list(foreign[0].shape)}): it was built before "
             "fully_shard or parallelize_module replaced them, or holds a tensor kept outside the model, "
@@ -94,7 +95,7 @@ def refuse_changes(run_dir: Path, settings: dict[str, Any]) -> None:
     """Refuses to continue ``run_dir`` with other ``settings`` (``declared``'s, or a part of them) than it holds."""
     changed = declared_changes(run_dir, settings)
     if changed:
-        raise ValueError(
+        raise Refusal(
             f"samestep.Run: {run_dir} holds a run started with other settings ({'; '.join(changed)}); "
             "continuing it would change its bits: continue it as it started, or use a new run directory"
         )
@@ -108,7 +109,7 @@ def refuse_parts(model_digest: str) -> None:
 
     unlike = ranks_unlike_rank_0(model_digest)
     if unlike:
-        raise ValueError(
+        raise Refusal(
             f"samestep.Run: rank(s) {', '.join(map(str, unlike))} hold another model than rank 0 (other "
             "parameter names, shapes or dtypes): a model in parts across ranks (pipeline stages, "
             "experts a loop places) is not one state that rank 0 can save, and a resume from rank 0's "
@@ -126,14 +127,14 @@ def refuse_rng_change(loaded: Any, world: int, rng: str, generators: dict[str, t
         return
     where = f"{loaded.path} was written by {loaded.world_size} process(es), this run has {world}"
     if rng == "restore":
-        raise ValueError(
+        raise Refusal(
             f"samestep.Run: {where}, so each rank's generator states cannot carry over. Fix: resume "
             f"on {loaded.world_size} process(es), or, where every random draw of the loop comes from "
             "samestep.rng.generator(seed, step, microbatch, ...) (no global RNG: no dropout drawn from "
             "torch's generator), pass samestep.Run(..., rng='keyed')"
         )
     if generators:
-        raise ValueError(
+        raise Refusal(
             f"samestep.Run: {where}, and its DataLoader data cursor's generators are saved per rank. "
             "Fix: resume on as many processes, or make the data a pure function of the step and "
             "microbatch (samestep.rng.generator)"
@@ -158,7 +159,7 @@ def loader_generators(data_cursor: Any) -> dict[str, torch.Generator] | None:
     sampler = getattr(data_cursor, "sampler", None)
     shuffled = type(sampler).__name__ == "RandomSampler"  # torch's, or torchdata's stateful one
     if data_cursor.generator is None or (shuffled and getattr(sampler, "generator", None) is None):
-        raise ValueError(
+        raise Refusal(
             f"samestep.Run(data_cursor={type(data_cursor).__name__}(...)): it draws from torch's global "
             "RNG each time an iterator starts (its workers' seed, and a shuffle order without a "
             "generator of its own), which a resume does where the run it continues drew nothing, so "
@@ -184,11 +185,11 @@ def resume_epoch(loader: Any, generators: dict[str, torch.Generator]) -> None:
 def check_arguments(checkpoint_every: int, resume: bool | str, rng: str) -> None:
     """``samestep.Run``'s arguments that no run can take, refused before anything is made."""
     if checkpoint_every < 1:
-        raise ValueError(f"samestep.Run(checkpoint_every={checkpoint_every!r}): save at least every step count >= 1")
+        raise Refusal(f"samestep.Run(checkpoint_every={checkpoint_every!r}): save at least every step count >= 1")
     if resume not in ("auto", True, False):
-        raise ValueError(f"samestep.Run(resume={resume!r}): use 'auto', True or False")
+        raise Refusal(f"samestep.Run(resume={resume!r}): use 'auto', True or False")
     if rng not in ("restore", "keyed"):
-        raise ValueError(
+        raise Refusal(
             f"samestep.Run(rng={rng!r}): use 'restore' (each rank's generator states carry over) "
             "or 'keyed' (the loop's randomness is keyed by step and microbatch)"
         )
@@ -198,12 +199,12 @@ def checkpoints_held(checkpoints: Path, resume: bool | str) -> bool:
     """Whether ``checkpoints`` holds a committed checkpoint, refused where ``resume`` says it must not (or must)."""
     held = bool(committed_steps(checkpoints))
     if held and resume is False:
-        raise ValueError(
+        raise Refusal(
             f"samestep.Run: {checkpoints} already holds checkpoints; pass "
             "resume='auto' to continue that run, or use a new run directory"
         )
     if not held and resume is True:
-        raise ValueError(f"samestep.Run: resume=True, but {checkpoints} holds no checkpoint")
+        raise Refusal(f"samestep.Run: resume=True, but {checkpoints} holds no checkpoint")
     return held
 
 

@@ -10,10 +10,12 @@ from typing import Any
 
 import torch
 
+from samestep.exit_codes import Refusal
+
 __all__ = ["LoopError", "StaleGradients", "grads_changed_after_update", "left_inside_a_step", "second_loop"]
 
 
-class LoopError(ValueError):
+class LoopError(Refusal):
     """A loop's misuse of ``samestep.Run``: one line, the fix in it."""
 
 

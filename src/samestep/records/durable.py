@@ -8,10 +8,12 @@ import os
 import stat
 from pathlib import Path
 
+from samestep.exit_codes import Refusal
+
 __all__ = ["NotAFile", "fsync_dir", "read_file", "replace_atomic", "write_durable"]
 
 
-class NotAFile(ValueError):
+class NotAFile(Refusal):
     """A path that samestep reads is a directory, a FIFO, a socket or a device, not a regular file."""
 
 

@@ -33,6 +33,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from samestep.exit_codes import Refusal
 from samestep.hashing.checksums import STATE_HASHES, state_checksum
 from samestep.hashing.state import canonical_json, dotted
 from samestep.records.durable import read_file, replace_atomic
@@ -61,7 +62,7 @@ __all__ = [
 RECEIPTS_FORMAT, RECEIPTS_VERSION = "samestep.receipts", 2
 
 
-class ReceiptError(ValueError):
+class ReceiptError(Refusal):
     """A receipts file is missing, malformed, or its chain is broken."""
 
 

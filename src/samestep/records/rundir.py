@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from samestep.determinism.env import environment
+from samestep.exit_codes import Refusal
 from samestep.hashing.state import dotted
 from samestep.records.durable import read_file, replace_atomic
 from samestep.version import __version__
@@ -123,7 +124,7 @@ def run_writer(doc: dict[str, Any]) -> str:
     return "a loop of one's own (samestep.Run, a framework callback or samestep.trace)"
 
 
-class RunDirError(ValueError):
+class RunDirError(Refusal):
     """A run directory is missing or one of its files is malformed."""
 
 
