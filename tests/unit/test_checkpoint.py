@@ -491,3 +491,22 @@ def test_a_directory_in_place_of_a_tensor_file_falls_back_to_the_older_checkpoin
     with pytest.warns(RuntimeWarning, match="skipping corrupt checkpoint"):
         assert load_checkpoint(root, model=model, optimizer=opt, data_cursor=cursor, fallback=True).step == 1
     assert _digest(model, opt, cursor) == first
+
+
+def test_a_model_of_other_dtypes_than_its_checkpoint_is_refused_by_name(tmp_path):
+    """A model cast after it was saved (saved as float64, built as float32 here): load_state_dict would cast
+    the tensors and the run go on from other bits; refused, naming the tensor, both dtypes and the fix, before
+    the model changes. Negative control: the model in the saved dtype loads to the saved bytes."""
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(4, 2).double()
+    save_checkpoint(tmp_path, 1, model=saved)
+    here = torch.nn.Linear(4, 2)
+    before = here.weight.detach().clone()
+    with pytest.raises(
+        CheckpointError, match=r"holds 'weight' as torch.float64, but the model here has it as torch.float32"
+    ):
+        load_checkpoint(tmp_path, model=here)
+    assert torch.equal(here.weight.detach().view(torch.int32), before.view(torch.int32))
+    here.double()
+    load_checkpoint(tmp_path, model=here)
+    assert torch.equal(here.weight.detach().view(torch.int64), saved.weight.detach().view(torch.int64))

@@ -232,10 +232,29 @@ def _load_model(verified: Verified, state: dict[str, Any], model: torch.nn.Modul
     tensors = {**safetensors_load(verified.data["model.safetensors"]), **_unsharded(verified, state, "model")}
     for alias, target in state["model_aliases"].items():
         tensors[alias] = tensors[target]
+    _refuse_other_dtypes(verified.path / "model.safetensors", tensors, model)
     try:
         model.load_state_dict(tensors, strict=True)
     except RuntimeError as e:
         raise CheckpointError(f"{verified.path / 'model.safetensors'}: does not fit the model: {e}") from None
+
+
+def _refuse_other_dtypes(path: Path, tensors: dict[str, torch.Tensor], model: Any) -> None:
+    """Refuses a model whose parameters or buffers are of other dtypes than the checkpoint's tensors of the same
+    names: ``load_state_dict`` would cast them, and the run go on from other bits than it saved (a model cast
+    after samestep.Run started, ``model.double()``, saved in the new dtype and built in the old one here)."""
+    from samestep.distributed.fsdp import ShardedModel
+
+    module = model.model if isinstance(model, ShardedModel) else model
+    own = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+    for name, tensor in own.items():  # the model's own order: the first one named is the same every time
+        if name in tensors and tensors[name].dtype != tensor.dtype:
+            raise CheckpointError(
+                f"{path}: holds {name!r} as {tensors[name].dtype}, but the model here has it as {tensor.dtype}: the "
+                "model's dtypes are not those it was saved with (cast after samestep.Run started, as by "
+                "model.double(), or built otherwise here). Fix: cast the model before samestep.Run, as when "
+                "the run was saved"
+            )
 
 
 def _load_rng(verified: Verified, rank: int, generators: dict[str, torch.Generator] | None) -> None:
