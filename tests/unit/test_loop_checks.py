@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 import torch
@@ -165,3 +166,34 @@ def test_runs_refusals_before_the_loop_end_a_script_with_one_line_and_exit_2(tmp
     model = torch.nn.Linear(4, 1)
     with pytest.raises(RunDirError, match="is a file, not a directory"):
         samestep.Run(tmp_path / "file", model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _keyed(run_dir, dropout: str) -> list[str]:
+    """Three steps of a keyed loop whose dropout draws from torch's global generator ("global") or from
+    ``samestep.rng.generator`` ("keyed"); the warnings it gave."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with samestep.Run(run_dir, model=model, optimizer=optimizer, rng="keyed") as run:
+            for step in run.steps(3):
+                x = torch.randn(2, 4, generator=samestep.rng.generator(0, step, 0, "data"))
+                if dropout == "global":
+                    x = torch.nn.functional.dropout(x, 0.5)
+                else:
+                    keep = torch.rand(x.shape, generator=samestep.rng.generator(0, step, 0, "dropout")) >= 0.5
+                    x = x * keep * 2
+                model(x).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    return [str(w.message) for w in caught if "global generator" in str(w.message)]
+
+
+def test_a_keyed_loop_that_draws_from_the_global_generator_is_warned_once_by_step(tmp_path):
+    """rng="keyed" and a dropout on torch's global generator: one warning, naming step 1 and the fix. Negative
+    control: the same dropout drawn from samestep.rng.generator gives none."""
+    said = _keyed(tmp_path / "global", "global")
+    assert len(said) == 1 and "step 1 drew from torch's global generator" in said[0], said
+    assert "samestep.rng.generator" in said[0]
+    assert _keyed(tmp_path / "keyed", "keyed") == []

@@ -60,6 +60,7 @@ from samestep.loop.start_checks import (
     warn_unheld_scheduler,
 )
 from samestep.loop.step_checks import (
+    GlobalDraws,
     StaleGradients,
     grads_changed_after_update,
     left_inside_a_step,
@@ -171,6 +172,7 @@ class Run:
         self._total: int | None = None  # the step count given to steps()
         self._implicit: contextlib.ExitStack | None = None  # microbatch 0 of a step, until the loop names one
         self._metrics: dict[str, float] = {}
+        self._draws = GlobalDraws() if rng == "keyed" else None  # a keyed loop's draws from the global generator
         held = checkpoints_held(self.checkpoints, resume)
         # one writer per run directory, as samestep train and samestep.trace take it (refused before anything)
         rank, world = rank_and_world()
@@ -315,6 +317,8 @@ class Run:
         with proto.watching(self._signals):
             for step in range(self.start + 1, last + 1):
                 self._step = step
+                if self._draws is not None:
+                    self._draws.before()
                 with self.recorder.step(step):
                     self._open_implicit()
                     try:
@@ -322,6 +326,8 @@ class Run:
                     finally:
                         self._close_implicit()
                 self._step = None
+                if self._draws is not None:
+                    self._draws.after(step)
                 if proto.receipts is not None:  # the metrics' bits read only for a receipt (a device sync)
                     proto.receipt(step, *(float(self._metrics.get(k, float("nan"))) for k in ("loss", "grad_norm")))
                 loss = self._metrics.get("loss", float("nan"))

@@ -1,10 +1,12 @@
 """The mistakes a loop under ``samestep.Run`` makes first, caught where they are made, before they cost a step:
 ``LoopError`` (one line naming the fix; ``Run`` ends the program with it and exit 2, docs/api.md), and
 ``StaleGradients``, which finds a step's backward adding to the gradients of the step before (no
-``zero_grad`` between the updates)."""
+``zero_grad`` between the updates), and ``GlobalDraws``, which finds a keyed run's step drawing from torch's
+global generator."""
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -12,7 +14,14 @@ import torch
 
 from samestep.exit_codes import Refusal
 
-__all__ = ["LoopError", "StaleGradients", "grads_changed_after_update", "left_inside_a_step", "second_loop"]
+__all__ = [
+    "GlobalDraws",
+    "LoopError",
+    "StaleGradients",
+    "grads_changed_after_update",
+    "left_inside_a_step",
+    "second_loop",
+]
 
 
 class LoopError(Refusal):
@@ -105,3 +114,39 @@ def second_loop(run_dir: Any) -> LoopError:
         "(a resume continues it where its checkpoint left it). Fix: one `for step in run.steps(N)` a "
         "Run, or another samestep.Run (its own run directory) for another loop"
     )
+
+
+def _global_states() -> list[torch.Tensor]:
+    """torch's global generator states: the CPU's, and each CUDA device's where CUDA is in use."""
+    states = [torch.random.get_rng_state()]
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states += [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
+    return states
+
+
+class GlobalDraws:
+    """Under ``rng="keyed"``, whether a step drew from torch's global generator (a dropout, a ``torch.randn`` or
+    a sampler without ``generator=``): no resume restores it and each process holds its own, so such draws give
+    other bits on another number of processes and after a resume. Warned once, naming the first such step;
+    a copy of the generator states a step (a few kilobytes)."""
+
+    def __init__(self) -> None:
+        self._before: list[torch.Tensor] | None = None
+        self.warned = False
+
+    def before(self) -> None:
+        self._before = None if self.warned else _global_states()
+
+    def after(self, step: int) -> None:
+        before, self._before = self._before, None
+        if before is None or all(torch.equal(a, b) for a, b in zip(before, _global_states())):
+            return
+        self.warned = True
+        warnings.warn(
+            f"samestep.Run(rng='keyed'): step {step} drew from torch's global generator (a dropout, a torch.randn "
+            "or a sampler without generator=): no resume restores it and each process holds its own, so those "
+            "draws give other bits on another number of processes and after a resume. Fix: draw from "
+            "samestep.rng.generator(seed, step, microbatch, purpose), or rng='restore'",
+            UserWarning,
+            stacklevel=3,  # the loop's own line: the generator's caller
+        )
