@@ -2,7 +2,8 @@
 the device meshes its DTensor parameters live on (dimension names, sizes, the ranks at each coordinate) and
 every parameter's placements. What ``samestep.Run`` and the framework callbacks record in run.json's
 ``layout`` (and each resume's), so that ``samestep diff`` pairs trace records only between runs whose ranks
-hold the same pieces of the same tensors, and names a rank by its place on the mesh (docs/formats.md)."""
+hold the same pieces of the same tensors, and names a rank by its place on the mesh (docs/formats.md). And a
+split that the model's attention cannot compute: a rank holding part of a head (``refuse_split_heads``)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from typing import Any
 import torch
 
 from samestep.distributed.group import group_up
+from samestep.exit_codes import Refusal
 from samestep.hashing.state import state_digest
 
-__all__ = ["is_sharded", "mesh_coordinates", "model_layout"]
+__all__ = ["is_sharded", "mesh_coordinates", "model_layout", "refuse_split_heads"]
 
 
 def _mesh(mesh: Any) -> dict[str, Any]:
@@ -72,3 +74,31 @@ def is_sharded(model: torch.nn.Module) -> bool:
     from torch.distributed.tensor import DTensor
 
     return any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def refuse_split_heads(model: torch.nn.Module) -> None:
+    """Refuses a tensor-parallel split that gives a rank part of an attention head: a module with an integer
+    ``head_dim`` (transformers' attention) whose projection the canonical styles split (their
+    ``samestep_tp_split``) over a degree that does not divide that projection's heads (2 kv heads at TP 4),
+    which the attention cannot reshape by whole heads.
+
+    Raises:
+        Refusal: names the projection, its heads, the degree and the fix.
+    """
+    for name, module in model.named_modules():
+        head_dim = getattr(module, "head_dim", None)
+        if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim < 1:
+            continue
+        for child, layer in module.named_children():
+            split = getattr(layer, "samestep_tp_split", None)
+            if split is None:
+                continue
+            degree, dim, parts = split
+            width = layer.weight.shape[dim] // parts
+            if width % head_dim == 0 and (width // head_dim) % degree:
+                heads = width // head_dim
+                raise Refusal(
+                    f"{name}.{child}: {heads} heads of {head_dim} split over tensor-parallel degree {degree}: a "
+                    f"rank would hold part of a head, which the attention cannot reshape. Fix: a tensor-parallel "
+                    f"degree that divides {heads}, or a model with a multiple of {degree} heads there"
+                )

@@ -87,6 +87,9 @@ def _style_apply(
         else {"out_features / parts": module.out_features // parts}
     )
     validate_tp(device_mesh.size(), chunks, split)
+    # how the layer is split, read where its heads are known (placement.refuse_split_heads): (degree, the
+    # weight's split dimension, the fused projections that dimension holds)
+    module.samestep_tp_split = (device_mesh.size(), 1 if fn is row_linear else 0, parts)
     if not _placed(module, device_mesh, fn is column_linear and parts == 1):
         distribute_module(module, device_mesh, stock._partition_linear_fn if parts == 1 else _strided_partition(parts))
     group = device_mesh.get_group() if device_mesh.size() > 1 else None

@@ -43,7 +43,7 @@ from samestep.determinism import mode, preempt
 from samestep.distributed.agree import any_rank
 from samestep.distributed.fsdp import ShardedModel, ShardedOptimizer
 from samestep.distributed.group import rank_and_world
-from samestep.distributed.placement import is_sharded, model_layout
+from samestep.distributed.placement import is_sharded, model_layout, refuse_split_heads
 from samestep.hashing.checksums import state_hash_for
 from samestep.hashing.state import persistent_buffers
 from samestep.loop.final_state import write_whole_final
@@ -152,6 +152,7 @@ class Run:
         check_arguments(checkpoint_every, resume, rng)
         refuse_foreign_parameters(model, optimizer)  # before anything is made or written
         warn_unheld_scheduler(optimizer, scheduler)
+        refuse_split_heads(model)
         self._replay = ReplayRequest.for_run(run_dir, "samestep.Run")
         if self._replay is not None:  # the scratch directory, traced as asked, receipted; see replay_request
             run_dir, level, trace_steps = self._replay.into, self._replay.level, self._replay.trace_steps
