@@ -84,7 +84,7 @@ def test_unsupported_layout_is_refused_at_start(tmp_path):
 def test_demo_reports_bit_identical_resume(tmp_path):
     """`samestep demo --json` on a small config: killed and resumed run B equals run A (exit 0)."""
     settings = [x for s in TINY if not s.startswith("train.steps") for x in ("--set", s)]
-    proc = _cli("demo", "--workdir", str(tmp_path), "--json", "--set", "train.steps=10", *settings)
+    proc = _cli("demo", "--workdir", str(tmp_path), "--json", "--race-pairs", "1", "--set", "train.steps=10", *settings)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
     assert result["identical"] and result["metrics_identical"]

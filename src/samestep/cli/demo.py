@@ -34,6 +34,11 @@ NONDET_SETTINGS = (
 )
 
 
+# Pairs of runs C and D at most (--race-pairs): a race needs its two threads to overlap, which a busy machine's
+# scheduler may not let happen in one pair; each pair is about as long as a few steps of run A.
+NONDET_TRIES = 3
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "demo",
@@ -50,6 +55,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override the demo config (repeatable)"
     )
     p.add_argument("--kill-at", type=int, default=0, help="step at which run B is killed (default: about 60%%)")
+    p.add_argument(
+        "--race-pairs",
+        type=int,
+        default=NONDET_TRIES,
+        metavar="N",
+        help=f"pairs of runs C and D at most, until their race shows (default {NONDET_TRIES})",
+    )
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(run=run, subparser=p)
 
@@ -82,16 +94,24 @@ def _run_killed(run_dir: Path, settings: list[str], kill_at: int) -> int:
     return last_logged_step(run_dir)
 
 
-def _nondeterministic_pair(work: Path, settings: list[str], on_cuda: bool, say) -> dict:
-    """Two runs with deterministic mode off, then `samestep diff` on them."""
+def _nondeterministic_pair(work: Path, settings: list[str], on_cuda: bool, say, tries: int = NONDET_TRIES) -> dict:
+    """Two runs with deterministic mode off, then `samestep diff` on them; again, up to ``tries`` pairs, until
+    the race shows (on CUDA, one pair: PyTorch's kernel there does not race)."""
     from samestep.analysis import diff_runs
 
-    c, d = work / "run_c", work / "run_d"
     nondet = [*settings, *NONDET_SETTINGS]
+    tries = 1 if on_cuda else tries
     say("runs C and D: deterministic mode off, token embedding by indexing, traced op by op ...")
-    for run_dir in (c, d):
-        subprocess.run(_train_cmd(run_dir, nondet), check=True, stdout=subprocess.DEVNULL)
-    report = diff_runs(c, d)
+    for attempt in range(1, tries + 1):
+        suffix = "" if attempt == 1 else f"_{attempt}"
+        c, d = work / f"run_c{suffix}", work / f"run_d{suffix}"
+        for run_dir in (c, d):
+            subprocess.run(_train_cmd(run_dir, nondet), check=True, stdout=subprocess.DEVNULL)
+        report = diff_runs(c, d)
+        if not report["identical"]:
+            break
+        if attempt < tries:
+            say(f"  pair {attempt}: identical (the race did not fire); another pair ...")
     say(f"samestep diff {c} {d}:")
     say(f"  {report['summary']}")
     if report["identical"] and on_cuda:
@@ -100,8 +120,16 @@ def _nondeterministic_pair(work: Path, settings: list[str], on_cuda: bool, say) 
             " The race shows on a CPU with 2 or more threads: --set train.device=cpu)"
         )
     elif report["identical"]:
-        say("  (the race did not show this time: two nondeterministic runs can agree by chance)")
-    return {"diverged": not report["identical"], "summary": report["summary"], "origin": report["origin"]}
+        say(
+            f"  (the race did not fire in {attempt} pairs: its threads did not overlap on this machine, busy or "
+            "of one core; two nondeterministic runs can agree by chance)"
+        )
+    return {
+        "diverged": not report["identical"],
+        "pairs": attempt,
+        "summary": report["summary"],
+        "origin": report["origin"],
+    }
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -113,6 +141,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         cfg = load_config(None, settings)
     except ValueError as e:
         parser.error(str(e))
+    if args.race_pairs < 1:
+        parser.error(f"--race-pairs={args.race_pairs}: at least 1 pair of runs C and D")
     kill_at = args.kill_at or max(1, cfg.train.steps * 6 // 10 + 1)
     if not 0 < kill_at < cfg.train.steps:
         parser.error(f"--kill-at={kill_at} must be between 1 and train.steps-1={cfg.train.steps - 1}")
@@ -146,7 +176,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if identical
         else "NOT IDENTICAL: the resumed run diverged."
     )
-    pair = _nondeterministic_pair(work, settings, device_kind(cfg) == "cuda", say)
+    pair = _nondeterministic_pair(work, settings, device_kind(cfg) == "cuda", say, args.race_pairs)
     result = {
         "identical": identical,
         "state_digest_a": fa["state_digest"],
