@@ -64,8 +64,10 @@ class Refusal(SystemExit, ValueError):
 
     @property
     def code(self) -> int:  # type: ignore[override]
-        if os.environ.get("SAMESTEP_DEBUG") == "1":
-            traceback.print_exception(self)
-        else:
-            print(self, file=sys.stderr, flush=True)
+        if not getattr(self, "_said", False):  # once: a process's end may read the code more than once
+            self._said = True
+            if os.environ.get("SAMESTEP_DEBUG") == "1":
+                traceback.print_exception(self)
+            else:
+                print(self, file=sys.stderr, flush=True)
         return self.exit_code

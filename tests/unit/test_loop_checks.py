@@ -13,6 +13,7 @@ import torch
 
 import samestep
 from samestep.loop.step_checks import LoopError
+from tests.support import Forked
 
 LOOP = """
 import sys, torch, samestep
@@ -147,14 +148,12 @@ def test_runs_refusals_before_the_loop_end_a_script_with_one_line_and_exit_2(tmp
     """A run directory continued under other settings, and a run directory that is a file: from a script, each
     is one line naming the field or file and the fix, exit 2, no traceback. Negative control: in this process
     the same refusal is a ValueError (a RunDirError) the caller catches, and the program goes on."""
-    script = tmp_path / "settings.py"
-    script.write_text(SETTINGS)
     (tmp_path / "file").write_text("")
 
-    def run(run_dir: str, lr: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, str(script), run_dir, lr], capture_output=True, text=True, stdin=subprocess.DEVNULL
-        )
+    def run(run_dir: str, lr: str) -> Forked:
+        proc = Forked([run_dir, lr], code=SETTINGS)
+        proc.wait()
+        return proc
 
     assert run(str(tmp_path / "a"), "0.1").returncode == 0
     changed, is_file = run(str(tmp_path / "a"), "0.2"), run(str(tmp_path / "file"), "0.1")
