@@ -243,9 +243,11 @@ def _refuse_other_dtypes(path: Path, tensors: dict[str, torch.Tensor], model: An
     """Refuses a model whose parameters or buffers are of other dtypes than the checkpoint's tensors of the same
     names: ``load_state_dict`` would cast them, and the run go on from other bits than it saved (a model cast
     after samestep.Run started, ``model.double()``, saved in the new dtype and built in the old one here)."""
-    from samestep.distributed.fsdp import ShardedModel
-
-    module = model.model if isinstance(model, ShardedModel) else model
+    module = model
+    while not isinstance(module, torch.nn.Module) and hasattr(module, "model"):  # a loader of its shards or part
+        module = module.model
+    if not isinstance(module, torch.nn.Module):
+        return
     own = {**dict(module.named_parameters()), **dict(module.named_buffers())}
     for name, tensor in own.items():  # the model's own order: the first one named is the same every time
         if name in tensors and tensors[name].dtype != tensor.dtype:
