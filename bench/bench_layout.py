@@ -497,4 +497,9 @@ def main() -> int:
 
 if __name__ == "__main__":
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # past the interpreter's teardown: gloo's threads may still be winding down there (a rank aborted after its
+    # results were printed, under load), and nothing is left to do
+    os._exit(code)
