@@ -4,18 +4,20 @@ again, exit 7, one line; the same loop with ``scheduler=`` resumes to the uninte
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
 
 from samestep.exit_codes import RESUME_DIVERGED
 from samestep.records.receipts import receipts_path
-from tests.support import Forked
+from tests.support import Forked, cli_here
 
 pytestmark = pytest.mark.slow
 
-# argv: RUN_DIR held|outside [KILL_AT]: a per-step LambdaLR, handed to Run or not; SIGKILL after the update of
-# step KILL_AT (the receipts of the steps before it on disk, the checkpoint of step 3 the newest)
+# argv: RUN_DIR held|outside [KILL_AT [SIGNAL]]: a per-step LambdaLR, handed to Run or not; SIGKILL (or the
+# signal named) after the update of step KILL_AT (killed after step 6: the receipts of steps 1..5 on disk, the
+# checkpoint of step 3 the newest; stopped by SIGTERM after step 5: a checkpoint of step 5, nothing after it)
 LOOP = """
 import os, signal, sys
 import torch
@@ -23,6 +25,7 @@ import samestep
 
 run_dir, held = sys.argv[1], sys.argv[2] == "held"
 kill_at = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+sig = getattr(signal, sys.argv[4]) if len(sys.argv) > 4 else signal.SIGKILL
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -35,14 +38,14 @@ with samestep.Run(run_dir, model=model, optimizer=opt, scheduler=sched if held e
         run.metric("loss", loss)
         opt.step()
         if step == kill_at:
-            os.kill(os.getpid(), signal.SIGKILL)
+            os.kill(os.getpid(), sig)
         opt.zero_grad(set_to_none=True)
         sched.step()
 """
 
 
-def _run(*argv: str) -> Forked:
-    proc = Forked([str(a) for a in argv], code=LOOP)
+def _run(*argv: str, script=None) -> Forked:
+    proc = Forked([str(a) for a in argv], code=None if script else LOOP, script=script)
     proc.wait()
     return proc
 
@@ -71,3 +74,24 @@ def test_a_scheduler_kept_outside_run_stops_the_resume_at_the_first_step_compute
     assert "the resume from step 3 computed step 4 again to other bits" in line and "scheduler=" in line
     assert "Traceback" not in stopped.stderr
     assert receipts_path(outside, 0).read_bytes() == before
+
+
+def test_bisect_names_a_resume_that_lost_state_not_a_race(tmp_path):
+    """A loop with its scheduler outside Run, stopped by SIGTERM after step 5 (a checkpoint of step 5, no receipt
+    after it: nothing to check) and resumed, ends on other bits than the same loop straight through; bisect
+    finds step 6, and its replays from step 3 agree (both lose the scheduler alike), so it names the resume
+    from step 5, not a race. Control: the same stop and resume with ``scheduler=`` bisects identical."""
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    for name, held in (("a", "outside"), ("b", "outside"), ("held_a", "held"), ("held_b", "held")):
+        argv = (tmp_path / name, held, *((5, "SIGTERM") if name.endswith("b") else ()))
+        assert _run(*argv, script=script).returncode == 0
+        if name.endswith("b"):
+            assert _run(tmp_path / name, held, script=script).returncode == 0
+    lost = cli_here("bisect", str(tmp_path / "a"), str(tmp_path / "b"), "--yes", "--json")
+    report = json.loads(lost.stdout)
+    assert lost.returncode == 1 and report["first_divergent_step"] == 6, lost.stdout + lost.stderr
+    assert "the first step after run B's resume from step 5" in report["summary"], report["summary"]
+    assert "not a race" in report["summary"] and not report["reproduced"]
+    held = cli_here("bisect", str(tmp_path / "held_a"), str(tmp_path / "held_b"), "--yes", "--json")
+    assert held.returncode == 0 and json.loads(held.stdout)["identical"], held.stdout + held.stderr

@@ -113,7 +113,15 @@ def bisect_runs(
     reproduced = not report["identical"]
     origin = report.get("origin") if reproduced else None
     where = f"from step {start}" if start else "from scratch"
-    if not reproduced:
+    resumed = [name for name, doc in zip("AB", docs) if any(r.get("step") == step - 1 for r in doc.get("resumes", []))]
+    if not reproduced and resumed:
+        summary = (
+            f"diverged at step {step} ({', '.join(difference['fields'])} differ), the first step after run "
+            f"{' and '.join(resumed)}'s resume from step {step - 1}, and {attempt} replay(s) {where} agreed: "
+            "the resume lost state its checkpoint does not hold (a scheduler, a data loader or a batch fetched "
+            "ahead kept outside samestep.Run), not a race"
+        )
+    elif not reproduced:
         summary = (
             f"diverged at step {step} ({', '.join(difference['fields'])} differ), but {attempt} replay(s) "
             f"{where} agreed: the divergence did not reproduce (a race that did not fire again)"
