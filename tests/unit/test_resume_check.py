@@ -89,3 +89,17 @@ def test_a_run_started_afresh_under_another_genesis_is_not_checked_against_the_o
     w.add(1, lambda: _state(1, 9), 1.0, 0.5)
     w.close()
     assert [r["prev"] for r in receipts_after(run, 0, 0)] == ["1" * 64]
+
+
+def test_receipts_of_shards_are_not_checked_against_a_resume_of_the_whole_state(tmp_path):
+    """A run whose rank 0 receipted its shards, resumed on one process (receipts of the whole state): the old
+    receipts are of another thing, so they are cut, not checked (a check would stop every such resume)."""
+    run = tmp_path / "run"
+    w = continue_receipts(run, 0, 0, GENESIS, state_of="rank")
+    for step in range(1, 4):
+        w.add(step, lambda s=step: _state(s), float(step), 0.5)
+    w.close()
+    w = continue_receipts(run, 0, 1, GENESIS, state_of="run")
+    w.add(2, lambda: _state(2, 5), 2.0, 0.5)
+    w.close()
+    assert [(r["step"], r["state_of"]) for r in receipts_after(run, 0, 0)] == [(1, "rank"), (2, "run")]

@@ -240,6 +240,8 @@ def continue_receipts(
     pending = receipts_after(run_dir, rank, start) if check else []
     if pending and not start and pending[0]["prev"] != first_prev:
         pending = []  # a run started afresh under another genesis (config, data): nothing of it to check
+    if any(r.get("state_of", "run") != kwargs.get("state_of", "run") for r in pending):
+        pending = []  # receipts of a rank's shards, resumed as the whole state (or the reverse): not comparable
     if pending:
         truncate_receipts(run_dir, rank, pending[-1]["step"])  # a torn line after them, if any, cut
         return ReceiptWriter(run_dir, rank, pending[0]["prev"], start=start, pending=pending, **kwargs)
