@@ -88,13 +88,22 @@ def _own_ddp_reduce(model: torch.nn.Module, losses: list[torch.Tensor], world: i
 
 
 def _worker(
-    rank: int, world: int, init: str, run_dir: str, out: str, layout: str, kill_at: int | None, forget: bool
+    rank: int,
+    world: int,
+    init: str,
+    run_dir: str,
+    out: str,
+    layout: str,
+    kill_at: int | None,
+    forget: bool,
+    every: int = 1,
 ) -> None:
     """A Run of TOTAL steps of MICROBATCHES global microbatches with the canonical reduction, the model
     ``layout``: "fsdp" (FSDP2 over ``world``), "ddp" or "plain" (one process); "fsdp-own" and "ddp-own": the
     wrapper's own reduction (FSDP2's reduce-scatter after each microbatch; DDP's all-reduce after the last,
     ``no_sync`` before). ``kill_at``: every rank dies (``os._exit``) inside that step, after its forward, with
-    the checkpoint of the step before committed. ``forget``: a resume leaves the optimizer's state out."""
+    the checkpoint of the step before committed. ``forget``: a resume leaves the optimizer's state out.
+    ``every``: the steps between checkpoints."""
     from samestep.distributed import CanonicalGradients
     from samestep.distributed.fsdp import FsdpDefaultGradients, FsdpGradients
 
@@ -119,7 +128,9 @@ def _worker(
         from torch.nn.parallel import DistributedDataParallel
 
         model = DistributedDataParallel(model)
-    with samestep.Run(run_dir, model=model, optimizer=opt, rng="keyed") as run:  # its draws keyed: moves layouts
+    with samestep.Run(
+        run_dir, model=model, optimizer=opt, rng="keyed", checkpoint_every=every
+    ) as run:  # its draws keyed: moves layouts
         if forget and run.start:
             opt.state.clear()
         for step in run.steps(TOTAL):
@@ -154,15 +165,17 @@ def _run(
     kill_at: int | None = None,
     forget: bool = False,
     run_dir: Path | None = None,
+    every: int = 1,
+    exit_code: int | None = None,
 ) -> tuple[np.ndarray | None, dict | None]:
     """One launch of ``_worker`` into ``run_dir`` (default ``tmp_path / name``); what rank 0 wrote (None after a
     kill)."""
     run_dir = run_dir or tmp_path / name
     out = tmp_path / f"out_{name}"
     out.mkdir()
-    args = (world, str(tmp_path / f"init_{name}"), str(run_dir), str(out), layout, kill_at, forget)
-    if kill_at is not None:
-        spawn(_worker, args, world, exit_code=9)
+    args = (world, str(tmp_path / f"init_{name}"), str(run_dir), str(out), layout, kill_at, forget, every)
+    if kill_at is not None or exit_code is not None:
+        spawn(_worker, args, world, exit_code=9 if exit_code is None else exit_code)
         return None, None
     spawn(_worker, args, world)
     return np.load(out / "params.npy"), json.loads((out / "run.json").read_text())
@@ -219,6 +232,26 @@ def test_run_on_fsdp2_reruns_resumes_after_a_kill_and_moves_from_2_processes_to_
     assert len({_final(tmp_path / d) for d in ("straight", "one", "killed", "to1")}) == 1
     assert _final(tmp_path / "off") != _final(tmp_path / "one")
     assert _final(tmp_path / "own1") != _final(tmp_path / "own2")
+
+
+def test_a_sharded_resume_checks_each_ranks_steps_computed_again(tmp_path):
+    """FSDP2 on 2 processes, a checkpoint every 2 steps, every rank killed in step 4 (the checkpoint of step 2;
+    each rank's receipts of its shards up to step 3): resumed as it is, each rank checks step 3 against its own
+    receipt, holds it until both agree, and the run ends on the straight run's bits and receipts. Negative
+    control: the same kill resumed with the optimizer's state left out stops on every rank before either
+    writes a receipt, each rank's receipts file as the kill left it."""
+    import shutil
+
+    straight, _ = _run(tmp_path, "straight", "fsdp", 2, every=2)
+    _run(tmp_path, "killed", "fsdp", 2, kill_at=4, every=2)
+    assert all(len(b.splitlines()) == 4 for b in _receipts(tmp_path / "killed").values())  # header, steps 1-3
+    shutil.copytree(tmp_path / "killed", tmp_path / "off")
+    before = _receipts(tmp_path / "off")
+    _run(tmp_path, "forgot", "fsdp", 2, run_dir=tmp_path / "off", forget=True, every=2, exit_code=1)
+    assert _receipts(tmp_path / "off") == before
+    resumed, info = _run(tmp_path, "resumed", "fsdp", 2, run_dir=tmp_path / "killed", every=2)
+    assert info == {"start": 2, "sharded": True} and np.array_equal(resumed, straight)
+    assert _receipts(tmp_path / "killed") == _receipts(tmp_path / "straight")
 
 
 def test_run_on_ddp_reruns_and_resumes_after_a_kill(tmp_path):

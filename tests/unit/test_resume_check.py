@@ -103,3 +103,26 @@ def test_receipts_of_shards_are_not_checked_against_a_resume_of_the_whole_state(
     w.add(2, lambda: _state(2, 5), 2.0, 0.5)
     w.close()
     assert [(r["step"], r["state_of"]) for r in receipts_after(run, 0, 0)] == [(1, "rank"), (2, "run")]
+
+
+def test_receipts_held_until_every_rank_agreed_are_written_only_on_release(tmp_path):
+    """A rank of a sharded job whose own old receipts end before the job's last step computed again holds the
+    receipts of the steps up to it (``hold_until``) and writes them on ``release`` (every rank's check passed):
+    the file is then the straight run's. Negative control: closed without a release (another rank's check
+    refused), none of them is written."""
+    whole, held, dropped = tmp_path / "whole", tmp_path / "held", tmp_path / "dropped"
+    _segment(whole, 0, 5)
+    for run in (held, dropped):
+        _segment(run, 0, 2)
+        w = continue_receipts(run, 0, 2, GENESIS)
+        w.hold_until = 4
+        for step in range(3, 5):
+            w.add(step, lambda s=step: _state(s), float(step), 0.5)
+        w.wait()
+        assert [r["step"] for r in receipts_after(run, 0, 0)] == [1, 2]
+        if run == held:
+            w.release()
+            w.add(5, lambda: _state(5), 5.0, 0.5)
+        w.close()
+    assert receipts_path(held, 0).read_bytes() == receipts_path(whole, 0).read_bytes()
+    assert [r["step"] for r in receipts_after(dropped, 0, 0)] == [1, 2]

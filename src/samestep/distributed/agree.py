@@ -8,7 +8,7 @@ import torch
 
 from samestep.distributed.group import rank_and_world
 
-__all__ = ["any_rank", "ranks_unlike_rank_0"]
+__all__ = ["any_rank", "most_of", "ranks_unlike_rank_0"]
 
 
 def _device(device: torch.device | None) -> torch.device:
@@ -45,3 +45,15 @@ def any_rank(flag: bool, device: torch.device | None = None) -> bool:
     t = torch.tensor([int(flag)], device=_device(device))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+def most_of(value: int, device: torch.device | None = None) -> int:
+    """The largest ``value`` of any rank of the default process group; every rank gets the same answer (as
+    ``any_rank``, of an integer). Without a process group, or with one rank, ``value`` itself."""
+    import torch.distributed as dist
+
+    if rank_and_world()[1] == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=_device(device))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

@@ -16,6 +16,8 @@ from typing import IO, Any
 from samestep.determinism import mode
 from samestep.determinism.mode import DeterminismReport
 from samestep.determinism.preempt import StopRequest
+from samestep.distributed.agree import any_rank, most_of
+from samestep.distributed.group import rank_and_world
 from samestep.hashing.checksums import StepChecksums
 from samestep.records.lock import hold
 from samestep.records.receipt_writer import ReceiptWriter, continue_receipts
@@ -27,6 +29,7 @@ from samestep.records.receipts import (
     read_run_receipts,
     truncate_receipts,
 )
+from samestep.records.resume_check import ResumeDiverged
 
 __all__ = ["RunProtocol", "agreed_stop", "make_durable", "save_after_records"]
 
@@ -88,6 +91,8 @@ class RunProtocol:
         self.report: DeterminismReport | None = None
         self.recorder: Any = None
         self.receipts: ReceiptWriter | None = None
+        self.same_layout: bool | None = None  # whether the job splits tensors as the one that wrote its checkpoint
+        self._settle: int | None = None  # the step after which every rank's check of a resume is agreed
         # one pass over each step's tensors for the receipts, the cross-rank check and the trace's state records
         self.checksums = StepChecksums()
         self.stop = StopRequest(())
@@ -180,6 +185,7 @@ class RunProtocol:
             return
         if same_layout is None:
             same_layout = checkpoint is None or checkpoint.shards == sharded_over
+        self.same_layout = same_layout
         if state is not None and same_layout:
             lost_receipts(run_dir, rank, start)
         if checkpoint is None or same_layout:
@@ -239,15 +245,23 @@ class RunProtocol:
         no file (the cross-rank check's sums alone). ``check_resume``: the receipts a killed segment wrote after
         ``start`` are checked as the steps are computed again (``records.resume_check``); None: where deterministic
         mode is on (a run not deterministic may compute a step again to other bits). Receipts of shards (every
-        rank its own) are not checked: a rank whose check passed would write the receipts of steps another
-        rank's check refused, and a later resume would be checked against them."""
+        rank its own) are checked on the layout that wrote them, and held back until every rank's check of the
+        last step computed again passed (a rank whose check passed must not write what another's refused)."""
         kind: dict[str, Any] = {"state_of": "rank" if sharded else "run", "shared": self.checksums} | (
             {"hash": hash} if hash else {}
         )
-        check = (mode.is_enabled() if check_resume is None else check_resume) and not sharded
+        check = (mode.is_enabled() if check_resume is None else check_resume) and (
+            not sharded or self.same_layout is True
+        )
         self.receipts = continue_receipts(
             self._dir("open_receipts") if keep_file else None, rank, start, first_prev, check=check, **kind
         )
+        if check and sharded and rank_and_world()[1] > 1:
+            # every rank its own shards' receipts: none writes a receipt of a step computed again before every
+            # rank's check of the last such step passed (``_settle_resume``)
+            settle = most_of(self.receipts.last_pending)
+            if settle > start:
+                self.receipts.hold_until = self._settle = settle
         self._state = state
         if optimizer is not None:
             self.receipts.watch(optimizer)
@@ -283,6 +297,27 @@ class RunProtocol:
             return
         state = self._state(step) if self._state is not None and self.receipts.path else None
         self.receipts.add(step, state, loss, grad_norm, sums)
+        if self._settle == step:
+            self._settle = None
+            self._settle_resume(step)
+
+    def _settle_resume(self, step: int) -> None:
+        """Every rank's check of the steps a resume computed again, agreed at the last of them (a collective):
+        where any rank's differed, every rank stops (``ResumeDiverged``) with nothing written; else each writes
+        the receipts it held back."""
+        error: ResumeDiverged | None = None
+        try:
+            self.receipts.wait()
+        except ResumeDiverged as e:
+            error = e
+        if any_rank(error is not None):
+            raise error or ResumeDiverged(
+                f"{self.receipts.path}: another rank's resume computed a step again to other bits than its "
+                f"receipt (its line names the step); no rank wrote a receipt of steps up to {step}",
+                step,
+                self.receipts.path,
+            )
+        self.receipts.release()
 
     def agreed_stop(self, any_rank: Callable[[bool], bool]) -> str | None:
         """``agreed_stop`` for the signals being watched (a collective where there are any)."""

@@ -110,6 +110,8 @@ class ReceiptWriter:
         self._pending = {r["step"]: r for r in pending or ()}
         self._last_pending = max(self._pending, default=start)
         self._diverged: ResumeDiverged | None = None  # once set, nothing more is written
+        self.hold_until = start  # new receipts of steps up to this one kept in memory until ``release``
+        self._held: list[str] = []
         self.last: CrossRankSums | None = None  # of the newest step given ``sums`` (read after ``wait``)
         self.last_state: str | None = None  # the newest receipt's state checksum (read after ``wait``)
         self.cpu_seconds = 0.0  # the receipt thread's CPU time, all steps: what the receipts take from the machine
@@ -188,8 +190,25 @@ class ReceiptWriter:
                 self._diverged = diverged(self.path, self.start, old, receipt, self._last_pending)
                 raise self._diverged
             return
+        if receipt["step"] <= self.hold_until:
+            self._held.append(json.dumps(receipt, sort_keys=True) + "\n")
+            return
         self._file.write(json.dumps(receipt, sort_keys=True) + "\n")
         self._file.flush()
+
+    @property
+    def last_pending(self) -> int:
+        """The last step whose old receipt this writer checks (its start where none)."""
+        return self._last_pending
+
+    def release(self) -> None:
+        """Writes the receipts held back (``hold_until``): every rank's check of the steps computed again passed."""
+        self.wait()
+        if self._held and self._file is not None:
+            self._file.write("".join(self._held))
+            self._file.flush()
+        self._held.clear()
+        self.hold_until = self.start
 
     def wait(self) -> None:
         """Waits for the receipt being made; raises its failure, if it failed (a ``ResumeDiverged`` as itself)."""
