@@ -196,3 +196,34 @@ def test_a_keyed_loop_that_draws_from_the_global_generator_is_warned_once_by_ste
     assert len(said) == 1 and "step 1 drew from torch's global generator" in said[0], said
     assert "samestep.rng.generator" in said[0]
     assert _keyed(tmp_path / "keyed", "keyed") == []
+
+
+def _loader_loop(run_dir, held: bool) -> list[str]:
+    """Two steps over a shuffled loader: a torch DataLoader kept by the loop, or a StatefulDataLoader with its
+    generator given to Run as ``data_cursor``; the warnings about a loose loader."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    data = torch.arange(32, dtype=torch.float32).reshape(16, 2)
+    if held:
+        loader = StatefulDataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(0))
+    else:
+        loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with samestep.Run(run_dir, model=model, optimizer=optimizer, data_cursor=loader if held else None) as run:
+            batches = iter(loader)
+            for _ in run.steps(2):
+                model(next(batches)).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+    return [str(w.message) for w in caught if "is not the data_cursor" in str(w.message)]
+
+
+def test_a_shuffled_loader_kept_outside_run_is_warned_after_the_first_step(tmp_path):
+    """A shuffled DataLoader the loop keeps: one warning after step 1 naming data_cursor. Negative control: the
+    loader given to Run as its data cursor gives none."""
+    said = _loader_loop(tmp_path / "loose", held=False)
+    assert len(said) == 1 and "data_cursor=loader" in said[0], said
+    assert _loader_loop(tmp_path / "held", held=True) == []

@@ -65,6 +65,7 @@ from samestep.loop.step_checks import (
     grads_changed_after_update,
     left_inside_a_step,
     second_loop,
+    warn_loose_loaders,
 )
 from samestep.records.receipt_state import state_tree
 from samestep.records.receipts import genesis
@@ -329,6 +330,8 @@ class Run:
                 self._step = None
                 if self._draws is not None:
                     self._draws.after(step)
+                if step == self.start + 1:  # once: the names of the loop's frame (this generator's caller)
+                    warn_loose_loaders(self.data_cursor, sys._getframe(1))
                 if proto.receipts is not None:  # the metrics' bits read only for a receipt (a device sync)
                     proto.receipt(step, *(float(self._metrics.get(k, float("nan"))) for k in ("loss", "grad_norm")))
                 loss = self._metrics.get("loss", float("nan"))

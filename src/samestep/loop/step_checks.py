@@ -2,7 +2,7 @@
 ``LoopError`` (one line naming the fix; ``Run`` ends the program with it and exit 2, docs/api.md), and
 ``StaleGradients``, which finds a step's backward adding to the gradients of the step before (no
 ``zero_grad`` between the updates), and ``GlobalDraws``, which finds a keyed run's step drawing from torch's
-global generator."""
+global generator, and ``warn_loose_loaders``, a shuffled DataLoader iterated outside Run's data cursor."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from samestep.exit_codes import Refusal
 
 __all__ = [
     "GlobalDraws",
+    "warn_loose_loaders",
     "LoopError",
     "StaleGradients",
     "grads_changed_after_update",
@@ -149,4 +150,31 @@ class GlobalDraws:
             "samestep.rng.generator(seed, step, microbatch, purpose), or rng='restore'",
             UserWarning,
             stacklevel=3,  # the loop's own line: the generator's caller
+        )
+
+
+def warn_loose_loaders(data_cursor: Any, loop: Any) -> None:
+    """Warns of a shuffled DataLoader (a ``RandomSampler``'s) that is not Run's ``data_cursor`` among the names
+    of the loop's frame (``loop``: its locals and its module's globals), looked at once, after the first step:
+    no checkpoint holds its place in the epoch or its order, so a resume would start the epoch over on other
+    batches (and stop at the first step it computes again). A loader that does not shuffle (an evaluation's)
+    is not named."""
+    from torch.utils.data import DataLoader
+
+    names = [] if loop is None else [*loop.f_locals.values(), *loop.f_globals.values()]
+    loose = [
+        o
+        for o in names
+        if isinstance(o, DataLoader)
+        and o is not data_cursor
+        and type(getattr(o, "sampler", None)).__name__ == "RandomSampler"
+    ]
+    if loose:
+        warnings.warn(
+            f"samestep.Run: a shuffled {type(loose[0]).__name__} of the loop's is not the data_cursor given to "
+            "Run: no checkpoint holds its place in the epoch or its order, so a resume would start the epoch "
+            "over on other batches. Fix: samestep.Run(..., data_cursor=loader), a torchdata StatefulDataLoader "
+            "with generator=",
+            UserWarning,
+            stacklevel=3,
         )
