@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
                 "ended, and a collective lost it",
                 EXIT_PEER_LOST,
             )
-        if isinstance(getattr(e, "exit_code", None), int):  # an error with a code of its own (a resume that diverged)
+        if isinstance(getattr(e, "exit_code", None), int):  # a refusal, with its code (2; 7: a resume that diverged)
             return report_error(args, f"error: {e}", e.exit_code)
         line = input_error_of(e)
         if line is not None:

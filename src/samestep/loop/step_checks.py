@@ -16,12 +16,12 @@ from samestep.exit_codes import Refusal
 
 __all__ = [
     "GlobalDraws",
-    "warn_loose_loaders",
     "LoopError",
     "StaleGradients",
     "grads_changed_after_update",
     "left_inside_a_step",
     "second_loop",
+    "warn_loose_loaders",
 ]
 
 

@@ -246,6 +246,7 @@ def continue_receipts(
     first_prev: str,
     *,
     check: bool = True,
+    state_of: str = "run",
     **kwargs: Any,
 ) -> ReceiptWriter:
     """This rank's receipt writer for a run that goes on after step ``start``; ``first_prev`` is a new file's
@@ -254,12 +255,13 @@ def continue_receipts(
     shards than this job's) they are cut, and the chain goes on from step ``start``. Without ``run_dir``, a
     writer of no file (``ReceiptWriter``). ``kwargs``: ``ReceiptWriter``'s (``hash``, ``state_of``,
     ``shared``)."""
+    kwargs["state_of"] = state_of
     if run_dir is None:
         return ReceiptWriter(None, rank, first_prev, start=start, **kwargs)
     pending = receipts_after(run_dir, rank, start) if check else []
     if pending and not start and pending[0]["prev"] != first_prev:
         pending = []  # a run started afresh under another genesis (config, data): nothing of it to check
-    if any(r.get("state_of", "run") != kwargs.get("state_of", "run") for r in pending):
+    if any(r.get("state_of", "run") != state_of for r in pending):
         pending = []  # receipts of a rank's shards, resumed as the whole state (or the reverse): not comparable
     if pending:
         truncate_receipts(run_dir, rank, pending[-1]["step"])  # a torn line after them, if any, cut

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from samestep.train.config import Config
+from samestep.train.config_values import not_with
 from samestep.train.parts import Parts
 
 __all__ = ["ExpertLayout", "check_ep"]
@@ -45,9 +46,7 @@ def check_ep(cfg: Config, world: int) -> None:
         "train.sdc_check_every": t.sdc_check_every > 0,
         "train.fault": bool(t.fault),
     }
-    for field, on in why.items():
-        if on:
-            raise ValueError(f"parallel.ep={par.ep} with {field} is not supported yet; use one of them")
+    not_with(f"parallel.ep={par.ep}", why)
     if m.moe_experts % par.ep:
         raise ValueError(
             f"parallel.ep={par.ep} does not divide model.moe_experts={m.moe_experts} into whole experts "

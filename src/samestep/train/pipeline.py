@@ -25,6 +25,7 @@ from torch import nn
 
 from samestep.determinism import rng
 from samestep.train.config import Config
+from samestep.train.config_values import not_with
 from samestep.train.parts import Parts
 
 __all__ = ["Pipeline", "Skipped", "check_pp", "stage_blocks"]
@@ -59,9 +60,7 @@ def check_pp(cfg: Config, world: int) -> None:
         "train.sdc_check_every": t.sdc_check_every > 0,
         "train.fault": bool(t.fault),
     }
-    for field, on in why.items():
-        if on:
-            raise ValueError(f"parallel.pp={par.pp} with {field} is not supported yet; use one of them")
+    not_with(f"parallel.pp={par.pp}", why)
     if cfg.model.n_layer < par.pp:
         raise ValueError(
             f"parallel.pp={par.pp} stages need a block each, and model.n_layer={cfg.model.n_layer}. "

@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from samestep.train.config import Config
+from samestep.train.config_values import not_with
 
 __all__ = ["apply_tp", "check_tp", "data_ranks"]
 
@@ -39,10 +40,7 @@ def check_tp(cfg: Config, world: int, vocab: int | None = None) -> None:
         return
     from samestep.distributed.tensor_parallel import validate_tp  # loaded only for a TP run
 
-    if t.compile:
-        raise ValueError(
-            f"parallel.tp_chunks={par.tp_chunks} with train.compile=true is not supported yet; use one of them"
-        )
+    not_with(f"parallel.tp_chunks={par.tp_chunks}", {"train.compile=true": t.compile})
     head = m.n_embd // m.n_head
     dims = {"n_embd": m.n_embd, "n_head": m.n_head}
     if m.arch == "llama":

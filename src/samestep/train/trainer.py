@@ -31,6 +31,7 @@ from samestep.tracing import Perturb, Recorder, parse_selection
 from samestep.train.capacity import check_capacity
 from samestep.train.checks import RecomputeCheck, check_finite
 from samestep.train.config import Config
+from samestep.train.config_values import not_with
 from samestep.train.expert_parallel import ExpertLayout, check_ep
 from samestep.train.faults import Fault
 from samestep.train.llama import Llama
@@ -252,13 +253,13 @@ def build(
     )
     data_group = data_mesh.get_group() if data_mesh is not None else None
     sharded = cfg.parallel.fsdp and world > 1
-    if sharded and t.compile:
-        raise ValueError("parallel.fsdp=true with train.compile=true is not supported yet; use one of them")
+    if sharded:
+        not_with("parallel.fsdp=true", {"train.compile=true": t.compile})
     fault = Fault.parse(t.fault) if t.fault else None
     if fault is not None:
         fault.install(model, rank)
-    if t.sdc_check_every and sharded:
-        raise ValueError("train.sdc_check_every with parallel.fsdp=true is not supported yet; use one of them")
+    if t.sdc_check_every:
+        not_with("train.sdc_check_every", {"parallel.fsdp=true": sharded})
     if t.compile:
         model.compile()  # in place: the state_dict keys stay the model's own
     data_world = data_ranks(cfg, world)
