@@ -453,3 +453,46 @@ def test_the_text_names_the_first_step_the_receipts_differ_at(tmp_path):
     assert report["first_divergent_step"] == 2 and report["summary"].startswith(
         "diverged at step 2: first difference seen: step 2"
     ), report["summary"]
+
+
+def _rounded_loop(run_dir: Path, perturb: str | None) -> None:
+    """A loop of one's own whose hidden layer is rounded to bf16 and back: a ULP planted in the first linear's
+    output is absorbed there before any step's state; one in the loss is the loss's."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with samestep.Run(run_dir, model=model, optimizer=opt, level="op", perturb=perturb) as run:
+        for step in run.steps(3):
+            hidden = model[0](torch.full((2, 4), float(step)))
+            loss = model[1](hidden.to(torch.bfloat16).float()).sum()
+            loss.backward()
+            run.metric("loss", loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+
+def test_diff_and_bisect_give_one_verdict_of_a_difference_rounding_absorbed(tmp_path):
+    """A ULP in an op's output that a bf16 rounding takes out before any step's state: every receipt and the
+    final state agree, the op records do not. diff and bisect both say diverged at that step (exit 1), name
+    the op and say rounding absorbed it; bisect replays nothing. Controls: a ULP in the loss's sum, which no
+    rounding follows, reaches the receipts (not absorbed), and two runs without one are identical to both,
+    trace records too."""
+    from samestep.replay.bisect import bisect_runs
+
+    ulp = "rank=0,step=2,microbatch=0,phase=forward,scope={},op=aten.{}.default"
+    for name, perturb in (("a", None), ("b", None), ("ulp", ulp.format(0, "addmm")), ("raw", ulp.format("", "sum"))):
+        _rounded_loop(tmp_path / name, perturb)
+    diff, bisect = diff_runs(tmp_path / "a", tmp_path / "ulp"), bisect_runs(tmp_path / "a", tmp_path / "ulp")
+    for report in (diff, bisect):
+        assert not report["identical"] and report["first_divergent_step"] == 2, report["summary"]
+        assert report["origin"]["op"] == "aten.addmm.default", report["summary"]
+        assert "Rounding absorbed it" in report["summary"], report["summary"]
+    assert diff["absorbed"] and diff["receipts"] is None and bisect["attempts"] == 0
+    assert main(["diff", str(tmp_path / "a"), str(tmp_path / "ulp")]) == 1
+    assert main(["bisect", str(tmp_path / "a"), str(tmp_path / "ulp")]) == 1
+    raw = diff_runs(tmp_path / "a", tmp_path / "raw")
+    assert not raw["absorbed"] and raw["receipts"]["step"] == 2, raw["summary"]
+    assert "absorbed" not in raw["summary"]
+    same = bisect_runs(tmp_path / "a", tmp_path / "b")
+    assert same["identical"] and "trace records agree" in same["summary"], same["summary"]
+    assert diff_runs(tmp_path / "a", tmp_path / "b")["identical"]

@@ -17,6 +17,7 @@ from typing import Any
 from samestep.analysis.comparable import DiffError, check_comparable, ranks_to_compare, traced_alike
 from samestep.analysis.divergence import (
     Divergence,
+    absorbed_summary,
     first_seen_summary,
     identical_summary,
     lead,
@@ -111,6 +112,7 @@ class _Compared:
     receipt_diff: dict[str, Any] | None
     receipt_steps: int
     receipt_states: bool
+    receipted: set[int]  # the steps both runs hold receipts of
     gaps: list[str]  # receipts one run's files hold and the other's lack
     finals: list[str | None]
     final_compared: bool
@@ -131,6 +133,7 @@ class _Verdict:
     origin: Divergence | None
     first_seen: Divergence | None
     first: Divergence | None
+    absorbed: bool  # only trace records differ: every step's state after them agrees (docs/design.md, words)
 
 
 def _compare(run_a: Path, run_b: Path, ranks: set[int] | None, steps: set[int] | None, force: bool) -> _Compared:
@@ -182,6 +185,7 @@ def _compare(run_a: Path, run_b: Path, ranks: set[int] | None, steps: set[int] |
         receipt_diff,
         receipt_steps,
         receipt_states,
+        receipted[0] & receipted[1],
         gaps,
         finals,
         final_compared,
@@ -280,10 +284,22 @@ def _decide(c: _Compared, steps: set[int] | None) -> _Verdict:
     )
     if first_step is not None and not summary.startswith("diverged at step"):
         summary = lead(first_step, named, c.metric_diff, c.receipt_diff) + summary
+    # a difference of trace records alone, with the state compared at or after its step and the same
+    absorbed = (
+        named is not None
+        and not structural
+        and named.phase != "step"
+        and c.metric_diff is None
+        and c.receipt_diff is None
+        and not final_differs
+        and ((c.receipt_states and max(c.receipted, default=0) >= named.step) or c.final_compared)
+    )
+    if absorbed:
+        summary = summary.rstrip(".") + absorbed_summary(c.receipted if c.receipt_states else set(), c.final_compared)
     coords = rank_coordinates(layout_at(c.doc_a, named.step), named.rank) if named is not None else None
     if coords:
         c.notes.append(f"rank {named.rank} at step {named.step} is {coords} of the layout that wrote it")
-    return _Verdict(verdict, identical, partial, summary, first_step, origin, first_seen, first)
+    return _Verdict(verdict, identical, partial, summary, first_step, origin, first_seen, first, absorbed)
 
 
 def _render(c: _Compared, v: _Verdict) -> dict[str, Any]:
@@ -303,6 +319,7 @@ def _render(c: _Compared, v: _Verdict) -> dict[str, Any]:
             "steps_held": format_selection(c.held[1]),
         },
         "first_divergent_step": v.first_step,
+        "absorbed": v.absorbed,
         "metrics": c.metric_diff,
         "receipts": c.receipt_diff,
         "final_state_digests": c.finals,

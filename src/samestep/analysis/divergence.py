@@ -11,6 +11,7 @@ from samestep.tracing.selection import format_selection
 
 __all__ = [
     "Divergence",
+    "absorbed_summary",
     "first_seen_summary",
     "identical_summary",
     "lead",
@@ -146,6 +147,17 @@ def lead(
         what.append(f"the metrics' {', '.join(metric_diff['fields'])} differ")
     later = f"; the traces first differ at step {named.step}: " if named is not None else "; "
     return f"diverged at step {step}: {' and '.join(what)}{later}"
+
+
+def absorbed_summary(receipted: set[int], final_compared: bool) -> str:
+    """What a divergence of trace records alone adds: rounding absorbed it before any step's state, so the
+    training's bits agree this time while its ops' do not (docs/design.md, words: divergence)."""
+    what = [f"the receipts of all {len(receipted)} step(s)"] if receipted else []
+    what += ["the final state digest"] if final_compared else []
+    return (
+        f". Rounding absorbed it: {' and '.join(what)} agree, so the training's bits are the same this time and "
+        "only its op records differ; an op that differs may not be absorbed in the next run"
+    )
 
 
 def partial_verdict(held: tuple[set[int], ...], gaps: list[str]) -> str:

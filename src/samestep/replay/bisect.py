@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from samestep.analysis.diff import diff_runs
+from samestep.analysis.diff import DiffError, diff_runs
 from samestep.analysis.layouts import rank_coordinates
 from samestep.analysis.receipt_diff import compare_receipts
 from samestep.records.final import final_digest
@@ -73,6 +73,25 @@ def bisect_runs(
             )
         else:
             summary = f"identical: {agree}" + ("" if None in finals else ", and the final state digests match")
+        traced, notes = _own_traces(run_a, run_b, force) if same else (None, [])
+        if traced is not None and traced["first_difference"] is not None:
+            # one definition of divergence with diff's: the runs' own op records differ, whatever the receipts say
+            return {
+                "identical": False,
+                "first_divergent_step": traced["first_divergent_step"],
+                "origin": traced["origin"],
+                "reproduced": None,
+                "attempts": 0,
+                "replayed_from": None,
+                "steps_compared": compared,
+                "difference": None,
+                "diff": traced["summary"],
+                "per_rank": traced["per_rank"],
+                "notes": ["the runs' own traces name the difference: nothing was replayed"],
+                "summary": traced["summary"],
+            }
+        if traced is not None and (records := traced["compared"]["trace_records"]):
+            summary += f", and their {records} trace records agree"
         return {
             "identical": same,
             "first_divergent_step": None,
@@ -84,7 +103,7 @@ def bisect_runs(
             "difference": None,
             "diff": None,
             "per_rank": None,
-            "notes": [],
+            "notes": notes,
             "summary": summary,
         }
     step = difference["step"]
@@ -149,3 +168,13 @@ def bisect_runs(
         "notes": notes,
         "summary": summary,
     }
+
+
+def _own_traces(run_a: Path, run_b: Path, force: bool) -> tuple[dict[str, Any] | None, list[str]]:
+    """``samestep diff``'s report of the two runs, whose own trace records may differ while every receipt
+    agrees (a difference that rounding absorbed, docs/design.md, words: divergence), and the notes of a
+    comparison refused: receipts alone would call such runs identical, where diff says diverged."""
+    try:
+        return diff_runs(run_a, run_b, force=force), []
+    except DiffError as e:
+        return None, [f"the runs' own trace records were not compared: {e}"]
