@@ -84,7 +84,7 @@ def main(
     callbacks = (
         [checkpoints]
         + ([PlantAt(plant_step)] if plant_step else [])
-        + ([] if without else [SamestepCallback(run)])
+        + ([] if without else [SamestepCallback(run, config={"seed": seed})])
         + ([KillAfter(kill_after)] if kill_after else [])
     )
     pl.seed_everything(seed, verbose=False)

@@ -40,22 +40,33 @@ def _same_receipts(straight: Path, resumed: Path) -> None:
     assert verified.returncode == 0, verified.stdout + verified.stderr
 
 
+def _refused_by_config(proc: Forked, change: str) -> None:
+    """A resume under another declared config: one line naming the change, exit 2, no traceback."""
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert change in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_hf_trainer_killed_and_resumed_is_the_run_straight_through(tmp_path):
     """A GPT-2 (dropout on) under transformers.Trainer with SamestepCallback: killed once checkpoint-3 is
     saved and resumed through the Trainer's own resume_from_checkpoint, it ends on the straight run's
     digest, and `samestep diff` compares the traces of all 6 steps, the first 3 from two independent runs,
-    identical (exit 0); its receipts are the straight run's byte for byte, and verify. Negative control: the same
+    identical (exit 0); its receipts are the straight run's byte for byte, and verify. Negative controls: the same
     killed run, its rng_state.pth removed (the Trainer
-    only warns, and goes on elsewhere), is refused before its first step, naming the RNG."""
+    only warns, and goes on elsewhere), is refused before its first step, naming the RNG; resumed with another
+    seed (the data order's, which no checkpoint holds), it is refused in one line naming the argument."""
     straight, killed = _together(
         ("hf_trainer.py", tmp_path / "straight"), ("hf_trainer.py", tmp_path / "cut", "--kill-after", "3")
     )
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     shutil.copytree(tmp_path / "cut", tmp_path / "norng")
+    shutil.copytree(tmp_path / "cut", tmp_path / "reseeded")
     (tmp_path / "norng" / "checkpoint-3" / "rng_state.pth").unlink()
-    resumed, refused = _together(
-        ("hf_trainer.py", tmp_path / "cut", "--resume"), ("hf_trainer.py", tmp_path / "norng", "--resume")
+    resumed, refused, reseeded = _together(
+        ("hf_trainer.py", tmp_path / "cut", "--resume"),
+        ("hf_trainer.py", tmp_path / "norng", "--resume"),
+        ("hf_trainer.py", tmp_path / "reseeded", "--resume", "--seed", "1"),
     )
+    _refused_by_config(reseeded, "config.TrainingArguments.seed: 0 -> 1")
     assert _digest(resumed) == _digest(straight)
     assert _diff(tmp_path / "straight", tmp_path / "cut") == 0
     _same_receipts(tmp_path / "straight", tmp_path / "cut")
@@ -68,17 +79,21 @@ def test_lightning_killed_and_resumed_mid_epoch_is_the_run_straight_through(tmp_
     fit(ckpt_path=...), it ends on the straight run's digest, the traces are identical (exit 0), and its
     receipts are the straight run's byte for byte, and verify.
     Lightning saves no RNG state and restarts a plain loader's epoch: negative control, the same resume
-    with torch's RandomSampler is refused, naming the fix."""
+    with torch's RandomSampler is refused, naming the fix; and one under another seed (the data is made from
+    it, declared as the callback's config) is refused in one line naming it."""
     straight, killed, plain = _together(
         ("lightning_fit.py", tmp_path / "straight"),
         ("lightning_fit.py", tmp_path / "cut", "--kill-after", "3"),
         ("lightning_fit.py", tmp_path / "plain", "--kill-after", "3", "--plain-sampler"),
     )
     assert killed.returncode == plain.returncode == -signal.SIGKILL, killed.stderr[-2000:] + plain.stderr[-2000:]
-    resumed, refused = _together(
+    shutil.copytree(tmp_path / "cut", tmp_path / "reseeded")
+    resumed, refused, reseeded = _together(
         ("lightning_fit.py", tmp_path / "cut", "--resume"),
         ("lightning_fit.py", tmp_path / "plain", "--resume", "--plain-sampler"),
+        ("lightning_fit.py", tmp_path / "reseeded", "--resume", "--seed", "1"),
     )
+    _refused_by_config(reseeded, "config.seed: 0 -> 1")
     assert _digest(resumed) == _digest(straight)
     assert _diff(tmp_path / "straight", tmp_path / "cut") == 0
     _same_receipts(tmp_path / "straight", tmp_path / "cut")

@@ -53,6 +53,30 @@ __all__ = ["FINGERPRINT", "ResumeMismatch", "SamestepCallback"]
 
 FINGERPRINT = HF_FINGERPRINT  # in each checkpoint-N directory
 
+# The TrainingArguments that change a step's bits and that no checkpoint holds (the data order's seeds, the
+# schedule's closures, the batch), held fixed across a resume as run.json's declared config
+HELD_ARGS = (
+    "seed",
+    "data_seed",
+    "learning_rate",
+    "lr_scheduler_type",
+    "warmup_steps",
+    "warmup_ratio",
+    "max_steps",
+    "num_train_epochs",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "weight_decay",
+    "adam_beta1",
+    "adam_beta2",
+    "adam_epsilon",
+    "max_grad_norm",
+    "optim",
+    "bf16",
+    "fp16",
+    "dataloader_drop_last",
+)
+
 
 class SamestepCallback(TrainerCallback):
     """Deterministic mode, a trace, and checked resumes for ``transformers.Trainer``.
@@ -68,6 +92,10 @@ class SamestepCallback(TrainerCallback):
         multiprocess: accept a Trainer on several processes, whose DDP gives the bits of that process count,
             not one process's; without it such a Trainer is refused at its construction
             (``steps.refuse_processes``).
+        config: what else the run holds fixed that its checkpoint does not (a seed the data is made from, a
+            corpus's name), JSON-able: recorded in run.json with the TrainingArguments in ``HELD_ARGS``, and a
+            resume under other values of either refused before anything is written, naming them (as
+            ``samestep.Run``'s ``config``).
     """
 
     def __init__(
@@ -80,8 +108,10 @@ class SamestepCallback(TrainerCallback):
         kernels: bool = False,
         receipts: bool = True,
         multiprocess: bool = False,
+        config: dict[str, Any] | None = None,
     ) -> None:
         self.run_dir = None if run_dir is None else Path(run_dir)
+        self.config = config
         self.level, self.steps, self.threads, self.kernels = level, steps, threads, kernels
         self.receipts, self.multiprocess = receipts, multiprocess
         self._proto = RunProtocol()  # deterministic mode from the Trainer's construction; the trace from train()
@@ -156,6 +186,8 @@ class SamestepCallback(TrainerCallback):
             else program.describe(  # a replay's: what it ran
                 run_dir, resumes(HF, run_dir, Path(args.output_dir))
             ),
+            config={"TrainingArguments": {k: getattr(args, k) for k in HELD_ARGS if hasattr(args, k)}}
+            | (self.config or {}),
         )
         self._rec = self._hooked.rec
 

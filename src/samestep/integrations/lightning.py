@@ -68,6 +68,9 @@ class SamestepCallback(pl.Callback):
             not its step's receipt is refused.
         multiprocess: accept a Trainer on several processes, whose DDP gives the bits of that process count,
             not one process's; without it such a fit is refused at its setup (``steps.refuse_processes``).
+        config: what else the run holds fixed that its checkpoint does not (a seed the data is made from, a
+            corpus's name), JSON-able: recorded in run.json, and a resume under other values refused before
+            anything is written, naming them (as ``samestep.Run``'s ``config``).
     """
 
     def __init__(
@@ -80,8 +83,10 @@ class SamestepCallback(pl.Callback):
         kernels: bool = False,
         receipts: bool = True,
         multiprocess: bool = False,
+        config: dict[str, Any] | None = None,
     ) -> None:
         self.run_dir = Path(run_dir)
+        self.config = config
         self.level, self.steps, self.threads, self.kernels = level, steps, threads, kernels
         self.receipts, self.multiprocess = receipts, multiprocess
         self._proto = RunProtocol()  # deterministic mode from fit's setup; the trace from training's start
@@ -141,6 +146,7 @@ class SamestepCallback(pl.Callback):
             program=program.describe(self.run_dir, resumes(LIGHTNING, self.run_dir))
             if trainer.is_global_zero
             else None,
+            config=self.config,
         )  # a replay's: what it ran
         self._rec = self._hooked.rec
         if self._indexes(trainer):

@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from samestep.loop.protocol import RunProtocol
+from samestep.loop.start_checks import declared_config, refuse_changes
+from samestep.records.rundir import record_declared
 
 __all__ = ["HookedSteps", "refuse_processes"]
 
@@ -57,6 +59,7 @@ class HookedSteps:
         sharded: bool = False,
         program: dict[str, Any] | None = None,
         agree: Callable[[bool], bool] | None = None,
+        config: dict[str, Any] | None = None,
     ) -> HookedSteps:
         """Starts the RunProtocol's trace of ``run_dir`` (a resume continues its stream) with the model's hooks
         attached, and, with ``receipts``, the receipts of the state of ``model``, ``optimizer`` and
@@ -77,6 +80,7 @@ class HookedSteps:
             ReceiptError: the receipts file is damaged or lacks a step up to ``start``, or the restored state
                 is not the one its receipt of ``start`` records; under ``agree``, ``RefusedElsewhere`` where that
                 was another rank's.
+            Refusal: a resume under another ``config`` than the run's.
         """
         from samestep.distributed.placement import model_layout
         from samestep.hashing.checksums import state_hash_for
@@ -90,6 +94,9 @@ class HookedSteps:
             return state_tree(step, model, optimizer, buffers=buffers, scheduler=scheduler)
 
         proto.run_dir = Path(run_dir)
+        held = None if config is None else {"config": declared_config(config)}
+        if held is not None:  # before anything is written
+            refuse_changes(proto.run_dir, held, who=f"samestep ({source or 'a callback'})")
         if receipts or agree is not None:  # a resume that cannot go on fails before anything is written
             proto.check_receipts(rank, start, (lambda: state(start)) if receipts else None, agree=agree)
         try:
@@ -106,6 +113,8 @@ class HookedSteps:
                 from samestep.replay.program import record
 
                 record(proto.run_dir, start, program)
+                if held is not None:
+                    record_declared(proto.run_dir, held)
             if receipts:
                 proto.open_receipts(
                     rank,

@@ -23,6 +23,7 @@ __all__ = [
     "checkpoints_held",
     "declare",
     "declared",
+    "declared_config",
     "loader_generators",
     "refuse_changes",
     "refuse_foreign_parameters",
@@ -49,12 +50,17 @@ def declared(
     out: dict[str, Any] = {
         "model": state_digest({"shapes": shapes}),
         "optimizer": json.loads(json.dumps({"class": type(optimizer).__qualname__, "groups": groups}, default=repr)),
-        "config": json.loads(json.dumps(config or {}, default=repr)),
+        "config": declared_config(config),
     }
     for name, obj in (("scheduler", scheduler), ("data_cursor", data_cursor)):
         if obj is not None:
             out[name] = state_digest(obj.state_dict())
     return out
+
+
+def declared_config(config: dict[str, Any] | None) -> dict[str, Any]:
+    """What else a run holds fixed (a seed, a batch size), as run.json records it: JSON, unknown types by repr."""
+    return json.loads(json.dumps(config or {}, default=repr))
 
 
 def refuse_foreign_parameters(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -91,12 +97,13 @@ def warn_unheld_scheduler(optimizer: torch.optim.Optimizer, scheduler: Any) -> N
         )
 
 
-def refuse_changes(run_dir: Path, settings: dict[str, Any]) -> None:
-    """Refuses to continue ``run_dir`` with other ``settings`` (``declared``'s, or a part of them) than it holds."""
+def refuse_changes(run_dir: Path, settings: dict[str, Any], who: str = "samestep.Run") -> None:
+    """Refuses to continue ``run_dir`` with other ``settings`` (``declared``'s, or a part of them) than it holds;
+    ``who``: what the line names (samestep.Run, a callback)."""
     changed = declared_changes(run_dir, settings)
     if changed:
         raise Refusal(
-            f"samestep.Run: {run_dir} holds a run started with other settings ({'; '.join(changed)}); "
+            f"{who}: {run_dir} holds a run started with other settings ({'; '.join(changed)}); "
             "continuing it would change its bits: continue it as it started, or use a new run directory"
         )
 
