@@ -198,6 +198,38 @@ def test_a_keyed_loop_that_draws_from_the_global_generator_is_warned_once_by_ste
     assert _keyed(tmp_path / "keyed", "keyed") == []
 
 
+def _prefetching(run_dir, ahead: bool) -> list[str]:
+    """Three steps of nanoGPT's shape under rng="restore": each step's batch drawn from torch's global
+    generator, ``ahead`` at the end of the step before (its prefetch), else inside the step; the warnings."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with samestep.Run(run_dir, model=model, optimizer=optimizer) as run:
+            batch = torch.randn(2, 4)
+            for _ in run.steps(3):
+                if not ahead:
+                    batch = torch.randn(2, 4)
+                model(batch).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if ahead:
+                    batch = torch.randn(2, 4)  # the next step's, while this one's checkpoint is not yet written
+    return [str(w.message) for w in caught if "global generator" in str(w.message)]
+
+
+def test_a_batch_fetched_after_the_update_is_warned_once_by_step(tmp_path):
+    """A loop that draws the next step's batch after this step's update (nanoGPT's prefetch): its checkpoint
+    holds the generator after the draw, not the batch, and a stop on a signal leaves no receipt past it to
+    catch the resume that trains on another batch: one warning, naming step 1 and the fix. Negative control:
+    the batch drawn inside its step gives none."""
+    said = _prefetching(tmp_path / "ahead", ahead=True)
+    assert len(said) == 1 and "step 1 drew from torch's global generator after its update" in said[0], said
+    assert "before optimizer.step()" in said[0]
+    assert _prefetching(tmp_path / "inside", ahead=False) == []
+
+
 def _loader_loop(run_dir, held: bool) -> list[str]:
     """Two steps over a shuffled loader: a torch DataLoader kept by the loop, or a StatefulDataLoader with its
     generator given to Run as ``data_cursor``; the warnings about a loose loader."""

@@ -174,7 +174,7 @@ class Run:
         self._total: int | None = None  # the step count given to steps()
         self._implicit: contextlib.ExitStack | None = None  # microbatch 0 of a step, until the loop names one
         self._metrics: dict[str, float] = {}
-        self._draws = GlobalDraws() if rng == "keyed" else None  # a keyed loop's draws from the global generator
+        self._draws = GlobalDraws(rng)  # draws from the global generator that no checkpoint carries
         held = checkpoints_held(self.checkpoints, resume)
         # one writer per run directory, as samestep train and samestep.trace take it (refused before anything)
         rank, world = rank_and_world()
@@ -297,6 +297,7 @@ class Run:
         if self._step is not None:
             self.recorder.state(self.model, optimizer, named_params=self._params, named_buffers=self._buffers)
             self._stale.updated(self._step, self._params)
+            self._draws.updated()
 
     def steps(self, total: int) -> Generator[int, None, None]:
         """Yields the steps ``start + 1`` .. ``total`` (1-based), each inside the recorder's step; after each,
@@ -319,8 +320,7 @@ class Run:
         with proto.watching(self._signals):
             for step in range(self.start + 1, last + 1):
                 self._step = step
-                if self._draws is not None:
-                    self._draws.before()
+                self._draws.before()
                 with self.recorder.step(step):
                     self._open_implicit()
                     try:
@@ -328,8 +328,7 @@ class Run:
                     finally:
                         self._close_implicit()
                 self._step = None
-                if self._draws is not None:
-                    self._draws.after(step)
+                self._draws.after(step)
                 if step == self.start + 1:  # once: the names of the loop's frame (this generator's caller)
                     warn_loose_loaders(self.data_cursor, sys._getframe(1))
                 if proto.receipts is not None:  # the metrics' bits read only for a receipt (a device sync)

@@ -1,8 +1,9 @@
 """The mistakes a loop under ``samestep.Run`` makes first, caught where they are made, before they cost a step:
 ``LoopError`` (one line naming the fix; ``Run`` ends the program with it and exit 2, docs/api.md), and
 ``StaleGradients``, which finds a step's backward adding to the gradients of the step before (no
-``zero_grad`` between the updates), and ``GlobalDraws``, which finds a keyed run's step drawing from torch's
-global generator, and ``warn_loose_loaders``, a shuffled DataLoader iterated outside Run's data cursor."""
+``zero_grad`` between the updates), ``GlobalDraws``, which finds a step drawing from torch's global generator
+where no checkpoint carries the draw (a keyed run's step, or a draw after the update), and
+``warn_loose_loaders``, a shuffled DataLoader iterated outside Run's data cursor."""
 
 from __future__ import annotations
 
@@ -126,28 +127,48 @@ def _global_states() -> list[torch.Tensor]:
 
 
 class GlobalDraws:
-    """Under ``rng="keyed"``, whether a step drew from torch's global generator (a dropout, a ``torch.randn`` or
-    a sampler without ``generator=``): no resume restores it and each process holds its own, so such draws give
-    other bits on another number of processes and after a resume. Warned once, naming the first such step;
-    a copy of the generator states a step (a few kilobytes)."""
+    """Draws from torch's global generator that a checkpoint cannot carry, warned once each, naming the first
+    step; a copy of the generator states (a few kilobytes) a step until then.
 
-    def __init__(self) -> None:
-        self._before: list[torch.Tensor] | None = None
+    - ``rng="keyed"``: any draw in a step (a dropout, a ``torch.randn``, a sampler without ``generator=``): no
+      resume restores it and each process holds its own, so such draws give other bits on another number of
+      processes and after a resume.
+    - ``rng="restore"``: a draw after the step's update (a batch fetched ahead at the end of the step, as
+      nanoGPT's loop does): the step's checkpoint restores the generator after the draw but not what it made,
+      so a resume from it trains on another batch; a stop on a signal leaves no receipt past that checkpoint
+      to catch it (docs/api.md, "What stays yours")."""
+
+    def __init__(self, rng: str) -> None:
+        self.keyed = rng == "keyed"
+        self._from: list[torch.Tensor] | None = None
         self.warned = False
 
     def before(self) -> None:
-        self._before = None if self.warned else _global_states()
+        """At a step's start."""
+        if self.keyed and not self.warned:
+            self._from = _global_states()
+
+    def updated(self) -> None:
+        """After the step's update."""
+        if not self.keyed and not self.warned:
+            self._from = _global_states()
 
     def after(self, step: int) -> None:
-        before, self._before = self._before, None
-        if before is None or all(torch.equal(a, b) for a, b in zip(before, _global_states())):
+        """At the step's end, before its checkpoint."""
+        then, self._from = self._from, None
+        if then is None or all(torch.equal(a, b) for a, b in zip(then, _global_states())):
             return
         self.warned = True
         warnings.warn(
             f"samestep.Run(rng='keyed'): step {step} drew from torch's global generator (a dropout, a torch.randn "
             "or a sampler without generator=): no resume restores it and each process holds its own, so those "
             "draws give other bits on another number of processes and after a resume. Fix: draw from "
-            "samestep.rng.generator(seed, step, microbatch, purpose), or rng='restore'",
+            "samestep.rng.generator(seed, step, microbatch, purpose), or rng='restore'"
+            if self.keyed
+            else f"samestep.Run: step {step} drew from torch's global generator after its update (a batch fetched "
+            "ahead for the next step?): its checkpoint restores the generator after that draw but not what it "
+            "made, so a resume from it trains on other data. Fix: fetch a step's batch inside that step, before "
+            "optimizer.step()",
             UserWarning,
             stacklevel=3,  # the loop's own line: the generator's caller
         )
