@@ -1,7 +1,8 @@
-"""Workload benchmark: what deterministic mode costs on the Llama bf16 preset, eager and compiled, and
-what torch.compile buys under deterministic mode.
+"""Workload benchmark: what deterministic mode costs on the Llama bf16 preset, eager and compiled, what
+torch.compile buys under deterministic mode, and what samestep's kernels cost a compiled model.
 
     .venv/bin/python bench/bench_workloads.py [--pairs 7] [--steps 3] [--threads 1] [--json]
+    .venv/bin/python bench/bench_workloads.py --kernels-only   # the compiled kernels section alone
 
 Each ratio is the median of per-pair ratios, the two sides alternating in one process with the same
 pinned thread count (bench_foundation.determinism_overhead): on = samestep.enable() + the canonical
@@ -70,15 +71,81 @@ def compile_speedup(pairs: int, steps: int, threads: int) -> dict:
     }
 
 
+def _compiled(threads: int, corpus) -> tuple:
+    """A compiled preset model, and its parameters' bits after ``compiled.step(0)`` (which compiles)."""
+    return build(load_config(None, [*PRESET, f"determinism.threads={threads}", "train.compile=true"]), corpus=corpus)
+
+
+def _params(trainer) -> str:
+    return samestep.digest(torch.cat([p.detach().float().reshape(-1) for p in trainer.model.parameters()]))
+
+
+def kernels_compiled(pairs: int, steps: int, threads: int) -> dict:
+    """Compiled step time under ``samestep.enable(kernels=True)`` vs compiled PyTorch (both deterministic),
+    alternating, with Dynamo's graph count under kernels (0 would be a model run eagerly); then the kernels
+    side's bits: two fresh runs at ``threads`` and one at 2 threads must give the same parameters."""
+    from torch._dynamo.utils import counters
+
+    corpus = load_corpus("stdlib")
+    torch._dynamo.reset()
+    counters.clear()
+    with samestep.enable(threads=threads, kernels=True):
+        routed = _compiled(threads, corpus)
+        routed.step(0)  # compiles
+    graphs = counters["stats"]["unique_graphs"]
+    with samestep.enable(threads=threads):
+        plain = _compiled(threads, corpus)
+        plain.step(0)
+    ratios, t_routed, t_plain = [], [], []
+    for p in range(1, pairs + 1):
+        with samestep.enable(threads=threads, kernels=True):
+            t0 = time.perf_counter()
+            for s in range(p * steps, (p + 1) * steps):
+                routed.step(s)
+            r = time.perf_counter() - t0
+        with samestep.enable(threads=threads):
+            t0 = time.perf_counter()
+            for s in range(p * steps, (p + 1) * steps):
+                plain.step(s)
+            e = time.perf_counter() - t0
+        ratios.append(r / e)
+        t_routed.append(r / steps)
+        t_plain.append(e / steps)
+    bits = []
+    for n in (threads, threads, 2):
+        torch._dynamo.reset()
+        with samestep.enable(threads=n, kernels=True):
+            fresh = _compiled(n, corpus)
+            for s in range(2):
+                fresh.step(s)
+        bits.append(_params(fresh))
+    return {
+        "pairs": pairs,
+        "steps_per_side": steps,
+        "threads": threads,
+        "graphs_under_kernels": graphs,
+        "step_ms_kernels": round(1000 * statistics.median(t_routed), 1),
+        "step_ms_pytorch": round(1000 * statistics.median(t_plain), 1),
+        "kernels_over_pytorch_median": round(statistics.median(ratios), 4),
+        "same_bits_twice_and_at_2_threads": len(set(bits)) == 1,
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--kernels-only", action="store_true", help="only the compiled kernels section")
     args = ap.parse_args()
     torch.manual_seed(0)
+    kernels = kernels_compiled(args.pairs, args.steps, args.threads)
+    if args.kernels_only:
+        print(json.dumps(kernels) if args.json else _kernels_line(kernels))
+        return 0 if kernels["same_bits_twice_and_at_2_threads"] and kernels["graphs_under_kernels"] else 1
     result = {
+        "kernels_compiled": kernels,
         "determinism_eager": determinism_overhead(args.pairs, args.steps, args.threads, PRESET),
         "determinism_compiled": determinism_overhead(
             args.pairs, args.steps, args.threads, (*PRESET, "train.compile=true")
@@ -99,7 +166,16 @@ def main() -> int:
             f"compiled vs eager (deterministic): {c['step_ms_compiled']} vs {c['step_ms_eager']} ms/step, "
             f"ratio {c['compiled_over_eager_median']} (compile {c['compile_s']} s)"
         )
+        print(_kernels_line(kernels))
     return 0
+
+
+def _kernels_line(k: dict) -> str:
+    return (
+        f"compiled under kernels vs compiled PyTorch (deterministic): {k['step_ms_kernels']} vs "
+        f"{k['step_ms_pytorch']} ms/step, ratio {k['kernels_over_pytorch_median']}; {k['graphs_under_kernels']} "
+        f"graphs under kernels; same bits twice and at 2 threads: {k['same_bits_twice_and_at_2_threads']}"
+    )
 
 
 if __name__ == "__main__":

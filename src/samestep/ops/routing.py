@@ -3,12 +3,12 @@
 Pushed by ``samestep.enable(kernels=True)`` as a TorchDispatchMode (below autograd, so gradients are
 unchanged in meaning, and PyTorch's backward formulas reach the kernels too). Every overload of a routed op
 is routed, its ``out=`` forms writing the answer into ``out``; an in-place destination whose elements share
-memory (expanded) is PyTorch's kernel's, named in a warning. Tensors without values (on the
-meta device, or fake ones a compiler traces) go to PyTorch's own op: only shapes are computed there.
+memory (expanded) is PyTorch's kernel's, named in a warning. Tensors without values (on the meta device, or
+fake ones a compiler traces) go to PyTorch's own op: only shapes are computed there. ``torch.compile``
+compiles under the mode, which routes the compiled code's ATen fallbacks (``KernelMode.ignore_compile_internals``).
 ``ROUTED`` lists what is routed and when; every other accumulating op is listed in ``UNROUTED`` with the reason
-PyTorch's own
-kernel is kept, and on a device where that kernel may race (not the CPU) with deterministic algorithms
-off, the mode warns once by name rather than stay silent. docs/kernels.md has both tables.
+PyTorch's own kernel is kept, and on a device where that kernel may race (not the CPU) with deterministic
+algorithms off, the mode warns once by name rather than stay silent. docs/kernels.md has both tables.
 """
 
 from __future__ import annotations
@@ -134,6 +134,13 @@ class KernelMode(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self._warned: set[str | tuple[str, str]] = set()
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile compiles under the mode (a mode that does not say so makes Dynamo skip every frame) and
+        runs the compiled code under it: Inductor, under deterministic algorithms, calls the routed ops as
+        ATen fallbacks, which the mode routes."""
+        return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
