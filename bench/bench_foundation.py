@@ -26,7 +26,7 @@ from samestep.train import load_config
 from samestep.train.loop import build
 
 
-def _time_steps(parts, start: int, n: int) -> float:
+def time_steps(parts, start: int, n: int) -> float:
     t0 = time.perf_counter()
     for s in range(start, start + n):
         parts.step(s)
@@ -41,9 +41,9 @@ def determinism_overhead(pairs: int, steps: int, threads: int, settings: tuple[s
     ratios, t_on, t_off = [], [], []
     for p in range(pairs + 1):
         with samestep.enable(threads=threads):
-            a = _time_steps(on, p * steps, steps)
+            a = time_steps(on, p * steps, steps)
         torch.set_num_threads(threads)
-        b = _time_steps(off, p * steps, steps)
+        b = time_steps(off, p * steps, steps)
         if p == 0:  # warm-up pair: allocator and caches
             continue
         t_on.append(a / steps)

@@ -13,6 +13,7 @@ warm-up pair that is not counted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_foundation import determinism_overhead  # noqa: E402
+from bench_foundation import determinism_overhead, time_steps  # noqa: E402
 
 import samestep  # noqa: E402
 from samestep.loop.data import load_corpus  # noqa: E402
@@ -47,32 +48,38 @@ def compile_speedup(pairs: int, steps: int, threads: int) -> dict:
         compiled.step(0)  # compiles
         compile_s = time.perf_counter() - t0
         eager.step(0)
-        ratios, t_eager, t_comp = [], [], []
-        for p in range(1, pairs + 1):
-            t0 = time.perf_counter()
-            for s in range(p * steps, (p + 1) * steps):
-                compiled.step(s)
-            c = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for s in range(p * steps, (p + 1) * steps):
-                eager.step(s)
-            e = time.perf_counter() - t0
-            ratios.append(c / e)
-            t_eager.append(e / steps)
-            t_comp.append(c / steps)
+        comp_ms, eager_ms, ratio = _alternate(pairs, steps, compiled, eager)
     return {
         "pairs": pairs,
         "steps_per_side": steps,
         "threads": threads,
         "compile_s": round(compile_s, 1),
-        "step_ms_eager": round(1000 * statistics.median(t_eager), 1),
-        "step_ms_compiled": round(1000 * statistics.median(t_comp), 1),
-        "compiled_over_eager_median": round(statistics.median(ratios), 4),
+        "step_ms_eager": eager_ms,
+        "step_ms_compiled": comp_ms,
+        "compiled_over_eager_median": ratio,
     }
 
 
-def _compiled(threads: int, corpus) -> tuple:
-    """A compiled preset model, and its parameters' bits after ``compiled.step(0)`` (which compiles)."""
+def _alternate(
+    pairs: int, steps: int, first, second, first_in=contextlib.nullcontext, second_in=contextlib.nullcontext
+):
+    """The two sides' median step times (ms) and the median of the pairs' ratios first / second, the sides
+    alternating ``steps`` steps at a time, each inside its context (``first_in()``, ``second_in()``)."""
+    ratios, t_first, t_second = [], [], []
+    for p in range(1, pairs + 1):
+        with first_in():
+            a = time_steps(first, p * steps, steps)
+        with second_in():
+            b = time_steps(second, p * steps, steps)
+        ratios.append(a / b)
+        t_first.append(a / steps)
+        t_second.append(b / steps)
+    ms = (round(1000 * statistics.median(t), 1) for t in (t_first, t_second))
+    return (*ms, round(statistics.median(ratios), 4))
+
+
+def _compiled(threads: int, corpus):
+    """A compiled preset model's trainer (its first step compiles)."""
     return build(load_config(None, [*PRESET, f"determinism.threads={threads}", "train.compile=true"]), corpus=corpus)
 
 
@@ -96,21 +103,14 @@ def kernels_compiled(pairs: int, steps: int, threads: int) -> dict:
     with samestep.enable(threads=threads):
         plain = _compiled(threads, corpus)
         plain.step(0)
-    ratios, t_routed, t_plain = [], [], []
-    for p in range(1, pairs + 1):
-        with samestep.enable(threads=threads, kernels=True):
-            t0 = time.perf_counter()
-            for s in range(p * steps, (p + 1) * steps):
-                routed.step(s)
-            r = time.perf_counter() - t0
-        with samestep.enable(threads=threads):
-            t0 = time.perf_counter()
-            for s in range(p * steps, (p + 1) * steps):
-                plain.step(s)
-            e = time.perf_counter() - t0
-        ratios.append(r / e)
-        t_routed.append(r / steps)
-        t_plain.append(e / steps)
+    routed_ms, plain_ms, ratio = _alternate(
+        pairs,
+        steps,
+        routed,
+        plain,
+        lambda: samestep.enable(threads=threads, kernels=True),
+        lambda: samestep.enable(threads=threads),
+    )
     bits = []
     for n in (threads, threads, 2):
         torch._dynamo.reset()
@@ -124,9 +124,9 @@ def kernels_compiled(pairs: int, steps: int, threads: int) -> dict:
         "steps_per_side": steps,
         "threads": threads,
         "graphs_under_kernels": graphs,
-        "step_ms_kernels": round(1000 * statistics.median(t_routed), 1),
-        "step_ms_pytorch": round(1000 * statistics.median(t_plain), 1),
-        "kernels_over_pytorch_median": round(statistics.median(ratios), 4),
+        "step_ms_kernels": routed_ms,
+        "step_ms_pytorch": plain_ms,
+        "kernels_over_pytorch_median": ratio,
         "same_bits_twice_and_at_2_threads": len(set(bits)) == 1,
     }
 
