@@ -1,6 +1,6 @@
 """Kernel benchmark: samestep.ops vs PyTorch's default and deterministic paths, side by side.
 
-    .venv/bin/python bench/bench_kernels.py [--repeats 5] [--threads 2] [--device cpu|cuda] [--json]
+    .venv/bin/python bench/bench_kernels.py [--repeats 5] [--threads 2] [--device cpu|cuda] [--json] [--cases S]
 
 Sizes of a real model: embedding backward of 64k tokens x 768 dims into 50k rows (the backward of
 ``weight[idx]``, i.e. index_put_ accumulate, and of nn.Embedding), and an MoE combine of 16k tokens,
@@ -64,6 +64,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--cases", default="", help="only the cases whose name holds this text (e.g. small_)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     dev = args.device
@@ -88,6 +89,11 @@ def main() -> int:
     idx2 = idx.view(-1, 1).expand(N, D).contiguous()  # scatter into (V, D) along dim 0
     experts = torch.randint(0, 64, (N * 16,), generator=g).to(dev)  # bincount: MoE router statistics
     expert_w = grad.reshape(-1)[: N * 16]
+
+    small_i = torch.randint(0, 1000, (1_000_000,), generator=g).to(dev)
+    small_g = torch.randn(1_000_000, 8, generator=g).to(dev)
+    take_i = torch.randint(0, 100, (2_000_000,), generator=g).to(dev)
+    take_g = torch.randn(2_000_000, generator=g).to(dev)
 
     def routed(torch_fn, *dest: int):
         """PyTorch's in-place op, routed or not, into a fresh zeros(*dest) made before the timer starts."""
@@ -120,7 +126,27 @@ def main() -> int:
         # work that PyTorch's serial CPU loops do not do. 4M sources into 3.2M slots; 1M into 64 bins.
         "routed_put_64_tiles": routed(lambda x: x.put_(flat, flat_src, accumulate=True), V, 64),
         "routed_bincount_16_tiles": routed(lambda _: torch.bincount(experts, expert_w), 0),
+        # Small tables, where PyTorch's serial loops are fastest and the routing's fixed costs show: the backward
+        # of table[i] (1M lookups of a 1000 x 8 table), of an embedding, of take (2M into 100 values), a
+        # scatter_add of 2M into 50, and one tile of index_put (60k rows into 1000 x 8)
+        "routed_small_lookup_backward": routed(lambda x: x.index_put_((small_i,), small_g, accumulate=True), 1000, 8),
+        "routed_small_embedding_backward": routed(
+            lambda _: torch.ops.aten.embedding_dense_backward(small_g, small_i, 1000, -1, False), 0
+        ),
+        "routed_small_take_backward": routed(lambda x: x.put_(take_i, take_g, accumulate=True), 100),
+        "routed_small_scatter_add": routed(lambda x: x.scatter_add_(0, take_i % 50, take_g), 50),
+        "routed_small_index_put_one_tile": routed(
+            lambda x: x.index_put_((small_i[:60_000],), small_g[:60_000], accumulate=True), 1000, 8
+        ),
+        # The control of the small rows: PyTorch's own index_add_ (the CPU tile of samestep's fold, unrouted) in
+        # samestep's column against PyTorch's index_put_, which adds the same sources in the same order
+        "control_small_index_add_tile": {
+            "samestep": lambda x: x.index_add_(0, small_i[:60_000], small_g[:60_000]),
+            "torch": lambda x: x.index_put_((small_i[:60_000],), small_g[:60_000], accumulate=True),
+            "setup": lambda: (zeros(1000, 8),),
+        },
     }
+    cases = {name: case for name, case in cases.items() if args.cases in name}
     result = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "threads": args.threads}
     for name, variants in cases.items():
         runs = {"samestep": [], "torch_default": [], "torch_deterministic": []}

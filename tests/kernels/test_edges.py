@@ -507,3 +507,27 @@ def test_an_expanded_destination_is_left_to_pytorchs_kernel_by_name():
             own = call(torch.zeros(4, 3))
     assert first_difference(got, want) is None and got.tolist() == [[3.0] * 3] * 4
     assert own.tolist() == [[1.0] * 3, [2.0] * 3, [0.0] * 3, [0.0] * 3]
+
+
+def test_pytorchs_index_add_tile_is_its_deterministic_index_put_bit_for_bit():
+    """The CPU tile of samestep's fold (PyTorch's index_add_ along dim 0) adds each row's sources in the order
+    PyTorch's deterministic index_put_ with accumulate adds them: the same bits on narrow and wide rows, at 1
+    and 2 threads (docs/performance.md prices the one against the other). Control: the tile's sources in
+    reverse order give other bits under the same comparison."""
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for rows, width in ((1000, 8), (1000, 1), (50, 1), (300, 64)):
+                base, index, src = (
+                    _wide(rows, width),
+                    torch.randint(0, rows, (60_000,), generator=G),
+                    _wide(60_000, width),
+                )
+                tile = base.clone().index_add_(0, index, src)
+                put = _torch_deterministic(lambda: base.clone().index_put_((index,), src, accumulate=True))
+                assert torch.equal(tile.view(torch.int32), put.view(torch.int32)), (n_threads, rows, width)
+        reversed_tile = base.clone().index_add_(0, index.flip(0), src.flip(0))
+        assert not torch.equal(reversed_tile.view(torch.int32), tile.view(torch.int32))
+    finally:
+        torch.set_num_threads(threads)

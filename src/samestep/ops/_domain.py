@@ -48,9 +48,15 @@ def check_bounds(index: torch.Tensor, size: int, *, negative: bool) -> bool:
     return bool(low >= (-size if negative else 0)) and bool(high < size)
 
 
-def from_end(index: torch.Tensor, size: int) -> torch.Tensor:
-    """``index`` with its negative entries counted from the end (every entry in ``[-size, size)``)."""
-    return index.remainder(size) if index.numel() and bool(index.min() < 0) else index
+def from_end(index: torch.Tensor, size: int) -> torch.Tensor | None:
+    """``index`` with its negative entries counted from the end, or None where an entry lies outside
+    ``[-size, size)``: the bounds and the sign in one pass (and one host sync on a device)."""
+    if not index.numel():
+        return index
+    low, high = (int(v) for v in torch.aminmax(index))
+    if low < -size or high >= size:
+        return None
+    return index.remainder(size) if low < 0 else index
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from samestep.ops._domain import check_bounds, from_end, raise_as_torch
+from samestep.ops._domain import from_end, raise_as_torch
 from samestep.ops._impl import HALF, TILE, add_rows_into, fold, on_cpu
 
 _MASKS = (torch.bool, torch.uint8)
@@ -83,17 +83,18 @@ def index_put(
             raise_as_torch(torch_call, "index_put", "values do not broadcast to the input's shape")
         return _like(input, (input + values).contiguous()) if out is None else out.add_(values)
     try:
-        b_shape = torch.broadcast_shapes(*[t.shape for t in tensors])
+        b_shape = tensors[0].shape if len(tensors) == 1 else torch.broadcast_shapes(*[t.shape for t in tensors])
     except RuntimeError:
         raise_as_torch(torch_call, "index_put", "the index tensors do not broadcast together")
-    if any(not check_bounds(t, input.shape[d], negative=True) for t, d in zip(tensors, dims)):
+    counted = [from_end(t, input.shape[d]) for t, d in zip(tensors, dims)]  # the bounds checked in one pass
+    if any(t is None for t in counted):
         raise_as_torch(torch_call, "index_put", "an index is out of bounds")
     rest = [d for d in range(input.dim()) if d not in dims]
     adjacent = dims == list(range(dims[0], dims[-1] + 1))
     lead = list(input.shape[: dims[0]]) if adjacent else []
     trail = [input.shape[d] for d in rest[len(lead) :]]
     result_shape = torch.Size([*lead, *b_shape, *trail])
-    if torch.broadcast_shapes(values.shape, result_shape) != result_shape:
+    if values.shape != result_shape and torch.broadcast_shapes(values.shape, result_shape) != result_shape:
         raise_as_torch(torch_call, "index_put", "values do not broadcast to the indexing result")
     if not result_shape.numel() or not input.numel():
         return input.clone() if out is None else out
@@ -102,11 +103,11 @@ def index_put(
         # one index vector: the indexing result is index_add's source along that dim, in place, any layout
         d = dims[0]
         target = out if out is not None else input.clone()
-        fold(target, d, from_end(tensors[0].to(torch.int64), input.shape[d]), values.expand(result_shape))
+        fold(target, d, counted[0].to(torch.int64), values.expand(result_shape))
         return target
-    row = from_end(tensors[0].to(torch.int64), input.shape[dims[0]]).expand(b_shape)  # the row each selects
-    for t, d in zip(tensors[1:], dims[1:]):
-        row = row * input.shape[d] + from_end(t.to(torch.int64), input.shape[d])
+    row = counted[0].to(torch.int64).expand(b_shape)  # the row each selects
+    for t, d in zip(counted[1:], dims[1:]):
+        row = row * input.shape[d] + t.to(torch.int64)
     order = dims + rest
     moved = input.permute(order)
     in_place = out is not None and order == sorted(order) and out.is_contiguous()
@@ -147,12 +148,8 @@ def put(
     ``accumulate=True``, deterministically, into a copy with input's strides or into ``out`` (for ``put_``)."""
     if not accumulate:
         return input.put(index, source, accumulate=False)
-    if (
-        index.dtype != torch.int64
-        or source.dtype != input.dtype
-        or source.numel() != index.numel()
-        or not check_bounds(index, input.numel(), negative=True)
-    ):
+    counted = from_end(index.reshape(-1), input.numel()) if index.dtype == torch.int64 else None
+    if index.dtype != torch.int64 or source.dtype != input.dtype or source.numel() != index.numel() or counted is None:
         raise_as_torch(
             lambda: input.put(index, source, accumulate=True),
             "put",
@@ -161,7 +158,7 @@ def put(
     in_place = out is not None and out.is_contiguous()
     buffer = out if in_place else input.clone(memory_format=torch.contiguous_format)
     if index.numel():
-        add_rows_into(buffer.view(-1), from_end(index.reshape(-1), input.numel()), source.reshape(-1))
+        add_rows_into(buffer.view(-1), counted, source.reshape(-1))
     if in_place:
         return out
     return out.copy_(buffer) if out is not None else _like(input, buffer)

@@ -62,6 +62,16 @@ UNROUTED: dict[str, str] = {
     "aten.histc": "integer counts (exact in float32 up to 2^24) in any order",
 }
 _UNROUTED_PACKETS = {getattr(aten, name.split(".", 1)[1]) for name in UNROUTED}
+_ROUTED_PACKETS = {getattr(aten, name.split(".", 1)[1]) for name in ROUTED}
+
+
+def _tensors(args, kwargs):
+    """The tensors among an ATen call's arguments: top-level, or in a list (``index_put``'s indices)."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (t for t in a if isinstance(t, torch.Tensor))
 
 
 def _shapes_only(args, kwargs) -> bool:
@@ -70,10 +80,7 @@ def _shapes_only(args, kwargs) -> bool:
     tensors do not have."""
     from torch._subclasses.fake_tensor import FakeTensor
 
-    return any(
-        isinstance(t, torch.Tensor) and (t.device.type == "meta" or isinstance(t, FakeTensor))
-        for t in pytree.tree_leaves((args, kwargs))
-    )
+    return any(t.device.type == "meta" or isinstance(t, FakeTensor) for t in _tensors(args, kwargs))
 
 
 def _in_place(func, args, kwargs, compute):
@@ -81,7 +88,7 @@ def _in_place(func, args, kwargs, compute):
     runs first, on self, and raises as PyTorch does; where it raises nothing, the read operands are copied
     first, so samestep's answer is the one written."""
     self = args[0]
-    if any(overlaps(self, t) for t in pytree.tree_leaves(args[1:]) if isinstance(t, torch.Tensor)):
+    if any(overlaps(self, t) for t in _tensors(args[1:], {})):
         copies = pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, args[1:])
         func(*args, **kwargs)
         args = (self, *copies)
@@ -112,7 +119,7 @@ def _into(func, args, kwargs, result):
     the result's shape (PyTorch's ``resize_output``, which warns where it resizes a non-empty tensor). Where
     ``out`` overlaps an argument PyTorch's own call runs first, and raises as PyTorch does."""
     out = kwargs["out"]
-    if any(overlaps(out, t) for t in pytree.tree_leaves(args) if isinstance(t, torch.Tensor)):
+    if any(overlaps(out, t) for t in _tensors(args, {})):
         func(*args, **kwargs)
     if out.shape != result.shape:
         if out.numel():
@@ -144,11 +151,16 @@ class KernelMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        packet = func.overloadpacket
+        if packet not in _ROUTED_PACKETS:  # every other op, at once: the mode's cost on a model's other ops
+            if packet in _UNROUTED_PACKETS:
+                self._warn_if_racy(func, args)
+            return func(*args, **kwargs)
         # no values to compute (meta, fake): PyTorch's shapes, dtypes and errors are the answer
         routed = NotImplemented if _shapes_only(args, kwargs) else self._route(func, args, kwargs)
         if routed is not NotImplemented:
             return routed
-        if func.overloadpacket in _UNROUTED_PACKETS:
+        if packet in _UNROUTED_PACKETS:  # a form left to PyTorch (scatter_reduce's 'prod', say)
             self._warn_if_racy(func, args)
         return func(*args, **kwargs)
 
