@@ -19,6 +19,7 @@ threads and on GPU with atomics). On CUDA (samestep's Triton kernels) every timi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -36,26 +37,21 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time(fn, device: str, setup) -> tuple[float, str]:
-    args = setup()  # a fresh destination, made outside the timing
-    _sync(device)
-    t0 = time.perf_counter()
-    try:
-        out = fn(*args)
-    except RuntimeError as e:  # PyTorch has no deterministic kernel for this op
-        if "does not have a deterministic implementation" not in str(e):
-            raise
-        return float("nan"), "none"
-    _sync(device)
-    return time.perf_counter() - t0, digest(out)
-
-
-def _routed(fn):
-    def call(*args):
-        with KernelMode():
-            return fn(*args)
-
-    return call
+def _time(fn, device: str, setup, around=contextlib.nullcontext) -> tuple[float, str]:
+    """One call of ``fn`` on ``setup()``'s arguments (a fresh destination, made outside the timing), inside
+    ``around()`` (the routing mode, entered outside the timing too: a model enters it once, not per op)."""
+    with around():
+        args = setup()
+        _sync(device)
+        t0 = time.perf_counter()
+        try:
+            out = fn(*args)
+        except RuntimeError as e:  # PyTorch has no deterministic kernel for this op
+            if "does not have a deterministic implementation" not in str(e):
+                raise
+            return float("nan"), "none"
+        _sync(device)
+        return time.perf_counter() - t0, digest(out)
 
 
 def main() -> int:
@@ -97,7 +93,7 @@ def main() -> int:
 
     def routed(torch_fn, *dest: int):
         """PyTorch's in-place op, routed or not, into a fresh zeros(*dest) made before the timer starts."""
-        return {"samestep": _routed(torch_fn), "torch": torch_fn, "setup": lambda: (zeros(*dest),)}
+        return {"samestep": torch_fn, "torch": torch_fn, "setup": lambda: (zeros(*dest),), "routed": True}
 
     cases = {
         "index_put_accumulate": {
@@ -157,7 +153,8 @@ def main() -> int:
             torch.use_deterministic_algorithms(True)
             runs["torch_deterministic"].append(_time(variants["torch"], dev, setup))
             torch.use_deterministic_algorithms(True)  # as samestep.enable(kernels=True) runs the kernels
-            runs["samestep"].append(_time(variants["samestep"], dev, setup))
+            around = KernelMode if variants.get("routed") else contextlib.nullcontext
+            runs["samestep"].append(_time(variants["samestep"], dev, setup, around))
             torch.use_deterministic_algorithms(False)
         med = {k: statistics.median(t for t, _ in v[1:]) for k, v in runs.items()}  # the first round warms up
         det = med["torch_deterministic"]

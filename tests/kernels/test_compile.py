@@ -17,8 +17,10 @@ from samestep.ops.routing import KernelMode
 
 G = torch.Generator().manual_seed(5)
 TABLE = torch.randn(1000, 8, generator=G)
-INDEX = torch.randint(0, 1000, (40_000,), generator=G)  # duplicates: the backward accumulates in an order
-WEIGHTS = torch.randn(40_000, 8, generator=G) * torch.exp(torch.randn(40_000, 8, generator=G) * 3)
+# two tiles of duplicates (one is PyTorch's own serial loop, which computes the definition): the backward
+# accumulates in samestep's order
+INDEX = torch.randint(0, 1000, (100_000,), generator=G)
+WEIGHTS = torch.randn(100_000, 8, generator=G) * torch.exp(torch.randn(100_000, 8, generator=G) * 3)
 
 
 def _lookup(table: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -437,14 +437,18 @@ def test_routed_ops_on_tensors_without_values_take_pytorchs_shapes(where):
 
 def _out_cases():
     """(name, functional call, out= call) for every out= overload of a routed op, on inputs where samestep
-    computes the answer (put: bf16, which PyTorch's serial loop does not take)."""
+    computes the answer (index_put and put: bf16, which PyTorch's serial loop does not take)."""
     aten = torch.ops.aten
     x, i, s = _wide(50, 8), torch.randint(0, 50, (40,), generator=G), _wide(40, 8)
     i2 = i.unsqueeze(1).expand(-1, 8).contiguous()
     xb, sb = x.to(torch.bfloat16), s.to(torch.bfloat16)
     w, b = torch.rand(40, generator=G), torch.randint(0, 9, (40,), generator=G)
     return [
-        ("index_put", lambda: aten.index_put(x, [i], s, True), lambda o: aten.index_put.out(x, [i], s, True, out=o)),
+        (
+            "index_put",
+            lambda: aten.index_put(xb, [i], sb, True),
+            lambda o: aten.index_put.out(xb, [i], sb, True, out=o),
+        ),
         ("put", lambda: aten.put(xb, i * 8, sb[:, 0], True), lambda o: aten.put.out(xb, i * 8, sb[:, 0], True, out=o)),
         (
             "index_add",
@@ -529,5 +533,29 @@ def test_pytorchs_index_add_tile_is_its_deterministic_index_put_bit_for_bit():
                 assert torch.equal(tile.view(torch.int32), put.view(torch.int32)), (n_threads, rows, width)
         reversed_tile = base.clone().index_add_(0, index.flip(0), src.flip(0))
         assert not torch.equal(reversed_tile.view(torch.int32), tile.view(torch.int32))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_a_fold_of_narrow_rows_is_the_same_bits_through_either_serial_loop():
+    """samestep's index_put of narrow rows (2 to 63 elements) adds its tiles through PyTorch's index_put_ under
+    deterministic algorithms, and through index_add_ without them: the same bits for one tile, for several
+    (the slots, then the tile sums) and for a table too large for slots (a sort of each tile), at 1 and 2
+    threads. Control: the same comparison catches the sources of one tile reordered."""
+    from samestep.ops import _indexing
+
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2):
+            torch.set_num_threads(n_threads)
+            for rows, width, n in ((1000, 8, 60_000), (1000, 8, 300_000), (1_000_000, 3, 200_000), (7, 63, 140_000)):
+                base, index, values = _wide(rows, width), torch.randint(0, rows, (n,), generator=G), _wide(n, width)
+                plain = _indexing.index_put(base, [index], values, True)
+                through_put = _torch_deterministic(lambda: _indexing.index_put(base, [index], values, True))
+                assert torch.equal(plain.view(torch.int32), through_put.view(torch.int32)), (n_threads, rows, n)
+        tile = _impl.TILE
+        swapped = torch.cat([index[:tile].flip(0), index[tile:]]), torch.cat([values[:tile].flip(0), values[tile:]])
+        reordered = _indexing.index_put(base, [swapped[0]], swapped[1], True)
+        assert not torch.equal(reordered.view(torch.int32), plain.view(torch.int32))
     finally:
         torch.set_num_threads(threads)

@@ -103,7 +103,7 @@ def index_put(
         # one index vector: the indexing result is index_add's source along that dim, in place, any layout
         d = dims[0]
         target = out if out is not None else input.clone()
-        fold(target, d, counted[0].to(torch.int64), values.expand(result_shape))
+        fold(target, d, counted[0].to(torch.int64), values.expand(result_shape), checked=True)
         return target
     row = counted[0].to(torch.int64).expand(b_shape)  # the row each selects
     for t, d in zip(counted[1:], dims[1:]):
@@ -116,12 +116,30 @@ def index_put(
     if lead:  # the indexing result has the broadcast index dims after the leading ones: move them first
         vals = vals.movedim(list(range(len(lead), len(lead) + len(b_shape))), list(range(len(b_shape))))
     n_rows = math.prod(input.shape[d] for d in dims)
-    add_rows_into(buffer.view(n_rows, buffer.numel() // n_rows), row, vals.reshape(row.numel(), -1))
+    add_rows_into(buffer.view(n_rows, buffer.numel() // n_rows), row, vals.reshape(row.numel(), -1), checked=True)
     if in_place:
         return out
     if order != sorted(order):
         buffer = buffer.permute(sorted(range(len(order)), key=order.__getitem__))
     return _like(input, buffer) if out is None else out.copy_(buffer)
+
+
+def index_put_by_torch(input: torch.Tensor, indices) -> bool:
+    """Whether PyTorch's own ``index_put_(accumulate=True)`` computes the definition here, so the routing leaves
+    the op to it: one index vector of the first dimension (``x[idx]`` and its backward) with one tile of
+    sources, whose serial CPU loop under deterministic algorithms adds each row's sources in order onto the
+    input, as ``fold``'s tile does (``tests/kernels/test_edges.py`` holds the two bit for bit), in input's own
+    precision (not half)."""
+    index = indices[0] if len(indices) == 1 else None
+    return (
+        isinstance(index, torch.Tensor)
+        and index.dim() == 1
+        and index.dtype in (torch.int64, torch.int32)
+        and index.numel() <= TILE
+        and on_cpu(input)
+        and input.dtype not in HALF
+        and torch.are_deterministic_algorithms_enabled()
+    )
 
 
 def put_by_torch(input: torch.Tensor, index: torch.Tensor) -> bool:
@@ -158,7 +176,7 @@ def put(
     in_place = out is not None and out.is_contiguous()
     buffer = out if in_place else input.clone(memory_format=torch.contiguous_format)
     if index.numel():
-        add_rows_into(buffer.view(-1), counted, source.reshape(-1))
+        add_rows_into(buffer.view(-1), counted, source.reshape(-1), checked=True)
     if in_place:
         return out
     return out.copy_(buffer) if out is not None else _like(input, buffer)

@@ -225,8 +225,8 @@ class KernelMode(TorchDispatchMode):
             return _in_place(func, args, kwargs, lambda a: compute(a, a[0])) if inplace else compute(args, None)
 
         if packet in (aten.index_put, aten.index_put_, aten._index_put_impl_, aten._unsafe_index_put):
-            if not _arg(args, kwargs, 3, "accumulate", False):
-                return NotImplemented
+            if not _arg(args, kwargs, 3, "accumulate", False) or _indexing.index_put_by_torch(args[0], args[1]):
+                return NotImplemented  # PyTorch's own kernel computes the definition
             return run(lambda a, out: _indexing.index_put(a[0], a[1], a[2], True, out=out))
         if packet is aten._unsafe_masked_index_put_accumulate:
             x, mask, indices, values = args[:4]
