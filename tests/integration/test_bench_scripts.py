@@ -106,6 +106,18 @@ def test_user_loop_bench_runs_and_counts_records():
     _numbers(step, "ratio_median", "step_ms_traced")
 
 
+def test_own_loop_bench_prices_run_and_each_of_its_parts():
+    """`bench/bench_own_loop.py` (one pair of one step): a ratio to the plain loop for the mode and for each
+    of Run's parts up to its defaults, with the step times of the Run variants (shape only, never a time)."""
+    proc = _bench("bench_own_loop.py", "--pairs", "1", "--steps", "1", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert list(out) == ["mode", "run_bare", "+receipts", "+checkpoint", "defaults"], list(out)
+    _numbers(out["mode"], "ratio_median")
+    for name in ("run_bare", "+receipts", "+checkpoint", "defaults"):
+        _numbers(out[name], "ratio_median", "step_ms_plain", "step_ms_run")
+
+
 def test_fault_harness_finds_every_outcome_as_documented(rng):
     """`bench/bench_faults.py` in a short round (1 random SIGKILL and 1 before the first checkpoint, 1 SIGTERM and
     1 SIGINT to the process group, 1 killed launcher, 1 pair of concurrent writers and a loop of one's own
