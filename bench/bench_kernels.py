@@ -29,6 +29,7 @@ import torch
 
 import samestep.ops as ops
 from samestep.digests import digest
+from samestep.ops import _impl
 from samestep.ops.routing import KernelMode
 
 
@@ -136,6 +137,12 @@ def main() -> int:
         ),
         # The control of the small rows: PyTorch's own index_add_ (the CPU tile of samestep's fold, unrouted) in
         # samestep's column against PyTorch's index_put_, which adds the same sources in the same order
+        # and the tile tree of take's backward alone (unrouted: no handler, no bounds check) against PyTorch's put_
+        "control_small_take_tiles": {
+            "samestep": lambda x: _impl.add_rows_into(x, take_i, take_g, checked=True),
+            "torch": lambda x: x.put_(take_i, take_g, accumulate=True),
+            "setup": lambda: (zeros(100),),
+        },
         "control_small_index_add_tile": {
             "samestep": lambda x: x.index_add_(0, small_i[:60_000], small_g[:60_000]),
             "torch": lambda x: x.index_put_((small_i[:60_000],), small_g[:60_000], accumulate=True),
