@@ -118,6 +118,17 @@ def test_own_loop_bench_prices_run_and_each_of_its_parts():
         _numbers(out[name], "ratio_median", "step_ms_plain", "step_ms_run")
 
 
+def test_callbacks_bench_prices_each_framework_with_and_without_its_callback():
+    """`bench/bench_callbacks.py` (one pair of two steps): for the HF and the Lightning Trainer, a ratio to the
+    Trainer alone and each side's seconds (shape only)."""
+    proc = _bench("bench_callbacks.py", "--pairs", "1", "--steps", "2", "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout)
+    assert list(out) == ["hf", "lightning"], list(out)
+    for name in out:
+        _numbers(out[name], "ratio_median", "s_plain", "s_callback")
+
+
 def test_fault_harness_finds_every_outcome_as_documented(rng):
     """`bench/bench_faults.py` in a short round (1 random SIGKILL and 1 before the first checkpoint, 1 SIGTERM and
     1 SIGINT to the process group, 1 killed launcher, 1 pair of concurrent writers and a loop of one's own

@@ -63,11 +63,15 @@ def _digest(path: Path) -> str | None:
 def _own_sources(cwd: Path) -> dict[str, str]:
     """SHA-256 of every imported module's file under ``cwd`` (the working tree), by path relative to it; the
     interpreter's and the installed packages' are the environment's (``env.environment``)."""
-    installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix, sys.exec_prefix)}
+    prefixes = (sys.prefix, sys.base_prefix, sys.exec_prefix)
+    installed = {Path(p).resolve() for p in prefixes}
+    # a file named under the interpreter's or the environment's prefix is installed, whatever it resolves to:
+    # no resolve (a system call a path component) for the thousands of modules a framework imports
+    named_installed = tuple(os.path.join(p, "") for p in prefixes)
     out: dict[str, str] = {}
     for module in list(sys.modules.values()):
         file = getattr(module, "__file__", None)
-        if not file or not file.endswith(".py"):
+        if not file or not file.endswith(".py") or file.startswith(named_installed):
             continue
         path = Path(file).resolve()
         if (
