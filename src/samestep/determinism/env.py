@@ -9,6 +9,7 @@ environments as machines: a node with another torch build, driver or CPU feature
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -51,6 +52,7 @@ ENV_VARS = (
 )
 
 
+@functools.cache  # fixed for the process's life: read once, not at every checkpoint
 def _cpu() -> dict[str, Any]:
     info: dict[str, Any] = {"cpu.machine": platform.machine(), "cpu.count": os.cpu_count()}
     try:
@@ -69,6 +71,7 @@ def _cpu() -> dict[str, Any]:
     return info
 
 
+@functools.cache  # fixed for the process's life: read once, not at every checkpoint
 def _build() -> dict[str, Any]:
     config = torch.__config__.show()
 
@@ -120,6 +123,7 @@ def _cuda() -> dict[str, Any]:
     return info
 
 
+@functools.cache  # fixed for the process's life: read once, not at every checkpoint
 def _versions() -> dict[str, Any]:
     from importlib.metadata import PackageNotFoundError, version
 
