@@ -120,3 +120,26 @@ def test_each_compiled_accumulation_under_kernels_is_the_eager_kernels_bits():
     moved = eager[0].clone()
     moved[0] = torch.nextafter(moved[0], torch.tensor(float("inf")))
     assert not torch.equal(_bits(moved), _bits(eager[0]))
+
+
+@pytest.mark.slow
+def test_compiled_code_with_deterministic_algorithms_turned_off_runs_eagerly_routed_and_says_so():
+    """Deterministic algorithms turned off inside kernels mode: Inductor would write its own racing kernels for
+    the accumulating ops, so Dynamo compiles no graph, the calls are routed eagerly (the eager kernels' bits)
+    and one warning names the fix. Control: with them on, the same call compiles one graph."""
+    eager, _, _ = _gradient(False, 1)
+    KernelMode._eager_warned = False
+    torch._dynamo.reset()
+    counters.clear()
+    table = TABLE.clone().requires_grad_()
+    with samestep.enable(threads=1, kernels=True), _counting_routed() as routed:
+        torch.use_deterministic_algorithms(False)
+        try:
+            with pytest.warns(RuntimeWarning, match="torch.compile runs eagerly here"):
+                torch.compile(_lookup)(table, INDEX, WEIGHTS).backward()
+        finally:
+            torch.use_deterministic_algorithms(True)
+    assert counters["stats"]["unique_graphs"] == 0 and routed, (counters["stats"]["unique_graphs"], routed)
+    assert torch.equal(_bits(table.grad), _bits(eager))
+    _, graphs, _ = _gradient(True, 1)
+    assert graphs == 1

@@ -142,12 +142,26 @@ class KernelMode(TorchDispatchMode):
         super().__init__()
         self._warned: set[str | tuple[str, str]] = set()
 
+    _eager_warned = False  # the one warning of compiled code run eagerly (deterministic algorithms turned off)
+
     @classmethod
     def ignore_compile_internals(cls) -> bool:
         """torch.compile compiles under the mode (a mode that does not say so makes Dynamo skip every frame) and
         runs the compiled code under it: Inductor, under deterministic algorithms, calls the routed ops as
-        ATen fallbacks, which the mode routes."""
-        return True
+        ATen fallbacks, which the mode routes. With them turned off Inductor would write its own racing
+        kernels for these ops, so Dynamo is told no and the code runs eagerly, routed, with one warning."""
+        if torch.are_deterministic_algorithms_enabled():
+            return True
+        if not cls._eager_warned:
+            cls._eager_warned = True
+            warnings.warn(
+                "samestep kernels: torch.compile runs eagerly here: deterministic algorithms were turned off "
+                "after samestep.enable(kernels=True), and Inductor would then write its own racing kernels for "
+                "the accumulating ops. Fix: leave torch.use_deterministic_algorithms on",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
