@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 import torch
 
-__all__ = ["INDEX_DTYPES", "check_bounds", "from_end", "overlaps", "raise_as_torch"]
+__all__ = ["INDEX_DTYPES", "check_bounds", "counted_from_end", "overlaps", "raise_as_torch"]
 
 INDEX_DTYPES = (torch.int64, torch.int32)
 
@@ -48,7 +48,7 @@ def check_bounds(index: torch.Tensor, size: int, *, negative: bool) -> bool:
     return bool(low >= (-size if negative else 0)) and bool(high < size)
 
 
-def from_end(index: torch.Tensor, size: int) -> torch.Tensor | None:
+def counted_from_end(index: torch.Tensor, size: int) -> torch.Tensor | None:
     """``index`` with its negative entries counted from the end, or None where an entry lies outside
     ``[-size, size)``: the bounds and the sign in one pass (and one host sync on a device)."""
     if not index.numel():

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from samestep.ops._domain import from_end, raise_as_torch
+from samestep.ops._domain import counted_from_end, raise_as_torch
 from samestep.ops._impl import HALF, TILE, add_rows_into, fold, on_cpu
 
 _MASKS = (torch.bool, torch.uint8)
@@ -86,7 +86,7 @@ def index_put(
         b_shape = tensors[0].shape if len(tensors) == 1 else torch.broadcast_shapes(*[t.shape for t in tensors])
     except RuntimeError:
         raise_as_torch(torch_call, "index_put", "the index tensors do not broadcast together")
-    counted = [from_end(t, input.shape[d]) for t, d in zip(tensors, dims)]  # the bounds checked in one pass
+    counted = [counted_from_end(t, input.shape[d]) for t, d in zip(tensors, dims)]  # the bounds checked in one pass
     if any(t is None for t in counted):
         raise_as_torch(torch_call, "index_put", "an index is out of bounds")
     rest = [d for d in range(input.dim()) if d not in dims]
@@ -124,35 +124,33 @@ def index_put(
     return _like(input, buffer) if out is None else out.copy_(buffer)
 
 
+def _serial_loop_computes(input: torch.Tensor, sources: int) -> bool:
+    """Whether PyTorch's own accumulating CPU loop computes the definition for ``sources`` sources into
+    ``input``: one tile (the plain left fold), in input's own precision (not half), with deterministic
+    algorithms on (otherwise PyTorch splits a float32 loop over threads with atomic adds)."""
+    return (
+        sources <= TILE and on_cpu(input) and input.dtype not in HALF and torch.are_deterministic_algorithms_enabled()
+    )
+
+
 def index_put_by_torch(input: torch.Tensor, indices) -> bool:
     """Whether PyTorch's own ``index_put_(accumulate=True)`` computes the definition here, so the routing leaves
-    the op to it: one index vector of the first dimension (``x[idx]`` and its backward) with one tile of
-    sources, whose serial CPU loop under deterministic algorithms adds each row's sources in order onto the
-    input, as ``fold``'s tile does (``tests/kernels/test_edges.py`` holds the two bit for bit), in input's own
-    precision (not half)."""
+    the op to it: one index vector of the first dimension (``x[idx]`` and its backward) where its serial loop
+    does (``_serial_loop_computes``), adding each row's sources in order onto the input as ``fold``'s tile does
+    (``tests/kernels/test_edges.py`` holds the two bit for bit)."""
     index = indices[0] if len(indices) == 1 else None
     return (
         isinstance(index, torch.Tensor)
         and index.dim() == 1
         and index.dtype in (torch.int64, torch.int32)
-        and index.numel() <= TILE
-        and on_cpu(input)
-        and input.dtype not in HALF
-        and torch.are_deterministic_algorithms_enabled()
+        and _serial_loop_computes(input, index.numel())
     )
 
 
 def put_by_torch(input: torch.Tensor, index: torch.Tensor) -> bool:
     """Whether PyTorch's own ``put_(accumulate=True)`` computes the definition here, so the routing leaves the
-    op to it (``put`` below is for every other case): one tile of sources
-    (the plain left fold), in input's own precision (not half), on the CPU with deterministic algorithms
-    on (otherwise PyTorch splits a float32 put over threads with atomic adds)."""
-    return (
-        on_cpu(input)
-        and input.dtype not in HALF
-        and index.numel() <= TILE
-        and torch.are_deterministic_algorithms_enabled()
-    )
+    op to it (``put`` below is for every other case): where its serial loop does (``_serial_loop_computes``)."""
+    return _serial_loop_computes(input, index.numel())
 
 
 def put(
@@ -166,7 +164,7 @@ def put(
     ``accumulate=True``, deterministically, into a copy with input's strides or into ``out`` (for ``put_``)."""
     if not accumulate:
         return input.put(index, source, accumulate=False)
-    counted = from_end(index.reshape(-1), input.numel()) if index.dtype == torch.int64 else None
+    counted = counted_from_end(index.reshape(-1), input.numel()) if index.dtype == torch.int64 else None
     if index.dtype != torch.int64 or source.dtype != input.dtype or source.numel() != index.numel() or counted is None:
         raise_as_torch(
             lambda: input.put(index, source, accumulate=True),
